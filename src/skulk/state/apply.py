@@ -1,0 +1,126 @@
+"""The one place state changes: apply(state, indexed_event) -> state. Pure; no I/O, no clocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skulk.types.events import (
+    Event,
+    IndexedEvent,
+    InstanceCreated,
+    InstanceDeleted,
+    NodeGatheredInfo,
+    NodeTimedOut,
+    RunnerDeleted,
+    RunnerStatusUpdated,
+    SessionStarted,
+    TaskCreated,
+    TaskFailed,
+    TaskStatusUpdated,
+    TopologyEdgeCreated,
+    TopologyEdgeDeleted,
+)
+from skulk.types.ids import NodeId
+from skulk.types.node_info import Topology
+from skulk.types.state import State
+from skulk.types.tasks import TaskStatus
+
+FINISHED_TASKS_KEPT = 64
+"""Finished tasks stay visible in /state for a while; older ones are dropped so state stays bounded."""
+
+
+def apply(state: State, indexed: IndexedEvent) -> State:
+    if indexed.idx != state.last_event_applied_idx + 1:
+        raise ValueError(f"event {indexed.idx} applied to state at {state.last_event_applied_idx}")
+    changes = _changes(state, indexed.event)
+    changes["last_event_applied_idx"] = indexed.idx
+    return state.model_copy(update=changes)
+
+
+def _changes(state: State, event: Event) -> dict[str, Any]:  # noqa: C901 - one branch per event type
+    match event:
+        case InstanceCreated(instance=instance):
+            return {"instances": {**state.instances, instance.instance_id: instance}}
+        case InstanceDeleted(instance_id=instance_id):
+            return {"instances": _without(state.instances, instance_id)}
+        case RunnerStatusUpdated(runner_id=runner_id, runner_status=status):
+            return {"runners": {**state.runners, runner_id: status}}
+        case RunnerDeleted(runner_id=runner_id):
+            return {"runners": _without(state.runners, runner_id)}
+        case TaskCreated(task=task):
+            return {"tasks": {**state.tasks, task.task_id: task}}
+        case TaskStatusUpdated(task_id=task_id, task_status=status):
+            return _task_update(state, task_id, task_status=status)
+        case TaskFailed(task_id=task_id, error_message=message):
+            return _task_update(state, task_id, task_status=TaskStatus.Failed, error_message=message)
+        case NodeGatheredInfo():
+            return _node_info(state, event)
+        case NodeTimedOut(node_id=node_id):
+            return _forget_node(state, node_id)
+        case TopologyEdgeCreated(connection=conn):
+            topo = state.topology
+            if conn in topo.connections:
+                return {}
+            return {"topology": topo.model_copy(update={"connections": [*topo.connections, conn]})}
+        case TopologyEdgeDeleted(connection=conn):
+            topo = state.topology
+            kept = [c for c in topo.connections if c != conn]
+            return {"topology": topo.model_copy(update={"connections": kept})}
+        case SessionStarted(master_node_id=master, term=term):
+            return {"master_node_id": master, "term": term}
+    raise TypeError(f"no rule to apply {type(event).__name__}")
+
+
+def _without(mapping: dict[Any, Any], key: Any) -> dict[Any, Any]:
+    return {k: v for k, v in mapping.items() if k != key}
+
+
+def _task_update(state: State, task_id: str, **fields: Any) -> dict[str, Any]:
+    task = state.tasks.get(task_id)  # type: ignore[call-overload]
+    if task is None or not task.task_status.is_open:
+        return {}
+    tasks = {**state.tasks, task.task_id: task.model_copy(update=fields)}
+    finished = [tid for tid, t in tasks.items() if not t.task_status.is_open]
+    for tid in finished[:-FINISHED_TASKS_KEPT]:
+        del tasks[tid]
+    return {"tasks": tasks}
+
+
+def _node_info(state: State, event: NodeGatheredInfo) -> dict[str, Any]:
+    node, info = event.node_id, event.info
+    changes: dict[str, Any] = {"last_seen": {**state.last_seen, node: event.when}}
+    for field, value in (
+        ("node_identities", info.identity),
+        ("node_memory", info.memory),
+        ("node_disk", info.disk),
+        ("node_system", info.system),
+        ("node_accelerator", info.accelerator),
+        ("node_network", info.network),
+        ("node_api_ports", info.api_port),
+    ):
+        if value is not None:
+            changes[field] = {**getattr(state, field), node: value}
+    if node not in state.topology.nodes:
+        topo = state.topology
+        changes["topology"] = topo.model_copy(update={"nodes": [*topo.nodes, node]})
+    return changes
+
+
+def _forget_node(state: State, node: NodeId) -> dict[str, Any]:
+    per_node = (
+        "last_seen",
+        "node_identities",
+        "node_memory",
+        "node_disk",
+        "node_system",
+        "node_accelerator",
+        "node_network",
+        "node_api_ports",
+    )
+    changes: dict[str, Any] = {field: _without(getattr(state, field), node) for field in per_node}
+    topo = state.topology
+    changes["topology"] = Topology(
+        nodes=[n for n in topo.nodes if n != node],
+        connections=[c for c in topo.connections if node not in (c.source, c.sink)],
+    )
+    return changes

@@ -1,0 +1,1 @@
+"""Pure data shared by every part of Skulk. Imports nothing else of the project."""

@@ -1,0 +1,106 @@
+"""Events: past-tense facts. The master alone orders them; every node applies them with state.apply."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import Discriminator, Field, Tag
+
+from .base import CamelModel, TaggedModel, tag_of
+from .ids import InstanceId, NodeId, RunnerId, TaskId
+from .instances import Instance
+from .node_info import Connection, NodeInfo
+from .runners import RunnerStatus
+from .tasks import Task, TaskStatus
+
+
+class InstanceCreated(TaggedModel):
+    instance: Instance
+
+
+class InstanceDeleted(TaggedModel):
+    instance_id: InstanceId
+
+
+class RunnerStatusUpdated(TaggedModel):
+    runner_id: RunnerId
+    runner_status: RunnerStatus
+
+
+class RunnerDeleted(TaggedModel):
+    runner_id: RunnerId
+
+
+class TaskCreated(TaggedModel):
+    task: Task
+
+
+class TaskStatusUpdated(TaggedModel):
+    task_id: TaskId
+    task_status: TaskStatus
+
+
+class TaskFailed(TaggedModel):
+    """A task ended in error. retryable: the same request may succeed if the client sends it again."""
+
+    task_id: TaskId
+    error_message: str
+    retryable: bool = True
+
+
+class NodeGatheredInfo(TaggedModel):
+    node_id: NodeId
+    info: NodeInfo
+    when: datetime
+
+
+class NodeTimedOut(TaggedModel):
+    node_id: NodeId
+
+
+class TopologyEdgeCreated(TaggedModel):
+    connection: Connection
+
+
+class TopologyEdgeDeleted(TaggedModel):
+    connection: Connection
+
+
+class SessionStarted(TaggedModel):
+    """A master began a term; tasks open before it are failed by the master that emits this."""
+
+    master_node_id: NodeId
+    term: int
+
+
+Event = Annotated[
+    Annotated[InstanceCreated, Tag("InstanceCreated")]
+    | Annotated[InstanceDeleted, Tag("InstanceDeleted")]
+    | Annotated[RunnerStatusUpdated, Tag("RunnerStatusUpdated")]
+    | Annotated[RunnerDeleted, Tag("RunnerDeleted")]
+    | Annotated[TaskCreated, Tag("TaskCreated")]
+    | Annotated[TaskStatusUpdated, Tag("TaskStatusUpdated")]
+    | Annotated[TaskFailed, Tag("TaskFailed")]
+    | Annotated[NodeGatheredInfo, Tag("NodeGatheredInfo")]
+    | Annotated[NodeTimedOut, Tag("NodeTimedOut")]
+    | Annotated[TopologyEdgeCreated, Tag("TopologyEdgeCreated")]
+    | Annotated[TopologyEdgeDeleted, Tag("TopologyEdgeDeleted")]
+    | Annotated[SessionStarted, Tag("SessionStarted")],
+    Discriminator(tag_of),
+]
+
+
+class IndexedEvent(CamelModel):
+    """An event in the master's order. idx values are consecutive from 0 within the cluster's history."""
+
+    idx: int = Field(ge=0)
+    event: Event
+
+
+class LocalEvent(CamelModel):
+    """An event a node proposes to the master; (origin, seq) lets the master drop duplicates."""
+
+    origin: NodeId
+    seq: int
+    event: Event

@@ -1,0 +1,60 @@
+"""A placed model: which runner on which node owns which shard, and how the ranks meet."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import Discriminator, Tag
+
+from .base import CamelModel, TaggedModel, tag_of
+from .ids import InstanceId, ModelId, NodeId, RunnerId
+from .shards import ShardMetadata
+
+
+class Sharding(str, Enum):
+    Pipeline = "Pipeline"
+    Tensor = "Tensor"
+
+
+class InstanceMeta(str, Enum):
+    """Skulk's instance kinds; MlxJaccl (RDMA over Thunderbolt) is refused on this build."""
+
+    MlxRing = "MlxRing"
+    MlxJaccl = "MlxJaccl"
+
+
+EngineKind = Literal["torch", "mlx"]
+
+
+class ShardAssignments(CamelModel):
+    model_id: ModelId
+    runner_to_shard: dict[RunnerId, ShardMetadata]
+    node_to_runner: dict[NodeId, RunnerId]
+
+
+class Rendezvous(CamelModel):
+    """Where rank 0 of a torch.distributed group listens; chosen at placement."""
+
+    host: str
+    port: int
+
+
+class MlxRingInstance(TaggedModel):
+    instance_id: InstanceId
+    shard_assignments: ShardAssignments
+    sharding: Sharding = Sharding.Pipeline
+    engine: EngineKind = "torch"
+    rendezvous: Rendezvous | None = None
+    meta_instance_id: str | None = None
+
+    @property
+    def model_id(self) -> ModelId:
+        return self.shard_assignments.model_id
+
+    @property
+    def world_size(self) -> int:
+        return len(self.shard_assignments.runner_to_shard)
+
+
+Instance = Annotated[Annotated[MlxRingInstance, Tag("MlxRingInstance")], Discriminator(tag_of)]

@@ -1,0 +1,26 @@
+"""What placement and engines need to know about a model, independent of where its bytes are."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from .base import CamelModel
+from .ids import ModelId
+from .memory import Memory
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class ModelCard(CamelModel):
+    model_id: ModelId
+    family: str
+    n_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    storage_size: Memory
+    dtype: DType = "bfloat16"
+    quantization: str = "none"
+    context_length: int = 4096
+    supports_tensor: bool = True
+    builtin: bool = False

@@ -1,0 +1,93 @@
+"""What a node says about itself: identity, memory, disk, interfaces, accelerator."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from .base import CamelModel
+from .ids import NodeId
+from .memory import Memory
+
+
+class NodeIdentity(CamelModel):
+    model_id: str = "Unknown"
+    chip_id: str = "Unknown"
+    friendly_name: str = "Unknown"
+    os_version: str = "Unknown"
+    os_build_version: str = "Unknown"
+    skulk_version: str = "Unknown"
+    skulk_commit: str = "Unknown"
+
+
+class MemoryUsage(CamelModel):
+    ram_total: Memory
+    ram_available: Memory
+    swap_total: Memory = Memory()
+    swap_available: Memory = Memory()
+
+
+class DiskUsage(CamelModel):
+    total: Memory
+    available: Memory
+
+
+class SystemPerformance(CamelModel):
+    gpu_usage: float = 0.0
+    temp: float = 0.0
+    sys_power: float = 0.0
+    pcpu_usage: float = 0.0
+    ecpu_usage: float = 0.0
+
+
+AcceleratorVendor = Literal["apple", "amd", "nvidia", "intel", "cpu", "unknown"]
+
+
+class AcceleratorInfo(CamelModel):
+    vendor: AcceleratorVendor = "unknown"
+    name: str = "Unknown"
+    utilization_ratio: float | None = None
+    vram_total_bytes: int | None = None
+    vram_used_bytes: int | None = None
+    gtt_total_bytes: int | None = None
+    power_watts: float | None = None
+    temperature_celsius: float | None = None
+    clock_mhz: int | None = None
+
+
+InterfaceType = Literal["wifi", "ethernet", "maybe_ethernet", "thunderbolt", "unknown"]
+
+
+class NetworkInterface(CamelModel):
+    name: str
+    ip_address: str
+    interface_type: InterfaceType = "unknown"
+
+
+class NetworkInfo(CamelModel):
+    interfaces: list[NetworkInterface] = []
+
+
+class NodeInfo(CamelModel):
+    """One gathering of everything a node reports; fields it could not read are None."""
+
+    identity: NodeIdentity | None = None
+    memory: MemoryUsage | None = None
+    disk: DiskUsage | None = None
+    system: SystemPerformance | None = None
+    accelerator: AcceleratorInfo | None = None
+    network: NetworkInfo | None = None
+    api_port: int | None = None
+
+
+class Connection(CamelModel):
+    """source can reach sink at sink_address over source's interface."""
+
+    source: NodeId
+    sink: NodeId
+    sink_address: str
+    interface: str | None = None
+
+
+class Topology(CamelModel):
+    nodes: list[NodeId] = []
+    connections: list[Connection] = []
