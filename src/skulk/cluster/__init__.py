@@ -1,0 +1,1 @@
+"""Control plane: zenoh transport, membership, election and ordered event sync."""

@@ -1,0 +1,168 @@
+"""The zenoh session of one node and the key space of its cluster.
+
+Every control-plane key lives under `skulk/<cluster>/`. zenoh calls back on its own threads; each callback
+only hands the message to the asyncio loop, so the rest of the node never touches a zenoh thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zenoh
+
+LEASE_MS = 3000
+"""A hung or cut-off peer is declared gone after this long; a killed one is seen at once (TCP close)."""
+
+DEFAULT_SCOUT_PORT = 7446
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    cluster: str = "default"
+    listen: list[str] = field(default_factory=lambda: ["tcp/0.0.0.0:0"])
+    bootstrap_peers: list[str] = field(default_factory=list)
+    multicast: bool = True
+    multicast_interface: str | None = None
+
+    @property
+    def scout_port(self) -> int:
+        """Each cluster name scouts on its own port, so two clusters on one LAN never discover each other."""
+        if self.cluster == "default":
+            return DEFAULT_SCOUT_PORT
+        return 20000 + zlib.crc32(self.cluster.encode()) % 20000
+
+
+def zenoh_config(settings: TransportSettings) -> zenoh.Config:
+    conf = zenoh.Config()
+    values: dict[str, Any] = {
+        "mode": "peer",
+        "listen/endpoints": settings.listen,
+        "connect/endpoints": settings.bootstrap_peers,
+        "scouting/multicast/enabled": settings.multicast,
+        "scouting/multicast/address": f"224.0.0.224:{settings.scout_port}",
+        "scouting/gossip/enabled": True,
+        "transport/link/tx/lease": LEASE_MS,
+        "transport/link/tx/keep_alive": 4,
+    }
+    if settings.multicast_interface:
+        values["scouting/multicast/interface"] = settings.multicast_interface
+    for key, value in values.items():
+        conf.insert_json5(key, json.dumps(value))
+    return conf
+
+
+class Transport:
+    """One zenoh session. Keys passed in are relative to `skulk/<cluster>/`."""
+
+    def __init__(self, settings: TransportSettings) -> None:
+        self.settings = settings
+        self.prefix = f"skulk/{settings.cluster}"
+        self._session: zenoh.Session | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._declared: list[Any] = []
+
+    @property
+    def session(self) -> zenoh.Session:
+        if self._session is None:
+            raise RuntimeError("transport is not open")
+        return self._session
+
+    def key(self, suffix: str) -> str:
+        return f"{self.prefix}/{suffix}"
+
+    def open(self) -> None:
+        zenoh.try_init_log_from_env()
+        self._loop = asyncio.get_running_loop()
+        self._session = zenoh.open(zenoh_config(self.settings))
+
+    def close(self) -> None:
+        for entity in reversed(self._declared):
+            try:
+                entity.undeclare()
+            except zenoh.ZError:
+                pass
+        self._declared.clear()
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    def zenoh_id(self) -> str:
+        return str(self.session.info.zid())
+
+    def locators(self) -> list[str]:
+        return [str(loc) for loc in self.session.info.locators()] if hasattr(self.session.info, "locators") else []
+
+    def put(self, suffix: str, payload: bytes) -> None:
+        self.session.put(self.key(suffix), payload)
+
+    def subscribe(self, suffix: str, on_message: Callable[[str, bytes], None]) -> Any:
+        """on_message(key, payload) runs on the asyncio loop, never on a zenoh thread."""
+        loop = self._require_loop()
+        prefix_len = len(self.prefix) + 1
+
+        def callback(sample: zenoh.Sample) -> None:
+            key = str(sample.key_expr)[prefix_len:]
+            payload = sample.payload.to_bytes()
+            loop.call_soon_threadsafe(on_message, key, payload)
+
+        sub = self.session.declare_subscriber(self.key(suffix), callback)
+        self._declared.append(sub)
+        return sub
+
+    def undeclare(self, entity: Any) -> None:
+        if entity in self._declared:
+            self._declared.remove(entity)
+        try:
+            entity.undeclare()
+        except zenoh.ZError:
+            pass
+
+    def declare_token(self, suffix: str) -> Any:
+        token = self.session.liveliness().declare_token(self.key(suffix))
+        self._declared.append(token)
+        return token
+
+    def watch_liveliness(self, suffix: str, on_change: Callable[[str, bool], None]) -> Any:
+        """on_change(key, alive) for every token under suffix, including the ones alive now."""
+        loop = self._require_loop()
+        prefix_len = len(self.prefix) + 1
+
+        def callback(sample: zenoh.Sample) -> None:
+            alive = sample.kind == zenoh.SampleKind.PUT
+            loop.call_soon_threadsafe(on_change, str(sample.key_expr)[prefix_len:], alive)
+
+        sub = self.session.liveliness().declare_subscriber(self.key(suffix), callback, history=True)
+        self._declared.append(sub)
+        return sub
+
+    def serve(self, suffix: str, answer: Callable[[str, str], bytes | None]) -> Any:
+        """answer(key, parameters) runs on a zenoh thread and must only read; None sends no reply."""
+
+        def handler(query: zenoh.Query) -> None:
+            key = str(query.key_expr)
+            reply = answer(key[len(self.prefix) + 1 :], str(query.parameters))
+            if reply is not None:
+                query.reply(key, reply)
+
+        queryable = self.session.declare_queryable(self.key(suffix), handler)
+        self._declared.append(queryable)
+        return queryable
+
+    async def query(self, suffix: str, parameters: str = "", timeout_s: float = 2.0) -> list[bytes]:
+        selector = self.key(suffix) + (f"?{parameters}" if parameters else "")
+
+        def blocking() -> list[bytes]:
+            replies = self.session.get(selector, timeout=timeout_s)
+            return [r.ok.payload.to_bytes() for r in replies if r.ok is not None]
+
+        return await asyncio.to_thread(blocking)
+
+    def _require_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("open() the transport inside the event loop first")
+        return self._loop

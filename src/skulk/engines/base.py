@@ -1,0 +1,46 @@
+"""The contract between a runner and the engine that serves its shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from skulk.types.chat import ChatMessage, SamplingParams
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    """One generated token for one request. text is the newly decodable text (may be empty mid-codepoint)."""
+
+    request_id: str
+    token_id: int
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+class Engine(Protocol):
+    """A single-rank engine with continuous batching: requests join and leave between steps."""
+
+    context_length: int
+
+    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        """Apply the model's chat template (with the generation prompt) and tokenize."""
+        ...
+
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None: ...
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request; its KV cache is freed and it yields no more tokens."""
+        ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list[TokenOut]:
+        """One scheduling step: prefill newly added requests, decode one token for every running one."""
+        ...
+
+    def warmup(self) -> None:
+        """Run one tiny generation so the first real request does not pay for lazy initialisation."""
+        ...
