@@ -1,0 +1,1 @@
+"""Model catalogue (cards) and the locally generated demo model."""

@@ -1,0 +1,47 @@
+"""The model catalogue: one JSON card per model under models/cards/, loaded once.
+
+Cards are data, not code, so adding a model is a reviewed JSON file with the numbers from its config.json
+(layers, hidden size, heads) and the bytes its weights take on disk, which placement uses to fit shards
+into node memory.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+
+from skulk.types.models import ModelCard
+
+_CARDS_PACKAGE = "skulk.models"
+_CARDS_DIR = "cards"
+
+
+def model_dir_name(model_id: str) -> str:
+    """The directory a model is staged in: "org/name" → "org--name" (the Hugging Face cache convention)."""
+    if not model_id or model_id.startswith("/") or ".." in model_id.split("/"):
+        raise ValueError(f"not a model id: {model_id!r}")
+    return model_id.replace("/", "--")
+
+
+def get_card(model_id: str) -> ModelCard | None:
+    """The card for model_id, or None when the catalogue does not know it."""
+    return _cards_by_id().get(model_id)
+
+
+def all_cards() -> list[ModelCard]:
+    """Every card, sorted by model id so listings are stable."""
+    return sorted(_cards_by_id().values(), key=lambda c: c.model_id)
+
+
+@functools.cache
+def _cards_by_id() -> dict[str, ModelCard]:
+    cards: dict[str, ModelCard] = {}
+    folder = resources.files(_CARDS_PACKAGE).joinpath(_CARDS_DIR)
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".json"):
+            continue
+        card = ModelCard.model_validate_json(entry.read_text(encoding="utf-8"))
+        if card.model_id in cards:
+            raise ValueError(f"duplicate model card for {card.model_id} in {entry.name}")
+        cards[card.model_id] = card
+    return cards
