@@ -95,7 +95,11 @@ class Transport:
         return str(self.session.info.zid())
 
     def locators(self) -> list[str]:
-        return [str(loc) for loc in self.session.info.locators()] if hasattr(self.session.info, "locators") else []
+        return (
+            [str(loc) for loc in self.session.info.locators()]
+            if hasattr(self.session.info, "locators")
+            else []
+        )
 
     def put(self, suffix: str, payload: bytes) -> None:
         self.session.put(self.key(suffix), payload)

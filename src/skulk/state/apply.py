@@ -37,13 +37,15 @@ def apply(state: State, indexed: IndexedEvent) -> State:
     return state.model_copy(update=changes)
 
 
-def _changes(state: State, event: Event) -> dict[str, Any]:  # noqa: C901 - one branch per event type
+def _changes(state: State, event: Event) -> dict[str, Any]:
     match event:
         case InstanceCreated(instance=instance):
             return {"instances": {**state.instances, instance.instance_id: instance}}
         case InstanceDeleted(instance_id=instance_id):
-            return {"instances": _without(state.instances, instance_id)}
+            return _delete_instance(state, instance_id)
         case RunnerStatusUpdated(runner_id=runner_id, runner_status=status):
+            if not any(runner_id in i.shard_assignments.runner_to_shard for i in state.instances.values()):
+                return {}
             return {"runners": {**state.runners, runner_id: status}}
         case RunnerDeleted(runner_id=runner_id):
             return {"runners": _without(state.runners, runner_id)}
@@ -73,6 +75,18 @@ def _changes(state: State, event: Event) -> dict[str, Any]:  # noqa: C901 - one 
 
 def _without(mapping: dict[Any, Any], key: Any) -> dict[Any, Any]:
     return {k: v for k, v in mapping.items() if k != key}
+
+
+def _delete_instance(state: State, instance_id: str) -> dict[str, Any]:
+    """An instance takes its runners' statuses with it; late reports about them are ignored above."""
+    instance = state.instances.get(instance_id)  # type: ignore[call-overload]
+    if instance is None:
+        return {}
+    gone = instance.shard_assignments.runner_to_shard.keys()
+    return {
+        "instances": _without(state.instances, instance_id),
+        "runners": {r: s for r, s in state.runners.items() if r not in gone},
+    }
 
 
 def _task_update(state: State, task_id: str, **fields: Any) -> dict[str, Any]:

@@ -31,7 +31,7 @@ class TaggedModel(CamelModel):
     @classmethod
     def _unwrap_tag(cls, data: Any) -> Any:
         if isinstance(data, dict) and len(data) == 1:
-            (key, inner), = data.items()
+            ((key, inner),) = data.items()
             if key == cls.__name__ and isinstance(inner, dict):
                 return inner
         return data

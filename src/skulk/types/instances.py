@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import Discriminator, Tag
@@ -12,12 +12,12 @@ from .ids import InstanceId, ModelId, NodeId, RunnerId
 from .shards import ShardMetadata
 
 
-class Sharding(str, Enum):
+class Sharding(StrEnum):
     Pipeline = "Pipeline"
     Tensor = "Tensor"
 
 
-class InstanceMeta(str, Enum):
+class InstanceMeta(StrEnum):
     """Skulk's instance kinds; MlxJaccl (RDMA over Thunderbolt) is refused on this build."""
 
     MlxRing = "MlxRing"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated
 
 from pydantic import Discriminator, Tag
@@ -12,7 +12,7 @@ from .chat import ChatMessage, SamplingParams
 from .ids import CommandId, InstanceId, ModelId, TaskId
 
 
-class TaskStatus(str, Enum):
+class TaskStatus(StrEnum):
     Pending = "Pending"
     Running = "Running"
     Complete = "Complete"

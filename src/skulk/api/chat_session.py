@@ -1,0 +1,99 @@
+"""One chat request's life on the API node: send the command, read its chunks, cancel if abandoned."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from skulk.api.errors import ApiError
+from skulk.api.handle import NodeHandle
+from skulk.cluster.dataplane import ChunkStream
+from skulk.types.chat import ChatCompletionRequest
+from skulk.types.chunks import ErrorChunk, TokenChunk
+from skulk.types.commands import CancelCommand, StartChatCompletion
+from skulk.types.ids import CommandId, ModelId, new_id
+
+FIRST_CHUNK_TIMEOUT_S = 120.0
+NEXT_CHUNK_TIMEOUT_S = 300.0
+
+
+class ChatSession:
+    def __init__(self, node: NodeHandle, stream: ChunkStream, first: TokenChunk) -> None:
+        self.node = node
+        self.stream = stream
+        self.first = first
+        self.finished = False
+
+    @property
+    def command_id(self) -> CommandId:
+        return self.stream.command_id
+
+    async def chunks(self) -> AsyncIterator[TokenChunk | ErrorChunk]:
+        """Token chunks up to the one with a finish_reason, or one ErrorChunk. Always closes the stream."""
+        try:
+            chunk: TokenChunk | ErrorChunk = self.first
+            while True:
+                yield chunk
+                if isinstance(chunk, ErrorChunk) or chunk.finish_reason is not None:
+                    self.finished = True
+                    return
+                try:
+                    chunk = await self.stream.next(NEXT_CHUNK_TIMEOUT_S)
+                except TimeoutError:
+                    chunk = ErrorChunk(
+                        command_id=self.command_id,
+                        message=f"no token for {NEXT_CHUNK_TIMEOUT_S:.0f} s; retry the request",
+                        code="timeout",
+                        status=504,
+                    )
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.node.send_command(
+                CancelCommand(command_id=CommandId(new_id()), target_command_id=self.command_id)
+            )
+        self.node.close_stream(self.stream)
+
+
+def require_instance(node: NodeHandle, model: str) -> None:
+    if not any(i.model_id == model for i in node.state.instances.values()):
+        raise ApiError(404, f"No instance found for model {model}", code="model_not_found")
+
+
+async def start_chat(node: NodeHandle, request: ChatCompletionRequest) -> ChatSession:
+    """Raises ApiError with the runner's status (e.g. 400 context_length_exceeded) before anything streams."""
+    require_instance(node, request.model)
+    command_id = CommandId(new_id())
+    stream = node.open_stream(command_id)
+    node.send_command(
+        StartChatCompletion(
+            command_id=command_id,
+            model=ModelId(request.model),
+            messages=request.messages,
+            sampling=request.sampling(),
+        )
+    )
+    try:
+        first = await stream.next(FIRST_CHUNK_TIMEOUT_S)
+    except TimeoutError:
+        first = ErrorChunk(
+            command_id=command_id,
+            message=f"the instance for {request.model} produced nothing in {FIRST_CHUNK_TIMEOUT_S:.0f} s; "
+            "it may still be loading, retry shortly",
+            code="instance_not_ready",
+            status=503,
+        )
+    except BaseException:
+        _abandon(node, stream)
+        raise
+    if isinstance(first, ErrorChunk):
+        _abandon(node, stream)
+        raise ApiError(first.status, first.message, code=first.code)
+    return ChatSession(node, stream, first)
+
+
+def _abandon(node: NodeHandle, stream: ChunkStream) -> None:
+    node.send_command(CancelCommand(command_id=CommandId(new_id()), target_command_id=stream.command_id))
+    node.close_stream(stream)

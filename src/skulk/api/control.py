@@ -1,0 +1,131 @@
+"""Placement and instance control: /place_instance, /instance/previews, /instance/{id}, /v1/cancel/{id}."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from skulk.api.errors import ApiError
+from skulk.api.handle import NodeHandle
+from skulk.master.placement import place, preview_placements
+from skulk.models.cards import get_card
+from skulk.types.commands import CancelCommand, CreateInstance, DeleteInstance
+from skulk.types.ids import CommandId, InstanceId, NodeId, RunnerId, new_id
+from skulk.types.instances import InstanceMeta, MlxRingInstance, Sharding
+from skulk.types.models import ModelCard
+from skulk.types.placement import InfoPending, PlacementError
+from skulk.types.state import State
+
+INFO_GRACE_S = 15.0
+PLACED_WAIT_S = 10.0
+
+
+class PlaceInstanceRequest(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    model_id: str = Field(min_length=1)
+    sharding: Sharding = Sharding.Pipeline
+    instance_meta: InstanceMeta = InstanceMeta.MlxRing
+    min_nodes: int = Field(default=1, ge=1, le=64)
+    excluded_nodes: list[NodeId] = []
+
+
+def card_or_404(model_id: str) -> ModelCard:
+    card = get_card(model_id)
+    if card is None:
+        raise ApiError(404, f"unknown model {model_id}; GET /models lists the models this cluster knows")
+    return card
+
+
+def plan_instance(
+    state: State, request: PlaceInstanceRequest, card: ModelCard
+) -> MlxRingInstance | PlacementError:
+    return place(
+        state,
+        card,
+        sharding=request.sharding,
+        instance_meta=request.instance_meta,
+        min_nodes=request.min_nodes,
+        excluded_nodes=set(request.excluded_nodes),
+        instance_id=InstanceId(new_id()),
+        new_runner_id=lambda: RunnerId(new_id()),
+        rendezvous_port=random.randint(29500, 29999),
+    )
+
+
+async def place_with_grace(node: NodeHandle, request: PlaceInstanceRequest) -> MlxRingInstance:
+    """Right after formation node info is still arriving: wait for it rather than refuse falsely."""
+    card = card_or_404(request.model_id)
+    outcome = plan_instance(node.state, request, card)
+    if isinstance(outcome, InfoPending):
+        await node.wait_for_state(
+            lambda s: not isinstance(plan_instance(s, request, card), InfoPending), INFO_GRACE_S
+        )
+        outcome = plan_instance(node.state, request, card)
+    if isinstance(outcome, PlacementError):
+        raise ApiError(outcome.http_status, outcome.message, code=type(outcome).__name__)
+    return outcome
+
+
+def control_router(node: NodeHandle) -> APIRouter:
+    router = APIRouter(tags=["control"])
+
+    @router.post("/place_instance")
+    async def place_instance(body: PlaceInstanceRequest) -> dict[str, Any]:
+        instance = await place_with_grace(node, body)
+        command_id = CommandId(new_id())
+        node.send_command(CreateInstance(command_id=command_id, instance=instance))
+        await node.wait_for_state(lambda s: instance.instance_id in s.instances, PLACED_WAIT_S)
+        return {
+            "message": "Command received.",
+            "commandId": command_id,
+            "instanceId": instance.instance_id,
+            "modelId": instance.model_id,
+            "instance": instance.model_dump(mode="json"),
+        }
+
+    @router.get("/instance/previews")
+    async def previews(
+        model_id: str = Query(min_length=1),
+        sharding: Sharding | None = None,
+        instance_meta: InstanceMeta = InstanceMeta.MlxRing,
+        excluded_node_ids: list[NodeId] = Query(default=[]),  # noqa: B008 - FastAPI's query declaration
+    ) -> dict[str, Any]:
+        card = card_or_404(model_id)
+        shardings = [sharding] if sharding else list(Sharding)
+        found = [
+            preview.model_dump(mode="json")
+            for s in shardings
+            for preview in preview_placements(node.state, card, s, instance_meta, set(excluded_node_ids))
+        ]
+        return {"modelId": model_id, "previews": found}
+
+    @router.get("/instance/{instance_id}")
+    async def get_instance(instance_id: str) -> dict[str, Any]:
+        instance = node.state.instances.get(InstanceId(instance_id))
+        if instance is None:
+            raise ApiError(404, f"no instance {instance_id}; GET /state lists the instances")
+        return instance.model_dump(mode="json")
+
+    @router.delete("/instance/{instance_id}")
+    async def delete_instance(instance_id: str) -> dict[str, Any]:
+        if InstanceId(instance_id) not in node.state.instances:
+            raise ApiError(404, f"no instance {instance_id}; GET /state lists the instances")
+        command_id = CommandId(new_id())
+        node.send_command(DeleteInstance(command_id=command_id, instance_id=InstanceId(instance_id)))
+        await node.wait_for_state(lambda s: instance_id not in s.instances, PLACED_WAIT_S)
+        return {"message": "Command received.", "commandId": command_id, "instanceId": instance_id}
+
+    @router.post("/v1/cancel/{command_id}")
+    async def cancel(command_id: str) -> dict[str, Any]:
+        if not any(t.command_id == command_id and t.task_status.is_open for t in node.state.tasks.values()):
+            raise ApiError(404, f"no running request with command id {command_id}")
+        node.send_command(
+            CancelCommand(command_id=CommandId(new_id()), target_command_id=CommandId(command_id))
+        )
+        return {"message": "Cancel requested.", "commandId": command_id}
+
+    return router

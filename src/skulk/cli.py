@@ -1,0 +1,80 @@
+"""`skulk`: start a node. Every flag has an environment twin (SKULK_<NAME>) and a skulk.yaml key."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from skulk import __version__
+from skulk.config import resolve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="skulk",
+        description="Run a Skulk node: pool this machine's memory with the other nodes of the cluster and "
+        "serve OpenAI-compatible APIs. Precedence: flag > environment > skulk.yaml > default.",
+    )
+    parser.add_argument("--version", action="version", version=f"skulk {__version__}")
+    parser.add_argument("--api-port", type=int, help="HTTP API port (SKULK_API_PORT, default 52415)")
+    parser.add_argument("--api-host", help="HTTP API bind address (SKULK_API_HOST, default 0.0.0.0)")
+    parser.add_argument(
+        "--home", help="state directory: config, models, staging, logs (SKULK_HOME, ~/.skulk)"
+    )
+    parser.add_argument("--config", help="config file, resolved and reported (SKULK_CONFIG, skulk.yaml)")
+    parser.add_argument(
+        "--place-default",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="place the built-in demo model when no instance exists (SKULK_PLACE_DEFAULT, on)",
+    )
+    parser.add_argument("--node-name", help="friendly name shown to operators (SKULK_NODE_NAME, hostname)")
+    parser.add_argument("--cluster", help="cluster namespace; isolates discovery (SKULK_CLUSTER, default)")
+    parser.add_argument(
+        "--bootstrap-peer",
+        dest="bootstrap_peers",
+        action="append",
+        help="zenoh endpoint of a peer, tcp/host:port; repeatable (SKULK_BOOTSTRAP_PEERS, comma-separated)",
+    )
+    parser.add_argument(
+        "--zenoh-listen",
+        dest="zenoh_listen",
+        action="append",
+        help="zenoh listen endpoint, repeatable (SKULK_ZENOH_LISTEN, default tcp/0.0.0.0:0)",
+    )
+    parser.add_argument(
+        "--multicast",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="discover peers by multicast scouting (SKULK_MULTICAST, on)",
+    )
+    parser.add_argument(
+        "--multicast-interface",
+        help="interface to scout on, e.g. lo on a loopback-only host (SKULK_MULTICAST_INTERFACE, auto)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "diag":
+        from skulk.diagnostics.cli import main as diag_main
+
+        diag_main(args[1:])
+        return
+    flags = vars(build_parser().parse_args(args))
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    settings = resolve(flags)
+    from skulk.node import run_node
+
+    run_node(settings)
+
+
+if __name__ == "__main__":
+    main()

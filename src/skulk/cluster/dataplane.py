@@ -1,0 +1,49 @@
+"""Data plane: token chunks on a per-command key, from the sampling rank's node to the API node.
+
+Tokens never touch the master or the event log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from skulk.cluster.transport import Transport
+from skulk.types.chunks import Chunk, ErrorChunk, TokenChunk
+from skulk.types.ids import CommandId
+
+_chunk_json = TypeAdapter(Chunk)
+
+
+def data_key(command_id: str) -> str:
+    return f"data/{command_id}"
+
+
+def publish_chunk(transport: Transport, chunk: TokenChunk | ErrorChunk) -> None:
+    transport.put(data_key(chunk.command_id), chunk.model_dump_json().encode())
+
+
+class ChunkStream:
+    """The API side of one command: chunks in arrival order, plus errors injected from cluster state."""
+
+    def __init__(self, transport: Transport, command_id: CommandId) -> None:
+        self.command_id = command_id
+        self._transport = transport
+        self._queue: asyncio.Queue[TokenChunk | ErrorChunk] = asyncio.Queue()
+        self._sub: Any = transport.subscribe(data_key(command_id), self._on_message)
+
+    def _on_message(self, _key: str, payload: bytes) -> None:
+        self._queue.put_nowait(_chunk_json.validate_json(payload))
+
+    def inject(self, chunk: TokenChunk | ErrorChunk) -> None:
+        self._queue.put_nowait(chunk)
+
+    async def next(self, timeout: float | None = None) -> TokenChunk | ErrorChunk:
+        return await asyncio.wait_for(self._queue.get(), timeout)
+
+    def close(self) -> None:
+        if self._sub is not None:
+            self._transport.undeclare(self._sub)
+            self._sub = None

@@ -1,0 +1,136 @@
+"""Pure decisions of the master: which events answer a command, a lost node, a new session."""
+
+from __future__ import annotations
+
+from skulk.types.commands import (
+    CancelCommand,
+    Command,
+    CreateInstance,
+    DeleteInstance,
+    StartChatCompletion,
+)
+from skulk.types.events import (
+    Event,
+    InstanceCreated,
+    InstanceDeleted,
+    NodeTimedOut,
+    SessionStarted,
+    TaskCreated,
+    TaskFailed,
+    TaskStatusUpdated,
+)
+from skulk.types.ids import InstanceId, ModelId, NodeId, TaskId
+from skulk.types.instances import MlxRingInstance
+from skulk.types.runners import RunnerFailed, RunnerReady, RunnerRunning
+from skulk.types.state import State
+from skulk.types.tasks import ChatCompletion, ChatCompletionTaskParams, TaskStatus
+
+SERVING = (RunnerReady, RunnerRunning)
+
+
+def events_for_command(state: State, command: Command, new_task_id: TaskId) -> list[Event]:
+    match command:
+        case CreateInstance(instance=instance):
+            if instance.instance_id in state.instances:
+                return []
+            return [InstanceCreated(instance=instance)]
+        case DeleteInstance(instance_id=instance_id):
+            if instance_id not in state.instances:
+                return []
+            return [
+                *fail_open_tasks(state, {instance_id}, "the instance serving this request was deleted"),
+                InstanceDeleted(instance_id=instance_id),
+            ]
+        case StartChatCompletion():
+            return _start_chat(state, command, new_task_id)
+        case CancelCommand(target_command_id=target):
+            return [
+                TaskStatusUpdated(task_id=task.task_id, task_status=TaskStatus.Cancelled)
+                for task in state.tasks.values()
+                if task.command_id == target and task.task_status.is_open
+            ]
+    return []
+
+
+def _start_chat(state: State, command: StartChatCompletion, task_id: TaskId) -> list[Event]:
+    instance_id = command.instance_id or pick_instance(state, command.model)
+    params = ChatCompletionTaskParams(
+        model=command.model, messages=command.messages, sampling=command.sampling
+    )
+    task = ChatCompletion(
+        task_id=task_id,
+        command_id=command.command_id,
+        instance_id=instance_id or InstanceId(""),
+        task_params=params,
+    )
+    if instance_id is None or instance_id not in state.instances:
+        message = f"No instance found for model {command.model}; place it first, then retry"
+        return [TaskCreated(task=task), TaskFailed(task_id=task_id, error_message=message, retryable=True)]
+    return [TaskCreated(task=task)]
+
+
+def is_serving(state: State, instance: MlxRingInstance) -> bool:
+    runners = instance.shard_assignments.runner_to_shard
+    return all(isinstance(state.runners.get(r), SERVING) for r in runners)
+
+
+def pick_instance(state: State, model: ModelId) -> InstanceId | None:
+    """The serving instance of the model with the fewest open tasks; ties go to the oldest instance."""
+    candidates = [i for i in state.instances.values() if i.model_id == model and is_serving(state, i)]
+    if not candidates:
+        candidates = [i for i in state.instances.values() if i.model_id == model]
+    if not candidates:
+        return None
+    load = {i.instance_id: 0 for i in candidates}
+    for task in state.tasks.values():
+        if task.task_status.is_open and task.instance_id in load:
+            load[task.instance_id] += 1
+    return min(candidates, key=lambda i: load[i.instance_id]).instance_id
+
+
+def fail_open_tasks(state: State, instance_ids: set[InstanceId], why: str) -> list[Event]:
+    return [
+        TaskFailed(task_id=task.task_id, error_message=f"{why}; retry the request", retryable=True)
+        for task in state.tasks.values()
+        if task.task_status.is_open and task.instance_id in instance_ids
+    ]
+
+
+def events_for_lost_node(state: State, node: NodeId) -> list[Event]:
+    """A node is gone: its instances cannot serve, so their requests fail now and the instances go."""
+    lost = {i.instance_id for i in state.instances.values() if node in i.shard_assignments.node_to_runner}
+    events: list[Event] = fail_open_tasks(state, lost, f"node {node} left the cluster")
+    events += [InstanceDeleted(instance_id=i) for i in sorted(lost)]
+    if node in state.topology.nodes or node in state.last_seen:
+        events.append(NodeTimedOut(node_id=node))
+    return events
+
+
+def session_changed_message(master: NodeId, term: int) -> str:
+    return f"the cluster session changed (new master {master}, term {term}); retry the request"
+
+
+def events_for_new_session(state: State, master: NodeId, term: int) -> list[Event]:
+    """A new term cannot carry the old session's requests: fail them; placements carry over."""
+    failed: list[Event] = [
+        TaskFailed(
+            task_id=task.task_id,
+            error_message=session_changed_message(master, term),
+            retryable=True,
+        )
+        for task in state.tasks.values()
+        if task.task_status.is_open
+    ]
+    return [SessionStarted(master_node_id=master, term=term), *failed]
+
+
+def events_for_unhealthy_instances(state: State) -> list[Event]:
+    """A multi-rank instance with a failed rank cannot serve: fail its requests and tear it down."""
+    broken = {
+        i.instance_id
+        for i in state.instances.values()
+        if i.world_size > 1
+        and any(isinstance(state.runners.get(r), RunnerFailed) for r in i.shard_assignments.runner_to_shard)
+    }
+    events: list[Event] = fail_open_tasks(state, broken, "a rank of the instance failed")
+    return events + [InstanceDeleted(instance_id=i) for i in sorted(broken)]

@@ -1,0 +1,90 @@
+"""The master shell: take commands and local events, decide with pure functions, emit ordered events."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from skulk.cluster.sync import Intake, Sequencer
+from skulk.cluster.transport import Transport
+from skulk.master.decide import (
+    events_for_command,
+    events_for_lost_node,
+    events_for_new_session,
+    events_for_unhealthy_instances,
+)
+from skulk.state.apply import apply
+from skulk.types.commands import Command
+from skulk.types.events import Event, LocalEvent
+from skulk.types.ids import NodeId, TaskId, new_id
+from skulk.types.state import State
+
+log = logging.getLogger("skulk.master")
+
+RECONCILE_EVERY_S = 1.0
+
+
+class Master:
+    def __init__(
+        self,
+        transport: Transport,
+        node_id: NodeId,
+        term: int,
+        state: State,
+        alive: Callable[[], frozenset[NodeId]],
+    ) -> None:
+        self.node_id = node_id
+        self.term = term
+        self.state = state
+        self.alive = alive
+        self.sequencer = Sequencer(
+            transport, first_idx=state.last_event_applied_idx + 1, snapshot=self._snapshot
+        )
+        self.intake = Intake(transport, on_local_event=self.on_local_event, on_command=self.on_command)
+        self._reconciler: asyncio.Task[None] | None = None
+
+    def _snapshot(self) -> bytes:
+        return self.state.model_dump_json().encode()
+
+    def start(self) -> None:
+        log.info("master %s starts term %d", self.node_id[:8], self.term)
+        self.emit(events_for_new_session(self.state, self.node_id, self.term))
+        self.reconcile()
+        self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever())
+
+    def stop(self) -> None:
+        if self._reconciler is not None:
+            self._reconciler.cancel()
+        self.intake.close()
+        self.sequencer.close()
+
+    def emit(self, events: list[Event]) -> None:
+        if not events:
+            return
+        for indexed in self.sequencer.emit(events):
+            self.state = apply(self.state, indexed)
+
+    def on_command(self, command: Command) -> None:
+        self.emit(events_for_command(self.state, command, TaskId(new_id())))
+
+    def on_local_event(self, local: LocalEvent) -> None:
+        self.emit([local.event])
+
+    def on_node_lost(self, node: NodeId) -> None:
+        self.emit(events_for_lost_node(self.state, node))
+
+    def reconcile(self) -> None:
+        alive = self.alive()
+        known = set(self.state.topology.nodes) | set(self.state.last_seen)
+        for node in sorted(known - alive):
+            self.on_node_lost(node)
+        self.emit(events_for_unhealthy_instances(self.state))
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            await asyncio.sleep(RECONCILE_EVERY_S)
+            try:
+                self.reconcile()
+            except Exception:
+                log.exception("reconcile failed")

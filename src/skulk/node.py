@@ -1,0 +1,263 @@
+"""The composition root of one node: transport, membership, election, state, master, worker and API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from skulk.api.app import create_app
+from skulk.api.control import PlaceInstanceRequest, place_with_grace
+from skulk.cluster.dataplane import ChunkStream, publish_chunk
+from skulk.cluster.election import Elector
+from skulk.cluster.membership import Membership
+from skulk.cluster.sync import EventFollower, send_command, send_local_event
+from skulk.cluster.transport import Transport, TransportSettings
+from skulk.config import Settings
+from skulk.master.decide import session_changed_message
+from skulk.master.master import Master
+from skulk.models.cards import model_dir_name
+from skulk.models.demo import DEMO_MODEL_ID, ensure_demo_model
+from skulk.state.store import StateStore
+from skulk.types.chunks import ErrorChunk
+from skulk.types.commands import Command, CreateInstance
+from skulk.types.events import (
+    Event,
+    IndexedEvent,
+    LocalEvent,
+    NodeGatheredInfo,
+    TaskFailed,
+    TaskStatusUpdated,
+)
+from skulk.types.ids import CommandId, NodeId, new_id
+from skulk.types.instances import MlxRingInstance
+from skulk.types.state import State
+from skulk.types.tasks import TaskStatus
+from skulk.worker import node_info
+from skulk.worker.worker import Worker
+
+log = logging.getLogger("skulk.node")
+
+INFO_EVERY_S = 2.0
+INFO_HEARTBEAT_S = 10.0
+ELECTION_WAIT_S = 10.0
+
+
+class Node:
+    """Implements the API's NodeHandle."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.transport = Transport(
+            TransportSettings(
+                cluster=settings.cluster,
+                listen=settings.zenoh_listen,
+                bootstrap_peers=settings.bootstrap_peers,
+                multicast=settings.multicast,
+                multicast_interface=settings.multicast_interface,
+            )
+        )
+        self.node_id = NodeId("")
+        self.store = StateStore()
+        self.master: Master | None = None
+        self.streams: dict[CommandId, ChunkStream] = {}
+        self._local_seq = 0
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._reconcile_pending = False
+        self._stopped = asyncio.Event()
+
+    # -- NodeHandle -------------------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        return self.store.state
+
+    @property
+    def master_id(self) -> NodeId | None:
+        return self.elector.master_id
+
+    def send_command(self, command: Command) -> None:
+        send_command(self.transport, self.node_id, command)
+
+    async def wait_for_state(self, predicate: Any, timeout: float) -> bool:
+        return await self.store.wait_until(predicate, timeout)
+
+    def open_stream(self, command_id: CommandId) -> ChunkStream:
+        stream = ChunkStream(self.transport, command_id)
+        self.streams[command_id] = stream
+        return stream
+
+    def close_stream(self, stream: ChunkStream) -> None:
+        self.streams.pop(stream.command_id, None)
+        stream.close()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def run(self) -> None:
+        self.transport.open()
+        self.node_id = NodeId(self.transport.zenoh_id())
+        log.info("node %s starting (cluster %r)", self.node_id, self.settings.cluster)
+        self.membership = Membership(self.transport, self.node_id)
+        self.membership.start()
+        self.follower = EventFollower(
+            self.transport, next_idx=0, on_event=self._on_event, on_snapshot=self.store.replace
+        )
+        self.elector = Elector(self.transport, self.membership, self.node_id, joined_at=time.time())
+        self.elector.on_master_changed(self._on_master_changed)
+        self.membership.on_change(self._on_membership_change)
+        self.worker = Worker(
+            self.node_id,
+            emit=self.emit_local,
+            publish=lambda chunk: publish_chunk(self.transport, chunk),
+            model_dir_for=self._model_dir_for,
+            warmup_deadline_s=self.settings.warmup_deadline_seconds,
+            fault=os.environ.get("SKULK_FAULT"),
+        )
+        self.store.listen(self._on_state_change)
+        self._spawn(self.elector.run())
+        await self.elector.wait_for_master(ELECTION_WAIT_S)
+        if not self.elector.is_master:
+            await self.follower.catch_up()
+        self._spawn(self._gather_info_forever())
+        server = self._api_server()
+        serving = asyncio.get_running_loop().create_task(server.serve())
+        if self.settings.place_default and self.elector.is_master:
+            self._spawn(self._place_default())
+        await self._announce(server)
+        await serving
+        await self.shutdown()
+
+    def _spawn(self, coro: Any) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    def _api_server(self) -> uvicorn.Server:
+        config = uvicorn.Config(
+            create_app(self),
+            host=self.settings.api_host,
+            port=self.settings.api_port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
+        return uvicorn.Server(config)
+
+    async def _announce(self, server: uvicorn.Server) -> None:
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.05)
+        if server.started:
+            port = server.servers[0].sockets[0].getsockname()[1] if server.servers else self.settings.api_port
+            log.info("API listening on http://localhost:%d", port)
+            print(f"SKULK_READY node={self.node_id} api=http://localhost:{port}", flush=True)
+            print(
+                f"Try: curl localhost:{port}/v1/chat/completions -H 'Content-Type: application/json' -d "
+                f'\'{{"model":"{DEMO_MODEL_ID}","messages":[{{"role":"user","content":"ping"}}],"max_tokens":8}}\'',
+                flush=True,
+            )
+
+    async def shutdown(self) -> None:
+        log.info("node %s stopping", self.node_id)
+        await self.worker.stop()
+        if self.master is not None:
+            self.master.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.elector.stop()
+        self.transport.close()
+
+    # -- cluster reactions ------------------------------------------------------------------------
+    def emit_local(self, event: Event) -> None:
+        self._local_seq += 1
+        send_local_event(self.transport, LocalEvent(origin=self.node_id, seq=self._local_seq, event=event))
+
+    def _on_event(self, indexed: IndexedEvent) -> None:
+        self.store.apply(indexed)
+
+    def _on_master_changed(self, master: NodeId, term: int) -> None:
+        log.info("master is now %s (term %d)", master[:8], term)
+        for stream in list(self.streams.values()):
+            stream.inject(
+                ErrorChunk(
+                    command_id=stream.command_id,
+                    message=session_changed_message(master, term),
+                    code="session_changed",
+                    status=503,
+                )
+            )
+        if self.master is not None and master != self.node_id:
+            self.master.stop()
+            self.master = None
+        if master == self.node_id and self.master is None:
+            self.master = Master(
+                self.transport, self.node_id, term, self.store.state, lambda: self.membership.alive
+            )
+            self.master.start()
+
+    def _on_membership_change(self, node: NodeId, alive: bool) -> None:
+        if not alive and self.master is not None:
+            self.master.on_node_lost(node)
+
+    def _on_state_change(self, state: State, indexed: IndexedEvent | None) -> None:
+        if indexed is not None:
+            self._fail_streams_of(state, indexed.event)
+        if not self._reconcile_pending:
+            self._reconcile_pending = True
+            asyncio.get_running_loop().call_soon(self._reconcile)
+
+    def _reconcile(self) -> None:
+        self._reconcile_pending = False
+        self.worker.reconcile(self.store.state)
+
+    def _fail_streams_of(self, state: State, event: Event) -> None:
+        """Infrastructure failures (lost node, new session) reach open streams through state, not tokens."""
+        if isinstance(event, TaskFailed) and event.retryable:
+            reason, code = event.error_message, "task_failed"
+        elif isinstance(event, TaskStatusUpdated) and event.task_status == TaskStatus.Cancelled:
+            reason, code = "the request was cancelled", "cancelled"
+        else:
+            return
+        task = state.tasks.get(event.task_id)
+        stream = self.streams.get(task.command_id) if task else None
+        if stream is not None:
+            stream.inject(ErrorChunk(command_id=stream.command_id, message=reason, code=code, status=500))
+
+    # -- this node's facts ------------------------------------------------------------------------
+    async def _gather_info_forever(self) -> None:
+        last: node_info.NodeInfo | None = None
+        last_sent = 0.0
+        while True:
+            info = await asyncio.to_thread(
+                node_info.gather,
+                friendly_name=self.settings.node_name,
+                home=self.settings.home,
+                api_port=self.settings.api_port,
+            )
+            if node_info.differs(last, info) or time.monotonic() - last_sent > INFO_HEARTBEAT_S:
+                self.emit_local(NodeGatheredInfo(node_id=self.node_id, info=info, when=datetime.now(UTC)))
+                last, last_sent = info, time.monotonic()
+            await asyncio.sleep(INFO_EVERY_S)
+
+    def _model_dir_for(self, instance: MlxRingInstance) -> Path:
+        if instance.model_id == DEMO_MODEL_ID:
+            return ensure_demo_model(self.settings.models_dir)
+        return self.settings.models_dir / model_dir_name(instance.model_id)
+
+    async def _place_default(self) -> None:
+        await asyncio.to_thread(ensure_demo_model, self.settings.models_dir)
+        if any(i.model_id == DEMO_MODEL_ID for i in self.state.instances.values()):
+            return
+        try:
+            instance = await place_with_grace(self, PlaceInstanceRequest(model_id=DEMO_MODEL_ID))
+        except Exception as exc:
+            log.warning("could not place the demo model: %s", exc)
+            return
+        self.send_command(CreateInstance(command_id=CommandId(new_id()), instance=instance))
+        log.info("placed %s as instance %s", DEMO_MODEL_ID, instance.instance_id[:8])
+
+
+def run_node(settings: Settings) -> None:
+    asyncio.run(Node(settings).run())

@@ -1,0 +1,1 @@
+"""Runner processes: one per shard, spawned and supervised by the worker."""

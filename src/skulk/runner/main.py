@@ -1,0 +1,258 @@
+"""The runner process: load the shard, warm up under a deadline, then serve tasks with continuous batching."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from multiprocessing.queues import Queue
+from typing import Any
+
+from skulk.engines.base import Engine, TokenOut
+from skulk.runner.messages import (
+    CancelTask,
+    FromRunner,
+    Records,
+    RunTask,
+    Shutdown,
+    StatusChanged,
+    TaskAccepted,
+    TaskEnded,
+    Tokens,
+    ToRunner,
+)
+from skulk.runner.recorder import FlightRecorder
+from skulk.runner.spec import RunnerSpec
+from skulk.types.chunks import ErrorChunk, TokenChunk
+from skulk.types.ids import CommandId, TaskId
+from skulk.types.runners import (
+    RunnerLoaded,
+    RunnerLoading,
+    RunnerReady,
+    RunnerRunning,
+    RunnerShutdown,
+    RunnerStatus,
+    RunnerWarmingUp,
+)
+from skulk.types.tasks import ChatCompletion, TaskStatus
+
+log = logging.getLogger("skulk.runner")
+
+IDLE_POLL_S = 0.25
+
+
+def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunner]) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s runner %(message)s")
+    _exit_with_parent()
+    runner = Runner(spec, inbox, outbox)
+    try:
+        runner.start()
+        runner.serve()
+    except Exception as exc:  # the supervisor turns a non-zero exit into RunnerFailed
+        runner.recorder.record("error", "runner_crashed", repr(exc)[:200])
+        runner.flush()
+        log.exception("runner %s crashed", spec.runner_id)
+        sys.exit(1)
+
+
+def _exit_with_parent() -> None:
+    """A node killed with SIGKILL cannot stop its runners; they notice the orphaning and exit themselves."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(4)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class _Active:
+    __slots__ = ("command_id", "completion_tokens", "prompt_tokens")
+
+    def __init__(self, command_id: CommandId, prompt_tokens: int) -> None:
+        self.command_id = command_id
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+
+
+class Runner:
+    def __init__(self, spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunner]) -> None:
+        self.spec = spec
+        self.inbox = inbox
+        self.outbox = outbox
+        self.recorder = FlightRecorder(spec.context(os.getpid()), enabled=spec.record)
+        self.engine: Engine | None = None
+        self.active: dict[TaskId, _Active] = {}
+        self.status: RunnerStatus | None = None
+        self.stopping = False
+
+    def send(self, message: FromRunner) -> None:
+        self.outbox.put(message)
+
+    def set_status(self, status: RunnerStatus) -> None:
+        if type(status) is not type(self.status):
+            self.status = status
+            self.send(StatusChanged(status))
+
+    def flush(self) -> None:
+        entries = self.recorder.drain()
+        if entries:
+            self.send(Records(entries))
+
+    def start(self) -> None:
+        self.recorder.record("created", "process_started")
+        self.set_status(RunnerLoading())
+        self.recorder.record("load_model", "load_started", str(self.spec.model_dir))
+        self.flush()
+        self.engine = self._build_engine()
+        self.recorder.record("load_model", "load_finished", with_memory=True)
+        self.set_status(RunnerLoaded())
+        self.set_status(RunnerWarmingUp())
+        self.recorder.record("warmup", "warmup_started")
+        self.flush()
+        self._warmup_with_deadline(self.engine)
+        self.recorder.record("warmup", "warmup_finished", with_memory=True)
+        self.recorder.record("idle", "ready")
+        self.set_status(RunnerReady())
+        self.flush()
+
+    def _build_engine(self) -> Engine:
+        from skulk.engines.torch.engine import TorchEngine
+
+        shard = self.spec.shard
+        return TorchEngine(self.spec.model_dir, start_layer=shard.start_layer, end_layer=shard.end_layer)
+
+    def _warmup_with_deadline(self, engine: Engine) -> None:
+        deadline = self.spec.warmup_deadline_s
+
+        def overrun() -> None:
+            log.critical(
+                "warmup of runner %s exceeded %.0f s (SKULK_WARMUP_DEADLINE_SECONDS). The accelerator may be "
+                "wedged: if this recurs on this node, reboot the machine.",
+                self.spec.runner_id,
+                deadline,
+            )
+            os._exit(3)
+
+        watchdog = threading.Timer(deadline, overrun)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            engine.warmup()
+        finally:
+            watchdog.cancel()
+
+    def serve(self) -> None:
+        assert self.engine is not None
+        engine = self.engine
+        while not self.stopping:
+            self._take_messages(block=not engine.has_work())
+            if engine.has_work():
+                self._publish(engine.step())
+            self.flush()
+        self.recorder.record("shutdown_cleanup", "shutdown")
+        self.set_status(RunnerShutdown())
+        self.flush()
+
+    def _take_messages(self, *, block: bool) -> None:
+        try:
+            message: Any = self.inbox.get(timeout=IDLE_POLL_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(message)
+            try:
+                message = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, message: ToRunner) -> None:
+        match message:
+            case RunTask(task=task):
+                self._accept(task)
+            case CancelTask(task_id=task_id):
+                self._cancel(task_id)
+            case Shutdown():
+                for task_id in list(self.active):
+                    self._cancel(task_id)
+                self.stopping = True
+
+    def _accept(self, task: ChatCompletion) -> None:
+        assert self.engine is not None
+        ids = dict(task_id=task.task_id, command_id=task.command_id)
+        self.recorder.record("task_submission", "task_received", **ids)
+        self.send(TaskAccepted(task.task_id))
+        self.recorder.record("prompt_build", "chat_template", **ids)
+        prompt = self.engine.encode_chat(task.task_params.messages)
+        limit = self.engine.context_length
+        if len(prompt) >= limit:
+            message = (
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{len(prompt)} tokens. Shorten the messages."
+            )
+            self._fail(task.task_id, task.command_id, message, code="context_length_exceeded", status=400)
+            return
+        self.engine.add_request(task.task_id, prompt, task.task_params.sampling)
+        self.active[task.task_id] = _Active(task.command_id, len(prompt))
+        self.recorder.record("decode_stream", "decode_started", prompt_tokens=len(prompt), **ids)
+        self.set_status(RunnerRunning())
+
+    def _fail(self, task_id: TaskId, command_id: CommandId, message: str, *, code: str, status: int) -> None:
+        chunk = ErrorChunk(command_id=command_id, message=message, code=code, status=status, retryable=False)
+        self.send(Tokens([chunk]))
+        self.send(TaskEnded(task_id, command_id, TaskStatus.Failed, message, retryable=False))
+        self.recorder.record("error", code, message[:120], task_id=task_id, command_id=command_id)
+
+    def _cancel(self, task_id: TaskId) -> None:
+        active = self.active.pop(task_id, None)
+        if active is None or self.engine is None:
+            return
+        self.engine.cancel(task_id)
+        self.recorder.record("cancel_observed", "cancelled", task_id=task_id, command_id=active.command_id)
+        self.send(TaskEnded(task_id, active.command_id, TaskStatus.Cancelled))
+        self._maybe_idle()
+
+    def _publish(self, outs: list[TokenOut]) -> None:
+        chunks: list[TokenChunk | ErrorChunk] = []
+        ended: list[TaskEnded] = []
+        for out in outs:
+            active = self.active.get(TaskId(out.request_id))
+            if active is None:
+                continue
+            active.completion_tokens += 1
+            chunks.append(
+                TokenChunk(
+                    command_id=active.command_id,
+                    text=out.text,
+                    token_id=out.token_id,
+                    finish_reason=out.finish_reason,
+                    prompt_tokens=active.prompt_tokens,
+                    completion_tokens=active.completion_tokens,
+                )
+            )
+            if out.finish_reason is not None:
+                del self.active[TaskId(out.request_id)]
+                ended.append(TaskEnded(TaskId(out.request_id), active.command_id, TaskStatus.Complete))
+        if chunks:
+            self.send(Tokens(chunks))
+        for end in ended:
+            self.recorder.record(
+                "completion",
+                "task_complete",
+                task_id=end.task_id,
+                command_id=end.command_id,
+                with_memory=True,
+            )
+            self.send(end)
+        if ended:
+            self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if not self.active:
+            self.recorder.record("idle", "no_active_tasks")
+            self.set_status(RunnerReady())

@@ -1,0 +1,63 @@
+"""What crosses the queues between a supervisor and its runner process. Small, picklable, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from skulk.types.chunks import ErrorChunk, TokenChunk
+from skulk.types.diagnostics import FlightRecorderEntry
+from skulk.types.ids import CommandId, TaskId
+from skulk.types.runners import RunnerStatus
+from skulk.types.tasks import ChatCompletion, TaskStatus
+
+
+@dataclass(frozen=True, slots=True)
+class RunTask:
+    task: ChatCompletion
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTask:
+    task_id: TaskId
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+ToRunner = RunTask | CancelTask | Shutdown
+
+
+@dataclass(frozen=True, slots=True)
+class StatusChanged:
+    status: RunnerStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """Every token of one engine step in one queue message: IPC per step, not per token."""
+
+    chunks: list[TokenChunk | ErrorChunk]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskAccepted:
+    task_id: TaskId
+
+
+@dataclass(frozen=True, slots=True)
+class TaskEnded:
+    task_id: TaskId
+    command_id: CommandId
+    status: TaskStatus
+    error: str | None = None
+    retryable: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Records:
+    entries: list[FlightRecorderEntry] = field(default_factory=list)
+
+
+FromRunner = StatusChanged | Tokens | TaskAccepted | TaskEnded | Records

@@ -1,0 +1,41 @@
+"""Everything a runner process needs to know at birth. Picklable; crosses the spawn boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from skulk.types.diagnostics import RunnerContext
+from skulk.types.ids import InstanceId, NodeId, RunnerId
+from skulk.types.instances import Rendezvous, Sharding
+from skulk.types.shards import PipelineShardMetadata, TensorShardMetadata
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    node_id: NodeId
+    runner_id: RunnerId
+    instance_id: InstanceId
+    shard: PipelineShardMetadata | TensorShardMetadata
+    sharding: Sharding
+    model_dir: Path
+    rendezvous: Rendezvous | None = None
+    warmup_deadline_s: float = 300.0
+    connect_deadline_s: float = 60.0
+    record: bool = True
+    fault: str | None = None
+
+    def context(self, pid: int | None) -> RunnerContext:
+        shard = self.shard
+        return RunnerContext(
+            node_id=self.node_id,
+            runner_id=self.runner_id,
+            pid=pid,
+            instance_id=self.instance_id,
+            model_id=shard.model_card.model_id,
+            rank=shard.device_rank,
+            world_size=shard.world_size,
+            start_layer=shard.start_layer,
+            end_layer=shard.end_layer,
+            n_layers=shard.n_layers,
+        )

@@ -1,0 +1,205 @@
+"""Why a placement was refused, and what each candidate placement would look like.
+
+Every refusal is its own class so the API can switch on the tag, answer with `http_status`, and show
+`message` (which always says what the operator can do about it) without re-deriving anything.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Self
+
+from pydantic import Discriminator, Tag, model_validator
+
+from .base import CamelModel, TaggedModel, tag_of
+from .ids import ModelId, NodeId
+from .instances import InstanceMeta, Sharding
+from .memory import GB, Memory
+
+
+def _gb(memory: Memory) -> str:
+    """GB with two decimals: the unit the runbook's 400 messages use."""
+    return f"{memory.in_bytes / GB:.2f} GB"
+
+
+def _ids(node_ids: list[NodeId]) -> str:
+    return ", ".join(node_ids) if node_ids else "(none)"
+
+
+class PlacementError(TaggedModel):
+    """Base of every refusal. `message` is derived from the fields unless given (e.g. when read back)."""
+
+    message: str = ""
+    http_status: int = 400
+
+    @model_validator(mode="after")
+    def _fill_message(self) -> Self:
+        if not self.message:
+            # Frozen model: set the derived field once, at construction, the only time it can change.
+            object.__setattr__(self, "message", self.describe())
+        return self
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+class InsufficientMemory(PlacementError):
+    """One node of the best candidate cannot hold its shard; memory is checked per node, never summed."""
+
+    node_id: NodeId
+    node_name: str | None = None
+    node_ids: list[NodeId]
+    sharding: Sharding
+    needed: Memory
+    weights_share: Memory
+    overhead_factor: float
+    kv_headroom: Memory
+    available: Memory
+
+    def describe(self) -> str:
+        name = f"{self.node_id} ({self.node_name})" if self.node_name else self.node_id
+        return (
+            f"node {name} needs {_gb(self.needed)} ({_gb(self.weights_share)} weights share × "  # noqa: RUF001
+            f"{self.overhead_factor:g} + {_gb(self.kv_headroom)} KV headroom) but has "
+            f"{_gb(self.available)} free ({self.sharding.value} over {len(self.node_ids)} node(s); a shard "
+            "must fit strictly below free memory). Use a smaller model or a more aggressive quant, add "
+            f"nodes so the per-node share shrinks, or free memory on node {name} and retry."
+        )
+
+
+class NoConnectedCycle(PlacementError):
+    """No ring of at least min_nodes nodes exists among the nodes that are not excluded."""
+
+    min_nodes: int
+    connected_nodes: int
+    available_nodes: int
+    max_cycle_nodes: int
+
+    def describe(self) -> str:
+        cap = (
+            f" Placement considers rings of at most {self.max_cycle_nodes} nodes."
+            if self.min_nodes > self.max_cycle_nodes
+            else ""
+        )
+        return (
+            f"no connected cycle of at least {self.min_nodes} node(s): the largest ring has "
+            f"{self.connected_nodes} of {self.available_nodes} available node(s). Check the links "
+            "between nodes (each node in a ring must reach the next, and two nodes must reach each "
+            f"other) or lower min_nodes.{cap}"
+        )
+
+
+class AllCandidatesExcluded(PlacementError):
+    """Rings of min_nodes exist, but every one of them contains an excluded node."""
+
+    excluded_node_ids: list[NodeId]
+    min_nodes: int
+
+    def describe(self) -> str:
+        return (
+            f"every candidate of at least {self.min_nodes} node(s) contains an excluded node "
+            f"(excluded: {_ids(self.excluded_node_ids)}). Remove nodes from excluded_nodes; node ids "
+            "are per-session, so re-read current ids from GET /state."
+        )
+
+
+TensorRefusal = Literal["model_unsupported", "attention_heads_not_divisible", "kv_heads_not_divisible"]
+
+
+class TensorNotSupported(PlacementError):
+    """Tensor sharding cannot split this model over this many nodes (or at all)."""
+
+    reason: TensorRefusal
+    model_id: ModelId
+    node_count: int | None = None
+    num_attention_heads: int
+    num_key_value_heads: int
+
+    def describe(self) -> str:
+        if self.reason == "model_unsupported":
+            return f"model {self.model_id} does not support Tensor sharding; use Pipeline sharding."
+        return (
+            f"Tensor sharding over {self.node_count} nodes needs num_attention_heads "
+            f"({self.num_attention_heads}) and num_key_value_heads ({self.num_key_value_heads}) divisible "
+            f"by {self.node_count}; use a node count that divides both, or Pipeline sharding."
+        )
+
+
+class InstanceKindUnsupported(PlacementError):
+    """The requested instance kind cannot run on this build."""
+
+    instance_meta: InstanceMeta
+    supported: list[InstanceMeta] = [InstanceMeta.MlxRing]
+
+    def describe(self) -> str:
+        return (
+            f"{self.instance_meta.value} instances (RDMA) are not available on this build; "
+            f"use {InstanceMeta.MlxRing.value}."
+        )
+
+
+class NotEnoughLayers(PlacementError):
+    """Pipeline needs at least one layer per node."""
+
+    model_id: ModelId
+    n_layers: int
+    node_count: int
+
+    def describe(self) -> str:
+        return (
+            f"model {self.model_id} has {self.n_layers} layer(s) but the ring has {self.node_count} nodes; "
+            "Pipeline gives every node at least one layer. Use fewer nodes."
+        )
+
+
+class InfoPending(PlacementError):
+    """Memory info of some candidate nodes has not arrived yet; retrying shortly usually succeeds."""
+
+    http_status: int = 503
+    node_ids: list[NodeId]
+
+    def describe(self) -> str:
+        return (
+            f"memory info is still arriving from node(s) {_ids(self.node_ids)}; wait a few seconds and retry."
+        )
+
+
+AnyPlacementError = Annotated[
+    Annotated[InsufficientMemory, Tag("InsufficientMemory")]
+    | Annotated[NoConnectedCycle, Tag("NoConnectedCycle")]
+    | Annotated[AllCandidatesExcluded, Tag("AllCandidatesExcluded")]
+    | Annotated[TensorNotSupported, Tag("TensorNotSupported")]
+    | Annotated[InstanceKindUnsupported, Tag("InstanceKindUnsupported")]
+    | Annotated[NotEnoughLayers, Tag("NotEnoughLayers")]
+    | Annotated[InfoPending, Tag("InfoPending")],
+    Discriminator(tag_of),
+]
+"""For pydantic fields that hold any refusal; use the base `PlacementError` for isinstance checks."""
+
+
+class PreviewNode(CamelModel):
+    """One rank of a candidate: its layers and its memory before and after loading."""
+
+    node_id: NodeId
+    device_rank: int
+    world_size: int
+    start_layer: int
+    end_layer: int
+    n_layers: int
+    needed: Memory
+    free: Memory
+    left_after: Memory
+
+
+class PlacementPreview(CamelModel):
+    """One candidate ring (node_ids in rank order) with its plan, or the reason it cannot be placed."""
+
+    model_id: ModelId
+    sharding: Sharding
+    instance_meta: InstanceMeta
+    node_ids: list[NodeId]
+    nodes: list[PreviewNode] = []
+    error: AnyPlacementError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None

@@ -1,0 +1,1 @@
+"""The worker: turns cluster state into runner processes on this node."""

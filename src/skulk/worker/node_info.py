@@ -1,0 +1,139 @@
+"""What this machine is and has, read through psutil and the platform. Runs off the event loop."""
+
+from __future__ import annotations
+
+import platform
+import socket
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import psutil
+
+from skulk import __version__
+from skulk.types.memory import Memory
+from skulk.types.node_info import (
+    AcceleratorInfo,
+    DiskUsage,
+    InterfaceType,
+    MemoryUsage,
+    NetworkInfo,
+    NetworkInterface,
+    NodeIdentity,
+    NodeInfo,
+    SystemPerformance,
+)
+
+
+@cache
+def skulk_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=2,
+            check=False,
+        )
+        return out.stdout.strip() or "Unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "Unknown"
+
+
+def identity(friendly_name: str | None) -> NodeIdentity:
+    return NodeIdentity(
+        model_id=platform.machine() or "Unknown",
+        chip_id=platform.processor() or platform.machine() or "Unknown",
+        friendly_name=friendly_name or socket.gethostname(),
+        os_version=f"{platform.system()} {platform.release()}",
+        os_build_version=platform.version(),
+        skulk_version=__version__,
+        skulk_commit=skulk_commit(),
+    )
+
+
+def memory() -> MemoryUsage:
+    vm, sw = psutil.virtual_memory(), psutil.swap_memory()
+    return MemoryUsage(
+        ram_total=Memory.from_bytes(vm.total),
+        ram_available=Memory.from_bytes(vm.available),
+        swap_total=Memory.from_bytes(sw.total),
+        swap_available=Memory.from_bytes(sw.free),
+    )
+
+
+def disk(path: Path) -> DiskUsage:
+    path.mkdir(parents=True, exist_ok=True)
+    usage = psutil.disk_usage(str(path))
+    return DiskUsage(total=Memory.from_bytes(usage.total), available=Memory.from_bytes(usage.free))
+
+
+def _interface_type(name: str) -> InterfaceType:
+    if name.startswith(("wl", "wlan")):
+        return "wifi"
+    if name.startswith(("en", "eth")):
+        return "ethernet"
+    if name.startswith(("thunderbolt", "tb")):
+        return "thunderbolt"
+    if name.startswith(("veth", "br", "docker")):
+        return "maybe_ethernet"
+    return "unknown"
+
+
+def network() -> NetworkInfo:
+    interfaces = [
+        NetworkInterface(name=name, ip_address=addr.address, interface_type=_interface_type(name))
+        for name, addrs in psutil.net_if_addrs().items()
+        for addr in addrs
+        if addr.family == socket.AF_INET
+    ]
+    return NetworkInfo(interfaces=interfaces)
+
+
+def accelerator() -> AcceleratorInfo:
+    """NVIDIA through NVML when it is installed; otherwise the CPU."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        return AcceleratorInfo(
+            vendor="nvidia",
+            name=str(pynvml.nvmlDeviceGetName(handle)),
+            utilization_ratio=util.gpu / 100.0,
+            vram_total_bytes=int(mem.total),
+            vram_used_bytes=int(mem.used),
+        )
+    except Exception:
+        return AcceleratorInfo(vendor="cpu", name=platform.processor() or platform.machine() or "cpu")
+
+
+def system() -> SystemPerformance:
+    return SystemPerformance(pcpu_usage=psutil.cpu_percent(interval=None))
+
+
+def gather(*, friendly_name: str | None, home: Path, api_port: int) -> NodeInfo:
+    return NodeInfo(
+        identity=identity(friendly_name),
+        memory=memory(),
+        disk=disk(home),
+        system=system(),
+        accelerator=accelerator(),
+        network=network(),
+        api_port=api_port,
+    )
+
+
+MEMORY_STEP = 64 * 1024 * 1024
+
+
+def differs(old: NodeInfo | None, new: NodeInfo) -> bool:
+    """Worth an event: anything but memory and CPU changed, or free memory moved by more than 64 MiB."""
+    if old is None or old.memory is None or new.memory is None:
+        return True
+    moved = abs(old.memory.ram_available.in_bytes - new.memory.ram_available.in_bytes) > MEMORY_STEP
+    strip = {"memory", "system"}
+    return moved or old.model_dump(exclude=strip) != new.model_dump(exclude=strip)

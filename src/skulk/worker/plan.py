@@ -1,0 +1,80 @@
+"""Pure planning: given the cluster state and what runs here, what should this node do next."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from skulk.types.ids import NodeId, RunnerId, TaskId
+from skulk.types.instances import MlxRingInstance
+from skulk.types.runners import RunnerReady, RunnerRunning
+from skulk.types.state import State
+from skulk.types.tasks import ChatCompletion
+
+
+@dataclass(frozen=True)
+class LocalRunner:
+    """What the worker knows about one of its runners without asking the cluster."""
+
+    runner_id: RunnerId
+    sent: frozenset[TaskId] = frozenset()
+    in_progress: frozenset[TaskId] = frozenset()
+
+
+@dataclass(frozen=True)
+class StartRunner:
+    instance: MlxRingInstance
+    runner_id: RunnerId
+
+
+@dataclass(frozen=True)
+class StopRunner:
+    runner_id: RunnerId
+
+
+@dataclass(frozen=True)
+class SendTask:
+    runner_id: RunnerId
+    task: ChatCompletion
+
+
+@dataclass(frozen=True)
+class CancelRunnerTask:
+    runner_id: RunnerId
+    task_id: TaskId
+
+
+Action = StartRunner | StopRunner | SendTask | CancelRunnerTask
+
+
+def plan(state: State, node_id: NodeId, local: Mapping[RunnerId, LocalRunner]) -> list[Action]:
+    actions: list[Action] = []
+    wanted: dict[RunnerId, MlxRingInstance] = {}
+    for instance in state.instances.values():
+        runner_id = instance.shard_assignments.node_to_runner.get(node_id)
+        if runner_id is not None:
+            wanted[runner_id] = instance
+    actions += [StopRunner(r) for r in local if r not in wanted]
+    actions += [StartRunner(inst, r) for r, inst in wanted.items() if r not in local]
+    for runner_id, instance in wanted.items():
+        if runner_id in local:
+            actions += _task_actions(state, instance, local[runner_id])
+    return actions
+
+
+def _task_actions(state: State, instance: MlxRingInstance, runner: LocalRunner) -> list[Action]:
+    """Open tasks go to every rank once the whole instance serves; closed ones are cancelled where running."""
+    serving = all(
+        isinstance(state.runners.get(r), RunnerReady | RunnerRunning)
+        for r in instance.shard_assignments.runner_to_shard
+    )
+    actions: list[Action] = []
+    for task in state.tasks.values():
+        if task.instance_id != instance.instance_id:
+            continue
+        if task.task_status.is_open:
+            if serving and task.task_id not in runner.sent:
+                actions.append(SendTask(runner.runner_id, task))
+        elif task.task_id in runner.in_progress:
+            actions.append(CancelRunnerTask(runner.runner_id, task.task_id))
+    return actions

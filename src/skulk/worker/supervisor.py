@@ -1,0 +1,239 @@
+"""One runner process: spawn it, feed it tasks, relay what it says, restart or fail it when it dies.
+
+The supervisor lives on the node's event loop; a reader thread blocks on the runner's queue and hands each
+message to the loop. It keeps the runner's local diagnostics (flight recorder, milestones), never gossiped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from skulk.runner.messages import (
+    CancelTask,
+    FromRunner,
+    Records,
+    RunTask,
+    Shutdown,
+    StatusChanged,
+    TaskAccepted,
+    TaskEnded,
+    Tokens,
+)
+from skulk.runner.recorder import utc_now
+from skulk.runner.spec import RunnerSpec
+from skulk.types.chunks import ErrorChunk, TokenChunk
+from skulk.types.diagnostics import FlightRecorderEntry, Milestone
+from skulk.types.ids import TaskId
+from skulk.types.runners import RunnerFailed, RunnerIdle, RunnerPhase, RunnerStatus
+from skulk.types.tasks import ChatCompletion, TaskStatus
+
+log = logging.getLogger("skulk.supervisor")
+
+FLIGHT_RECORDER_SIZE = 128
+MILESTONES_KEPT = 32
+MAX_RESTARTS = 3
+STOP_GRACE_S = 5.0
+TERMINATE_GRACE_S = 2.0
+
+
+@dataclass
+class SupervisorCallbacks:
+    on_status: Callable[[RunnerStatus], None]
+    on_chunks: Callable[[list[TokenChunk | ErrorChunk]], None]
+    on_task_started: Callable[[TaskId], None]
+    on_task_ended: Callable[[TaskEnded], None]
+
+
+@dataclass
+class SupervisorView:
+    """Local, live facts about the runner for diagnostics."""
+
+    status: RunnerStatus = field(default_factory=RunnerIdle)
+    status_since: str = field(default_factory=utc_now)
+    phase: RunnerPhase = "created"
+    phase_started_at: str = field(default_factory=utc_now)
+    phase_detail: str | None = None
+    last_progress_at: str | None = None
+    flight_recorder: deque[FlightRecorderEntry] = field(
+        default_factory=lambda: deque(maxlen=FLIGHT_RECORDER_SIZE)
+    )
+    milestones: deque[Milestone] = field(default_factory=lambda: deque(maxlen=MILESTONES_KEPT))
+    pending: dict[TaskId, ChatCompletion] = field(default_factory=dict)
+    in_progress: dict[TaskId, ChatCompletion] = field(default_factory=dict)
+    sent: set[TaskId] = field(default_factory=set)
+    completed_count: int = 0
+    cancelled: list[TaskId] = field(default_factory=list)
+    last_task_sent_at: str | None = None
+    last_event_received_at: str | None = None
+    last_event_type: str | None = None
+    exit_code: int | None = None
+
+
+class RunnerSupervisor:
+    def __init__(self, spec: RunnerSpec, callbacks: SupervisorCallbacks) -> None:
+        self.spec = spec
+        self.callbacks = callbacks
+        self.view = SupervisorView()
+        self.restarts = 0
+        self.stopping = False
+        self._ctx = mp.get_context("spawn")
+        self._process: Any = None
+        self._inbox: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def runner_id(self) -> str:
+        return self.spec.runner_id
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def milestone(self, name: str, detail: str | None = None) -> None:
+        self.view.milestones.append(Milestone(at=utc_now(), name=name, detail=detail))
+
+    def start(self) -> None:
+        """Spawn the runner. Call from the event loop thread."""
+        from skulk.runner.main import runner_main
+
+        self._loop = asyncio.get_running_loop()
+        self._inbox = self._ctx.Queue()
+        outbox = self._ctx.Queue()
+        self._process = self._ctx.Process(
+            target=runner_main,
+            args=(self.spec, self._inbox, outbox),
+            name=f"skulk-runner-{self.runner_id[:8]}",
+        )
+        self._process.start()
+        self.milestone("spawned", f"pid {self._process.pid}")
+        threading.Thread(target=self._read, args=(self._process, outbox), daemon=True).start()
+
+    def _read(self, process: Any, outbox: Any) -> None:
+        loop = self._loop
+        assert loop is not None
+        while True:
+            try:
+                message = outbox.get(timeout=0.2)
+            except queue.Empty:
+                if not process.is_alive():
+                    break
+                continue
+            except (EOFError, OSError):
+                break
+            loop.call_soon_threadsafe(self._on_message, message)
+        process.join()
+        loop.call_soon_threadsafe(self._on_exit, process)
+
+    def send_task(self, task: ChatCompletion) -> None:
+        self.view.sent.add(task.task_id)
+        self.view.pending[task.task_id] = task
+        self.view.last_task_sent_at = utc_now()
+        self._inbox.put(RunTask(task))
+
+    def cancel(self, task_id: TaskId) -> None:
+        if task_id in self.view.in_progress or task_id in self.view.pending:
+            self._inbox.put(CancelTask(task_id))
+
+    def _on_message(self, message: FromRunner) -> None:
+        view = self.view
+        view.last_event_received_at = utc_now()
+        view.last_event_type = type(message).__name__
+        match message:
+            case Tokens(chunks=chunks):
+                self.callbacks.on_chunks(chunks)
+            case StatusChanged(status=status):
+                view.status, view.status_since = status, utc_now()
+                self.milestone(type(status).__name__)
+                self.callbacks.on_status(status)
+            case TaskAccepted(task_id=task_id):
+                task = view.pending.pop(task_id, None)
+                if task is not None:
+                    view.in_progress[task_id] = task
+                self.callbacks.on_task_started(task_id)
+            case TaskEnded():
+                self._on_task_ended(message)
+            case Records(entries=entries):
+                self._on_records(entries)
+
+    def _on_task_ended(self, ended: TaskEnded) -> None:
+        self.view.in_progress.pop(ended.task_id, None)
+        self.view.pending.pop(ended.task_id, None)
+        if ended.status == TaskStatus.Complete:
+            self.view.completed_count += 1
+        elif ended.status == TaskStatus.Cancelled:
+            self.view.cancelled = [*self.view.cancelled[-63:], ended.task_id]
+        self.callbacks.on_task_ended(ended)
+
+    def _on_records(self, entries: list[FlightRecorderEntry]) -> None:
+        view = self.view
+        for entry in entries:
+            if entry.phase != view.phase:
+                view.phase, view.phase_started_at = entry.phase, entry.at
+            view.phase_detail = entry.detail or entry.event
+            view.last_progress_at = entry.at
+            view.flight_recorder.append(entry)
+
+    def _on_exit(self, process: Any) -> None:
+        if process is not self._process:
+            return
+        code = process.exitcode
+        self.view.exit_code = code
+        self.milestone("exited", f"code {code}")
+        if self.stopping:
+            return
+        reason = f"runner process exited with code {code}"
+        log.warning("runner %s: %s", self.runner_id, reason)
+        self._fail_open_tasks(reason)
+        self.view.status, self.view.status_since = RunnerFailed(error_message=reason), utc_now()
+        self.callbacks.on_status(self.view.status)
+        if self.spec.shard.world_size == 1 and self.restarts < MAX_RESTARTS:
+            self.restarts += 1
+            self.milestone("restarting", f"attempt {self.restarts} of {MAX_RESTARTS}")
+            assert self._loop is not None
+            self._loop.call_later(0.5 * self.restarts, self._restart)
+
+    def _restart(self) -> None:
+        if not self.stopping:
+            self.start()
+
+    def _fail_open_tasks(self, reason: str) -> None:
+        open_tasks = {**self.view.pending, **self.view.in_progress}
+        for task in open_tasks.values():
+            message = f"{reason}; retry the request"
+            self.callbacks.on_chunks(
+                [ErrorChunk(command_id=task.command_id, message=message, retryable=True)]
+            )
+            self._on_task_ended(TaskEnded(task.task_id, task.command_id, TaskStatus.Failed, message))
+
+    async def stop(self) -> None:
+        """Ask nicely, then terminate, then kill: no runner outlives its supervisor."""
+        self.stopping = True
+        process = self._process
+        if process is None:
+            return
+        if process.is_alive():
+            try:
+                self._inbox.put(Shutdown())
+            except (OSError, ValueError):
+                pass
+        for grace, escalate in ((STOP_GRACE_S, process.terminate), (TERMINATE_GRACE_S, process.kill)):
+            await asyncio.to_thread(process.join, grace)
+            if not process.is_alive():
+                break
+            self.milestone("escalating", escalate.__name__)
+            escalate()
+        await asyncio.to_thread(process.join, TERMINATE_GRACE_S)
+        self.view.exit_code = process.exitcode
+        self.milestone("stopped", f"code {process.exitcode}")
