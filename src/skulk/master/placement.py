@@ -1,0 +1,339 @@
+"""Placement: which nodes run a model, which layers each rank owns, and why a request cannot be placed.
+
+Pure functions of `State`: no I/O, clocks or randomness (ids and the rendezvous port come in), so the API
+can plan against the same state the master holds and both reach the same answer. Memory is checked per
+node, never summed: a cluster whose total is enough can still refuse a model when one node's share does
+not fit, which is what actually happens at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from skulk.master.cycles import (
+    MAX_CYCLE_NODES,
+    Adjacency,
+    Ring,
+    adjacency,
+    largest_ring_size,
+    live_nodes,
+    rendezvous_host,
+    rings_of_size,
+)
+from skulk.master.shard_plan import (
+    RUNTIME_OVERHEAD_FACTOR,
+    NodePlan,
+    allocate_layers,
+    kv_headroom_bytes,
+    layer_ranges,
+    plan_ring,
+)
+from skulk.types.ids import InstanceId, NodeId, RunnerId
+from skulk.types.instances import (
+    InstanceMeta,
+    MlxRingInstance,
+    Rendezvous,
+    ShardAssignments,
+    Sharding,
+)
+from skulk.types.memory import Memory
+from skulk.types.models import ModelCard
+from skulk.types.placement import (
+    AllCandidatesExcluded,
+    AnyPlacementError,
+    InfoPending,
+    InstanceKindUnsupported,
+    InsufficientMemory,
+    NoConnectedCycle,
+    NotEnoughLayers,
+    PlacementError,
+    PlacementPreview,
+    PreviewNode,
+    TensorNotSupported,
+)
+from skulk.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from skulk.types.state import State
+
+__all__ = [
+    "RUNTIME_OVERHEAD_FACTOR",
+    "allocate_layers",
+    "kv_headroom_bytes",
+    "layer_ranges",
+    "place",
+    "preview_placements",
+]
+"""Re-exported so callers need only this module; the error and preview types live in skulk.types.placement."""
+
+
+# ------------------------------------------------------------------------------------------- candidates
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A ring with its per-rank plan, or the reason it cannot host the model."""
+
+    ring: Ring
+    plans: tuple[NodePlan, ...] = ()
+    error: AnyPlacementError | None = None
+
+    @property
+    def headroom(self) -> int:
+        return sum(p.left_after for p in self.plans)
+
+    @property
+    def worst_margin(self) -> int:
+        return min((p.left_after for p in self.plans), default=0)
+
+    @property
+    def ids_key(self) -> tuple[NodeId, ...]:
+        return tuple(sorted(self.ring))
+
+
+def _kind_or_model_error(card: ModelCard, sharding: Sharding, meta: InstanceMeta) -> AnyPlacementError | None:
+    """Refusals that hold for every candidate, checked before looking at the topology."""
+    if meta != InstanceMeta.MlxRing:
+        return InstanceKindUnsupported(instance_meta=meta)
+    if sharding == Sharding.Tensor and not card.supports_tensor:
+        return _tensor_error(card, "model_unsupported", None)
+    return None
+
+
+def _tensor_error(card: ModelCard, reason: str, node_count: int | None) -> TensorNotSupported:
+    return TensorNotSupported.model_validate(
+        {
+            "reason": reason,
+            "model_id": card.model_id,
+            "node_count": node_count,
+            "num_attention_heads": card.num_attention_heads,
+            "num_key_value_heads": card.num_key_value_heads,
+        }
+    )
+
+
+def _shape_error(card: ModelCard, sharding: Sharding, size: int) -> AnyPlacementError | None:
+    """Whether the model can be cut into `size` shards at all, before any memory is known."""
+    if sharding == Sharding.Pipeline:
+        if card.n_layers < size:
+            return NotEnoughLayers(model_id=card.model_id, n_layers=card.n_layers, node_count=size)
+        return None
+    if card.num_attention_heads % size:
+        return _tensor_error(card, "attention_heads_not_divisible", size)
+    if card.num_key_value_heads % size:
+        return _tensor_error(card, "kv_heads_not_divisible", size)
+    return None
+
+
+def _insufficient(state: State, sharding: Sharding, ring: Ring, plan: NodePlan) -> InsufficientMemory:
+    identity = state.node_identities.get(plan.node_id)
+    name = identity.friendly_name if identity and identity.friendly_name != "Unknown" else None
+    return InsufficientMemory(
+        node_id=plan.node_id,
+        node_name=name,
+        node_ids=list(ring),
+        sharding=sharding,
+        needed=Memory.from_bytes(plan.needed),
+        weights_share=Memory.from_bytes(plan.weights_share),
+        overhead_factor=RUNTIME_OVERHEAD_FACTOR,
+        kv_headroom=Memory.from_bytes(plan.kv_headroom),
+        available=Memory.from_bytes(plan.free),
+    )
+
+
+def _evaluate(state: State, card: ModelCard, sharding: Sharding, ring: Ring) -> _Candidate:
+    """Plan one ring; unknown memory is InfoPending, never a false InsufficientMemory."""
+    shape = _shape_error(card, sharding, len(ring))
+    if shape is not None:
+        return _Candidate(ring, error=shape)
+    pending = [n for n in ring if n not in state.node_memory]
+    if pending:
+        return _Candidate(ring, error=InfoPending(node_ids=pending))
+    plans = plan_ring(card, sharding, ring, [state.node_memory[n].ram_available.in_bytes for n in ring])
+    short = [p for p in plans if not p.fits]
+    if short:
+        worst = min(short, key=lambda p: p.left_after)
+        return _Candidate(ring, plans, _insufficient(state, sharding, ring, worst))
+    return _Candidate(ring, plans)
+
+
+def _best_valid(valid: Sequence[_Candidate]) -> _Candidate:
+    """Same node count here; most total headroom wins, then node ids, so the choice is reproducible."""
+    return min(valid, key=lambda c: (-c.headroom, c.ids_key))
+
+
+def _best_failure(failed: Sequence[_Candidate]) -> AnyPlacementError:
+    """The most useful refusal: the nearest memory miss if any, else the smallest ring's reason."""
+    memory = [c for c in failed if isinstance(c.error, InsufficientMemory)]
+    if memory:
+        best = min(memory, key=lambda c: (-c.worst_margin, len(c.ring), c.ids_key))
+    else:
+        best = min(failed, key=lambda c: (len(c.ring), c.ids_key))
+    assert best.error is not None
+    return best.error
+
+
+# ------------------------------------------------------------------------------------------------ place
+
+
+def _has_ring(nodes: Sequence[NodeId], adj: Adjacency, min_size: int) -> bool:
+    sizes = range(min_size, min(len(nodes), MAX_CYCLE_NODES) + 1)
+    return any(next(rings_of_size(nodes, adj, size), None) is not None for size in sizes)
+
+
+def _no_candidate_error(
+    state: State, nodes: list[NodeId], adj: Adjacency, excluded: set[NodeId], min_nodes: int
+) -> PlacementError:
+    """Tell apart "the topology has no such ring" from "the exclusions removed every such ring"."""
+    everyone = live_nodes(state.topology, ())
+    dropped = sorted(excluded & set(everyone))
+    if dropped and _has_ring(everyone, adjacency(state.topology, everyone), min_nodes):
+        return AllCandidatesExcluded(excluded_node_ids=dropped, min_nodes=min_nodes)
+    return NoConnectedCycle(
+        min_nodes=min_nodes,
+        connected_nodes=largest_ring_size(nodes, adj, min_nodes),
+        available_nodes=len(nodes),
+        max_cycle_nodes=MAX_CYCLE_NODES,
+    )
+
+
+def _choose(
+    state: State, card: ModelCard, sharding: Sharding, nodes: list[NodeId], adj: Adjacency, min_nodes: int
+) -> _Candidate | AnyPlacementError | None:
+    """Smallest ring size first; the first size with a valid ring decides (None: no ring at all).
+
+    A ring whose memory is unknown could win on node count once its info arrives, so at the first size
+    where nothing is valid but something is pending, the answer is InfoPending rather than a larger ring
+    or a false InsufficientMemory.
+    """
+    failed: list[_Candidate] = []
+    for size in range(min_nodes, min(len(nodes), MAX_CYCLE_NODES) + 1):
+        candidates = [_evaluate(state, card, sharding, ring) for ring in rings_of_size(nodes, adj, size)]
+        valid = [c for c in candidates if c.error is None]
+        if valid:
+            return _best_valid(valid)
+        pending = {n for c in candidates if isinstance(c.error, InfoPending) for n in c.error.node_ids}
+        if pending:
+            return InfoPending(node_ids=sorted(pending))
+        failed.extend(candidates)
+    return _best_failure(failed) if failed else None
+
+
+def _build_instance(
+    state: State,
+    card: ModelCard,
+    sharding: Sharding,
+    chosen: _Candidate,
+    instance_id: InstanceId,
+    new_runner_id: Callable[[], RunnerId],
+    rendezvous_port: int,
+) -> MlxRingInstance:
+    """One runner per rank in ring order; Tensor ranks own every layer, Pipeline ranks their slice."""
+    shard_type = TensorShardMetadata if sharding == Sharding.Tensor else PipelineShardMetadata
+    runner_to_shard: dict[RunnerId, ShardMetadata] = {}
+    node_to_runner: dict[NodeId, RunnerId] = {}
+    for rank, plan in enumerate(chosen.plans):
+        runner_id = new_runner_id()
+        if runner_id in runner_to_shard:
+            raise ValueError(f"new_runner_id returned {runner_id} twice")
+        runner_to_shard[runner_id] = shard_type(
+            model_card=card,
+            device_rank=rank,
+            world_size=len(chosen.plans),
+            start_layer=plan.start_layer,
+            end_layer=plan.end_layer,
+            n_layers=card.n_layers,
+        )
+        node_to_runner[plan.node_id] = runner_id
+    return MlxRingInstance(
+        instance_id=instance_id,
+        shard_assignments=ShardAssignments(
+            model_id=card.model_id, runner_to_shard=runner_to_shard, node_to_runner=node_to_runner
+        ),
+        sharding=sharding,
+        engine="torch",
+        rendezvous=Rendezvous(
+            host=rendezvous_host(state.topology.connections, chosen.ring), port=rendezvous_port
+        ),
+    )
+
+
+def place(
+    state: State,
+    card: ModelCard,
+    sharding: Sharding,
+    instance_meta: InstanceMeta,
+    *,
+    instance_id: InstanceId,
+    new_runner_id: Callable[[], RunnerId],
+    rendezvous_port: int,
+    min_nodes: int = 1,
+    excluded_nodes: Iterable[NodeId] = (),
+) -> MlxRingInstance | PlacementError:
+    """Place `card` on the smallest ring of at least `min_nodes` nodes where every node fits its shard.
+
+    Among valid rings of that size the one with the most total headroom wins, then the lowest node ids.
+    Returns the instance to put in a CreateInstance command, or the typed reason it cannot be placed.
+    """
+    refused = _kind_or_model_error(card, sharding, instance_meta)
+    if refused is not None:
+        return refused
+    min_nodes = max(1, min_nodes)
+    excluded = set(excluded_nodes)
+    nodes = live_nodes(state.topology, excluded)
+    adj = adjacency(state.topology, nodes)
+    chosen = _choose(state, card, sharding, nodes, adj, min_nodes)
+    if chosen is None:
+        return _no_candidate_error(state, nodes, adj, excluded, min_nodes)
+    if not isinstance(chosen, _Candidate):
+        return chosen
+    return _build_instance(state, card, sharding, chosen, instance_id, new_runner_id, rendezvous_port)
+
+
+# ---------------------------------------------------------------------------------------------- preview
+
+
+def _preview(card: ModelCard, sharding: Sharding, meta: InstanceMeta, cand: _Candidate) -> PlacementPreview:
+    nodes = [
+        PreviewNode(
+            node_id=p.node_id,
+            device_rank=rank,
+            world_size=len(cand.plans),
+            start_layer=p.start_layer,
+            end_layer=p.end_layer,
+            n_layers=card.n_layers,
+            needed=Memory.from_bytes(p.needed),
+            free=Memory.from_bytes(p.free),
+            left_after=Memory.from_bytes(p.left_after),
+        )
+        for rank, p in enumerate(cand.plans)
+    ]
+    return PlacementPreview(
+        model_id=card.model_id,
+        sharding=sharding,
+        instance_meta=meta,
+        node_ids=list(cand.ring),
+        nodes=nodes if cand.error is None else [],
+        error=cand.error,
+    )
+
+
+def preview_placements(
+    state: State,
+    card: ModelCard,
+    sharding: Sharding,
+    instance_meta: InstanceMeta,
+    excluded_nodes: Iterable[NodeId] = (),
+) -> list[PlacementPreview]:
+    """Every ring of every size from one node up, with its per-node plan or its typed refusal.
+
+    Ordered by ring size, then node ids. Rings are capped like placement (cycles.MAX_CYCLE_NODES).
+    """
+    refused = _kind_or_model_error(card, sharding, instance_meta)
+    nodes = live_nodes(state.topology, excluded_nodes)
+    adj = adjacency(state.topology, nodes)
+    previews: list[PlacementPreview] = []
+    for size in range(1, min(len(nodes), MAX_CYCLE_NODES) + 1):
+        for ring in rings_of_size(nodes, adj, size):
+            cand = _Candidate(ring, error=refused) if refused else _evaluate(state, card, sharding, ring)
+            previews.append(_preview(card, sharding, instance_meta, cand))
+    return previews
