@@ -51,6 +51,7 @@ from skulk.types.placement import (
     PlacementPreview,
     PreviewNode,
     TensorNotSupported,
+    TensorRefusal,
 )
 from skulk.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from skulk.types.state import State
@@ -99,15 +100,13 @@ def _kind_or_model_error(card: ModelCard, sharding: Sharding, meta: InstanceMeta
     return None
 
 
-def _tensor_error(card: ModelCard, reason: str, node_count: int | None) -> TensorNotSupported:
-    return TensorNotSupported.model_validate(
-        {
-            "reason": reason,
-            "model_id": card.model_id,
-            "node_count": node_count,
-            "num_attention_heads": card.num_attention_heads,
-            "num_key_value_heads": card.num_key_value_heads,
-        }
+def _tensor_error(card: ModelCard, reason: TensorRefusal, node_count: int | None) -> TensorNotSupported:
+    return TensorNotSupported(
+        reason=reason,
+        model_id=card.model_id,
+        node_count=node_count,
+        num_attention_heads=card.num_attention_heads,
+        num_key_value_heads=card.num_key_value_heads,
     )
 
 
@@ -125,6 +124,7 @@ def _shape_error(card: ModelCard, sharding: Sharding, size: int) -> AnyPlacement
 
 
 def _insufficient(state: State, sharding: Sharding, ring: Ring, plan: NodePlan) -> InsufficientMemory:
+    """Name the node the way the operator knows it, with the numbers that refused it."""
     identity = state.node_identities.get(plan.node_id)
     name = identity.friendly_name if identity and identity.friendly_name != "Unknown" else None
     return InsufficientMemory(
@@ -176,6 +176,7 @@ def _best_failure(failed: Sequence[_Candidate]) -> AnyPlacementError:
 
 
 def _has_ring(nodes: Sequence[NodeId], adj: Adjacency, min_size: int) -> bool:
+    """Whether any ring of at least `min_size` nodes exists (stops at the first found)."""
     sizes = range(min_size, min(len(nodes), MAX_CYCLE_NODES) + 1)
     return any(next(rings_of_size(nodes, adj, size), None) is not None for size in sizes)
 
