@@ -1,0 +1,14 @@
+"""Errors engines raise to their callers, shared by every engine so runners can handle them uniformly."""
+
+from __future__ import annotations
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt does not fit the engine's context window; the request is rejected before any compute."""
+
+    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+        super().__init__(
+            f"prompt has {prompt_tokens} tokens but the context length is {context_length} tokens"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length

@@ -1,0 +1,84 @@
+"""The KV cache: one preallocated buffer per layer, one row (slot) per request, never reallocated.
+
+Layout per layer is [max_slots, n_kv_heads, max_seq, head_dim]. A step works on a contiguous range of slots,
+so the rows it reads are a view of the buffer, not a gather; the engine keeps running requests packed into
+slots [0, n) by moving the last request into a freed slot (one copy per finished request, none per token).
+Stale entries past a request's length are never read: the attention mask stops at each slot's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """Where one forward pass reads and writes: built once per step and shared by every layer.
+
+    positions[b, t] is the absolute position of input token t of batch row b, which is also where its key and
+    value are stored in slot slots.start + b. mask[b, 0, t, s] allows key s for that token (s <= position).
+    """
+
+    slots: slice
+    rows: torch.Tensor  # [B, 1] row index into the slot range, for scatter writes
+    positions: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, 1, T, kv_len] bool
+    kv_len: int
+
+    @classmethod
+    def build(cls, positions: torch.Tensor, slot_start: int) -> StepBatch:
+        """A batch over slots [slot_start, slot_start + B) whose tokens sit at positions ([B, T] long)."""
+        batch = positions.shape[0]
+        kv_len = int(positions.max().item()) + 1
+        keys = torch.arange(kv_len, device=positions.device)
+        mask = keys.view(1, 1, 1, kv_len) <= positions.view(batch, 1, -1, 1)
+        rows = torch.arange(batch, device=positions.device).view(batch, 1)
+        return cls(slice(slot_start, slot_start + batch), rows, positions, mask, kv_len)
+
+
+class LayerCache:
+    """Keys and values of one layer for every slot."""
+
+    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> None:
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the step's keys/values ([B, H, T, D]) in place; return views of each slot's first kv_len."""
+        keys, values = self.keys[batch.slots], self.values[batch.slots]
+        keys[batch.rows, :, batch.positions] = k.transpose(1, 2)
+        values[batch.rows, :, batch.positions] = v.transpose(1, 2)
+        return keys[:, :, : batch.kv_len], values[:, :, : batch.kv_len]
+
+
+class KVCache:
+    """The cache of one model slice: a LayerCache per owned layer, indexed by local layer number."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        max_slots: int,
+        n_kv_heads: int,
+        max_seq: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (max_slots, n_kv_heads, max_seq, head_dim)
+        self.max_slots, self.max_seq = max_slots, max_seq
+        self.layers = [LayerCache(shape, dtype, torch.device(device)) for _ in range(n_layers)]
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first length positions of slot src into slot dst (compaction after a request leaves)."""
+        for layer in self.layers:
+            layer.keys[dst, :, :length] = layer.keys[src, :, :length]
+            layer.values[dst, :, :length] = layer.values[src, :, :length]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in self.layers for t in (layer.keys, layer.values))

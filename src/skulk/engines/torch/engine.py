@@ -1,0 +1,176 @@
+"""TorchEngine: the Engine protocol over a ModelSlice, with continuous batching.
+
+Requests join between steps. Each step prefills the requests that fit into free cache slots (one forward
+each), then decodes one token for every running request in a single batched forward. Running requests are
+kept packed in cache slots [0, n) so the batched forward reads the cache as a view; when one finishes, the
+last request moves into its slot. Not thread-safe: one runner thread drives add_request/cancel/step.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from skulk.engines.base import FinishReason, TokenOut
+from skulk.engines.errors import ContextLengthExceeded
+from skulk.types.chat import ChatMessage, SamplingParams
+
+from .cache import StepBatch
+from .loader import load_model
+from .sampling import RowSampling, sample
+from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
+
+DEFAULT_MAX_SEQ = 4096  # caps the preallocated cache for long-context models unless max_seq says otherwise
+_WARMUP_ID = "__skulk_warmup__"
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: RowSampling
+    decoder: IncrementalDecoder
+    stops: StopMatcher
+    length: int = 0  # positions filled in this request's cache slot
+    generated: int = 0
+    last_token: int = -1
+    finished: bool = False
+
+
+class TorchEngine:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+        max_batch: int = 8,
+        max_seq: int | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.device = torch.device(device)
+        self.model = load_model(
+            model_dir, start_layer=start_layer, end_layer=end_layer, dtype=dtype, device=self.device
+        )
+        positions = self.model.args.max_position_embeddings
+        self.context_length = min(positions, max_seq if max_seq is not None else DEFAULT_MAX_SEQ)
+        self.max_batch = max_batch
+        self.cache = self.model.make_cache(max_batch, self.context_length)
+        self.tokenizer = ChatTokenizer(model_dir)
+        self._pending: deque[_Request] = deque()
+        self._running: list[_Request] = []  # index == cache slot
+        self._unseeded = torch.Generator(device=self.device).manual_seed(secrets.randbits(63))
+
+    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        return self.tokenizer.encode_chat(messages)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Queue a request; it is prefilled by the next step that has a free cache slot."""
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(prompt_ids) > self.context_length:
+            raise ContextLengthExceeded(len(prompt_ids), self.context_length)
+        if any(r.request_id == request_id for r in (*self._pending, *self._running)):
+            raise ValueError(f"request {request_id!r} is already running")
+        generator = self._unseeded
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        row = RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, generator)
+        self._pending.append(
+            _Request(
+                request_id, list(prompt_ids), sampling.max_tokens, row,
+                IncrementalDecoder(self.tokenizer.decode), StopMatcher(sampling.stop),
+            )
+        )
+
+    def cancel(self, request_id: str) -> None:
+        self._pending = deque(r for r in self._pending if r.request_id != request_id)
+        for slot, req in enumerate(self._running):
+            if req.request_id == request_id:
+                self._release(slot)
+                return
+
+    def has_work(self) -> bool:
+        return bool(self._pending or self._running)
+
+    def step(self) -> list[TokenOut]:
+        if not (self.model.is_first and self.model.is_last):
+            raise RuntimeError("step() needs the whole model; a layer slice is driven stage by stage")
+        out: list[TokenOut] = []
+        with torch.inference_mode():
+            while self._pending and len(self._running) < self.max_batch:
+                out.append(self._prefill(self._pending.popleft()))
+                self._release_finished()
+            if self._running:
+                out.extend(self._decode())
+                self._release_finished()
+        return out
+
+    def warmup(self) -> None:
+        """Generate two tokens of a throwaway request, unless real work is already under way."""
+        if self.has_work():
+            return
+        prompt = self.tokenizer.encode("warmup") or [0]
+        sampling = SamplingParams(max_tokens=2, temperature=0)
+        self.add_request(_WARMUP_ID, prompt[: self.context_length], sampling)
+        while self.has_work():
+            self.step()
+
+    def _prefill(self, req: _Request) -> TokenOut:
+        slot = len(self._running)
+        self._running.append(req)
+        ids = torch.tensor([req.prompt], device=self.device)
+        positions = torch.arange(len(req.prompt), device=self.device).unsqueeze(0)
+        logits = self.model(ids, StepBatch.build(positions, slot), self.cache, last_only=True)
+        req.length = len(req.prompt)
+        return self._accept(req, sample(logits[:, -1], [req.sampling])[0])
+
+    def _decode(self) -> list[TokenOut]:
+        running = self._running
+        ids = torch.tensor([[r.last_token] for r in running], device=self.device)
+        positions = torch.tensor([[r.length] for r in running], device=self.device)
+        logits = self.model(ids, StepBatch.build(positions, 0), self.cache)
+        tokens = sample(logits[:, -1], [r.sampling for r in running])
+        outs: list[TokenOut] = []
+        for req, token in zip(running, tokens, strict=True):
+            req.length += 1
+            outs.append(self._accept(req, token))
+        return outs
+
+    def _accept(self, req: _Request, token: int) -> TokenOut:
+        """Record a sampled token and turn it into streamed text, deciding whether the request is done."""
+        req.generated += 1
+        req.last_token = token
+        finish: FinishReason | None = None
+        if token in self.tokenizer.eos_ids:
+            text, finish = req.stops.push(req.decoder.flush())[0] + req.stops.flush(), "stop"
+        else:
+            text, stopped = req.stops.push(req.decoder.push(token))
+            if stopped:
+                finish = "stop"
+            elif req.generated >= req.max_tokens or req.length >= self.context_length:
+                tail, stopped = req.stops.push(req.decoder.flush())
+                text += tail if stopped else tail + req.stops.flush()
+                finish = "stop" if stopped else "length"
+        req.finished = finish is not None
+        return TokenOut(req.request_id, token, text, finish)
+
+    def _release_finished(self) -> None:
+        for slot in range(len(self._running) - 1, -1, -1):
+            if self._running[slot].finished:
+                self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        """Free a slot, moving the last running request into it so slots stay packed."""
+        last = self._running.pop()
+        if slot < len(self._running):
+            self._running[slot] = last
+            self.cache.move_slot(len(self._running), slot, last.length)

@@ -1,0 +1,139 @@
+"""The building blocks of a Llama-family decoder layer, tensor-parallel ready.
+
+With tp_size > 1 each rank holds n_heads / tp_size query heads, n_kv_heads / tp_size key/value heads and
+intermediate_size / tp_size MLP columns; q/k/v/gate/up are split by output rows and o_proj/down_proj by input
+columns, so each rank's o_proj/down_proj output is a partial sum that all_reduce completes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import LayerCache, StepBatch
+from .config import ModelArgs
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as Hugging Face does, so bf16 models match the reference."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+class Rope(nn.Module):
+    """Rotary position embedding (half-split layout, Llama 3 frequency scaling when the config asks)."""
+
+    def __init__(self, args: ModelArgs, device: torch.device | str) -> None:
+        super().__init__()
+        dim = args.head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+        inv_freq = 1.0 / (args.rope_theta**exponents)
+        if args.rope_scaling is not None:
+            inv_freq = _scale_frequencies(inv_freq, args.rope_scaling)
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions [B, T], shaped [B, 1, T, head_dim] to broadcast over heads."""
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _scale_frequencies(inv_freq: torch.Tensor, scaling: dict[str, object]) -> torch.Tensor:
+    """Llama 3.1+ rope scaling: slow down low frequencies, keep high ones, interpolate between."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    factor = float(scaling["factor"])  # type: ignore[arg-type]
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])  # type: ignore[arg-type]
+    old_ctx = float(scaling["original_max_position_embeddings"])  # type: ignore[arg-type]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
+        super().__init__()
+        self.n_heads = args.num_attention_heads // tp_size
+        self.n_kv_heads = args.num_key_value_heads // tp_size
+        self.head_dim = args.head_dim
+        hidden, bias = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.all_reduce = all_reduce
+
+    def forward(
+        self, x: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, *rope), _rotate(k, *rope)
+        keys, values = cache.update(k, v, batch)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=batch.mask, enable_gqa=self.n_heads != self.n_kv_heads
+        )
+        return self.all_reduce(self.o_proj(out.transpose(1, 2).reshape(b, t, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
+        super().__init__()
+        inter = args.intermediate_size // tp_size
+        self.gate_proj = nn.Linear(args.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, args.hidden_size, bias=False)
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, tp_size, all_reduce)
+        self.mlp = MLP(args, tp_size, all_reduce)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), batch, rope, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,104 @@
+"""A Llama-family decoder that owns a slice of layers [start_layer, end_layer) and one tensor-parallel shard.
+
+The first slice embeds token ids, inner slices map hidden states to hidden states, the last slice applies the
+final norm and lm_head; a slice holding every layer is the whole model. A pipeline stage therefore runs
+`forward(hidden_or_ids, batch, cache)` on its own slice and ships the result to the next stage. Parameters are
+created on the meta device and filled in by loader.load_model, so building a slice never allocates weights
+it does not own.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from .cache import KVCache, StepBatch
+from .config import ModelArgs
+from .layers import AllReduce, DecoderLayer, RMSNorm, Rope, identity
+
+_COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_ROW_SPLIT = re.compile(r"\.(o_proj|down_proj)\.weight$")
+
+
+def tp_split_dim(param_name: str) -> int | None:
+    """The dimension a parameter is split along across tensor-parallel ranks; None when it is replicated."""
+    if _COLUMN_SPLIT.search(param_name):
+        return 0
+    if _ROW_SPLIT.search(param_name):
+        return 1
+    return None
+
+
+class ModelSlice(nn.Module):
+    def __init__(
+        self,
+        args: ModelArgs,
+        *,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        all_reduce: AllReduce | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        end = args.num_hidden_layers if end_layer is None else end_layer
+        _check_partition(args, start_layer, end, tp_rank, tp_size)
+        self.args, self.start_layer, self.end_layer = args, start_layer, end
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.is_first, self.is_last = start_layer == 0, end == args.num_hidden_layers
+        reduce = all_reduce if all_reduce is not None else identity
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size) if self.is_first else None
+            self.layers = nn.ModuleDict(
+                {str(i): DecoderLayer(args, tp_size, reduce) for i in range(start_layer, end)}
+            )
+            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if self.is_last else None
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False) if self.is_last else None
+        self.rope = Rope(args, device)
+
+    @property
+    def n_kv_heads(self) -> int:
+        """Key/value heads this shard holds: the cache is sized by it."""
+        return self.args.num_key_value_heads // self.tp_size
+
+    def make_cache(self, max_slots: int, max_seq: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A cache for this slice's layers and shard's heads."""
+        return KVCache(
+            len(self.layers), max_slots, self.n_kv_heads, max_seq, self.args.head_dim,
+            dtype=dtype or self.args.dtype, device=self.rope.inv_freq.device,
+        )
+
+    def forward(
+        self, x: torch.Tensor, batch: StepBatch, cache: KVCache, *, last_only: bool = False
+    ) -> torch.Tensor:
+        """Run the slice: ids [B, T] (first slice) or hidden [B, T, H] in; hidden, or logits (last slice) out.
+
+        last_only keeps only the final position before lm_head, which is all sampling needs after a prefill.
+        Logits come back in float32 so sampling is identical whatever dtype the weights are in.
+        """
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        rope = self.rope(batch.positions, h.dtype)
+        for layer, layer_cache in zip(self.layers.values(), cache.layers, strict=True):
+            h = layer(h, batch, rope, layer_cache)
+        if self.norm is None or self.lm_head is None:
+            return h
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(self.norm(h)).float()
+
+
+def _check_partition(args: ModelArgs, start: int, end: int, tp_rank: int, tp_size: int) -> None:
+    if not 0 <= start < end <= args.num_hidden_layers:
+        raise ValueError(f"layer slice [{start}, {end}) is not inside [0, {args.num_hidden_layers})")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is not in [0, {tp_size})")
+    for what, n in (
+        ("attention heads", args.num_attention_heads),
+        ("key/value heads", args.num_key_value_heads),
+        ("intermediate size", args.intermediate_size),
+    ):
+        if n % tp_size:
+            raise ValueError(f"{what} ({n}) do not split evenly across {tp_size} tensor-parallel ranks")

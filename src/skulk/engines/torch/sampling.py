@@ -1,0 +1,56 @@
+"""Token sampling for a batch: temperature, top-k and top-p as tensor ops over all rows at once.
+
+Each row draws its one uniform number from its request's own torch.Generator, so a seeded request samples the
+same tokens whatever else shares its batch; the draw is then an inverse-CDF lookup for the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class RowSampling:
+    """One request's sampling settings; temperature 0 means greedy."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator
+
+
+def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
+    """One token id per row of logits [B, V] (float32)."""
+    greedy = logits.argmax(dim=-1)
+    if all(r.temperature <= 0 for r in rows):
+        return greedy.tolist()
+    device = logits.device
+    temperature = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], device=device)
+    scaled = logits / temperature.unsqueeze(1)
+    if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
+        scaled = _filter(scaled, rows)
+    probs = torch.softmax(scaled, dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    uniform = torch.cat([torch.rand(1, generator=r.generator, device=r.generator.device) for r in rows])
+    target = (uniform.to(device) * cdf[:, -1]).unsqueeze(1)
+    # right-side search: the first token whose cumulative mass exceeds the target, never a zero-mass one
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+    is_greedy = torch.tensor([r.temperature <= 0 for r in rows], device=device)
+    return torch.where(is_greedy, greedy, drawn).tolist()
+
+
+def _filter(scaled: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
+    """Mask out tokens outside each row's top-k and top-p nucleus (k=0 and p=1 keep everything)."""
+    device, vocab = scaled.device, scaled.shape[-1]
+    top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=device)
+    top_p = torch.tensor([r.top_p for r in rows], device=device)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device).unsqueeze(0)
+    drop = rank >= top_k.unsqueeze(1)
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= top_p.unsqueeze(1)  # keeps the first token always: its mass_before is 0
+    return scaled.masked_fill(drop.scatter(1, order, drop), float("-inf"))

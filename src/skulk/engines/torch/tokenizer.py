@@ -1,0 +1,116 @@
+"""Tokenizer, chat template and streaming text for the torch engine.
+
+Streaming has two traps this module handles: a token can end mid-codepoint (byte-level vocabularies split
+emoji across tokens), so text is only released once it decodes cleanly; and a stop string can arrive split
+across tokens, so any tail that could still become a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from skulk.types.chat import ChatMessage
+
+_REPLACEMENT = "\ufffd"
+
+
+class ChatTokenizer:
+    """The model directory's own tokenizer and chat template; never touches the network."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._tok: Any = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self.eos_ids = frozenset(_eos_ids(model_dir, self._tok.eos_token_id))
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Render the chat template with the generation prompt; tokenize without adding specials twice."""
+        rendered: str = self._tok.apply_chat_template(
+            [{"role": m.role, "content": m.text} for m in messages],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        return self.encode(rendered)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _eos_ids(model_dir: Path, tokenizer_eos: int | None) -> set[int]:
+    """End-of-generation ids from the tokenizer, config.json and generation_config.json (chat models list
+    several, e.g. Llama 3's <|eot_id|> next to <|end_of_text|>)."""
+    ids = {tokenizer_eos} if tokenizer_eos is not None else set()
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.exists():
+            value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return {int(i) for i in ids}
+
+
+class IncrementalDecoder:
+    """Turns a token stream into text deltas that never end inside a UTF-8 codepoint.
+
+    Decodes a short window (from the last released boundary) rather than the whole output each token, keeping
+    a little left context because some tokenizers render a token differently at the start of a string.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: context already released
+        self._read = 0  # tokens up to here are released as text
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """Whatever is left at the end of generation, even an incomplete codepoint."""
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        released = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
+        if len(full) <= len(released) or (full.endswith(_REPLACEMENT) and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return full[len(released) :]
+
+
+class StopMatcher:
+    """Cuts the stream before the first stop string, holding back tails that may be one's beginning."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """The text safe to emit now, and whether a stop string was reached (emit nothing after it)."""
+        pending = self._held + text
+        hits = [i for i in (pending.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return pending[: min(hits)], True
+        keep = self._longest_stop_prefix_suffix(pending)
+        self._held = pending[len(pending) - keep :] if keep else ""
+        return pending[: len(pending) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+    def _longest_stop_prefix_suffix(self, text: str) -> int:
+        best = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
