@@ -1,0 +1,72 @@
+"""Per-node health for `/state`'s `nodeHealth`: a level and the reasons behind it, each with a remediation.
+
+Pure function of the event-sourced state and `now`, so every node computes the same answer from the same
+state. Download failures are not event-sourced yet; the `download_failed` code is reserved for them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from skulk.types.diagnostics_bundle import HealthLevel, HealthReason, NodeHealth
+from skulk.types.ids import NodeId
+from skulk.types.memory import GB
+from skulk.types.state import State
+
+DISK_FULL_BYTES = 2 * GB
+DISK_LOW_BYTES = 10 * GB
+UNREACHABLE_AFTER = timedelta(seconds=30)
+
+_SEVERE = {"disk_full", "unreachable", "download_failed"}
+
+
+def _disk_reason(state: State, node_id: NodeId) -> HealthReason | None:
+    disk = state.node_disk.get(node_id)
+    if disk is None:
+        return None
+    free_gb = disk.available.in_gb
+    if disk.available.in_bytes <= DISK_FULL_BYTES:
+        return HealthReason(
+            code="disk_full",
+            message=f"only {free_gb:.1f} GiB free on the Skulk home disk (≤ 2 GiB)",
+            remediation="free disk space or run POST /store/purge-staging to evict staged models",
+        )
+    if disk.available.in_bytes < DISK_LOW_BYTES:
+        return HealthReason(
+            code="disk_low",
+            message=f"{free_gb:.1f} GiB free on the Skulk home disk (< 10 GiB)",
+            remediation="free disk space before placing another model; staged copies need room",
+        )
+    return None
+
+
+def _reach_reason(state: State, node_id: NodeId, now: datetime, after: timedelta) -> HealthReason | None:
+    seen = state.last_seen.get(node_id)
+    if seen is not None and now - seen <= after:
+        return None
+    ago = "never reported" if seen is None else f"last reported {(now - seen).total_seconds():.0f} s ago"
+    return HealthReason(
+        code="unreachable",
+        message=f"node {node_id[:8]} {ago}",
+        remediation="check that the node's skulk process is running and that the network between nodes is up",
+    )
+
+
+def node_health(
+    state: State, node_id: NodeId, now: datetime, unreachable_after: timedelta = UNREACHABLE_AFTER
+) -> NodeHealth:
+    reasons = [
+        r
+        for r in (_reach_reason(state, node_id, now, unreachable_after), _disk_reason(state, node_id))
+        if r is not None
+    ]
+    level: HealthLevel = "healthy"
+    if reasons:
+        level = "unhealthy" if any(r.code in _SEVERE for r in reasons) else "degraded"
+    return NodeHealth(level=level, reasons=reasons)
+
+
+def cluster_health(state: State, now: datetime) -> dict[NodeId, NodeHealth]:
+    """One entry per node the state knows of; ready to publish as `/state`'s `nodeHealth`."""
+    nodes = {*state.last_seen, *state.topology.nodes, *state.node_disk}
+    return {node: node_health(state, node, now) for node in sorted(nodes)}
