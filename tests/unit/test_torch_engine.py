@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from skulk.engines.errors import ContextLengthExceeded
 from skulk.engines.torch.cache import StepBatch
 from skulk.engines.torch.engine import TorchEngine
+from skulk.engines.torch.layers import DecoderLayer
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.model import ModelSlice
 from skulk.engines.torch.tokenizer import IncrementalDecoder, StopMatcher
@@ -51,6 +52,10 @@ def token_ids(outs: list[Any]) -> list[int]:
     return [t.token_id for t in outs]
 
 
+def layer(model: ModelSlice, index: int) -> DecoderLayer:
+    return cast(DecoderLayer, model.layers[str(index)])
+
+
 def forward(model: ModelSlice, x: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
     with torch.inference_mode():
         return model(x, StepBatch.build(positions, 0), cache)
@@ -67,10 +72,10 @@ def _tiny_hf(kind: str, path: Path) -> Path:
     config = {
         "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=True),
         "qwen3": lambda: Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
-        "llama3": lambda: LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+        "llama3": lambda: LlamaConfig.from_dict({**common, "rope_theta": 500000.0, "rope_scaling": {
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
-        }),
+        }}),
     }[kind]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -98,7 +103,7 @@ def test_bfloat16_override_stays_close_to_float32(demo_dir: Path) -> None:
     ids, pos = torch.tensor([[258, 104, 105, 10]]), torch.arange(4).unsqueeze(0)
     full = load_model(demo_dir)
     half = load_model(demo_dir, dtype="bfloat16")
-    assert half.layers["0"].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert layer(half, 0).mlp.up_proj.weight.dtype == torch.bfloat16
     got = forward(half, ids, pos, half.make_cache(1, 8))
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, forward(full, ids, pos, full.make_cache(1, 8)), atol=0.05, rtol=0.05)
@@ -153,8 +158,8 @@ def _greedy_logits(model: ModelSlice, steps: int) -> list[torch.Tensor]:
 def test_tensor_parallel_two_ranks_equal_one(demo_dir: Path) -> None:
     reduce = ThreadAllReduce(2)
     shards = [load_model(demo_dir, tp_rank=r, tp_size=2, all_reduce=reduce.for_rank(r)) for r in range(2)]
-    assert shards[0].layers["0"].self_attn.q_proj.weight.shape == (32, 64)
-    assert shards[1].layers["0"].mlp.down_proj.weight.shape == (64, 64)
+    assert layer(shards[0], 0).self_attn.q_proj.weight.shape == (32, 64)
+    assert layer(shards[1], 0).mlp.down_proj.weight.shape == (64, 64)
     assert shards[0].make_cache(1, 8).layers[0].keys.shape[1] == 1
     with ThreadPoolExecutor(2) as pool:
         rank0, rank1 = pool.map(lambda m: _greedy_logits(m, 6), shards)

@@ -67,6 +67,7 @@ def ensure_demo_model(models_dir: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-demo-", dir=models_dir))
     try:
         generate_random_llama(tmp, seed=DEMO_SEED, **DEMO_SHAPE)
+        tmp.chmod(0o755)  # mkdtemp makes it private; a staged model is readable like any other
         os.rename(tmp, target)
     except OSError:
         if not target.is_dir():  # a concurrent caller winning the rename is fine; anything else is not

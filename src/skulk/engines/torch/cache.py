@@ -28,10 +28,14 @@ class StepBatch:
     kv_len: int
 
     @classmethod
-    def build(cls, positions: torch.Tensor, slot_start: int) -> StepBatch:
-        """A batch over slots [slot_start, slot_start + B) whose tokens sit at positions ([B, T] long)."""
+    def build(cls, positions: torch.Tensor, slot_start: int, kv_len: int | None = None) -> StepBatch:
+        """A batch over slots [slot_start, slot_start + B) whose tokens sit at positions ([B, T] long).
+
+        kv_len is max(positions) + 1; a caller that knows it passes it to spare a device sync per step.
+        """
         batch = positions.shape[0]
-        kv_len = int(positions.max().item()) + 1
+        if kv_len is None:
+            kv_len = int(positions.max().item()) + 1
         keys = torch.arange(kv_len, device=positions.device)
         mask = keys.view(1, 1, 1, kv_len) <= positions.view(batch, 1, -1, 1)
         rows = torch.arange(batch, device=positions.device).view(batch, 1)

@@ -102,6 +102,8 @@ class TorchEngine:
         return bool(self._pending or self._running)
 
     def step(self) -> list[TokenOut]:
+        """Prefill what fits, then decode every running request once (a request prefilled in this step
+        decodes too, so it may yield two tokens); returns the tokens in the order they were produced."""
         if not (self.model.is_first and self.model.is_last):
             raise RuntimeError("step() needs the whole model; a layer slice is driven stage by stage")
         out: list[TokenOut] = []
@@ -129,7 +131,8 @@ class TorchEngine:
         self._running.append(req)
         ids = torch.tensor([req.prompt], device=self.device)
         positions = torch.arange(len(req.prompt), device=self.device).unsqueeze(0)
-        logits = self.model(ids, StepBatch.build(positions, slot), self.cache, last_only=True)
+        batch = StepBatch.build(positions, slot, kv_len=len(req.prompt))
+        logits = self.model(ids, batch, self.cache, last_only=True)
         req.length = len(req.prompt)
         return self._accept(req, sample(logits[:, -1], [req.sampling])[0])
 
@@ -137,7 +140,8 @@ class TorchEngine:
         running = self._running
         ids = torch.tensor([[r.last_token] for r in running], device=self.device)
         positions = torch.tensor([[r.length] for r in running], device=self.device)
-        logits = self.model(ids, StepBatch.build(positions, 0), self.cache)
+        batch = StepBatch.build(positions, 0, kv_len=max(r.length for r in running) + 1)
+        logits = self.model(ids, batch, self.cache)
         tokens = sample(logits[:, -1], [r.sampling for r in running])
         outs: list[TokenOut] = []
         for req, token in zip(running, tokens, strict=True):
