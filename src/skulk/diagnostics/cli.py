@@ -63,7 +63,7 @@ def timeline_table(
     table = Table(title=f"Skulk cluster timeline — {timeline.generated_at}", expand=False)
     for name, justify in (("node", "left"), ("model", "left"), ("rank", "right"), ("status", "left")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    table.add_column("phase")
+    table.add_column("phase", no_wrap=True)
     table.add_column("in phase", justify="right")
     table.add_column("active task")
     for r in timeline.runners:
