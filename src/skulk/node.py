@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,9 @@ from skulk.api.app import create_app
 from skulk.api.control import PlaceInstanceRequest, place_with_grace
 from skulk.cluster.dataplane import ChunkStream, publish_chunk
 from skulk.cluster.election import Elector
+from skulk.cluster.intake import send_command, send_local_event
 from skulk.cluster.membership import Membership
-from skulk.cluster.sync import EventFollower, send_command, send_local_event
+from skulk.cluster.sync import EventFollower
 from skulk.cluster.transport import Transport, TransportSettings
 from skulk.config import Settings
 from skulk.master.decide import session_changed_message
@@ -35,11 +37,12 @@ from skulk.types.events import (
     TaskFailed,
     TaskStatusUpdated,
 )
-from skulk.types.ids import CommandId, NodeId, new_id
+from skulk.types.ids import CommandId, NodeId, RunnerId, new_id
 from skulk.types.instances import MlxRingInstance
 from skulk.types.state import State
 from skulk.types.tasks import TaskStatus
 from skulk.worker import node_info
+from skulk.worker.supervisor import RunnerSupervisor
 from skulk.worker.worker import Worker
 
 log = logging.getLogger("skulk.node")
@@ -96,6 +99,16 @@ class Node:
         self.streams.pop(stream.command_id, None)
         stream.close()
 
+    # -- DiagnosticsHandle ------------------------------------------------------------------------
+    @property
+    def supervisors(self) -> Mapping[RunnerId, RunnerSupervisor]:
+        worker = getattr(self, "worker", None)
+        return worker.supervisors if worker is not None else {}
+
+    @property
+    def tracing_enabled(self) -> bool:
+        return False
+
     # -- lifecycle --------------------------------------------------------------------------------
     async def run(self) -> None:
         self.transport.open()
@@ -106,6 +119,7 @@ class Node:
         self.follower = EventFollower(
             self.transport, next_idx=0, on_event=self._on_event, on_snapshot=self.store.replace
         )
+        self.follower.start()
         self.elector = Elector(self.transport, self.membership, self.node_id, joined_at=time.time())
         self.elector.on_master_changed(self._on_master_changed)
         self.membership.on_change(self._on_membership_change)
@@ -167,6 +181,8 @@ class Node:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.elector.stop()
+        self.follower.stop()
+        self.membership.stop()
         self.transport.close()
 
     # -- cluster reactions ------------------------------------------------------------------------

@@ -6,15 +6,15 @@ from fastapi import FastAPI
 
 from skulk import __version__
 from skulk.api.control import control_router
+from skulk.api.diagnostics import DiagnosticsHandle, diagnostics_router
 from skulk.api.errors import install_error_handlers
-from skulk.api.handle import NodeHandle
 from skulk.api.openai import openai_router
 from skulk.api.state_routes import state_router
 
 
-def create_app(node: NodeHandle) -> FastAPI:
+def create_app(node: DiagnosticsHandle) -> FastAPI:
     app = FastAPI(title="Skulk", version=__version__)
     install_error_handlers(app)
-    for router in (state_router(node), control_router(node), openai_router(node)):
+    for router in (state_router(node), control_router(node), openai_router(node), diagnostics_router(node)):
         app.include_router(router)
     return app

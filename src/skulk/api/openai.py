@@ -45,11 +45,13 @@ async def _stream_events(session: ChatSession, request: ChatCompletionRequest) -
                 error_body(chunk.message, kind="server_error", code=chunk.code, retryable=chunk.retryable)
             )
             break
+        last = chunk
+        if not chunk.text and role_sent:
+            continue
         delta: dict[str, str] = {"content": chunk.text}
         if not role_sent:
             delta["role"], role_sent = "assistant", True
         yield _sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-        last = chunk
     if last is not None and last.finish_reason is not None:
         yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": last.finish_reason}]})
         if request.stream_options is not None and request.stream_options.include_usage:

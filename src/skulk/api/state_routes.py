@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter
 
 from skulk.api.handle import NodeHandle
+from skulk.diagnostics.health import cluster_health
 from skulk.models.cards import all_cards
 
 
@@ -15,7 +17,10 @@ def state_router(node: NodeHandle) -> APIRouter:
 
     @router.get("/state")
     async def get_state() -> dict[str, Any]:
-        return node.state.model_dump(mode="json")
+        body = node.state.model_dump(mode="json")
+        health = cluster_health(node.state, datetime.now(UTC))
+        body["nodeHealth"] = {n: h.model_dump(mode="json") for n, h in health.items()}
+        return body
 
     @router.get("/node_id")
     async def get_node_id() -> str:

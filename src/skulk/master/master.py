@@ -6,7 +6,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from skulk.cluster.sync import Intake, Sequencer
+from skulk.cluster.intake import Intake
+from skulk.cluster.sync import Sequencer
 from skulk.cluster.transport import Transport
 from skulk.master.decide import (
     events_for_command,
@@ -15,7 +16,7 @@ from skulk.master.decide import (
     events_for_unhealthy_instances,
 )
 from skulk.state.apply import apply
-from skulk.types.commands import Command
+from skulk.types.commands import ForwardedCommand
 from skulk.types.events import Event, LocalEvent
 from skulk.types.ids import NodeId, TaskId, new_id
 from skulk.types.state import State
@@ -49,6 +50,8 @@ class Master:
 
     def start(self) -> None:
         log.info("master %s starts term %d", self.node_id[:8], self.term)
+        self.sequencer.start()
+        self.intake.start()
         self.emit(events_for_new_session(self.state, self.node_id, self.term))
         self.reconcile()
         self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever())
@@ -56,8 +59,8 @@ class Master:
     def stop(self) -> None:
         if self._reconciler is not None:
             self._reconciler.cancel()
-        self.intake.close()
-        self.sequencer.close()
+        self.intake.stop()
+        self.sequencer.stop()
 
     def emit(self, events: list[Event]) -> None:
         if not events:
@@ -65,8 +68,8 @@ class Master:
         for indexed in self.sequencer.emit(events):
             self.state = apply(self.state, indexed)
 
-    def on_command(self, command: Command) -> None:
-        self.emit(events_for_command(self.state, command, TaskId(new_id())))
+    def on_command(self, forwarded: ForwardedCommand) -> None:
+        self.emit(events_for_command(self.state, forwarded.command, TaskId(new_id())))
 
     def on_local_event(self, local: LocalEvent) -> None:
         self.emit([local.event])
