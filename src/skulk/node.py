@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -138,7 +140,10 @@ class Node:
             await self.follower.catch_up()
         self._spawn(self._gather_info_forever())
         server = self._api_server()
-        serving = asyncio.get_running_loop().create_task(server.serve())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, setattr, server, "should_exit", True)
+        serving = loop.create_task(server.serve())
         if self.settings.place_default and self.elector.is_master:
             self._spawn(self._place_default())
         await self._announce(server)
@@ -157,7 +162,7 @@ class Node:
             lifespan="off",
             timeout_graceful_shutdown=2,
         )
-        return uvicorn.Server(config)
+        return _ApiServer(config)
 
     async def _announce(self, server: uvicorn.Server) -> None:
         while not server.started and not server.should_exit:
@@ -273,6 +278,15 @@ class Node:
             return
         self.send_command(CreateInstance(command_id=CommandId(new_id()), instance=instance))
         log.info("placed %s as instance %s", DEMO_MODEL_ID, instance.instance_id[:8])
+
+
+class _ApiServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after serving, which would kill the node before it stops its runners;
+    the node handles signals itself and shuts down in order."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def run_node(settings: Settings) -> None:

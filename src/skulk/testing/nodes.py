@@ -104,8 +104,8 @@ class LocalNode:
     def client(self, timeout: float = 60.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
-    def runner_pids(self) -> set[int]:
-        """Remembered across calls, so a check after stop() still knows which processes to look for."""
+    def child_pids(self) -> set[int]:
+        """Every descendant seen so far, remembered so a check after stop() knows what to look for."""
         if self.process is not None and self.process.poll() is None:
             try:
                 for child in psutil.Process(self.process.pid).children(recursive=True):
@@ -114,15 +114,26 @@ class LocalNode:
                 pass
         return set(self._children)
 
+    def runner_pids(self) -> set[int]:
+        """Live runner processes of this node (multiprocessing spawn children, not its resource tracker)."""
+        found = set()
+        for pid in self.child_pids():
+            try:
+                if "spawn_main" in " ".join(psutil.Process(pid).cmdline()):
+                    found.add(pid)
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
     def kill(self) -> None:
         """SIGKILL, as an operator's `kill -9` would."""
-        self.runner_pids()
+        self.child_pids()
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(10)
 
     def stop(self, timeout: float = 20.0) -> None:
-        self.runner_pids()
+        self.child_pids()
         if self.process is None or self.process.poll() is not None:
             return
         self.process.send_signal(signal.SIGTERM)

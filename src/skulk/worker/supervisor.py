@@ -77,6 +77,15 @@ class SupervisorView:
     exit_code: int | None = None
 
 
+def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], arg: Any) -> bool:
+    """Hand arg to the loop; False once the loop is gone (the node has shut down)."""
+    try:
+        loop.call_soon_threadsafe(callback, arg)
+    except RuntimeError:
+        return False
+    return True
+
+
 class RunnerSupervisor:
     def __init__(self, spec: RunnerSpec, callbacks: SupervisorCallbacks) -> None:
         self.spec = spec
@@ -132,9 +141,10 @@ class RunnerSupervisor:
                 continue
             except (EOFError, OSError):
                 break
-            loop.call_soon_threadsafe(self._on_message, message)
+            if not _deliver(loop, self._on_message, message):
+                return
         process.join()
-        loop.call_soon_threadsafe(self._on_exit, process)
+        _deliver(loop, self._on_exit, process)
 
     def send_task(self, task: ChatCompletion) -> None:
         self.view.sent.add(task.task_id)

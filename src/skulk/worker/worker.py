@@ -51,6 +51,7 @@ class Worker:
         self.fault = fault
         self.supervisors: dict[RunnerId, RunnerSupervisor] = {}
         self._stopping: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     def local_view(self) -> dict[RunnerId, LocalRunner]:
         return {
@@ -59,6 +60,8 @@ class Worker:
         }
 
     def reconcile(self, state: State) -> None:
+        if self._closed:
+            return
         for action in plan(state, self.node_id, self.local_view()):
             self._execute(action)
 
@@ -126,6 +129,7 @@ class Worker:
         return SupervisorCallbacks(on_status, on_chunks, on_task_started, on_task_ended)
 
     async def stop(self) -> None:
+        self._closed = True
         supervisors = list(self.supervisors.values())
         self.supervisors.clear()
         await asyncio.gather(*(s.stop() for s in supervisors), *self._stopping)

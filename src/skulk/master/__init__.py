@@ -1,0 +1,1 @@
+"""The master: the single writer that turns commands into ordered events."""

@@ -1,0 +1,80 @@
+"""Helpers for integration tests: clusters of real node processes, and waiting on what they report."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from skulk.testing.nodes import LocalNode
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll a condition over HTTP until it holds; fail with `what` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+class Cluster:
+    """Nodes started by one test or module, all stopped and checked for orphans at the end."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.name = f"t{uuid.uuid4().hex[:10]}"
+        self.nodes: list[LocalNode] = []
+
+    def start(self, count: int = 1, **options: Any) -> list[LocalNode]:
+        started = []
+        for _ in range(count):
+            peers = [n.endpoint for n in self.nodes]
+            node = LocalNode(
+                home=self.root / f"node{len(self.nodes)}", cluster=self.name, peers=peers, **options
+            )
+            self.nodes.append(node.start())
+            started.append(node)
+        for node in started:
+            node.wait_ready()
+        return started
+
+    def stop_all(self) -> list[int]:
+        for node in self.nodes:
+            node.stop()
+        leftovers: list[int] = []
+        for node in self.nodes:
+            leftovers += node.reap_leftovers()
+        return leftovers
+
+
+def place(node: LocalNode, model_id: str = "skulk/tiny-random-llama", **body: Any) -> dict[str, Any]:
+    with node.client() as client:
+        reply = client.post("/place_instance", json={"model_id": model_id, **body})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def instance_ready(node: LocalNode, instance_id: str) -> bool:
+    state = httpx.get(f"{node.url}/state", timeout=10).json()
+    instance = state["instances"].get(instance_id)
+    if instance is None:
+        return False
+    runners = next(iter(instance.values()))["shardAssignments"]["runnerToShard"]
+    return all(
+        "RunnerReady" in state["runners"].get(r, {}) or "RunnerRunning" in state["runners"].get(r, {})
+        for r in runners
+    )
+
+
+def place_and_wait(node: LocalNode, model_id: str = "skulk/tiny-random-llama", **body: Any) -> str:
+    instance_id = place(node, model_id, **body)["instanceId"]
+    wait_until(lambda: instance_ready(node, instance_id), 90, f"instance {instance_id} to be ready")
+    return instance_id

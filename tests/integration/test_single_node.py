@@ -1,0 +1,243 @@
+"""One real node process on loopback: place the demo model and use it through the OpenAI API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from skulk.testing.nodes import LocalNode
+
+from .harness import Cluster, place_and_wait, wait_until
+
+MODEL = "skulk/tiny-random-llama"
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
+    cluster = Cluster(tmp_path_factory.mktemp("single"))
+    (started,) = cluster.start(1)
+    place_and_wait(started)
+    yield started
+    assert cluster.stop_all() == [], "runner processes outlived their node"
+
+
+def chat_body(**extra: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 8, **extra}
+
+
+def test_openai_sdk_streams_a_completion(node: LocalNode) -> None:
+    client = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=60)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["length"], ["stop"])
+    usage = chunks[-1].usage
+    assert usage is not None and 1 <= usage.completion_tokens <= 12 and usage.prompt_tokens > 0
+
+
+def test_openai_sdk_non_streaming(node: LocalNode) -> None:
+    client = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=60)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert reply.usage is not None and reply.usage.completion_tokens <= 4
+    assert [m.id for m in client.models.list().data].count(MODEL) == 1
+
+
+async def _stream_one(client: httpx.AsyncClient, n: int) -> tuple[int, str | None]:
+    tokens, finish = 0, None
+    body = chat_body(max_tokens=24, temperature=0.8, seed=n, stream=True)
+    async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        assert reply.status_code == 200
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            tokens += 1 if choice["delta"].get("content") is not None else 0
+            finish = choice["finish_reason"] or finish
+    return tokens, finish
+
+
+def test_eight_concurrent_streams_all_complete(node: LocalNode) -> None:
+    async def run() -> list[tuple[int, str | None]]:
+        async with httpx.AsyncClient(base_url=node.url, timeout=120) as client:
+            return await asyncio.gather(*(_stream_one(client, n) for n in range(8)))
+
+    results = asyncio.run(run())
+    assert len(results) == 8
+    assert all(finish in ("length", "stop") and tokens >= 1 for tokens, finish in results), results
+
+
+def _task_statuses(node: LocalNode) -> dict[str, str]:
+    tasks = httpx.get(f"{node.url}/state", timeout=10).json()["tasks"]
+    return {t["ChatCompletion"]["commandId"]: t["ChatCompletion"]["taskStatus"] for t in tasks.values()}
+
+
+def test_disconnect_cancels_the_task(node: LocalNode) -> None:
+    body = chat_body(max_tokens=2000, stream=True, temperature=1.0, seed=1)
+    with (
+        httpx.Client(base_url=node.url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as reply,
+    ):
+        lines = reply.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        command_id = json.loads(first[6:])["id"].removeprefix("chatcmpl-")
+    status = wait_until(
+        lambda: (
+            _task_statuses(node).get(command_id) not in (None, "Pending", "Running")
+            and _task_statuses(node)[command_id]
+        ),
+        30,
+        "the abandoned task to end",
+    )
+    assert status == "Cancelled"
+    supervisors = httpx.get(f"{node.url}/v1/diagnostics/node", timeout=10).json()["supervisorRunners"]
+    assert all(s["inProgressTasks"] == [] for s in supervisors)
+    events = [
+        e["event"] for s in supervisors for e in s["flightRecorder"] if e.get("commandId") == command_id
+    ]
+    assert "cancelled" in events and "task_complete" not in events
+
+
+def test_cancel_endpoint(node: LocalNode) -> None:
+    body = chat_body(max_tokens=2000, stream=True, temperature=1.0, seed=2)
+    with httpx.Client(base_url=node.url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            command_id = json.loads(first[6:])["id"].removeprefix("chatcmpl-")
+            assert client.post(f"/v1/cancel/{command_id}").status_code == 200
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert any('"error"' in line for line in rest)
+        assert client.post("/v1/cancel/not-a-command").status_code == 404
+
+
+MALFORMED: list[tuple[str, object, int, str]] = [
+    ("empty messages", chat_body(messages=[]), 422, "messages"),
+    ("negative max_tokens", chat_body(max_tokens=-5), 422, "max_tokens"),
+    ("messages of wrong type", chat_body(messages="hello"), 422, "messages"),
+    ("unknown role", chat_body(messages=[{"role": "robot", "content": "x"}]), 422, "role"),
+    ("temperature out of range", chat_body(temperature=7), 422, "temperature"),
+    ("max_tokens as text", chat_body(max_tokens="many"), 422, "max_tokens"),
+    ("missing model", {"messages": [{"role": "user", "content": "x"}]}, 422, "model"),
+    ("only empty contents", chat_body(messages=[{"role": "user", "content": ""}]), 422, "content"),
+    ("unknown model", chat_body(model="nobody/nothing"), 404, "No instance found for model nobody/nothing"),
+    ("prompt beyond context", chat_body(messages=[{"role": "user", "content": "x" * 5000}]), 400, "context"),
+]
+
+
+@pytest.mark.parametrize(("what", "body", "status", "mentions"), MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_chat_requests_get_typed_errors(
+    node: LocalNode, what: str, body: object, status: int, mentions: str
+) -> None:
+    with node.client() as client:
+        for stream in (False, True):
+            payload = {**body, "stream": stream} if isinstance(body, dict) else body
+            reply = client.post("/v1/chat/completions", json=payload)
+            assert reply.status_code == status, (what, reply.text)
+            error = reply.json()["error"]
+            assert mentions in error["message"] or mentions == error.get("code"), error
+        if what == "prompt beyond context":
+            assert "context_length_exceeded" in reply.text
+        assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
+
+
+def test_invalid_json_body(node: LocalNode) -> None:
+    with node.client() as client:
+        reply = client.post(
+            "/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+        )
+        assert reply.status_code == 422 and "error" in reply.json()
+
+
+PLACEMENT_ERRORS: list[tuple[dict[str, object], int, str]] = [
+    ({"model_id": "nobody/nothing"}, 404, "nobody/nothing"),
+    ({"model_id": MODEL, "instance_meta": "MlxJaccl"}, 400, "MlxRing"),
+    ({"model_id": MODEL, "sharding": "Diagonal"}, 422, "sharding"),
+    ({"model_id": MODEL, "min_nodes": 0}, 422, "min_nodes"),
+    ({"model_id": "meta-llama/Llama-3.3-70B-Instruct"}, 400, "GB"),
+    ({"model_id": MODEL, "min_nodes": 2}, 400, "2"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "mentions"), PLACEMENT_ERRORS)
+def test_placement_errors_are_typed(
+    node: LocalNode, body: dict[str, object], status: int, mentions: str
+) -> None:
+    with node.client() as client:
+        reply = client.post("/place_instance", json=body)
+        assert reply.status_code == status, reply.text
+        assert mentions in reply.json()["error"]["message"]
+
+
+def test_does_not_fit_names_the_node_and_the_arithmetic(node: LocalNode) -> None:
+    with node.client() as client:
+        message = client.post(
+            "/place_instance", json={"model_id": "meta-llama/Llama-3.3-70B-Instruct"}
+        ).json()
+    text = message["error"]["message"]
+    assert node.node_id in text and "1.25" in text and "free" in text
+
+
+def test_read_endpoints(node: LocalNode) -> None:
+    with node.client() as client:
+        assert client.get("/node_id").json() == node.node_id
+        state = client.get("/state").json()
+        for key in ("instances", "runners", "tasks", "lastSeen", "nodeIdentities", "nodeMemory", "topology"):
+            assert key in state
+        assert state["nodeMemory"][node.node_id]["ramTotal"]["inBytes"] > 0
+        assert state["nodeIdentities"][node.node_id]["skulkVersion"]
+        (instance_id,) = state["instances"]
+        assert "MlxRingInstance" in client.get(f"/instance/{instance_id}").json()
+        assert client.get("/instance/nope").status_code == 404
+        assert client.delete("/instance/nope").status_code == 404
+        assert any(c["modelId"] == MODEL for c in client.get("/models").json()["data"])
+        previews = client.get("/instance/previews", params={"model_id": MODEL}).json()["previews"]
+        assert any(p["error"] is None for p in previews)
+        assert client.get("/instance/previews", params={"model_id": "nobody/x"}).status_code == 404
+
+
+def test_delete_then_place_again(tmp_path: Path, cluster: Cluster) -> None:
+    (fresh,) = cluster.start(1)
+    instance_id = place_and_wait(fresh)
+    with fresh.client() as client:
+        assert client.delete(f"/instance/{instance_id}").status_code == 200
+        assert instance_id not in client.get("/state").json()["instances"]
+        reply = client.post("/v1/chat/completions", json=chat_body())
+        assert reply.status_code == 404
+    pids = fresh.runner_pids()
+    wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 20, "the runner to exit")
+
+
+def test_stopping_the_node_leaves_no_runner(cluster: Cluster) -> None:
+    (fresh,) = cluster.start(1)
+    place_and_wait(fresh)
+    assert fresh.runner_pids(), "expected a runner process"
+    fresh.stop()
+    assert fresh.process is not None and fresh.process.returncode == 0, fresh.log_tail()
+    assert fresh.reap_leftovers() == []
+
+
+def test_kill_9_of_the_node_leaves_no_runner(cluster: Cluster) -> None:
+    (fresh,) = cluster.start(1)
+    place_and_wait(fresh)
+    runners = fresh.runner_pids()
+    assert runners
+    fresh.kill()
+    assert fresh.reap_leftovers(timeout=10) == [], "runners survived a kill -9 of their node"
