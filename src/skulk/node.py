@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 
 from skulk.api.app import create_app
@@ -43,7 +44,7 @@ from skulk.types.ids import CommandId, NodeId, RunnerId, new_id
 from skulk.types.instances import MlxRingInstance
 from skulk.types.state import State
 from skulk.types.tasks import TaskStatus
-from skulk.worker import node_info
+from skulk.worker import node_info, topology
 from skulk.worker.supervisor import RunnerSupervisor
 from skulk.worker.worker import Worker
 
@@ -51,6 +52,7 @@ log = logging.getLogger("skulk.node")
 
 INFO_EVERY_S = 2.0
 INFO_HEARTBEAT_S = 10.0
+TOPOLOGY_EVERY_S = 1.0
 ELECTION_WAIT_S = 10.0
 
 
@@ -75,7 +77,7 @@ class Node:
         self._local_seq = 0
         self._tasks: list[asyncio.Task[Any]] = []
         self._reconcile_pending = False
-        self._stopped = asyncio.Event()
+        self.api_port = settings.api_port
 
     # -- NodeHandle -------------------------------------------------------------------------------
     @property
@@ -138,7 +140,6 @@ class Node:
         await self.elector.wait_for_master(ELECTION_WAIT_S)
         if not self.elector.is_master:
             await self.follower.catch_up()
-        self._spawn(self._gather_info_forever())
         server = self._api_server()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -147,6 +148,8 @@ class Node:
         if self.settings.place_default and self.elector.is_master:
             self._spawn(self._place_default())
         await self._announce(server)
+        self._spawn(self._gather_info_forever())
+        self._spawn(self._probe_topology_forever())
         await serving
         await self.shutdown()
 
@@ -169,6 +172,7 @@ class Node:
             await asyncio.sleep(0.05)
         if server.started:
             port = server.servers[0].sockets[0].getsockname()[1] if server.servers else self.settings.api_port
+            self.api_port = port
             log.info("API listening on http://localhost:%d", port)
             print(f"SKULK_READY node={self.node_id} api=http://localhost:{port}", flush=True)
             print(
@@ -255,12 +259,21 @@ class Node:
                 node_info.gather,
                 friendly_name=self.settings.node_name,
                 home=self.settings.home,
-                api_port=self.settings.api_port,
+                api_port=self.api_port,
             )
             if node_info.differs(last, info) or time.monotonic() - last_sent > INFO_HEARTBEAT_S:
                 self.emit_local(NodeGatheredInfo(node_id=self.node_id, info=info, when=datetime.now(UTC)))
                 last, last_sent = info, time.monotonic()
             await asyncio.sleep(INFO_EVERY_S)
+
+    async def _probe_topology_forever(self) -> None:
+        async with httpx.AsyncClient() as client:
+            while True:
+                state = self.store.state
+                reachable = await topology.probe(client, state, self.node_id)
+                for event in topology.edge_events(self.store.state, self.node_id, reachable):
+                    self.emit_local(event)
+                await asyncio.sleep(TOPOLOGY_EVERY_S)
 
     def _model_dir_for(self, instance: MlxRingInstance) -> Path:
         if instance.model_id == DEMO_MODEL_ID:

@@ -17,7 +17,7 @@ from skulk.types.commands import CancelCommand, CreateInstance, DeleteInstance
 from skulk.types.ids import CommandId, InstanceId, NodeId, RunnerId, new_id
 from skulk.types.instances import InstanceMeta, MlxRingInstance, Sharding
 from skulk.types.models import ModelCard
-from skulk.types.placement import InfoPending, PlacementError
+from skulk.types.placement import InfoPending, NoConnectedCycle, PlacementError
 from skulk.types.state import State
 
 INFO_GRACE_S = 15.0
@@ -56,15 +56,30 @@ def plan_instance(
     )
 
 
+def edges_pending(state: State) -> bool:
+    """Right after formation a node may not have probed its peers yet: it has no outgoing edge at all."""
+    nodes = state.topology.nodes
+    sources = {c.source for c in state.topology.connections}
+    return len(nodes) > 1 and any(n not in sources for n in nodes)
+
+
+def _still_arriving(state: State, me: NodeId, outcome: MlxRingInstance | PlacementError) -> bool:
+    if me not in state.node_memory:
+        return True
+    return isinstance(outcome, InfoPending) or (isinstance(outcome, NoConnectedCycle) and edges_pending(state))
+
+
 async def place_with_grace(node: NodeHandle, request: PlaceInstanceRequest) -> MlxRingInstance:
-    """Right after formation node info is still arriving: wait for it rather than refuse falsely."""
+    """Right after formation node info and edges are still arriving: wait for them rather than refuse falsely."""
     card = card_or_404(request.model_id)
     outcome = plan_instance(node.state, request, card)
-    if isinstance(outcome, InfoPending):
+    if _still_arriving(node.state, node.node_id, outcome):
         await node.wait_for_state(
-            lambda s: not isinstance(plan_instance(s, request, card), InfoPending), INFO_GRACE_S
+            lambda s: not _still_arriving(s, node.node_id, plan_instance(s, request, card)), INFO_GRACE_S
         )
         outcome = plan_instance(node.state, request, card)
+        if node.node_id not in node.state.node_memory:
+            outcome = InfoPending(node_ids=[node.node_id])
     if isinstance(outcome, PlacementError):
         raise ApiError(outcome.http_status, outcome.message, code=type(outcome).__name__)
     return outcome
