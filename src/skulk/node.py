@@ -276,8 +276,6 @@ class Node:
                 await asyncio.sleep(TOPOLOGY_EVERY_S)
 
     def _model_dir_for(self, instance: MlxRingInstance) -> Path:
-        if instance.model_id == DEMO_MODEL_ID:
-            return ensure_demo_model(self.settings.models_dir)
         return self.settings.models_dir / model_dir_name(instance.model_id)
 
     async def _place_default(self) -> None:

@@ -50,23 +50,37 @@ BENCH_100M_SHAPE: dict[str, int] = {
     "hidden_size": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "intermediate_size": 3072,
 }
 
+BENCH_MODEL_ID = ModelId("skulk/bench-random-100m")
+BENCH_SEED = 1
+BUILTIN_MODELS: dict[str, tuple[dict[str, int], int]] = {
+    DEMO_MODEL_ID: (DEMO_SHAPE, DEMO_SEED),
+    BENCH_MODEL_ID: (BENCH_100M_SHAPE, BENCH_SEED),
+}
+"""Models any node can generate on first need instead of downloading: same bytes on every machine."""
+
 _WEIGHT_STD = 0.02
 _MAX_POSITIONS = 2048
 
 
 def ensure_demo_model(models_dir: Path) -> Path:
-    """The demo model's directory under models_dir, generated on first use.
+    """The demo model's directory under models_dir, generated on first use."""
+    return ensure_builtin_model(DEMO_MODEL_ID, models_dir)
+
+
+def ensure_builtin_model(model_id: str, models_dir: Path) -> Path:
+    """A built-in generated model's directory under models_dir, generated on first use.
 
     Generation goes to a temporary sibling directory that is renamed into place, so a crash or a concurrent
     caller never sees a half-written model: the directory either exists complete or not at all.
     """
-    target = models_dir / model_dir_name(DEMO_MODEL_ID)
+    shape, seed = BUILTIN_MODELS[model_id]
+    target = models_dir / model_dir_name(model_id)
     if target.is_dir():
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-demo-", dir=models_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-builtin-", dir=models_dir))
     try:
-        generate_random_llama(tmp, seed=DEMO_SEED, **DEMO_SHAPE)
+        generate_random_llama(tmp, seed=seed, **shape)
         tmp.chmod(0o755)  # mkdtemp makes it private; a staged model is readable like any other
         os.rename(tmp, target)
     except OSError:

@@ -1,0 +1,150 @@
+"""Serving overhead, measured side by side in one run on a ~100M-parameter random Llama (CPU).
+
+Prints three ratios, each from runs interleaved with its baseline so machine noise hits both alike:
+  decode tokens/s through the HTTP API ÷ the bare engine in-process   (target ≥ 0.95)
+  TTFT through the API − bare prefill time                            (target ≤ 15 ms)
+  aggregate tokens/s of 8 concurrent streams ÷ one stream via the API (target ≥ 3)
+
+Run: .venv/bin/python bench/serving.py [--tokens 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from skulk.engines.torch.engine import TorchEngine
+from skulk.models.demo import BENCH_MODEL_ID, ensure_builtin_model
+from skulk.testing.nodes import LocalNode
+from skulk.types.chat import ChatMessage, SamplingParams
+
+PROMPT = "Benchmark the serving path of a distributed inference cluster, please."
+
+
+def bare_run(engine: TorchEngine, tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode tokens/s) for one greedy stream in-process."""
+    ids = engine.encode_chat([ChatMessage(role="user", content=PROMPT)])
+    engine.add_request("bare", ids, SamplingParams(max_tokens=tokens, temperature=0.0))
+    start = time.perf_counter()
+    engine.step()
+    first = time.perf_counter()
+    produced = 1
+    while engine.has_work():
+        produced += len(engine.step())
+    end = time.perf_counter()
+    return first - start, (produced - 1) / (end - first)
+
+
+async def api_stream(client: httpx.AsyncClient, tokens: int, seed: int = 0) -> tuple[float, int, float, float]:
+    """(ttft seconds, tokens, first-token time, last-token time) for one streamed request."""
+    body = {
+        "model": BENCH_MODEL_ID,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": tokens,
+        "temperature": 0.0 if seed == 0 else 0.7,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    first = last = 0.0
+    produced = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            payload = json.loads(line[6:])
+            if "usage" in payload and payload.get("choices") == []:
+                produced = payload["usage"]["completion_tokens"]
+                continue
+            now = time.perf_counter()
+            if not first:
+                first = now
+            last = now
+    return first - sent, produced, first, last
+
+
+async def api_single(url: str, tokens: int) -> tuple[float, float]:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        ttft, produced, first, last = await api_stream(client, tokens)
+    return ttft, (produced - 1) / (last - first)
+
+
+async def api_concurrent(url: str, tokens: int, streams: int) -> float:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(api_stream(client, tokens, seed=n + 1) for n in range(streams)))
+        elapsed = time.perf_counter() - start
+    return sum(r[1] for r in results) / elapsed
+
+
+async def api_single_aggregate(url: str, tokens: int) -> float:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        start = time.perf_counter()
+        _, produced, _, _ = await api_stream(client, tokens, seed=1)
+    return produced / (time.perf_counter() - start)
+
+
+def start_node(root: Path) -> LocalNode:
+    node = LocalNode(home=root / "node", cluster=f"bench{int(time.time())}").start().wait_ready()
+    with node.client(timeout=120) as client:
+        reply = client.post("/place_instance", json={"model_id": BENCH_MODEL_ID})
+        reply.raise_for_status()
+        instance_id = reply.json()["instanceId"]
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            state = client.get("/state").json()
+            runners = list(state["instances"][instance_id]["MlxRingInstance"]["shardAssignments"]["runnerToShard"])
+            if all("RunnerReady" in state["runners"].get(r, {}) for r in runners):
+                return node
+            time.sleep(0.2)
+    raise RuntimeError("bench instance did not become ready")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model_dir = ensure_builtin_model(BENCH_MODEL_ID, root / "node" / "models")
+        node = start_node(root)
+        try:
+            engine = TorchEngine(model_dir)
+            engine.warmup()
+            measure(engine, node.url, args.tokens, args.rounds)
+        finally:
+            node.stop()
+            node.reap_leftovers()
+
+
+def measure(engine: TorchEngine, url: str, tokens: int, rounds: int) -> None:
+    bare_prefill, bare_tps, api_ttft, api_tps, one_agg, eight_agg = [], [], [], [], [], []
+    for _ in range(rounds):
+        prefill, tps = bare_run(engine, tokens)
+        bare_prefill.append(prefill)
+        bare_tps.append(tps)
+        ttft, tps = asyncio.run(api_single(url, tokens))
+        api_ttft.append(ttft)
+        api_tps.append(tps)
+        one_agg.append(asyncio.run(api_single_aggregate(url, tokens)))
+        eight_agg.append(asyncio.run(api_concurrent(url, tokens, 8)))
+    med = statistics.median
+    print(f"model {BENCH_MODEL_ID}, {tokens} tokens, median of {rounds} interleaved rounds")
+    print(f"bare engine decode      {med(bare_tps):8.1f} tok/s   prefill {med(bare_prefill) * 1000:7.1f} ms")
+    print(f"HTTP API decode         {med(api_tps):8.1f} tok/s   TTFT    {med(api_ttft) * 1000:7.1f} ms")
+    print(f"API ÷ bare decode       {med(api_tps) / med(bare_tps):8.3f}   (target ≥ 0.95)")
+    print(f"TTFT − bare prefill     {(med(api_ttft) - med(bare_prefill)) * 1000:8.1f} ms (target ≤ 15 ms)")
+    print(f"8 streams ÷ 1 stream    {med(eight_agg) / med(one_agg):8.2f}   (target ≥ 3)")
+
+
+if __name__ == "__main__":
+    main()
