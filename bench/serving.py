@@ -2,7 +2,7 @@
 
 Prints three ratios, each from runs interleaved with its baseline so machine noise hits both alike:
   decode tokens/s through the HTTP API ÷ the bare engine in-process   (target ≥ 0.95)
-  TTFT through the API − bare prefill time                            (target ≤ 15 ms)
+  TTFT through the API - bare prefill time                            (target ≤ 15 ms)
   aggregate tokens/s of 8 concurrent streams ÷ one stream via the API (target ≥ 3)
 
 Run: .venv/bin/python bench/serving.py [--tokens 64] [--rounds 3]
@@ -142,7 +142,7 @@ def measure(engine: TorchEngine, url: str, tokens: int, rounds: int) -> None:
     print(f"bare engine decode      {med(bare_tps):8.1f} tok/s   prefill {med(bare_prefill) * 1000:7.1f} ms")
     print(f"HTTP API decode         {med(api_tps):8.1f} tok/s   TTFT    {med(api_ttft) * 1000:7.1f} ms")
     print(f"API ÷ bare decode       {med(api_tps) / med(bare_tps):8.3f}   (target ≥ 0.95)")
-    print(f"TTFT − bare prefill     {(med(api_ttft) - med(bare_prefill)) * 1000:8.1f} ms (target ≤ 15 ms)")
+    print(f"TTFT - bare prefill     {(med(api_ttft) - med(bare_prefill)) * 1000:8.1f} ms (target ≤ 15 ms)")
     print(f"8 streams ÷ 1 stream    {med(eight_agg) / med(one_agg):8.2f}   (target ≥ 3)")
 
 
