@@ -72,6 +72,10 @@ class Transport:
             raise RuntimeError("transport is not open")
         return self._session
 
+    @property
+    def is_open(self) -> bool:
+        return self._session is not None
+
     def key(self, suffix: str) -> str:
         return f"{self.prefix}/{suffix}"
 
@@ -95,11 +99,8 @@ class Transport:
         return str(self.session.info.zid())
 
     def locators(self) -> list[str]:
-        return (
-            [str(loc) for loc in self.session.info.locators()]
-            if hasattr(self.session.info, "locators")
-            else []
-        )
+        locators = getattr(self.session.info, "locators", None)  # not in every zenoh release
+        return [str(loc) for loc in locators()] if locators is not None else []
 
     def put(self, suffix: str, payload: bytes) -> None:
         self.session.put(self.key(suffix), payload)
