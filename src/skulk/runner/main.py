@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from multiprocessing.queues import Queue
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skulk.engines.base import Engine, TokenOut
 from skulk.runner.messages import (
@@ -29,8 +29,11 @@ from skulk.runner.spec import RunnerSpec
 from skulk.types.chunks import ErrorChunk, TokenChunk
 from skulk.types.ids import CommandId, TaskId
 from skulk.types.runners import (
+    RunnerConnected,
+    RunnerConnecting,
     RunnerLoaded,
     RunnerLoading,
+    RunnerPhase,
     RunnerReady,
     RunnerRunning,
     RunnerShutdown,
@@ -38,6 +41,11 @@ from skulk.types.runners import (
     RunnerWarmingUp,
 )
 from skulk.types.tasks import ChatCompletion, TaskStatus
+
+if TYPE_CHECKING:
+    from skulk.engines.torch.distributed import DistributedEngine
+    from skulk.engines.torch.wire import RequestEvent
+    from skulk.runner.group import Group
 
 log = logging.getLogger("skulk.runner")
 
@@ -90,6 +98,10 @@ class Runner:
         self.active: dict[TaskId, _Active] = {}
         self.status: RunnerStatus | None = None
         self.stopping = False
+        # world_size > 1: rank 0 schedules through step headers; other ranks follow them, not their inbox
+        self.group: Group | None = None
+        self.dist: DistributedEngine | None = None
+        self.schedules = spec.shard.device_rank == 0
 
     def send(self, message: FromRunner) -> None:
         self.outbox.put(message)
@@ -106,6 +118,8 @@ class Runner:
 
     def start(self) -> None:
         self.recorder.record("created", "process_started")
+        if self.spec.shard.world_size > 1:
+            self._connect()
         self.set_status(RunnerLoading())
         self.recorder.record("load_model", "load_started", str(self.spec.model_dir))
         self.flush()
@@ -121,11 +135,31 @@ class Runner:
         self.set_status(RunnerReady())
         self.flush()
 
+    def _connect(self) -> None:
+        from skulk.runner.group import connect_group
+
+        self.set_status(RunnerConnecting())
+        self.flush()
+        self.group = connect_group(self.spec, self.recorder)
+        self.set_status(RunnerConnected())
+
     def _build_engine(self) -> Engine:
         from skulk.engines.torch.engine import TorchEngine
 
         shard = self.spec.shard
+        if self.group is not None:
+            return self._build_distributed_engine(self.group)
         return TorchEngine(self.spec.model_dir, start_layer=shard.start_layer, end_layer=shard.end_layer)
+
+    def _build_distributed_engine(self, group: Group) -> Engine:
+        from skulk.runner.group import build_engine
+
+        self.dist = build_engine(self.spec, group)
+        self.dist.on_phase = self._engine_phase
+        self.recorder.record("connect_group", "waiting_for_peers_to_load")
+        self.flush()
+        group.wait_all_loaded(self.spec.warmup_deadline_s)
+        return self.dist
 
     def _warmup_with_deadline(self, engine: Engine) -> None:
         deadline = self.spec.warmup_deadline_s
@@ -150,11 +184,18 @@ class Runner:
     def serve(self) -> None:
         assert self.engine is not None
         engine = self.engine
-        while not self.stopping:
+        while not self.stopping and not (self.dist is not None and self.dist.closed):
             self._take_messages(block=not engine.has_work())
             if engine.has_work():
-                self._publish(engine.step())
+                outs = engine.step()
+                if self.dist is not None:  # admissions first: a prefill's token belongs to a task admitted now
+                    self._follow_requests(self.dist.take_events())
+                self._publish(outs)
             self.flush()
+        if self.dist is not None and self.group is not None:
+            self.dist.close()
+            self._follow_requests(self.dist.take_events())
+            self.group.destroy()
         self.recorder.record("shutdown_cleanup", "shutdown")
         self.set_status(RunnerShutdown())
         self.flush()
@@ -173,9 +214,9 @@ class Runner:
 
     def _handle(self, message: ToRunner) -> None:
         match message:
-            case RunTask(task=task):
+            case RunTask(task=task) if self.schedules:
                 self._accept(task)
-            case CancelTask(task_id=task_id):
+            case CancelTask(task_id=task_id) if self.schedules:
                 self._cancel(task_id)
             case Shutdown():
                 for task_id in list(self.active):
@@ -184,7 +225,7 @@ class Runner:
 
     def _accept(self, task: ChatCompletion) -> None:
         assert self.engine is not None
-        ids = dict(task_id=task.task_id, command_id=task.command_id)
+        ids: dict[str, Any] = dict(task_id=task.task_id, command_id=task.command_id)
         self.recorder.record("task_submission", "task_received", **ids)
         self.send(TaskAccepted(task.task_id))
         self.recorder.record("prompt_build", "chat_template", **ids)
@@ -197,7 +238,10 @@ class Runner:
             )
             self._fail(task.task_id, task.command_id, message, code="context_length_exceeded", status=400)
             return
-        self.engine.add_request(task.task_id, prompt, task.task_params.sampling)
+        if self.dist is not None:
+            self.dist.add_request(task.task_id, prompt, task.task_params.sampling, command_id=task.command_id)
+        else:
+            self.engine.add_request(task.task_id, prompt, task.task_params.sampling)
         self.active[task.task_id] = _Active(task.command_id, len(prompt))
         self.recorder.record("decode_stream", "decode_started", prompt_tokens=len(prompt), **ids)
         self.set_status(RunnerRunning())
@@ -256,3 +300,33 @@ class Runner:
         if not self.active:
             self.recorder.record("idle", "no_active_tasks")
             self.set_status(RunnerReady())
+
+    def _engine_phase(self, phase: RunnerPhase, event: str) -> None:
+        """Called by the distributed engine only when its phase changes, before it may block on a peer, so a
+        waiting rank shows as waiting in diagnostics (never per token)."""
+        self.recorder.record(phase, event)
+        self.flush()
+
+    def _follow_requests(self, events: list[RequestEvent]) -> None:
+        """Report what the step headers admitted and released; idempotent, so rank 0, which already
+        reported from its inbox, and the sampler, which reported completions when publishing, skip them."""
+        from skulk.engines.torch.wire import Admitted
+
+        for event in events:
+            task_id = TaskId(event.request_id)
+            ids: dict[str, Any] = dict(task_id=task_id, command_id=event.command_id)
+            if isinstance(event, Admitted):
+                if task_id in self.active:
+                    continue
+                self.recorder.record("task_agreement", "task_admitted", prompt_tokens=event.prompt_tokens, **ids)
+                self.send(TaskAccepted(task_id))
+                self.active[task_id] = _Active(CommandId(event.command_id), event.prompt_tokens)
+                self.set_status(RunnerRunning())
+                continue
+            active = self.active.pop(task_id, None)
+            if active is None:
+                continue
+            status = TaskStatus.Cancelled if event.cancelled else TaskStatus.Complete
+            self.recorder.record("completion", status.value.lower(), **ids)
+            self.send(TaskEnded(task_id, active.command_id, status))
+            self._maybe_idle()

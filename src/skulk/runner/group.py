@@ -1,0 +1,125 @@
+"""The tensor plane of one instance: its ranks form a torch.distributed process group.
+
+Why an explicit TCPStore rather than `init_method="tcp://host:port"` (which builds the same store inside
+torch): the runner keeps the store handle, so slow-loading ranks can meet at a load barrier by polling the
+store (no collective, so no op timeout) and only then start the collectives that run under the short
+`op_timeout_s`. The short timeout is what turns a hung peer into an error within seconds; a killed peer
+closes its sockets and gloo raises at once. Either way the error leaves the engine as an exception, the
+runner process exits non-zero, the supervisor reports RunnerFailed and the master tears the instance down.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from skulk.engines.torch.distributed import DistributedEngine
+from skulk.runner.recorder import FlightRecorder
+from skulk.runner.spec import RunnerSpec
+from skulk.types.instances import Sharding
+
+# A hung peer must be noticed in <= 10 s; idle ranks exchange heartbeats well inside this. A stage whose
+# prefill alone runs longer (huge prompts on CPU) needs more: SKULK_GROUP_TIMEOUT_SECONDS raises it.
+DEFAULT_OP_TIMEOUT_S = 8.0
+LOAD_POLL_S = 0.05
+
+
+class GroupError(RuntimeError):
+    """The group could not form, or a peer vanished before it was ready."""
+
+
+@dataclass
+class Group:
+    """A formed group: the default process group (tensors) plus a gloo group for control messages.
+
+    On CPU both are the same gloo group; with NCCL the step headers and token ids still travel over gloo so
+    the control path never waits on a CUDA stream.
+    """
+
+    rank: int
+    world_size: int
+    backend: str
+    store: Any  # torch.distributed.TCPStore
+    control: Any  # ProcessGroup used for headers and token ids
+    op_timeout_s: float
+
+    def wait_all_loaded(self, deadline_s: float) -> None:
+        """Meet the other ranks after loading: a store counter, polled, so no collective can time out while a
+        slow rank is still reading weights."""
+        self.store.add("skulk/loaded", 1)
+        deadline = time.monotonic() + deadline_s
+        while int(self.store.add("skulk/loaded", 0)) < self.world_size:
+            if time.monotonic() > deadline:
+                raise GroupError(f"peers did not finish loading within {deadline_s:.0f} s")
+            time.sleep(LOAD_POLL_S)
+
+    def destroy(self) -> None:
+        """Leave the group; safe to call twice and after a peer has died."""
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError):
+                pass
+
+
+def op_timeout_s() -> float:
+    value = os.environ.get("SKULK_GROUP_TIMEOUT_SECONDS")
+    return float(value) if value else DEFAULT_OP_TIMEOUT_S
+
+
+def choose_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" and torch.cuda.is_available() else "gloo"
+
+
+def connect_group(
+    spec: RunnerSpec,
+    recorder: FlightRecorder,
+    *,
+    device: torch.device | str = "cpu",
+    timeout_s: float | None = None,
+) -> Group:
+    """Form the instance's group at its rendezvous (rank 0 hosts the store) within spec.connect_deadline_s."""
+    shard, rendezvous = spec.shard, spec.rendezvous
+    if rendezvous is None:
+        raise GroupError(f"instance {spec.instance_id} has world_size {shard.world_size} but no rendezvous")
+    rank, world = shard.device_rank, shard.world_size
+    backend = choose_backend(torch.device(device))
+    op_timeout = timeout_s if timeout_s is not None else op_timeout_s()
+    where = f"{rendezvous.host}:{rendezvous.port}"
+    recorder.record("connect_group", "connect_started", where, rank=rank, world_size=world, backend=backend)
+    started = time.monotonic()
+    try:
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+            rendezvous.host, rendezvous.port, world, is_master=rank == 0,
+            timeout=timedelta(seconds=spec.connect_deadline_s), wait_for_workers=True,
+        )
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=op_timeout)
+        )
+    except (RuntimeError, ValueError, OSError) as exc:
+        recorder.record("connect_group", "connect_failed", repr(exc)[:200])
+        raise GroupError(f"could not form the group at {where} within {spec.connect_deadline_s:.0f} s") from exc
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=op_timeout)) if backend != "gloo" else None
+    recorder.record("connect_group", "connected", where, seconds=round(time.monotonic() - started, 3))
+    return Group(rank, world, backend, store, control or dist.group.WORLD, op_timeout)
+
+
+def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str = "cpu") -> DistributedEngine:
+    """This rank's engine over the formed group: its layer range for Pipeline, all layers sharded for Tensor."""
+    shard = spec.shard
+    return DistributedEngine(
+        spec.model_dir,
+        rank=shard.device_rank,
+        world_size=shard.world_size,
+        kind="tensor" if spec.sharding == Sharding.Tensor else "pipeline",
+        start_layer=shard.start_layer,
+        end_layer=shard.end_layer,
+        control_group=group.control,
+        device=device,
+    )
