@@ -209,6 +209,18 @@ async def wait_for(check: Any, timeout: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def start_runners(demo_dir: Path, seen: Collected) -> list[RunnerSupervisor]:
+    port = free_port()
+    specs = [make_spec(demo_dir, r, [(0, 4), (4, 8)], Sharding.Pipeline, port, "runner") for r in range(2)]
+    supervisors = [RunnerSupervisor(spec, seen.callbacks(spec.runner_id)) for spec in specs]
+    for supervisor in supervisors:
+        supervisor.start()
+    for spec in specs:
+        await wait_for(lambda s=spec: any(isinstance(x, RunnerReady) for x in seen.statuses[s.runner_id]),
+                       120, f"{spec.runner_id} ready")
+    return supervisors
+
+
 @pytest.mark.timeout(180)
 async def test_runner_path_serves_a_task_across_two_ranks(demo_dir: Path) -> None:
     messages = [ChatMessage(role="user", content="hello ranks")]
@@ -218,15 +230,10 @@ async def test_runner_path_serves_a_task_across_two_ranks(demo_dir: Path) -> Non
     while reference.has_work():
         expected += [t.token_id for t in reference.step()]
 
-    port, seen = free_port(), Collected()
-    specs = [make_spec(demo_dir, r, [(0, 4), (4, 8)], Sharding.Pipeline, port, "runner") for r in range(2)]
-    supervisors = [RunnerSupervisor(spec, seen.callbacks(spec.runner_id)) for spec in specs]
+    seen = Collected()
+    supervisors: list[RunnerSupervisor] = []
     try:
-        for supervisor in supervisors:
-            supervisor.start()
-        for spec in specs:
-            await wait_for(lambda s=spec: any(isinstance(x, RunnerReady) for x in seen.statuses[s.runner_id]),
-                           120, f"{spec.runner_id} ready")
+        supervisors = await start_runners(demo_dir, seen)
         task = ChatCompletion(
             task_id=TaskId("task-1"), command_id=CommandId("cmd-1"), instance_id=InstanceId("inst"),
             task_params=ChatCompletionTaskParams(model=ModelId("skulk/tiny-random-llama"), messages=messages,
@@ -243,3 +250,19 @@ async def test_runner_path_serves_a_task_across_two_ranks(demo_dir: Path) -> Non
         await asyncio.gather(*(s.stop() for s in supervisors))
     assert [s.view.exit_code for s in supervisors] == [0, 0]
     assert not any(isinstance(x, RunnerFailed) for xs in seen.statuses.values() for x in xs)
+
+
+@pytest.mark.timeout(120)
+async def test_runner_losing_its_peer_fails_fast(demo_dir: Path) -> None:
+    seen = Collected()
+    supervisors: list[RunnerSupervisor] = []
+    try:
+        supervisors = await start_runners(demo_dir, seen)
+        pid = supervisors[1].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await wait_for(lambda: any(isinstance(x, RunnerFailed) for x in seen.statuses["runner0"]), 15,
+                       "rank 0 to fail after its peer was killed")
+        assert supervisors[0].view.exit_code not in (0, None)
+    finally:
+        await asyncio.gather(*(s.stop() for s in supervisors))
