@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     settings = resolve(flags)
     from skulk.node import run_node
 

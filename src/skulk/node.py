@@ -119,12 +119,18 @@ class Node:
         self.node_id = NodeId(self.transport.zenoh_id())
         log.info("node %s starting (cluster %r)", self.node_id, self.settings.cluster)
         self.membership = Membership(self.transport, self.node_id)
-        self.membership.start()
         self.follower = EventFollower(
             self.transport, next_idx=0, on_event=self._on_event, on_snapshot=self.store.replace
         )
         self.follower.start()
-        self.elector = Elector(self.transport, self.membership, self.node_id, joined_at=time.time())
+        self.membership.start()
+        self.elector = Elector(
+            self.transport,
+            self.membership,
+            self.node_id,
+            joined_at=time.time(),
+            expect_peers=bool(self.settings.bootstrap_peers),
+        )
         self.elector.on_master_changed(self._on_master_changed)
         self.membership.on_change(self._on_membership_change)
         self.worker = Worker(
@@ -213,7 +219,8 @@ class Node:
                     status=503,
                 )
             )
-        if self.master is not None and master != self.node_id:
+        self.follower.min_term = term
+        if self.master is not None and (master != self.node_id or term != self.master.term):
             self.master.stop()
             self.master = None
         if master == self.node_id and self.master is None:
@@ -221,6 +228,14 @@ class Node:
                 self.transport, self.node_id, term, self.store.state, lambda: self.membership.alive
             )
             self.master.start()
+        elif master != self.node_id:
+            self._spawn(self._resync())
+
+    async def _resync(self) -> None:
+        try:
+            await self.follower.resync()
+        except TimeoutError:
+            log.warning("could not fetch the new master's snapshot; following its events from here")
 
     def _on_membership_change(self, node: NodeId, alive: bool) -> None:
         if not alive and self.master is not None:

@@ -13,15 +13,18 @@ import httpx
 from skulk.testing.nodes import LocalNode
 
 
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll a condition over HTTP until it holds; fail with `what` at the deadline."""
+def wait_until(
+    check: Callable[[], Any], timeout: float, what: str, explain: Callable[[], str] | None = None
+) -> Any:
+    """Poll a condition over HTTP until it holds; fail with `what` (and `explain()`) at the deadline."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            detail = f"\n{explain()}" if explain else ""
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
         time.sleep(0.1)
 
 

@@ -57,10 +57,10 @@ def plan_instance(
 
 
 def edges_pending(state: State) -> bool:
-    """Right after formation a node may not have probed its peers yet: it has no outgoing edge at all."""
+    """Edges lag node info right after formation: some pair of known nodes has no probed link yet."""
     nodes = state.topology.nodes
-    sources = {c.source for c in state.topology.connections}
-    return len(nodes) > 1 and any(n not in sources for n in nodes)
+    linked = {(c.source, c.sink) for c in state.topology.connections}
+    return any(a != b and (a, b) not in linked for a in nodes for b in nodes)
 
 
 def _still_arriving(state: State, me: NodeId, outcome: MlxRingInstance | PlacementError) -> bool:

@@ -88,7 +88,12 @@ def decide(candidates: Iterable[Candidate], alive: frozenset[NodeId], me: NodeId
 
 
 def ready_to_settle(
-    elapsed: float, alive: frozenset[NodeId], heard: frozenset[NodeId], found_master: bool, timeout_s: float
+    elapsed: float,
+    alive: frozenset[NodeId],
+    heard: frozenset[NodeId],
+    found_master: bool,
+    timeout_s: float,
+    expect_peers: bool = False,
 ) -> bool:
     """A starting node may decide once it found a healthy master, or has heard every live peer after the
     scouting window, or has waited half the election timeout (a live peer that never heartbeats is not
@@ -97,6 +102,8 @@ def ready_to_settle(
         return True
     if elapsed >= timeout_s / 2:
         return True
+    if expect_peers and len(alive) < 2:
+        return False  # bootstrap peers are configured but not connected yet: electing alone splits the brain
     return elapsed >= SCOUT_S and alive <= heard
 
 
@@ -114,8 +121,10 @@ class Elector:
         joined_at: float,
         *,
         timeout_s: float = 3.0,
+        expect_peers: bool = False,
     ) -> None:
         self._transport = transport
+        self.expect_peers = expect_peers
         self._membership = membership
         self.node_id = node_id
         self.joined_at = joined_at
@@ -202,7 +211,7 @@ class Elector:
         if not self._settled:
             elapsed = asyncio.get_running_loop().time() - self._started_at
             heard = frozenset(self._heard) | {self.node_id}
-            if not ready_to_settle(elapsed, alive, heard, decision.kept, self.timeout_s):
+            if not ready_to_settle(elapsed, alive, heard, decision.kept, self.timeout_s, self.expect_peers):
                 return
             self._settled = True
         if (decision.master, decision.term) == (self._master, self._term):

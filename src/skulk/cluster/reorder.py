@@ -56,10 +56,11 @@ class Reorderer:
             return None
         return (self._next, min(self._buffer) - 1)
 
-    def reset(self, next_idx: int) -> list[IndexedEvent]:
+    def reset(self, next_idx: int, *, backwards: bool = False) -> list[IndexedEvent]:
         """Jump to next_idx (a snapshot covered everything before it): drop older buffered events and
-        return the buffered ones that are ready from there. Never moves backwards."""
-        if next_idx <= self._next:
+        return the buffered ones that are ready from there. Moves backwards only when told to: after
+        adopting an authoritative snapshot older than what was delivered, the tail is fetched again."""
+        if next_idx <= self._next and not backwards:
             return []
         self._next = next_idx
         self._buffer = {idx: ev for idx, ev in self._buffer.items() if idx >= next_idx}

@@ -123,8 +123,10 @@ class Sequencer:
         first_idx: int,
         snapshot: Callable[[], bytes],
         history_size: int = DEFAULT_HISTORY,
+        term: int = 0,
     ) -> None:
         self._transport = transport
+        self._term = term
         self._next = first_idx
         self._snapshot = snapshot
         self._history = History(first_idx, history_size)
@@ -150,7 +152,7 @@ class Sequencer:
         """Number, remember and publish events; returns them indexed, in order."""
         indexed: list[IndexedEvent] = []
         for event in events:
-            item = IndexedEvent(idx=self._next, event=event)
+            item = IndexedEvent(idx=self._next, event=event, term=self._term)
             payload = item.model_dump_json().encode()
             self._history.append(item.idx, payload)
             self._next += 1
@@ -208,6 +210,8 @@ class EventFollower:
         self._sub: Any = None
         self._fetch_lock = asyncio.Lock()
         self._gap_task: asyncio.Task[None] | None = None
+        self.min_term = 0
+        """Events of older terms are stale: a deposed master may still be publishing."""
 
     @property
     def next_idx(self) -> int:
@@ -229,6 +233,12 @@ class EventFollower:
         self.start()
         async with self._fetch_lock, asyncio.timeout(timeout_s):
             await self._load_snapshot()
+            await self._fetch(self._order.next_idx, None)
+
+    async def resync(self, timeout_s: float = 5.0) -> None:
+        """After a master change: adopt the new master's snapshot whatever we applied, then its tail."""
+        async with self._fetch_lock, asyncio.timeout(timeout_s):
+            await self._load_snapshot(force=True)
             await self._fetch(self._order.next_idx, None)
 
     async def fill_gap(self) -> None:
@@ -267,13 +277,13 @@ class EventFollower:
         payload = await self._query_one(RANGE_KEY, params)
         self._deliver(self._order.offer_all(decode_range_reply(payload)))
 
-    async def _load_snapshot(self) -> None:
+    async def _load_snapshot(self, *, force: bool = False) -> None:
         state = State.model_validate_json(await self._query_one(SNAPSHOT_KEY, ""))
         snap_next = state.last_event_applied_idx + 1
-        if snap_next < self._order.next_idx:
+        if snap_next < self._order.next_idx and not force:
             return  # we are already past it; the range fetch that follows covers the rest
         self._on_snapshot(state)
-        self._deliver(self._order.reset(snap_next))
+        self._deliver(self._order.reset(snap_next, backwards=force))
 
     async def _query_one(self, key: str, params: str) -> bytes:
         """The first reply from the master, retrying while none answers (an election may be under way);
@@ -286,4 +296,5 @@ class EventFollower:
 
     def _deliver(self, events: list[IndexedEvent]) -> None:
         for event in events:
-            self._on_event(event)
+            if event.term >= self.min_term:
+                self._on_event(event)

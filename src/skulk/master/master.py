@@ -40,7 +40,7 @@ class Master:
         self.state = state
         self.alive = alive
         self.sequencer = Sequencer(
-            transport, first_idx=state.last_event_applied_idx + 1, snapshot=self._snapshot
+            transport, first_idx=state.last_event_applied_idx + 1, snapshot=self._snapshot, term=term
         )
         self.intake = Intake(transport, on_local_event=self.on_local_event, on_command=self.on_command)
         self._reconciler: asyncio.Task[None] | None = None

@@ -150,8 +150,11 @@ class Runner:
 
     def _build_engine(self) -> Engine:
         from skulk.engines.torch.engine import TorchEngine
+        from skulk.models.demo import BUILTIN_MODELS, ensure_builtin_model
 
         shard = self.spec.shard
+        if shard.model_card.model_id in BUILTIN_MODELS:
+            ensure_builtin_model(shard.model_card.model_id, self.spec.model_dir.parent)
         if self.group is not None:
             return self._build_distributed_engine(self.group)
         return TorchEngine(self.spec.model_dir, start_layer=shard.start_layer, end_layer=shard.end_layer)

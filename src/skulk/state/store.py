@@ -34,10 +34,9 @@ class StateStore:
         self._notify(indexed)
 
     def replace(self, state: State) -> None:
-        """Adopt a snapshot (late join), unless we are already further along."""
-        if state.last_event_applied_idx >= self.state.last_event_applied_idx:
-            self.state = state
-            self._notify(None)
+        """Adopt the master's snapshot: it is authoritative, even over events we applied from a deposed one."""
+        self.state = state
+        self._notify(None)
 
     def _notify(self, event: IndexedEvent | None) -> None:
         for listener in list(self._listeners):

@@ -96,6 +96,8 @@ class IndexedEvent(CamelModel):
 
     idx: int = Field(ge=0)
     event: Event
+    term: int = 0
+    """The master term that emitted it; followers drop events of a term older than the master they follow."""
 
 
 class LocalEvent(CamelModel):
