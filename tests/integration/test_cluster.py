@@ -191,3 +191,30 @@ def test_place_across_nodes_and_delete(three: list[LocalNode]) -> None:
         (s["PipelineShardMetadata"]["startLayer"], s["PipelineShardMetadata"]["endLayer"]) for s in shards.values()
     )
     assert len(layers) == 2 and layers[0][0] == 0 and layers[0][1] == layers[1][0] and layers[1][1] == 8
+
+
+def _replace_instance(node: LocalNode, old: str | None, **body: Any) -> str:
+    if old is not None:
+        with node.client() as client:
+            assert client.delete(f"/instance/{old}").status_code == 200
+    return place_and_wait(node, **body)
+
+
+def test_pipeline_and_tensor_across_nodes_match_one_node(three: list[LocalNode]) -> None:
+    a, b, c = three
+    prompts = ("hello there", "a different prompt")
+    instance = _replace_instance(a, None, excluded_nodes=[b.node_id, c.node_id])
+    single = [greedy(a, p) for p in prompts]
+    bodies: list[dict[str, Any]] = [{"min_nodes": 2}, {"min_nodes": 3}, {"min_nodes": 2, "sharding": "Tensor"}]
+    for body in bodies:
+        instance = _replace_instance(a, instance, **body)
+        world = len(next(iter(state_of(a)["instances"][instance].values()))["shardAssignments"]["nodeToRunner"])
+        assert world == body["min_nodes"]
+        assert [greedy(a, p) for p in prompts] == single, body
+    outside = next(n for n in three if n.node_id not in _members(a, instance))
+    assert greedy(outside, prompts[0]) == single[0]
+
+
+def _members(node: LocalNode, instance_id: str) -> set[str]:
+    instance = next(iter(state_of(node)["instances"][instance_id].values()))
+    return set(instance["shardAssignments"]["nodeToRunner"])
