@@ -29,6 +29,7 @@ from skulk.master.decide import session_changed_message
 from skulk.master.master import Master
 from skulk.models.cards import model_dir_name
 from skulk.models.demo import DEMO_MODEL_ID, ensure_demo_model
+from skulk.runner.fault import recording_enabled
 from skulk.state.store import StateStore
 from skulk.types.chunks import ErrorChunk
 from skulk.types.commands import Command, CreateInstance
@@ -140,6 +141,7 @@ class Node:
             model_dir_for=self._model_dir_for,
             warmup_deadline_s=self.settings.warmup_deadline_seconds,
             fault=os.environ.get("SKULK_FAULT"),
+            record=recording_enabled(os.environ.get("SKULK_FLIGHT_RECORDER")),
         )
         self.store.listen(self._on_state_change)
         self._spawn(self.elector.run())

@@ -12,6 +12,7 @@ from multiprocessing.queues import Queue
 from typing import TYPE_CHECKING, Any
 
 from skulk.engines.base import Engine, TokenOut
+from skulk.runner.fault import FaultInjector, fault_from_setting
 from skulk.runner.messages import (
     CancelTask,
     FromRunner,
@@ -107,6 +108,10 @@ class Runner:
         self.group: Group | None = None
         self.dist: DistributedEngine | None = None
         self.schedules = spec.shard.device_rank == 0
+        fault = fault_from_setting(spec.fault)
+        self.fault = FaultInjector(fault, spec.shard.device_rank, self.flush) if fault is not None else None
+        if self.fault is not None:
+            self.recorder.on_enter = self.fault.on_enter
 
     def send(self, message: FromRunner) -> None:
         self.outbox.put(message)
@@ -136,6 +141,8 @@ class Runner:
         self.flush()
         self._warmup_with_deadline(self.engine)
         self.recorder.record("warmup", "warmup_finished", with_memory=True)
+        if self.fault is not None:
+            self.fault.arm()
         self.recorder.record("idle", "ready")
         self.set_status(RunnerReady())
         self.flush()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import psutil
@@ -49,6 +50,8 @@ class FlightRecorder:
         self.phase: RunnerPhase = "created"
         self.phase_since = time.monotonic()
         self._pending: deque[FlightRecorderEntry] = deque(maxlen=PENDING_LIMIT)
+        # called after a new phase's entry is queued (fault injection); None costs nothing
+        self.on_enter: Callable[[RunnerPhase], None] | None = None
 
     def record(
         self,
@@ -61,10 +64,24 @@ class FlightRecorder:
         with_memory: bool = False,
         **attrs: AttrValue,
     ) -> None:
-        if phase != self.phase:
+        entered = phase != self.phase
+        if entered:
             self.phase, self.phase_since = phase, time.monotonic()
-        if not self.enabled:
-            return
+        if self.enabled:
+            self._append(phase, event, detail, task_id, command_id, with_memory, attrs)
+        if entered and self.on_enter is not None:
+            self.on_enter(phase)
+
+    def _append(
+        self,
+        phase: RunnerPhase,
+        event: str,
+        detail: str | None,
+        task_id: str | None,
+        command_id: str | None,
+        with_memory: bool,
+        attrs: dict[str, AttrValue],
+    ) -> None:
         self._pending.append(
             FlightRecorderEntry(
                 at=utc_now(),

@@ -42,6 +42,7 @@ class Worker:
         model_dir_for: ModelDirFor,
         warmup_deadline_s: float,
         fault: str | None = None,
+        record: bool = True,
     ) -> None:
         self.node_id = node_id
         self.emit = emit
@@ -49,6 +50,7 @@ class Worker:
         self.model_dir_for = model_dir_for
         self.warmup_deadline_s = warmup_deadline_s
         self.fault = fault
+        self.record = record
         self.supervisors: dict[RunnerId, RunnerSupervisor] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -64,6 +66,8 @@ class Worker:
             return
         for action in plan(state, self.node_id, self.local_view()):
             self._execute(action)
+        for supervisor in self.supervisors.values():
+            supervisor.forget_finished(state)
 
     def _execute(self, action: Action) -> None:
         match action:
@@ -91,6 +95,7 @@ class Worker:
             rendezvous=instance.rendezvous,
             warmup_deadline_s=self.warmup_deadline_s,
             fault=self.fault,
+            record=self.record,
         )
         log.info(
             "starting runner %s for %s (rank %d/%d, layers %d-%d)",
