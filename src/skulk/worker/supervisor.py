@@ -33,6 +33,7 @@ from skulk.types.chunks import ErrorChunk, TokenChunk
 from skulk.types.diagnostics import FlightRecorderEntry, Milestone
 from skulk.types.ids import TaskId
 from skulk.types.runners import RunnerFailed, RunnerIdle, RunnerPhase, RunnerStatus
+from skulk.types.state import State
 from skulk.types.tasks import ChatCompletion, TaskStatus
 
 log = logging.getLogger("skulk.supervisor")
@@ -152,6 +153,19 @@ class RunnerSupervisor:
         self.view.last_task_sent_at = utc_now()
         self._inbox.put(RunTask(task))
 
+    def forget_finished(self, state: State) -> None:
+        """Drop closed tasks from our books: a rank that is not the scheduler is never told about a task
+        rank 0 rejected, and the ids of sent tasks must not grow without bound."""
+
+        def closed(task_id: TaskId) -> bool:
+            task = state.tasks.get(task_id)
+            return task is None or not task.task_status.is_open
+
+        view = self.view
+        for task_id in [t for t in view.pending if closed(t)]:
+            del view.pending[task_id]
+        view.sent = {t for t in view.sent if not closed(t) or t in view.in_progress}
+
     def cancel(self, task_id: TaskId) -> None:
         if task_id in self.view.in_progress or task_id in self.view.pending:
             self._inbox.put(CancelTask(task_id))
@@ -171,6 +185,9 @@ class RunnerSupervisor:
                 task = view.pending.pop(task_id, None)
                 if task is not None:
                     view.in_progress[task_id] = task
+                elif self.spec.shard.device_rank == 0:  # closed while it waited in the scheduler's queue
+                    self._inbox.put(CancelTask(task_id))
+                    return
                 self.callbacks.on_task_started(task_id)
             case TaskEnded():
                 self._on_task_ended(message)
