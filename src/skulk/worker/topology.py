@@ -27,7 +27,9 @@ def probe_targets(state: State, me: NodeId) -> dict[NodeId, list[tuple[str, str 
         if node == me or node not in state.node_api_ports:
             continue
         interfaces = state.node_network.get(node)
-        addresses = [(i.ip_address, i.name) for i in interfaces.interfaces] if interfaces else []
+        addresses: list[tuple[str, str | None]] = (
+            [(i.ip_address, i.name) for i in interfaces.interfaces] if interfaces else []
+        )
         addresses.sort(key=lambda a: not a[0].startswith("127."))
         targets[node] = addresses or [("127.0.0.1", None)]
     return targets
