@@ -1,0 +1,356 @@
+"""Cluster figures, measured in one run on three real node processes on loopback (CPU, explicit endpoints).
+
+Targets:
+  decode tokens/s, Pipeline over 2 ranks ÷ 1 rank                      (target ≥ 0.85)
+  decode tokens/s, Pipeline over 3 ranks ÷ 1 rank                      (target ≥ 0.85)
+  cluster formation, 3 nodes: start → one master, 3 nodes, 6 links    (reported)
+  kill -9 of the master → the survivors agree on a new master          (target ≤ 3 s)
+  kill -9 of a worker holding a rank → the client's SSE error event    (target ≤ 2 s; runbook anchor 4-6 s)
+
+Decode rates are single-stream greedy on the built-in ~100M-parameter `skulk/bench-random-100m`, timed from
+the first to the last streamed token (median of 3 streams per placement); 1-, 2- and 3-rank placements are
+interleaved within each round (each instance deleted before the next is placed) and the median over rounds is
+used, so machine noise hits all alike. Formation also shows when all three processes had printed ready
+(interpreter and import start-up), to tell start-up cost from discovery and election.
+The kill figures are measured once each: master first, then the killed node is restarted so the worker kill
+happens in a full three-node cluster again. Other processes on the machine skew every figure: run it alone.
+
+Run: .venv/bin/python bench/cluster.py [--tokens 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from skulk.models.demo import BENCH_MODEL_ID
+from skulk.testing.nodes import LocalNode
+
+PROMPT = "Benchmark the pipeline path of a distributed inference cluster, please."
+NODE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""Co-located ranks must not spin on cores another rank needs (runner_main also sets it for world_size > 1)."""
+STREAMS_PER_PLACEMENT = 3
+"""Streams timed per placement (median kept): loading costs far more than decoding, so sample it well."""
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    value: str
+    target: str
+    ok: bool | None  # None: reported, no target
+
+
+def state_of(node: LocalNode) -> dict[str, Any] | None:
+    """/state, or None while the node's API is not up (or the node is dead): polling treats both as 'not yet'."""
+    try:
+        return httpx.get(f"{node.url}/state", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def wait_for(check: Callable[[], T], timeout: float, what: str, poll: float = 0.01) -> T:
+    """Poll tightly: several figures are time-to-condition, so the poll interval bounds their resolution."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+def formed(nodes: list[LocalNode]) -> bool:
+    """Every node knows every node and every directed link, and all agree on one master among them."""
+    if not all(n.node_id for n in nodes):
+        return False
+    states = [state_of(n) for n in nodes]
+    ids = {n.node_id for n in nodes}
+    links = len(ids) * (len(ids) - 1)
+    return (
+        all(s is not None for s in states)
+        and all(set(s["nodeMemory"]) == ids and len(s["topology"]["connections"]) == links for s in states)
+        and len({s["masterNodeId"] for s in states}) == 1
+        and states[0]["masterNodeId"] in ids
+    )
+
+
+class Fleet:
+    """The bench's node processes: the live three, plus every one ever started so cleanup reaches killed ones."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cluster = f"bench{uuid.uuid4().hex[:8]}"
+        self.nodes: list[LocalNode] = []
+        self.started: list[LocalNode] = []
+
+    def spawn(self, index: int, peers: list[str]) -> LocalNode:
+        node = LocalNode(home=self.root / f"node{index}", cluster=self.cluster, peers=peers, extra_env=dict(NODE_ENV))
+        self.started.append(node)
+        return node.start()
+
+    def stop_all(self) -> None:
+        """Stop every node ever started, then kill any runner that outlived its node."""
+        for node in self.started:
+            node.stop()
+        for node in self.started:
+            node.reap_leftovers()
+
+
+def measure_formation(fleet: Fleet) -> tuple[float, float]:
+    """Start three processes back to back (each bootstraps to the earlier ones) and time until formed.
+
+    Returns (seconds to formed, seconds until all three had printed ready)."""
+    started = time.monotonic()
+    for index in range(3):
+        fleet.nodes.append(fleet.spawn(index, [n.endpoint for n in fleet.nodes]))
+    wait_for(lambda: all(n.node_id for n in fleet.nodes), 60, "three nodes to print ready")
+    ready = time.monotonic() - started
+    wait_for(lambda: formed(fleet.nodes), 60, "three nodes to form one cluster", poll=0.02)
+    return time.monotonic() - started, ready
+
+
+def runners_of(reply: dict[str, Any]) -> tuple[set[str], set[str]]:
+    """(runner ids, node ids) of a placement reply: the rank count is read back, never assumed."""
+    assignments = reply["instance"]["MlxRingInstance"]["shardAssignments"]
+    return set(assignments["runnerToShard"]), set(assignments["nodeToRunner"])
+
+
+def instance_ready(api: LocalNode, instance_id: str, runners: set[str]) -> bool:
+    state = state_of(api)
+    if state is None or instance_id not in state["instances"]:
+        return False
+    return all("RunnerReady" in state["runners"].get(r, {}) for r in runners)
+
+
+def place_on(api: LocalNode, members: list[LocalNode], everyone: list[LocalNode]) -> tuple[str, set[str]]:
+    """Place a Pipeline instance on exactly `members` (the rest excluded); check the reply says so."""
+    body = {
+        "model_id": BENCH_MODEL_ID,
+        "sharding": "Pipeline",
+        "min_nodes": len(members),
+        "excluded_nodes": [n.node_id for n in everyone if n not in members],
+    }
+    with api.client(timeout=120) as client:
+        reply = client.post("/place_instance", json=body)
+    if reply.status_code != 200:
+        raise RuntimeError(f"placement of {len(members)} ranks refused: {reply.text}")
+    runners, node_ids = runners_of(reply.json())
+    if len(runners) != len(members) or node_ids != {n.node_id for n in members}:
+        raise RuntimeError(f"asked for {len(members)} ranks on {len(members)} nodes, got {len(runners)} on {node_ids}")
+    instance_id = reply.json()["instanceId"]
+    wait_for(lambda: instance_ready(api, instance_id, runners), 240, f"{len(members)}-rank instance", poll=0.2)
+    return instance_id, runners
+
+
+def delete_instance(api: LocalNode, instance_id: str, runners: set[str]) -> None:
+    """Delete and wait until its runners are gone too, so no exiting rank competes with the next placement."""
+    with api.client(timeout=60) as client:
+        client.delete(f"/instance/{instance_id}").raise_for_status()
+
+    def gone() -> bool:
+        state = state_of(api)
+        return state is not None and instance_id not in state["instances"] and not runners & set(state["runners"])
+
+    wait_for(gone, 60, f"instance {instance_id} and its runners to go", poll=0.1)
+
+
+def stream_decode(api: LocalNode, tokens: int) -> float:
+    """Decode tokens/s of one greedy stream: (completion tokens - 1) / (last token time - first token time)."""
+    body = {
+        "model": BENCH_MODEL_ID,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first = last = 0.0
+    produced = 0
+    with (
+        httpx.Client(base_url=api.url, timeout=300) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as reply,
+    ):
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            payload = json.loads(line[6:])
+            if "error" in payload:
+                raise RuntimeError(f"stream failed: {payload['error']}")
+            if payload.get("choices") == [] and "usage" in payload:
+                produced = payload["usage"]["completion_tokens"]
+                continue
+            last = time.perf_counter()
+            first = first or last
+    if produced < 2 or last <= first:
+        raise RuntimeError(f"too few tokens streamed to time decode ({produced})")
+    return (produced - 1) / (last - first)
+
+
+def measure_scaling(nodes: list[LocalNode], tokens: int, rounds: int) -> dict[int, list[float]]:
+    """Interleave 1-, 2- and 3-rank placements each round (order rotated) so drift hits every rank count."""
+    api = nodes[0]
+    rates: dict[int, list[float]] = {1: [], 2: [], 3: []}
+    for round_no in range(rounds):
+        order = [1, 2, 3][round_no % 3 :] + [1, 2, 3][: round_no % 3]
+        for ranks in order:
+            instance_id, runners = place_on(api, nodes[:ranks], nodes)
+            try:
+                stream_decode(api, 8)  # warm-up: first-call allocations and group warm paths
+                streams = [stream_decode(api, tokens) for _ in range(STREAMS_PER_PLACEMENT)]
+                rates[ranks].append(statistics.median(streams))
+            finally:
+                delete_instance(api, instance_id, runners)
+            print(f"  round {round_no + 1} ranks {ranks}: {rates[ranks][-1]:7.1f} tok/s", flush=True)
+    return rates
+
+
+def sigkill(node: LocalNode) -> float:
+    """`kill -9` the node process; return the moment the signal was sent (descendants noted first for reaping)."""
+    node.child_pids()
+    assert node.process is not None
+    killed_at = time.monotonic()
+    node.process.send_signal(signal.SIGKILL)
+    node.process.wait(10)
+    return killed_at
+
+
+def master_of(node: LocalNode) -> str | None:
+    state = state_of(node)
+    return None if state is None else state.get("masterNodeId")
+
+
+def measure_master_kill(nodes: list[LocalNode]) -> tuple[float, LocalNode]:
+    """Kill the master; time until both survivors name the same new master. Returns (seconds, killed node)."""
+    old = master_of(nodes[0])
+    master = next(n for n in nodes if n.node_id == old)
+    survivors = [n for n in nodes if n is not master]
+    killed_at = sigkill(master)
+
+    def agreed() -> bool:
+        seen = {master_of(n) for n in survivors}
+        return len(seen) == 1 and seen.pop() in {n.node_id for n in survivors}
+
+    wait_for(agreed, 30, "the survivors to agree on a new master", poll=0.005)
+    return time.monotonic() - killed_at, master
+
+
+def restart(fleet: Fleet, dead: LocalNode) -> None:
+    """Bring the killed node back (same home, fresh ports) so the next figure runs on three nodes again."""
+    index = fleet.nodes.index(dead)
+    peers = [n.endpoint for n in fleet.nodes if n is not dead]
+    fleet.nodes[index] = fleet.spawn(index, peers).wait_ready()
+    wait_for(lambda: formed(fleet.nodes), 60, "the restarted node to rejoin", poll=0.05)
+
+
+def first_error_after_kill(api: LocalNode, worker: LocalNode) -> float:
+    """Stream a long completion through `api`, kill `worker` mid-stream, time until the SSE error event."""
+    body = {
+        "model": BENCH_MODEL_ID,
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 1500,
+        "temperature": 1.0,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=api.url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as reply,
+    ):
+        reply.raise_for_status()
+        lines = reply.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: {")
+            if seen >= 4:  # well into decode, not racing prefill
+                break
+        killed_at = sigkill(worker)
+        for line in lines:
+            if line.startswith("data: {") and '"error"' in line:
+                elapsed = time.monotonic() - killed_at
+                print(f"  error event: {json.loads(line[6:])['error'].get('message', '')[:100]}", flush=True)
+                return elapsed
+            if line == "data: [DONE]":
+                break
+    raise RuntimeError("the stream ended without an error event after the worker was killed")
+
+
+def measure_worker_kill(nodes: list[LocalNode]) -> float:
+    """A 2-rank instance on the two non-master nodes; the stream goes through one of them, the other is killed."""
+    master = master_of(nodes[0])
+    api, worker = [n for n in nodes if n.node_id != master]
+    place_on(api, [api, worker], nodes)
+    return first_error_after_kill(api, worker)
+
+
+def ratio_figures(rates: dict[int, list[float]]) -> list[Figure]:
+    one = statistics.median(rates[1])
+    figures = [Figure("decode 1 rank (tok/s)", f"{one:.1f}", "baseline", None)]
+    for ranks in (2, 3):
+        ratio = statistics.median(rates[ranks]) / one
+        figures.append(
+            Figure(
+                f"decode {ranks} ranks ÷ 1 rank",
+                f"{ratio:.3f} ({statistics.median(rates[ranks]):.1f} tok/s)",
+                "≥ 0.85",
+                ratio >= 0.85,
+            )
+        )
+    return figures
+
+
+def print_table(figures: list[Figure]) -> None:
+    width = max(len(f.name) for f in figures)
+    value_width = max(len(f.value) for f in figures)
+    print(f"\n{'figure':<{width}}  {'value':<{value_width}}  {'target':<14}  result")
+    for f in figures:
+        verdict = "-" if f.ok is None else ("PASS" if f.ok else "FAIL")
+        print(f"{f.name:<{width}}  {f.value:<{value_width}}  {f.target:<14}  {verdict}")
+
+
+def run(fleet: Fleet, tokens: int, rounds: int) -> list[Figure]:
+    formation, ready = measure_formation(fleet)
+    print(f"formed in {formation:.2f} s; measuring decode, {rounds} rounds of {tokens} tokens", flush=True)
+    rates = measure_scaling(fleet.nodes, tokens, rounds)
+    failover, dead = measure_master_kill(fleet.nodes)
+    print(f"new master after {failover:.3f} s; restarting the killed node", flush=True)
+    restart(fleet, dead)
+    worker_error = measure_worker_kill(fleet.nodes)
+    return [
+        *ratio_figures(rates),
+        Figure("formation, 3 nodes", f"{formation:.2f} s (ready {ready:.2f} s)", "reported", None),
+        Figure("kill -9 master → new master", f"{failover:.3f} s", "≤ 3 s", failover <= 3.0),
+        Figure("kill -9 worker → SSE error", f"{worker_error:.3f} s", "≤ 2 s (4-6 s)", worker_error <= 2.0),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=64, help="decode tokens per measured stream")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of 1/2/3-rank placements")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        fleet = Fleet(Path(tmp))
+        try:
+            figures = run(fleet, args.tokens, args.rounds)
+        finally:
+            fleet.stop_all()
+    print(f"\nmodel {BENCH_MODEL_ID}, {args.tokens} tokens, median of {args.rounds} interleaved rounds")
+    print_table(figures)
+
+
+if __name__ == "__main__":
+    main()
