@@ -1,0 +1,208 @@
+"""Cost of the diagnostics: cluster fan-out latency, and what the flight recorder costs decode.
+
+Starts real nodes on loopback (explicit zenoh endpoints, unique cluster names) and prints, from one run:
+  latency (median, p95) of /v1/diagnostics/cluster and /v1/diagnostics/cluster/timeline
+      with 3 nodes alive, with one peer frozen (SIGSTOP: alive but not answering, the case the per-peer
+      timeout exists for; only the first call sees it, the cluster forgets it after its liveliness lease),
+      and with that peer killed                      (target: bounded by the per-peer timeout, printed)
+  decode tokens/s of one stream, flight recorder on ÷ recording off
+      (2-rank Pipeline instances of the same model on two node sets, the second started with
+      SKULK_FLIGHT_RECORDER=0; rounds interleaved so machine noise hits both alike)      (target >= 0.98)
+
+Run: .venv/bin/python bench/diagnostics.py [--model skulk/bench-random-100m] [--calls 20] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from skulk.diagnostics.cluster import DEFAULT_PEER_TIMEOUT_S
+from skulk.models.cards import model_dir_name
+from skulk.models.demo import BENCH_MODEL_ID, ensure_builtin_model
+from skulk.testing.nodes import LocalNode
+
+PROMPT = "Explain how a distributed inference cluster finds the rank that is stuck."
+PATHS = ("/v1/diagnostics/cluster", "/v1/diagnostics/cluster/timeline")
+
+
+def start_set(root: Path, name: str, count: int, env: dict[str, str], model: str) -> list[LocalNode]:
+    """`count` nodes of one cluster, each bootstrapped to the ones before it; the model is pre-linked into
+    every home so four runners do not generate the same random weights four times."""
+    cluster = f"bench-{name}-{uuid.uuid4().hex[:8]}"
+    nodes: list[LocalNode] = []
+    for i in range(count):
+        home = root / f"{name}{i}"
+        link_model(root / "cache", home / "models", model)
+        peers = [n.endpoint for n in nodes]
+        nodes.append(LocalNode(home=home, cluster=cluster, peers=peers, extra_env=env).start())
+    for node in nodes:
+        node.wait_ready(120)
+    wait_for(lambda: formed(nodes), 60, f"{name} nodes to form")
+    return nodes
+
+
+def link_model(cache: Path, models: Path, model: str) -> None:
+    source = ensure_builtin_model(model, cache)
+    target = models / model_dir_name(model)
+    if not target.exists():
+        models.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(source, target, copy_function=os.link)
+
+
+def state(node: LocalNode) -> dict[str, Any]:
+    return httpx.get(node.url + "/state", timeout=30, trust_env=False).json()
+
+
+def formed(nodes: list[LocalNode]) -> bool:
+    states = [state(n) for n in nodes]
+    ids = {n.node_id for n in nodes}
+    return all(set(s["nodeMemory"]) == ids for s in states) and len({s["masterNodeId"] for s in states}) == 1
+
+
+def wait_for(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def place(node: LocalNode, model: str, excluded: list[str]) -> str:
+    """A 2-rank Pipeline instance, waited on until both runners are ready."""
+    body = {"model_id": model, "min_nodes": 2, "sharding": "Pipeline", "excluded_nodes": excluded}
+    reply = httpx.post(node.url + "/place_instance", json=body, timeout=120, trust_env=False)
+    reply.raise_for_status()
+    instance_id: str = reply.json()["instanceId"]
+
+    def ready() -> bool:
+        s = state(node)
+        runners = s["instances"][instance_id]["MlxRingInstance"]["shardAssignments"]["runnerToShard"]
+        return all("RunnerReady" in s["runners"].get(r, {}) for r in runners)
+
+    wait_for(ready, 600, f"instance {instance_id} to be ready")
+    return instance_id
+
+
+def latencies(node: LocalNode, path: str, calls: int) -> list[float]:
+    found = []
+    with httpx.Client(base_url=node.url, timeout=60, trust_env=False) as client:
+        for _ in range(calls):
+            start = time.perf_counter()
+            client.get(path).raise_for_status()
+            found.append(time.perf_counter() - start)
+    return found
+
+
+def summary(values: list[float]) -> str:
+    ordered = sorted(values)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return f"median {statistics.median(ordered) * 1000:7.1f} ms  p95 {p95 * 1000:7.1f} ms  (n={len(ordered)})"
+
+
+def decode_tps(node: LocalNode, model: str, tokens: int) -> float:
+    """Decode tokens/s of one greedy stream: tokens after the first over the time from first to last."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first = last = 0.0
+    produced = 0
+    with httpx.stream("POST", node.url + "/v1/chat/completions", json=body, timeout=600, trust_env=False) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            payload = json.loads(line[6:])
+            if "usage" in payload and payload.get("choices") == []:
+                produced = payload["usage"]["completion_tokens"]
+                continue
+            last = time.perf_counter()
+            first = first or last
+    return (produced - 1) / max(last - first, 1e-9)
+
+
+def measure_decode(on: LocalNode, off: LocalNode, model: str, tokens: int, rounds: int) -> None:
+    for node in (on, off):  # first-request effects out of the way
+        decode_tps(node, model, 4)
+    with_rec: list[float] = []
+    without: list[float] = []
+    for i in range(rounds):  # ABBA: neither side always runs first
+        pair = [(on, with_rec), (off, without)]
+        for node, into in pair if i % 2 == 0 else reversed(pair):
+            into.append(decode_tps(node, model, tokens))
+    med = statistics.median
+    print(f"decode, recorder on     {med(with_rec):8.1f} tok/s  {[round(v, 1) for v in with_rec]}")
+    print(f"decode, recorder off    {med(without):8.1f} tok/s  {[round(v, 1) for v in without]}")
+    print(f"on / off                {med(with_rec) / med(without):8.3f}   (target >= 0.98)")
+
+
+def measure_latency(asked: LocalNode, victim: LocalNode, calls: int) -> None:
+    print(f"per-peer timeout {DEFAULT_PEER_TIMEOUT_S:g} s")
+    for path in PATHS:
+        print(f"{path:36s} 3 alive      {summary(latencies(asked, path, calls))}")
+    assert victim.process is not None
+    victim.process.send_signal(signal.SIGSTOP)
+    try:  # both at once: the cluster forgets a silent peer after its liveliness lease (~3 s)
+        with ThreadPoolExecutor(len(PATHS)) as pool:
+            frozen = list(pool.map(lambda path: latencies(asked, path, 1), PATHS))
+    finally:
+        victim.kill()
+    for path, values in zip(PATHS, frozen, strict=True):
+        print(f"{path:36s} 1 frozen     {summary(values)}")
+    for path in PATHS:
+        print(f"{path:36s} 1 killed     {summary(latencies(asked, path, calls))}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=BENCH_MODEL_ID)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    nodes: list[LocalNode] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        try:
+            run(root, args, nodes)
+        finally:
+            for node in nodes:
+                node.stop()
+            for node in nodes:
+                node.reap_leftovers()
+
+
+def run(root: Path, args: argparse.Namespace, nodes: list[LocalNode]) -> None:
+    """The recorder-on set is 3 nodes (the instance on two, the third is the peer that dies later)."""
+    on_set = start_set(root, "on", 3, {}, args.model)
+    nodes += on_set
+    master = state(on_set[0])["masterNodeId"]
+    asked = next(n for n in on_set if n.node_id == master)
+    victim = next(n for n in on_set if n.node_id != master)
+    off_set = start_set(root, "off", 2, {"SKULK_FLIGHT_RECORDER": "0"}, args.model)
+    nodes += off_set
+    place(asked, args.model, [victim.node_id])
+    place(off_set[0], args.model, [])
+    print(f"model {args.model}, {args.tokens} tokens per stream, {args.rounds} interleaved rounds")
+    measure_decode(asked, off_set[0], args.model, args.tokens, args.rounds)
+    measure_latency(asked, victim, args.calls)
+
+
+if __name__ == "__main__":
+    main()
