@@ -9,7 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from skulk.cluster.membership import Membership
 from skulk.cluster.sync import EventFollower
 from skulk.cluster.transport import Transport, TransportSettings
 from skulk.config import Settings
+from skulk.diagnostics.cluster import DepartedPeer, local_addresses, peer_url
 from skulk.master.decide import session_changed_message
 from skulk.master.master import Master
 from skulk.models.cards import model_dir_name
@@ -54,6 +55,7 @@ log = logging.getLogger("skulk.node")
 INFO_EVERY_S = 2.0
 INFO_HEARTBEAT_S = 10.0
 TOPOLOGY_EVERY_S = 1.0
+DEPARTED_KEPT = timedelta(minutes=10)
 ELECTION_WAIT_S = 10.0
 
 
@@ -79,6 +81,7 @@ class Node:
         self._tasks: list[asyncio.Task[Any]] = []
         self._reconcile_pending = False
         self.api_port = settings.api_port
+        self._departed: dict[NodeId, DepartedPeer] = {}
 
     # -- NodeHandle -------------------------------------------------------------------------------
     @property
@@ -113,6 +116,11 @@ class Node:
     @property
     def tracing_enabled(self) -> bool:
         return False
+
+    @property
+    def departed_peers(self) -> Mapping[NodeId, DepartedPeer]:
+        cutoff = datetime.now(UTC) - DEPARTED_KEPT
+        return {n: d for n, d in self._departed.items() if d.left_at > cutoff}
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -226,9 +234,7 @@ class Node:
             self.master.stop()
             self.master = None
         if master == self.node_id and self.master is None:
-            self.master = Master(
-                self.transport, self.node_id, term, self.store.state, lambda: self.membership.alive
-            )
+            self.master = Master(self.transport, self.node_id, term, self.store.state, lambda: self.membership.alive)
             self.master.start()
         elif master != self.node_id:
             self._spawn(self._resync())
@@ -240,6 +246,11 @@ class Node:
             log.warning("could not fetch the new master's snapshot; following its events from here")
 
     def _on_membership_change(self, node: NodeId, alive: bool) -> None:
+        if alive:
+            self._departed.pop(node, None)
+        elif node in self.store.state.node_api_ports:
+            url = peer_url(self.store.state, self.node_id, node, local_addresses())
+            self._departed[node] = DepartedPeer(url=url, left_at=datetime.now(UTC))
         if not alive and self.master is not None:
             self.master.on_node_lost(node)
 

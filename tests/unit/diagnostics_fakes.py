@@ -127,6 +127,7 @@ class FakeNode:
     supervisors: dict[RunnerId, Any] = field(default_factory=dict)
     settings: Settings = field(default_factory=lambda: Settings(config=Path("/nonexistent/skulk.yaml")))
     tracing_enabled: bool = False
+    departed_peers: dict[NodeId, Any] = field(default_factory=dict)
 
 
 def timeline_runner(

@@ -15,6 +15,7 @@ from skulk.api.handle import NodeHandle
 from skulk.diagnostics.clock import utc_now
 from skulk.diagnostics.cluster import (
     DEFAULT_PEER_TIMEOUT_S,
+    DepartedPeer,
     collect_cluster,
     fetch_peers,
     known_peers,
@@ -35,13 +36,18 @@ class DiagnosticsHandle(NodeHandle, Protocol):
     @property
     def tracing_enabled(self) -> bool: ...
 
+    @property
+    def departed_peers(self) -> Mapping[NodeId, DepartedPeer]: ...
+
 
 def diagnostics_router(node: DiagnosticsHandle, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S) -> APIRouter:
     router = APIRouter(prefix="/v1/diagnostics", tags=["diagnostics"])
 
     async def cluster() -> ClusterDiagnostics:
         local = await collect_node_bundle(node)
-        return await collect_cluster(local, node.state, node.node_id, node.master_id, peer_timeout_s)
+        return await collect_cluster(
+            local, node.state, node.node_id, node.master_id, peer_timeout_s, departed=node.departed_peers
+        )
 
     @router.get("/node")
     async def node_diagnostics() -> dict[str, Any]:

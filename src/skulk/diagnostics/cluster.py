@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
 
 import httpx
 import psutil
@@ -25,12 +28,7 @@ LOOPBACK = "127.0.0.1"
 
 
 def local_addresses() -> set[str]:
-    return {
-        addr.address
-        for addrs in psutil.net_if_addrs().values()
-        for addr in addrs
-        if addr.family == socket.AF_INET
-    }
+    return {addr.address for addrs in psutil.net_if_addrs().values() for addr in addrs if addr.family == socket.AF_INET}
 
 
 def _is_loopback(address: str) -> bool:
@@ -121,10 +119,32 @@ async def fetch_peers(
     ours = local_addresses() if ours is None else ours
     async with httpx.AsyncClient(trust_env=False) as client:
         return list(
-            await asyncio.gather(
-                *(fetch_peer(client, p, peer_url(state, local, p, ours), timeout) for p in peers)
-            )
+            await asyncio.gather(*(fetch_peer(client, p, peer_url(state, local, p, ours), timeout) for p in peers))
         )
+
+
+@dataclass(frozen=True)
+class DepartedPeer:
+    """A node that left the cluster recently: state forgets it at once, an operator should not."""
+
+    url: str | None
+    left_at: datetime
+
+
+async def fetch_departed(departed: Mapping[NodeId, DepartedPeer], timeout: float) -> list[ClusterNodeDiagnostics]:
+    """Departed nodes are always reported ok: false, with why they could not be read."""
+    async with httpx.AsyncClient(trust_env=False) as client:
+        found = await asyncio.gather(*(fetch_peer(client, n, d.url, timeout) for n, d in departed.items()))
+    return [
+        ClusterNodeDiagnostics(
+            node_id=entry.node_id,
+            url=entry.url,
+            ok=False,
+            error=f"left the cluster at {iso(peer.left_at)}"
+            + (f"; {entry.error}" if entry.error else "; its API still answers but it is not a member"),
+        )
+        for entry, peer in zip(found, departed.values(), strict=True)
+    ]
 
 
 async def collect_cluster(
@@ -134,8 +154,12 @@ async def collect_cluster(
     master: NodeId | None,
     timeout: float = DEFAULT_PEER_TIMEOUT_S,
     ours: set[str] | None = None,
+    departed: Mapping[NodeId, DepartedPeer] | None = None,
 ) -> ClusterDiagnostics:
-    peers = await fetch_peers(state, local, known_peers(state, local), timeout, ours)
+    known = known_peers(state, local)
+    peers = await fetch_peers(state, local, known, timeout, ours)
+    gone = {n: d for n, d in (departed or {}).items() if n not in known and n != local}
+    peers += await fetch_departed(gone, timeout)
     me = ClusterNodeDiagnostics(node_id=local, ok=True, diagnostics=local_bundle)
     return ClusterDiagnostics(
         generated_at=iso(utc_now()),
