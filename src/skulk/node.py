@@ -153,9 +153,7 @@ class Node:
         )
         self.store.listen(self._on_state_change)
         self._spawn(self.elector.run())
-        await self.elector.wait_for_master(ELECTION_WAIT_S)
-        if not self.elector.is_master:
-            await self.follower.catch_up()
+        await self._join()
         server = self._api_server()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -168,6 +166,20 @@ class Node:
         self._spawn(self._probe_topology_forever())
         await serving
         await self.shutdown()
+
+    async def _join(self) -> None:
+        """Wait for a master and, as a follower, its snapshot; a slow cluster delays the start, never kills it."""
+        while True:
+            try:
+                await self.elector.wait_for_master(ELECTION_WAIT_S)
+                break
+            except TimeoutError:
+                log.warning("no master after %.0f s; still waiting", ELECTION_WAIT_S)
+        if not self.elector.is_master:
+            try:
+                await self.follower.catch_up()
+            except TimeoutError:
+                log.warning("no snapshot from the master yet; following its events and resyncing later")
 
     def _spawn(self, coro: Any) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(coro))

@@ -56,6 +56,14 @@ def zenoh_config(settings: TransportSettings) -> zenoh.Config:
     return conf
 
 
+def _hand_over(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    """From a zenoh thread to the loop; a message that arrives while the node shuts down is dropped."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass
+
+
 class Transport:
     """One zenoh session. Keys passed in are relative to `skulk/<cluster>/`."""
 
@@ -113,7 +121,7 @@ class Transport:
         def callback(sample: zenoh.Sample) -> None:
             key = str(sample.key_expr)[prefix_len:]
             payload = sample.payload.to_bytes()
-            loop.call_soon_threadsafe(on_message, key, payload)
+            _hand_over(loop, on_message, key, payload)
 
         sub = self.session.declare_subscriber(self.key(suffix), callback)
         self._declared.append(sub)
@@ -139,7 +147,7 @@ class Transport:
 
         def callback(sample: zenoh.Sample) -> None:
             alive = sample.kind == zenoh.SampleKind.PUT
-            loop.call_soon_threadsafe(on_change, str(sample.key_expr)[prefix_len:], alive)
+            _hand_over(loop, on_change, str(sample.key_expr)[prefix_len:], alive)
 
         sub = self.session.liveliness().declare_subscriber(self.key(suffix), callback, history=True)
         self._declared.append(sub)

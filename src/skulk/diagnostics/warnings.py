@@ -21,7 +21,7 @@ from skulk.types.state import State
 
 # Phases in which a rank waits on its peers; a rank stuck here while the others moved on is the classic hang.
 BARRIER_PHASES: frozenset[RunnerPhase] = frozenset(
-    {"prefill_barrier", "decode_barrier", "decode_wait_first_token", "connect_group"}
+    {"task_agreement", "prefill_barrier", "decode_barrier", "decode_wait_first_token", "connect_group"}
 )
 # Phases that legitimately last as long as the generation does; judged by time since the last progress.
 STREAMING_PHASES: frozenset[RunnerPhase] = frozenset({"prefill_stream", "decode_stream"})

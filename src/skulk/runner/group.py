@@ -26,7 +26,7 @@ from skulk.types.instances import Sharding
 
 # A hung peer must be noticed in <= 10 s; idle ranks exchange heartbeats well inside this. A stage whose
 # prefill alone runs longer (huge prompts on CPU) needs more: SKULK_GROUP_TIMEOUT_SECONDS raises it.
-DEFAULT_OP_TIMEOUT_S = 6.0
+DEFAULT_OP_TIMEOUT_S = 10.0
 LOAD_POLL_S = 0.05
 
 
