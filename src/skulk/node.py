@@ -178,8 +178,8 @@ class Node:
         if not self.elector.is_master:
             try:
                 await self.follower.catch_up()
-            except TimeoutError:
-                log.warning("no snapshot from the master yet; following its events and resyncing later")
+            except Exception as exc:  # a master change mid-catch-up: the resync that follows repairs it
+                log.warning("catching up with the master failed (%s); following its events from here", exc)
 
     def _spawn(self, coro: Any) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(coro))
@@ -254,8 +254,8 @@ class Node:
     async def _resync(self) -> None:
         try:
             await self.follower.resync()
-        except TimeoutError:
-            log.warning("could not fetch the new master's snapshot; following its events from here")
+        except Exception as exc:
+            log.warning("could not resync with the new master (%s); following its events from here", exc)
 
     def _on_membership_change(self, node: NodeId, alive: bool) -> None:
         if alive:

@@ -233,13 +233,21 @@ class EventFollower:
         self.start()
         async with self._fetch_lock, asyncio.timeout(timeout_s):
             await self._load_snapshot()
+            await self._fetch_tail()
+
+    async def _fetch_tail(self) -> None:
+        """Everything after what we have; when a new master's history starts later, its snapshot first."""
+        try:
+            await self._fetch(self._order.next_idx, None)
+        except TooOld:
+            await self._load_snapshot(force=True)
             await self._fetch(self._order.next_idx, None)
 
     async def resync(self, timeout_s: float = 5.0) -> None:
         """After a master change: adopt the new master's snapshot whatever we applied, then its tail."""
         async with self._fetch_lock, asyncio.timeout(timeout_s):
             await self._load_snapshot(force=True)
-            await self._fetch(self._order.next_idx, None)
+            await self._fetch_tail()
 
     async def fill_gap(self) -> None:
         """Fetch what is missing before the earliest buffered event, or from the snapshot if too old."""
