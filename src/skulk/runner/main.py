@@ -104,6 +104,7 @@ class Runner:
         self.active: dict[TaskId, _Active] = {}
         self.status: RunnerStatus | None = None
         self.stopping = False
+        self._after_step: list[FromRunner] = []
         # world_size > 1: rank 0 schedules through step headers; other ranks follow them, not their inbox
         self.group: Group | None = None
         self.dist: DistributedEngine | None = None
@@ -116,10 +117,20 @@ class Runner:
     def send(self, message: FromRunner) -> None:
         self.outbox.put(message)
 
-    def set_status(self, status: RunnerStatus) -> None:
+    def set_status(self, status: RunnerStatus, *, after_step: bool = False) -> None:
         if type(status) is not type(self.status):
             self.status = status
-            self.send(StatusChanged(status))
+            if after_step:
+                self._after_step.append(StatusChanged(status))
+            else:
+                self.send(StatusChanged(status))
+
+    def send_after_step(self) -> None:
+        """Bookkeeping that the cluster reacts to (acceptance, Running) waits until the prefill is done:
+        the node's reaction would otherwise compete with the prefill for the same cores."""
+        for message in self._after_step:
+            self.send(message)
+        self._after_step.clear()
 
     def flush(self) -> None:
         entries = self.recorder.drain()
@@ -206,6 +217,7 @@ class Runner:
                 if self.dist is not None:  # admissions first: a prefill's token belongs to a task admitted now
                     self._follow_requests(self.dist.take_events())
                 self._publish(outs)
+            self.send_after_step()
             self.flush()
         if self.dist is not None and self.group is not None:
             self.dist.close()
@@ -242,7 +254,7 @@ class Runner:
         assert self.engine is not None
         ids: dict[str, Any] = dict(task_id=task.task_id, command_id=task.command_id)
         self.recorder.record("task_submission", "task_received", **ids)
-        self.send(TaskAccepted(task.task_id))
+        self._after_step.append(TaskAccepted(task.task_id))
         self.recorder.record("prompt_build", "chat_template", **ids)
         prompt = self.engine.encode_chat(task.task_params.messages)
         limit = self.engine.context_length
@@ -251,6 +263,7 @@ class Runner:
                 f"This model's maximum context length is {limit} tokens, but the prompt has "
                 f"{len(prompt)} tokens. Shorten the messages."
             )
+            self.send_after_step()
             self._fail(task.task_id, task.command_id, message, code="context_length_exceeded", status=400)
             return
         if self.dist is not None:
@@ -259,7 +272,7 @@ class Runner:
             self.engine.add_request(task.task_id, prompt, task.task_params.sampling)
         self.active[task.task_id] = _Active(task.command_id, len(prompt))
         self.recorder.record("decode_stream", "decode_started", prompt_tokens=len(prompt), **ids)
-        self.set_status(RunnerRunning())
+        self.set_status(RunnerRunning(), after_step=True)
 
     def _fail(self, task_id: TaskId, command_id: CommandId, message: str, *, code: str, status: int) -> None:
         chunk = ErrorChunk(command_id=command_id, message=message, code=code, status=status, retryable=False)
@@ -299,6 +312,7 @@ class Runner:
                 ended.append(TaskEnded(TaskId(out.request_id), active.command_id, TaskStatus.Complete))
         if chunks:
             self.send(Tokens(chunks))
+        self.send_after_step()  # tokens first: they are what the client waits for
         for end in ended:
             self.recorder.record(
                 "completion",
