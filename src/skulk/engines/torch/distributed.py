@@ -21,20 +21,19 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from skulk.engines.base import FinishReason, TokenOut
+from skulk.engines.base import TokenOut
 from skulk.engines.errors import ContextLengthExceeded
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
 
 from .cache import StepBatch
-from .engine import DEFAULT_MAX_SEQ
+from .engine import DEFAULT_MAX_SEQ, Request, accept_token
 from .loader import load_model
 from .sampling import RowSampling, sample
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
@@ -51,21 +50,6 @@ _PHASES: dict[tuple[str, StepKind], RunnerPhase] = {
     ("tensor", StepKind.PREFILL): "prefill_barrier",
     ("tensor", StepKind.DECODE): "decode_barrier",
 }
-
-
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    command_id: str
-    prompt: list[int]
-    max_tokens: int
-    sampling: RowSampling
-    decoder: IncrementalDecoder
-    stops: StopMatcher
-    length: int = 0
-    generated: int = 0
-    last_token: int = -1
-    finished: bool = False
 
 
 def _tensor_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -108,8 +92,8 @@ class DistributedEngine:
         self.control_group = control_group
         self.on_phase: PhaseHook | None = None
         self.closed = False
-        self._pending: deque[_Request] = deque()
-        self._running: list[_Request] = []  # index == cache slot, identical on every rank
+        self._pending: deque[Request] = deque()
+        self._running: list[Request] = []  # index == cache slot, identical on every rank
         self._adds: list[NewRequest] = []  # rank 0: for the next header
         self._releases: list[Release] = []  # rank 0: for the next header
         self._events: list[RequestEvent] = []
@@ -228,14 +212,15 @@ class DistributedEngine:
             if add.request_id != WARMUP_ID:
                 self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt)))
 
-    def _new_request(self, add: NewRequest) -> _Request:
+    def _new_request(self, add: NewRequest) -> Request:
         s = add.sampling_params()
         generator = self._unseeded
         if s.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(s.seed)
         row = RowSampling(s.temperature, s.top_k, s.top_p, generator)
         decoder = IncrementalDecoder(self.tokenizer.decode)
-        return _Request(add.request_id, add.command_id, add.prompt, s.max_tokens, row, decoder, StopMatcher(s.stop))
+        stops = StopMatcher(s.stop)
+        return Request(add.request_id, add.prompt, s.max_tokens, row, decoder, stops, command_id=add.command_id)
 
     def _release(self, release: Release) -> None:
         """Drop a pending request, or free a running one's slot by moving the last running request into it."""
@@ -313,7 +298,7 @@ class DistributedEngine:
             return None
         return out if self.is_sampler else None
 
-    def _share_tokens(self, reqs: list[_Request], outs: list[TokenOut]) -> None:
+    def _share_tokens(self, reqs: list[Request], outs: list[TokenOut]) -> None:
         """Get [token, finished] per row from the sampler to the ranks that embed the next input."""
         if self.kind == "pipeline" and not (self.is_sampler or self.is_scheduler):
             return
@@ -333,20 +318,6 @@ class DistributedEngine:
                 req.finished = True
                 self._releases.append(Release(req.request_id, cancelled=False))
 
-    def _accept(self, req: _Request, token: int) -> TokenOut:
+    def _accept(self, req: Request, token: int) -> TokenOut:
         """The sampler's bookkeeping for one token, exactly as TorchEngine decides text and finish."""
-        req.generated += 1
-        req.last_token = token
-        finish: FinishReason | None = None
-        if token in self.tokenizer.eos_ids:
-            text, finish = req.stops.push(req.decoder.flush())[0] + req.stops.flush(), "stop"
-        else:
-            text, stopped = req.stops.push(req.decoder.push(token))
-            if stopped:
-                finish = "stop"
-            elif req.generated >= req.max_tokens or req.length >= self.context_length:
-                tail, stopped = req.stops.push(req.decoder.flush())
-                text += tail if stopped else tail + req.stops.flush()
-                finish = "stop" if stopped else "length"
-        req.finished = finish is not None
-        return TokenOut(req.request_id, token, text, finish)
+        return accept_token(req, token, self.tokenizer.eos_ids, self.context_length)

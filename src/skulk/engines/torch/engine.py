@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,9 @@ _WARMUP_ID = "__skulk_warmup__"
 
 
 @dataclass(eq=False)
-class _Request:
+class Request:
+    """One request's decoding state, shared by the single-rank and the distributed engines."""
+
     request_id: str
     prompt: list[int]
     max_tokens: int
@@ -40,6 +43,26 @@ class _Request:
     generated: int = 0
     last_token: int = -1
     finished: bool = False
+    command_id: str = ""
+
+
+def accept_token(req: Request, token: int, eos_ids: Collection[int], context_length: int) -> TokenOut:
+    """Record a sampled token and turn it into streamed text, deciding whether the request is done."""
+    req.generated += 1
+    req.last_token = token
+    finish: FinishReason | None = None
+    if token in eos_ids:
+        text, finish = req.stops.push(req.decoder.flush())[0] + req.stops.flush(), "stop"
+    else:
+        text, stopped = req.stops.push(req.decoder.push(token))
+        if stopped:
+            finish = "stop"
+        elif req.generated >= req.max_tokens or req.length >= context_length:
+            tail, stopped = req.stops.push(req.decoder.flush())
+            text += tail if stopped else tail + req.stops.flush()
+            finish = "stop" if stopped else "length"
+    req.finished = finish is not None
+    return TokenOut(req.request_id, token, text, finish)
 
 
 class TorchEngine:
@@ -65,8 +88,8 @@ class TorchEngine:
         self.max_batch = max_batch
         self.cache = self.model.make_cache(max_batch, self.context_length)
         self.tokenizer = ChatTokenizer(model_dir)
-        self._pending: deque[_Request] = deque()
-        self._running: list[_Request] = []  # index == cache slot
+        self._pending: deque[Request] = deque()
+        self._running: list[Request] = []  # index == cache slot
         self._unseeded = torch.Generator(device=self.device).manual_seed(secrets.randbits(63))
 
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
@@ -85,7 +108,7 @@ class TorchEngine:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         row = RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, generator)
         self._pending.append(
-            _Request(
+            Request(
                 request_id, list(prompt_ids), sampling.max_tokens, row,
                 IncrementalDecoder(self.tokenizer.decode), StopMatcher(sampling.stop),
             )
@@ -126,7 +149,7 @@ class TorchEngine:
         while self.has_work():
             self.step()
 
-    def _prefill(self, req: _Request) -> TokenOut:
+    def _prefill(self, req: Request) -> TokenOut:
         slot = len(self._running)
         self._running.append(req)
         ids = torch.tensor([req.prompt], device=self.device)
@@ -149,23 +172,8 @@ class TorchEngine:
             outs.append(self._accept(req, token))
         return outs
 
-    def _accept(self, req: _Request, token: int) -> TokenOut:
-        """Record a sampled token and turn it into streamed text, deciding whether the request is done."""
-        req.generated += 1
-        req.last_token = token
-        finish: FinishReason | None = None
-        if token in self.tokenizer.eos_ids:
-            text, finish = req.stops.push(req.decoder.flush())[0] + req.stops.flush(), "stop"
-        else:
-            text, stopped = req.stops.push(req.decoder.push(token))
-            if stopped:
-                finish = "stop"
-            elif req.generated >= req.max_tokens or req.length >= self.context_length:
-                tail, stopped = req.stops.push(req.decoder.flush())
-                text += tail if stopped else tail + req.stops.flush()
-                finish = "stop" if stopped else "length"
-        req.finished = finish is not None
-        return TokenOut(req.request_id, token, text, finish)
+    def _accept(self, req: Request, token: int) -> TokenOut:
+        return accept_token(req, token, self.tokenizer.eos_ids, self.context_length)
 
     def _release_finished(self) -> None:
         for slot in range(len(self._running) - 1, -1, -1):
