@@ -36,6 +36,7 @@ import httpx
 
 from skulk.models.demo import BENCH_MODEL_ID
 from skulk.testing.nodes import LocalNode
+from skulk.testing.streams import decode_tokens_per_s
 
 PROMPT = "Benchmark the pipeline path of a distributed inference cluster, please."
 NODE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -169,36 +170,7 @@ def delete_instance(api: LocalNode, instance_id: str, runners: set[str]) -> None
 
 
 def stream_decode(api: LocalNode, tokens: int) -> float:
-    """Decode tokens/s of one greedy stream: (completion tokens - 1) / (last token time - first token time)."""
-    body = {
-        "model": BENCH_MODEL_ID,
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    first = last = 0.0
-    produced = 0
-    with (
-        httpx.Client(base_url=api.url, timeout=300) as client,
-        client.stream("POST", "/v1/chat/completions", json=body) as reply,
-    ):
-        reply.raise_for_status()
-        for line in reply.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            payload = json.loads(line[6:])
-            if "error" in payload:
-                raise RuntimeError(f"stream failed: {payload['error']}")
-            if payload.get("choices") == [] and "usage" in payload:
-                produced = payload["usage"]["completion_tokens"]
-                continue
-            last = time.perf_counter()
-            first = first or last
-    if produced < 2 or last <= first:
-        raise RuntimeError(f"too few tokens streamed to time decode ({produced})")
-    return (produced - 1) / (last - first)
+    return decode_tokens_per_s(api.url, BENCH_MODEL_ID, PROMPT, tokens, timeout=300)
 
 
 def measure_scaling(nodes: list[LocalNode], tokens: int, rounds: int) -> dict[int, list[float]]:

@@ -15,7 +15,6 @@ Run: .venv/bin/python bench/diagnostics.py [--model skulk/bench-random-100m] [--
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -33,6 +32,7 @@ from skulk.diagnostics.cluster import DEFAULT_PEER_TIMEOUT_S
 from skulk.models.cards import model_dir_name
 from skulk.models.demo import BENCH_MODEL_ID, ensure_builtin_model
 from skulk.testing.nodes import LocalNode
+from skulk.testing.streams import decode_tokens_per_s
 
 PROMPT = "Explain how a distributed inference cluster finds the rank that is stuck."
 PATHS = ("/v1/diagnostics/cluster", "/v1/diagnostics/cluster/timeline")
@@ -113,28 +113,7 @@ def summary(values: list[float]) -> str:
 
 
 def decode_tps(node: LocalNode, model: str, tokens: int) -> float:
-    """Decode tokens/s of one greedy stream: tokens after the first over the time from first to last."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    first = last = 0.0
-    produced = 0
-    with httpx.stream("POST", node.url + "/v1/chat/completions", json=body, timeout=600, trust_env=False) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            payload = json.loads(line[6:])
-            if "usage" in payload and payload.get("choices") == []:
-                produced = payload["usage"]["completion_tokens"]
-                continue
-            last = time.perf_counter()
-            first = first or last
-    return (produced - 1) / max(last - first, 1e-9)
+    return decode_tokens_per_s(node.url, model, PROMPT, tokens)
 
 
 def measure_decode(on: LocalNode, off: LocalNode, model: str, tokens: int, rounds: int) -> None:
