@@ -27,23 +27,22 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
 from skulk.models.demo import BENCH_MODEL_ID
 from skulk.testing.nodes import LocalNode
 from skulk.testing.streams import decode_tokens_per_s
+from skulk.testing.waiting import wait_until
 
 PROMPT = "Benchmark the pipeline path of a distributed inference cluster, please."
 NODE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 """Co-located ranks must not spin on cores another rank needs (runner_main also sets it for world_size > 1)."""
 STREAMS_PER_PLACEMENT = 3
 """Streams timed per placement (median kept): loading costs far more than decoding, so sample it well."""
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -60,18 +59,6 @@ def state_of(node: LocalNode) -> dict[str, Any] | None:
         return httpx.get(f"{node.url}/state", timeout=5).json()
     except (httpx.HTTPError, ValueError):
         return None
-
-
-def wait_for(check: Callable[[], T], timeout: float, what: str, poll: float = 0.01) -> T:
-    """Poll tightly: several figures are time-to-condition, so the poll interval bounds their resolution."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
 
 
 def formed(nodes: list[LocalNode]) -> bool:
@@ -118,9 +105,9 @@ def measure_formation(fleet: Fleet) -> tuple[float, float]:
     started = time.monotonic()
     for index in range(3):
         fleet.nodes.append(fleet.spawn(index, [n.endpoint for n in fleet.nodes]))
-    wait_for(lambda: all(n.node_id for n in fleet.nodes), 60, "three nodes to print ready")
+    wait_until(lambda: all(n.node_id for n in fleet.nodes), 60, "three nodes to print ready")
     ready = time.monotonic() - started
-    wait_for(lambda: formed(fleet.nodes), 60, "three nodes to form one cluster", poll=0.02)
+    wait_until(lambda: formed(fleet.nodes), 60, "three nodes to form one cluster", poll=0.02)
     return time.monotonic() - started, ready
 
 
@@ -153,7 +140,7 @@ def place_on(api: LocalNode, members: list[LocalNode], everyone: list[LocalNode]
     if len(runners) != len(members) or node_ids != {n.node_id for n in members}:
         raise RuntimeError(f"asked for {len(members)} ranks on {len(members)} nodes, got {len(runners)} on {node_ids}")
     instance_id = reply.json()["instanceId"]
-    wait_for(lambda: instance_ready(api, instance_id, runners), 240, f"{len(members)}-rank instance", poll=0.2)
+    wait_until(lambda: instance_ready(api, instance_id, runners), 240, f"{len(members)}-rank instance", poll=0.2)
     return instance_id, runners
 
 
@@ -166,7 +153,7 @@ def delete_instance(api: LocalNode, instance_id: str, runners: set[str]) -> None
         state = state_of(api)
         return state is not None and instance_id not in state["instances"] and not runners & set(state["runners"])
 
-    wait_for(gone, 60, f"instance {instance_id} and its runners to go", poll=0.1)
+    wait_until(gone, 60, f"instance {instance_id} and its runners to go", poll=0.1)
 
 
 def stream_decode(api: LocalNode, tokens: int) -> float:
@@ -217,7 +204,7 @@ def measure_master_kill(nodes: list[LocalNode]) -> tuple[float, LocalNode]:
         seen = {master_of(n) for n in survivors}
         return len(seen) == 1 and seen.pop() in {n.node_id for n in survivors}
 
-    wait_for(agreed, 30, "the survivors to agree on a new master", poll=0.005)
+    wait_until(agreed, 30, "the survivors to agree on a new master", poll=0.005)
     return time.monotonic() - killed_at, master
 
 
@@ -226,7 +213,7 @@ def restart(fleet: Fleet, dead: LocalNode) -> None:
     index = fleet.nodes.index(dead)
     peers = [n.endpoint for n in fleet.nodes if n is not dead]
     fleet.nodes[index] = fleet.spawn(index, peers).wait_ready()
-    wait_for(lambda: formed(fleet.nodes), 60, "the restarted node to rejoin", poll=0.05)
+    wait_until(lambda: formed(fleet.nodes), 60, "the restarted node to rejoin", poll=0.05)
 
 
 def first_error_after_kill(api: LocalNode, worker: LocalNode) -> float:

@@ -33,6 +33,7 @@ from skulk.models.cards import model_dir_name
 from skulk.models.demo import BENCH_MODEL_ID, ensure_builtin_model
 from skulk.testing.nodes import LocalNode
 from skulk.testing.streams import decode_tokens_per_s
+from skulk.testing.waiting import wait_until
 
 PROMPT = "Explain how a distributed inference cluster finds the rank that is stuck."
 PATHS = ("/v1/diagnostics/cluster", "/v1/diagnostics/cluster/timeline")
@@ -50,7 +51,7 @@ def start_set(root: Path, name: str, count: int, env: dict[str, str], model: str
         nodes.append(LocalNode(home=home, cluster=cluster, peers=peers, extra_env=env).start())
     for node in nodes:
         node.wait_ready(120)
-    wait_for(lambda: formed(nodes), 60, f"{name} nodes to form")
+    wait_until(lambda: formed(nodes), 60, f"{name} nodes to form")
     return nodes
 
 
@@ -72,14 +73,6 @@ def formed(nodes: list[LocalNode]) -> bool:
     return all(set(s["nodeMemory"]) == ids for s in states) and len({s["masterNodeId"] for s in states}) == 1
 
 
-def wait_for(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 def place(node: LocalNode, model: str, excluded: list[str]) -> str:
     """A 2-rank Pipeline instance, waited on until both runners are ready."""
     body = {"model_id": model, "min_nodes": 2, "sharding": "Pipeline", "excluded_nodes": excluded}
@@ -92,7 +85,7 @@ def place(node: LocalNode, model: str, excluded: list[str]) -> str:
         runners = s["instances"][instance_id]["MlxRingInstance"]["shardAssignments"]["runnerToShard"]
         return all("RunnerReady" in s["runners"].get(r, {}) for r in runners)
 
-    wait_for(ready, 600, f"instance {instance_id} to be ready")
+    wait_until(ready, 600, f"instance {instance_id} to be ready")
     return instance_id
 
 

@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from skulk.testing.nodes import LocalNode
+from skulk.testing.waiting import wait_until
 
-
-def wait_until(
-    check: Callable[[], Any], timeout: float, what: str, explain: Callable[[], str] | None = None
-) -> Any:
-    """Poll a condition over HTTP until it holds; fail with `what` (and `explain()`) at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            detail = f"\n{explain()}" if explain else ""
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
-        time.sleep(0.1)
+__all__ = ["Cluster", "instance_ready", "place", "place_and_wait", "wait_until"]
 
 
 class Cluster:

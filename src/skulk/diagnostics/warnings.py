@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Protocol
 
 from skulk.diagnostics.clock import seconds_since
-from skulk.types.diagnostics_bundle import DiagnosticWarning
+from skulk.types.diagnostics_bundle import DiagnosticWarning, WarningSeverity
 from skulk.types.ids import TaskId
 from skulk.types.runners import RunnerPhase, RunnerShutdown
 from skulk.types.state import State
@@ -86,22 +86,18 @@ def rank_disagreement(
         layout = ", ".join(f"rank {r.device_rank}: {r.phase} {r.seconds_in_phase:.0f}s" for r in ranks)
         stuck = waiting[0]
         found.append(
-            DiagnosticWarning(
-                code="rank_disagreement",
-                severity="critical",
-                message=f"ranks of instance {instance_id[:8]} disagree ({layout}); rank "
+            _about(
+                stuck,
+                "rank_disagreement",
+                f"ranks of instance {instance_id[:8]} disagree ({layout}); rank "
                 f"{stuck.device_rank} waits at {stuck.phase} for a peer that is elsewhere",
-                node_id=stuck.node_id,
-                instance_id=instance_id,
-                runner_id=stuck.runner_id,
+                severity="critical",
             )
         )
     return found
 
 
-def phase_stuck(
-    state: State, runners: Sequence[RunnerLike], now: datetime, th: Thresholds
-) -> list[DiagnosticWarning]:
+def phase_stuck(state: State, runners: Sequence[RunnerLike], now: datetime, th: Thresholds) -> list[DiagnosticWarning]:
     """A phase held past the threshold while a task is active; streams count from their last progress."""
     found: list[DiagnosticWarning] = []
     for r in runners:
@@ -114,14 +110,11 @@ def phase_stuck(
         if held <= th.phase_stuck_s:
             continue
         found.append(
-            DiagnosticWarning(
-                code="phase_stuck",
-                severity="warning",
-                message=f"rank {r.device_rank} of instance {r.instance_id[:8]} has been in {r.phase} "
+            _about(
+                r,
+                "phase_stuck",
+                f"rank {r.device_rank} of instance {r.instance_id[:8]} has been in {r.phase} "
                 f"for {held:.0f}s with task {r.active_task_id[:8]} active",
-                node_id=r.node_id,
-                instance_id=r.instance_id,
-                runner_id=r.runner_id,
             )
         )
     return found
@@ -164,14 +157,10 @@ def task_mismatch(
         else:
             continue
         found.append(
-            DiagnosticWarning(
-                code=code,
-                severity="warning",
-                message=f"rank {r.device_rank} of instance {r.instance_id[:8]} is in {r.phase} for task "
-                f"{task_id[:8]}, {what}",
-                node_id=r.node_id,
-                instance_id=r.instance_id,
-                runner_id=r.runner_id,
+            _about(
+                r,
+                code,
+                f"rank {r.device_rank} of instance {r.instance_id[:8]} is in {r.phase} for task {task_id[:8]}, {what}",
             )
         )
     return found
@@ -198,16 +187,7 @@ def process_mismatch(
             code, what = "runner_process_dead", f"is not running but the cluster state has it {status}"
         else:
             continue
-        found.append(
-            DiagnosticWarning(
-                code=code,
-                severity="warning",
-                message=f"runner {r.runner_id[:8]} (rank {r.device_rank} of {r.instance_id[:8]}) {what}",
-                node_id=r.node_id,
-                instance_id=r.instance_id,
-                runner_id=r.runner_id,
-            )
-        )
+        found.append(_about(r, code, f"runner {r.runner_id[:8]} (rank {r.device_rank} of {r.instance_id[:8]}) {what}"))
     return found
 
 
@@ -216,9 +196,7 @@ def version_mismatch(
 ) -> list[DiagnosticWarning]:
     """Nodes on different Skulk versions may disagree on the wire format or the sharding arithmetic."""
     versions = {
-        node: ident.skulk_version
-        for node, ident in state.node_identities.items()
-        if ident.skulk_version != "Unknown"
+        node: ident.skulk_version for node, ident in state.node_identities.items() if ident.skulk_version != "Unknown"
     }
     if len(set(versions.values())) < 2:
         return []
@@ -230,6 +208,18 @@ def version_mismatch(
             message=f"nodes run different Skulk versions: {listing}",
         )
     ]
+
+
+def _about(runner: RunnerLike, code: str, message: str, severity: WarningSeverity = "warning") -> DiagnosticWarning:
+    """A warning that points at one runner, so the reader can go straight to its node and instance."""
+    return DiagnosticWarning(
+        code=code,
+        severity=severity,
+        message=message,
+        node_id=runner.node_id,
+        instance_id=runner.instance_id,
+        runner_id=runner.runner_id,
+    )
 
 
 CHECKS: tuple[Check, ...] = (
