@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from skulk.models.demo import BENCH_MODEL_ID
+from skulk.testing.convergence import formed, master_of, state_of
 from skulk.testing.nodes import LocalNode
 from skulk.testing.streams import decode_tokens_per_s
 from skulk.testing.waiting import wait_until
@@ -51,29 +52,6 @@ class Figure:
     value: str
     target: str
     ok: bool | None  # None: reported, no target
-
-
-def state_of(node: LocalNode) -> dict[str, Any] | None:
-    """/state, or None while the node's API is not up (or the node is dead): polling treats both as 'not yet'."""
-    try:
-        return httpx.get(f"{node.url}/state", timeout=5).json()
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
-def formed(nodes: list[LocalNode]) -> bool:
-    """Every node knows every node and every directed link, and all agree on one master among them."""
-    if not all(n.node_id for n in nodes):
-        return False
-    states = [state_of(n) for n in nodes]
-    ids = {n.node_id for n in nodes}
-    links = len(ids) * (len(ids) - 1)
-    return (
-        all(s is not None for s in states)
-        and all(set(s["nodeMemory"]) == ids and len(s["topology"]["connections"]) == links for s in states)
-        and len({s["masterNodeId"] for s in states}) == 1
-        and states[0]["masterNodeId"] in ids
-    )
 
 
 class Fleet:
@@ -186,11 +164,6 @@ def sigkill(node: LocalNode) -> float:
     node.process.send_signal(signal.SIGKILL)
     node.process.wait(10)
     return killed_at
-
-
-def master_of(node: LocalNode) -> str | None:
-    state = state_of(node)
-    return None if state is None else state.get("masterNodeId")
 
 
 def measure_master_kill(nodes: list[LocalNode]) -> tuple[float, LocalNode]:

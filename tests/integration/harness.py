@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from skulk.testing.convergence import converged, formed, master_of
 from skulk.testing.nodes import LocalNode
 from skulk.testing.waiting import wait_until
 
@@ -34,6 +35,22 @@ class Cluster:
         for node in started:
             node.wait_ready()
         return started
+
+    def form(self, count: int = 3, timeout: float = 60.0, **options: Any) -> list[LocalNode]:
+        """Start `count` nodes (each bootstraps to the earlier ones) and wait until they form one cluster."""
+        nodes = self.start(count, **options)
+        wait_until(lambda: formed(nodes), timeout, f"{count} nodes to form one cluster", lambda: converged(nodes)[1])
+        return nodes
+
+    def master(self, nodes: list[LocalNode]) -> LocalNode:
+        """The node the first of `nodes` names master (they are formed, so all name the same one)."""
+        master_id = master_of(nodes[0])
+        return next(n for n in nodes if n.node_id == master_id)
+
+    def print_logs(self, lines: int = 40) -> None:
+        """Each node's last output lines, for the report of a failed test (pytest shows captured stdout)."""
+        for index, node in enumerate(self.nodes):
+            print(f"---- node{index} {node.node_id[:8]} ----\n{node.log_tail(lines)}")
 
     def stop_all(self) -> list[int]:
         for node in self.nodes:

@@ -1,4 +1,9 @@
-"""Start real `skulk` node processes on loopback with explicit zenoh endpoints, and stop them cleanly."""
+"""Start real `skulk` node processes on loopback with explicit zenoh endpoints, and stop them cleanly.
+
+Each node runs in its own session (process group), so a test can freeze or kill a node together with its
+runner processes (`pause`/`resume`, as a laptop lid or a stuck VM would) and cleanup can find every process
+the node ever spawned through the group, even one that outlived it.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -37,8 +43,10 @@ class LocalNode:
     process: subprocess.Popen[str] | None = None
     node_id: str = ""
     output: deque[str] = field(default_factory=lambda: deque(maxlen=400))
+    paused: bool = False
     _ready: threading.Event = field(default_factory=threading.Event)
     _children: set[int] = field(default_factory=set)
+    _groups: set[int] = field(default_factory=set)
 
     @property
     def url(self) -> str:
@@ -73,6 +81,9 @@ class LocalNode:
     def start(self) -> LocalNode:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
         self.home.mkdir(parents=True, exist_ok=True)
+        self.node_id = ""
+        self.paused = False
+        self._ready = threading.Event()
         self.process = subprocess.Popen(
             self.command(),
             stdout=subprocess.PIPE,
@@ -80,18 +91,34 @@ class LocalNode:
             text=True,
             env=env,
             cwd=self.home,
+            start_new_session=True,  # its own group: pause/kill reach its runners, and nothing else
         )
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._groups.add(self.process.pid)
+        threading.Thread(target=self._pump, args=(self.process, self._ready), daemon=True).start()
         return self
 
-    def _pump(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        for line in self.process.stdout:
+    def restart(self, peers: list[str] | None = None, place_default: bool | None = None) -> LocalNode:
+        """Start again after stop() or kill(): same home and ports, so peers that dial its endpoint reconnect.
+
+        The node id is per zenoh session, so the restarted node has a new one (read it after wait_ready()).
+        `peers=None` keeps the bootstrap peers; `[]` starts it with none, as the first node of a cluster is.
+        """
+        assert self.process is None or self.process.poll() is not None, "restart() of a running node"
+        if peers is not None:
+            self.peers = list(peers)
+        if place_default is not None:
+            self.place_default = place_default
+        self.output.append(f"---- restarted (peers={self.peers}) ----")
+        return self.start()
+
+    def _pump(self, process: subprocess.Popen[str], ready: threading.Event) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
             self.output.append(line.rstrip())
             if line.startswith(READY_MARK):
                 self.node_id = line.split("node=")[1].split()[0]
-                self._ready.set()
-        self._ready.set()
+                ready.set()
+        ready.set()
 
     def wait_ready(self, timeout: float = 60.0) -> LocalNode:
         if not self._ready.wait(timeout) or not self.node_id:
@@ -101,18 +128,50 @@ class LocalNode:
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(list(self.output)[-lines:])
 
+    def get(self, path: str, timeout: float = 5.0) -> Any:
+        """GET a JSON document from the node's API, or None while it is down, frozen or not yet serving.
+
+        Polling treats all of those as 'not yet': the caller's deadline decides when that becomes a failure."""
+        try:
+            return httpx.get(self.url + path, timeout=timeout, trust_env=False).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
     def client(self, timeout: float = 60.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def child_pids(self) -> set[int]:
-        """Every descendant seen so far, remembered so a check after stop() knows what to look for."""
-        if self.process is not None and self.process.poll() is None:
+        """Every descendant seen so far, remembered so a check after stop() knows what to look for.
+
+        Members of the node's process groups count too: a runner whose node died is reparented away from it,
+        but keeps the group of the node that started it."""
+        if self.alive:
+            assert self.process is not None
             try:
                 for child in psutil.Process(self.process.pid).children(recursive=True):
                     self._children.add(child.pid)
             except psutil.NoSuchProcess:
                 pass
+        self._children |= self._group_members() - {p.pid for p in self._own_processes()}
         return set(self._children)
+
+    def _own_processes(self) -> list[subprocess.Popen[str]]:
+        return [self.process] if self.process is not None else []
+
+    def _group_members(self) -> set[int]:
+        """Live processes in any group this node ever led (each start() leads a fresh one)."""
+        found = set()
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(proc.pid) in self._groups:
+                    found.add(proc.pid)
+            except (ProcessLookupError, PermissionError):
+                continue
+        return found
 
     def runner_pids(self) -> set[int]:
         """Live runner processes of this node (multiprocessing spawn children, not its resource tracker)."""
@@ -125,17 +184,41 @@ class LocalNode:
                 continue
         return found
 
-    def kill(self) -> None:
-        """SIGKILL, as an operator's `kill -9` would."""
+    def pause(self) -> None:
+        """SIGSTOP the node's whole process group (node and runners), as if its machine froze."""
+        assert self.process is not None and self.alive, "pause() of a node that is not running"
         self.child_pids()
-        if self.process is not None and self.process.poll() is None:
+        os.killpg(self.process.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        """SIGCONT the group; safe to call when not paused or already gone (cleanup calls it unconditionally)."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        self.paused = False
+
+    def kill(self) -> float:
+        """SIGKILL the node process alone, as an operator's `kill -9 <pid>` would; its runners must notice.
+
+        Returns the monotonic time the signal was sent, for tests that time the cluster's reaction."""
+        self.child_pids()
+        killed_at = time.monotonic()
+        if self.alive:
+            assert self.process is not None
+            self.resume()  # a stopped process dies on SIGKILL too, but its runners should not stay frozen
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(10)
+        return killed_at
 
     def stop(self, timeout: float = 20.0) -> None:
         self.child_pids()
         if self.process is None or self.process.poll() is not None:
             return
+        self.resume()  # SIGTERM to a stopped process would wait for a SIGCONT that never comes
         self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(timeout)
@@ -146,6 +229,12 @@ class LocalNode:
     def reap_leftovers(self, timeout: float = 10.0) -> list[int]:
         """Kill what survived (a test failure, never normal) and return the pids that had survived."""
         deadline = time.monotonic() + timeout
+        self.child_pids()
+        for group in self._groups:  # a frozen leftover would ignore everything but SIGKILL
+            try:
+                os.killpg(group, signal.SIGCONT)
+            except ProcessLookupError:
+                continue
         alive = [p for p in self._children if psutil.pid_exists(p)]
         while alive and time.monotonic() < deadline:
             _gone, still = psutil.wait_procs([psutil.Process(p) for p in alive if psutil.pid_exists(p)], 0.5)

@@ -1,9 +1,13 @@
-"""Timing one streamed chat completion from a client's seat, for benchmarks."""
+"""Streamed chat completions from a client's seat: decode timing for benchmarks, and background streams
+whose ending (completed, one error event, broken, hung) chaos tests and benchmarks assert on."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -35,3 +39,143 @@ def decode_tokens_per_s(url: str, model: str, prompt: str, tokens: int, timeout:
     if produced < 2 or last <= first:
         raise RuntimeError(f"too few tokens streamed to time decode ({produced})")
     return (produced - 1) / (last - first)
+
+
+@dataclass
+class StreamOutcome:
+    """How one streamed chat completion went, as its client saw it (monotonic times)."""
+
+    started: float
+    first_token: float | None = None
+    ended: float | None = None
+    tokens: int = 0
+    done: bool = False
+    status: int | None = None
+    error: dict[str, Any] | None = None
+    broken: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """completed | error | http <status> | broken | open: what a client would have to do next."""
+        if self.ended is None:
+            return "open"
+        if self.status is not None and self.status != 200:
+            return f"http {self.status}"
+        if self.broken is not None:
+            return "broken"
+        if self.error is not None:
+            return "error"
+        return "completed" if self.done else "broken"
+
+    @property
+    def retryable_error(self) -> bool:
+        """Ended with exactly the contract's ending for a fault: one error event marked retryable."""
+        return self.kind == "error" and bool(self.error and self.error.get("retryable"))
+
+    def describe(self) -> str:
+        detail = self.error or self.broken or ""
+        return f"{self.kind} after {self.tokens} tokens {detail}".strip()
+
+
+def chat_body(model: str, tokens: int, prompt: str = "tell me a story", temperature: float = 1.0) -> dict[str, Any]:
+    """A streamed request; temperature 1 keeps a random-weights model from settling into an early stop."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": tokens,
+        "temperature": temperature,
+        "stream": True,
+    }
+
+
+def consume(url: str, body: dict[str, Any], outcome: StreamOutcome, read_timeout: float = 30.0) -> StreamOutcome:
+    """Read one stream to its end into `outcome`; never raises, so a failure is a recorded outcome.
+
+    The read timeout is the client's patience between two chunks: a stream that goes silent for longer is
+    recorded as broken (hung), which is exactly what the chaos contract forbids."""
+    timeout = httpx.Timeout(10.0, read=read_timeout)
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout, trust_env=False) as reply:
+            outcome.status = reply.status_code
+            if reply.status_code != 200:
+                reply.read()
+                outcome.error = _error_of(reply.text)
+                return outcome
+            for line in reply.iter_lines():
+                _take_line(line, outcome)
+                if outcome.done:
+                    break
+    except (httpx.HTTPError, OSError) as exc:
+        outcome.broken = f"{type(exc).__name__}: {exc}"
+    finally:
+        outcome.ended = time.monotonic()
+    return outcome
+
+
+def _take_line(line: str, outcome: StreamOutcome) -> None:
+    if line == "data: [DONE]":
+        outcome.done = True
+        return
+    if not line.startswith("data: {"):
+        return
+    payload = json.loads(line[6:])
+    if "error" in payload:
+        outcome.error = payload["error"]
+    elif payload.get("choices"):
+        outcome.tokens += 1
+        outcome.first_token = outcome.first_token or time.monotonic()
+
+
+def _error_of(text: str) -> dict[str, Any]:
+    try:
+        return dict(json.loads(text)["error"])
+    except (ValueError, KeyError, TypeError):
+        return {"message": text[:200]}
+
+
+class StreamProbe:
+    """One stream read on a background thread, so a test can inflict a fault while it is open."""
+
+    def __init__(self, url: str, body: dict[str, Any], read_timeout: float = 30.0) -> None:
+        self.outcome = StreamOutcome(started=time.monotonic())
+        self._thread = threading.Thread(target=consume, args=(url, body, self.outcome, read_timeout), daemon=True)
+        self._thread.start()
+
+    def wait_tokens(self, count: int, timeout: float) -> None:
+        """Block until the stream is well into decode (not racing its prefill) or has ended."""
+        deadline = time.monotonic() + timeout
+        while self.outcome.tokens < count and self.outcome.ended is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"stream produced {self.outcome.tokens} tokens in {timeout:.0f} s")
+            time.sleep(0.02)
+
+    def wait(self, timeout: float) -> StreamOutcome:
+        self._thread.join(timeout)
+        return self.outcome
+
+
+class StreamLoop:
+    """Streams back to back on a background thread until stopped: covers a fault window of any length
+    with short streams, each of which must complete (a stream that errors shows the fault reached it)."""
+
+    def __init__(self, url: str, body: dict[str, Any], read_timeout: float = 30.0) -> None:
+        self.outcomes: list[StreamOutcome] = []
+        self._stop = threading.Event()
+        self._args = (url, body, read_timeout)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        url, body, read_timeout = self._args
+        while not self._stop.is_set():
+            outcome = StreamOutcome(started=time.monotonic())
+            self.outcomes.append(outcome)
+            consume(url, body, outcome, read_timeout)
+
+    def stop(self, timeout: float = 60.0) -> list[StreamOutcome]:
+        """Let the stream in flight finish, then return every outcome (the thread is gone when this returns)."""
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise AssertionError(f"a stream was still open {timeout:.0f} s after the loop was stopped")
+        return list(self.outcomes)

@@ -1,0 +1,177 @@
+"""The cluster survives a real LAN (issue 7): faults inflicted on three real node processes on loopback.
+
+Each test freezes (SIGSTOP of the node's whole process group), kills (`kill -9` of the node process) or
+restarts one node, and checks the contract: one master; nothing healthy torn down; every node agreeing on
+master, term, last applied event and instances within 10 s of healing; every open stream ending (completed,
+or one retryable error event) in bounded time. The pause length is the fault itself; everything the cluster
+does in response is polled for with a deadline. The `cluster` fixture stops every node, resumes any still
+frozen, and fails the test if a runner process outlived its node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from skulk.models.demo import DEMO_MODEL_ID
+from skulk.testing.chaos import Verdicts, Watch, frozen, instance_members, labels, pause_for
+from skulk.testing.convergence import assert_converged, master_of, one_master, state_of
+from skulk.testing.nodes import LocalNode
+from skulk.testing.streams import StreamLoop, StreamOutcome, StreamProbe, chat_body
+
+from .harness import Cluster, place_and_wait, wait_until
+
+MODEL = str(DEMO_MODEL_ID)
+PAUSE_S = 15.0
+CONVERGE_S = 10.0
+NEW_MASTER_S = 3.0
+NODE_LOSS_STREAM_END_S = 6.0
+
+
+@pytest.fixture(autouse=True)
+def logs_on_failure(cluster: Cluster) -> Iterator[None]:
+    """Node logs land in the captured output, which pytest shows only for a failed test."""
+    yield
+    cluster.print_logs()
+
+
+def instance_ids(node: LocalNode) -> set[str]:
+    state = state_of(node)
+    return set(state["instances"]) if state else set()
+
+
+def runner_pids(nodes: list[LocalNode]) -> dict[str, set[int]]:
+    return {n.node_id: n.runner_pids() for n in nodes}
+
+
+def check_instance_intact(
+    verdicts: Verdicts, nodes: list[LocalNode], instance_id: str, members: set[str], pids: dict[str, set[int]]
+) -> None:
+    """The instance is still there on every node, on the same nodes, served by the very same runner processes."""
+    for index, node in enumerate(nodes):
+        state = state_of(node) or {}
+        now_there = sorted(state.get("instances", {}))
+        verdicts.expect(
+            instance_members(state, instance_id)[0] == members,
+            f"instance {instance_id[:8]} torn down or moved as seen by node{index}: instances now {now_there}",
+        )
+    now = runner_pids([n for n in nodes if n.node_id in members])
+    verdicts.expect(now == pids, f"runner processes replaced: {pids} -> {now}")
+
+
+def check_all_completed(verdicts: Verdicts, outcomes: list[StreamOutcome]) -> None:
+    bad = [o.describe() for o in outcomes if o.kind != "completed"]
+    verdicts.expect(outcomes and not bad, f"{len(bad)} of {len(outcomes)} streams did not complete: {bad}")
+
+
+def check_converged(verdicts: Verdicts, nodes: list[LocalNode]) -> None:
+    try:
+        assert_converged(nodes, CONVERGE_S)
+    except AssertionError as exc:
+        verdicts.expect(False, str(exc))
+
+
+@pytest.mark.timeout(180)
+def test_pausing_a_worker_leaves_an_instance_on_the_other_two_untouched(cluster: Cluster) -> None:
+    nodes = cluster.form(3)
+    master = cluster.master(nodes)
+    paused = next(n for n in nodes if n is not master)
+    api = next(n for n in nodes if n not in (master, paused))
+    instance_id = place_and_wait(api, min_nodes=2, excluded_nodes=[paused.node_id])
+    members = instance_members(state_of(api) or {}, instance_id)[0]
+    assert members == {master.node_id, api.node_id}, labels(nodes)
+    pids = runner_pids([master, api])
+    verdicts = Verdicts()
+    streams = StreamLoop(api.url, chat_body(MODEL, 400))
+    try:
+        wait_until(lambda: any(o.tokens for o in streams.outcomes), 30, "the first stream to produce tokens")
+        pause_for(paused, PAUSE_S)
+        check_converged(verdicts, nodes)
+    finally:
+        outcomes = streams.stop()
+    check_all_completed(verdicts, outcomes)
+    check_instance_intact(verdicts, nodes, instance_id, members, pids)
+    verdicts.settle()
+
+
+@pytest.mark.timeout(180)
+def test_pausing_the_master_elects_a_new_one_and_the_old_rejoins_as_follower(cluster: Cluster) -> None:
+    nodes = cluster.form(3)
+    master = cluster.master(nodes)
+    rest = [n for n in nodes if n is not master]
+    instance_id = place_and_wait(rest[0], excluded_nodes=[master.node_id, rest[1].node_id])
+    pids = runner_pids(rest[:1])
+    verdicts = Verdicts()
+    with Watch(nodes) as watch, frozen(master) as paused_at:
+        new_master = wait_until(
+            lambda: (m := one_master(rest)) not in (None, master.node_id) and m, 20, "the others to elect a new master"
+        )
+        elected_s = time.monotonic() - paused_at
+        time.sleep(max(0.0, PAUSE_S - elected_s))
+    check_converged(verdicts, nodes)
+    verdicts.expect(elected_s <= NEW_MASTER_S, f"new master after {elected_s:.1f} s (> {NEW_MASTER_S:.0f} s)")
+    now = master_of(master)
+    verdicts.expect(now == new_master, f"the old master follows {now}, not the new master {new_master}")
+    split = watch.split_brain([nodes.index(n) for n in rest], since=paused_at + elected_s)
+    verdicts.expect(not split, f"two masters named among the majority: {split[:5]}")
+    check_instance_intact(verdicts, nodes, instance_id, {rest[0].node_id}, pids)
+    verdicts.settle()
+
+
+@pytest.mark.timeout(180)
+def test_restarted_former_master_without_bootstrap_peers_joins_as_follower_and_places_nothing(
+    cluster: Cluster,
+) -> None:
+    nodes = cluster.form(3)
+    former = cluster.master(nodes)
+    assert former is nodes[0] and not former.peers, "the README recipe: node 0, without peers, is the master"
+    rest = nodes[1:]
+    place_and_wait(rest[0], excluded_nodes=[former.node_id, rest[1].node_id])
+    before = instance_ids(rest[0])
+    former.kill()
+    new_master = wait_until(lambda: (m := one_master(rest)) not in (None, former.node_id) and m, 20, "a new master")
+    verdicts = Verdicts()
+    with Watch(nodes) as watch:
+        former.restart(peers=[], place_default=True).wait_ready()
+        check_converged(verdicts, nodes)
+        time.sleep(3)  # quiet window: a lone master's default placement would land within it
+    named = watch.masters_named(nodes.index(former))
+    verdicts.expect(former.node_id not in named, f"the restarted node named itself master (it named {named})")
+    now = master_of(former)
+    verdicts.expect(now == new_master, f"the restarted node follows {now}, not the cluster's master {new_master}")
+    placed = [line for line in former.output if f"placed {MODEL}" in line]
+    verdicts.expect(not placed, f"the restarted node placed the demo model: {placed}")
+    after = [sorted(instance_ids(n)) for n in nodes]
+    verdicts.expect(all(set(a) == before for a in after), f"instances changed: {sorted(before)} -> {after}")
+    check_converged(verdicts, nodes)
+    verdicts.settle()
+
+
+def open_stream(api: LocalNode, attempts: int = 3) -> StreamProbe:
+    """A stream well into decode; a random-weights model may stop early, so try again if it already ended."""
+    for _ in range(attempts):
+        probe = StreamProbe(api.url, chat_body(MODEL, 1900), read_timeout=30)
+        probe.wait_tokens(5, 30)
+        if probe.outcome.ended is None:
+            return probe
+    raise AssertionError(f"no stream stayed open past 5 tokens in {attempts} attempts")
+
+
+@pytest.mark.timeout(150)
+def test_kill_9_of_a_node_holding_a_shard_ends_the_stream_with_a_retryable_error(cluster: Cluster) -> None:
+    nodes = cluster.form(3)
+    master = cluster.master(nodes)
+    api, victim = [n for n in nodes if n is not master]
+    place_and_wait(api, min_nodes=2, excluded_nodes=[master.node_id])
+    probe = open_stream(api)
+    killed_at = victim.kill()
+    outcome = probe.wait(30)
+    verdicts = Verdicts()
+    verdicts.expect(outcome.ended is not None, "the stream is still open 30 s after the kill")
+    verdicts.expect(outcome.retryable_error, f"the stream ended {outcome.describe()}, not with a retryable error")
+    ended_s = (outcome.ended or time.monotonic()) - killed_at
+    verdicts.expect(ended_s <= NODE_LOSS_STREAM_END_S, f"the stream ended {ended_s:.1f} s after the kill")
+    check_converged(verdicts, [master, api])
+    verdicts.settle()
