@@ -12,12 +12,17 @@ FinishReason = Literal["stop", "length"]
 
 @dataclass(frozen=True, slots=True)
 class TokenOut:
-    """One generated token for one request. text is the newly decodable text (may be empty mid-codepoint)."""
+    """One generated token for one request. text is the newly decodable text (may be empty mid-codepoint).
+
+    error: this request failed in the engine (its sampling or detokenisation raised) and is over; token_id
+    and text mean nothing then. The other requests of the step are unaffected.
+    """
 
     request_id: str
     token_id: int
     text: str
     finish_reason: FinishReason | None = None
+    error: str | None = None
 
 
 class Engine(Protocol):

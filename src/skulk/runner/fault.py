@@ -15,16 +15,29 @@ that is never set: no CPU is spun and the process stays alive, as a wedged rank 
 only while starting arm at once; all others arm when the runner is ready, so the warmup's own pass through the
 pipeline phases does not trip a fault meant for a real request. An invalid value is logged once and ignored:
 a typo in a debug setting must never take a node down.
+
+Two more kinds act on "poisoned" requests only, those whose prompt contains the marker `SKULK_POISON` (e.g. in
+the user message), so a test can send one bad request among good ones:
+
+    SKULK_FAULT=raise:<where>[:rank=<n>]
+    SKULK_FAULT=crash:poison[:rank=<n>]
+
+- `raise:<where>` raises `InjectedFault` inside the engine for a poisoned request, at `admit` (the scheduling
+  rank adds it), `sample` (the sampling rank samples its token) or `detokenize` (the sampling rank turns the
+  token into text). The request must end alone with a 500 error; its batch-mates and the runner go on.
+- `crash:poison` makes the runner process exit at once (`os._exit(70)`, no clean-up: a crash) the first time
+  the engine touches a poisoned request on that rank (admission on rank 0, sampling on the last rank).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import cast, get_args
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast, get_args
 
 from skulk.types.runners import RunnerPhase
 
@@ -33,6 +46,10 @@ log = logging.getLogger("skulk.runner.fault")
 PHASES: frozenset[str] = frozenset(get_args(RunnerPhase))
 STARTUP_PHASES: frozenset[str] = frozenset({"created", "connect_group", "load_model", "warmup"})
 _OFF = {"0", "false", "no", "off"}
+POISON_MARKER = "SKULK_POISON"
+RaiseWhere = Literal["admit", "sample", "detokenize"]
+WHERES: frozenset[str] = frozenset(get_args(RaiseWhere))
+CRASH_EXIT_CODE = 70
 
 
 class FaultError(ValueError):
@@ -49,21 +66,35 @@ class Fault:
         return self.rank is None or self.rank == rank
 
 
-def parse_fault(value: str | None) -> Fault | None:
-    """`stall:<phase>[:rank=<n>][:after=<seconds>]` → Fault; None or blank → None; anything else raises."""
-    if value is None or not value.strip():
-        return None
-    parts = [p.strip() for p in value.strip().split(":")]
-    if parts[0] != "stall":
-        raise FaultError(f"unknown fault kind {parts[0]!r} (only 'stall' exists)")
-    if len(parts) < 2 or parts[1] not in PHASES:
-        phase = parts[1] if len(parts) > 1 else ""
-        raise FaultError(f"unknown phase {phase!r}; one of: {', '.join(sorted(PHASES))}")
+@dataclass(frozen=True)
+class RaiseFault:
+    """`raise:<where>[:rank=<n>]`: an exception inside the engine for poisoned requests."""
+
+    where: RaiseWhere
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class CrashFault:
+    """`crash:poison[:rank=<n>]`: the runner process dies when the engine touches a poisoned request."""
+
+    rank: int | None = None
+
+
+AnyFault = Fault | RaiseFault | CrashFault
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by SKULK_FAULT=raise:..., to prove one request's failure stays its own."""
+
+
+def _options(value: str, parts: list[str], allowed: tuple[str, ...]) -> tuple[int | None, float]:
     options: dict[str, str] = {}
-    for part in parts[2:]:
+    for part in parts:
         key, sep, raw = part.partition("=")
-        if not sep or key not in ("rank", "after") or key in options:
-            raise FaultError(f"bad option {part!r}: expected rank=<n> or after=<seconds>, each at most once")
+        if not sep or key not in allowed or key in options:
+            wanted = " or ".join(f"{k}=<n>" for k in allowed)
+            raise FaultError(f"bad option {part!r}: expected {wanted}, each at most once")
         options[key] = raw
     try:
         rank = int(options["rank"]) if "rank" in options else None
@@ -72,10 +103,33 @@ def parse_fault(value: str | None) -> Fault | None:
         raise FaultError(f"bad number in {value!r}: {exc}") from None
     if (rank is not None and rank < 0) or not after_s >= 0 or after_s == float("inf"):
         raise FaultError(f"rank and after must be finite and non-negative in {value!r}")
-    return Fault(phase=cast(RunnerPhase, parts[1]), rank=rank, after_s=after_s)
+    return rank, after_s
 
 
-def fault_from_setting(value: str | None) -> Fault | None:
+def parse_fault(value: str | None) -> AnyFault | None:
+    """`stall:<phase>[:rank=<n>][:after=<seconds>]`, `raise:<where>[:rank=<n>]` or `crash:poison[:rank=<n>]`
+    → the fault; None or blank → None; anything else raises FaultError."""
+    if value is None or not value.strip():
+        return None
+    parts = [p.strip() for p in value.strip().split(":")]
+    kind, what = parts[0], parts[1] if len(parts) > 1 else ""
+    if kind == "raise":
+        if what not in WHERES:
+            raise FaultError(f"unknown place {what!r}; one of: {', '.join(sorted(WHERES))}")
+        return RaiseFault(cast(RaiseWhere, what), _options(value, parts[2:], ("rank",))[0])
+    if kind == "crash":
+        if what != "poison":
+            raise FaultError(f"unknown crash trigger {what!r} (only 'poison')")
+        return CrashFault(_options(value, parts[2:], ("rank",))[0])
+    if kind != "stall":
+        raise FaultError(f"unknown fault kind {kind!r} (one of: stall, raise, crash)")
+    if what not in PHASES:
+        raise FaultError(f"unknown phase {what!r}; one of: {', '.join(sorted(PHASES))}")
+    rank, after_s = _options(value, parts[2:], ("rank", "after"))
+    return Fault(phase=cast(RunnerPhase, what), rank=rank, after_s=after_s)
+
+
+def fault_from_setting(value: str | None) -> AnyFault | None:
     """parse_fault for a setting read at runtime: an invalid value is logged once and means no fault."""
     try:
         return parse_fault(value)
@@ -119,3 +173,34 @@ class FaultInjector:
         log.warning("SKULK_FAULT: rank %d stalls in %s (injected; the process stays alive)", self.rank, phase)
         while not self._never.wait(3600):
             pass
+
+
+@dataclass
+class PoisonHook:
+    """The engine's fault hook for `raise:` and `crash:` faults: acts on requests whose prompt decodes to text
+    containing POISON_MARKER. Whether a request is poisoned is decided once per request, not per token."""
+
+    fault: RaiseFault | CrashFault
+    rank: int
+    decode: Any  # Callable[[list[int]], str]: the engine's tokenizer
+    _seen: dict[str, bool] = field(default_factory=dict)
+
+    def poisoned(self, request_id: str, prompt: list[int]) -> bool:
+        found = self._seen.get(request_id)
+        if found is None:
+            if len(self._seen) > 1024:
+                self._seen.clear()
+            found = self._seen[request_id] = POISON_MARKER in self.decode(prompt)
+        return found
+
+    def __call__(self, where: str, request: Any) -> None:
+        fault = self.fault
+        if (fault.rank is not None and fault.rank != self.rank) or not self.poisoned(
+            request.request_id, request.prompt
+        ):
+            return
+        if isinstance(fault, CrashFault):
+            log.warning("SKULK_FAULT: rank %d crashes on poisoned request %s (injected)", self.rank, where)
+            os._exit(CRASH_EXIT_CODE)
+        if fault.where == where:
+            raise InjectedFault(f"injected fault at {where} on rank {self.rank} (SKULK_FAULT)")

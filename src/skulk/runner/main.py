@@ -12,10 +12,12 @@ from multiprocessing.queues import Queue
 from typing import TYPE_CHECKING, Any
 
 from skulk.engines.base import Engine, TokenOut
-from skulk.runner.fault import FaultInjector, fault_from_setting
+from skulk.runner.fault import Fault, FaultInjector, PoisonHook, fault_from_setting
 from skulk.runner.messages import (
+    HEARTBEAT_S,
     CancelTask,
     FromRunner,
+    Heartbeat,
     Records,
     RunTask,
     Shutdown,
@@ -55,6 +57,7 @@ IDLE_POLL_S = 0.25
 
 def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunner]) -> None:
     """Process entry point (multiprocessing spawn target)."""
+    _heartbeat(outbox)  # first: the supervisor's hung-runner clock starts with the first message it hears
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s runner %(message)s")
     _exit_with_parent()
     if spec.shard.world_size > 1:
@@ -71,6 +74,21 @@ def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunn
         runner.flush()
         log.exception("runner %s crashed", spec.runner_id)
         sys.exit(1)
+
+
+def _heartbeat(outbox: Queue[FromRunner]) -> None:
+    """Tell the supervisor every HEARTBEAT_S that the process is alive, from a daemon thread of its own: a long
+    prefill keeps it going, a frozen (SIGSTOPped) or dead process does not."""
+
+    def beat() -> None:
+        while True:
+            try:
+                outbox.put(Heartbeat())
+            except (OSError, ValueError):  # the queue is closed: the process is ending
+                return
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
 
 def _exit_with_parent() -> None:
@@ -109,8 +127,9 @@ class Runner:
         self.group: Group | None = None
         self.dist: DistributedEngine | None = None
         self.schedules = spec.shard.device_rank == 0
-        fault = fault_from_setting(spec.fault)
-        self.fault = FaultInjector(fault, spec.shard.device_rank, self.flush) if fault is not None else None
+        self.fault_spec = fault_from_setting(spec.fault)
+        fault = self.fault_spec
+        self.fault = FaultInjector(fault, spec.shard.device_rank, self.flush) if isinstance(fault, Fault) else None
         if self.fault is not None:
             self.recorder.on_enter = self.fault.on_enter
 
@@ -145,6 +164,7 @@ class Runner:
         self.recorder.record("load_model", "load_started", str(self.spec.model_dir))
         self.flush()
         self.engine = self._build_engine()
+        self._install_poison_hook(self.engine)
         self.recorder.record("load_model", "load_finished", with_memory=True)
         self.set_status(RunnerLoaded())
         self.set_status(RunnerWarmingUp())
@@ -157,6 +177,15 @@ class Runner:
         self.recorder.record("idle", "ready")
         self.set_status(RunnerReady())
         self.flush()
+
+    def _install_poison_hook(self, engine: Engine) -> None:
+        """SKULK_FAULT=raise:/crash: acts inside the engine, on requests carrying the poison marker."""
+        fault = self.fault_spec
+        if fault is None or isinstance(fault, Fault):
+            return
+        tokenizer = getattr(engine, "tokenizer", None)
+        if tokenizer is not None and hasattr(engine, "fault_hook"):
+            engine.fault_hook = PoisonHook(fault, self.spec.shard.device_rank, tokenizer.decode)  # type: ignore[attr-defined]
 
     def _connect(self) -> None:
         from skulk.runner.group import connect_group
@@ -256,6 +285,21 @@ class Runner:
         self.recorder.record("task_submission", "task_received", **ids)
         self._after_step.append(TaskAccepted(task.task_id))
         self.recorder.record("prompt_build", "chat_template", **ids)
+        try:
+            prompt = self._admit(task)
+        except Exception as exc:  # this request alone fails; the runner and its batch go on
+            self.send_after_step()
+            self._fail_in_engine(task.task_id, task.command_id, exc)
+            return
+        if prompt is None:
+            return
+        self.active[task.task_id] = _Active(task.command_id, len(prompt))
+        self.recorder.record("decode_stream", "decode_started", prompt_tokens=len(prompt), **ids)
+        self.set_status(RunnerRunning(), after_step=True)
+
+    def _admit(self, task: ChatCompletion) -> list[int] | None:
+        """Template, check the context and add to the engine; None when rejected (already reported)."""
+        assert self.engine is not None
         prompt = self.engine.encode_chat(task.task_params.messages)
         limit = self.engine.context_length
         if len(prompt) >= limit:
@@ -265,14 +309,19 @@ class Runner:
             )
             self.send_after_step()
             self._fail(task.task_id, task.command_id, message, code="context_length_exceeded", status=400)
-            return
+            return None
         if self.dist is not None:
             self.dist.add_request(task.task_id, prompt, task.task_params.sampling, command_id=task.command_id)
         else:
             self.engine.add_request(task.task_id, prompt, task.task_params.sampling)
-        self.active[task.task_id] = _Active(task.command_id, len(prompt))
-        self.recorder.record("decode_stream", "decode_started", prompt_tokens=len(prompt), **ids)
-        self.set_status(RunnerRunning(), after_step=True)
+        return prompt
+
+    def _fail_in_engine(self, task_id: TaskId, command_id: CommandId, why: BaseException | str) -> None:
+        """A request that raised inside the engine ends with a 500; the others are untouched."""
+        reason = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
+        log.info("task %s failed by a fault in the engine: %s", task_id, reason)
+        message = f"the request failed inside the engine ({reason}); the other requests were not affected"
+        self._fail(task_id, command_id, message, code="internal_error", status=500)
 
     def _fail(self, task_id: TaskId, command_id: CommandId, message: str, *, code: str, status: int) -> None:
         chunk = ErrorChunk(command_id=command_id, message=message, code=code, status=status, retryable=False)
@@ -292,9 +341,14 @@ class Runner:
     def _publish(self, outs: list[TokenOut]) -> None:
         chunks: list[TokenChunk | ErrorChunk] = []
         ended: list[TaskEnded] = []
+        failed: list[tuple[TaskId, CommandId, str]] = []
         for out in outs:
             active = self.active.get(TaskId(out.request_id))
             if active is None:
+                continue
+            if out.error is not None:
+                del self.active[TaskId(out.request_id)]
+                failed.append((TaskId(out.request_id), active.command_id, out.error))
                 continue
             active.completion_tokens += 1
             chunks.append(
@@ -313,6 +367,8 @@ class Runner:
         if chunks:
             self.send(Tokens(chunks))
         self.send_after_step()  # tokens first: they are what the client waits for
+        for task_id, command_id, error in failed:
+            self._fail_in_engine(task_id, command_id, error)
         for end in ended:
             self.recorder.record(
                 "completion",
@@ -322,7 +378,7 @@ class Runner:
                 with_memory=True,
             )
             self.send(end)
-        if ended:
+        if ended or failed:
             self._maybe_idle()
 
     def _maybe_idle(self) -> None:
@@ -356,6 +412,9 @@ class Runner:
             if active is None:
                 continue
             status = TaskStatus.Cancelled if event.cancelled else TaskStatus.Complete
+            error = None
+            if event.failed:  # the sampling rank reported the error to the client; this rank only lets go
+                status, error = TaskStatus.Failed, "the request failed on the sampling rank"
             self.recorder.record("completion", status.value.lower(), **ids)
-            self.send(TaskEnded(task_id, active.command_id, status))
+            self.send(TaskEnded(task_id, active.command_id, status, error, retryable=False))
             self._maybe_idle()

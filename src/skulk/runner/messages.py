@@ -60,4 +60,12 @@ class Records:
     entries: list[FlightRecorderEntry] = field(default_factory=list)
 
 
-FromRunner = StatusChanged | Tokens | TaskAccepted | TaskEnded | Records
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Sent every HEARTBEAT_S by a thread of the runner's own: silence means the whole process is frozen or
+    gone (a long prefill on the main thread does not stop it)."""
+
+
+HEARTBEAT_S = 1.0
+
+FromRunner = StatusChanged | Tokens | TaskAccepted | TaskEnded | Records | Heartbeat

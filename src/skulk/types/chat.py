@@ -2,11 +2,50 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from .base import CamelModel
+
+SEED_MAX = 2**64 - 1
+TOP_K_MAX = 2**31 - 1
+"""The API cannot know a model's vocabulary (model cards do not carry it): top_k is bounded here so it fits any
+tensor index, and the engine clamps a top_k above the vocabulary to the vocabulary (which keeps every token)."""
+
+# One bound per sampling field, shared by the request body and the engine's SamplingParams: a value outside
+# them once took a whole runner (and every stream in its batch) down.
+MaxTokens = Annotated[int, Field(ge=1)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=0, le=TOP_K_MAX)]
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+RANGES: dict[str, str] = {
+    "max_tokens": "an integer >= 1",
+    "max_completion_tokens": "an integer >= 1",
+    "temperature": "a finite number in 0...2",
+    "top_p": "a number in (0, 1]",
+    "top_k": f"an integer in 0...{TOP_K_MAX} (0 = off; above the vocabulary keeps every token)",
+    "seed": f"an integer in 0...{SEED_MAX} (2**64-1)",
+}
+
+
+def _say_range(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+    """Let pydantic check the bound, then name the field's whole range in the error (the 422 a client sees)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        field = info.field_name or "value"
+        raise ValueError(f"{field} must be {RANGES[field]}, got {value!r}") from None
 
 
 class TextPart(BaseModel):
@@ -41,15 +80,17 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    seed: int | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    _ranges = field_validator(*RANGES, mode="wrap")(_say_range)
 
     @field_validator("stop")
     @classmethod
@@ -79,9 +120,11 @@ class ChatCompletionRequest(BaseModel):
 
 
 class SamplingParams(CamelModel):
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    """What the engine samples with; bounded like the request, so a command from any source is safe too."""
+
+    max_tokens: MaxTokens = 256
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed | None = None
     stop: list[str] = []

@@ -19,6 +19,7 @@ from typing import Any
 from skulk.runner.messages import (
     CancelTask,
     FromRunner,
+    Heartbeat,
     Records,
     RunTask,
     Shutdown,
@@ -142,6 +143,8 @@ class RunnerSupervisor:
                 continue
             except (EOFError, OSError):
                 break
+            if isinstance(message, Heartbeat):
+                continue
             if not _deliver(loop, self._on_message, message):
                 return
         process.join()

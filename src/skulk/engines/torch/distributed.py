@@ -33,9 +33,8 @@ from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
 
 from .cache import StepBatch
-from .engine import DEFAULT_MAX_SEQ, Request, accept_token
+from .engine import DEFAULT_MAX_SEQ, FaultHook, Request, accept_each, row_sampling
 from .loader import load_model
-from .sampling import RowSampling, sample
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 from .wire import Admitted, Header, HeaderChannel, NewRequest, Release, Released, RequestEvent, StepKind
 
@@ -101,6 +100,7 @@ class DistributedEngine:
         self._last_header = 0.0
         self._warming = False
         self._unseeded = torch.Generator(device=self.device).manual_seed(secrets.randbits(63))
+        self.fault_hook: FaultHook | None = None
 
     # --- the Engine protocol -------------------------------------------------------------------------------
 
@@ -120,7 +120,11 @@ class DistributedEngine:
         known = {r.request_id for r in (*self._pending, *self._running)} | {a.request_id for a in self._adds}
         if request_id in known:
             raise ValueError(f"request {request_id!r} is already running")
-        self._adds.append(NewRequest.of(request_id, command_id, list(prompt_ids), sampling))
+        add = NewRequest.of(request_id, command_id, list(prompt_ids), sampling)
+        req = self._new_request(add)  # what every rank will build from the header: if it raises, it does here
+        if self.fault_hook is not None:
+            self.fault_hook("admit", req)
+        self._adds.append(add)
 
     def cancel(self, request_id: str) -> None:
         """Rank 0 releases the request in the next header (every rank then frees it); elsewhere a no-op."""
@@ -214,10 +218,7 @@ class DistributedEngine:
 
     def _new_request(self, add: NewRequest) -> Request:
         s = add.sampling_params()
-        generator = self._unseeded
-        if s.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(s.seed)
-        row = RowSampling(s.temperature, s.top_k, s.top_p, generator)
+        row = row_sampling(s, self.model.args.vocab_size, self.device, self._unseeded)
         decoder = IncrementalDecoder(self.tokenizer.decode)
         stops = StopMatcher(s.stop)
         return Request(add.request_id, add.prompt, s.max_tokens, row, decoder, stops, command_id=add.command_id)
@@ -239,7 +240,7 @@ class DistributedEngine:
         if found.request_id == WARMUP_ID:
             self._warming = False
         else:
-            self._events.append(Released(found.request_id, found.command_id, release.cancelled))
+            self._events.append(Released(found.request_id, found.command_id, release.cancelled, release.failed))
 
     def _enter_phase(self, phase: RunnerPhase, event: str) -> None:
         if phase != self._phase:
@@ -260,7 +261,7 @@ class DistributedEngine:
         ids = torch.tensor([req.prompt], device=self.device) if self.needs_ids else None
         logits = self._forward(ids, batch, (1, n), last_only=True)
         req.length = n
-        outs = [self._accept(req, sample(logits[:, -1], [req.sampling])[0])] if logits is not None else []
+        outs = self._accept(logits, [req]) if logits is not None else []
         if self.is_scheduler and self.kind == "pipeline":
             self._enter_phase("decode_wait_first_token", "prefill_sent")
         self._share_tokens([req], outs)
@@ -275,10 +276,7 @@ class DistributedEngine:
         logits = self._forward(ids, batch, (len(running), 1))
         for req in running:
             req.length += 1
-        outs: list[TokenOut] = []
-        if logits is not None:
-            tokens = sample(logits[:, -1], [r.sampling for r in running])
-            outs = [self._accept(req, token) for req, token in zip(running, tokens, strict=True)]
+        outs = self._accept(logits, running) if logits is not None else []
         self._share_tokens(running, outs)
         return outs
 
@@ -299,12 +297,15 @@ class DistributedEngine:
         return out if self.is_sampler else None
 
     def _share_tokens(self, reqs: list[Request], outs: list[TokenOut]) -> None:
-        """Get [token, finished] per row from the sampler to the ranks that embed the next input."""
+        """Get [token, finished, failed] per row from the sampler to the ranks that embed the next input. A row
+        that failed on the sampler is finished too: rank 0 releases it in the next header, so every rank frees
+        its slot, while its batch-mates go on."""
         if self.kind == "pipeline" and not (self.is_sampler or self.is_scheduler):
             return
-        wire = torch.empty((len(reqs), 2), dtype=torch.int64)
+        wire = torch.empty((len(reqs), 3), dtype=torch.int64)
         if self.is_sampler:
-            wire = torch.tensor([[o.token_id, o.finish_reason is not None] for o in outs], dtype=torch.int64)
+            rows = [[0, 1, 1] if o.error else [o.token_id, o.finish_reason is not None, 0] for o in outs]
+            wire = torch.tensor(rows, dtype=torch.int64)
         if self.kind == "tensor":
             dist.broadcast(wire, src=self.world_size - 1, group=self.control_group)
         elif self.is_sampler:
@@ -312,12 +313,12 @@ class DistributedEngine:
             return
         else:
             dist.recv(wire, src=self.world_size - 1, group=self.control_group)
-        for req, (token, finished) in zip(reqs, wire.tolist(), strict=True):
+        for req, (token, finished, failed) in zip(reqs, wire.tolist(), strict=True):
             req.last_token = token
             if finished and self.is_scheduler:
                 req.finished = True
-                self._releases.append(Release(req.request_id, cancelled=False))
+                self._releases.append(Release(req.request_id, cancelled=False, failed=bool(failed)))
 
-    def _accept(self, req: Request, token: int) -> TokenOut:
-        """The sampler's bookkeeping for one token, exactly as TorchEngine decides text and finish."""
-        return accept_token(req, token, self.tokenizer.eos_ids, self.context_length)
+    def _accept(self, logits: torch.Tensor, reqs: list[Request]) -> list[TokenOut]:
+        """The sampler's bookkeeping, exactly as TorchEngine decides text, finish and per-request failure."""
+        return accept_each(logits[:, -1], reqs, self.tokenizer.eos_ids, self.context_length, self.fault_hook)

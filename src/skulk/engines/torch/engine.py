@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,9 @@ from .cache import StepBatch
 from .loader import load_model
 from .sampling import RowSampling, sample
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
+
+FaultHook = Callable[[str, "Request"], None]
+"""Test-only (SKULK_FAULT): called with (where, request) at "admit", "sample" and "detokenize"; may raise."""
 
 DEFAULT_MAX_SEQ = 4096  # caps the preallocated cache for long-context models unless max_seq says otherwise
 _WARMUP_ID = "__skulk_warmup__"
@@ -65,6 +68,66 @@ def accept_token(req: Request, token: int, eos_ids: Collection[int], context_len
     return TokenOut(req.request_id, token, text, finish)
 
 
+def row_sampling(
+    s: SamplingParams, vocab: int, device: torch.device, unseeded: torch.Generator
+) -> RowSampling:
+    """A request's sampling row. top_k above the vocabulary keeps every token, so it is clamped to it."""
+    generator = unseeded
+    if s.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(s.seed)
+    return RowSampling(s.temperature, min(s.top_k, vocab), s.top_p, generator)
+
+
+def failed_out(req: Request, exc: BaseException) -> TokenOut:
+    """The request is over with an error; its slot is released like a finished one's."""
+    req.finished = True
+    return TokenOut(req.request_id, -1, "", None, error=f"{type(exc).__name__}: {exc}")
+
+
+def _sample_one(logits: torch.Tensor, row: RowSampling) -> int | Exception:
+    try:
+        return sample(logits, [row])[0]
+    except Exception as exc:  # one request's settings must not fail its batch-mates
+        return exc
+
+
+def sample_each(logits: torch.Tensor, reqs: Sequence[Request], hook: FaultHook | None) -> list[int | Exception]:
+    """One token per row, batched; only if the batch raises is each row sampled alone, so a row that raises
+    gets its exception and every other row its token (the same token: each row draws from its own generator)."""
+    failed: dict[int, Exception] = {}
+    if hook is not None:
+        for i, req in enumerate(reqs):
+            try:
+                hook("sample", req)
+            except Exception as exc:
+                failed[i] = exc
+    rows = [r.sampling for r in reqs]
+    try:
+        tokens: list[int | Exception] = list(sample(logits, rows))
+    except Exception:
+        tokens = [_sample_one(logits[i : i + 1], row) for i, row in enumerate(rows)]
+    return [failed.get(i, token) for i, token in enumerate(tokens)]
+
+
+def accept_each(
+    logits: torch.Tensor, reqs: Sequence[Request], eos_ids: Collection[int], context_length: int,
+    hook: FaultHook | None,
+) -> list[TokenOut]:
+    """Sample and detokenise every row, each in isolation: an exception ends only its own request."""
+    outs: list[TokenOut] = []
+    for req, token in zip(reqs, sample_each(logits, reqs, hook), strict=True):
+        if isinstance(token, Exception):
+            outs.append(failed_out(req, token))
+            continue
+        try:
+            if hook is not None:
+                hook("detokenize", req)
+            outs.append(accept_token(req, token, eos_ids, context_length))
+        except Exception as exc:
+            outs.append(failed_out(req, exc))
+    return outs
+
+
 class TorchEngine:
     def __init__(
         self,
@@ -91,6 +154,7 @@ class TorchEngine:
         self._pending: deque[Request] = deque()
         self._running: list[Request] = []  # index == cache slot
         self._unseeded = torch.Generator(device=self.device).manual_seed(secrets.randbits(63))
+        self.fault_hook: FaultHook | None = None
 
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         return self.tokenizer.encode_chat(messages)
@@ -103,16 +167,14 @@ class TorchEngine:
             raise ContextLengthExceeded(len(prompt_ids), self.context_length)
         if any(r.request_id == request_id for r in (*self._pending, *self._running)):
             raise ValueError(f"request {request_id!r} is already running")
-        generator = self._unseeded
-        if sampling.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        row = RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, generator)
-        self._pending.append(
-            Request(
-                request_id, list(prompt_ids), sampling.max_tokens, row,
-                IncrementalDecoder(self.tokenizer.decode), StopMatcher(sampling.stop),
-            )
+        row = row_sampling(sampling, self.model.args.vocab_size, self.device, self._unseeded)
+        req = Request(
+            request_id, list(prompt_ids), sampling.max_tokens, row,
+            IncrementalDecoder(self.tokenizer.decode), StopMatcher(sampling.stop),
         )
+        if self.fault_hook is not None:
+            self.fault_hook("admit", req)
+        self._pending.append(req)
 
     def cancel(self, request_id: str) -> None:
         self._pending = deque(r for r in self._pending if r.request_id != request_id)
@@ -157,7 +219,7 @@ class TorchEngine:
         batch = StepBatch.build(positions, slot, kv_len=len(req.prompt))
         logits = self.model(ids, batch, self.cache, last_only=True)
         req.length = len(req.prompt)
-        return self._accept(req, sample(logits[:, -1], [req.sampling])[0])
+        return self._accept(logits, [req])[0]
 
     def _decode(self) -> list[TokenOut]:
         running = self._running
@@ -165,15 +227,12 @@ class TorchEngine:
         positions = torch.tensor([[r.length] for r in running], device=self.device)
         batch = StepBatch.build(positions, 0, kv_len=max(r.length for r in running) + 1)
         logits = self.model(ids, batch, self.cache)
-        tokens = sample(logits[:, -1], [r.sampling for r in running])
-        outs: list[TokenOut] = []
-        for req, token in zip(running, tokens, strict=True):
+        for req in running:
             req.length += 1
-            outs.append(self._accept(req, token))
-        return outs
+        return self._accept(logits, running)
 
-    def _accept(self, req: Request, token: int) -> TokenOut:
-        return accept_token(req, token, self.tokenizer.eos_ids, self.context_length)
+    def _accept(self, logits: torch.Tensor, reqs: list[Request]) -> list[TokenOut]:
+        return accept_each(logits[:, -1], reqs, self.tokenizer.eos_ids, self.context_length, self.fault_hook)
 
     def _release_finished(self) -> None:
         for slot in range(len(self._running) - 1, -1, -1):

@@ -51,6 +51,7 @@ class Release:
 
     request_id: str
     cancelled: bool
+    failed: bool = False  # it raised on the sampler; the sampler's runner has reported the error
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,7 @@ class Released:
     request_id: str
     command_id: str
     cancelled: bool
+    failed: bool = False
 
 
 RequestEvent = Admitted | Released

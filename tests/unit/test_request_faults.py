@@ -1,0 +1,123 @@
+"""A bad request fails alone: sampling bounds at the API (422 naming the field and its range), and an exception
+inside the engine for one request ends that request only, its batch-mates unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from skulk.api.errors import install_error_handlers
+from skulk.api.openai import openai_router
+from skulk.engines.base import TokenOut
+from skulk.engines.torch.engine import TorchEngine
+from skulk.models.demo import ensure_demo_model
+from skulk.runner.fault import CrashFault, InjectedFault, PoisonHook, RaiseFault, parse_fault
+from skulk.types.chat import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+GOOD = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(scope="module")
+def api() -> TestClient:
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(openai_router(object()))  # type: ignore[arg-type]  # validation answers before the node
+    return TestClient(app)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "range_text"),
+    [
+        ("seed", 2**64, "0...18446744073709551615"),
+        ("seed", -1, "0...18446744073709551615"),
+        ("top_k", 2**63, "0...2147483647"),
+        ("top_k", -1, "0...2147483647"),
+        ("temperature", 2.5, "0...2"),
+        ("temperature", -0.1, "0...2"),
+        ("top_p", 0, "(0, 1]"),
+        ("top_p", 1.5, "(0, 1]"),
+        ("max_tokens", 0, ">= 1"),
+        ("max_completion_tokens", 0, ">= 1"),
+    ],
+)
+def test_out_of_range_sampling_fields_are_422_naming_field_and_range(
+    api: TestClient, field: str, value: Any, range_text: str
+) -> None:
+    reply = api.post("/v1/chat/completions", json={**GOOD, field: value})
+    assert reply.status_code == 422, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_request"
+    assert error["message"].startswith(f"{field}: ") and range_text in error["message"], error["message"]
+
+
+def test_non_finite_temperature_is_422(api: TestClient) -> None:
+    body = '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+    reply = api.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 422 and "temperature" in reply.json()["error"]["message"]
+
+
+def test_bounds_hold_for_engine_sampling_params_too() -> None:
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    assert SamplingParams(seed=2**64 - 1, top_k=2**31 - 1).seed == 2**64 - 1
+
+
+# --- the engine ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_demo_model(tmp_path_factory.mktemp("models"))
+
+
+def run(engine: TorchEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, list[TokenOut]]:
+    for rid, (text, sampling) in requests.items():
+        engine.add_request(rid, engine.tokenizer.encode(text), sampling)
+    outs: dict[str, list[TokenOut]] = {rid: [] for rid in requests}
+    while engine.has_work():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    return outs
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0)
+SEEDED = SamplingParams(max_tokens=10, temperature=0.9, top_k=2**31 - 1, top_p=0.95, seed=2**64 - 1)
+
+
+@pytest.mark.parametrize("where", ["sample", "detokenize"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_raising_request_fails_alone_and_its_batch_mate_is_unchanged(
+    demo_dir: Path, where: str, sampling: SamplingParams
+) -> None:
+    alone = run(TorchEngine(demo_dir, max_seq=128), {"good": ("hello there", sampling)})["good"]
+    engine = TorchEngine(demo_dir, max_seq=128)
+    engine.fault_hook = PoisonHook(RaiseFault(where), 0, engine.tokenizer.decode)  # type: ignore[arg-type]
+    outs = run(engine, {"bad": ("SKULK_POISON now", sampling), "good": ("hello there", sampling)})
+    assert len(outs["bad"]) == 1 and outs["bad"][0].error is not None
+    assert "InjectedFault" in outs["bad"][0].error
+    assert [(o.token_id, o.text, o.finish_reason) for o in outs["good"]] == [
+        (o.token_id, o.text, o.finish_reason) for o in alone
+    ]
+    assert all(o.error is None for o in outs["good"]) and not engine.has_work()
+    assert run(engine, {"again": ("hello there", sampling)})["again"][-1].finish_reason is not None
+
+
+def test_a_raising_admission_raises_to_the_runner_and_leaves_the_engine_clean(demo_dir: Path) -> None:
+    engine = TorchEngine(demo_dir, max_seq=128)
+    engine.fault_hook = PoisonHook(RaiseFault("admit"), 0, engine.tokenizer.decode)
+    with pytest.raises(InjectedFault):
+        engine.add_request("bad", engine.tokenizer.encode("SKULK_POISON"), GREEDY)
+    assert not engine.has_work()
+
+
+def test_fault_kinds_parse_and_only_poisoned_requests_trip() -> None:
+    assert parse_fault("raise:sample:rank=1") == RaiseFault("sample", rank=1)
+    assert parse_fault("crash:poison") == CrashFault()
+    hook = PoisonHook(RaiseFault("sample", rank=1), 0, lambda ids: "SKULK_POISON")
+    hook("sample", type("R", (), {"request_id": "r", "prompt": [1]})())  # rank 0: not this rank's fault
