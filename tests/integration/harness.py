@@ -6,8 +6,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from skulk.testing.chaos import instance_members
 from skulk.testing.convergence import converged, formed, master_of
 from skulk.testing.nodes import LocalNode
 from skulk.testing.waiting import wait_until
@@ -62,21 +61,17 @@ class Cluster:
 
 
 def place(node: LocalNode, model_id: str = "skulk/tiny-random-llama", **body: Any) -> dict[str, Any]:
-    with node.client() as client:
-        reply = client.post("/place_instance", json={"model_id": model_id, **body})
-    assert reply.status_code == 200, reply.text
-    return reply.json()
+    status, reply = node.post("/place_instance", {"model_id": model_id, **body})
+    assert status == 200, reply
+    return reply
 
 
 def instance_ready(node: LocalNode, instance_id: str) -> bool:
-    state = httpx.get(f"{node.url}/state", timeout=10).json()
-    instance = state["instances"].get(instance_id)
-    if instance is None:
-        return False
-    runners = next(iter(instance.values()))["shardAssignments"]["runnerToShard"]
-    return all(
-        "RunnerReady" in state["runners"].get(r, {}) or "RunnerRunning" in state["runners"].get(r, {})
-        for r in runners
+    """Every runner of the instance is Ready or Running, as `node` sees it (False while it cannot answer)."""
+    state = node.get("/state", timeout=10)
+    _, runners = instance_members(state or {}, instance_id)
+    return bool(runners) and all(
+        "RunnerReady" in state["runners"].get(r, {}) or "RunnerRunning" in state["runners"].get(r, {}) for r in runners
     )
 
 

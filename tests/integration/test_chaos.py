@@ -16,10 +16,22 @@ from collections.abc import Iterator
 import pytest
 
 from skulk.models.demo import DEMO_MODEL_ID
-from skulk.testing.chaos import Verdicts, Watch, frozen, instance_members, labels, pause_for
-from skulk.testing.convergence import assert_converged, master_of, one_master, state_of
+from skulk.testing.chaos import (
+    Verdicts,
+    Watch,
+    check_all_completed,
+    check_converged,
+    check_instance_intact,
+    frozen,
+    instance_ids,
+    instance_members,
+    labels,
+    pause_for,
+    runner_pids,
+)
+from skulk.testing.convergence import master_of, one_master, state_of
 from skulk.testing.nodes import LocalNode
-from skulk.testing.streams import StreamLoop, StreamOutcome, StreamProbe, chat_body
+from skulk.testing.streams import StreamLoop, StreamProbe, chat_body
 
 from .harness import Cluster, place_and_wait, wait_until
 
@@ -37,42 +49,6 @@ def logs_on_failure(cluster: Cluster) -> Iterator[None]:
     cluster.print_logs()
 
 
-def instance_ids(node: LocalNode) -> set[str]:
-    state = state_of(node)
-    return set(state["instances"]) if state else set()
-
-
-def runner_pids(nodes: list[LocalNode]) -> dict[str, set[int]]:
-    return {n.node_id: n.runner_pids() for n in nodes}
-
-
-def check_instance_intact(
-    verdicts: Verdicts, nodes: list[LocalNode], instance_id: str, members: set[str], pids: dict[str, set[int]]
-) -> None:
-    """The instance is still there on every node, on the same nodes, served by the very same runner processes."""
-    for index, node in enumerate(nodes):
-        state = state_of(node) or {}
-        now_there = sorted(state.get("instances", {}))
-        verdicts.expect(
-            instance_members(state, instance_id)[0] == members,
-            f"instance {instance_id[:8]} torn down or moved as seen by node{index}: instances now {now_there}",
-        )
-    now = runner_pids([n for n in nodes if n.node_id in members])
-    verdicts.expect(now == pids, f"runner processes replaced: {pids} -> {now}")
-
-
-def check_all_completed(verdicts: Verdicts, outcomes: list[StreamOutcome]) -> None:
-    bad = [o.describe() for o in outcomes if o.kind != "completed"]
-    verdicts.expect(outcomes and not bad, f"{len(bad)} of {len(outcomes)} streams did not complete: {bad}")
-
-
-def check_converged(verdicts: Verdicts, nodes: list[LocalNode]) -> None:
-    try:
-        assert_converged(nodes, CONVERGE_S)
-    except AssertionError as exc:
-        verdicts.expect(False, str(exc))
-
-
 @pytest.mark.timeout(180)
 def test_pausing_a_worker_leaves_an_instance_on_the_other_two_untouched(cluster: Cluster) -> None:
     nodes = cluster.form(3)
@@ -88,7 +64,7 @@ def test_pausing_a_worker_leaves_an_instance_on_the_other_two_untouched(cluster:
     try:
         wait_until(lambda: any(o.tokens for o in streams.outcomes), 30, "the first stream to produce tokens")
         pause_for(paused, PAUSE_S)
-        check_converged(verdicts, nodes)
+        check_converged(verdicts, nodes, CONVERGE_S)
     finally:
         outcomes = streams.stop()
     check_all_completed(verdicts, outcomes)
@@ -110,7 +86,7 @@ def test_pausing_the_master_elects_a_new_one_and_the_old_rejoins_as_follower(clu
         )
         elected_s = time.monotonic() - paused_at
         time.sleep(max(0.0, PAUSE_S - elected_s))
-    check_converged(verdicts, nodes)
+    check_converged(verdicts, nodes, CONVERGE_S)
     verdicts.expect(elected_s <= NEW_MASTER_S, f"new master after {elected_s:.1f} s (> {NEW_MASTER_S:.0f} s)")
     now = master_of(master)
     verdicts.expect(now == new_master, f"the old master follows {now}, not the new master {new_master}")
@@ -135,7 +111,7 @@ def test_restarted_former_master_without_bootstrap_peers_joins_as_follower_and_p
     verdicts = Verdicts()
     with Watch(nodes) as watch:
         former.restart(peers=[], place_default=True).wait_ready()
-        check_converged(verdicts, nodes)
+        check_converged(verdicts, nodes, CONVERGE_S)
         time.sleep(3)  # quiet window: a lone master's default placement would land within it
     named = watch.masters_named(nodes.index(former))
     verdicts.expect(former.node_id not in named, f"the restarted node named itself master (it named {named})")
@@ -145,7 +121,7 @@ def test_restarted_former_master_without_bootstrap_peers_joins_as_follower_and_p
     verdicts.expect(not placed, f"the restarted node placed the demo model: {placed}")
     after = [sorted(instance_ids(n)) for n in nodes]
     verdicts.expect(all(set(a) == before for a in after), f"instances changed: {sorted(before)} -> {after}")
-    check_converged(verdicts, nodes)
+    check_converged(verdicts, nodes, CONVERGE_S)
     verdicts.settle()
 
 
@@ -173,5 +149,5 @@ def test_kill_9_of_a_node_holding_a_shard_ends_the_stream_with_a_retryable_error
     verdicts.expect(outcome.retryable_error, f"the stream ended {outcome.describe()}, not with a retryable error")
     ended_s = (outcome.ended or time.monotonic()) - killed_at
     verdicts.expect(ended_s <= NODE_LOSS_STREAM_END_S, f"the stream ended {ended_s:.1f} s after the kill")
-    check_converged(verdicts, [master, api])
+    check_converged(verdicts, [master, api], CONVERGE_S)
     verdicts.settle()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .convergence import Reporter, view_of
+from .convergence import Reporter, assert_converged, state_of, view_of
 from .nodes import LocalNode
+from .streams import StreamOutcome
 
 
 @contextmanager
@@ -54,7 +55,7 @@ class Watch:
     One thread per node: a frozen node's API hangs until its timeout, which must not blind the watch to the
     others. Nodes are identified by their index in the list given, since a restarted node changes its id."""
 
-    def __init__(self, nodes: list[Reporter], poll: float = 0.1) -> None:
+    def __init__(self, nodes: Sequence[Reporter], poll: float = 0.1) -> None:
         self.nodes = nodes
         self.poll = poll
         self.samples: list[Sample] = []
@@ -91,6 +92,15 @@ class Watch:
     def masters_named(self, index: int, since: float = 0.0) -> set[str | None]:
         """Every master node `index` named since `since` (None: it named none for a while)."""
         return {s.master for s in self.of(index, since)}
+
+    def changes(self, index: int, since: float) -> list[str]:
+        """When node `index` changed the master it names, in seconds after `since`: a failure's timeline."""
+        found, last = [], "unset"
+        for sample in self.of(index, since):
+            if sample.master != last:
+                found.append(f"+{sample.at - since:.1f}s {str(sample.master)[:8]} (term {sample.term})")
+                last = sample.master
+        return found
 
     def first(self, predicate: Callable[[dict[int, Sample]], bool], since: float = 0.0) -> float | None:
         """The first time the latest samples of all nodes satisfied `predicate` (keyed by node index)."""
@@ -130,7 +140,7 @@ def instance_members(state: dict[str, Any], instance_id: str) -> tuple[set[str],
     return set(assignments["nodeToRunner"]), set(assignments["runnerToShard"])
 
 
-def labels(nodes: list[LocalNode]) -> str:
+def labels(nodes: Sequence[LocalNode]) -> str:
     """node0(abcd1234) master ... : which index is which id, for failure messages."""
     return ", ".join(f"node{i}={n.node_id[:8]}" for i, n in enumerate(nodes))
 
@@ -149,3 +159,42 @@ class Verdicts:
 
     def settle(self) -> None:
         assert not self.failed, "contract broken:\n- " + "\n- ".join(self.failed)
+
+
+def instance_ids(node: Reporter) -> set[str]:
+    state = state_of(node)
+    return set(state["instances"]) if state else set()
+
+
+def runner_pids(nodes: Sequence[LocalNode]) -> dict[str, set[int]]:
+    """Each node's live runner processes: the same pids later mean no runner was restarted meanwhile."""
+    return {n.node_id: n.runner_pids() for n in nodes}
+
+
+def check_instance_intact(
+    verdicts: Verdicts, nodes: Sequence[LocalNode], instance_id: str, members: set[str], pids: dict[str, set[int]]
+) -> None:
+    """The instance is still there on every node, on the same nodes, served by the very same runner processes."""
+    for index, node in enumerate(nodes):
+        state = state_of(node) or {}
+        now_there = sorted(state.get("instances", {}))
+        verdicts.expect(
+            instance_members(state, instance_id)[0] == members,
+            f"instance {instance_id[:8]} torn down or moved as seen by node{index}: instances now {now_there}",
+        )
+    now = runner_pids([n for n in nodes if n.node_id in members])
+    verdicts.expect(now == pids, f"runner processes replaced: {pids} -> {now}")
+
+
+def check_all_completed(verdicts: Verdicts, outcomes: list[StreamOutcome]) -> None:
+    bad = [o.describe() for o in outcomes if o.kind != "completed"]
+    verdicts.expect(outcomes and not bad, f"{len(bad)} of {len(outcomes)} streams did not complete: {bad}")
+
+
+def check_converged(verdicts: Verdicts, nodes: Sequence[Reporter], timeout: float = 10.0) -> float | None:
+    """assert_converged as a verdict; returns the seconds it took, or None if the nodes never agreed."""
+    try:
+        return assert_converged(nodes, timeout)
+    except AssertionError as exc:
+        verdicts.expect(False, str(exc))
+        return None

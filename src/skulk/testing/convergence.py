@@ -8,6 +8,7 @@ disagreement: convergence is about every node given, not a quorum of them.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,7 +65,7 @@ def _label(node: Reporter, index: int) -> str:
     return f"node{index}({node.node_id[:8] or '?'})"
 
 
-def converged(nodes: list[Reporter]) -> tuple[bool, str]:
+def converged(nodes: Sequence[Reporter]) -> tuple[bool, str]:
     """(True, summary) when every node answers with the same view and that master is one of them.
 
     Otherwise (False, details): each field on which the nodes differ, with every node's value, so a failure
@@ -86,7 +87,7 @@ def converged(nodes: list[Reporter]) -> tuple[bool, str]:
     return True, f"agreed: {next(iter(answered.values()))}"
 
 
-def assert_converged(nodes: list[Reporter], timeout: float = 10.0, poll: float = 0.2) -> float:
+def assert_converged(nodes: Sequence[Reporter], timeout: float = 10.0, poll: float = 0.2) -> float:
     """Wait up to `timeout` for converged(nodes); fail listing the fields that still differ.
 
     Returns the seconds it took, which benchmarks report."""
@@ -96,13 +97,13 @@ def assert_converged(nodes: list[Reporter], timeout: float = 10.0, poll: float =
     return time.monotonic() - started
 
 
-def one_master(nodes: list[Reporter]) -> str | None:
+def one_master(nodes: Sequence[Reporter]) -> str | None:
     """The master every answering node names, if they name exactly one (None while they disagree)."""
     masters = {view.master for n in nodes if (view := view_of(n)) is not None}
     return next(iter(masters)) if len(masters) == 1 else None
 
 
-def formed(nodes: list[Reporter]) -> bool:
+def formed(nodes: Sequence[Reporter]) -> bool:
     """Every node knows every node and every directed link between them, and all name one master among them.
 
     Stronger than converged(): placement across nodes needs the topology links, not only agreement."""

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import psutil
@@ -78,7 +78,7 @@ class LocalNode:
             cmd += ["--bootstrap-peer", peer]
         return cmd
 
-    def start(self) -> LocalNode:
+    def start(self) -> Self:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
         self.home.mkdir(parents=True, exist_ok=True)
         self.node_id = ""
@@ -97,7 +97,7 @@ class LocalNode:
         threading.Thread(target=self._pump, args=(self.process, self._ready), daemon=True).start()
         return self
 
-    def restart(self, peers: list[str] | None = None, place_default: bool | None = None) -> LocalNode:
+    def restart(self, peers: list[str] | None = None, place_default: bool | None = None) -> Self:
         """Start again after stop() or kill(): same home and ports, so peers that dial its endpoint reconnect.
 
         The node id is per zenoh session, so the restarted node has a new one (read it after wait_ready()).
@@ -120,7 +120,7 @@ class LocalNode:
                 ready.set()
         ready.set()
 
-    def wait_ready(self, timeout: float = 60.0) -> LocalNode:
+    def wait_ready(self, timeout: float = 60.0) -> Self:
         if not self._ready.wait(timeout) or not self.node_id:
             raise RuntimeError(f"node did not become ready; last output:\n{self.log_tail()}")
         return self
@@ -136,6 +136,14 @@ class LocalNode:
             return httpx.get(self.url + path, timeout=timeout, trust_env=False).json()
         except (httpx.HTTPError, ValueError):
             return None
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, Any]:
+        """POST JSON; (HTTP status, parsed body). Same shape as NsNode.post, so helpers serve both."""
+        reply = httpx.post(self.url + path, json=body, timeout=timeout, trust_env=False)
+        try:
+            return reply.status_code, reply.json()
+        except ValueError:
+            return reply.status_code, reply.text
 
     def client(self, timeout: float = 60.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)

@@ -10,7 +10,7 @@ T = TypeVar("T")
 
 
 def wait_until(
-    check: Callable[[], T],
+    check: Callable[[], T | None],
     timeout: float,
     what: str,
     explain: Callable[[], str] | None = None,

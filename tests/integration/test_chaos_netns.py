@@ -1,0 +1,98 @@
+"""A link cut on a real (virtual) LAN (issue 7): three nodes in network namespaces on one bridge.
+
+Loopback cannot lose a link without losing the process, so here each node has its own namespace and a veth
+"cable" to a bridge in a hub namespace; the test pulls one cable for 10 s and plugs it back in. The majority
+side must keep one master throughout, and every node must agree again within 10 s of the cable's return.
+Everything created (namespaces, veth pairs, the bridge, node processes) is deleted even on failure; host
+interfaces are never touched. Skipped when not root.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skulk.testing.chaos import Verdicts, Watch, check_converged, check_instance_intact, instance_members, runner_pids
+from skulk.testing.convergence import converged, formed, master_of, state_of
+from skulk.testing.netns import API_PORT, ZENOH_PORT, BridgedLan, NsNode, skip_reason
+
+from .harness import place_and_wait, wait_until
+
+CUT_S = 10.0
+CONVERGE_S = 10.0
+
+
+def start_nodes(lan: BridgedLan, root: Path, cluster: str) -> list[NsNode]:
+    """The README recipe on the LAN: node 0 without peers, the others bootstrap to node 0's endpoint."""
+    nodes: list[NsNode] = []
+    for index in range(lan.size):
+        ns, veth, addr = lan.side(index)
+        peers = [nodes[0].endpoint] if nodes else []
+        node = NsNode(
+            home=root / f"node{index}", cluster=cluster, api_port=API_PORT, zenoh_port=ZENOH_PORT,
+            peers=peers, ns=ns, veth=veth, addr=addr,
+        )  # fmt: skip
+        nodes.append(node.start())
+    for node in nodes:
+        node.wait_ready()
+    return nodes
+
+
+@pytest.fixture
+def lan_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[BridgedLan, list[NsNode]]]:
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    lan = BridgedLan(size=3, subnet=random.randint(0, 255))
+    nodes: list[NsNode] = []
+
+    def teardown() -> None:
+        for node in nodes:
+            node.stop()
+        leftovers = [pid for node in nodes for pid in node.reap_leftovers()]
+        lan.delete()
+        assert leftovers == [], "runner processes outlived their node"
+
+    request.addfinalizer(teardown)
+    lan.build()
+    nodes += start_nodes(lan, tmp_path, f"lan{uuid.uuid4().hex[:8]}")
+    yield lan, nodes
+    for index, node in enumerate(nodes):  # shown by pytest only when the test failed
+        print(f"---- node{index} {node.node_id[:8]} {node.ns} ----\n{node.log_tail(40)}")
+
+
+@pytest.mark.timeout(180)
+def test_cutting_a_link_for_10_s_keeps_one_master_and_converges_after(
+    lan_nodes: tuple[BridgedLan, list[NsNode]],
+) -> None:
+    lan, nodes = lan_nodes
+    wait_until(lambda: formed(nodes), 60, "three namespaced nodes to form", lambda: converged(nodes)[1])
+    master_id = master_of(nodes[0])
+    assert master_id is not None
+    cut = max(i for i, n in enumerate(nodes) if n.node_id != master_id)
+    majority = [n for i, n in enumerate(nodes) if i != cut]
+    serving = next(n for n in majority if n.node_id != master_id)
+    instance_id = place_and_wait(serving, excluded_nodes=[n.node_id for n in nodes if n is not serving])
+    members = instance_members(state_of(serving) or {}, instance_id)[0]
+    pids = runner_pids([serving])
+    verdicts = Verdicts()
+    with Watch(nodes, poll=0.25) as watch:
+        cut_at = time.monotonic()
+        lan.cut(cut)
+        try:
+            time.sleep(CUT_S)
+        finally:
+            lan.heal(cut)
+        check_converged(verdicts, nodes, CONVERGE_S)
+    majority_indices = [i for i in range(len(nodes)) if i != cut]
+    named = set().union(*(watch.masters_named(i, since=cut_at) for i in majority_indices))
+    timeline = {f"node{i}": watch.changes(i, cut_at) for i in range(len(nodes))}
+    verdicts.expect(named == {master_id}, f"the majority named {named}, not only {master_id[:8]}: {timeline}")
+    verdicts.expect(master_of(nodes[cut]) == master_id, f"node{cut} follows {master_of(nodes[cut])} after healing")
+    check_instance_intact(verdicts, nodes, instance_id, members, pids)
+    verdicts.settle()
