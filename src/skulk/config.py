@@ -25,6 +25,13 @@ class Settings(BaseModel):
     multicast: bool = True
     multicast_interface: str | None = None
     warmup_deadline_seconds: float = 300.0
+    runner_restart_budget: int = Field(default=3, ge=0)
+    """Restarts of one runner (or of a multi-rank instance as a whole) allowed within the window below."""
+    runner_restart_window_seconds: float = Field(default=60.0, gt=0)
+    runner_hung_seconds: float = Field(default=15.0, gt=0)
+    """A runner whose heartbeat thread is silent this long is declared hung, killed and restarted."""
+    rejoin_wait_seconds: float = Field(default=10.0, ge=0)
+    """After a pause (a laptop lid), how long a node waits to hear its old peers before it may elect itself."""
 
     @property
     def models_dir(self) -> Path:

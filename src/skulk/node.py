@@ -79,6 +79,7 @@ class Node:
         self.streams: dict[CommandId, ChunkStream] = {}
         self._local_seq = 0
         self._tasks: list[asyncio.Task[Any]] = []
+        self._group: asyncio.TaskGroup | None = None
         self._reconcile_pending = False
         self.api_port = settings.api_port
         self._departed: dict[NodeId, DepartedPeer] = {}
@@ -124,6 +125,26 @@ class Node:
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def run(self) -> None:
+        """Run until SIGTERM/SIGINT. Every long-running loop lives in one TaskGroup: if any of them raises,
+        the node logs it and exits non-zero rather than answering HTTP half-alive."""
+        self._open()
+        failed = False
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                await self._serve()
+                self._stop_loops()
+        except* Exception as errors:
+            for error in errors.exceptions:
+                log.critical("a loop of node %s died; stopping the node", self.node_id[:8], exc_info=error)
+            failed = True
+        finally:
+            self._group = None
+            await self.shutdown()
+        if failed:
+            raise SystemExit(1)
+
+    def _open(self) -> None:
         self.transport.open()
         self.node_id = NodeId(self.transport.zenoh_id())
         log.info("node %s starting (cluster %r)", self.node_id, self.settings.cluster)
@@ -138,7 +159,8 @@ class Node:
             self.membership,
             self.node_id,
             joined_at=time.time(),
-            expect_peers=bool(self.settings.bootstrap_peers),
+            rejoin_wait_s=self.settings.rejoin_wait_seconds,
+            applied_idx=lambda: self.store.state.last_event_applied_idx,
         )
         self.elector.on_master_changed(self._on_master_changed)
         self.membership.on_change(self._on_membership_change)
@@ -152,20 +174,22 @@ class Node:
             record=recording_enabled(os.environ.get("SKULK_FLIGHT_RECORDER")),
         )
         self.store.listen(self._on_state_change)
+
+    async def _serve(self) -> None:
         self._spawn(self.elector.run())
         await self._join()
         server = self._api_server()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, setattr, server, "should_exit", True)
-        serving = loop.create_task(server.serve())
+        serving = self._spawn(server.serve())
+        assert serving is not None, "the node's TaskGroup is open while it serves"
         if self.settings.place_default and self.elector.is_master:
             self._spawn(self._place_default())
         await self._announce(server)
         self._spawn(self._gather_info_forever())
         self._spawn(self._probe_topology_forever())
         await serving
-        await self.shutdown()
 
     async def _join(self) -> None:
         """Wait for a master and, as a follower, its snapshot; a slow cluster delays the start, never kills it."""
@@ -181,8 +205,18 @@ class Node:
             except Exception as exc:  # a master change mid-catch-up: the resync that follows repairs it
                 log.warning("catching up with the master failed (%s); following its events from here", exc)
 
-    def _spawn(self, coro: Any) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+    def _spawn(self, coro: Any) -> asyncio.Task[Any] | None:
+        """Start a loop under the node's TaskGroup; None (and the coroutine closed) once the node stops."""
+        if self._group is None:
+            coro.close()
+            return None
+        task = self._group.create_task(coro)
+        self._tasks = [t for t in self._tasks if not t.done()] + [task]
+        return task
+
+    def _stop_loops(self) -> None:
+        for task in self._tasks:
+            task.cancel()
 
     def _api_server(self) -> uvicorn.Server:
         config = uvicorn.Config(
@@ -214,8 +248,7 @@ class Node:
         await self.worker.stop()
         if self.master is not None:
             self.master.stop()
-        for task in self._tasks:
-            task.cancel()
+        self._stop_loops()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.elector.stop()
         self.follower.stop()
@@ -230,25 +263,37 @@ class Node:
     def _on_event(self, indexed: IndexedEvent) -> None:
         self.store.apply(indexed)
 
-    def _on_master_changed(self, master: NodeId, term: int) -> None:
-        log.info("master is now %s (term %d)", master[:8], term)
+    def _on_master_changed(self, master: NodeId | None, term: int) -> None:
+        """A new (master, term), or None when this node stepped down after a freeze: the old session's
+        streams end with a retryable error, and this node follows only the new master's events from here,
+        rebuilding from its snapshot (never a mix of two masters' events)."""
+        if master is None:
+            log.warning("node %s has no master while it rejoins the cluster", self.node_id[:8])
         for stream in list(self.streams.values()):
             stream.inject(
                 ErrorChunk(
                     command_id=stream.command_id,
-                    message=session_changed_message(master, term),
+                    message=session_changed_message(master or NodeId("none"), term),
                     code="session_changed",
                     status=503,
                 )
             )
-        self.follower.min_term = term
+        self.follower.follow(master, term)
         if self.master is not None and (master != self.node_id or term != self.master.term):
             self.master.stop()
             self.master = None
         if master == self.node_id and self.master is None:
-            self.master = Master(self.transport, self.node_id, term, self.store.state, lambda: self.membership.alive)
+            self.master = Master(
+                self.transport,
+                self.node_id,
+                term,
+                self.store.state,
+                lambda: self.membership.alive,
+                frozen=self.elector.frozen,
+                spawn=self._spawn,
+            )
             self.master.start()
-        elif master != self.node_id:
+        elif master is not None and master != self.node_id:
             self._spawn(self._resync())
 
     async def _resync(self) -> None:
@@ -258,6 +303,8 @@ class Node:
             log.warning("could not resync with the new master (%s); following its events from here", exc)
 
     def _on_membership_change(self, node: NodeId, alive: bool) -> None:
+        if node != self.node_id:
+            log.info("node %s %s", node[:8], "joined" if alive else "left (liveliness token gone or lease expired)")
         if alive:
             self._departed.pop(node, None)
         elif node in self.store.state.node_api_ports:
@@ -319,7 +366,11 @@ class Node:
         return self.settings.models_dir / model_dir_name(instance.model_id)
 
     async def _place_default(self) -> None:
+        """Only a settled master places, and only what the cluster lacks: a node that restarts into an existing
+        cluster follows its master instead (the election waits for it), so it never places as a lone master."""
         await asyncio.to_thread(ensure_demo_model, self.settings.models_dir)
+        if not (self.elector.is_master and self.elector.settled):
+            return
         if any(i.model_id == DEMO_MODEL_ID for i in self.state.instances.values()):
             return
         try:

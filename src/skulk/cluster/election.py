@@ -25,22 +25,32 @@ ELECTION_PREFIX = "election/"
 HEARTBEAT_S = 0.25
 SCOUT_S = 0.5
 """How long a starting node listens for peers before it may elect itself: long enough for heartbeats of
-already-connected peers to arrive (they come every HEARTBEAT_S), short enough to keep a lone start fast."""
+already-connected peers to arrive (they come every HEARTBEAT_S), short enough to keep a cluster start fast."""
+VACANCY_S = 0.5
+"""With no live master, wait this long (two heartbeats) before electing: the last events of the old master are
+still arriving, and every candidate's applied index must reach the others before the up-to-date rule can pick
+the same winner everywhere."""
+FROZEN_GAP_S = 2.5
+"""A gap this long between two heartbeat ticks means this process was frozen (SIGSTOP, a closed laptop lid)
+or starved: everything it believes about its peers' liveness is stale, and the lease (3 s) may have run out."""
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """What one node says about itself: the term it is in, since when it is up, and whom it follows."""
+    """What one node says about itself: its term, since when it is up, whom it follows, how far its state is
+    (applied_idx: the last event it applied), and whether it is rejoining after a pause (then it may not win)."""
 
     node_id: NodeId
     term: int
     joined_at: float
     master: NodeId | None
+    applied_idx: int = -1
+    rejoining: bool = False
 
 
 @dataclass(frozen=True)
 class Decision:
-    """kept: an existing healthy master stays; otherwise `master` is newly elected for `term`."""
+    """kept: an existing live master stays; otherwise `master` is newly elected for `term`."""
 
     master: NodeId
     term: int
@@ -62,55 +72,67 @@ def decode_candidate(payload: bytes) -> Candidate | None:
 
 
 def rank(candidate: Candidate) -> tuple[int, float, str]:
-    """Sort key, best first: highest term, then seniority (earliest joined_at), then smallest node id."""
-    return (-candidate.term, candidate.joined_at, candidate.node_id)
+    """Sort key of a fresh election, best first: the most advanced state (Raft's up-to-date rule: a node that
+    missed events must not overwrite the others with its older snapshot), then seniority, then node id."""
+    return (-candidate.applied_idx, candidate.joined_at, candidate.node_id)
+
+
+def support(live: dict[NodeId, Candidate]) -> dict[NodeId, int]:
+    """Live masters and how many live nodes (the master included) follow each in its own term.
+
+    A master counts only while it claims itself: a node that stepped down (paused, rejoining) stops
+    claiming at once, so its old followers cannot keep it master."""
+    counts: dict[NodeId, int] = {}
+    for c in live.values():
+        master = live.get(c.master) if c.master is not None else None
+        if master is None or master.master != master.node_id or c.term != master.term:
+            continue
+        counts[master.node_id] = counts.get(master.node_id, 0) + 1
+    return counts
 
 
 def decide(candidates: Iterable[Candidate], alive: frozenset[NodeId], me: NodeId) -> Decision:
     """The (master, term) every node reaches from the same candidates and alive set.
 
-    Keep the master if exactly one live master is acknowledged at the highest term: a rejoining node (low
-    term) never takes over a healthy master. Otherwise (no master, a dead one, or a split with two) elect the
-    best-ranked live candidate under a fresh term, so the new session is distinct from every earlier one.
+    A live master is kept, and a node that rejoins never takes over. When two live masters meet (either side
+    of a healed partition, or a node that ran alone while cut off), the one followed by more nodes wins, then
+    the one with the more advanced state: terms alone would let a lone node that kept electing itself wipe
+    the majority's state. With no live master, the best-ranked live candidate that is not rejoining is
+    elected; the term is the one a peer already acknowledged it in, else a fresh one.
     """
     live_nodes = alive | {me}
-    live = [c for c in candidates if c.node_id in live_nodes]
-    if not live:
-        raise ValueError("decide needs at least this node's own candidate")
-    top = max(c.term for c in live)
-    acknowledged = {c.master for c in live if c.term == top and c.master in live_nodes}
-    if len(acknowledged) == 1:
-        (master,) = acknowledged
-        if master is not None:
-            return Decision(master=master, term=top, kept=True)
-    best = min(live, key=rank)
-    return Decision(master=best.node_id, term=top + 1, kept=False)
+    live = {c.node_id: c for c in candidates if c.node_id in live_nodes}
+    if me not in live:
+        raise ValueError("decide needs this node's own candidate")
+    masters = support(live)
+    if masters:
+        best = min(masters, key=lambda m: (-masters[m], -live[m].applied_idx, live[m].joined_at, m))
+        return Decision(master=best, term=live[best].term, kept=True)
+    eligible = [c for c in live.values() if not c.rejoining] or list(live.values())
+    winner = min(eligible, key=rank)
+    top = max(c.term for c in live.values())
+    acknowledged = any(c.master == winner.node_id and c.term == top for c in live.values())
+    return Decision(master=winner.node_id, term=top if acknowledged else top + 1, kept=False)
 
 
 def ready_to_settle(
-    elapsed: float,
-    alive: frozenset[NodeId],
-    heard: frozenset[NodeId],
-    found_master: bool,
-    timeout_s: float,
-    expect_peers: bool = False,
+    elapsed: float, alive: frozenset[NodeId], heard: frozenset[NodeId], found_master: bool, wait_s: float
 ) -> bool:
-    """A starting node may decide once it found a healthy master, or has heard every live peer after the
-    scouting window, or has waited half the election timeout (a live peer that never heartbeats is not
-    allowed to stall the cluster)."""
-    if found_master:
+    """A starting (or rejoining) node may decide once it found a live master; or, among peers that all start
+    together (every live peer heard, none master), after the scouting window; or alone after wait_s.
+
+    Waiting the whole election timeout when alone is what lets a restarted node find the existing cluster
+    (its peers redial within a second) instead of running as a lone master with an empty state."""
+    if found_master or elapsed >= wait_s:
         return True
-    if elapsed >= timeout_s / 2:
-        return True
-    if expect_peers and len(alive) < 2:
-        return False  # bootstrap peers are configured but not connected yet: electing alone splits the brain
-    return elapsed >= SCOUT_S and alive <= heard
+    return len(alive) > 1 and elapsed >= SCOUT_S and alive <= heard
 
 
 class Elector:
     """Heartbeats this node's Candidate on `election/<node_id>` and follows `decide` over its peers'.
 
-    Everything runs on the asyncio loop; callbacks of on_master_changed are called there, in order.
+    Everything runs on the asyncio loop; callbacks of on_master_changed are called there, in order, with the
+    new (master, term), or (None, term) when this node steps down after being frozen.
     """
 
     def __init__(
@@ -121,21 +143,27 @@ class Elector:
         joined_at: float,
         *,
         timeout_s: float = 3.0,
-        expect_peers: bool = False,
+        rejoin_wait_s: float = 10.0,
+        applied_idx: Callable[[], int] = lambda: -1,
     ) -> None:
         self._transport = transport
-        self.expect_peers = expect_peers
         self._membership = membership
         self.node_id = node_id
         self.joined_at = joined_at
         self.timeout_s = timeout_s
+        self.rejoin_wait_s = rejoin_wait_s
+        self._applied_idx = applied_idx
         self._master: NodeId | None = None
         self._term = 0
         self._heard: dict[NodeId, Candidate] = {}
         self._settled = False
-        self._started_at = 0.0
+        self._rejoining = False
+        self._window_start = 0.0
+        self._window_s = timeout_s
+        self._last_tick = 0.0
+        self._vacant_since: float | None = None
         self._stopping = asyncio.Event()
-        self._callbacks: list[Callable[[NodeId, int], None]] = []
+        self._callbacks: list[Callable[[NodeId | None, int], None]] = []
         self._changed: asyncio.Event = asyncio.Event()
 
     @property
@@ -150,10 +178,27 @@ class Elector:
     def is_master(self) -> bool:
         return self._master == self.node_id
 
-    def me(self) -> Candidate:
-        return Candidate(node_id=self.node_id, term=self._term, joined_at=self.joined_at, master=self._master)
+    @property
+    def settled(self) -> bool:
+        return self._settled
 
-    def on_master_changed(self, callback: Callable[[NodeId, int], None]) -> None:
+    def frozen(self) -> bool:
+        """True while this process has just come back from a freeze and the election has not noticed yet:
+        its view of who is alive is stale, so no decision about peers may be taken on it."""
+        loop = asyncio.get_running_loop()
+        return self._last_tick > 0 and loop.time() - self._last_tick > FROZEN_GAP_S
+
+    def me(self) -> Candidate:
+        return Candidate(
+            node_id=self.node_id,
+            term=self._term,
+            joined_at=self.joined_at,
+            master=self._master,
+            applied_idx=self._applied_idx(),
+            rejoining=self._rejoining,
+        )
+
+    def on_master_changed(self, callback: Callable[[NodeId | None, int], None]) -> None:
         """callback(master, term) on the asyncio loop each time this node adopts a new (master, term)."""
         self._callbacks.append(callback)
 
@@ -168,12 +213,13 @@ class Elector:
     async def run(self) -> None:
         """Heartbeat and decide until stop(). The first decision waits for the scouting window."""
         loop = asyncio.get_running_loop()
-        self._started_at = loop.time()
+        self._window_start = self._last_tick = loop.time()
         sub = self._transport.subscribe(ELECTION_PREFIX + "*", self._on_heartbeat)
         self._membership.on_change(self._on_membership)
         settle_timer = loop.call_later(SCOUT_S, self._step)
         try:
             while not self._stopping.is_set():
+                self._tick(loop.time())
                 self._publish()
                 self._step()
                 try:
@@ -187,6 +233,27 @@ class Elector:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def _tick(self, now: float) -> None:
+        gap = now - self._last_tick
+        self._last_tick = now
+        if gap > FROZEN_GAP_S:
+            self._rejoin(gap, now)
+
+    def _rejoin(self, gap: float, now: float) -> None:
+        """Back from a freeze: forget what we heard, step down if we were master, and wait to hear the
+        cluster again before deciding anything; meanwhile we may not be elected (we may be behind)."""
+        log.warning(
+            "node %s was frozen for %.1f s; its view of the cluster is stale: rejoining as a follower",
+            self.node_id[:8], gap,
+        )
+        self._heard.clear()
+        self._settled = False
+        self._rejoining = True
+        self._window_start, self._window_s = now, self.rejoin_wait_s
+        if self._master is not None:
+            self._master = None
+            self._announce()
 
     def _on_heartbeat(self, key: str, payload: bytes) -> None:
         candidate = decode_candidate(payload)
@@ -204,29 +271,48 @@ class Elector:
 
     def _step(self) -> None:
         """Re-run decide over what we know; adopt and announce the result if it changed."""
-        if self._stopping.is_set():
+        if self._stopping.is_set() or self.frozen():
             return
         alive = self._membership.alive
         decision = decide([self.me(), *self._heard.values()], alive, self.node_id)
+        waiting = self._vacancy_open(decision)
         if not self._settled:
-            elapsed = asyncio.get_running_loop().time() - self._started_at
+            elapsed = asyncio.get_running_loop().time() - self._window_start
             heard = frozenset(self._heard) | {self.node_id}
-            if not ready_to_settle(elapsed, alive, heard, decision.kept, self.timeout_s, self.expect_peers):
+            if not ready_to_settle(elapsed, alive, heard, decision.kept, self._window_s):
                 return
-            self._settled = True
-        if (decision.master, decision.term) == (self._master, self._term):
+            self._settled, self._rejoining = True, False
+            if not decision.kept:  # the rejoin flag kept us out; decide again now that we may stand
+                decision = decide([self.me(), *self._heard.values()], alive, self.node_id)
+        if (decision.master, decision.term) == (self._master, self._term) or waiting:
             return
         self._adopt(decision)
 
+    def _vacancy_open(self, decision: Decision) -> bool:
+        """True while a fresh election must still wait for everyone's latest applied index (VACANCY_S)."""
+        if decision.kept:
+            self._vacant_since = None
+            return False
+        now = asyncio.get_running_loop().time()
+        if self._vacant_since is None:
+            self._vacant_since = now
+        return now - self._vacant_since < VACANCY_S
+
     def _adopt(self, decision: Decision) -> None:
-        log.info("node %s: master %s term %d (%s)", self.node_id, decision.master, decision.term,
-                 "kept" if decision.kept else "elected")
+        how = "kept" if decision.kept else "elected"
+        if decision.master == self.node_id:
+            how = "won" if not decision.kept else "kept (this node)"
+        log.info("master %s term %d (%s; %d live nodes)", decision.master[:8], decision.term, how,
+                 len(self._membership.alive))
         self._master, self._term = decision.master, decision.term
+        self._announce()
+
+    def _announce(self) -> None:
         self._publish()
         self._changed.set()
         for callback in list(self._callbacks):
             try:
-                callback(decision.master, decision.term)
+                callback(self._master, self._term)
             except Exception:
                 log.exception("on_master_changed callback failed")
 

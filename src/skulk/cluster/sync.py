@@ -1,9 +1,11 @@
 """Ordered events: the master numbers and publishes them, every follower applies them gap-free and in order.
 
-Keys: live events on `events`; the master's queryables `events/range?from=A&to=B` (inclusive; `to` omitted
-means up to the newest) and `snapshot` (the state JSON, including last_event_applied_idx). A range reply is a
-JSON list of IndexedEvent, or `{"tooOld": true, "oldestIdx": N}` when A fell out of the bounded history; the
-follower then starts over from the snapshot.
+Keys: live events on `events`, each stamped with the (master, term) that emitted it; the master's queryables
+`master/<id>/range?from=A&to=B` (inclusive; `to` omitted means up to the newest) and `master/<id>/snapshot`
+(the state JSON, including last_event_applied_idx). Queryables are per master so that a follower asks the
+master it follows, never a deposed one still answering. A range reply is a JSON list of IndexedEvent, or
+`{"tooOld": true, "oldestIdx": N}` when A fell out of the bounded history; the follower then starts over from
+the snapshot.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from urllib.parse import parse_qs
 from pydantic import TypeAdapter, ValidationError
 
 from skulk.types.events import Event, IndexedEvent
+from skulk.types.ids import NodeId
 from skulk.types.state import State
 
 from .intake import Deduplicator, Intake, send_command, send_local_event
@@ -43,12 +46,18 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 EVENTS_KEY = "events"
-RANGE_KEY = "events/range"
-SNAPSHOT_KEY = "snapshot"
 DEFAULT_HISTORY = 10_000
 SNAPSHOT_WAIT_S = 2.0
 
 _EVENT_LIST = TypeAdapter(list[IndexedEvent])
+
+
+def range_key(master: NodeId) -> str:
+    return f"master/{master}/range"
+
+
+def snapshot_key(master: NodeId) -> str:
+    return f"master/{master}/snapshot"
 
 
 class TooOld(Exception):
@@ -124,9 +133,11 @@ class Sequencer:
         snapshot: Callable[[], bytes],
         history_size: int = DEFAULT_HISTORY,
         term: int = 0,
+        master: str = "",
     ) -> None:
         self._transport = transport
         self._term = term
+        self._master = NodeId(master)
         self._next = first_idx
         self._snapshot = snapshot
         self._history = History(first_idx, history_size)
@@ -140,8 +151,8 @@ class Sequencer:
     def start(self) -> None:
         """Serve `events/range` and `snapshot`; call on the asyncio loop."""
         self._loop = asyncio.get_running_loop()
-        self._entities.append(self._transport.serve(RANGE_KEY, self._answer_range))
-        self._entities.append(self._transport.serve(SNAPSHOT_KEY, self._answer_snapshot))
+        self._entities.append(self._transport.serve(range_key(self._master), self._answer_range))
+        self._entities.append(self._transport.serve(snapshot_key(self._master), self._answer_snapshot))
 
     def stop(self) -> None:
         for entity in self._entities:
@@ -152,7 +163,7 @@ class Sequencer:
         """Number, remember and publish events; returns them indexed, in order."""
         indexed: list[IndexedEvent] = []
         for event in events:
-            item = IndexedEvent(idx=self._next, event=event, term=self._term)
+            item = IndexedEvent(idx=self._next, event=event, term=self._term, master=self._master)
             payload = item.model_dump_json().encode()
             self._history.append(item.idx, payload)
             self._next += 1
@@ -210,8 +221,18 @@ class EventFollower:
         self._sub: Any = None
         self._fetch_lock = asyncio.Lock()
         self._gap_task: asyncio.Task[None] | None = None
-        self.min_term = 0
-        """Events of older terms are stale: a deposed master may still be publishing."""
+        self._master: NodeId | None = None
+        self._term = -1
+
+    def follow(self, master: NodeId | None, term: int) -> None:
+        """From now on accept only the events of this (master, term); None accepts nothing (no master).
+
+        Events buffered from anyone else are dropped: a deposed master may still be publishing, and a lone
+        master of a healed partition may have used the same term and indices. What the new master emitted
+        before we followed it comes with the resync that follows every master change."""
+        if (master, term) != (self._master, self._term):
+            self._master, self._term = master, term
+            self._order = Reorderer(self._order.next_idx)
 
     @property
     def next_idx(self) -> int:
@@ -261,11 +282,16 @@ class EventFollower:
                 await self._load_snapshot()
                 await self._fetch(self._order.next_idx, None)
 
+    def _accepts(self, event: IndexedEvent) -> bool:
+        return self._master is not None and (event.master, event.term) == (self._master, self._term)
+
     def _on_message(self, key: str, payload: bytes) -> None:
         try:
             event = IndexedEvent.model_validate_json(payload)
         except ValidationError:
             log.warning("dropping malformed event on %s", key)
+            return
+        if not self._accepts(event):
             return
         self._deliver(self._order.offer(event))
         if self._order.missing() is not None and (self._gap_task is None or self._gap_task.done()):
@@ -282,27 +308,29 @@ class EventFollower:
 
     async def _fetch(self, start: int, end: int | None) -> None:
         params = f"from={start}" + (f"&to={end}" if end is not None else "")
-        payload = await self._query_one(RANGE_KEY, params)
-        self._deliver(self._order.offer_all(decode_range_reply(payload)))
+        payload = await self._query_one(range_key, params)
+        events = [e for e in decode_range_reply(payload) if self._accepts(e)]
+        self._deliver(self._order.offer_all(events))
 
     async def _load_snapshot(self, *, force: bool = False) -> None:
-        state = State.model_validate_json(await self._query_one(SNAPSHOT_KEY, ""))
+        state = State.model_validate_json(await self._query_one(snapshot_key, ""))
         snap_next = state.last_event_applied_idx + 1
         if snap_next < self._order.next_idx and not force:
             return  # we are already past it; the range fetch that follows covers the rest
         self._on_snapshot(state)
         self._deliver(self._order.reset(snap_next, backwards=force))
 
-    async def _query_one(self, key: str, params: str) -> bytes:
-        """The first reply from the master, retrying while none answers (an election may be under way);
-        the caller's timeout bounds the retries."""
+    async def _query_one(self, key_of: Callable[[NodeId], str], params: str) -> bytes:
+        """The first reply from the master we follow, retrying while none answers (it may be starting, or
+        we may be about to follow another); the caller's timeout bounds the retries."""
         while True:
-            replies = await self._transport.query(key, params, timeout_s=self._query_timeout_s)
-            if replies:
-                return replies[0]
+            master = self._master
+            if master is not None:
+                replies = await self._transport.query(key_of(master), params, timeout_s=self._query_timeout_s)
+                if replies and master == self._master:
+                    return replies[0]
             await asyncio.sleep(0.1)
 
     def _deliver(self, events: list[IndexedEvent]) -> None:
         for event in events:
-            if event.term >= self.min_term:
-                self._on_event(event)
+            self._on_event(event)

@@ -48,6 +48,9 @@ def zenoh_config(settings: TransportSettings) -> zenoh.Config:
         "scouting/gossip/enabled": True,
         "transport/link/tx/lease": LEASE_MS,
         "transport/link/tx/keep_alive": 4,
+        # redial a lost bootstrap peer every second at most (zenoh's default backs off to 4 s): a node that
+        # restarts, or resumes from a pause, must find its cluster within the 3 s election timeout
+        "connect/retry": {"period_init_ms": 250, "period_max_ms": 1000, "period_increase_factor": 2},
     }
     if settings.multicast_interface:
         values["scouting/multicast/interface"] = settings.multicast_interface

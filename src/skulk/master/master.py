@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from skulk.cluster.intake import Intake
 from skulk.cluster.sync import Sequencer
@@ -17,7 +18,7 @@ from skulk.master.decide import (
 )
 from skulk.state.apply import apply
 from skulk.types.commands import ForwardedCommand
-from skulk.types.events import Event, LocalEvent
+from skulk.types.events import Event, InstanceDeleted, LocalEvent, TaskFailed
 from skulk.types.ids import NodeId, TaskId, new_id
 from skulk.types.state import State
 
@@ -34,13 +35,23 @@ class Master:
         term: int,
         state: State,
         alive: Callable[[], frozenset[NodeId]],
+        frozen: Callable[[], bool] = lambda: False,
+        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[Any] | None] | None = None,
     ) -> None:
+        self._spawn = spawn or asyncio.get_running_loop().create_task
         self.node_id = node_id
         self.term = term
         self.state = state
         self.alive = alive
+        self.frozen = frozen
+        """True while this process is back from a freeze and has not stepped down yet: its view of who is
+        alive is stale (every lease looks expired), so it must not declare anyone lost on it."""
         self.sequencer = Sequencer(
-            transport, first_idx=state.last_event_applied_idx + 1, snapshot=self._snapshot, term=term
+            transport,
+            first_idx=state.last_event_applied_idx + 1,
+            snapshot=self._snapshot,
+            term=term,
+            master=node_id,
         )
         self.intake = Intake(transport, on_local_event=self.on_local_event, on_command=self.on_command)
         self._reconciler: asyncio.Task[None] | None = None
@@ -54,7 +65,7 @@ class Master:
         self.intake.start()
         self.emit(events_for_new_session(self.state, self.node_id, self.term))
         self.reconcile()
-        self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever())
+        self._reconciler = self._spawn(self._reconcile_forever())
 
     def stop(self) -> None:
         if self._reconciler is not None:
@@ -69,19 +80,35 @@ class Master:
             self.state = apply(self.state, indexed)
 
     def on_command(self, forwarded: ForwardedCommand) -> None:
-        self.emit(events_for_command(self.state, forwarded.command, TaskId(new_id())))
+        events = events_for_command(self.state, forwarded.command, TaskId(new_id()))
+        for event in events:
+            if isinstance(event, InstanceDeleted):
+                log.info("instance %s deleted on request (command %s)", event.instance_id[:8],
+                         forwarded.command.command_id[:8])
+        self.emit(events)
 
     def on_local_event(self, local: LocalEvent) -> None:
         self.emit([local.event])
 
-    def on_node_lost(self, node: NodeId) -> None:
-        self.emit(events_for_lost_node(self.state, node))
+    def on_node_lost(self, node: NodeId, why: str = "its liveliness token is gone") -> None:
+        if self.frozen():
+            return
+        events = events_for_lost_node(self.state, node)
+        if not events:
+            return
+        deleted = [e.instance_id[:8] for e in events if isinstance(e, InstanceDeleted)]
+        failed = sum(isinstance(e, TaskFailed) for e in events)
+        log.info("node %s lost (%s): deleting instances %s, failing %d open requests", node[:8], why,
+                 deleted or "none", failed)
+        self.emit(events)
 
     def reconcile(self) -> None:
+        if self.frozen():
+            return
         alive = self.alive()
         known = set(self.state.topology.nodes) | set(self.state.last_seen)
         for node in sorted(known - alive):
-            self.on_node_lost(node)
+            self.on_node_lost(node, "not alive in this master's view")
         self.emit(events_for_unhealthy_instances(self.state))
 
     async def _reconcile_forever(self) -> None:

@@ -97,7 +97,9 @@ class IndexedEvent(CamelModel):
     idx: int = Field(ge=0)
     event: Event
     term: int = 0
-    """The master term that emitted it; followers drop events of a term older than the master they follow."""
+    master: NodeId | None = None
+    """The master (and its term) that emitted it: a follower applies only the events of the one (master, term)
+    it follows, so two masters of one term (either side of a partition) can never interleave in its state."""
 
 
 class LocalEvent(CamelModel):
