@@ -26,6 +26,7 @@ from skulk.cluster.sync import EventFollower
 from skulk.cluster.transport import Transport, TransportSettings
 from skulk.config import Settings
 from skulk.diagnostics.cluster import DepartedPeer, local_addresses, peer_url
+from skulk.loops import Loops
 from skulk.master.decide import session_changed_message
 from skulk.master.master import Master
 from skulk.models.cards import model_dir_name
@@ -78,8 +79,7 @@ class Node:
         self.master: Master | None = None
         self.streams: dict[CommandId, ChunkStream] = {}
         self._local_seq = 0
-        self._tasks: list[asyncio.Task[Any]] = []
-        self._group: asyncio.TaskGroup | None = None
+        self._loops = Loops("node")
         self._reconcile_pending = False
         self.api_port = settings.api_port
         self._departed: dict[NodeId, DepartedPeer] = {}
@@ -128,18 +128,9 @@ class Node:
         """Run until SIGTERM/SIGINT. Every long-running loop lives in one TaskGroup: if any of them raises,
         the node logs it and exits non-zero rather than answering HTTP half-alive."""
         self._open()
-        failed = False
         try:
-            async with asyncio.TaskGroup() as group:
-                self._group = group
-                await self._serve()
-                self._stop_loops()
-        except* Exception as errors:
-            for error in errors.exceptions:
-                log.critical("a loop of node %s died; stopping the node", self.node_id[:8], exc_info=error)
-            failed = True
+            failed = await self._loops.run(self._serve)
         finally:
-            self._group = None
             await self.shutdown()
         if failed:
             raise SystemExit(1)
@@ -206,17 +197,7 @@ class Node:
                 log.warning("catching up with the master failed (%s); following its events from here", exc)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any] | None:
-        """Start a loop under the node's TaskGroup; None (and the coroutine closed) once the node stops."""
-        if self._group is None:
-            coro.close()
-            return None
-        task = self._group.create_task(coro)
-        self._tasks = [t for t in self._tasks if not t.done()] + [task]
-        return task
-
-    def _stop_loops(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        return self._loops.spawn(coro)
 
     def _api_server(self) -> uvicorn.Server:
         config = uvicorn.Config(
@@ -248,8 +229,8 @@ class Node:
         await self.worker.stop()
         if self.master is not None:
             self.master.stop()
-        self._stop_loops()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._loops.cancel_all()
+        await self._loops.wait_cancelled()
         self.elector.stop()
         self.follower.stop()
         self.membership.stop()
