@@ -1,81 +1,10 @@
-"""Helpers for integration tests: clusters of real node processes, and waiting on what they report."""
+"""Helpers for integration tests: clusters of real node processes, and waiting on what they report.
+
+They live in skulk.testing so benchmarks share them; this module keeps the tests' import path."""
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
-from typing import Any
-
-from skulk.testing.chaos import instance_members
-from skulk.testing.convergence import converged, formed, master_of
-from skulk.testing.nodes import LocalNode
+from skulk.testing.cluster import Cluster, instance_ready, place, place_and_wait
 from skulk.testing.waiting import wait_until
 
 __all__ = ["Cluster", "instance_ready", "place", "place_and_wait", "wait_until"]
-
-
-class Cluster:
-    """Nodes started by one test or module, all stopped and checked for orphans at the end."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.name = f"t{uuid.uuid4().hex[:10]}"
-        self.nodes: list[LocalNode] = []
-
-    def start(self, count: int = 1, **options: Any) -> list[LocalNode]:
-        started = []
-        for _ in range(count):
-            peers = [n.endpoint for n in self.nodes]
-            node = LocalNode(
-                home=self.root / f"node{len(self.nodes)}", cluster=self.name, peers=peers, **options
-            )
-            self.nodes.append(node.start())
-            started.append(node)
-        for node in started:
-            node.wait_ready()
-        return started
-
-    def form(self, count: int = 3, timeout: float = 60.0, **options: Any) -> list[LocalNode]:
-        """Start `count` nodes (each bootstraps to the earlier ones) and wait until they form one cluster."""
-        nodes = self.start(count, **options)
-        wait_until(lambda: formed(nodes), timeout, f"{count} nodes to form one cluster", lambda: converged(nodes)[1])
-        return nodes
-
-    def master(self, nodes: list[LocalNode]) -> LocalNode:
-        """The node the first of `nodes` names master (they are formed, so all name the same one)."""
-        master_id = master_of(nodes[0])
-        return next(n for n in nodes if n.node_id == master_id)
-
-    def print_logs(self, lines: int = 40) -> None:
-        """Each node's last output lines, for the report of a failed test (pytest shows captured stdout)."""
-        for index, node in enumerate(self.nodes):
-            print(f"---- node{index} {node.node_id[:8]} ----\n{node.log_tail(lines)}")
-
-    def stop_all(self) -> list[int]:
-        for node in self.nodes:
-            node.stop()
-        leftovers: list[int] = []
-        for node in self.nodes:
-            leftovers += node.reap_leftovers()
-        return leftovers
-
-
-def place(node: LocalNode, model_id: str = "skulk/tiny-random-llama", **body: Any) -> dict[str, Any]:
-    status, reply = node.post("/place_instance", {"model_id": model_id, **body})
-    assert status == 200, reply
-    return reply
-
-
-def instance_ready(node: LocalNode, instance_id: str) -> bool:
-    """Every runner of the instance is Ready or Running, as `node` sees it (False while it cannot answer)."""
-    state = node.get("/state", timeout=10)
-    _, runners = instance_members(state or {}, instance_id)
-    return bool(runners) and all(
-        "RunnerReady" in state["runners"].get(r, {}) or "RunnerRunning" in state["runners"].get(r, {}) for r in runners
-    )
-
-
-def place_and_wait(node: LocalNode, model_id: str = "skulk/tiny-random-llama", **body: Any) -> str:
-    instance_id = place(node, model_id, **body)["instanceId"]
-    wait_until(lambda: instance_ready(node, instance_id), 90, f"instance {instance_id} to be ready")
-    return instance_id

@@ -19,28 +19,12 @@ import pytest
 
 from skulk.testing.chaos import Verdicts, Watch, check_converged, check_instance_intact, instance_members, runner_pids
 from skulk.testing.convergence import converged, formed, master_of, state_of
-from skulk.testing.netns import API_PORT, ZENOH_PORT, BridgedLan, NsNode, skip_reason
+from skulk.testing.netns import BridgedLan, NsNode, skip_reason, start_nodes
 
 from .harness import place_and_wait, wait_until
 
 CUT_S = 10.0
 CONVERGE_S = 10.0
-
-
-def start_nodes(lan: BridgedLan, root: Path, cluster: str) -> list[NsNode]:
-    """The README recipe on the LAN: node 0 without peers, the others bootstrap to node 0's endpoint."""
-    nodes: list[NsNode] = []
-    for index in range(lan.size):
-        ns, veth, addr = lan.side(index)
-        peers = [nodes[0].endpoint] if nodes else []
-        node = NsNode(
-            home=root / f"node{index}", cluster=cluster, api_port=API_PORT, zenoh_port=ZENOH_PORT,
-            peers=peers, ns=ns, veth=veth, addr=addr,
-        )  # fmt: skip
-        nodes.append(node.start())
-    for node in nodes:
-        node.wait_ready()
-    return nodes
 
 
 @pytest.fixture
@@ -60,7 +44,7 @@ def lan_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[
 
     request.addfinalizer(teardown)
     lan.build()
-    nodes += start_nodes(lan, tmp_path, f"lan{uuid.uuid4().hex[:8]}")
+    start_nodes(lan, tmp_path, f"lan{uuid.uuid4().hex[:8]}", nodes)
     yield lan, nodes
     for index, node in enumerate(nodes):  # shown by pytest only when the test failed
         print(f"---- node{index} {node.node_id[:8]} {node.ns} ----\n{node.log_tail(40)}")

@@ -8,6 +8,7 @@ running curl inside the node's namespace. Needs root and iproute2; `skip_reason(
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -15,12 +16,25 @@ import subprocess
 import sys
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .nodes import LocalNode
 
 API_PORT = 52415
 ZENOH_PORT = 7447
+CLONE_NEWNET = 0x40000000
+
+
+def enter(ns: str) -> None:
+    """Move the calling thread, and only it, into namespace `ns` (network namespaces are per thread).
+
+    For a client that must hold a connection open inside a namespace (a stream), where curl per request will
+    not do; run it on a thread of its own that ends with the work."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{ns}") as handle:
+        if libc.setns(handle.fileno(), CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {ns} failed")
 
 
 def ip(*args: str) -> None:
@@ -168,3 +182,21 @@ class BridgedLan:
         for ns in reversed(self.created):
             delete_namespace(ns)
         self.created.clear()
+
+
+def start_nodes(lan: BridgedLan, root: Path, cluster: str, nodes: list[NsNode]) -> list[NsNode]:
+    """One node per namespace of the LAN, as the README recipe starts them: node 0 without bootstrap peers,
+    the others bootstrapping to node 0's endpoint. Returns once every node printed ready.
+
+    Appends to the caller's `nodes` as each starts, so its cleanup reaches a node even if a later one fails."""
+    for index in range(lan.size):
+        ns, veth, addr = lan.side(index)
+        peers = [nodes[0].endpoint] if nodes else []
+        node = NsNode(
+            home=root / f"node{index}", cluster=cluster, api_port=API_PORT, zenoh_port=ZENOH_PORT,
+            peers=peers, ns=ns, veth=veth, addr=addr,
+        )  # fmt: skip
+        nodes.append(node.start())
+    for node in nodes:
+        node.wait_ready()
+    return nodes

@@ -138,8 +138,11 @@ class LocalNode:
             return None
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, Any]:
-        """POST JSON; (HTTP status, parsed body). Same shape as NsNode.post, so helpers serve both."""
-        reply = httpx.post(self.url + path, json=body, timeout=timeout, trust_env=False)
+        """POST JSON; (HTTP status, parsed body), status 0 if nothing answered. Same as NsNode.post."""
+        try:
+            reply = httpx.post(self.url + path, json=body, timeout=timeout, trust_env=False)
+        except httpx.HTTPError:
+            return 0, None
         try:
             return reply.status_code, reply.json()
         except ValueError:

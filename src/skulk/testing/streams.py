@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,12 +135,23 @@ def _error_of(text: str) -> dict[str, Any]:
 
 
 class StreamProbe:
-    """One stream read on a background thread, so a test can inflict a fault while it is open."""
+    """One stream read on a background thread, so a test can inflict a fault while it is open.
 
-    def __init__(self, url: str, body: dict[str, Any], read_timeout: float = 30.0) -> None:
+    `setup` runs first on that thread: e.g. netns.enter, for a node only reachable inside a namespace."""
+
+    def __init__(
+        self, url: str, body: dict[str, Any], read_timeout: float = 30.0, setup: Callable[[], None] | None = None
+    ) -> None:
         self.outcome = StreamOutcome(started=time.monotonic())
-        self._thread = threading.Thread(target=consume, args=(url, body, self.outcome, read_timeout), daemon=True)
+        self._args = (url, body, read_timeout, setup)
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        url, body, read_timeout, setup = self._args
+        if setup is not None:
+            setup()
+        consume(url, body, self.outcome, read_timeout)
 
     def wait_tokens(self, count: int, timeout: float) -> None:
         """Block until the stream is well into decode (not racing its prefill) or has ended."""
@@ -154,23 +166,32 @@ class StreamProbe:
         return self.outcome
 
 
+FAILED_STREAM_BACKOFF_S = 0.5
+
+
 class StreamLoop:
     """Streams back to back on a background thread until stopped: covers a fault window of any length
     with short streams, each of which must complete (a stream that errors shows the fault reached it)."""
 
-    def __init__(self, url: str, body: dict[str, Any], read_timeout: float = 30.0) -> None:
+    def __init__(
+        self, url: str, body: dict[str, Any], read_timeout: float = 30.0, setup: Callable[[], None] | None = None
+    ) -> None:
         self.outcomes: list[StreamOutcome] = []
         self._stop = threading.Event()
-        self._args = (url, body, read_timeout)
+        self._args = (url, body, read_timeout, setup)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        url, body, read_timeout = self._args
+        url, body, read_timeout, setup = self._args
+        if setup is not None:
+            setup()
         while not self._stop.is_set():
             outcome = StreamOutcome(started=time.monotonic())
             self.outcomes.append(outcome)
             consume(url, body, outcome, read_timeout)
+            if outcome.kind != "completed":
+                self._stop.wait(FAILED_STREAM_BACKOFF_S)  # a retry storm would count one failure many times
 
     def stop(self, timeout: float = 60.0) -> list[StreamOutcome]:
         """Let the stream in flight finish, then return every outcome (the thread is gone when this returns)."""

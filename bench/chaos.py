@@ -1,0 +1,337 @@
+"""Chaos figures (issue 7, "the cluster survives a real LAN"), each fault on a fresh 3-node cluster.
+
+Faults: pause (SIGSTOP of the whole process group) of a worker for 15 s, of the master for 15 s; kill -9 of a
+worker holding a shard; kill -9 of the master; restart of the former master without bootstrap peers (and with
+--place-default); a 10 s link cut (veth cable pulled on a bridge, network namespaces: root only).
+
+For each: two streams are open when the fault hits and more stream back to back until recovery; then
+  streams end      seconds from the fault until every stream open at the fault had ended      (target ≤ 6 s)
+  chat again       seconds from the end of the fault (resume, heal, kill, restart) until a chat succeeds
+  agree            seconds from the end of the fault until every live node reports the same masterNodeId,
+                   term, lastEventAppliedIdx and instances                                   (target ≤ 10 s)
+  hung             streams that neither completed nor ended with an error event               (target 0)
+  errored          streams that ended with an error event (retryable is fine; on a healthy instance, a cost)
+  lost             instances whose nodes all stayed alive, missing after recovery             (target 0)
+  diverged         live nodes not agreeing with the rest 10 s after the fault ended            (target 0)
+With --rounds N every fault runs N times; times show the median (and the worst), counts the total.
+Every process, namespace and veth it starts is stopped or deleted, also on failure or Ctrl-C.
+
+Run: .venv/bin/python bench/chaos.py [--rounds 1] [--only pause-worker,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from rich.console import Console
+from rich.table import Table
+
+from skulk.models.demo import DEMO_MODEL_ID
+from skulk.testing import netns
+from skulk.testing.chaos import instance_ids, pause_for
+from skulk.testing.cluster import Cluster, place_and_wait
+from skulk.testing.convergence import Reporter, converged, formed, one_master, view_of
+from skulk.testing.nodes import LocalNode
+from skulk.testing.streams import StreamLoop, StreamOutcome, StreamProbe, chat_body
+from skulk.testing.waiting import wait_until
+
+MODEL = str(DEMO_MODEL_ID)
+PAUSE_S = 15.0
+CUT_S = 10.0
+STREAM_END_TARGET_S = 6.0
+AGREE_TARGET_S = 10.0
+RECOVERY_BOUND_S = 30.0
+"""How long after a fault the bench keeps looking for a chat and agreement before it reports 'none'."""
+STREAM_TOKENS = 200
+"""Streams short enough that one on a healthy instance completes well inside the stream-end target."""
+NODE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+N = TypeVar("N", bound=LocalNode)
+
+
+@dataclass
+class Stage:
+    """A cluster set up for one fault: who is hit, whose API the client uses, which instances must survive."""
+
+    nodes: Sequence[LocalNode]
+    api: LocalNode
+    victim: LocalNode
+    healthy: set[str]
+    enter: Callable[[], None] | None = None
+    """Run first on each client thread: joins the API node's namespace for the link-cut stage."""
+    cut: Callable[[], None] | None = None
+    heal: Callable[[], None] | None = None
+
+
+@dataclass
+class Result:
+    stream_end_s: float | None
+    chat_again_s: float | None
+    agree_s: float | None
+    hung: int
+    errored: int
+    lost: int
+    diverged: int
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    setup: Callable[[Cluster], Stage]
+    inflict: Callable[[Stage], tuple[float, list[LocalNode]]]
+    """Does the fault; returns (when it ended, the nodes alive after it)."""
+    needs_root: bool = False
+
+
+def followers(nodes: Sequence[N], master: LocalNode) -> list[N]:
+    return [n for n in nodes if n is not master]
+
+
+def stage_pause_worker(cluster: Cluster) -> Stage:
+    """A 2-rank instance on the master and one follower; the other follower is the victim."""
+    nodes = cluster.form(3)
+    master = cluster.master(nodes)
+    victim, api = followers(nodes, master)
+    instance = place_and_wait(api, min_nodes=2, excluded_nodes=[victim.node_id])
+    return Stage(nodes, api, victim, {instance})
+
+
+def stage_master_victim(cluster: Cluster) -> Stage:
+    """A 1-rank instance on a follower, which also serves the client; the master is the victim."""
+    nodes = cluster.form(3)
+    master = cluster.master(nodes)
+    api, other = followers(nodes, master)
+    instance = place_and_wait(api, excluded_nodes=[master.node_id, other.node_id])
+    return Stage(nodes, api, master, {instance})
+
+
+def stage_kill_worker(cluster: Cluster) -> Stage:
+    """A 2-rank instance on both followers (one is the victim) and a healthy 1-rank one on the master."""
+    nodes = cluster.form(3)
+    master = cluster.master(nodes)
+    api, victim = followers(nodes, master)
+    place_and_wait(api, min_nodes=2, excluded_nodes=[master.node_id])
+    healthy = place_and_wait(master, excluded_nodes=[api.node_id, victim.node_id])
+    return Stage(nodes, api, victim, {healthy})
+
+
+def pause_victim(stage: Stage) -> tuple[float, list[LocalNode]]:
+    return pause_for(stage.victim, PAUSE_S), list(stage.nodes)
+
+
+def kill_victim(stage: Stage) -> tuple[float, list[LocalNode]]:
+    return stage.victim.kill(), [n for n in stage.nodes if n is not stage.victim]
+
+
+def restart_victim(stage: Stage) -> tuple[float, list[LocalNode]]:
+    """kill -9 the master, let the others elect, then start it again with no bootstrap peers: a lone node."""
+    rest = [n for n in stage.nodes if n is not stage.victim]
+    stage.victim.kill()
+    wait_until(lambda: one_master(rest) not in (None, stage.victim.node_id), 20, "the others to elect a master")
+    restarted_at = time.monotonic()
+    stage.victim.restart(peers=[], place_default=True).wait_ready()
+    return restarted_at, list(stage.nodes)
+
+
+def cut_victim(stage: Stage) -> tuple[float, list[LocalNode]]:
+    assert stage.cut is not None and stage.heal is not None
+    stage.cut()
+    try:
+        time.sleep(CUT_S)
+    finally:
+        stage.heal()
+    return time.monotonic(), list(stage.nodes)
+
+
+FAULTS = [
+    Fault("pause-worker", stage_pause_worker, pause_victim),
+    Fault("pause-master", stage_master_victim, pause_victim),
+    Fault("kill-worker", stage_kill_worker, kill_victim),
+    Fault("kill-master", stage_master_victim, kill_victim),
+    Fault("restart-master", stage_master_victim, restart_victim),
+    Fault("link-cut", stage_master_victim, cut_victim, needs_root=True),
+]
+
+
+def open_streams(stage: Stage, count: int = 2, attempts: int = 6) -> list[StreamProbe]:
+    """`count` streams well into decode; a random-weights model may stop early, so replace those that did."""
+    probes: list[StreamProbe] = []
+    for _ in range(attempts):
+        probe = StreamProbe(stage.api.url, chat_body(MODEL, STREAM_TOKENS), setup=stage.enter)
+        probe.wait_tokens(3, 30)
+        probes = [p for p in [*probes, probe] if p.outcome.ended is None]
+        if len(probes) >= count:
+            return probes
+    raise RuntimeError(f"could not hold {count} streams open in {attempts} attempts")
+
+
+def chat_ok(node: LocalNode) -> bool:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 2}
+    status, reply = node.post("/v1/chat/completions", body, timeout=10)
+    return status == 200 and isinstance(reply, dict) and "error" not in reply
+
+
+def recover(api: LocalNode, live: list[LocalNode], since: float) -> tuple[float | None, float | None]:
+    """(seconds until a chat through `api` succeeds, seconds until the live nodes agree), each from `since`;
+    None for what did not happen within the recovery bound."""
+    chat_s = agree_s = None
+    while time.monotonic() < since + RECOVERY_BOUND_S and (chat_s is None or agree_s is None):
+        if agree_s is None and converged(live)[0]:
+            agree_s = time.monotonic() - since
+        if chat_s is None and chat_ok(api):
+            chat_s = time.monotonic() - since
+        time.sleep(0.05)
+    return chat_s, agree_s
+
+
+def diverged_count(nodes: Sequence[Reporter]) -> int:
+    """Nodes whose view differs from the most common one (a silent node counts as diverged)."""
+    views = Counter(view_of(n) for n in nodes)
+    common, agreeing = views.most_common(1)[0]
+    return len(nodes) - (agreeing if common is not None else 0)
+
+
+def measure(fault: Fault, stage: Stage) -> Result:
+    probes = open_streams(stage)
+    loop = StreamLoop(stage.api.url, chat_body(MODEL, STREAM_TOKENS), setup=stage.enter)
+    fault_at = time.monotonic()
+    try:
+        ended_at, live = fault.inflict(stage)
+        chat_s, agree_s = recover(stage.api, live, ended_at)
+    finally:
+        looped = loop.stop()
+    at_fault = [p.wait(RECOVERY_BOUND_S) for p in probes]
+    ends = [o.ended - fault_at for o in at_fault if o.ended is not None]
+    outcomes: list[StreamOutcome] = [*at_fault, *looped]
+    now_there = set().union(*(instance_ids(n) for n in live))
+    return Result(
+        stream_end_s=max(ends) if len(ends) == len(at_fault) else None,
+        chat_again_s=chat_s,
+        agree_s=agree_s,
+        hung=sum(o.kind in ("open", "broken") for o in outcomes),
+        errored=sum(o.kind == "error" or o.kind.startswith("http") for o in outcomes),
+        lost=len(stage.healthy - now_there),
+        diverged=0 if agree_s is not None and agree_s <= AGREE_TARGET_S else diverged_count(live),
+    )
+
+
+@contextmanager
+def loopback(root: Path, setup: Callable[[Cluster], Stage]) -> Iterator[Stage]:
+    cluster = Cluster(root, prefix="chaos", extra_env=NODE_ENV)
+    try:
+        yield setup(cluster)
+    finally:
+        leftovers = cluster.stop_all()
+        if leftovers:
+            print(f"  warning: runner processes outlived their node: {leftovers}")
+
+
+@contextmanager
+def bridged(root: Path, _setup: Callable[[Cluster], Stage]) -> Iterator[Stage]:
+    """Three namespaced nodes on a bridge; a 1-rank instance on a follower; the other follower's cable is cut."""
+    lan = netns.BridgedLan(size=3, subnet=random.randint(0, 255))
+    nodes: list[netns.NsNode] = []
+    try:
+        lan.build()
+        netns.start_nodes(lan, root, f"chaos{random.randrange(16**8):08x}", nodes)
+        wait_until(lambda: formed(nodes), 60, "the namespaced nodes to form", lambda: converged(nodes)[1])
+        master = next(n for n in nodes if n.node_id == one_master(nodes))
+        api, victim = followers(nodes, master)
+        instance = place_and_wait(api, excluded_nodes=[master.node_id, victim.node_id])
+        index = nodes.index(victim)
+        yield Stage(nodes, api, victim, {instance}, functools.partial(netns.enter, api.ns),
+                    functools.partial(lan.cut, index), functools.partial(lan.heal, index))  # fmt: skip
+    finally:
+        for node in nodes:
+            node.stop()
+        for node in nodes:
+            node.reap_leftovers()
+        lan.delete()
+
+
+def run(faults: list[Fault], rounds: int, root: Path) -> dict[str, list[Result] | str]:
+    results: dict[str, list[Result] | str] = {}
+    for fault in faults:
+        if fault.needs_root and (reason := netns.skip_reason()):
+            results[fault.name] = f"skipped ({'needs root' if 'root' in reason else reason})"
+            continue
+        runs: list[Result] = []
+        for round_no in range(rounds):
+            print(f"{fault.name}, round {round_no + 1}/{rounds} ...", flush=True)
+            where = root / f"{fault.name}-{round_no}"
+            environment = bridged if fault.needs_root else loopback
+            with environment(where, fault.setup) as stage:
+                runs.append(measure(fault, stage))
+            print(f"  {runs[-1]}", flush=True)
+        results[fault.name] = runs
+    return results
+
+
+def seconds(values: list[float | None], target: float | None = None) -> tuple[str, bool]:
+    """'median (max)' over rounds, 'none' if any round never got there; and whether the worst met the target."""
+    if any(v is None for v in values):
+        return "none in 30 s", target is None
+    known = [v for v in values if v is not None]
+    text = f"{statistics.median(known):.1f}" + (f" ({max(known):.1f})" if len(known) > 1 else "")
+    return text, target is None or max(known) <= target
+
+
+@dataclass
+class Row:
+    cells: list[str] = field(default_factory=list)
+    ok: bool = True
+
+    def add(self, text: str, ok: bool = True) -> None:
+        self.cells.append(text if ok else f"[red]{text}[/red]")
+        self.ok = self.ok and ok
+
+
+def row_of(runs: list[Result]) -> Row:
+    row = Row()
+    row.add(*seconds([r.stream_end_s for r in runs], STREAM_END_TARGET_S))
+    row.add(seconds([r.chat_again_s for r in runs])[0])
+    row.add(*seconds([r.agree_s for r in runs], AGREE_TARGET_S))
+    for count in ("hung", "errored", "lost", "diverged"):
+        total = sum(getattr(r, count) for r in runs)
+        row.add(str(total), count == "errored" or total == 0)
+    return row
+
+
+def print_table(results: dict[str, list[Result] | str], rounds: int) -> None:
+    table = Table(title=f"chaos on 3 nodes ({rounds} round{'s' * (rounds > 1)} per fault)")
+    columns = ["fault", "streams end s (≤ 6)", "chat again s", "agree s (≤ 10)", "hung (0)", "errored", "lost (0)"]
+    for name in [*columns, "diverged (0)", "result"]:
+        table.add_column(name, justify="left" if name in ("fault", "result") else "right")
+    for name, runs in results.items():
+        if isinstance(runs, str):
+            table.add_row(name, *["-"] * 7, runs)
+            continue
+        row = row_of(runs)
+        table.add_row(name, *row.cells, "PASS" if row.ok else "[red]FAIL[/red]")
+    Console(width=max(Console().width, 150)).print(table)  # a pipe gets 80 columns: too narrow
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each fault, each on a fresh cluster")
+    parser.add_argument("--only", default="", help="comma-separated fault names: " + ", ".join(f.name for f in FAULTS))
+    args = parser.parse_args()
+    wanted = {name for name in args.only.split(",") if name}
+    faults = [f for f in FAULTS if not wanted or f.name in wanted]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run(faults, args.rounds, Path(tmp))
+    print_table(results, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
