@@ -60,10 +60,13 @@ class Master:
         return self.state.model_dump_json().encode()
 
     def start(self) -> None:
-        log.info("master %s starts term %d", self.node_id[:8], self.term)
+        session = events_for_new_session(self.state, self.node_id, self.term)
+        failed = sum(isinstance(e, TaskFailed) for e in session)
+        log.info("master %s starts term %d at event %d; failing %d open requests of the old session",
+                 self.node_id[:8], self.term, self.sequencer.next_idx, failed)
         self.sequencer.start()
         self.intake.start()
-        self.emit(events_for_new_session(self.state, self.node_id, self.term))
+        self.emit(session)
         self.reconcile()
         self._reconciler = self._spawn(self._reconcile_forever())
 
