@@ -12,6 +12,7 @@ from skulk.types.commands import CancelCommand, DeleteInstance, StartChatComplet
 from skulk.types.events import (
     InstanceCreated,
     InstanceDeleted,
+    InstanceRetrying,
     RunnerStatusUpdated,
     SessionStarted,
     TaskCreated,
@@ -92,11 +93,12 @@ def test_new_session_fails_every_open_task() -> None:
     assert isinstance(events[1], TaskFailed) and "session changed" in events[1].error_message
 
 
-def test_failed_rank_tears_down_multi_rank_instance_only() -> None:
+def test_failed_rank_retries_the_multi_rank_instance_only() -> None:
+    """A single-rank runner restarts under its supervisor; a multi-rank instance restarts as a whole."""
     state = applied(
         InstanceCreated(instance=instance("a", ("n1", "n2"))),
         InstanceCreated(instance=instance("b", ("n3",))),
         RunnerStatusUpdated(runner_id=RunnerId("r-n2"), runner_status=RunnerFailed(error_message="x")),
         RunnerStatusUpdated(runner_id=RunnerId("r-n3"), runner_status=RunnerFailed(error_message="x")),
     )
-    assert events_for_unhealthy_instances(state) == [InstanceDeleted(instance_id=InstanceId("a"))]
+    assert events_for_unhealthy_instances(state) == [InstanceRetrying(instance_id=InstanceId("a"), failure_error="x")]

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.cluster.dataplane import ChunkStream
+from skulk.master.decide import failed_for_good, instance_failed_message
 from skulk.types.chat import ChatCompletionRequest
 from skulk.types.chunks import ErrorChunk, TokenChunk
 from skulk.types.commands import CancelCommand, StartChatCompletion
@@ -58,8 +59,17 @@ class ChatSession:
 
 
 def require_instance(node: NodeHandle, model: str) -> None:
-    if not any(i.model_id == model for i in node.state.instances.values()):
+    """404 without an instance; 503 at once when every instance of the model failed for good (it would
+    otherwise wait FIRST_CHUNK_TIMEOUT_S for a runner that is not coming back)."""
+    state = node.state
+    instances = [i for i in state.instances.values() if i.model_id == model]
+    if not instances:
         raise ApiError(404, f"No instance found for model {model}", code="model_not_found")
+    failed = [(i.instance_id, failed_for_good(state, i.instance_id)) for i in instances]
+    if all(why is not None for _, why in failed):
+        instance_id, why = failed[0]
+        assert why is not None
+        raise ApiError(503, instance_failed_message(instance_id, why), code="instance_failed")
 
 
 async def start_chat(node: NodeHandle, request: ChatCompletionRequest) -> ChatSession:

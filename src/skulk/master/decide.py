@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
+from skulk.config import Settings
 from skulk.types.commands import (
     CancelCommand,
     Command,
@@ -13,6 +16,8 @@ from skulk.types.events import (
     Event,
     InstanceCreated,
     InstanceDeleted,
+    InstanceFailed,
+    InstanceRetrying,
     NodeTimedOut,
     SessionStarted,
     TaskCreated,
@@ -22,10 +27,13 @@ from skulk.types.events import (
 from skulk.types.ids import InstanceId, ModelId, NodeId, TaskId
 from skulk.types.instances import MlxRingInstance
 from skulk.types.runners import RunnerFailed, RunnerReady, RunnerRunning
-from skulk.types.state import State
+from skulk.types.state import InstanceRetries, State
 from skulk.types.tasks import ChatCompletion, ChatCompletionTaskParams, TaskStatus
 
 SERVING = (RunnerReady, RunnerRunning)
+_DEFAULTS = Settings()
+RESTART_BUDGET = _DEFAULTS.runner_restart_budget
+RESTART_WINDOW_S = _DEFAULTS.runner_restart_window_seconds
 
 
 def events_for_command(state: State, command: Command, new_task_id: TaskId) -> list[Event]:
@@ -66,7 +74,24 @@ def _start_chat(state: State, command: StartChatCompletion, task_id: TaskId) -> 
     if instance_id is None or instance_id not in state.instances:
         message = f"No instance found for model {command.model}; place it first, then retry"
         return [TaskCreated(task=task), TaskFailed(task_id=task_id, error_message=message, retryable=True)]
+    failed = failed_for_good(state, instance_id)
+    if failed is not None:
+        message = instance_failed_message(instance_id, failed)
+        return [TaskCreated(task=task), TaskFailed(task_id=task_id, error_message=message, retryable=True)]
     return [TaskCreated(task=task)]
+
+
+def failed_for_good(state: State, instance_id: InstanceId) -> str | None:
+    """Why the instance spent its restart budget, or None while it may still serve."""
+    retries = state.instance_retries.get(instance_id)
+    return retries.failed if retries is not None else None
+
+
+def instance_failed_message(instance_id: InstanceId, why: str) -> str:
+    return (
+        f"instance {instance_id} failed and is not restarted again ({why}). Delete it "
+        f"(DELETE /instance/{instance_id}) and place it again (POST /place_instance)"
+    )
 
 
 def is_serving(state: State, instance: MlxRingInstance) -> bool:
@@ -124,13 +149,52 @@ def events_for_new_session(state: State, master: NodeId, term: int) -> list[Even
     return [SessionStarted(master_node_id=master, term=term), *failed]
 
 
-def events_for_unhealthy_instances(state: State) -> list[Event]:
-    """A multi-rank instance with a failed rank cannot serve: fail its requests and tear it down."""
-    broken = {
-        i.instance_id
-        for i in state.instances.values()
-        if i.world_size > 1
-        and any(isinstance(state.runners.get(r), RunnerFailed) for r in i.shard_assignments.runner_to_shard)
-    }
-    events: list[Event] = fail_open_tasks(state, broken, "a rank of the instance failed")
-    return events + [InstanceDeleted(instance_id=i) for i in sorted(broken)]
+def events_for_unhealthy_instances(
+    state: State,
+    *,
+    budget: int = RESTART_BUDGET,
+    window_s: float = RESTART_WINDOW_S,
+    now: datetime | None = None,
+) -> list[Event]:
+    """A multi-rank instance with a failed rank cannot serve: fail its requests and restart it as a whole
+    (every rank, re-forming the group) while its restart budget lasts, else mark it failed for good. A failed
+    instance's requests fail at once. now: the failure's own time when not given (budgets count event time)."""
+    events: list[Event] = []
+    for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
+        why = failed_for_good(state, instance.instance_id)
+        if why is not None:
+            # retryable only so that the API node injects it into the open stream; the message says what to do
+            events += fail_open_tasks(state, {instance.instance_id}, instance_failed_message(instance.instance_id, why))
+            continue
+        failures = [
+            status
+            for r in instance.shard_assignments.runner_to_shard
+            if isinstance(status := state.runners.get(r), RunnerFailed)
+        ]
+        if instance.world_size > 1 and failures:
+            retries = state.instance_retries.get(instance.instance_id, InstanceRetries())
+            events += _retry_or_fail(state, instance, retries, failures, budget, window_s, now)
+    return events
+
+
+def _retry_or_fail(
+    state: State,
+    instance: MlxRingInstance,
+    retries: InstanceRetries,
+    failures: list[RunnerFailed],
+    budget: int,
+    window_s: float,
+    now: datetime | None,
+) -> list[Event]:
+    iid = instance.instance_id
+    error = next((f.error_message for f in failures if f.error_message), None) or "a rank of the instance failed"
+    at = now or max((f.at for f in failures if f.at is not None), default=None)
+    recent = len(retries.within(at, window_s))
+    if recent >= budget:
+        why = f"{recent + 1} failures within {window_s:.0f} s, the last: {error}"
+        return [*fail_open_tasks(state, {iid}, f"the instance failed ({error})"),
+                InstanceFailed(instance_id=iid, failure_error=why)]
+    return [
+        *fail_open_tasks(state, {iid}, f"a rank of the instance failed ({error}); the instance is restarting"),
+        InstanceRetrying(instance_id=iid, failure_error=error, at=at),
+    ]

@@ -95,10 +95,12 @@ def connect_group(
     recorder.record("connect_group", "connect_started", where, rank=rank, world_size=world, backend=backend)
     started = time.monotonic()
     try:
-        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+        tcp_store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             rendezvous.host, rendezvous.port, world, is_master=rank == 0,
             timeout=timedelta(seconds=spec.connect_deadline_s), wait_for_workers=True,
         )
+        # keys per attempt: a rank restarted with its instance never reads what an older group left behind
+        store = dist.PrefixStore(f"skulk/attempt{spec.attempt}/", tcp_store)  # pyright: ignore[reportPrivateImportUsage]
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=op_timeout)
         )

@@ -24,6 +24,7 @@ class RunnerSpec:
     connect_deadline_s: float = 60.0
     record: bool = True
     fault: str | None = None
+    attempt: int = 0  # the instance attempt this runner serves (restarts of a multi-rank instance count up)
 
     def context(self, pid: int | None) -> RunnerContext:
         shard = self.shard

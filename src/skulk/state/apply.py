@@ -9,6 +9,8 @@ from skulk.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceFailed,
+    InstanceRetrying,
     NodeGatheredInfo,
     NodeTimedOut,
     RunnerDeleted,
@@ -20,9 +22,11 @@ from skulk.types.events import (
     TopologyEdgeCreated,
     TopologyEdgeDeleted,
 )
-from skulk.types.ids import NodeId
+from skulk.types.ids import InstanceId, NodeId, RunnerId
+from skulk.types.instances import Instance
 from skulk.types.node_info import Topology
-from skulk.types.state import State
+from skulk.types.runners import RunnerFailed, RunnerStatus
+from skulk.types.state import RETRY_TIMES_KEPT, InstanceRetries, State
 from skulk.types.tasks import TaskStatus
 
 FINISHED_TASKS_KEPT = 64
@@ -44,9 +48,7 @@ def _changes(state: State, event: Event) -> dict[str, Any]:
         case InstanceDeleted(instance_id=instance_id):
             return _delete_instance(state, instance_id)
         case RunnerStatusUpdated(runner_id=runner_id, runner_status=status):
-            if not any(runner_id in i.shard_assignments.runner_to_shard for i in state.instances.values()):
-                return {}
-            return {"runners": {**state.runners, runner_id: status}}
+            return _runner_status(state, runner_id, status)
         case RunnerDeleted(runner_id=runner_id):
             return {"runners": _without(state.runners, runner_id)}
         case TaskCreated(task=task):
@@ -70,11 +72,55 @@ def _changes(state: State, event: Event) -> dict[str, Any]:
             return {"topology": topo.model_copy(update={"connections": kept})}
         case SessionStarted(master_node_id=master, term=term):
             return {"master_node_id": master, "term": term}
+        case InstanceRetrying():
+            return _retry_instance(state, event)
+        case InstanceFailed(instance_id=instance_id, failure_error=error):
+            if instance_id not in state.instances:
+                return {}
+            retries = state.instance_retries.get(instance_id, InstanceRetries())
+            return _with_retries(state, instance_id, retries.model_copy(update={"failed": error}))
     raise TypeError(f"no rule to apply {type(event).__name__}")
 
 
 def _without(mapping: dict[Any, Any], key: Any) -> dict[Any, Any]:
     return {k: v for k, v in mapping.items() if k != key}
+
+
+def _instance_of(state: State, runner_id: RunnerId) -> Instance | None:
+    return next((i for i in state.instances.values() if runner_id in i.shard_assignments.runner_to_shard), None)
+
+
+def _runner_status(state: State, runner_id: RunnerId, status: RunnerStatus) -> dict[str, Any]:
+    """Statuses of runners no instance holds are late reports: ignored. So is a failure of a runner started for
+    an older attempt of a retrying instance: that failure has been answered already."""
+    instance = _instance_of(state, runner_id)
+    if instance is None:
+        return {}
+    retries = state.instance_retries.get(instance.instance_id)
+    if isinstance(status, RunnerFailed) and retries is not None and status.attempt < retries.attempt:
+        return {}
+    return {"runners": {**state.runners, runner_id: status}}
+
+
+def _with_retries(state: State, instance_id: InstanceId, retries: InstanceRetries) -> dict[str, Any]:
+    return {"instance_retries": {**state.instance_retries, instance_id: retries}}
+
+
+def _retry_instance(state: State, event: InstanceRetrying) -> dict[str, Any]:
+    """Removes the instance's runners, keeps the instance, counts the attempt; a missing instance: no-op."""
+    instance = state.instances.get(event.instance_id)
+    if instance is None:
+        return {}
+    gone = instance.shard_assignments.runner_to_shard.keys()
+    old = state.instance_retries.get(event.instance_id, InstanceRetries())
+    recent = [*old.recent, event.at] if event.at is not None else old.recent
+    retries = InstanceRetries(
+        attempt=old.attempt + 1, recent=recent[-RETRY_TIMES_KEPT:], last_error=event.failure_error
+    )
+    return {
+        "runners": {r: s for r, s in state.runners.items() if r not in gone},
+        **_with_retries(state, event.instance_id, retries),
+    }
 
 
 def _delete_instance(state: State, instance_id: str) -> dict[str, Any]:
@@ -86,6 +132,7 @@ def _delete_instance(state: State, instance_id: str) -> dict[str, Any]:
     return {
         "instances": _without(state.instances, instance_id),
         "runners": {r: s for r, s in state.runners.items() if r not in gone},
+        "instance_retries": _without(state.instance_retries, instance_id),
     }
 
 

@@ -74,6 +74,24 @@ class SessionStarted(TaggedModel):
     term: int
 
 
+class InstanceRetrying(TaggedModel):
+    """A multi-rank instance lost a rank and restarts as a whole: its runners leave state (every rank's worker
+    then starts its rank afresh, re-forming the group), the instance stays. Retrying a missing instance is a
+    no-op. at: the failure's time, which the restart budget counts."""
+
+    instance_id: InstanceId
+    meta_instance_id: str | None = None
+    failure_error: str
+    at: datetime | None = None
+
+
+class InstanceFailed(TaggedModel):
+    """The instance spent its restart budget: it stays, failed, visible in /state, until deleted."""
+
+    instance_id: InstanceId
+    failure_error: str
+
+
 Event = Annotated[
     Annotated[InstanceCreated, Tag("InstanceCreated")]
     | Annotated[InstanceDeleted, Tag("InstanceDeleted")]
@@ -86,7 +104,9 @@ Event = Annotated[
     | Annotated[NodeTimedOut, Tag("NodeTimedOut")]
     | Annotated[TopologyEdgeCreated, Tag("TopologyEdgeCreated")]
     | Annotated[TopologyEdgeDeleted, Tag("TopologyEdgeDeleted")]
-    | Annotated[SessionStarted, Tag("SessionStarted")],
+    | Annotated[SessionStarted, Tag("SessionStarted")]
+    | Annotated[InstanceRetrying, Tag("InstanceRetrying")]
+    | Annotated[InstanceFailed, Tag("InstanceFailed")],
     Discriminator(tag_of),
 ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Literal
 
 from pydantic import Discriminator, Tag
@@ -50,7 +51,12 @@ class RunnerShutdown(TaggedModel):
 
 
 class RunnerFailed(TaggedModel):
+    """at: when the worker saw it fail (restart budgets count in event time, never a clock in apply).
+    attempt: the instance attempt the runner was started for; a late failure of an older attempt is stale."""
+
     error_message: str | None = None
+    at: datetime | None = None
+    attempt: int = 0
 
 
 _STATUSES = (

@@ -19,11 +19,30 @@ from .node_info import (
 from .runners import RunnerStatus
 from .tasks import Task
 
+RETRY_TIMES_KEPT = 16
+
+
+class InstanceRetries(CamelModel):
+    """Restarts of one instance as a whole, event-sourced: times come from the events, never from a clock."""
+
+    attempt: int = 0
+    """Restarts so far; a runner started for an older attempt is stale and is restarted by its worker."""
+    recent: list[datetime] = []
+    """When the last RETRY_TIMES_KEPT restarts happened (the budget counts those inside its window)."""
+    last_error: str | None = None
+    failed: str | None = None
+    """Set once the budget is spent: the instance stays, with its failed runners, until it is deleted."""
+
+    def within(self, now: datetime | None, window_s: float) -> list[datetime]:
+        """The restarts inside the window ending at now (all of them when now is unknown)."""
+        return [t for t in self.recent if now is None or (now - t).total_seconds() < window_s]
+
 
 class State(CamelModel):
     instances: dict[InstanceId, Instance] = {}
     runners: dict[RunnerId, RunnerStatus] = {}
     tasks: dict[TaskId, Task] = {}
+    instance_retries: dict[InstanceId, InstanceRetries] = {}
     last_seen: dict[NodeId, datetime] = {}
     node_identities: dict[NodeId, NodeIdentity] = {}
     node_memory: dict[NodeId, MemoryUsage] = {}

@@ -19,12 +19,24 @@ class LocalRunner:
     runner_id: RunnerId
     sent: frozenset[TaskId] = frozenset()
     in_progress: frozenset[TaskId] = frozenset()
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
 class StartRunner:
     instance: MlxRingInstance
     runner_id: RunnerId
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class RestartRunner:
+    """The instance retries as a whole: this rank, dead or alive in a dead group, stops and starts afresh."""
+
+    instance: MlxRingInstance
+    runner_id: RunnerId
+    attempt: int
+    why: str
 
 
 @dataclass(frozen=True)
@@ -44,7 +56,7 @@ class CancelRunnerTask:
     task_id: TaskId
 
 
-Action = StartRunner | StopRunner | SendTask | CancelRunnerTask
+Action = StartRunner | StopRunner | RestartRunner | SendTask | CancelRunnerTask
 
 
 def plan(state: State, node_id: NodeId, local: Mapping[RunnerId, LocalRunner]) -> list[Action]:
@@ -55,9 +67,15 @@ def plan(state: State, node_id: NodeId, local: Mapping[RunnerId, LocalRunner]) -
         if runner_id is not None:
             wanted[runner_id] = instance
     actions += [StopRunner(r) for r in local if r not in wanted]
-    actions += [StartRunner(inst, r) for r, inst in wanted.items() if r not in local]
     for runner_id, instance in wanted.items():
-        if runner_id in local:
+        retries = state.instance_retries.get(instance.instance_id)
+        attempt = retries.attempt if retries is not None else 0
+        if runner_id not in local:
+            actions.append(StartRunner(instance, runner_id, attempt))
+        elif local[runner_id].attempt < attempt:
+            why = (retries.last_error if retries is not None else None) or "a rank failed"
+            actions.append(RestartRunner(instance, runner_id, attempt, why))
+        else:
             actions += _task_actions(state, instance, local[runner_id])
     return actions
 

@@ -2,6 +2,12 @@
 
 The supervisor lives on the node's event loop; a reader thread blocks on the runner's queue and hands each
 message to the loop. It keeps the runner's local diagnostics (flight recorder, milestones), never gossiped.
+
+A runner heartbeats from a thread of its own; the reader thread declares it hung when it has heard nothing
+for `hung_s` (counted from its first message, so spawn and imports never count), kills it, and the exit is
+handled like a crash. A single-rank runner is restarted with back-off while its budget lasts (`restart_budget`
+restarts within `restart_window_s`), then left failed; a multi-rank one is restarted by the master, as a whole
+instance.
 """
 
 from __future__ import annotations
@@ -11,9 +17,11 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from skulk.runner.messages import (
@@ -41,7 +49,7 @@ log = logging.getLogger("skulk.supervisor")
 
 FLIGHT_RECORDER_SIZE = 128
 MILESTONES_KEPT = 32
-MAX_RESTARTS = 3
+RESTART_BACKOFF_S = 0.5  # doubled for each restart already inside the window
 STOP_GRACE_S = 5.0
 TERMINATE_GRACE_S = 2.0
 
@@ -52,6 +60,8 @@ class SupervisorCallbacks:
     on_chunks: Callable[[list[TokenChunk | ErrorChunk]], None]
     on_task_started: Callable[[TaskId], None]
     on_task_ended: Callable[[TaskEnded], None]
+    on_gave_up: Callable[[str], None] | None = None
+    """A single-rank runner spent its restart budget; the argument says why (for InstanceFailed)."""
 
 
 @dataclass
@@ -88,12 +98,35 @@ def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], a
     return True
 
 
+def restart_delay(
+    restarts: list[float], now: float, budget: int, window_s: float
+) -> tuple[float | None, list[float]]:
+    """Pure: the back-off before the next restart (None: the budget is spent) and the restarts still inside the
+    window, to keep. The budget is over time, not a lifetime count: restarts older than the window are free."""
+    recent = [t for t in restarts if now - t < window_s]
+    if len(recent) >= budget:
+        return None, recent
+    return RESTART_BACKOFF_S * 2 ** len(recent), recent
+
+
 class RunnerSupervisor:
-    def __init__(self, spec: RunnerSpec, callbacks: SupervisorCallbacks) -> None:
+    def __init__(
+        self,
+        spec: RunnerSpec,
+        callbacks: SupervisorCallbacks,
+        *,
+        restart_budget: int = 3,
+        restart_window_s: float = 60.0,
+        hung_s: float = 15.0,
+    ) -> None:
         self.spec = spec
         self.callbacks = callbacks
         self.view = SupervisorView()
-        self.restarts = 0
+        self.restart_budget = restart_budget
+        self.restart_window_s = restart_window_s
+        self.hung_s = hung_s
+        self.restarts: list[float] = []  # monotonic times of the restarts inside the window
+        self._hung: str | None = None  # why the reader thread killed the current process
         self.stopping = False
         self._ctx = mp.get_context("spawn")
         self._process: Any = None
@@ -127,6 +160,7 @@ class RunnerSupervisor:
             args=(self.spec, self._inbox, outbox),
             name=f"skulk-runner-{self.runner_id[:8]}",
         )
+        self._hung = None
         self._process.start()
         self.milestone("spawned", f"pid {self._process.pid}")
         threading.Thread(target=self._read, args=(self._process, outbox), daemon=True).start()
@@ -134,21 +168,34 @@ class RunnerSupervisor:
     def _read(self, process: Any, outbox: Any) -> None:
         loop = self._loop
         assert loop is not None
+        heard: float | None = None  # the hung clock starts with the first message: spawn time never counts
         while True:
             try:
                 message = outbox.get(timeout=0.2)
             except queue.Empty:
                 if not process.is_alive():
                     break
+                if heard is not None and time.monotonic() - heard > self.hung_s and not self.stopping:
+                    self._kill_hung(process, time.monotonic() - heard)
+                    heard = None
                 continue
             except (EOFError, OSError):
                 break
+            heard = time.monotonic()
             if isinstance(message, Heartbeat):
                 continue
             if not _deliver(loop, self._on_message, message):
                 return
         process.join()
         _deliver(loop, self._on_exit, process)
+
+    def _kill_hung(self, process: Any, silent_s: float) -> None:
+        """Reader thread: the runner said nothing, not even a heartbeat, for hung_s: frozen. Kill it; its exit
+        then fails its requests and restarts it like any crash."""
+        self._hung = f"runner {self.runner_id[:8]} made no progress for {silent_s:.0f} s (hung) and was killed"
+        log.warning("runner %s declared hung: silent for %.1f s (limit %.0f s), killing pid %s",
+                    self.runner_id[:8], silent_s, self.hung_s, process.pid)
+        process.kill()
 
     def send_task(self, task: ChatCompletion) -> None:
         self.view.sent.add(task.task_id)
@@ -174,6 +221,8 @@ class RunnerSupervisor:
             self._inbox.put(CancelTask(task_id))
 
     def _on_message(self, message: FromRunner) -> None:
+        if self.stopping and isinstance(message, StatusChanged):
+            return  # a runner being stopped no longer speaks for its runner id: a restart may reuse it
         view = self.view
         view.last_event_received_at = utc_now()
         view.last_event_type = type(message).__name__
@@ -223,16 +272,35 @@ class RunnerSupervisor:
         self.milestone("exited", f"code {code}")
         if self.stopping:
             return
-        reason = f"runner process exited with code {code}"
-        log.warning("runner %s: %s", self.runner_id, reason)
-        self._fail_open_tasks(reason)
-        self.view.status, self.view.status_since = RunnerFailed(error_message=reason), utc_now()
-        self.callbacks.on_status(self.view.status)
-        if self.spec.shard.world_size == 1 and self.restarts < MAX_RESTARTS:
-            self.restarts += 1
-            self.milestone("restarting", f"attempt {self.restarts} of {MAX_RESTARTS}")
-            assert self._loop is not None
-            self._loop.call_later(0.5 * self.restarts, self._restart)
+        reason = self._hung or f"runner process exited with code {code}"
+        log.warning("runner %s: %s", self.runner_id[:8], reason)
+        delay, gave_up = None, None
+        if self.spec.shard.world_size == 1:
+            delay, self.restarts = restart_delay(self.restarts, time.monotonic(), self.restart_budget,
+                                                 self.restart_window_s)
+            if delay is None:
+                gave_up = (f"{reason}; {len(self.restarts) + 1} failures within {self.restart_window_s:.0f} s, "
+                           f"over the budget of {self.restart_budget} restarts: not restarted again")
+        self._fail_open_tasks(reason + ("; it is being restarted" if delay is not None else ""))
+        failed = RunnerFailed(error_message=gave_up or reason, at=datetime.now(UTC), attempt=self.spec.attempt)
+        self.view.status, self.view.status_since = failed, utc_now()
+        self.callbacks.on_status(failed)
+        if delay is not None:
+            self._schedule_restart(delay, reason)
+        elif gave_up is not None:
+            log.warning("runner %s failed for good: %s", self.runner_id[:8], gave_up)
+            self.milestone("failed_for_good", gave_up[:200])
+            if self.callbacks.on_gave_up is not None:
+                self.callbacks.on_gave_up(gave_up)
+
+    def _schedule_restart(self, delay: float, reason: str) -> None:
+        self.restarts.append(time.monotonic())
+        attempt = len(self.restarts)
+        log.info("runner %s restarting in %.1f s (attempt %d of %d within %.0f s): %s", self.runner_id[:8],
+                 delay, attempt, self.restart_budget, self.restart_window_s, reason)
+        self.milestone("restarting", f"attempt {attempt} of {self.restart_budget}")
+        assert self._loop is not None
+        self._loop.call_later(delay, self._restart)
 
     def _restart(self) -> None:
         if not self.stopping:

@@ -7,11 +7,12 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from skulk.config import Settings, env_values
 from skulk.runner.messages import TaskEnded
 from skulk.runner.spec import RunnerSpec
 from skulk.types.chunks import ErrorChunk, TokenChunk
-from skulk.types.events import Event, RunnerStatusUpdated, TaskFailed, TaskStatusUpdated
-from skulk.types.ids import NodeId, RunnerId, TaskId
+from skulk.types.events import Event, InstanceFailed, RunnerStatusUpdated, TaskFailed, TaskStatusUpdated
+from skulk.types.ids import InstanceId, NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance
 from skulk.types.runners import RunnerStatus
 from skulk.types.state import State
@@ -20,6 +21,7 @@ from skulk.worker.plan import (
     Action,
     CancelRunnerTask,
     LocalRunner,
+    RestartRunner,
     SendTask,
     StartRunner,
     StopRunner,
@@ -30,6 +32,14 @@ from skulk.worker.supervisor import RunnerSupervisor, SupervisorCallbacks
 log = logging.getLogger("skulk.worker")
 
 ModelDirFor = Callable[[MlxRingInstance], Path]
+
+
+def _env_settings() -> Settings:
+    """Defaults for the runner-health settings until the node passes them: the environment's, else built-in."""
+    try:
+        return Settings.model_validate(env_values())
+    except ValueError:
+        return Settings()
 
 
 class Worker:
@@ -43,7 +53,14 @@ class Worker:
         warmup_deadline_s: float,
         fault: str | None = None,
         record: bool = True,
+        runner_restart_budget: int | None = None,
+        runner_restart_window_s: float | None = None,
+        runner_hung_s: float | None = None,
     ) -> None:
+        defaults = _env_settings()
+        self.restart_budget = defaults.runner_restart_budget if runner_restart_budget is None else runner_restart_budget
+        self.restart_window_s = runner_restart_window_s or defaults.runner_restart_window_seconds
+        self.hung_s = runner_hung_s or defaults.runner_hung_seconds
         self.node_id = node_id
         self.emit = emit
         self.publish = publish
@@ -53,11 +70,12 @@ class Worker:
         self.record = record
         self.supervisors: dict[RunnerId, RunnerSupervisor] = {}
         self._stopping: set[asyncio.Task[None]] = set()
+        self._failed_logged: set[InstanceId] = set()
         self._closed = False
 
     def local_view(self) -> dict[RunnerId, LocalRunner]:
         return {
-            rid: LocalRunner(rid, frozenset(s.view.sent), frozenset(s.view.in_progress))
+            rid: LocalRunner(rid, frozenset(s.view.sent), frozenset(s.view.in_progress), s.spec.attempt)
             for rid, s in self.supervisors.items()
         }
 
@@ -68,22 +86,52 @@ class Worker:
             self._execute(action)
         for supervisor in self.supervisors.values():
             supervisor.forget_finished(state)
+        self._log_failed_instances(state)
+
+    def _log_failed_instances(self, state: State) -> None:
+        """One line when an instance this node serves is failed for good (the master decided, or we did)."""
+        for supervisor in self.supervisors.values():
+            iid = supervisor.spec.instance_id
+            retries = state.instance_retries.get(iid)
+            if retries is not None and retries.failed is not None and iid not in self._failed_logged:
+                self._failed_logged.add(iid)
+                log.warning("instance %s failed for good, not restarted again: %s", iid[:8], retries.failed)
 
     def _execute(self, action: Action) -> None:
         match action:
-            case StartRunner(instance=instance, runner_id=runner_id):
-                self._start_runner(instance, runner_id)
+            case StartRunner(instance=instance, runner_id=runner_id, attempt=attempt):
+                self._start_runner(instance, runner_id, attempt)
             case StopRunner(runner_id=runner_id):
-                supervisor = self.supervisors.pop(runner_id)
-                task = asyncio.get_running_loop().create_task(supervisor.stop())
-                self._stopping.add(task)
-                task.add_done_callback(self._stopping.discard)
+                self._stop_runner(runner_id)
+            case RestartRunner(instance=instance, runner_id=runner_id, attempt=attempt, why=why):
+                log.info(
+                    "instance %s retrying as a whole (restart %d; budget %d per %.0f s): restarting rank %d: %s",
+                    instance.instance_id[:8], attempt, self.restart_budget, self.restart_window_s,
+                    instance.shard_assignments.runner_to_shard[runner_id].device_rank, why,
+                )
+                self._start_runner(instance, runner_id, attempt, after=self._stop_runner(runner_id))
             case SendTask(runner_id=runner_id, task=task):
                 self.supervisors[runner_id].send_task(task)
             case CancelRunnerTask(runner_id=runner_id, task_id=task_id):
                 self.supervisors[runner_id].cancel(task_id)
 
-    def _start_runner(self, instance: MlxRingInstance, runner_id: RunnerId) -> None:
+    def _stop_runner(self, runner_id: RunnerId) -> asyncio.Task[None]:
+        supervisor = self.supervisors.pop(runner_id)
+        task = asyncio.get_running_loop().create_task(supervisor.stop())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+        return task
+
+    def _start_runner(
+        self,
+        instance: MlxRingInstance,
+        runner_id: RunnerId,
+        attempt: int = 0,
+        *,
+        after: asyncio.Task[None] | None = None,
+    ) -> None:
+        """Start the rank's runner; a restarted rank waits for its old process to be gone first, so the two
+        never hold the rendezvous port (or the accelerator) at once."""
         shard = instance.shard_assignments.runner_to_shard[runner_id]
         spec = RunnerSpec(
             node_id=self.node_id,
@@ -96,6 +144,7 @@ class Worker:
             warmup_deadline_s=self.warmup_deadline_s,
             fault=self.fault,
             record=self.record,
+            attempt=attempt,
         )
         log.info(
             "starting runner %s for %s (rank %d/%d, layers %d-%d)",
@@ -106,11 +155,27 @@ class Worker:
             shard.start_layer,
             shard.end_layer,
         )
-        supervisor = RunnerSupervisor(spec, self._callbacks(runner_id, is_sampler=shard.is_last))
+        supervisor = RunnerSupervisor(
+            spec,
+            self._callbacks(runner_id, instance.instance_id, is_sampler=shard.is_last),
+            restart_budget=self.restart_budget,
+            restart_window_s=self.restart_window_s,
+            hung_s=self.hung_s,
+        )
         self.supervisors[runner_id] = supervisor
-        supervisor.start()
+        if after is None:
+            supervisor.start()
+            return
+        task = asyncio.get_running_loop().create_task(self._start_after(after, supervisor))
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
-    def _callbacks(self, runner_id: RunnerId, *, is_sampler: bool) -> SupervisorCallbacks:
+    async def _start_after(self, stopping: asyncio.Task[None], supervisor: RunnerSupervisor) -> None:
+        await asyncio.wait([stopping])
+        if not self._closed and self.supervisors.get(supervisor.spec.runner_id) is supervisor:
+            supervisor.start()
+
+    def _callbacks(self, runner_id: RunnerId, instance_id: InstanceId, *, is_sampler: bool) -> SupervisorCallbacks:
         def on_status(status: RunnerStatus) -> None:
             self.emit(RunnerStatusUpdated(runner_id=runner_id, runner_status=status))
 
@@ -131,7 +196,10 @@ class Worker:
             else:
                 self.emit(TaskStatusUpdated(task_id=ended.task_id, task_status=ended.status))
 
-        return SupervisorCallbacks(on_status, on_chunks, on_task_started, on_task_ended)
+        def on_gave_up(why: str) -> None:
+            self.emit(InstanceFailed(instance_id=instance_id, failure_error=why))
+
+        return SupervisorCallbacks(on_status, on_chunks, on_task_started, on_task_ended, on_gave_up)
 
     async def stop(self) -> None:
         self._closed = True
