@@ -5,7 +5,9 @@ torch): the runner keeps the store handle, so slow-loading ranks can meet at a l
 store (no collective, so no op timeout) and only then start the collectives that run under the short
 `op_timeout_s`. The short timeout is what turns a hung peer into an error within seconds; a killed peer
 closes its sockets and gloo raises at once. Either way the error leaves the engine as an exception, the
-runner process exits non-zero, the supervisor reports RunnerFailed and the master tears the instance down.
+runner process exits non-zero, the supervisor reports RunnerFailed and the master restarts the instance as a
+whole (or, over its restart budget, marks it failed). Store keys are per attempt (a PrefixStore), so a rank
+restarted with its instance never reads what the previous group left behind.
 """
 
 from __future__ import annotations
