@@ -1,17 +1,87 @@
-"""Settings of one node: defaults, then skulk.yaml, then environment, then command-line flags."""
+"""Settings of one node: defaults, then skulk.yaml, then environment, then command-line flags.
+
+skulk.yaml is validated strictly: an unknown key or a wrong type stops the node with a message that names the
+file, the key and what is allowed, because a silently ignored typo (`staging_keep_recnt_gb`) would leave an
+operator believing a budget is in force that is not. Every environment variable the node reads goes through
+`resolve`, so this module is the one place that says what a node can be told.
+"""
 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message is what the operator reads before the node exits."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StagingConfig(_Section):
+    """Node-local copies of store models and their eviction lifecycle (runbook: "Model Store, Staging")."""
+
+    enabled: bool = True
+    node_cache_path: Path | None = None
+    """Where staged copies live, one <org>--<name> directory per model; None = <home>/staging."""
+    cleanup_on_deactivate: bool = True
+    staging_keep_recent_gb: float = Field(default=40.0, ge=0)
+
+
+class StagingOverride(_Section):
+    """The same keys as StagingConfig, all optional: what is set here replaces the base for one node."""
+
+    enabled: bool | None = None
+    node_cache_path: Path | None = None
+    cleanup_on_deactivate: bool | None = None
+    staging_keep_recent_gb: float | None = Field(default=None, ge=0)
+
+
+class NodeOverride(_Section):
+    staging: StagingOverride = StagingOverride()
+
+
+class DownloadConfig(_Section):
+    allow_hf_fallback: bool = True
+    """A node whose store lacks a model downloads it from Hugging Face itself."""
+    hf_endpoint: str | None = None
+    """The hub to download from (HF_ENDPOINT); None = huggingface.co."""
+
+
+class ModelStoreConfig(_Section):
+    enabled: bool = False
+    store_host: str | None = None
+    """The node (its --node-name, else its hostname) that keeps the authoritative copies and serves them."""
+    store_address: str | None = None
+    """Where other nodes reach the store server; None = store_host itself (a LAN host name)."""
+    store_port: int = Field(default=58080, ge=0, le=65535)
+    store_path: Path | None = None
+    """The authoritative copies, one <org>--<name> directory per model; None = <home>/models."""
+    download: DownloadConfig = DownloadConfig()
+    staging: StagingConfig = StagingConfig()
+    node_overrides: dict[str, NodeOverride] = {}
+
+
+class LoggingConfig(_Section):
+    enabled: bool = False
+    ingest_url: str | None = None
+    level: str = "INFO"
+
+
+class TracingConfig(_Section):
+    enabled: bool = False
+    retention_days: float = Field(default=3.0, ge=0)
 
 
 class Settings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     api_host: str = "0.0.0.0"
     api_port: int = Field(default=52415, ge=0, le=65535)
@@ -32,6 +102,11 @@ class Settings(BaseModel):
     """A runner whose heartbeat thread is silent this long is declared hung, killed and restarted."""
     rejoin_wait_seconds: float = Field(default=10.0, ge=0)
     """After a pause (a laptop lid), how long a node waits to hear its old peers before it may elect itself."""
+    hf_token: str | None = None
+    """Token for gated Hugging Face repositories (HF_TOKEN)."""
+    model_store: ModelStoreConfig = ModelStoreConfig()
+    logging: LoggingConfig = LoggingConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @property
     def models_dir(self) -> Path:
@@ -45,36 +120,158 @@ class Settings(BaseModel):
     def config_exists(self) -> bool:
         return self.config.exists()
 
+    @property
+    def host_name(self) -> str:
+        """How node_overrides and store_host name this node: its --node-name, else its hostname."""
+        return self.node_name or socket.gethostname()
+
+    @property
+    def store_path(self) -> Path:
+        return (self.model_store.store_path or self.models_dir).expanduser()
+
+    def staging_for(self, node_id: str) -> StagingConfig:
+        """The base staging section with the first matching node_overrides entry (node id, then name) on top."""
+        base = self.model_store.staging
+        overrides = self.model_store.node_overrides
+        for key in (node_id, self.host_name):
+            if key in overrides:
+                changes = overrides[key].staging.model_dump(exclude_none=True)
+                base = base.model_copy(update=changes)
+                break
+        if base.node_cache_path is None:
+            return base.model_copy(update={"node_cache_path": self.home / "staging"})
+        return base.model_copy(update={"node_cache_path": base.node_cache_path.expanduser()})
+
+    @property
+    def is_store_host(self) -> bool:
+        store = self.model_store
+        return store.enabled and store.store_host is not None and store.store_host == self.host_name
+
 
 ENV_PREFIX = "SKULK_"
 LIST_FIELDS = {"bootstrap_peers", "zenoh_listen"}
+BOOL_FIELDS = {"place_default", "multicast"}
 ENV_ALIASES = {"bootstrap_peers": "SKULK_BOOTSTRAP_PEERS", "zenoh_listen": "SKULK_ZENOH_LISTEN"}
+SECTION_FIELDS = {"model_store", "logging", "tracing", "hf_token"}
+NESTED_ENV: dict[str, tuple[str, ...]] = {
+    "SKULK_HF_TOKEN": ("hf_token",),
+    "HF_TOKEN": ("hf_token",),
+    "HF_ENDPOINT": ("model_store", "download", "hf_endpoint"),
+    "SKULK_ALLOW_HF_FALLBACK": ("model_store", "download", "allow_hf_fallback"),
+    "SKULK_MODEL_STORE": ("model_store", "enabled"),
+    "SKULK_STORE_HOST": ("model_store", "store_host"),
+    "SKULK_STORE_ADDRESS": ("model_store", "store_address"),
+    "SKULK_STORE_PORT": ("model_store", "store_port"),
+    "SKULK_STORE_PATH": ("model_store", "store_path"),
+    "SKULK_STAGING_PATH": ("model_store", "staging", "node_cache_path"),
+    "SKULK_STAGING_KEEP_RECENT_GB": ("model_store", "staging", "staging_keep_recent_gb"),
+    "SKULK_CLEANUP_ON_DEACTIVATE": ("model_store", "staging", "cleanup_on_deactivate"),
+    "SKULK_TRACING": ("tracing", "enabled"),
+}
+"""Environment twins of nested keys; HF_TOKEN and HF_ENDPOINT are Hugging Face's own names (SKULK_ wins)."""
+_HUB_NAMES = ("HF_TOKEN", "HF_ENDPOINT")
 
 
 def env_values(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, Any]:
-    """SKULK_<FIELD> for every field; list fields split on commas."""
+    """SKULK_<FIELD> for every flat field (list fields split on commas), plus the nested twins above."""
     found: dict[str, Any] = {}
     for name in Settings.model_fields:
+        if name in SECTION_FIELDS:
+            continue
         key = ENV_ALIASES.get(name, ENV_PREFIX + name.upper())
         raw = environ.get(key)
         if raw is None or raw == "":
             continue
         if name in LIST_FIELDS:
             found[name] = [part.strip() for part in raw.split(",") if part.strip()]
-        elif name in ("place_default", "multicast"):
-            found[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+        elif name in BOOL_FIELDS:
+            found[name] = _truthy(raw)
         else:
             found[name] = raw
+    for key in sorted(NESTED_ENV, key=lambda k: k in _HUB_NAMES, reverse=True):
+        raw = environ.get(key)
+        if raw:
+            _set_nested(found, NESTED_ENV[key], raw, overwrite=key not in _HUB_NAMES)
     return found
 
 
+def _truthy(raw: str) -> bool:
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _set_nested(target: dict[str, Any], path: tuple[str, ...], value: Any, *, overwrite: bool) -> None:
+    for part in path[:-1]:
+        target = target.setdefault(part, {})
+    if overwrite or path[-1] not in target:
+        target[path[-1]] = value
+
+
 def yaml_values(path: Path) -> dict[str, Any]:
+    """The file's mapping, keys with '-' read as '_'. staging/download/node_overrides at the top level are
+    read as the model_store sections of the same name (the issue lists them flat, the runbook nests them)."""
     if not path.exists():
         return {}
-    loaded = yaml.safe_load(path.read_text()) or {}
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(loaded, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")
-    return {k.replace("-", "_"): v for k, v in loaded.items()}
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    values = _underscored(loaded)
+    for section in ("staging", "download", "node_overrides"):
+        if section in values:
+            store = values.setdefault("model_store", {})
+            if not isinstance(store, dict) or section in store:
+                raise ConfigError(f"{path}: {section} is given both at the top level and under model_store")
+            store[section] = values.pop(section)
+    return values
+
+
+def _underscored(value: Any, depth: int = 0) -> Any:
+    """Keys with '-' as '_' (node names under node_overrides are kept as written)."""
+    if not isinstance(value, dict):
+        return value
+    return {
+        (k.replace("-", "_") if isinstance(k, str) and depth != 2 else k): _underscored(v, depth + 1)
+        for k, v in value.items()
+    }
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """top over base, section by section (an env twin of one nested key keeps the file's other keys)."""
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def describe_error(source: str, exc: ValidationError) -> str:
+    """One line per problem: file, dotted key, and what is allowed there."""
+    lines = [f"{source}: invalid settings"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            allowed = ", ".join(sorted(_fields_at(err["loc"][:-1])))
+            lines.append(f"  {key}: unknown key; allowed here: {allowed}")
+        else:
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
+    """The keys a section allows, found by walking the error's location through the models."""
+    model: Any = Settings
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is None:  # inside node_overrides: the part is a node name
+            model = NodeOverride
+            continue
+        annotation = fields[part].annotation if part in fields else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return list(getattr(model, "model_fields", {}))
 
 
 def resolve(flags: dict[str, Any], environ: dict[str, str] | os._Environ[str] = os.environ) -> Settings:
@@ -85,7 +282,15 @@ def resolve(flags: dict[str, Any], environ: dict[str, str] | os._Environ[str] = 
     home = Path(chosen.get("home") or from_env.get("home") or "~/.skulk").expanduser()
     if not config_path.is_absolute() and not config_path.exists() and (home / config_path).exists():
         config_path = home / config_path
-    merged = {**yaml_values(config_path), **from_env, **chosen}
+    from_file = yaml_values(config_path)
+    try:
+        Settings.model_validate(from_file)
+    except ValidationError as exc:
+        raise ConfigError(describe_error(str(config_path.resolve()), exc)) from exc
+    merged = _merge(_merge(from_file, from_env), chosen)
     merged["config"] = config_path.resolve()
     merged["home"] = Path(merged.get("home", home)).expanduser().resolve()
-    return Settings.model_validate(merged)
+    try:
+        return Settings.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(describe_error("settings (flags and environment)", exc)) from exc
