@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -22,6 +23,7 @@ from skulk.testing.chaos import (
     check_all_completed,
     check_converged,
     check_instance_intact,
+    check_streams_ended,
     frozen,
     instance_ids,
     instance_members,
@@ -31,7 +33,7 @@ from skulk.testing.chaos import (
 )
 from skulk.testing.convergence import master_of, one_master, state_of
 from skulk.testing.nodes import LocalNode
-from skulk.testing.streams import StreamLoop, StreamProbe, chat_body
+from skulk.testing.streams import StreamLoop, StreamOutcome, StreamProbe, chat_body
 
 from .harness import Cluster, place_and_wait, wait_until
 
@@ -40,6 +42,17 @@ PAUSE_S = 15.0
 CONVERGE_S = 10.0
 NEW_MASTER_S = 3.0
 NODE_LOSS_STREAM_END_S = 6.0
+STREAM_END_S = 10.0
+
+
+@contextmanager
+def streams_stopped(streams: StreamLoop) -> Iterator[list[StreamOutcome]]:
+    """Yields the list the loop's outcomes land in once the block is over; the loop is stopped even on failure."""
+    outcomes: list[StreamOutcome] = []
+    try:
+        yield outcomes
+    finally:
+        outcomes += streams.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -63,12 +76,17 @@ def test_pausing_a_worker_leaves_an_instance_on_the_other_two_untouched(cluster:
     streams = StreamLoop(api.url, chat_body(MODEL, 400))
     try:
         wait_until(lambda: any(o.tokens for o in streams.outcomes), 30, "the first stream to produce tokens")
-        pause_for(paused, PAUSE_S)
-        check_converged(verdicts, nodes, CONVERGE_S)
+        with Watch(nodes) as watch:
+            paused_at = time.monotonic()
+            pause_for(paused, PAUSE_S)
+            check_converged(verdicts, nodes, CONVERGE_S)
     finally:
         outcomes = streams.stop()
     check_all_completed(verdicts, outcomes)
     check_instance_intact(verdicts, nodes, instance_id, members, pids)
+    named = set().union(*(watch.masters_named(i, since=paused_at) for i in range(3)))
+    timeline = {f"node{i}": watch.changes(i, paused_at) for i in range(3)}
+    verdicts.expect(named == {master.node_id}, f"the master changed over a worker's pause: {timeline}")
     verdicts.settle()
 
 
@@ -80,13 +98,17 @@ def test_pausing_the_master_elects_a_new_one_and_the_old_rejoins_as_follower(clu
     instance_id = place_and_wait(rest[0], excluded_nodes=[master.node_id, rest[1].node_id])
     pids = runner_pids(rest[:1])
     verdicts = Verdicts()
-    with Watch(nodes) as watch, frozen(master) as paused_at:
-        new_master = wait_until(
-            lambda: (m := one_master(rest)) not in (None, master.node_id) and m, 20, "the others to elect a new master"
-        )
-        elected_s = time.monotonic() - paused_at
-        time.sleep(max(0.0, PAUSE_S - elected_s))
-    check_converged(verdicts, nodes, CONVERGE_S)
+    streams = StreamLoop(rest[0].url, chat_body(MODEL, 400))
+    with streams_stopped(streams) as outcomes, Watch(nodes) as watch:
+        wait_until(lambda: any(o.tokens for o in streams.outcomes), 30, "the first stream to produce tokens")
+        with frozen(master) as paused_at:
+            new_master = wait_until(
+                lambda: (m := one_master(rest)) not in (None, master.node_id) and m, 20, "a new master"
+            )
+            elected_s = time.monotonic() - paused_at
+            time.sleep(max(0.0, PAUSE_S - elected_s))
+        check_converged(verdicts, nodes, CONVERGE_S)
+    check_streams_ended(verdicts, outcomes, paused_at, STREAM_END_S)
     verdicts.expect(elected_s <= NEW_MASTER_S, f"new master after {elected_s:.1f} s (> {NEW_MASTER_S:.0f} s)")
     now = master_of(master)
     verdicts.expect(now == new_master, f"the old master follows {now}, not the new master {new_master}")

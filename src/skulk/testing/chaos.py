@@ -191,6 +191,19 @@ def check_all_completed(verdicts: Verdicts, outcomes: list[StreamOutcome]) -> No
     verdicts.expect(outcomes and not bad, f"{len(bad)} of {len(outcomes)} streams did not complete: {bad}")
 
 
+def check_streams_ended(verdicts: Verdicts, outcomes: list[StreamOutcome], fault_at: float, bound: float) -> None:
+    """Each stream completed or ended with one retryable error event, and every one open at `fault_at`
+    had ended within `bound` seconds of it: no client is left hanging on a fault."""
+    bad = [o.describe() for o in outcomes if o.kind != "completed" and not o.retryable_error]
+    verdicts.expect(not bad, f"streams ended neither completed nor with a retryable error: {bad}")
+    late = [
+        f"{o.describe()} ended +{(o.ended or time.monotonic()) - fault_at:.1f}s"
+        for o in outcomes
+        if o.started <= fault_at and (o.ended is None or o.ended > fault_at + bound)
+    ]
+    verdicts.expect(not late, f"streams open at the fault ended more than {bound:.0f} s after it: {late}")
+
+
 def check_converged(verdicts: Verdicts, nodes: Sequence[Reporter], timeout: float = 10.0) -> float | None:
     """assert_converged as a verdict; returns the seconds it took, or None if the nodes never agreed."""
     try:

@@ -70,7 +70,10 @@ class StreamOutcome:
 
     @property
     def retryable_error(self) -> bool:
-        """Ended with exactly the contract's ending for a fault: one error event marked retryable."""
+        """Ended as the contract allows for a fault: one error event marked retryable, or, before the first
+        token (when errors are plain HTTP errors), a 503, which tells any client to retry."""
+        if self.kind == "http 503":
+            return True
         return self.kind == "error" and bool(self.error and self.error.get("retryable"))
 
     def describe(self) -> str:
