@@ -8,6 +8,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -64,27 +66,51 @@ def stream_until_error(node: LocalNode, payload: dict[str, Any], on_first_token:
 
 
 LONG = body(max_tokens=100000, temperature=1.0, seed=7, stream=True)
+WINDOW_S = 2.0
 
 
-def test_a_frozen_runner_is_declared_hung_and_restarted(cluster: Cluster) -> None:
-    (node,) = cluster.start(1)
-    place_and_wait(node)
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalNode, str]]:
+    """One single-rank node for the tests that leave it serving (it costs a start and a placement once):
+    poisoned requests raise while sampling, and the restart window is short so crashes can be spread."""
+    nodes = Cluster(Path(tmp_path_factory.mktemp("faulty")))
+    env = {"SKULK_FAULT": "raise:sample", "SKULK_RUNNER_RESTART_WINDOW_SECONDS": str(WINDOW_S)}
+    (node,) = nodes.start(1, extra_env=env)
+    instance_id = place_and_wait(node)
+    yield node, instance_id
+    assert nodes.stop_all() == [], "runner processes outlived their node"
+
+
+def serving(node: LocalNode, instance_id: str) -> None:
+    wait_until(lambda: instance_ready(node, instance_id), 90, "the runner serving", node.log_tail)
+
+
+def test_a_frozen_runner_is_declared_hung_and_restarted(faulty: tuple[LocalNode, str]) -> None:
+    node, instance_id = faulty
+    serving(node, instance_id)
     frozen = only_runner(node)
     errors, elapsed = stream_until_error(node, LONG, lambda: os.kill(frozen, signal.SIGSTOP))
     assert errors and errors[0]["retryable"] is True, errors
     assert "made no progress" in errors[0]["message"] and "retry" in errors[0]["message"], errors
     assert elapsed <= 20, f"the error came {elapsed:.1f} s after SIGSTOP (hung limit 15 s)"
     new_runner(node, frozen)
-    wait_until(lambda: chat_ok(node), 90, "a chat after the restart", node.log_tail)
+    serving(node, instance_id)
+    assert chat_ok(node)
     assert "declared hung" in "\n".join(node.output)
 
 
-def test_a_poisoned_request_fails_alone(cluster: Cluster) -> None:
-    (node,) = cluster.start(1, extra_env={"SKULK_FAULT": "raise:sample"})
-    place_and_wait(node)
+def test_a_poisoned_request_fails_alone(faulty: tuple[LocalNode, str]) -> None:
+    node, instance_id = faulty
+    serving(node, instance_id)
     reply = httpx.post(f"{node.url}/v1/chat/completions", json=body(seed=2**64), timeout=30)
     assert reply.status_code == 422 and "seed" in reply.json()["error"]["message"], reply.text
     runner = only_runner(node)
+    poison_among_good(node)
+    assert node.runner_pids() == {runner}, "the runner kept serving"
+
+
+def poison_among_good(node: LocalNode) -> None:
+    """Two good chats and a poisoned one at the same time: the poisoned one gets a 500, the others complete."""
     results: dict[str, httpx.Response] = {}
 
     def send(name: str, content: str) -> None:
@@ -103,21 +129,19 @@ def test_a_poisoned_request_fails_alone(cluster: Cluster) -> None:
     for name in ("good0", "good1"):
         assert results[name].status_code == 200, results[name].text
         assert results[name].json()["choices"][0]["finish_reason"] in ("stop", "length")
-    assert node.runner_pids() == {runner}, "the runner kept serving"
 
 
-def test_crashes_spread_over_time_leave_a_runner_serving(cluster: Cluster) -> None:
-    window = 2.0
-    (node,) = cluster.start(1, extra_env={"SKULK_RUNNER_RESTART_WINDOW_SECONDS": str(window)})
-    instance_id = place_and_wait(node)
+def test_crashes_spread_over_time_leave_a_runner_serving(faulty: tuple[LocalNode, str]) -> None:
+    node, instance_id = faulty
+    serving(node, instance_id)
     last_kill = 0.0
     for _crash in range(5):  # budget 3 per window; 5 crashes, each more than a window after the last
         runner = only_runner(node)
-        time.sleep(max(0.0, last_kill + window + 0.5 - time.monotonic()))  # spacing is the point here
+        time.sleep(max(0.0, last_kill + WINDOW_S + 0.5 - time.monotonic()))  # spacing is the point here
         os.kill(runner, signal.SIGKILL)
         last_kill = time.monotonic()
         new_runner(node, runner)
-        wait_until(lambda: instance_ready(node, instance_id), 90, "the runner back", node.log_tail)
+        serving(node, instance_id)
         assert chat_ok(node)
     assert state_of(node).get("instanceRetries", {}).get(instance_id, {}).get("failed") is None
 
@@ -149,7 +173,8 @@ def test_crashes_over_budget_fail_the_instance_visibly_and_chats_fast(cluster: C
 
 
 def test_a_killed_rank_restarts_its_multi_rank_instance_as_a_whole(cluster: Cluster) -> None:
-    nodes = cluster.start(2)
+    """Also: a request that raises on the sampling rank fails alone there too (the ranks agree to drop it)."""
+    nodes = cluster.start(2, extra_env={"SKULK_FAULT": "raise:sample"})
     wait_until(lambda: all(len(state_of(n)["topology"]["connections"]) == 2 for n in nodes), 30, "links")
     instance_id = place(nodes[0], min_nodes=2)["instanceId"]
     wait_until(lambda: instance_ready(nodes[0], instance_id), 120, "the 2-rank instance", nodes[0].log_tail)
@@ -157,6 +182,8 @@ def test_a_killed_rank_restarts_its_multi_rank_instance_as_a_whole(cluster: Clus
     rank_of = {r: next(iter(s.values()))["deviceRank"] for r, s in shards["runnerToShard"].items()}
     holder = {rank_of[r]: next(n for n in nodes if n.node_id == nid) for nid, r in shards["nodeToRunner"].items()}
     before = {rank: only_runner(holder[rank]) for rank in (0, 1)}
+    poison_among_good(nodes[0])
+    assert all(holder[rank].runner_pids() == {before[rank]} for rank in (0, 1)), "both ranks kept serving"
     errors, elapsed = stream_until_error(nodes[0], LONG, lambda: os.kill(before[1], signal.SIGKILL))
     assert errors and errors[0]["retryable"] is True, errors
     assert elapsed < 15, f"the stream ended {elapsed:.1f} s after the kill"
