@@ -6,11 +6,13 @@ worker holding a shard; kill -9 of the master; restart of the former master with
 
 For each: two streams are open when the fault hits and more stream back to back until recovery; then
   streams end      seconds from the fault until every stream open at the fault had ended      (target ≤ 6 s)
-  chat again       seconds from the end of the fault (resume, heal, kill, restart) until a chat succeeds
+  chat again       seconds from the end of the fault (resume, heal, kill, restarted node ready) until a chat
+                   through a surviving node succeeds
   agree            seconds from the end of the fault until every live node reports the same masterNodeId,
                    term, lastEventAppliedIdx and instances                                   (target ≤ 10 s)
   hung             streams that neither completed nor ended with an error event               (target 0)
   errored          streams that ended with an error event (retryable is fine; on a healthy instance, a cost)
+  stall            longest silence between two tokens of any stream (a healthy instance should not stall)
   lost             instances whose nodes all stayed alive, missing after recovery             (target 0)
   diverged         live nodes not agreeing with the rest 10 s after the fault ended            (target 0)
 With --rounds N every fault runs N times; times show the median (and the worst), counts the total.
@@ -82,6 +84,10 @@ class Result:
     errored: int
     lost: int
     diverged: int
+    stall_s: float
+    """Longest pause between two tokens of any stream: a stream on a healthy instance should not stall."""
+    chat_failure: str
+    """The last failed chat before one succeeded: why service was out, for the report."""
 
 
 @dataclass(frozen=True)
@@ -138,9 +144,8 @@ def restart_victim(stage: Stage) -> tuple[float, list[LocalNode]]:
     rest = [n for n in stage.nodes if n is not stage.victim]
     stage.victim.kill()
     wait_until(lambda: one_master(rest) not in (None, stage.victim.node_id), 20, "the others to elect a master")
-    restarted_at = time.monotonic()
     stage.victim.restart(peers=[], place_default=True).wait_ready()
-    return restarted_at, list(stage.nodes)
+    return time.monotonic(), list(stage.nodes)  # the fault ends when the node serves again (start-up excluded)
 
 
 def cut_victim(stage: Stage) -> tuple[float, list[LocalNode]]:
@@ -175,23 +180,32 @@ def open_streams(stage: Stage, count: int = 2, attempts: int = 6) -> list[Stream
     raise RuntimeError(f"could not hold {count} streams open in {attempts} attempts")
 
 
-def chat_ok(node: LocalNode) -> bool:
+def chat_failure(node: LocalNode) -> str | None:
+    """None if a short chat through `node` succeeds, else what went wrong (status and error code)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 2}
     status, reply = node.post("/v1/chat/completions", body, timeout=10)
-    return status == 200 and isinstance(reply, dict) and "error" not in reply
+    if status == 200 and isinstance(reply, dict) and "error" not in reply:
+        return None
+    error = reply.get("error", {}) if isinstance(reply, dict) else {}
+    return f"{status} {error.get('code') or str(reply)[:60]}"
 
 
-def recover(api: LocalNode, live: list[LocalNode], since: float) -> tuple[float | None, float | None]:
-    """(seconds until a chat through `api` succeeds, seconds until the live nodes agree), each from `since`;
-    None for what did not happen within the recovery bound."""
+def recover(api: LocalNode, live: list[LocalNode], since: float) -> tuple[float | None, float | None, str]:
+    """(seconds until a chat through `api` succeeds, seconds until the live nodes agree, the last chat
+    failure), times from `since`; None for what did not happen within the recovery bound."""
     chat_s = agree_s = None
+    failure = ""
     while time.monotonic() < since + RECOVERY_BOUND_S and (chat_s is None or agree_s is None):
         if agree_s is None and converged(live)[0]:
             agree_s = time.monotonic() - since
-        if chat_s is None and chat_ok(api):
-            chat_s = time.monotonic() - since
+        if chat_s is None:
+            failed = chat_failure(api)
+            if failed is None:
+                chat_s = time.monotonic() - since
+            else:
+                failure = failed
         time.sleep(0.05)
-    return chat_s, agree_s
+    return chat_s, agree_s, failure
 
 
 def diverged_count(nodes: Sequence[Reporter]) -> int:
@@ -207,7 +221,7 @@ def measure(fault: Fault, stage: Stage) -> Result:
     fault_at = time.monotonic()
     try:
         ended_at, live = fault.inflict(stage)
-        chat_s, agree_s = recover(stage.api, live, ended_at)
+        chat_s, agree_s, failure = recover(stage.api, live, ended_at)
     finally:
         looped = loop.stop()
     at_fault = [p.wait(RECOVERY_BOUND_S) for p in probes]
@@ -222,6 +236,8 @@ def measure(fault: Fault, stage: Stage) -> Result:
         errored=sum(o.kind == "error" or o.kind.startswith("http") for o in outcomes),
         lost=len(stage.healthy - now_there),
         diverged=0 if agree_s is not None and agree_s <= AGREE_TARGET_S else diverged_count(live),
+        stall_s=max((o.longest_gap for o in outcomes), default=0.0),
+        chat_failure=failure,
     )
 
 
@@ -304,21 +320,23 @@ def row_of(runs: list[Result]) -> Row:
     for count in ("hung", "errored", "lost", "diverged"):
         total = sum(getattr(r, count) for r in runs)
         row.add(str(total), count == "errored" or total == 0)
+    row.add(f"{max(r.stall_s for r in runs):.1f}")
+    row.add("; ".join(sorted({r.chat_failure for r in runs if r.chat_failure})) or "-")
     return row
 
 
 def print_table(results: dict[str, list[Result] | str], rounds: int) -> None:
     table = Table(title=f"chaos on 3 nodes ({rounds} round{'s' * (rounds > 1)} per fault)")
     columns = ["fault", "streams end s (≤ 6)", "chat again s", "agree s (≤ 10)", "hung (0)", "errored", "lost (0)"]
-    for name in [*columns, "diverged (0)", "result"]:
+    for name in [*columns, "diverged (0)", "stall s", "last chat failure", "result"]:
         table.add_column(name, justify="left" if name in ("fault", "result") else "right")
     for name, runs in results.items():
         if isinstance(runs, str):
-            table.add_row(name, *["-"] * 7, runs)
+            table.add_row(name, *["-"] * 9, runs)
             continue
         row = row_of(runs)
         table.add_row(name, *row.cells, "PASS" if row.ok else "[red]FAIL[/red]")
-    Console(width=max(Console().width, 150)).print(table)  # a pipe gets 80 columns: too narrow
+    Console(width=max(Console().width, 180)).print(table)  # a pipe gets 80 columns: too narrow
 
 
 def main() -> None:

@@ -54,6 +54,9 @@ class StreamOutcome:
     status: int | None = None
     error: dict[str, Any] | None = None
     broken: str | None = None
+    last_token: float | None = None
+    longest_gap: float = 0.0
+    """Longest silence between two tokens: a stream that stalls and then completes is not hung, but slowed."""
 
     @property
     def kind(self) -> str:
@@ -126,8 +129,12 @@ def _take_line(line: str, outcome: StreamOutcome) -> None:
     if "error" in payload:
         outcome.error = payload["error"]
     elif payload.get("choices"):
+        now = time.monotonic()
         outcome.tokens += 1
-        outcome.first_token = outcome.first_token or time.monotonic()
+        outcome.first_token = outcome.first_token or now
+        if outcome.last_token is not None:
+            outcome.longest_gap = max(outcome.longest_gap, now - outcome.last_token)
+        outcome.last_token = now
 
 
 def _error_of(text: str) -> dict[str, Any]:
