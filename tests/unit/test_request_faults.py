@@ -121,3 +121,15 @@ def test_fault_kinds_parse_and_only_poisoned_requests_trip() -> None:
     assert parse_fault("crash:poison") == CrashFault()
     hook = PoisonHook(RaiseFault("sample", rank=1), 0, lambda ids: "SKULK_POISON")
     hook("sample", type("R", (), {"request_id": "r", "prompt": [1]})())  # rank 0: not this rank's fault
+
+
+def test_crash_fault_exits_the_process_on_a_poisoned_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    import skulk.runner.fault as fault
+
+    exits: list[int] = []
+    monkeypatch.setattr(fault.os, "_exit", exits.append)
+    hook = PoisonHook(CrashFault(), 0, lambda ids: "SKULK_POISON" if ids == [1] else "fine")
+    hook("admit", type("R", (), {"request_id": "ok", "prompt": [2]})())
+    assert exits == []
+    hook("sample", type("R", (), {"request_id": "bad", "prompt": [1]})())
+    assert exits == [fault.CRASH_EXIT_CODE]

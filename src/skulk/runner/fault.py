@@ -202,5 +202,5 @@ class PoisonHook:
         if isinstance(fault, CrashFault):
             log.warning("SKULK_FAULT: rank %d crashes on poisoned request %s (injected)", self.rank, where)
             os._exit(CRASH_EXIT_CODE)
-        if fault.where == where:
+        elif fault.where == where:
             raise InjectedFault(f"injected fault at {where} on rank {self.rank} (SKULK_FAULT)")
