@@ -9,7 +9,7 @@ import pytest
 
 from skulk.api.chat_session import require_instance
 from skulk.api.errors import ApiError
-from skulk.master.decide import events_for_command, events_for_unhealthy_instances
+from skulk.master.decide import events_for_command, events_for_unhealthy_instances, pick_instance
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.commands import StartChatCompletion
 from skulk.types.events import (
@@ -148,3 +148,13 @@ def test_chats_to_a_failed_instance_fail_fast_with_what_to_do() -> None:
     assert isinstance(events[-1], TaskFailed) and "failed" in events[-1].error_message
     healthy = applied(InstanceCreated(instance=instance("b", ("n2",))), state=single)
     require_instance(_Node(healthy), CARD.model_id)  # type: ignore[arg-type]  # another instance may serve
+
+
+def test_a_failed_instance_is_picked_only_when_nothing_else_is_left() -> None:
+    state = applied(
+        InstanceCreated(instance=instance("a", ("n1",))),
+        InstanceFailed(instance_id=A, failure_error="gone"),
+        InstanceCreated(instance=instance("b", ("n2",))),
+    )
+    assert pick_instance(state, CARD.model_id) == InstanceId("b"), "b is loading: it may still serve"
+    assert pick_instance(applied(InstanceDeleted(instance_id=InstanceId("b")), state=state), CARD.model_id) == A

@@ -100,10 +100,11 @@ def is_serving(state: State, instance: MlxRingInstance) -> bool:
 
 
 def pick_instance(state: State, model: ModelId) -> InstanceId | None:
-    """The serving instance of the model with the fewest open tasks; ties go to the oldest instance."""
-    candidates = [i for i in state.instances.values() if i.model_id == model and is_serving(state, i)]
-    if not candidates:
-        candidates = [i for i in state.instances.values() if i.model_id == model]
+    """The serving instance of the model with the fewest open tasks; ties go to the oldest instance. Else one
+    that may still serve (loading, restarting); a failed-for-good one only when nothing else is left."""
+    of_model = [i for i in state.instances.values() if i.model_id == model]
+    alive = [i for i in of_model if failed_for_good(state, i.instance_id) is None]
+    candidates = [i for i in alive if is_serving(state, i)] or alive or of_model
     if not candidates:
         return None
     load = {i.instance_id: 0 for i in candidates}
