@@ -7,7 +7,7 @@ import logging
 import sys
 
 from skulk import __version__
-from skulk.config import resolve
+from skulk.config import ConfigError, resolve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> None:
 
         diag_main(args[1:])
         return
+    if args and args[0] == "models":
+        from skulk.models.cli import main as models_main
+
+        models_main(args[1:])
+        return
     flags = vars(build_parser().parse_args(args))
     logging.basicConfig(
         level=logging.INFO,
@@ -71,7 +76,11 @@ def main(argv: list[str] | None = None) -> None:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    settings = resolve(flags)
+    try:
+        settings = resolve(flags)
+    except ConfigError as exc:
+        print(f"skulk: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
     from skulk.node import run_node
 
     run_node(settings)

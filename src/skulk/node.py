@@ -10,7 +10,6 @@ import signal
 import time
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,10 +28,13 @@ from skulk.diagnostics.cluster import DepartedPeer, local_addresses, peer_url
 from skulk.loops import Loops
 from skulk.master.decide import session_changed_message
 from skulk.master.master import Master
-from skulk.models.cards import model_dir_name
+from skulk.models.cards import load_custom_cards
 from skulk.models.demo import DEMO_MODEL_ID, ensure_demo_model
 from skulk.runner.fault import recording_enabled
 from skulk.state.store import StateStore
+from skulk.store.server import create_store_app
+from skulk.store.service import ModelFiles
+from skulk.store.staging import startable
 from skulk.types.chunks import ErrorChunk
 from skulk.types.commands import Command, CreateInstance
 from skulk.types.events import (
@@ -44,7 +46,6 @@ from skulk.types.events import (
     TaskStatusUpdated,
 )
 from skulk.types.ids import CommandId, NodeId, RunnerId, new_id
-from skulk.types.instances import MlxRingInstance
 from skulk.types.state import State
 from skulk.types.tasks import TaskStatus
 from skulk.worker import node_info, topology
@@ -155,11 +156,13 @@ class Node:
         )
         self.elector.on_master_changed(self._on_master_changed)
         self.membership.on_change(self._on_membership_change)
+        self.files = ModelFiles(self.settings, self.emit_local)
+        load_custom_cards(self.settings.home / "cards")
         self.worker = Worker(
             self.node_id,
             emit=self.emit_local,
             publish=lambda chunk: publish_chunk(self.transport, chunk),
-            model_dir_for=self._model_dir_for,
+            model_dir_for=self.files.model_dir_for,
             warmup_deadline_s=self.settings.warmup_deadline_seconds,
             fault=os.environ.get("SKULK_FAULT"),
             record=recording_enabled(os.environ.get("SKULK_FLIGHT_RECORDER")),
@@ -169,6 +172,9 @@ class Node:
     async def _serve(self) -> None:
         self._spawn(self.elector.run())
         await self._join()
+        self.files.start(self.node_id)
+        if self.settings.is_store_host:
+            self._spawn(self._store_server().serve())
         server = self._api_server()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -227,6 +233,7 @@ class Node:
     async def shutdown(self) -> None:
         log.info("node %s stopping", self.node_id)
         await self.worker.stop()
+        await self.files.stop()
         if self.master is not None:
             self.master.stop()
         self._loops.cancel_all()
@@ -302,8 +309,11 @@ class Node:
             asyncio.get_running_loop().call_soon(self._reconcile)
 
     def _reconcile(self) -> None:
+        """Model files first: the worker sees an instance only once every node of it has its files."""
         self._reconcile_pending = False
-        self.worker.reconcile(self.store.state)
+        if self.files.node_id:
+            self.files.reconcile(self.store.state)
+        self.worker.reconcile(startable(self.store.state))
 
     def _fail_streams_of(self, state: State, event: Event) -> None:
         """Infrastructure failures (lost node, new session) reach open streams through state, not tokens."""
@@ -343,8 +353,15 @@ class Node:
                     self.emit_local(event)
                 await asyncio.sleep(TOPOLOGY_EVERY_S)
 
-    def _model_dir_for(self, instance: MlxRingInstance) -> Path:
-        return self.settings.models_dir / model_dir_name(instance.model_id)
+    def _store_server(self) -> uvicorn.Server:
+        """The store host serves store_path to the LAN (store.server)."""
+        store = self.settings.model_store
+        log.info("model store serving %s on port %d", self.settings.store_path, store.store_port)
+        config = uvicorn.Config(
+            create_store_app(self.settings.store_path), host=self.settings.api_host, port=store.store_port,
+            log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+        )
+        return _ApiServer(config)
 
     async def _place_default(self) -> None:
         """Only a settled master places, and only what the cluster lacks: a node that restarts into an existing

@@ -8,8 +8,11 @@ from skulk import __version__
 from skulk.api.control import control_router
 from skulk.api.diagnostics import DiagnosticsHandle, diagnostics_router
 from skulk.api.errors import install_error_handlers
+from skulk.api.models import models_router
 from skulk.api.openai import openai_router
 from skulk.api.state_routes import state_router
+from skulk.api.store import store_router
+from skulk.store.service import ModelFiles
 
 
 def create_app(node: DiagnosticsHandle) -> FastAPI:
@@ -17,4 +20,8 @@ def create_app(node: DiagnosticsHandle) -> FastAPI:
     install_error_handlers(app)
     for router in (state_router(node), control_router(node), openai_router(node), diagnostics_router(node)):
         app.include_router(router)
+    files = getattr(node, "files", None)
+    app.include_router(models_router(node, files if isinstance(files, ModelFiles) else None))
+    if isinstance(files, ModelFiles):
+        app.include_router(store_router(node, files))
     return app

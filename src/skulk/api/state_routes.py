@@ -1,4 +1,4 @@
-"""Read-only views of the cluster: /state, /node_id, /models."""
+"""Read-only views of the cluster: /state, /node_id (the catalog, /models, is api/models.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from fastapi import APIRouter
 
 from skulk.api.handle import NodeHandle
 from skulk.diagnostics.health import cluster_health
-from skulk.models.cards import all_cards
 
 
 def state_router(node: NodeHandle) -> APIRouter:
@@ -25,9 +24,5 @@ def state_router(node: NodeHandle) -> APIRouter:
     @router.get("/node_id")
     async def get_node_id() -> str:
         return node.node_id
-
-    @router.get("/models")
-    async def get_models() -> dict[str, Any]:
-        return {"data": [card.model_dump(mode="json") for card in all_cards()]}
 
     return router

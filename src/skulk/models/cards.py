@@ -8,9 +8,13 @@ into node memory.
 from __future__ import annotations
 
 import functools
+import logging
 from importlib import resources
+from pathlib import Path
 
 from skulk.types.models import ModelCard
+
+log = logging.getLogger("skulk.models")
 
 _CARDS_PACKAGE = "skulk.models"
 _CARDS_DIR = "cards"
@@ -23,14 +27,45 @@ def model_dir_name(model_id: str) -> str:
     return model_id.replace("/", "--")
 
 
+_custom: dict[str, ModelCard] = {}
+"""Cards added at run time (POST /models/add), kept as JSON under the node's home and loaded at start."""
+
+
 def get_card(model_id: str) -> ModelCard | None:
     """The card for model_id, or None when the catalogue does not know it."""
-    return _cards_by_id().get(model_id)
+    return _cards_by_id().get(model_id) or _custom.get(model_id)
 
 
 def all_cards() -> list[ModelCard]:
-    """Every card, sorted by model id so listings are stable."""
-    return sorted(_cards_by_id().values(), key=lambda c: c.model_id)
+    """Every card, packaged and custom, sorted by model id so listings are stable."""
+    return sorted({**_custom, **_cards_by_id()}.values(), key=lambda c: c.model_id)
+
+
+def is_custom(model_id: str) -> bool:
+    return model_id in _custom and model_id not in _cards_by_id()
+
+
+def load_custom_cards(folder: Path) -> None:
+    """The custom cards a node kept under folder; an unreadable one is skipped with a warning."""
+    if not folder.is_dir():
+        return
+    for entry in sorted(folder.glob("*.json")):
+        try:
+            card = ModelCard.model_validate_json(entry.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            log.warning("ignoring custom model card %s: %s", entry, exc)
+            continue
+        _custom[card.model_id] = card
+
+
+def add_custom_card(folder: Path, card: ModelCard) -> None:
+    """Keep card under folder (written whole, then renamed) and list it from now on."""
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{model_dir_name(card.model_id)}.json"
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(card.model_dump_json(indent=2), encoding="utf-8")
+    tmp.replace(target)
+    _custom[card.model_id] = card
 
 
 @functools.cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from skulk.types.downloads import DownloadProgress
 from skulk.types.events import (
     Event,
     IndexedEvent,
@@ -11,6 +12,7 @@ from skulk.types.events import (
     InstanceDeleted,
     InstanceFailed,
     InstanceRetrying,
+    NodeDownloadProgress,
     NodeGatheredInfo,
     NodeTimedOut,
     RunnerDeleted,
@@ -22,7 +24,7 @@ from skulk.types.events import (
     TopologyEdgeCreated,
     TopologyEdgeDeleted,
 )
-from skulk.types.ids import InstanceId, NodeId, RunnerId
+from skulk.types.ids import InstanceId, ModelId, NodeId, RunnerId
 from skulk.types.instances import Instance
 from skulk.types.node_info import Topology
 from skulk.types.runners import RunnerFailed, RunnerStatus
@@ -79,6 +81,8 @@ def _changes(state: State, event: Event) -> dict[str, Any]:
                 return {}
             retries = state.instance_retries.get(instance_id, InstanceRetries())
             return _with_retries(state, instance_id, retries.model_copy(update={"failed": error}))
+        case NodeDownloadProgress(node_id=node_id, model_id=model_id, progress=progress):
+            return _download_progress(state, node_id, model_id, progress)
     raise TypeError(f"no rule to apply {type(event).__name__}")
 
 
@@ -185,3 +189,12 @@ def _forget_node(state: State, node: NodeId) -> dict[str, Any]:
         connections=[c for c in topo.connections if node not in (c.source, c.sink)],
     )
     return changes
+
+
+def _download_progress(
+    state: State, node_id: NodeId, model_id: ModelId, progress: DownloadProgress | None
+) -> dict[str, Any]:
+    mine = {k: v for k, v in state.downloads.get(node_id, {}).items() if k != model_id}
+    if progress is not None:
+        mine[model_id] = progress
+    return {"downloads": {**state.downloads, node_id: mine}}

@@ -8,7 +8,8 @@ from typing import Annotated
 from pydantic import Discriminator, Field, Tag
 
 from .base import CamelModel, TaggedModel, tag_of
-from .ids import InstanceId, NodeId, RunnerId, TaskId
+from .downloads import DownloadProgress
+from .ids import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from .instances import Instance
 from .node_info import Connection, NodeInfo
 from .runners import RunnerStatus
@@ -92,6 +93,15 @@ class InstanceFailed(TaggedModel):
     failure_error: str
 
 
+class NodeDownloadProgress(TaggedModel):
+    """Where one model's files stand on one node (downloading, staging, ready, failed); progress None: the node
+    no longer holds a copy (evicted or deleted)."""
+
+    node_id: NodeId
+    model_id: ModelId
+    progress: DownloadProgress | None = None
+
+
 Event = Annotated[
     Annotated[InstanceCreated, Tag("InstanceCreated")]
     | Annotated[InstanceDeleted, Tag("InstanceDeleted")]
@@ -106,7 +116,8 @@ Event = Annotated[
     | Annotated[TopologyEdgeDeleted, Tag("TopologyEdgeDeleted")]
     | Annotated[SessionStarted, Tag("SessionStarted")]
     | Annotated[InstanceRetrying, Tag("InstanceRetrying")]
-    | Annotated[InstanceFailed, Tag("InstanceFailed")],
+    | Annotated[InstanceFailed, Tag("InstanceFailed")]
+    | Annotated[NodeDownloadProgress, Tag("NodeDownloadProgress")],
     Discriminator(tag_of),
 ]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 
 from .base import CamelModel
-from .ids import InstanceId, NodeId, RunnerId, TaskId
+from .downloads import DownloadProgress
+from .ids import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from .instances import Instance
 from .node_info import (
     AcceleratorInfo,
@@ -55,3 +56,6 @@ class State(CamelModel):
     master_node_id: NodeId | None = None
     term: int = 0
     last_event_applied_idx: int = -1
+    downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = {}
+    """Per node, where each model's files stand (store.service reports them; an instance is ready to start only
+    when every node of it has its files)."""

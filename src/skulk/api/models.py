@@ -1,0 +1,92 @@
+"""The catalog: GET /models in Skulk's list shape, POST /models/add from a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import APIRouter
+from huggingface_hub import hf_hub_url
+from huggingface_hub.utils import build_hf_headers
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from skulk.api.errors import ApiError
+from skulk.api.handle import NodeHandle
+from skulk.models.cards import add_custom_card, all_cards, get_card, model_dir_name
+from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry, weight_bytes
+from skulk.store.files import INDEX_FILE, is_complete, local_files
+from skulk.store.hub import Hub, HubError, list_files
+from skulk.store.service import ModelFiles
+from skulk.types.models import ModelCard
+
+
+class AddModelRequest(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    model_id: str = Field(min_length=3, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def models_router(node: NodeHandle, files: ModelFiles | None) -> APIRouter:
+    router = APIRouter(tags=["models"])
+
+    @router.get("/models")
+    async def get_models() -> dict[str, Any]:
+        return {"data": [list_entry(card, created=0, where=_where(files, card)) for card in all_cards()]}
+
+    @router.post("/models/add")
+    async def add_model(body: AddModelRequest) -> dict[str, Any]:
+        known = get_card(body.model_id)
+        if known is None:
+            hub = Hub(node.settings.model_store.download.hf_endpoint, node.settings.hf_token)
+            local = files.store_dir(body.model_id) if files is not None else None
+            try:
+                known = await asyncio.to_thread(build_card, hub, body.model_id, local)
+            except HubError as exc:
+                raise ApiError(exc.status, exc.message, code=exc.code) from exc
+            except UnsupportedArchitecture as exc:
+                raise ApiError(400, str(exc), code="unsupported_architecture") from exc
+            add_custom_card(node.settings.home / "cards", known)
+        return list_entry(known, created=0, where=_where(files, known))
+
+    return router
+
+
+def build_card(hub: Hub, model_id: str, local: Path | None) -> ModelCard:
+    """From this node's store copy when it has one, else from the hub (config.json and the index only)."""
+    if local is not None and is_complete(local):
+        config = json.loads((local / "config.json").read_text())
+        index_path = local / INDEX_FILE
+        index = json.loads(index_path.read_text()) if index_path.exists() else None
+        return card_from_config(model_id, config, weight_bytes(local_files(local), index))
+    repo = list_files(hub, model_id)
+    if "config.json" not in repo.files:
+        raise HubError(400, f"model {model_id} has no config.json", "no_config")
+    config = _fetch_json(hub, model_id, repo.commit, "config.json")
+    index = _fetch_json(hub, model_id, repo.commit, INDEX_FILE) if INDEX_FILE in repo.files else None
+    return card_from_config(model_id, config, weight_bytes(repo.files, index))
+
+
+def _fetch_json(hub: Hub, model_id: str, commit: str, name: str) -> dict[str, Any]:
+    url = hf_hub_url(model_id, name, revision=commit, endpoint=hub.endpoint)
+    response = httpx.get(url, headers=build_hf_headers(token=hub.token or False), follow_redirects=True, timeout=30)
+    if response.status_code in (401, 403):
+        raise HubError(401, f"model {model_id} is gated; set hf_token in skulk.yaml (or HF_TOKEN)", "gated_model")
+    if response.status_code != 200:
+        raise HubError(502, f"fetching {name} of {model_id}: HTTP {response.status_code}", "hub_error")
+    return response.json()
+
+
+def _where(files: ModelFiles | None, card: ModelCard) -> dict[str, Any]:
+    """This node's copies: downloaded into its store, staged, and the latest progress."""
+    if files is None or card.builtin:
+        return {"downloaded": card.builtin, "staged": False}
+    progress = files.progress.get(card.model_id)
+    staged = files.staging_root / model_dir_name(card.model_id)
+    return {
+        "downloaded": is_complete(files.store_dir(card.model_id)),
+        "staged": staged.is_dir() and is_complete(staged),
+        "download": progress.model_dump(mode="json") if progress else None,
+    }

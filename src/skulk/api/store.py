@@ -1,0 +1,155 @@
+"""The model store and this node's staged copies: /store/*.
+
+Every route answers for this node, except /store/purge-staging, which fans out to every node of the
+cluster (each runs its own purge through /store/purge-staging/local), and /store/registry, which asks the
+store host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+from skulk.api.errors import ApiError
+from skulk.api.handle import NodeHandle
+from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
+from skulk.store.files import is_complete
+from skulk.store.hub import HubError, list_files
+from skulk.store.service import ModelFiles
+from skulk.store.staging import in_use
+from skulk.types.ids import ModelId
+
+PEER_TIMEOUT_S = 10.0
+
+
+class PurgeRequest(BaseModel):
+    """{} purges every not-in-use staged model; {"modelId": …} (or model_id) only that one."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    model_id: str | None = None
+
+
+def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
+    router = APIRouter(tags=["store"])
+
+    @router.get("/store/health")
+    async def health() -> dict[str, Any]:
+        base = files.store_base()
+        reachable = await _get_json(base + "/registry") is not None if base else None
+        store = node.settings.model_store
+        return {
+            "status": "ok",
+            "node_id": node.node_id,
+            "store_configured": base is not None,
+            "store_host": store.store_host,
+            "is_store_host": node.settings.is_store_host,
+            "store_url": base,
+            "store_reachable": reachable,
+            "staging_root": str(files.staging_root),
+        }
+
+    @router.get("/store/registry")
+    async def registry() -> dict[str, Any]:
+        base = files.store_base()
+        if base is None:
+            raise ApiError(503, "store not configured: set model_store.enabled and store_host in skulk.yaml")
+        body = await _get_json(base + "/registry")
+        if body is None:
+            raise ApiError(503, f"the model store at {base} is unreachable", code="store_unreachable")
+        return body
+
+    @router.get("/store/downloads")
+    async def downloads() -> dict[str, Any]:
+        mine = [p.model_dump(mode="json") for p in files.progress.values()]
+        cluster = {n: {m: p.model_dump(mode="json") for m, p in d.items()} for n, d in node.state.downloads.items()}
+        return {"node_id": node.node_id, "downloads": mine, "cluster": cluster}
+
+    @router.post("/store/models/{model_id:path}/download", status_code=202)
+    async def start_download(model_id: str) -> dict[str, Any]:
+        try:
+            await asyncio.to_thread(list_files, files.hub, model_id)
+        except HubError as exc:
+            raise ApiError(exc.status, exc.message, code=exc.code) from exc
+        progress = files.progress.get(ModelId(model_id))
+        if progress is None or progress.status in ("Failed", "Completed"):
+            _keep(asyncio.get_running_loop().create_task(files.download(model_id)))
+        return {
+            "model_id": model_id,
+            "message": "download started",
+            "status_url": f"/store/models/{model_id}/download/status",
+        }
+
+    @router.get("/store/models/{model_id:path}/download/status")
+    async def download_status(model_id: str) -> dict[str, Any]:
+        progress = files.progress.get(ModelId(model_id))
+        if progress is None:
+            if is_complete(files.store_dir(model_id)):
+                return {"model_id": model_id, "status": "Completed", "source": "local"}
+            raise ApiError(404, f"no download of {model_id} on this node; POST /store/models/{model_id}/download")
+        return progress.model_dump(mode="json")
+
+    @router.delete("/store/models/{model_id:path}")
+    async def delete_model(model_id: str) -> dict[str, Any]:
+        if model_id in in_use(node.state, node.node_id):
+            raise ApiError(409, f"{model_id} is in use by an instance on this node; delete the instance first")
+        removed = await asyncio.to_thread(files.delete, model_id)
+        if not removed:
+            raise ApiError(404, f"this node holds no copy of {model_id}")
+        return {"model_id": model_id, "removed": removed}
+
+    @router.get("/store/storage")
+    async def storage() -> dict[str, Any]:
+        return await asyncio.to_thread(files.storage, node.state)
+
+    @router.post("/store/purge-staging/local")
+    async def purge_local(body: PurgeRequest) -> dict[str, Any]:
+        removed = await asyncio.to_thread(files.purge, node.state, body.model_id)
+        return {"node_id": node.node_id, "removed": removed}
+
+    @router.post("/store/purge-staging")
+    async def purge(body: PurgeRequest) -> dict[str, Any]:
+        mine = await asyncio.to_thread(files.purge, node.state, body.model_id)
+        results: dict[str, Any] = {node.node_id: {"ok": True, "removed": mine}}
+        peers = known_peers(node.state, node.node_id)
+        ours = local_addresses()
+        answers = await asyncio.gather(*(_purge_peer(peer_url(node.state, node.node_id, p, ours), body) for p in peers))
+        results.update(zip(peers, answers, strict=True))
+        return {"model_id": body.model_id, "nodes": results}
+
+    return router
+
+
+_background: set[asyncio.Task[None]] = set()
+
+
+def _keep(task: asyncio.Task[None]) -> None:
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _get_json(url: str) -> Any:
+    try:
+        async with httpx.AsyncClient(timeout=3.0) as client:
+            response = await client.get(url)
+        return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def _purge_peer(url: str | None, body: PurgeRequest) -> dict[str, Any]:
+    """Never raises: a peer that cannot be reached is reported, the others are still purged."""
+    if url is None:
+        return {"ok": False, "error": "no API address known for this node"}
+    try:
+        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S) as client:
+            response = await client.post(url + "/store/purge-staging/local", json=body.model_dump(by_alias=True))
+        if response.status_code != 200:
+            return {"ok": False, "error": f"HTTP {response.status_code}: {response.text[:200]}"}
+        return {"ok": True, "removed": response.json().get("removed", [])}
+    except httpx.HTTPError as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

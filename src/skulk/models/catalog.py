@@ -1,0 +1,85 @@
+"""The catalog as clients list it, and cards built from a model's own config.json.
+
+`GET /models` answers in Skulk's list shape (snake_case, as Skulk serves it) so Skulk clients show every
+model by id; `POST /models/add` turns a Hugging Face checkpoint into a card with the numbers placement needs,
+refusing architectures the engine cannot run rather than failing later inside a runner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES
+from skulk.models.cards import is_custom
+from skulk.types.ids import ModelId
+from skulk.types.memory import Memory
+from skulk.types.models import ModelCard
+
+MB = 1024**2
+_DTYPES = {"float32", "bfloat16", "float16"}
+
+
+class UnsupportedArchitecture(ValueError):
+    """The model's architecture is not one the engine runs; the message names it and the supported ones."""
+
+
+def list_entry(card: ModelCard, *, created: int, where: dict[str, Any]) -> dict[str, Any]:
+    """One model in Skulk's list shape; `where` adds this node's copies (downloaded, staged)."""
+    org, _, name = card.model_id.rpartition("/")
+    return {
+        "id": card.model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": org or "skulk",
+        "hugging_face_id": None if card.builtin else card.model_id,
+        "name": name,
+        "description": f"{card.family} · {card.n_layers} layers · {card.storage_size.in_bytes / 1e9:.2f} GB",
+        "context_length": card.context_length,
+        "tags": [card.family, card.dtype] + (["builtin"] if card.builtin else []),
+        "storage_size_megabytes": round(card.storage_size.in_bytes / MB),
+        "supports_tensor": card.supports_tensor,
+        "tasks": ["TextGeneration"],
+        "is_custom": is_custom(card.model_id),
+        "family": card.family,
+        "quantization": card.quantization,
+        "base_model": card.model_id,
+        "capabilities": ["text"],
+        **where,
+    }
+
+
+def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -> ModelCard:
+    """A card from config.json and the bytes of the safetensors; UnsupportedArchitecture for anything the
+    torch engine (Llama 3.x, Qwen2/2.5, Qwen3) cannot run."""
+    model_type = str(config.get("model_type", ""))
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        architectures = ", ".join(config.get("architectures") or []) or "none given"
+        raise UnsupportedArchitecture(
+            f"{model_id} is a {model_type or 'model without model_type'} model (architectures: {architectures}); "
+            f"the engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models"
+        )
+    heads = int(config["num_attention_heads"])
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    quantization = config.get("quantization_config") or config.get("quantization")
+    return ModelCard(
+        model_id=ModelId(model_id),
+        family=model_type,
+        n_layers=int(config["num_hidden_layers"]),
+        hidden_size=int(config["hidden_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        storage_size=Memory.from_bytes(weight_bytes),
+        dtype=dtype if dtype in _DTYPES else "bfloat16",  # type: ignore[arg-type]
+        quantization="none" if not quantization else str(quantization.get("bits", "quantized")),
+        context_length=int(config.get("max_position_embeddings") or 4096),
+        supports_tensor=True,
+        builtin=False,
+    )
+
+
+def weight_bytes(files: dict[str, int], index: dict[str, Any] | None) -> int:
+    """The bytes of the weights: the index's total_size when it has one, else the safetensors files' sizes."""
+    total = (index or {}).get("metadata", {}).get("total_size")
+    if isinstance(total, int) and total > 0:
+        return total
+    return sum(size for name, size in files.items() if name.endswith(".safetensors"))

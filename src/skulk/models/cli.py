@@ -1,0 +1,132 @@
+"""`skulk models ...`: list the catalog, add a model, download one with a progress bar (bytes, rate, ETA).
+
+A download goes through the running node at --url (so /state shows it on every node); with no node there,
+it downloads straight into this machine's store_path with the settings of skulk.yaml and the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from skulk.config import ConfigError, resolve
+
+POLL_S = 0.3
+console = Console(stderr=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="skulk models", description="The model catalog and downloads.")
+    parser.add_argument("--url", default="http://localhost:52415", help="a node's API (default %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the catalog, and where each model is on this node")
+    add = sub.add_parser("add", help="add a Hugging Face model to the catalog from its config.json")
+    add.add_argument("model_id")
+    download = sub.add_parser("download", help="download a model, with a progress bar")
+    download.add_argument("model_id")
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "list":
+            _list(args.url)
+        elif args.command == "add":
+            _show(httpx.post(f"{args.url}/models/add", json={"model_id": args.model_id}, timeout=120))
+        else:
+            _download(args.url, args.model_id)
+    except httpx.ConnectError:
+        if args.command != "download":
+            console.print(f"[red]no node answers at {args.url}; start one with `skulk`")
+            raise SystemExit(1) from None
+        _download_here(args.model_id)
+
+
+def _list(url: str) -> None:
+    reply = httpx.get(f"{url}/models", timeout=10)
+    table = Table("id", "family", "MB", "downloaded", "staged")
+    for model in reply.json()["data"]:
+        table.add_row(
+            model["id"],
+            model["family"],
+            str(model["storage_size_megabytes"]),
+            str(model.get("downloaded", "")),
+            str(model.get("staged", "")),
+        )
+    Console().print(table)
+
+
+def _show(reply: httpx.Response) -> None:
+    if reply.status_code >= 400:
+        console.print(f"[red]{reply.json()['error']['message']}")
+        raise SystemExit(1)
+    console.print(reply.json())
+
+
+def _bar() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+
+
+def _download(url: str, model_id: str) -> None:
+    """Through the node: start it, then follow its status until it completes or fails."""
+    _check(httpx.post(f"{url}/store/models/{model_id}/download", timeout=60))
+    with _bar() as bar:
+        task = bar.add_task(model_id, total=None)
+        while True:
+            status = httpx.get(f"{url}/store/models/{model_id}/download/status", timeout=10).json()
+            bar.update(task, completed=status.get("downloadedBytes", 0), total=status.get("totalBytes") or None)
+            if status.get("status") in ("Completed", "Failed"):
+                break
+            time.sleep(POLL_S)
+    if status["status"] == "Failed":
+        console.print(f"[red]{status.get('error')}")
+        raise SystemExit(1)
+    console.print(f"[green]{model_id} downloaded")
+
+
+def _check(reply: httpx.Response) -> dict[str, Any]:
+    if reply.status_code >= 400:
+        console.print(f"[red]{reply.json()['error']['message']}")
+        raise SystemExit(1)
+    return reply.json()
+
+
+def _download_here(model_id: str) -> None:
+    """No node running: straight into store_path, the same code path a node uses."""
+    from skulk.store.hub import Hub, HubError, download, list_files
+
+    try:
+        settings = resolve({})
+    except ConfigError as exc:
+        console.print(f"[red]{exc}")
+        raise SystemExit(2) from exc
+    hub = Hub(settings.model_store.download.hf_endpoint, settings.hf_token)
+    target = settings.store_path / model_id.replace("/", "--")
+    try:
+        repo = list_files(hub, model_id)
+        with _bar() as bar:
+            task = bar.add_task(model_id, total=repo.total_bytes)
+            download(hub, repo, target, lambda done, _files: bar.update(task, completed=done))
+    except HubError as exc:
+        console.print(f"[red]{exc.message}")
+        raise SystemExit(1) from exc
+    console.print(f"[green]{model_id} downloaded to {target}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

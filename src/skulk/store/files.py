@@ -1,0 +1,140 @@
+"""Which files of a model a node needs, and how a model directory says it is complete.
+
+Pure functions over names and the safetensors index, plus the two marker files: a model directory is
+complete only when `.skulk-complete.json` is written, after every file reached its final name (each file is
+written under a temporary name, checked against its expected size and renamed), so a runner never loads a
+half download.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+INDEX_FILE = "model.safetensors.index.json"
+COMPLETE_MARKER = ".skulk-complete.json"
+NEEDED_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "*.safetensors",
+    INDEX_FILE,
+)
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class CompleteMarker(BaseModel):
+    model_id: str
+    total_bytes: int
+    downloaded_at: datetime
+    files: list[str]
+
+
+def is_needed(name: str) -> bool:
+    """Config, tokenizer files, chat template, safetensors and their index: nothing else is downloaded."""
+    return "/" not in name and any(fnmatch.fnmatch(name, p) for p in NEEDED_PATTERNS)
+
+
+def shard_files(index: dict[str, Any], start_layer: int, end_layer: int, n_layers: int) -> set[str]:
+    """The safetensors files that hold layers [start_layer, end_layer) of a pipeline stage, plus the embeddings
+    for the first stage (and the last when they are tied: no lm_head) and the final norm and lm_head for the
+    last."""
+    weight_map: dict[str, str] = index.get("weight_map", {})
+    first, last = start_layer == 0, end_layer == n_layers
+    tied = not any(t.startswith("lm_head") for t in weight_map)
+    chosen: set[str] = set()
+    for tensor, filename in weight_map.items():
+        match = _LAYER.search(tensor)
+        if match is not None:
+            wanted = start_layer <= int(match.group(1)) < end_layer
+        elif "embed_tokens" in tensor:
+            wanted = first or (last and tied)
+        elif tensor.startswith("lm_head") or tensor.endswith("model.norm.weight"):
+            wanted = last
+        else:
+            wanted = first or last
+        if wanted:
+            chosen.add(filename)
+    return chosen
+
+
+def files_for_shard(
+    all_files: dict[str, int], index: dict[str, Any] | None, layers: tuple[int, int, int]
+) -> dict[str, int]:
+    """The needed files (name → bytes) of one shard: every small file, and of the weights only its own."""
+    needed = {name: size for name, size in all_files.items() if is_needed(name)}
+    if index is None:
+        return needed
+    start, end, total = layers
+    own = shard_files(index, start, end, total)
+    return {n: s for n, s in needed.items() if not n.endswith(".safetensors") or n in own}
+
+
+def read_marker(model_dir: Path) -> CompleteMarker | None:
+    try:
+        return CompleteMarker.model_validate_json((model_dir / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_marker(model_dir: Path, model_id: str, files: dict[str, int]) -> CompleteMarker:
+    marker = CompleteMarker(
+        model_id=model_id, total_bytes=sum(files.values()), downloaded_at=datetime.now(UTC), files=sorted(files)
+    )
+    tmp = model_dir / (COMPLETE_MARKER + ".tmp")
+    tmp.write_text(marker.model_dump_json())
+    tmp.replace(model_dir / COMPLETE_MARKER)
+    return marker
+
+
+def has_files(model_dir: Path, files: dict[str, int]) -> bool:
+    """Every named file is present at its final name with its expected size."""
+    for name, size in files.items():
+        path = model_dir / name
+        if not path.is_file() or path.stat().st_size != size:
+            return False
+    return True
+
+
+def is_complete(model_dir: Path) -> bool:
+    """Downloaded completely (the marker), or a hand-copied directory with a config and weights."""
+    if read_marker(model_dir) is not None:
+        return True
+    return (
+        (model_dir / "config.json").is_file()
+        and any(model_dir.glob("*.safetensors"))
+        and not (model_dir / ".cache").exists()
+    )
+
+
+def local_files(model_dir: Path) -> dict[str, int]:
+    """The needed files present in a directory, name → bytes."""
+    if not model_dir.is_dir():
+        return {}
+    return {p.name: p.stat().st_size for p in model_dir.iterdir() if p.is_file() and is_needed(p.name)}
+
+
+def read_index(model_dir: Path) -> dict[str, Any] | None:
+    path = model_dir / INDEX_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes under path (files only), 0 when it is missing."""
+    if not path.exists():
+        return 0
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -1,0 +1,121 @@
+"""Downloads from Hugging Face with `huggingface_hub`: only the files a node needs, resumable, never a half
+file under a final name (store.fetch writes a partial under `.skulk-partial/`, checks the size and renames;
+an interrupted download, even one whose node was killed, resumes from the partial with a Range request).
+huggingface_hub lists the repo, builds the URLs and the auth headers; its own file download deletes
+partials on failure, which would re-pay every byte after a node restart.
+
+Errors become `HubError`s with an HTTP status and a message that says what to do, so the API, the CLI and
+the /state progress all tell the operator the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from huggingface_hub import HfApi, hf_hub_url
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import build_hf_headers
+
+from skulk.store.fetch import InsufficientDisk, Progress, fetch_all
+from skulk.store.files import is_needed
+
+
+class HubError(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Hub:
+    """Where to download from: endpoint None is huggingface.co; token is hf_token."""
+
+    endpoint: str | None = None
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class RepoFiles:
+    model_id: str
+    commit: str
+    files: dict[str, int]
+    """Needed files, name → bytes."""
+    gated: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+
+def list_files(hub: Hub, model_id: str) -> RepoFiles:
+    """The repo's needed files with their sizes; 404 for an unknown repo, 400 when it has no safetensors."""
+    api = HfApi(endpoint=hub.endpoint, token=hub.token or False)
+    try:
+        info = api.model_info(model_id, files_metadata=True)
+    except GatedRepoError as exc:
+        raise gated_error(model_id) from exc
+    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
+        raise HubError(404, f"model {model_id} was not found on Hugging Face; check the id", "model_not_found") from exc
+    except HfHubHTTPError as exc:
+        raise HubError(502, f"Hugging Face answered for {model_id}: {exc}", "hub_error") from exc
+    files = {s.rfilename: int(s.size or 0) for s in info.siblings or [] if is_needed(s.rfilename)}
+    if not any(name.endswith(".safetensors") for name in files):
+        raise HubError(
+            400,
+            f"model {model_id} has no safetensors weights; Skulk loads only safetensors checkpoints",
+            "no_safetensors",
+        )
+    return RepoFiles(model_id=model_id, commit=info.sha or "main", files=files, gated=bool(info.gated))
+
+
+def gated_error(model_id: str) -> HubError:
+    return HubError(
+        401,
+        f"model {model_id} is gated on Hugging Face: accept its license on huggingface.co and set hf_token in "
+        "skulk.yaml (or HF_TOKEN) to a token with access",
+        "gated_model",
+    )
+
+
+def download(hub: Hub, repo: RepoFiles, model_dir: Path, on_progress: Progress | None = None) -> None:
+    """Every file of repo into model_dir, then the completion marker; finished files are skipped and a partial
+    one resumes where the last attempt stopped."""
+    if repo.gated and not hub.token:
+        raise gated_error(repo.model_id)
+    urls = {name: hf_hub_url(repo.model_id, name, revision=repo.commit, endpoint=hub.endpoint) for name in repo.files}
+    try:
+        fetch_all(
+            urls,
+            repo.files,
+            model_dir,
+            model_id=repo.model_id,
+            on_progress=on_progress,
+            check=lambda r: _check(repo.model_id, r),
+            headers=build_hf_headers(token=hub.token or False),
+        )
+    except InsufficientDisk as exc:
+        raise HubError(507, f"{repo.model_id}: {exc}", "insufficient_disk") from exc
+    except (httpx.TransportError, OSError) as exc:
+        raise HubError(
+            502,
+            f"downloading {repo.model_id} failed ({exc}); retry and it resumes where it stopped",
+            "download_interrupted",
+        ) from exc
+
+
+def _check(model_id: str, response: httpx.Response) -> None:
+    """The hub's error headers as typed errors (huggingface_hub's own mapping needs its own HTTP client)."""
+    code = response.headers.get("X-Error-Code")
+    if code == "GatedRepo" or response.status_code in (401, 403):
+        raise gated_error(model_id)
+    if code == "RepoNotFound" or response.status_code == 404:
+        raise HubError(404, f"model {model_id} (or one of its files) was not found on Hugging Face", "model_not_found")

@@ -1,0 +1,327 @@
+"""A node's model files: the I/O shell around store.staging's decisions.
+
+It prepares the files every local shard needs (in place from this node's store, staged from the LAN store,
+or downloaded from Hugging Face), reports progress as `NodeDownloadProgress` events so every node's /state
+shows it, tells the worker where each runner loads from, and runs the one eviction mechanism on its three
+triggers (deactivation, startup, operator purge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from skulk.config import Settings
+from skulk.models.cards import model_dir_name
+from skulk.store import client, eviction
+from skulk.store.files import INDEX_FILE, files_for_shard, has_files, is_complete, read_marker, tree_bytes
+from skulk.store.hub import Hub, HubError, RepoFiles, download, list_files
+from skulk.store.staging import Need, Route, in_use, my_needs, route
+from skulk.types.downloads import DownloadProgress, DownloadSource, DownloadStatus
+from skulk.types.events import Event, NodeDownloadProgress
+from skulk.types.ids import ModelId, NodeId
+from skulk.types.instances import MlxRingInstance
+from skulk.types.state import State
+
+log = logging.getLogger("skulk.store")
+
+
+class ModelFiles:
+    def __init__(self, settings: Settings, emit: Callable[[Event], None]) -> None:
+        self.settings = settings
+        self.emit = emit
+        self.node_id = NodeId("")
+        self.staging = settings.staging_for("")
+        self.hub = Hub(settings.model_store.download.hf_endpoint, settings.hf_token)
+        self.progress: dict[ModelId, DownloadProgress] = {}
+        self._tasks: dict[ModelId, asyncio.Task[None]] = {}
+        self._dirs: dict[ModelId, Path] = {}
+        self._needed: set[ModelId] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- paths ----------------------------------------------------------------------------------------------
+    @property
+    def staging_root(self) -> Path:
+        assert self.staging.node_cache_path is not None
+        return self.staging.node_cache_path
+
+    def store_dir(self, model_id: str) -> Path:
+        return self.settings.store_path / model_dir_name(model_id)
+
+    def store_base(self) -> str | None:
+        store = self.settings.model_store
+        host = store.store_address or store.store_host
+        return client.store_url(host, store.store_port) if store.enabled and host else None
+
+    def model_dir_for(self, instance: MlxRingInstance) -> Path:
+        """Where the runner loads from: the prepared directory; built-in models are generated in models_dir."""
+        card = next(iter(instance.shard_assignments.runner_to_shard.values())).model_card
+        if card.builtin:
+            return self.settings.models_dir / model_dir_name(instance.model_id)
+        return self._dirs.get(instance.model_id, self.store_dir(instance.model_id))
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def start(self, node_id: NodeId) -> None:
+        """Node startup: the startup eviction pass reconciles copies a crashed session left behind."""
+        self.node_id = node_id
+        self.staging = self.settings.staging_for(node_id)
+        self._loop = asyncio.get_running_loop()
+        self.evict(set(), "node startup")
+
+    def reconcile(self, state: State) -> None:
+        """Prepare what local shards need; a model no longer needed is deactivated (eviction trigger 1)."""
+        needs = my_needs(state, self.node_id)
+        for model_id, need in needs.items():
+            if model_id not in self._tasks:
+                self._tasks[model_id] = asyncio.get_running_loop().create_task(self._prepare(need))
+        gone = self._needed - set(needs)
+        self._needed = set(needs)
+        for model_id in gone:
+            task = self._tasks.pop(model_id, None)
+            if task is not None:
+                task.cancel()
+            path = self._dirs.pop(model_id, None)
+            if path is not None:
+                eviction.touch(path)
+        if gone:
+            self.evict(in_use(state, self.node_id), "instance deactivation")
+
+    async def stop(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    # -- preparing files ------------------------------------------------------------------------------------
+    async def _prepare(self, need: Need) -> None:
+        try:
+            path = await asyncio.to_thread(self._prepare_sync, need)
+        except HubError as exc:
+            self._fail(need.model_id, exc.message, exc.status)
+            return
+        except Exception as exc:  # a worker thread's failure is reported, never allowed to stop the node
+            log.warning("preparing %s failed: %s", need.model_id, exc)
+            self._fail(need.model_id, str(exc), 502)
+            return
+        self._dirs[need.model_id] = path
+
+    def _prepare_sync(self, need: Need) -> Path:
+        store_copy = self.store_dir(need.model_id)
+        chosen = route(self.settings, is_complete(store_copy))
+        if chosen == Route.LocalStore:
+            self._report(need.model_id, DownloadSource.Local, DownloadStatus.Completed, tree_bytes(store_copy))
+            return store_copy
+        if chosen == Route.FromHub:
+            self.download_sync(need.model_id)
+            return store_copy
+        return self._stage(need)
+
+    def _stage(self, need: Need) -> Path:
+        """Stage a shard's files into the staging root, from the store, else (if allowed) from Hugging Face."""
+        target = self.staging_root / model_dir_name(need.model_id)
+        base = self.store_base()
+        assert base is not None
+        try:
+            files = client.store_files(base, need.model_id)
+        except (client.NotInStore, client.StoreUnreachable) as exc:
+            if not self.settings.model_store.download.allow_hf_fallback:
+                raise HubError(404, f"{exc}; download.allow_hf_fallback is off", "model_not_in_store") from exc
+            log.info("%s: %s; falling back to Hugging Face", need.model_id, exc)
+            return self._stage_from_hub(need, target)
+        index = client.fetch_index(base, need.model_id, files, target)
+        wanted = self._shard_files(files, index, need)
+        if not (has_files(target, wanted) and read_marker(target) is not None):
+            self._report(need.model_id, DownloadSource.Store, DownloadStatus.Downloading, 0, sum(wanted.values()))
+            client.stage(base, need.model_id, wanted, target, self._meter(need.model_id, DownloadSource.Store, wanted))
+        self._finish(need.model_id, DownloadSource.Store, target, wanted)
+        return target
+
+    def _stage_from_hub(self, need: Need, target: Path) -> Path:
+        repo = list_files(self.hub, need.model_id)
+        index_path = None
+        if INDEX_FILE in repo.files:
+            download(
+                self.hub,
+                RepoFiles(repo.model_id, repo.commit, {INDEX_FILE: repo.files[INDEX_FILE]}, repo.gated),
+                target,
+            )
+            index_path = target / INDEX_FILE
+        wanted = self._shard_files(repo.files, index_path, need)
+        subset = RepoFiles(repo.model_id, repo.commit, wanted, repo.gated)
+        download(self.hub, subset, target, self._meter(need.model_id, DownloadSource.HuggingFace, wanted))
+        self._finish(need.model_id, DownloadSource.HuggingFace, target, wanted)
+        return target
+
+    @staticmethod
+    def _shard_files(files: dict[str, int], index_path: Path | None, need: Need) -> dict[str, int]:
+        index = json.loads(index_path.read_text()) if index_path is not None else None
+        return files_for_shard(files, index, need.layers) if need.layers else files_for_shard(files, None, (0, 0, 0))
+
+    def _finish(self, model_id: ModelId, source: DownloadSource, target: Path, files: dict[str, int]) -> None:
+        eviction.touch(target)
+        total = sum(files.values())
+        self._report(model_id, source, DownloadStatus.Completed, total, total, len(files), len(files))
+
+    def download_sync(self, model_id: str) -> DownloadProgress:
+        """The whole model from Hugging Face into this node's store_path (blocking; run it in a thread)."""
+        mid = ModelId(model_id)
+        self._report(mid, DownloadSource.HuggingFace, DownloadStatus.Pending)
+        repo = list_files(self.hub, model_id)
+        self._report(
+            mid, DownloadSource.HuggingFace, DownloadStatus.Downloading, 0, repo.total_bytes, 0, len(repo.files)
+        )
+        download(self.hub, repo, self.store_dir(model_id), self._meter(mid, DownloadSource.HuggingFace, repo.files))
+        return self._report(
+            mid,
+            DownloadSource.HuggingFace,
+            DownloadStatus.Completed,
+            repo.total_bytes,
+            repo.total_bytes,
+            len(repo.files),
+            len(repo.files),
+        )
+
+    async def download(self, model_id: str) -> None:
+        """An operator download (POST /store/models/{id}/download); failures land in its progress."""
+        try:
+            await asyncio.to_thread(self.download_sync, model_id)
+        except HubError as exc:
+            self._fail(ModelId(model_id), exc.message, exc.status)
+        except Exception as exc:
+            self._fail(ModelId(model_id), str(exc), 502)
+
+    # -- progress -------------------------------------------------------------------------------------------
+    def _meter(self, model_id: ModelId, source: DownloadSource, files: dict[str, int]) -> Callable[[int, int], None]:
+        started = time.monotonic()
+        total = sum(files.values())
+        first: list[int] = []
+
+        def on_progress(done_bytes: int, done_files: int) -> None:
+            first.append(done_bytes) if not first else None
+            rate = (done_bytes - first[0]) / max(time.monotonic() - started, 1e-3)
+            self._report(model_id, source, DownloadStatus.Downloading, done_bytes, total, done_files, len(files), rate)
+
+        return on_progress
+
+    def _report(
+        self,
+        model_id: ModelId,
+        source: DownloadSource,
+        status: DownloadStatus,
+        done: int = 0,
+        total: int = 0,
+        files_done: int = 0,
+        files_total: int = 0,
+        rate: float = 0.0,
+    ) -> DownloadProgress:
+        progress = DownloadProgress(
+            model_id=model_id,
+            status=status,
+            source=source,
+            downloaded_bytes=done,
+            total_bytes=total or done,
+            files_done=files_done,
+            files_total=files_total,
+            bytes_per_second=rate,
+            updated_at=datetime.now(UTC),
+        )
+        self._publish(model_id, progress)
+        return progress
+
+    def _fail(self, model_id: ModelId, message: str, status: int) -> None:
+        old = self.progress.get(model_id)
+        source = old.source if old else DownloadSource.HuggingFace
+        update = {
+            "status": DownloadStatus.Failed,
+            "error": message,
+            "error_status": status,
+            "updated_at": datetime.now(UTC),
+        }
+        base = old or DownloadProgress(model_id=model_id, status=DownloadStatus.Failed, source=source)
+        log.warning("files of %s: %s", model_id, message)
+        self._publish(model_id, base.model_copy(update=update))
+
+    def _publish(self, model_id: ModelId, progress: DownloadProgress | None) -> None:
+        """From any thread: keep it locally and send it to the master for every node's /state."""
+        if progress is None:
+            self.progress.pop(model_id, None)
+        else:
+            self.progress[model_id] = progress
+        event = NodeDownloadProgress(node_id=self.node_id, model_id=model_id, progress=progress)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.emit, event)
+
+    # -- eviction and storage -------------------------------------------------------------------------------
+    def _evictable_root(self) -> bool:
+        """Never evict the store itself (a store host whose staging path is its store_path loads in place)."""
+        return self.staging_root.resolve() != self.settings.store_path.resolve()
+
+    def evict(self, using: set[str], why: str) -> list[str]:
+        """Triggers 1 and 2: keep not-in-use copies newest-first up to the budget, delete the rest."""
+        if not (self.staging.cleanup_on_deactivate and self._evictable_root()):
+            return []
+        budget = int(self.staging.staging_keep_recent_gb * eviction.GIB)
+        removed = eviction.remove(eviction.to_evict(eviction.scan(self.staging_root, using), budget), why)
+        self._forget(removed)
+        return removed
+
+    def purge(self, state: State, model_id: str | None) -> list[str]:
+        """Trigger 3, this node's part of a cluster-wide purge; the store copy is never touched."""
+        if not self._evictable_root():
+            return []
+        staged = eviction.scan(self.staging_root, in_use(state, self.node_id))
+        removed = eviction.remove(eviction.to_purge(staged, model_id), "operator purge")
+        self._forget(removed)
+        return removed
+
+    def _forget(self, removed: list[str]) -> None:
+        for model_id in removed:
+            if model_id not in self._needed:
+                self._publish(ModelId(model_id), None)
+
+    def storage(self, state: State, event_log_bytes: int = 0) -> dict[str, Any]:
+        """GET /store/storage: this node's staged models, totals and the staging volume's disk."""
+        staged = eviction.scan(self.staging_root, in_use(state, self.node_id))
+        root = self.staging_root
+        probe = root if root.exists() else root.parent
+        while not probe.exists():
+            probe = probe.parent
+        disk = shutil.disk_usage(probe)
+        return {
+            "node_id": self.node_id,
+            "staging_root": str(root),
+            "staged_models": [
+                {
+                    "model_id": s.model_id,
+                    "path": str(s.path),
+                    "size_bytes": s.bytes,
+                    "last_used_at": datetime.fromtimestamp(s.last_used, UTC).isoformat(),
+                    "in_use": s.in_use,
+                }
+                for s in staged
+            ],
+            "staged_total_bytes": sum(s.bytes for s in staged),
+            "event_log_bytes": event_log_bytes,
+            "disk_total_bytes": disk.total,
+            "disk_free_bytes": disk.free,
+            "cleanup_on_deactivate": self.staging.cleanup_on_deactivate,
+            "staging_keep_recent_gb": self.staging.staging_keep_recent_gb,
+        }
+
+    def delete(self, model_id: str) -> list[str]:
+        """DELETE /store/models/{id}: this node's store copy and staged copy; the paths removed."""
+        removed = []
+        for path in (self.store_dir(model_id), self.staging_root / model_dir_name(model_id)):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(str(path))
+        if removed:
+            self._dirs.pop(ModelId(model_id), None)
+            self._publish(ModelId(model_id), None)
+        return removed

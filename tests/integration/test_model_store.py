@@ -1,0 +1,155 @@
+"""The LAN model store over real node processes: a store host serves, a worker stages only its shard's files
+and serves a chat; deactivation evicts with a zero budget; purge reaches every node; a bad skulk.yaml stops a
+node with the message."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skulk.store.files import files_for_shard
+from skulk.testing.nodes import LocalNode, free_port
+from tests.fake_hub import write_random_model
+
+from .harness import Cluster, instance_ready, place, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = "org/tiny-store"
+
+
+def _yaml(home: Path, text: str) -> None:
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "skulk.yaml").write_text(text)
+
+
+def _store_yaml(store_path: Path, port: int, keep_gb: float) -> str:
+    return (
+        "model_store:\n  enabled: true\n  store_host: store\n  store_address: 127.0.0.1\n"
+        f"  store_port: {port}\n  store_path: {store_path}\n"
+        f"  download: {{allow_hf_fallback: false}}\n  staging: {{staging_keep_recent_gb: {keep_gb}}}\n"
+    )
+
+
+def _my_shard(state: dict[str, Any], instance_id: str, node_id: str) -> dict[str, Any]:
+    inner = next(iter(state["instances"][instance_id].values()))
+    runner = inner["shardAssignments"]["nodeToRunner"][node_id]
+    return next(iter(inner["shardAssignments"]["runnerToShard"][runner].values()))
+
+
+def _chat(node: LocalNode) -> dict[str, Any]:
+    status, reply = node.post(
+        "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    )
+    assert status == 200, reply
+    return reply
+
+
+def test_store_host_serves_worker_stages_its_shard_then_evicts(cluster: Cluster, tmp_path: Path) -> None:
+    store_path = tmp_path / "store"
+    repo = write_random_model(store_path, MODEL, shards=4, layers=4)
+    port = free_port()
+    config = _store_yaml(store_path, port, keep_gb=0)
+    _yaml(cluster.root / "node0", config)
+    _yaml(cluster.root / "node1", config)
+    host = cluster.start(1, extra_env={"SKULK_NODE_NAME": "store"})[0]
+    worker = cluster.start(1, extra_env={"SKULK_NODE_NAME": "worker"})[0]
+    wait_until(lambda: len((host.get("/state") or {}).get("nodeIdentities", {})) == 2, 30, "two nodes")
+
+    status, added = host.post("/models/add", {"model_id": MODEL})
+    assert status == 200, added
+    assert added["id"] == MODEL and added["family"] == "llama" and added["downloaded"]
+    listed = {m["id"]: m for m in host.get("/models")["data"]}
+    assert listed[MODEL]["storage_size_megabytes"] >= 0 and listed[MODEL]["is_custom"]
+    assert host.get("/store/registry")["entries"][0]["model_id"] == MODEL
+    assert worker.get("/store/health")["store_reachable"] is True
+
+    instance_id = place(host, MODEL, min_nodes=2)["instanceId"]
+    wait_until(lambda: instance_ready(host, instance_id), 90, "the instance to be ready", worker.log_tail)
+    assert _chat(worker)["choices"][0]["message"]["content"] is not None
+
+    state = host.get("/state")
+    progress = state["downloads"][worker.node_id][MODEL]
+    assert (progress["status"], progress["source"]) == ("Completed", "store")
+    shard = _my_shard(state, instance_id, worker.node_id)
+    index = json.loads((repo / "model.safetensors.index.json").read_text())
+    sizes = {p.name: p.stat().st_size for p in repo.iterdir() if p.is_file()}
+    expected = files_for_shard(sizes, index, (shard["startLayer"], shard["endLayer"], shard["nLayers"]))
+    staged_dir = worker.home / "staging" / "org--tiny-store"
+    staged = {p.name for p in staged_dir.glob("*.safetensors")}
+    assert staged == {n for n in expected if n.endswith(".safetensors")}
+    assert len(staged) < 4, "a pipeline shard stages only the files holding its layers"
+    storage = worker.get("/store/storage")
+    assert [m["in_use"] for m in storage["staged_models"]] == [True]
+    assert not (host.home / "staging" / "org--tiny-store").exists(), "the store host loads in place"
+
+    status, _ = worker.post("/store/purge-staging", {})
+    assert status == 200
+    assert staged_dir.is_dir(), "a model in use is never purged"
+
+    response = host.client().delete(f"/instance/{instance_id}")
+    assert response.status_code == 200
+    wait_until(lambda: not staged_dir.exists(), 30, "deactivation to evict the staged copy (budget 0)")
+    wait_until(lambda: any("evicted staged org/tiny-store" in line for line in worker.output), 10, "the eviction log")
+    assert (store_path / "org--tiny-store" / "config.json").exists(), "the store copy is never touched"
+    assert worker.post("/store/purge-staging", {})[0] == 200
+
+
+def test_purge_on_every_node_and_startup_pass(cluster: Cluster, tmp_path: Path) -> None:
+    """Copies planted in two nodes' staging roots: purge {"modelId"} removes one model everywhere, {} the rest;
+    a restart with a budget keeps the newest copy and evicts the older beyond it."""
+    config = "model_store:\n  staging: {staging_keep_recent_gb: 1000}\n"
+    for i in range(2):
+        _yaml(cluster.root / f"node{i}", config)
+    nodes = cluster.form(2)
+    for node in nodes:
+        for name in ("org--a", "org--b"):
+            folder = node.home / "staging" / name
+            folder.mkdir(parents=True)
+            (folder / "model.safetensors").write_bytes(b"x" * 1000)
+    status, reply = nodes[0].post("/store/purge-staging", {"modelId": "org/a"})
+    assert status == 200 and all(r["ok"] for r in reply["nodes"].values()), reply
+    for node in nodes:
+        assert not (node.home / "staging" / "org--a").exists()
+        assert (node.home / "staging" / "org--b").exists()
+    assert nodes[1].client().post("/store/purge-staging").status_code == 422, "a JSON body is required"
+    status, reply = nodes[1].post("/store/purge-staging", {})
+    assert status == 200 and sorted(r["removed"] for r in reply["nodes"].values()) == [["org/b"], ["org/b"]]
+
+    node = nodes[1]
+    for name, age in (("org--old", 1000), ("org--new", 0)):
+        folder = node.home / "staging" / name
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 600_000)
+        stamp = folder / ".skulk-last-used"
+        stamp.touch()
+        import os
+        import time
+
+        os.utime(stamp, (time.time() - age, time.time() - age))
+    _yaml(node.home, "model_store:\n  staging: {staging_keep_recent_gb: 0.0008}\n")  # ~860 kB: one fits
+    node.stop()
+    node.restart()
+    node.wait_ready()
+    assert (node.home / "staging" / "org--new").exists()
+    assert not (node.home / "staging" / "org--old").exists()
+    assert any("evicted staged org/old" in line and "node startup" in line for line in node.output)
+
+
+def test_invalid_skulk_yaml_stops_the_node_with_the_message(tmp_path: Path) -> None:
+    _yaml(tmp_path, "model_store:\n  staging:\n    staging_keep_recnt_gb: 3\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "skulk", "--home", str(tmp_path), "--no-place-default"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert str(tmp_path / "skulk.yaml") in done.stderr
+    assert "model_store.staging.staging_keep_recnt_gb: unknown key" in done.stderr

@@ -1,0 +1,110 @@
+"""Pure parts of the model store: eviction decisions, shard files, the store server's path rules, cards from
+config.json, and the start gate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry, weight_bytes
+from skulk.store.eviction import StagedModel, to_evict, to_purge
+from skulk.store.files import files_for_shard, shard_files
+from skulk.store.server import create_store_app
+
+pytestmark = pytest.mark.timeout(30)
+MB = 10**6
+
+
+def _staged(model_id: str, size: int, last_used: float, in_use: bool = False) -> StagedModel:
+    return StagedModel(model_id, Path("/x") / model_id, size, last_used, in_use)
+
+
+def test_eviction_keeps_newest_within_budget_and_never_in_use() -> None:
+    staged = [
+        _staged("old", 5 * MB, 1),
+        _staged("mid", 5 * MB, 2),
+        _staged("new", 5 * MB, 3),
+        _staged("live", 50 * MB, 0, True),
+    ]
+    assert [s.model_id for s in to_evict(staged, 11 * MB)] == ["old"]
+    assert [s.model_id for s in to_evict(staged, 0)] == ["new", "mid", "old"]
+    assert [s.model_id for s in to_evict(staged, 10**12)] == []
+    # newest-first prefix: once one does not fit, everything older goes even if small
+    mixed = [_staged("big-new", 8 * MB, 3), _staged("small-old", 1 * MB, 1)]
+    assert [s.model_id for s in to_evict(mixed, 7 * MB)] == ["big-new", "small-old"]
+
+
+def test_purge_takes_every_idle_copy_or_one_model() -> None:
+    staged = [_staged("a", 1, 1), _staged("b", 1, 1), _staged("live", 1, 1, True)]
+    assert [s.model_id for s in to_purge(staged, None)] == ["a", "b"]
+    assert [s.model_id for s in to_purge(staged, "b")] == ["b"]
+    assert to_purge(staged, "live") == []
+
+
+def test_shard_files_follow_the_index() -> None:
+    index = {
+        "weight_map": {
+            "model.embed_tokens.weight": "f1",
+            "model.layers.0.mlp.up_proj.weight": "f1",
+            "model.layers.1.mlp.up_proj.weight": "f2",
+            "model.layers.2.mlp.up_proj.weight": "f3",
+            "model.layers.3.mlp.up_proj.weight": "f4",
+            "model.norm.weight": "f4",
+            "lm_head.weight": "f4",
+        }
+    }
+    assert shard_files(index, 0, 2, 4) == {"f1", "f2"}
+    assert shard_files(index, 2, 3, 4) == {"f3"}
+    assert shard_files(index, 3, 4, 4) == {"f4"}
+    del index["weight_map"]["lm_head.weight"]  # tied embeddings: the last stage needs them too
+    assert shard_files(index, 3, 4, 4) == {"f1", "f4"}
+    files = {"config.json": 1, "tokenizer.json": 2, "f1": 0, "f3.safetensors": 9, "README.md": 3}
+    assert set(files_for_shard(files, None, (0, 4, 4))) == {"config.json", "tokenizer.json", "f3.safetensors"}
+
+
+def test_store_server_serves_ranges_and_nothing_outside(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    model = store / "org--m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(bytes(range(200)))
+    (tmp_path / "secret.txt").write_text("no")
+    client = TestClient(create_store_app(store))
+    assert client.get("/models/org/m/files").json()["files"] == {"config.json": 2, "model.safetensors": 200}
+    ranged = client.get("/models/org/m/files/model.safetensors", headers={"Range": "bytes=100-"})
+    assert ranged.status_code == 206 and ranged.content == bytes(range(100, 200))
+    for path in (
+        "/models/org/m/files/..%2F..%2Fsecret.txt",
+        "/models/org/m/files/%2E%2E",
+        "/models/%2E%2E/m/files/config.json",
+        "/models/org/..%2F..%2Fx/files",
+        "/models/org/m/../../secret.txt",
+        "/models/org/nope/files/config.json",
+    ):
+        response = client.get(path)
+        assert response.status_code in (400, 404), path
+        assert response.content != b"no"
+    assert client.get("/registry").json()["entries"][0]["model_id"] == "org/m"
+
+
+def test_card_from_config_and_unsupported_architecture() -> None:
+    config = {
+        "model_type": "qwen3",
+        "num_hidden_layers": 28,
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 40960,
+        "torch_dtype": "bfloat16",
+    }
+    card = card_from_config("Qwen/Qwen3-0.6B", config, 1_503_300_328)
+    assert (card.family, card.n_layers, card.context_length) == ("qwen3", 28, 40960)
+    entry = list_entry(card, created=0, where={})
+    assert entry["storage_size_megabytes"] == 1434 and entry["hugging_face_id"] == "Qwen/Qwen3-0.6B"
+    with pytest.raises(UnsupportedArchitecture) as caught:
+        card_from_config("x/mamba", {"model_type": "mamba", "architectures": ["MambaForCausalLM"]}, 1)
+    assert "mamba" in str(caught.value) and "llama, qwen2, qwen3" in str(caught.value)
+    assert weight_bytes({"a.safetensors": 5, "b.safetensors": 6, "c.json": 100}, None) == 11
+    assert weight_bytes({}, {"metadata": {"total_size": 42}}) == 42
