@@ -144,6 +144,7 @@ def test_crashes_spread_over_time_leave_a_runner_serving(faulty: tuple[LocalNode
         serving(node, instance_id)
         assert chat_ok(node)
     assert state_of(node).get("instanceRetries", {}).get(instance_id, {}).get("failed") is None
+    assert "restarting in 0.5 s (attempt 1 of 3 within 2 s)" in "\n".join(node.output)
 
 
 def test_crashes_over_budget_fail_the_instance_visibly_and_chats_fast(cluster: Cluster) -> None:
@@ -194,3 +195,5 @@ def test_a_killed_rank_restarts_its_multi_rank_instance_as_a_whole(cluster: Clus
     state = state_of(nodes[0])
     assert instance_id in state["instances"] and state["instanceRetries"][instance_id]["attempt"] == 1
     assert chat_ok(nodes[0])
+    logs = "\n".join(line for n in nodes for line in n.output)
+    assert "retrying as a whole (attempt 1 of 3 within 60 s)" in logs and "failed by a fault" in logs

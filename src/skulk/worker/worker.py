@@ -83,7 +83,7 @@ class Worker:
         if self._closed:
             return
         for action in plan(state, self.node_id, self.local_view()):
-            self._execute(action)
+            self._execute(action, state)
         for supervisor in self.supervisors.values():
             supervisor.forget_finished(state)
         self._log_failed_instances(state)
@@ -97,23 +97,29 @@ class Worker:
                 self._failed_logged.add(iid)
                 log.warning("instance %s failed for good, not restarted again: %s", iid[:8], retries.failed)
 
-    def _execute(self, action: Action) -> None:
+    def _execute(self, action: Action, state: State) -> None:
         match action:
             case StartRunner(instance=instance, runner_id=runner_id, attempt=attempt):
                 self._start_runner(instance, runner_id, attempt)
             case StopRunner(runner_id=runner_id):
                 self._stop_runner(runner_id)
             case RestartRunner(instance=instance, runner_id=runner_id, attempt=attempt, why=why):
-                log.info(
-                    "instance %s retrying as a whole (restart %d; budget %d per %.0f s): restarting rank %d: %s",
-                    instance.instance_id[:8], attempt, self.restart_budget, self.restart_window_s,
-                    instance.shard_assignments.runner_to_shard[runner_id].device_rank, why,
-                )
+                self._log_retry(state, instance, runner_id, why)
                 self._start_runner(instance, runner_id, attempt, after=self._stop_runner(runner_id))
             case SendTask(runner_id=runner_id, task=task):
                 self.supervisors[runner_id].send_task(task)
             case CancelRunnerTask(runner_id=runner_id, task_id=task_id):
                 self.supervisors[runner_id].cancel(task_id)
+
+    def _log_retry(self, state: State, instance: MlxRingInstance, runner_id: RunnerId, why: str) -> None:
+        retries = state.instance_retries.get(instance.instance_id)
+        recent = retries.recent if retries is not None else []
+        in_window = len(retries.within(recent[-1] if recent else None, self.restart_window_s)) if retries else 1
+        log.info(
+            "instance %s retrying as a whole (attempt %d of %d within %.0f s): restarting rank %d: %s",
+            instance.instance_id[:8], in_window, self.restart_budget, self.restart_window_s,
+            instance.shard_assignments.runner_to_shard[runner_id].device_rank, why,
+        )
 
     def _stop_runner(self, runner_id: RunnerId) -> asyncio.Task[None]:
         supervisor = self.supervisors.pop(runner_id)
