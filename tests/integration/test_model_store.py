@@ -14,7 +14,7 @@ import pytest
 
 from skulk.store.files import files_for_shard
 from skulk.testing.nodes import LocalNode, free_port
-from tests.fake_hub import write_random_model
+from tests.fake_hub import RunningHub, write_random_model, write_repo
 
 from .harness import Cluster, instance_ready, place, wait_until
 
@@ -153,3 +153,61 @@ def test_invalid_skulk_yaml_stops_the_node_with_the_message(tmp_path: Path) -> N
     assert done.returncode == 2
     assert str(tmp_path / "skulk.yaml") in done.stderr
     assert "model_store.staging.staging_keep_recnt_gb: unknown key" in done.stderr
+
+
+def test_hugging_face_download_progress_errors_and_chat(cluster: Cluster, tmp_path: Path) -> None:
+    """A node pointed at a local fake of the hub: operator download with progress in /state, the typed errors,
+    a model added from its config.json and placed straight from the hub, and `skulk models download`."""
+    root = tmp_path / "hub"
+    for repo_id in ("org/dl", "org/placed", "org/cli"):
+        write_random_model(root, repo_id, shards=2)
+    write_random_model(root, "org/locked", gated=True)
+    write_repo(root, "org/pickles", {"config.json": {"model_type": "llama"}, "pytorch_model.bin": b"x"})
+    write_repo(
+        root,
+        "org/mamba",
+        {"config.json": {"model_type": "mamba", "architectures": ["MambaForCausalLM"]}, "model.safetensors": b"x"},
+    )
+    hub = RunningHub(root).start()
+    try:
+        node = cluster.start(1, extra_env={"HF_ENDPOINT": hub.url})[0]
+        assert node.post("/store/models/org/dl/download", {})[0] == 202
+        wait_until(lambda: _progress(node, "org/dl").get("status") == "Completed", 60, "the download")
+        status = node.get("/store/models/org/dl/download/status")
+        assert status["downloadedBytes"] == status["totalBytes"] > 0 and status["filesDone"] == status["filesTotal"]
+        assert (node.home / "models" / "org--dl" / "model-00002-of-00002.safetensors").is_file()
+
+        code, reply = node.post("/store/models/org/locked/download", {})
+        assert code == 401 and "hf_token" in reply["error"]["message"]
+        code, reply = node.post("/store/models/org/nope/download", {})
+        assert code == 404 and "org/nope" in reply["error"]["message"]
+        code, reply = node.post("/store/models/org/pickles/download", {})
+        assert code == 400 and "safetensors" in reply["error"]["message"]
+        code, reply = node.post("/models/add", {"model_id": "org/mamba"})
+        assert code == 400 and "mamba" in reply["error"]["message"] and "qwen3" in reply["error"]["message"]
+
+        assert node.post("/models/add", {"model_id": "org/placed"})[0] == 200
+        instance_id = place(node, "org/placed")["instanceId"]
+        wait_until(lambda: instance_ready(node, instance_id), 90, "the instance to be ready", node.log_tail)
+        assert _progress(node, "org/placed")["status"] == "Completed"
+        code, reply = node.post(
+            "/v1/chat/completions",
+            {"model": "org/placed", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
+        assert code == 200, reply
+
+        done = subprocess.run(
+            [sys.executable, "-m", "skulk", "models", "--url", node.url, "download", "org/cli"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "org/cli downloaded" in done.stderr
+    finally:
+        hub.kill()
+
+
+def _progress(node: LocalNode, model_id: str) -> dict[str, Any]:
+    state = node.get("/state") or {}
+    return state.get("downloads", {}).get(node.node_id, {}).get(model_id, {})

@@ -16,6 +16,7 @@ from pydantic.alias_generators import to_camel
 
 from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
+from skulk.api.store import valid_model_id
 from skulk.models.cards import add_custom_card, all_cards, get_card, model_dir_name
 from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry, weight_bytes
 from skulk.store.files import INDEX_FILE, is_complete, local_files
@@ -38,7 +39,7 @@ def models_router(node: NodeHandle, files: ModelFiles | None) -> APIRouter:
 
     @router.post("/models/add")
     async def add_model(body: AddModelRequest) -> dict[str, Any]:
-        known = get_card(body.model_id)
+        known = get_card(valid_model_id(body.model_id))
         if known is None:
             hub = Hub(node.settings.model_store.download.hf_endpoint, node.settings.hf_token)
             local = files.store_dir(body.model_id) if files is not None else None

@@ -8,6 +8,7 @@ store host.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import httpx
@@ -19,12 +20,20 @@ from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
 from skulk.store.files import is_complete
-from skulk.store.hub import HubError, list_files
+from skulk.store.hub import HubError, preflight
 from skulk.store.service import ModelFiles
 from skulk.store.staging import in_use
 from skulk.types.ids import ModelId
 
 PEER_TIMEOUT_S = 10.0
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def valid_model_id(model_id: str) -> str:
+    """org/name, nothing that could address a path outside the store or staging root."""
+    if not _MODEL_ID.fullmatch(model_id) or ".." in model_id:
+        raise ApiError(400, f"invalid model id {model_id!r}; expected org/name", code="invalid_model_id")
+    return model_id
 
 
 class PurgeRequest(BaseModel):
@@ -71,8 +80,9 @@ def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
 
     @router.post("/store/models/{model_id:path}/download", status_code=202)
     async def start_download(model_id: str) -> dict[str, Any]:
+        valid_model_id(model_id)
         try:
-            await asyncio.to_thread(list_files, files.hub, model_id)
+            await asyncio.to_thread(preflight, files.hub, model_id, files.store_dir(model_id))
         except HubError as exc:
             raise ApiError(exc.status, exc.message, code=exc.code) from exc
         progress = files.progress.get(ModelId(model_id))
@@ -86,6 +96,7 @@ def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
 
     @router.get("/store/models/{model_id:path}/download/status")
     async def download_status(model_id: str) -> dict[str, Any]:
+        valid_model_id(model_id)
         progress = files.progress.get(ModelId(model_id))
         if progress is None:
             if is_complete(files.store_dir(model_id)):
@@ -95,6 +106,7 @@ def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
 
     @router.delete("/store/models/{model_id:path}")
     async def delete_model(model_id: str) -> dict[str, Any]:
+        valid_model_id(model_id)
         if model_id in in_use(node.state, node.node_id):
             raise ApiError(409, f"{model_id} is in use by an instance on this node; delete the instance first")
         removed = await asyncio.to_thread(files.delete, model_id)

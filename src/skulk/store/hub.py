@@ -23,7 +23,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import build_hf_headers
 
-from skulk.store.fetch import InsufficientDisk, Progress, fetch_all
+from skulk.store.fetch import InsufficientDisk, Progress, check_disk, fetch_all, present_bytes
 from skulk.store.files import is_needed
 
 
@@ -75,6 +75,19 @@ def list_files(hub: Hub, model_id: str) -> RepoFiles:
             "no_safetensors",
         )
     return RepoFiles(model_id=model_id, commit=info.sha or "main", files=files, gated=bool(info.gated))
+
+
+def preflight(hub: Hub, model_id: str, model_dir: Path) -> RepoFiles:
+    """What an operator download would fetch, refused before it starts: unknown repo (404), no safetensors
+    (400), gated without a token (401), not enough disk (507)."""
+    repo = list_files(hub, model_id)
+    if repo.gated and not hub.token:
+        raise gated_error(model_id)
+    try:
+        check_disk(model_dir, repo.total_bytes - present_bytes(model_dir, repo.files))
+    except InsufficientDisk as exc:
+        raise HubError(507, f"{model_id}: {exc}", "insufficient_disk") from exc
+    return repo
 
 
 def gated_error(model_id: str) -> HubError:
