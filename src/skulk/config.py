@@ -102,6 +102,10 @@ class Settings(BaseModel):
     """A runner whose heartbeat thread is silent this long is declared hung, killed and restarted."""
     rejoin_wait_seconds: float = Field(default=10.0, ge=0)
     """After a pause (a laptop lid), how long a node waits to hear its old peers before it may elect itself."""
+    fault: str | None = None
+    """SKULK_FAULT: make a runner stall, raise or crash on purpose (runner/fault.py). For testing only."""
+    flight_recorder: str | None = None
+    """SKULK_FLIGHT_RECORDER: 0/false/no/off turns the runners' flight recorder off."""
     hf_token: str | None = None
     """Token for gated Hugging Face repositories (HF_TOKEN)."""
     model_store: ModelStoreConfig = ModelStoreConfig()

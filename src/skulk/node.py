@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import time
 from collections.abc import Iterator, Mapping
@@ -164,8 +163,11 @@ class Node:
             publish=lambda chunk: publish_chunk(self.transport, chunk),
             model_dir_for=self.files.model_dir_for,
             warmup_deadline_s=self.settings.warmup_deadline_seconds,
-            fault=os.environ.get("SKULK_FAULT"),
-            record=recording_enabled(os.environ.get("SKULK_FLIGHT_RECORDER")),
+            fault=self.settings.fault,
+            record=recording_enabled(self.settings.flight_recorder),
+            runner_restart_budget=self.settings.runner_restart_budget,
+            runner_restart_window_s=self.settings.runner_restart_window_seconds,
+            runner_hung_s=self.settings.runner_hung_seconds,
         )
         self.store.listen(self._on_state_change)
 
@@ -279,6 +281,8 @@ class Node:
                 lambda: self.membership.alive,
                 frozen=self.elector.frozen,
                 spawn=self._spawn,
+                restart_budget=self.settings.runner_restart_budget,
+                restart_window_s=self.settings.runner_restart_window_seconds,
             )
             self.master.start()
         elif master is not None and master != self.node_id:

@@ -11,6 +11,8 @@ from skulk.cluster.intake import Intake
 from skulk.cluster.sync import Sequencer
 from skulk.cluster.transport import Transport
 from skulk.master.decide import (
+    RESTART_BUDGET,
+    RESTART_WINDOW_S,
     events_for_command,
     events_for_lost_node,
     events_for_new_session,
@@ -37,7 +39,11 @@ class Master:
         alive: Callable[[], frozenset[NodeId]],
         frozen: Callable[[], bool] = lambda: False,
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[Any] | None] | None = None,
+        restart_budget: int = RESTART_BUDGET,
+        restart_window_s: float = RESTART_WINDOW_S,
     ) -> None:
+        self.restart_budget = restart_budget
+        self.restart_window_s = restart_window_s
         self._spawn = spawn or asyncio.get_running_loop().create_task
         self.node_id = node_id
         self.term = term
@@ -112,7 +118,9 @@ class Master:
         known = set(self.state.topology.nodes) | set(self.state.last_seen)
         for node in sorted(known - alive):
             self.on_node_lost(node, "not alive in this master's view")
-        self.emit(events_for_unhealthy_instances(self.state))
+        self.emit(
+            events_for_unhealthy_instances(self.state, budget=self.restart_budget, window_s=self.restart_window_s)
+        )
 
     async def _reconcile_forever(self) -> None:
         while True:

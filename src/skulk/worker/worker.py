@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from skulk.config import Settings, env_values
+from skulk.config import Settings
 from skulk.runner.messages import TaskEnded
 from skulk.runner.spec import RunnerSpec
 from skulk.types.chunks import ErrorChunk, TokenChunk
@@ -34,12 +34,7 @@ log = logging.getLogger("skulk.worker")
 ModelDirFor = Callable[[MlxRingInstance], Path]
 
 
-def _env_settings() -> Settings:
-    """Defaults for the runner-health settings until the node passes them: the environment's, else built-in."""
-    try:
-        return Settings.model_validate(env_values())
-    except ValueError:
-        return Settings()
+_DEFAULTS = Settings()
 
 
 class Worker:
@@ -53,14 +48,13 @@ class Worker:
         warmup_deadline_s: float,
         fault: str | None = None,
         record: bool = True,
-        runner_restart_budget: int | None = None,
-        runner_restart_window_s: float | None = None,
-        runner_hung_s: float | None = None,
+        runner_restart_budget: int = _DEFAULTS.runner_restart_budget,
+        runner_restart_window_s: float = _DEFAULTS.runner_restart_window_seconds,
+        runner_hung_s: float = _DEFAULTS.runner_hung_seconds,
     ) -> None:
-        defaults = _env_settings()
-        self.restart_budget = defaults.runner_restart_budget if runner_restart_budget is None else runner_restart_budget
-        self.restart_window_s = runner_restart_window_s or defaults.runner_restart_window_seconds
-        self.hung_s = runner_hung_s or defaults.runner_hung_seconds
+        self.restart_budget = runner_restart_budget
+        self.restart_window_s = runner_restart_window_s
+        self.hung_s = runner_hung_s
         self.node_id = node_id
         self.emit = emit
         self.publish = publish
