@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,8 @@ POLL_S = 0.25
 Progress = Callable[[int, int], None]
 """(bytes on disk so far, files done)."""
 
+Opener = Callable[[str, int], AbstractContextManager[tuple[int, Iterator[bytes]]]]
+"""(url, first byte) → (HTTP status, body chunks): one GET, from `first byte` on when it is not 0."""
 CheckResponse = Callable[[httpx.Response], None]
 """Raise a typed error for a response that is not the file (read it first for its body)."""
 
@@ -40,16 +43,7 @@ def partial_bytes(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) if folder.is_dir() else 0
 
 
-def fetch_file(
-    client: httpx.Client,
-    url: str,
-    dest: Path,
-    size: int,
-    *,
-    on_bytes: Callable[[int], None],
-    check: CheckResponse,
-    headers: Mapping[str, str] | None = None,
-) -> None:
+def fetch_file(opener: Opener, url: str, dest: Path, size: int, *, on_bytes: Callable[[int], None]) -> None:
     """dest, size bytes long, from url; resumes a partial left by an earlier attempt."""
     if dest.is_file() and dest.stat().st_size == size:
         return
@@ -60,7 +54,7 @@ def fetch_file(
         part.unlink()
         have = 0
     if have < size:
-        _stream(client, url, part, have, on_bytes, check, dict(headers or {}))
+        _stream(opener, url, part, have, on_bytes)
     got = part.stat().st_size
     if got != size:
         if got > size:
@@ -69,30 +63,31 @@ def fetch_file(
     os.replace(part, dest)
 
 
-def _stream(
-    client: httpx.Client,
-    url: str,
-    part: Path,
-    have: int,
-    on_bytes: Callable[[int], None],
-    check: CheckResponse,
-    headers: dict[str, str],
-) -> None:
-    if have:
-        headers["Range"] = f"bytes={have}-"
-    with client.stream("GET", url, headers=headers) as response:
-        if response.status_code >= 400:
-            response.read()
-            check(response)
-            response.raise_for_status()
-        mode = "ab" if have and response.status_code == 206 else "wb"
+def _stream(opener: Opener, url: str, part: Path, have: int, on_bytes: Callable[[int], None]) -> None:
+    with opener(url, have) as (status, chunks):
+        mode = "ab" if have and status == 206 else "wb"
         if mode == "wb" and have:
             on_bytes(-have)
-        with part.open(mode) as out:
-            for chunk in response.iter_bytes():
+        with part.open(mode, buffering=0) as out:  # unbuffered: what arrived is on disk, whatever happens next
+            for chunk in chunks:
                 out.write(chunk)
-                out.flush()  # what arrived is on disk, whatever happens to this process next
                 on_bytes(len(chunk))
+
+
+def httpx_opener(client: httpx.Client, check: CheckResponse, headers: Mapping[str, str] | None = None) -> Opener:
+    """Streams through httpx (redirects, TLS: what Hugging Face needs); check maps error responses."""
+
+    @contextmanager
+    def open_stream(url: str, start: int) -> Iterator[tuple[int, Iterator[bytes]]]:
+        sent = {**(headers or {}), **({"Range": f"bytes={start}-"} if start else {})}
+        with client.stream("GET", url, headers=sent) as response:
+            if response.status_code >= 400:
+                response.read()
+                check(response)
+                response.raise_for_status()
+            yield response.status_code, response.iter_bytes()
+
+    return open_stream
 
 
 class InsufficientDisk(OSError):
@@ -118,20 +113,16 @@ def fetch_all(
     *,
     model_id: str,
     on_progress: Progress | None,
-    check: CheckResponse,
-    headers: Mapping[str, str] | None = None,
+    opener: Opener,
 ) -> None:
     """Every file (name → bytes) into model_dir, small ones first, then the completion marker. Refused up front
     when the volume cannot hold what is missing."""
     check_disk(model_dir, sum(files.values()) - present_bytes(model_dir, files))
     model_dir.mkdir(parents=True, exist_ok=True)
     meter = Meter(present_bytes(model_dir, files), on_progress)
-    with httpx.Client(follow_redirects=True, timeout=httpx.Timeout(30.0, connect=10.0)) as client:
-        for name in sorted(files, key=lambda n: (n.endswith(".safetensors"), n)):
-            fetch_file(
-                client, urls[name], model_dir / name, files[name], on_bytes=meter.add, check=check, headers=headers
-            )
-            meter.file_done()
+    for name in sorted(files, key=lambda n: (n.endswith(".safetensors"), n)):
+        fetch_file(opener, urls[name], model_dir / name, files[name], on_bytes=meter.add)
+        meter.file_done()
     write_marker(model_dir, model_id, dict(files))
     meter.report(force=True)
 

@@ -23,7 +23,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import build_hf_headers
 
-from skulk.store.fetch import InsufficientDisk, Progress, check_disk, fetch_all, present_bytes
+from skulk.store.fetch import InsufficientDisk, Progress, check_disk, fetch_all, httpx_opener, present_bytes
 from skulk.store.files import is_needed
 
 
@@ -105,16 +105,11 @@ def download(hub: Hub, repo: RepoFiles, model_dir: Path, on_progress: Progress |
     if repo.gated and not hub.token:
         raise gated_error(repo.model_id)
     urls = {name: hf_hub_url(repo.model_id, name, revision=repo.commit, endpoint=hub.endpoint) for name in repo.files}
+    headers = build_hf_headers(token=hub.token or False)
     try:
-        fetch_all(
-            urls,
-            repo.files,
-            model_dir,
-            model_id=repo.model_id,
-            on_progress=on_progress,
-            check=lambda r: _check(repo.model_id, r),
-            headers=build_hf_headers(token=hub.token or False),
-        )
+        with httpx.Client(follow_redirects=True, timeout=httpx.Timeout(30.0, connect=10.0)) as client:
+            opener = httpx_opener(client, lambda r: _check(repo.model_id, r), headers)
+            fetch_all(urls, repo.files, model_dir, model_id=repo.model_id, on_progress=on_progress, opener=opener)
     except InsufficientDisk as exc:
         raise HubError(507, f"{repo.model_id}: {exc}", "insufficient_disk") from exc
     except (httpx.TransportError, OSError) as exc:
