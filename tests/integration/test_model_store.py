@@ -54,11 +54,11 @@ def test_store_host_serves_worker_stages_its_shard_then_evicts(cluster: Cluster,
     store_path = tmp_path / "store"
     repo = write_random_model(store_path, MODEL, shards=4, layers=4)
     port = free_port()
-    config = _store_yaml(store_path, port, keep_gb=0)
-    _yaml(cluster.root / "node0", config)
-    _yaml(cluster.root / "node1", config)
-    host = cluster.start(1, extra_env={"SKULK_NODE_NAME": "store"})[0]
-    worker = cluster.start(1, extra_env={"SKULK_NODE_NAME": "worker"})[0]
+    _yaml(cluster.root / "node0", _store_yaml(store_path, port, keep_gb=0))
+    _yaml(cluster.root / "node1", _store_yaml(tmp_path / "worker-store", port, keep_gb=0))
+    offline = {"HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing here may reach the internet
+    host = cluster.start(1, extra_env={"SKULK_NODE_NAME": "store", **offline})[0]
+    worker = cluster.start(1, extra_env={"SKULK_NODE_NAME": "worker", **offline})[0]
     wait_until(lambda: len((host.get("/state") or {}).get("nodeIdentities", {})) == 2, 30, "two nodes")
 
     status, added = host.post("/models/add", {"model_id": MODEL})
@@ -68,9 +68,12 @@ def test_store_host_serves_worker_stages_its_shard_then_evicts(cluster: Cluster,
     assert listed[MODEL]["storage_size_megabytes"] >= 0 and listed[MODEL]["is_custom"]
     assert host.get("/store/registry")["entries"][0]["model_id"] == MODEL
     assert worker.get("/store/health")["store_reachable"] is True
+    forwarded = worker.get(f"/store/models/{MODEL}/download/status")
+    assert forwarded["status"] == "Completed", "a worker asks the store host about store downloads"
 
     instance_id = place(host, MODEL, min_nodes=2)["instanceId"]
     wait_until(lambda: instance_ready(host, instance_id), 90, "the instance to be ready", worker.log_tail)
+    assert host.get(f"/instance/previews?model_id={MODEL}")["downloads"][worker.node_id]["status"] == "Completed"
     assert _chat(worker)["choices"][0]["message"]["content"] is not None
 
     state = host.get("/state")

@@ -116,7 +116,8 @@ def control_router(node: NodeHandle) -> APIRouter:
             for s in shardings
             for preview in preview_placements(node.state, card, s, instance_meta, set(excluded_node_ids))
         ]
-        return {"modelId": model_id, "previews": found}
+        downloads = {n: d[model_id].model_dump(mode="json") for n, d in node.state.downloads.items() if model_id in d}
+        return {"modelId": model_id, "previews": found, "downloads": downloads}
 
     @router.get("/instance/{instance_id}")
     async def get_instance(instance_id: str) -> dict[str, Any]:

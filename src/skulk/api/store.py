@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
@@ -78,9 +79,11 @@ def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
         cluster = {n: {m: p.model_dump(mode="json") for m, p in d.items()} for n, d in node.state.downloads.items()}
         return {"node_id": node.node_id, "downloads": mine, "cluster": cluster}
 
-    @router.post("/store/models/{model_id:path}/download", status_code=202)
-    async def start_download(model_id: str) -> dict[str, Any]:
+    @router.post("/store/models/{model_id:path}/download", status_code=202, response_model=None)
+    async def start_download(model_id: str) -> dict[str, Any] | JSONResponse:
         valid_model_id(model_id)
+        if (forwarded := await _at_store_host(node, "POST", f"/store/models/{model_id}/download")) is not None:
+            return forwarded
         try:
             await asyncio.to_thread(preflight, files.hub, model_id, files.store_dir(model_id))
         except HubError as exc:
@@ -94,9 +97,11 @@ def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
             "status_url": f"/store/models/{model_id}/download/status",
         }
 
-    @router.get("/store/models/{model_id:path}/download/status")
-    async def download_status(model_id: str) -> dict[str, Any]:
+    @router.get("/store/models/{model_id:path}/download/status", response_model=None)
+    async def download_status(model_id: str) -> dict[str, Any] | JSONResponse:
         valid_model_id(model_id)
+        if (forwarded := await _at_store_host(node, "GET", f"/store/models/{model_id}/download/status")) is not None:
+            return forwarded
         progress = files.progress.get(ModelId(model_id))
         if progress is None:
             if is_complete(files.store_dir(model_id)):
@@ -134,6 +139,26 @@ def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
         return {"model_id": body.model_id, "nodes": results}
 
     return router
+
+
+async def _at_store_host(node: NodeHandle, method: str, path: str) -> JSONResponse | None:
+    """With a store host configured, downloads fill the store: a node that is not the store host asks it (None:
+    this node is the store, or there is none)."""
+    store = node.settings.model_store
+    if not (store.enabled and store.store_host) or node.settings.is_store_host:
+        return None
+    host = next((n for n, i in node.state.node_identities.items() if i.friendly_name == store.store_host), None)
+    url = peer_url(node.state, node.node_id, host, local_addresses()) if host is not None else None
+    if url is None:
+        raise ApiError(503, f"the store host {store.store_host} is not in the cluster", code="store_unreachable")
+    try:
+        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S * 6) as client:
+            response = await client.request(method, url + path)
+        return JSONResponse(response.json(), status_code=response.status_code)
+    except (httpx.HTTPError, ValueError) as exc:
+        raise ApiError(
+            503, f"the store host {store.store_host} did not answer: {exc}", code="store_unreachable"
+        ) from exc
 
 
 _background: set[asyncio.Task[None]] = set()

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -45,6 +46,8 @@ class ModelFiles:
         self._dirs: dict[ModelId, Path] = {}
         self._needed: set[ModelId] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
 
     # -- paths ----------------------------------------------------------------------------------------------
     @property
@@ -111,14 +114,24 @@ class ModelFiles:
             return
         self._dirs[need.model_id] = path
 
+    def _lock(self, model_id: str) -> threading.Lock:
+        """One transfer of a model at a time on this node: an operator download and a placement of the same
+        model would otherwise append to the same partial file."""
+        with self._locks_guard:
+            return self._locks.setdefault(model_id, threading.Lock())
+
     def _prepare_sync(self, need: Need) -> Path:
+        with self._lock(need.model_id):
+            return self._prepare_locked(need)
+
+    def _prepare_locked(self, need: Need) -> Path:
         store_copy = self.store_dir(need.model_id)
         chosen = route(self.settings, is_complete(store_copy))
         if chosen == Route.LocalStore:
             self._report(need.model_id, DownloadSource.Local, DownloadStatus.Completed, tree_bytes(store_copy))
             return store_copy
         if chosen == Route.FromHub:
-            self.download_sync(need.model_id)
+            self._download_locked(need.model_id)
             return store_copy
         return self._stage(need)
 
@@ -170,6 +183,10 @@ class ModelFiles:
 
     def download_sync(self, model_id: str) -> DownloadProgress:
         """The whole model from Hugging Face into this node's store_path (blocking; run it in a thread)."""
+        with self._lock(model_id):
+            return self._download_locked(model_id)
+
+    def _download_locked(self, model_id: str) -> DownloadProgress:
         mid = ModelId(model_id)
         self._report(mid, DownloadSource.HuggingFace, DownloadStatus.Pending)
         repo = list_files(self.hub, model_id)
@@ -200,11 +217,11 @@ class ModelFiles:
     def _meter(self, model_id: ModelId, source: DownloadSource, files: dict[str, int]) -> Callable[[int, int], None]:
         started = time.monotonic()
         total = sum(files.values())
-        first: list[int] = []
+        first: dict[str, int] = {}
 
         def on_progress(done_bytes: int, done_files: int) -> None:
-            first.append(done_bytes) if not first else None
-            rate = (done_bytes - first[0]) / max(time.monotonic() - started, 1e-3)
+            start_bytes = first.setdefault("bytes", done_bytes)  # resumed bytes do not count toward the rate
+            rate = (done_bytes - start_bytes) / max(time.monotonic() - started, 1e-3)
             self._report(model_id, source, DownloadStatus.Downloading, done_bytes, total, done_files, len(files), rate)
 
         return on_progress
