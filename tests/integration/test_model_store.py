@@ -50,16 +50,19 @@ def _chat(node: LocalNode) -> dict[str, Any]:
     return reply
 
 
-def test_store_host_serves_worker_stages_its_shard_then_evicts(cluster: Cluster, tmp_path: Path) -> None:
+def test_store_host_serves_workers_stage_their_shards_then_evict(cluster: Cluster, tmp_path: Path) -> None:
+    """Three nodes: the store host loads in place, each worker stages only the files of its pipeline stage,
+    the chat works, purge spares the in-use copies, deactivation evicts them (budget 0)."""
     store_path = tmp_path / "store"
-    repo = write_random_model(store_path, MODEL, shards=4, layers=4)
+    repo = write_random_model(store_path, MODEL, shards=4, layers=6)
     port = free_port()
     _yaml(cluster.root / "node0", _store_yaml(store_path, port, keep_gb=0))
-    _yaml(cluster.root / "node1", _store_yaml(tmp_path / "worker-store", port, keep_gb=0))
+    for i in (1, 2):
+        _yaml(cluster.root / f"node{i}", _store_yaml(tmp_path / f"worker-store{i}", port, keep_gb=0))
     offline = {"HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing here may reach the internet
     host = cluster.start(1, extra_env={"SKULK_NODE_NAME": "store", **offline})[0]
-    worker = cluster.start(1, extra_env={"SKULK_NODE_NAME": "worker", **offline})[0]
-    wait_until(lambda: len((host.get("/state") or {}).get("nodeIdentities", {})) == 2, 30, "two nodes")
+    workers = [cluster.start(1, extra_env={"SKULK_NODE_NAME": f"worker{i}", **offline})[0] for i in (1, 2)]
+    wait_until(lambda: len((host.get("/state") or {}).get("nodeIdentities", {})) == 3, 30, "three nodes")
 
     status, added = host.post("/models/add", {"model_id": MODEL})
     assert status == 200, added
@@ -67,40 +70,41 @@ def test_store_host_serves_worker_stages_its_shard_then_evicts(cluster: Cluster,
     listed = {m["id"]: m for m in host.get("/models")["data"]}
     assert listed[MODEL]["storage_size_megabytes"] >= 0 and listed[MODEL]["is_custom"]
     assert host.get("/store/registry")["entries"][0]["model_id"] == MODEL
-    assert worker.get("/store/health")["store_reachable"] is True
-    forwarded = worker.get(f"/store/models/{MODEL}/download/status")
+    assert workers[0].get("/store/health")["store_reachable"] is True
+    forwarded = workers[0].get(f"/store/models/{MODEL}/download/status")
     assert forwarded["status"] == "Completed", "a worker asks the store host about store downloads"
 
-    instance_id = place(host, MODEL, min_nodes=2)["instanceId"]
-    wait_until(lambda: instance_ready(host, instance_id), 90, "the instance to be ready", worker.log_tail)
-    assert host.get(f"/instance/previews?model_id={MODEL}")["downloads"][worker.node_id]["status"] == "Completed"
-    assert _chat(worker)["choices"][0]["message"]["content"] is not None
+    instance_id = place(host, MODEL, min_nodes=3)["instanceId"]
+    wait_until(lambda: instance_ready(host, instance_id), 90, "the instance to be ready", workers[0].log_tail)
+    previews = host.get(f"/instance/previews?model_id={MODEL}")
+    assert all(previews["downloads"][w.node_id]["status"] == "Completed" for w in workers)
+    assert _chat(workers[1])["choices"][0]["message"]["content"] is not None
 
     state = host.get("/state")
-    progress = state["downloads"][worker.node_id][MODEL]
-    assert (progress["status"], progress["source"]) == ("Completed", "store")
-    shard = _my_shard(state, instance_id, worker.node_id)
     index = json.loads((repo / "model.safetensors.index.json").read_text())
     sizes = {p.name: p.stat().st_size for p in repo.iterdir() if p.is_file()}
-    expected = files_for_shard(sizes, index, (shard["startLayer"], shard["endLayer"], shard["nLayers"]))
-    staged_dir = worker.home / "staging" / "org--tiny-store"
-    staged = {p.name for p in staged_dir.glob("*.safetensors")}
-    assert staged == {n for n in expected if n.endswith(".safetensors")}
-    assert len(staged) < 4, "a pipeline shard stages only the files holding its layers"
-    storage = worker.get("/store/storage")
-    assert [m["in_use"] for m in storage["staged_models"]] == [True]
+    staged_dirs = [w.home / "staging" / "org--tiny-store" for w in workers]
+    for worker, staged_dir in zip(workers, staged_dirs, strict=True):
+        progress = state["downloads"][worker.node_id][MODEL]
+        assert (progress["status"], progress["source"]) == ("Completed", "store")
+        shard = _my_shard(state, instance_id, worker.node_id)
+        expected = files_for_shard(sizes, index, (shard["startLayer"], shard["endLayer"], shard["nLayers"]))
+        staged = {p.name for p in staged_dir.glob("*.safetensors")}
+        assert staged == {n for n in expected if n.endswith(".safetensors")}
+        assert len(staged) < 4, "a pipeline shard stages only the files holding its layers"
+        assert [m["in_use"] for m in worker.get("/store/storage")["staged_models"]] == [True]
     assert not (host.home / "staging" / "org--tiny-store").exists(), "the store host loads in place"
 
-    status, _ = worker.post("/store/purge-staging", {})
+    status, _ = workers[0].post("/store/purge-staging", {})
     assert status == 200
-    assert staged_dir.is_dir(), "a model in use is never purged"
+    assert all(d.is_dir() for d in staged_dirs), "a model in use is never purged"
 
     response = host.client().delete(f"/instance/{instance_id}")
     assert response.status_code == 200
-    wait_until(lambda: not staged_dir.exists(), 30, "deactivation to evict the staged copy (budget 0)")
-    wait_until(lambda: any("evicted staged org/tiny-store" in line for line in worker.output), 10, "the eviction log")
+    wait_until(lambda: not any(d.exists() for d in staged_dirs), 30, "deactivation to evict (budget 0)")
+    for worker in workers:
+        wait_until(lambda w=worker: any("evicted staged org/tiny-store" in x for x in w.output), 10, "the log line")
     assert (store_path / "org--tiny-store" / "config.json").exists(), "the store copy is never touched"
-    assert worker.post("/store/purge-staging", {})[0] == 200
 
 
 def test_purge_on_every_node_and_startup_pass(cluster: Cluster, tmp_path: Path) -> None:
