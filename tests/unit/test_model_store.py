@@ -108,3 +108,40 @@ def test_card_from_config_and_unsupported_architecture() -> None:
     assert "mamba" in str(caught.value) and "llama, qwen2, qwen3" in str(caught.value)
     assert weight_bytes({"a.safetensors": 5, "b.safetensors": 6, "c.json": 100}, None) == 11
     assert weight_bytes({}, {"metadata": {"total_size": 42}}) == 42
+
+
+def test_an_instance_starts_only_when_every_node_has_its_files() -> None:
+    from skulk.store.staging import my_needs, startable
+    from skulk.types.downloads import DownloadProgress, DownloadSource, DownloadStatus
+    from skulk.types.events import InstanceCreated, NodeDownloadProgress
+    from skulk.types.ids import ModelId, NodeId
+
+    from .factories import applied, instance
+
+    two = instance(nodes=("n1", "n2"))
+    model = ModelId("test/model")
+
+    def done(node: str, status: DownloadStatus = DownloadStatus.Completed) -> NodeDownloadProgress:
+        progress = DownloadProgress(model_id=model, status=status, source=DownloadSource.Store)
+        return NodeDownloadProgress(node_id=NodeId(node), model_id=model, progress=progress)
+
+    state = applied(InstanceCreated(instance=two), done("n1"), done("n2", DownloadStatus.Downloading))
+    assert startable(state).instances == {}
+    assert my_needs(state, NodeId("n2"))[model].layers == (4, 8, 8)
+    state = applied(done("n2"), state=state)
+    assert list(startable(state).instances) == [two.instance_id]
+    gone = applied(NodeDownloadProgress(node_id=NodeId("n2"), model_id=model), state=state)
+    assert model not in gone.downloads[NodeId("n2")] and startable(gone).instances == {}
+
+
+def test_route_a_store_worker_stages_the_store_host_loads_in_place(tmp_path: Path) -> None:
+    from skulk.config import resolve
+    from skulk.store.staging import Route, route
+
+    (tmp_path / "skulk.yaml").write_text("model_store: {enabled: true, store_host: studio}\n")
+    worker = resolve({"config": str(tmp_path / "skulk.yaml"), "node_name": "laptop"}, {})
+    host = resolve({"config": str(tmp_path / "skulk.yaml"), "node_name": "studio"}, {})
+    alone = resolve({"home": str(tmp_path / "elsewhere")}, {})
+    assert route(worker, store_copy_complete=True) == Route.FromStore
+    assert (route(host, True), route(host, False)) == (Route.LocalStore, Route.FromHub)
+    assert (route(alone, True), route(alone, False)) == (Route.LocalStore, Route.FromHub)
