@@ -15,7 +15,6 @@ import httpx
 import uvicorn
 
 from skulk.api.app import create_app
-from skulk.api.control import PlaceInstanceRequest, place_with_grace
 from skulk.cluster.dataplane import ChunkStream, publish_chunk
 from skulk.cluster.election import Elector
 from skulk.cluster.intake import send_command, send_local_event
@@ -35,7 +34,7 @@ from skulk.store.server import create_store_app
 from skulk.store.service import ModelFiles
 from skulk.store.staging import startable
 from skulk.types.chunks import ErrorChunk
-from skulk.types.commands import Command, CreateInstance
+from skulk.types.commands import Command, CreateMetaInstance
 from skulk.types.events import (
     Event,
     IndexedEvent,
@@ -44,7 +43,8 @@ from skulk.types.events import (
     TaskFailed,
     TaskStatusUpdated,
 )
-from skulk.types.ids import CommandId, NodeId, RunnerId, new_id
+from skulk.types.ids import CommandId, MetaInstanceId, NodeId, RunnerId, new_id
+from skulk.types.meta_instances import MetaInstance
 from skulk.types.state import State
 from skulk.types.tasks import TaskStatus
 from skulk.worker import node_info, topology
@@ -368,20 +368,17 @@ class Node:
         return _ApiServer(config)
 
     async def _place_default(self) -> None:
-        """Only a settled master places, and only what the cluster lacks: a node that restarts into an existing
-        cluster follows its master instead (the election waits for it), so it never places as a lone master."""
+        """Keep the demo model placed: a MetaInstance, so the default placement heals too. Only a settled master
+        creates it, and only when the cluster has none: a node that restarts into an existing cluster follows
+        its master instead (the election waits for it), so it never places anything as a lone master."""
         await asyncio.to_thread(ensure_demo_model, self.settings.models_dir)
         if not (self.elector.is_master and self.elector.settled):
             return
-        if any(i.model_id == DEMO_MODEL_ID for i in self.state.instances.values()):
+        if any(m.model_id == DEMO_MODEL_ID for m in self.state.meta_instances.values()):
             return
-        try:
-            instance = await place_with_grace(self, PlaceInstanceRequest(model_id=DEMO_MODEL_ID))
-        except Exception as exc:
-            log.warning("could not place the demo model: %s", exc)
-            return
-        self.send_command(CreateInstance(command_id=CommandId(new_id()), instance=instance))
-        log.info("placed %s as instance %s", DEMO_MODEL_ID, instance.instance_id[:8])
+        meta = MetaInstance(meta_instance_id=MetaInstanceId(new_id()), model_id=DEMO_MODEL_ID)
+        self.send_command(CreateMetaInstance(command_id=CommandId(new_id()), meta_instance=meta))
+        log.info("placed %s as MetaInstance %s", DEMO_MODEL_ID, meta.meta_instance_id[:8])
 
 
 class _ApiServer(uvicorn.Server):

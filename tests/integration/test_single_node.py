@@ -207,7 +207,7 @@ def test_read_endpoints(node: LocalNode) -> None:
         assert "MlxRingInstance" in client.get(f"/instance/{instance_id}").json()
         assert client.get("/instance/nope").status_code == 404
         assert client.delete("/instance/nope").status_code == 404
-        assert any(c["modelId"] == MODEL for c in client.get("/models").json()["data"])
+        assert any(c["id"] == MODEL for c in client.get("/models").json()["data"])
         previews = client.get("/instance/previews", params={"model_id": MODEL}).json()["previews"]
         assert any(p["error"] is None for p in previews)
         assert client.get("/instance/previews", params={"model_id": "nobody/x"}).status_code == 404

@@ -82,7 +82,7 @@ def test_lost_node_fails_tasks_and_removes_its_instances() -> None:
     failed = [e for e in events if isinstance(e, TaskFailed)]
     assert [f.task_id for f in failed] == ["t1"] and "n2 left the cluster" in failed[0].error_message
     assert [e for e in events if isinstance(e, InstanceDeleted)] == [
-        InstanceDeleted(instance_id=InstanceId("a"))
+        InstanceDeleted(instance_id=InstanceId("a"), failure_error="node n2 left the cluster")
     ]
 
 

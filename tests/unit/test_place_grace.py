@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from datetime import UTC, datetime
 
@@ -12,9 +13,12 @@ from fastapi.testclient import TestClient
 from skulk.api import control
 from skulk.api.errors import install_error_handlers
 from skulk.config import Settings
+from skulk.master import commands
+from skulk.master.reconcile import Ids
+from skulk.models.cards import get_card
 from skulk.state.store import StateStore
-from skulk.types.commands import Command
-from skulk.types.events import NodeGatheredInfo, TopologyEdgeCreated
+from skulk.types.commands import Command, PlaceInstance
+from skulk.types.events import IndexedEvent, NodeGatheredInfo, TopologyEdgeCreated
 from skulk.types.ids import NodeId
 from skulk.types.memory import Memory
 from skulk.types.node_info import Connection, MemoryUsage, NodeInfo
@@ -41,16 +45,28 @@ class FakeNode:
         return ME
 
     def send_command(self, command: Command) -> None:
+        """The master's own decision, applied at once, as a one-node cluster would."""
         self.sent.append(command)
+        if isinstance(command, PlaceInstance):
+            for event in commands.place_instance(self.state, command, get_card, Ids()):
+                self.store.apply(IndexedEvent(idx=self.store.next_idx, event=event))
 
     async def wait_for_state(self, predicate: Callable[[State], bool], timeout: float) -> bool:
         return await self.store.wait_until(predicate, timeout)
 
-    def open_stream(self, command_id: str) -> None:
-        raise NotImplementedError
+    def open_stream(self, command_id: str) -> SilentStream:
+        return SilentStream()
 
     def close_stream(self, stream: object) -> None:
-        raise NotImplementedError
+        pass
+
+
+class SilentStream:
+    """A data key on which the master never refuses anything."""
+
+    async def next(self, timeout: float | None = None) -> None:
+        await asyncio.sleep(timeout or 0)
+        raise TimeoutError
 
 
 def _info(node: NodeId, memory: bool) -> NodeGatheredInfo:

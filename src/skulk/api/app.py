@@ -8,6 +8,7 @@ from skulk import __version__
 from skulk.api.control import control_router
 from skulk.api.diagnostics import DiagnosticsHandle, diagnostics_router
 from skulk.api.errors import install_error_handlers
+from skulk.api.meta_instances import meta_instances_router
 from skulk.api.models import models_router
 from skulk.api.openai import openai_router
 from skulk.api.state_routes import state_router
@@ -18,7 +19,9 @@ from skulk.store.service import ModelFiles
 def create_app(node: DiagnosticsHandle) -> FastAPI:
     app = FastAPI(title="Skulk", version=__version__)
     install_error_handlers(app)
-    for router in (state_router(node), control_router(node), openai_router(node), diagnostics_router(node)):
+    routers = (state_router(node), control_router(node), meta_instances_router(node), openai_router(node),
+               diagnostics_router(node))
+    for router in routers:
         app.include_router(router)
     files = getattr(node, "files", None)
     app.include_router(models_router(node, files if isinstance(files, ModelFiles) else None))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -13,8 +14,9 @@ from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.master.placement import place, preview_placements
 from skulk.models.cards import get_card
-from skulk.types.commands import CancelCommand, CreateInstance, DeleteInstance
-from skulk.types.ids import CommandId, InstanceId, NodeId, RunnerId, new_id
+from skulk.types.chunks import ErrorChunk
+from skulk.types.commands import CancelCommand, DeleteInstance, PlaceInstance
+from skulk.types.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, new_id
 from skulk.types.instances import InstanceMeta, MlxRingInstance, Sharding
 from skulk.types.models import ModelCard
 from skulk.types.placement import InfoPending, NoConnectedCycle, PlacementError
@@ -85,15 +87,51 @@ async def place_with_grace(node: NodeHandle, request: PlaceInstanceRequest) -> M
     return outcome
 
 
+async def place_on_master(
+    node: NodeHandle, request: PlaceInstanceRequest, planned: MlxRingInstance, command_id: CommandId
+) -> MlxRingInstance:
+    """The API's own plan only vets the request (typed errors, the info grace); the master decides, against
+    the instances it already committed, and answers with the instance in state or a refusal on our data key."""
+    command = PlaceInstance(
+        command_id=command_id,
+        instance_id=planned.instance_id,
+        model_id=planned.model_id,
+        sharding=request.sharding,
+        instance_meta=request.instance_meta,
+        min_nodes=request.min_nodes,
+        excluded_nodes=request.excluded_nodes,
+        model_card=card_or_404(request.model_id),
+    )
+    stream = node.open_stream(command_id)
+    try:
+        node.send_command(command)
+        placed = asyncio.ensure_future(
+            node.wait_for_state(lambda s: planned.instance_id in s.instances, PLACED_WAIT_S)
+        )
+        refused = asyncio.ensure_future(stream.next(PLACED_WAIT_S))
+        done, pending = await asyncio.wait({placed, refused}, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+    finally:
+        node.close_stream(stream)
+    instance = node.state.instances.get(planned.instance_id)
+    if instance is not None:
+        return instance
+    if refused in done and not refused.cancelled() and refused.exception() is None:
+        chunk = refused.result()
+        if isinstance(chunk, ErrorChunk):
+            raise ApiError(chunk.status, chunk.message, code=chunk.code)
+    raise ApiError(503, "the master did not confirm the placement in time; GET /state, then retry", code="timeout")
+
+
 def control_router(node: NodeHandle) -> APIRouter:
     router = APIRouter(tags=["control"])
 
     @router.post("/place_instance")
     async def place_instance(body: PlaceInstanceRequest) -> dict[str, Any]:
-        instance = await place_with_grace(node, body)
+        planned = await place_with_grace(node, body)
         command_id = CommandId(new_id())
-        node.send_command(CreateInstance(command_id=command_id, instance=instance))
-        await node.wait_for_state(lambda s: instance.instance_id in s.instances, PLACED_WAIT_S)
+        instance = await place_on_master(node, body, planned, command_id)
         return {
             "message": "Command received.",
             "commandId": command_id,
@@ -116,7 +154,8 @@ def control_router(node: NodeHandle) -> APIRouter:
             for s in shardings
             for preview in preview_placements(node.state, card, s, instance_meta, set(excluded_node_ids))
         ]
-        downloads = {n: d[model_id].model_dump(mode="json") for n, d in node.state.downloads.items() if model_id in d}
+        wanted = ModelId(model_id)
+        downloads = {n: d[wanted].model_dump(mode="json") for n, d in node.state.downloads.items() if wanted in d}
         return {"modelId": model_id, "previews": found, "downloads": downloads}
 
     @router.get("/instance/{instance_id}")

@@ -125,8 +125,9 @@ def fail_open_tasks(state: State, instance_ids: set[InstanceId], why: str) -> li
 def events_for_lost_node(state: State, node: NodeId) -> list[Event]:
     """A node is gone: its instances cannot serve, so their requests fail now and the instances go."""
     lost = {i.instance_id for i in state.instances.values() if node in i.shard_assignments.node_to_runner}
-    events: list[Event] = fail_open_tasks(state, lost, f"node {node} left the cluster")
-    events += [InstanceDeleted(instance_id=i) for i in sorted(lost)]
+    why = f"node {node} left the cluster"
+    events: list[Event] = fail_open_tasks(state, lost, why)
+    events += [InstanceDeleted(instance_id=i, failure_error=why) for i in sorted(lost)]
     if node in state.topology.nodes or node in state.last_seen:
         events.append(NodeTimedOut(node_id=node))
     return events
@@ -162,6 +163,8 @@ def events_for_unhealthy_instances(
     instance's requests fail at once. now: the failure's own time when not given (budgets count event time)."""
     events: list[Event] = []
     for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
+        if instance.meta_instance_id in state.meta_instances:
+            continue  # its MetaInstance's health rule retries it (n/3), then places a new one
         why = failed_for_good(state, instance.instance_id)
         if why is not None:
             # retryable only so that the API node injects it into the open stream; the message says what to do

@@ -7,9 +7,11 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from skulk.cluster.dataplane import publish_chunk
 from skulk.cluster.intake import Intake
 from skulk.cluster.sync import Sequencer
 from skulk.cluster.transport import Transport
+from skulk.master import commands, reconcile
 from skulk.master.decide import (
     RESTART_BUDGET,
     RESTART_WINDOW_S,
@@ -18,9 +20,27 @@ from skulk.master.decide import (
     events_for_new_session,
     events_for_unhealthy_instances,
 )
+from skulk.models.cards import get_card
 from skulk.state.apply import apply
-from skulk.types.commands import ForwardedCommand
-from skulk.types.events import Event, InstanceDeleted, LocalEvent, TaskFailed
+from skulk.types.chunks import ErrorChunk
+from skulk.types.commands import (
+    Command,
+    CreateInstance,
+    CreateMetaInstance,
+    DeleteMetaInstance,
+    ForwardedCommand,
+    PlaceInstance,
+)
+from skulk.types.events import (
+    Event,
+    InstanceCreated,
+    InstanceDeleted,
+    InstanceRetrying,
+    LocalEvent,
+    MetaInstanceCreated,
+    MetaInstancePlacementFailed,
+    TaskFailed,
+)
 from skulk.types.ids import NodeId, TaskId, new_id
 from skulk.types.state import State
 
@@ -44,6 +64,8 @@ class Master:
     ) -> None:
         self.restart_budget = restart_budget
         self.restart_window_s = restart_window_s
+        self.ids = reconcile.Ids()
+        self._transport = transport
         self._spawn = spawn or asyncio.get_running_loop().create_task
         self.node_id = node_id
         self.term = term
@@ -89,14 +111,63 @@ class Master:
             self.state = apply(self.state, indexed)
 
     def on_command(self, forwarded: ForwardedCommand) -> None:
-        events = events_for_command(self.state, forwarded.command, TaskId(new_id()))
+        command = forwarded.command
+        try:
+            events = self._decide(command)
+        except commands.Refused as refused:
+            log.info("command %s refused: %s", command.command_id[:8], refused.message)
+            chunk = ErrorChunk(command_id=command.command_id, message=refused.message, code=refused.code,
+                               status=refused.status, retryable=False)
+            publish_chunk(self._transport, chunk)
+            return
         for event in events:
             if isinstance(event, InstanceDeleted):
-                log.info("instance %s deleted on request (command %s)", event.instance_id[:8],
-                         forwarded.command.command_id[:8])
+                log.info("instance %s deleted on request (command %s)", event.instance_id[:8], command.command_id[:8])
+        self.emit(events)
+        if isinstance(command, CreateMetaInstance):
+            self._place_meta(command)
+
+    def _decide(self, command: Command) -> list[Event]:
+        match command:
+            case CreateInstance():
+                return commands.create_instance(self.state, command)
+            case PlaceInstance():
+                card_of = (lambda _m: command.model_card) if command.model_card is not None else get_card
+                return commands.place_instance(self.state, command, card_of, self.ids)
+            case CreateMetaInstance(meta_instance=meta):
+                if meta.meta_instance_id in self.state.meta_instances:
+                    return []
+                log.info("MetaInstance %s created: %s, min_nodes %d, %s", meta.meta_instance_id[:8], meta.model_id,
+                         meta.min_nodes, meta.sharding.value)
+                return [MetaInstanceCreated(meta_instance=meta)]
+            case DeleteMetaInstance():
+                events = commands.delete_meta_instance(self.state, command)
+                cascade = sum(isinstance(e, InstanceDeleted) for e in events)
+                if events:
+                    log.info("MetaInstance %s deleted (cascade: %d instances)", command.meta_instance_id[:8], cascade)
+                return events
+        return events_for_command(self.state, command, TaskId(new_id()))
+
+    def _place_meta(self, command: CreateMetaInstance) -> None:
+        """Placed at once if possible; the state is re-read here, so a reconcile that already placed it wins."""
+        only = command.meta_instance.meta_instance_id
+        self._emit_placements(reconcile.unsatisfied_placements(self.state, get_card, self.ids, only=only))
+
+    def _emit_placements(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, InstanceCreated):
+                log.info("MetaInstance %s placed as instance %s on %d node(s)",
+                         (event.instance.meta_instance_id or "")[:8], event.instance.instance_id[:8],
+                         event.instance.world_size)
+            elif isinstance(event, MetaInstancePlacementFailed):
+                log.warning("MetaInstance %s cannot be placed: %s", event.meta_instance_id[:8], event.reason)
         self.emit(events)
 
     def on_local_event(self, local: LocalEvent) -> None:
+        if not commands.accepts_local(self.state, local):
+            log.warning("dropped %s from node %s: a worker may report only its own node, runners and tasks",
+                        type(local.event).__name__, local.origin[:8])
+            return
         self.emit([local.event])
 
     def on_node_lost(self, node: NodeId, why: str = "its liveliness token is gone") -> None:
@@ -116,11 +187,33 @@ class Master:
             return
         alive = self.alive()
         known = set(self.state.topology.nodes) | set(self.state.last_seen)
+        health = reconcile.instance_health(self.state)
+        self._log_health(health)
+        self.emit(health)
         for node in sorted(known - alive):
             self.on_node_lost(node, "not alive in this master's view")
         self.emit(
             events_for_unhealthy_instances(self.state, budget=self.restart_budget, window_s=self.restart_window_s)
         )
+        self._emit_placements(reconcile.unsatisfied_placements(self.state, get_card, self.ids))
+
+    def _log_health(self, events: list[Event]) -> None:
+        for event in events:
+            if not isinstance(event, InstanceRetrying | InstanceDeleted):
+                continue
+            instance = self.state.instances.get(event.instance_id)
+            meta_id = instance.meta_instance_id if instance is not None else None
+            meta = self.state.meta_instances.get(meta_id) if meta_id is not None else None
+            attempt = meta.consecutive_failures + 1 if meta is not None else 0
+            limit = reconcile.MAX_INSTANCE_RETRIES
+            if isinstance(event, InstanceRetrying):
+                log.info("Instance %s failed (attempt %d/%d), retrying: %s", event.instance_id[:8], attempt, limit,
+                         event.failure_error)
+            elif event.failure_error == reconcile.CONNECTION_LOST:
+                log.info("Instance %s deleted: %s", event.instance_id[:8], event.failure_error)
+            else:
+                log.warning("Instance %s exceeded retry limit (%d), deleting: %s", event.instance_id[:8], limit,
+                            event.failure_error)
 
     async def _reconcile_forever(self) -> None:
         while True:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from skulk.state import meta
 from skulk.types.downloads import DownloadProgress
 from skulk.types.events import (
     Event,
@@ -12,6 +13,9 @@ from skulk.types.events import (
     InstanceDeleted,
     InstanceFailed,
     InstanceRetrying,
+    MetaInstanceCreated,
+    MetaInstanceDeleted,
+    MetaInstancePlacementFailed,
     NodeDownloadProgress,
     NodeGatheredInfo,
     NodeTimedOut,
@@ -46,9 +50,10 @@ def apply(state: State, indexed: IndexedEvent) -> State:
 def _changes(state: State, event: Event) -> dict[str, Any]:
     match event:
         case InstanceCreated(instance=instance):
-            return {"instances": {**state.instances, instance.instance_id: instance}}
-        case InstanceDeleted(instance_id=instance_id):
-            return _delete_instance(state, instance_id)
+            created = {"instances": {**state.instances, instance.instance_id: instance}}
+            return {**created, **meta.backing_created(state, instance)}
+        case InstanceDeleted(instance_id=instance_id, failure_error=error):
+            return {**meta.backing_failed(state, instance_id, error), **_delete_instance(state, instance_id)}
         case RunnerStatusUpdated(runner_id=runner_id, runner_status=status):
             return _runner_status(state, runner_id, status)
         case RunnerDeleted(runner_id=runner_id):
@@ -74,8 +79,14 @@ def _changes(state: State, event: Event) -> dict[str, Any]:
             return {"topology": topo.model_copy(update={"connections": kept})}
         case SessionStarted(master_node_id=master, term=term):
             return {"master_node_id": master, "term": term}
-        case InstanceRetrying():
-            return _retry_instance(state, event)
+        case InstanceRetrying(instance_id=instance_id, failure_error=error):
+            return {**meta.backing_failed(state, instance_id, error), **_retry_instance(state, event)}
+        case MetaInstanceCreated(meta_instance=created):
+            return meta.meta_created(state, created)
+        case MetaInstanceDeleted(meta_instance_id=meta_instance_id):
+            return meta.meta_deleted(state, meta_instance_id)
+        case MetaInstancePlacementFailed(meta_instance_id=meta_instance_id, reason=reason):
+            return meta.placement_failed(state, meta_instance_id, reason)
         case InstanceFailed(instance_id=instance_id, failure_error=error):
             if instance_id not in state.instances:
                 return {}

@@ -8,8 +8,10 @@ from pydantic import Discriminator, Tag
 
 from .base import TaggedModel, tag_of
 from .chat import ChatMessage, SamplingParams
-from .ids import CommandId, InstanceId, ModelId, NodeId
-from .instances import Instance
+from .ids import CommandId, InstanceId, MetaInstanceId, ModelId, NodeId
+from .instances import Instance, InstanceMeta, Sharding
+from .meta_instances import MetaInstance
+from .models import ModelCard
 
 
 class CreateInstance(TaggedModel):
@@ -37,11 +39,43 @@ class CancelCommand(TaggedModel):
     target_command_id: CommandId
 
 
+class CreateMetaInstance(TaggedModel):
+    command_id: CommandId
+    meta_instance: MetaInstance
+
+
+class DeleteMetaInstance(TaggedModel):
+    """Cascades in the master, in one batch: cancel the backing instances' open tasks, delete them, then it."""
+
+    command_id: CommandId
+    meta_instance_id: MetaInstanceId
+
+
+class PlaceInstance(TaggedModel):
+    """Place a model now; the master decides, against its own state and the instances it already committed.
+
+    instance_id is chosen by the API so it can answer with it; the master's verdict (the instance in state, or a
+    typed refusal on the command's data key) reaches the API node."""
+
+    command_id: CommandId
+    instance_id: InstanceId
+    model_id: ModelId
+    sharding: Sharding = Sharding.Pipeline
+    instance_meta: InstanceMeta = InstanceMeta.MlxRing
+    min_nodes: int = 1
+    excluded_nodes: list[NodeId] = []
+    model_card: ModelCard | None = None
+    """The card as the API node knows it (a model added on that node may be unknown to the master's catalog)."""
+
+
 Command = Annotated[
     Annotated[CreateInstance, Tag("CreateInstance")]
     | Annotated[DeleteInstance, Tag("DeleteInstance")]
     | Annotated[StartChatCompletion, Tag("StartChatCompletion")]
-    | Annotated[CancelCommand, Tag("CancelCommand")],
+    | Annotated[CancelCommand, Tag("CancelCommand")]
+    | Annotated[CreateMetaInstance, Tag("CreateMetaInstance")]
+    | Annotated[DeleteMetaInstance, Tag("DeleteMetaInstance")]
+    | Annotated[PlaceInstance, Tag("PlaceInstance")],
     Discriminator(tag_of),
 ]
 

@@ -9,8 +9,9 @@ from pydantic import Discriminator, Field, Tag
 
 from .base import CamelModel, TaggedModel, tag_of
 from .downloads import DownloadProgress
-from .ids import InstanceId, ModelId, NodeId, RunnerId, TaskId
+from .ids import InstanceId, MetaInstanceId, ModelId, NodeId, RunnerId, TaskId
 from .instances import Instance
+from .meta_instances import MetaInstance
 from .node_info import Connection, NodeInfo
 from .runners import RunnerStatus
 from .tasks import Task, TaskStatus
@@ -22,6 +23,8 @@ class InstanceCreated(TaggedModel):
 
 class InstanceDeleted(TaggedModel):
     instance_id: InstanceId
+    failure_error: str | None = None
+    """Why, when the instance is deleted because it failed (a bound MetaInstance counts the failure)."""
 
 
 class RunnerStatusUpdated(TaggedModel):
@@ -81,7 +84,7 @@ class InstanceRetrying(TaggedModel):
     no-op. at: the failure's time, which the restart budget counts."""
 
     instance_id: InstanceId
-    meta_instance_id: str | None = None
+    meta_instance_id: MetaInstanceId | None = None
     failure_error: str
     at: datetime | None = None
 
@@ -102,6 +105,19 @@ class NodeDownloadProgress(TaggedModel):
     progress: DownloadProgress | None = None
 
 
+class MetaInstanceCreated(TaggedModel):
+    meta_instance: MetaInstance
+
+
+class MetaInstanceDeleted(TaggedModel):
+    meta_instance_id: MetaInstanceId
+
+
+class MetaInstancePlacementFailed(TaggedModel):
+    meta_instance_id: MetaInstanceId
+    reason: str
+
+
 Event = Annotated[
     Annotated[InstanceCreated, Tag("InstanceCreated")]
     | Annotated[InstanceDeleted, Tag("InstanceDeleted")]
@@ -117,6 +133,9 @@ Event = Annotated[
     | Annotated[SessionStarted, Tag("SessionStarted")]
     | Annotated[InstanceRetrying, Tag("InstanceRetrying")]
     | Annotated[InstanceFailed, Tag("InstanceFailed")]
+    | Annotated[MetaInstanceCreated, Tag("MetaInstanceCreated")]
+    | Annotated[MetaInstanceDeleted, Tag("MetaInstanceDeleted")]
+    | Annotated[MetaInstancePlacementFailed, Tag("MetaInstancePlacementFailed")]
     | Annotated[NodeDownloadProgress, Tag("NodeDownloadProgress")],
     Discriminator(tag_of),
 ]

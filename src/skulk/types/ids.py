@@ -11,6 +11,7 @@ RunnerId = NewType("RunnerId", str)
 TaskId = NewType("TaskId", str)
 CommandId = NewType("CommandId", str)
 ModelId = NewType("ModelId", str)
+MetaInstanceId = NewType("MetaInstanceId", str)
 
 
 def new_id() -> str:

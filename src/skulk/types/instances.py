@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Discriminator, Tag
 
 from .base import CamelModel, TaggedModel, tag_of
-from .ids import InstanceId, ModelId, NodeId, RunnerId
+from .ids import InstanceId, MetaInstanceId, ModelId, NodeId, RunnerId
 from .shards import ShardMetadata
 
 
@@ -46,7 +46,8 @@ class MlxRingInstance(TaggedModel):
     sharding: Sharding = Sharding.Pipeline
     engine: EngineKind = "torch"
     rendezvous: Rendezvous | None = None
-    meta_instance_id: str | None = None
+    meta_instance_id: MetaInstanceId | None = None
+    """The MetaInstance this instance backs; set only by the master's reconciler (None: placed directly)."""
 
     @property
     def model_id(self) -> ModelId:

@@ -6,8 +6,9 @@ from datetime import datetime
 
 from .base import CamelModel
 from .downloads import DownloadProgress
-from .ids import InstanceId, ModelId, NodeId, RunnerId, TaskId
+from .ids import InstanceId, MetaInstanceId, ModelId, NodeId, RunnerId, TaskId
 from .instances import Instance
+from .meta_instances import MetaInstance
 from .node_info import (
     AcceleratorInfo,
     DiskUsage,
@@ -41,6 +42,7 @@ class InstanceRetries(CamelModel):
 
 class State(CamelModel):
     instances: dict[InstanceId, Instance] = {}
+    meta_instances: dict[MetaInstanceId, MetaInstance] = {}
     runners: dict[RunnerId, RunnerStatus] = {}
     tasks: dict[TaskId, Task] = {}
     instance_retries: dict[InstanceId, InstanceRetries] = {}

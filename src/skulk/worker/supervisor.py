@@ -118,8 +118,11 @@ class RunnerSupervisor:
         restart_budget: int = 3,
         restart_window_s: float = 60.0,
         hung_s: float = 15.0,
+        restarts_locally: bool = True,
     ) -> None:
         self.spec = spec
+        self.restarts_locally = restarts_locally
+        """False for an instance that backs a MetaInstance: the master retries it (RETRYING n/3), then re-places."""
         self.callbacks = callbacks
         self.view = SupervisorView()
         self.restart_budget = restart_budget
@@ -275,7 +278,7 @@ class RunnerSupervisor:
         reason = self._hung or f"runner process exited with code {code}"
         log.warning("runner %s: %s", self.runner_id[:8], reason)
         delay, gave_up = None, None
-        if self.spec.shard.world_size == 1:
+        if self.spec.shard.world_size == 1 and self.restarts_locally:
             delay, self.restarts = restart_delay(self.restarts, time.monotonic(), self.restart_budget,
                                                  self.restart_window_s)
             if delay is None:

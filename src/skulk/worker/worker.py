@@ -161,6 +161,7 @@ class Worker:
             restart_budget=self.restart_budget,
             restart_window_s=self.restart_window_s,
             hung_s=self.hung_s,
+            restarts_locally=instance.meta_instance_id is None,
         )
         self.supervisors[runner_id] = supervisor
         if after is None:

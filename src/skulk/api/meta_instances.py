@@ -1,0 +1,75 @@
+"""MetaInstances (seed 003): POST /meta_instance, DELETE /meta_instance/{id}, GET /meta_instances.
+
+A MetaInstance says "an instance matching these parameters always exists"; the master keeps it true (places,
+retries, re-places). Deleting one cascades to its backing instance in the master, in one batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from skulk.api.control import PLACED_WAIT_S, card_or_404
+from skulk.api.errors import ApiError
+from skulk.api.handle import NodeHandle
+from skulk.types.commands import CreateMetaInstance, DeleteMetaInstance
+from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId, new_id
+from skulk.types.instances import InstanceMeta, Sharding
+from skulk.types.meta_instances import MetaInstance
+
+
+class CreateMetaInstanceRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_id: str = Field(min_length=1)
+    sharding: Sharding = Sharding.Pipeline
+    instance_meta: InstanceMeta = InstanceMeta.MlxRing
+    min_nodes: int = Field(default=1, ge=1, le=64)
+    node_ids: list[NodeId] | None = Field(default=None, min_length=1)
+
+
+def meta_instances_router(node: NodeHandle) -> APIRouter:
+    router = APIRouter(tags=["meta_instances"])
+
+    @router.post("/meta_instance")
+    async def create(body: CreateMetaInstanceRequest) -> dict[str, Any]:
+        card = card_or_404(body.model_id)
+        meta = MetaInstance(
+            meta_instance_id=MetaInstanceId(new_id()),
+            model_id=ModelId(card.model_id),
+            sharding=body.sharding,
+            instance_meta=body.instance_meta,
+            min_nodes=body.min_nodes,
+            node_ids=body.node_ids,
+        )
+        command_id = CommandId(new_id())
+        node.send_command(CreateMetaInstance(command_id=command_id, meta_instance=meta))
+        await node.wait_for_state(lambda s: meta.meta_instance_id in s.meta_instances, PLACED_WAIT_S)
+        return {"message": "Command received.", "command_id": command_id, "meta_instance_id": meta.meta_instance_id}
+
+    @router.delete("/meta_instance/{meta_instance_id}")
+    async def delete(meta_instance_id: str) -> dict[str, Any]:
+        mid = MetaInstanceId(meta_instance_id)
+        if mid not in node.state.meta_instances:
+            raise ApiError(404, "MetaInstance not found", code="not_found")
+        command_id = CommandId(new_id())
+        node.send_command(DeleteMetaInstance(command_id=command_id, meta_instance_id=mid))
+        await node.wait_for_state(lambda s: mid not in s.meta_instances, PLACED_WAIT_S)
+        return {"message": "Command received.", "command_id": command_id, "meta_instance_id": mid}
+
+    @router.get("/meta_instances")
+    async def listing() -> dict[str, Any]:
+        state = node.state
+        return {
+            "meta_instances": {
+                mid: {
+                    **meta.model_dump(mode="json"),
+                    "instance_ids": sorted(i.instance_id for i in state.instances.values()
+                                           if i.meta_instance_id == mid),
+                }
+                for mid, meta in state.meta_instances.items()
+            }
+        }
+
+    return router

@@ -1,0 +1,204 @@
+"""The master's reconcilers (seed 003), as pure functions of state: each returns the events that move the
+cluster toward what its MetaInstances declare. The master runs them every second, in order, applying each
+one's events before the next runs: instance health first (a broken instance goes before anything is placed),
+then lost nodes, then placement of unsatisfied MetaInstances.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from skulk.master.decide import fail_open_tasks
+from skulk.master.placement import place
+from skulk.types.events import (
+    Event,
+    InstanceCreated,
+    InstanceDeleted,
+    InstanceRetrying,
+    MetaInstancePlacementFailed,
+)
+from skulk.types.ids import InstanceId, MetaInstanceId, ModelId, NodeId, RunnerId, new_id
+from skulk.types.instances import MlxRingInstance
+from skulk.types.memory import Memory
+from skulk.types.meta_instances import MAX_INSTANCE_RETRIES, MetaInstance
+
+__all__ = ["MAX_INSTANCE_RETRIES", "Ids", "instance_health", "unsatisfied", "unsatisfied_placements"]
+from skulk.types.models import ModelCard
+from skulk.types.placement import PlacementError
+from skulk.types.runners import RunnerFailed, RunnerLoaded, RunnerReady, RunnerRunning, RunnerShutdown
+from skulk.types.state import State
+
+CONNECTION_LOST = "Network connection lost"
+LOADED = (RunnerLoaded, RunnerReady, RunnerRunning)
+
+
+@dataclass(frozen=True)
+class Ids:
+    """Where new ids come from: random in the master, fixed in tests."""
+
+    instance: Callable[[], InstanceId] = lambda: InstanceId(new_id())
+    runner: Callable[[], RunnerId] = lambda: RunnerId(new_id())
+    port: Callable[[], int] = lambda: random.randint(29500, 29999)
+
+
+# ------------------------------------------------------------------------------------------ matching
+
+
+def nodes_of(instance: MlxRingInstance) -> set[NodeId]:
+    return set(instance.shard_assignments.node_to_runner)
+
+
+def matches(meta: MetaInstance, instance: MlxRingInstance) -> bool:
+    """The instance satisfies the constraint: same model, sharding and kind, enough nodes, on allowed nodes."""
+    return (
+        instance.model_id == meta.model_id
+        and instance.sharding == meta.sharding
+        and instance.world_size >= meta.min_nodes
+        and (meta.node_ids is None or nodes_of(instance) <= set(meta.node_ids))
+    )
+
+
+def connections_healthy(state: State, instance: MlxRingInstance) -> bool:
+    """Every node of the instance is in the topology and each pair of neighbouring ranks is still linked (in
+    either direction: one failed probe removes one direction only)."""
+    alive = set(state.topology.nodes)
+    ranks = sorted(instance.shard_assignments.node_to_runner.items(),
+                   key=lambda item: instance.shard_assignments.runner_to_shard[item[1]].device_rank)
+    nodes = [node for node, _ in ranks]
+    if not set(nodes) <= alive:
+        return False
+    links = {(c.source, c.sink) for c in state.topology.connections}
+    return all((a, b) in links or (b, a) in links for a, b in itertools.pairwise(nodes))
+
+
+def runners_failed(state: State, instance: MlxRingInstance) -> str | None:
+    """The joined errors when every runner is terminal and at least one failed; None otherwise (a runner with
+    no status yet is still starting)."""
+    statuses = [state.runners.get(r) for r in instance.shard_assignments.runner_to_shard]
+    if any(s is None or not isinstance(s, RunnerFailed | RunnerShutdown) for s in statuses):
+        return None
+    errors = [s.error_message or "runner failed" for s in statuses if isinstance(s, RunnerFailed)]
+    return "; ".join(errors) if errors else None
+
+
+def backing(state: State, meta: MetaInstance) -> list[MlxRingInstance]:
+    return [i for i in state.instances.values() if i.meta_instance_id == meta.meta_instance_id]
+
+
+def unsatisfied(state: State) -> list[MetaInstance]:
+    """MetaInstances without a bound instance that matches and whose connections hold."""
+    return [
+        meta
+        for meta in sorted(state.meta_instances.values(), key=lambda m: m.meta_instance_id)
+        if not any(matches(meta, i) and connections_healthy(state, i) for i in backing(state, meta))
+    ]
+
+
+# ------------------------------------------------------------------------------------- instance health
+
+
+def instance_health(state: State) -> list[Event]:
+    """Bound instances only (directly placed ones follow the restart budget of decide): a broken link deletes
+    the instance; failed runners retry it in place up to MAX_INSTANCE_RETRIES, then delete it so the
+    MetaInstance places a new one."""
+    events: list[Event] = []
+    for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
+        meta = state.meta_instances.get(instance.meta_instance_id) if instance.meta_instance_id else None
+        if meta is None:
+            continue
+        iid = instance.instance_id
+        if not connections_healthy(state, instance):
+            events += fail_open_tasks(state, {iid}, "the instance lost a network connection")
+            events.append(InstanceDeleted(instance_id=iid, failure_error=CONNECTION_LOST))
+            continue
+        error = runners_failed(state, instance)
+        if error is None:
+            continue
+        events += fail_open_tasks(state, {iid}, f"the instance failed ({error})")
+        if meta.consecutive_failures < MAX_INSTANCE_RETRIES:
+            events.append(InstanceRetrying(instance_id=iid, meta_instance_id=meta.meta_instance_id,
+                                           failure_error=error))
+        else:
+            events.append(InstanceDeleted(instance_id=iid, failure_error=error))
+    return events
+
+
+# ---------------------------------------------------------------------------------------- placement
+
+
+def with_committed(state: State) -> State:
+    """The state placement should see: each node's free memory less the shards committed to it whose runners
+    have not loaded yet (a loaded runner is already in the node's reported memory). Without this, two
+    placements in quick succession both see the same free memory and double-book the node."""
+    memory = dict(state.node_memory)
+    for instance in state.instances.values():
+        for node, runner in instance.shard_assignments.node_to_runner.items():
+            usage = memory.get(node)
+            if usage is None or isinstance(state.runners.get(runner), LOADED):
+                continue
+            shard = instance.shard_assignments.runner_to_shard[runner]
+            card = shard.model_card
+            share = card.storage_size.in_bytes * (shard.end_layer - shard.start_layer) // max(1, card.n_layers)
+            if instance.sharding.value == "Tensor":
+                share = card.storage_size.in_bytes // max(1, shard.world_size)
+            left = max(0, usage.ram_available.in_bytes - share)
+            memory[node] = usage.model_copy(update={"ram_available": Memory.from_bytes(left)})
+    return state.model_copy(update={"node_memory": memory})
+
+
+def place_for(state: State, meta: MetaInstance, card: ModelCard, ids: Ids) -> MlxRingInstance | PlacementError:
+    """Place against committed memory; pinned node_ids count only while alive, so a dead pinned node does
+    not block re-placement on the others."""
+    excluded: set[NodeId] = set()
+    if meta.node_ids is not None:
+        allowed = set(meta.node_ids) & set(state.topology.nodes)
+        excluded = set(state.topology.nodes) - allowed
+    outcome = place(
+        with_committed(state),
+        card,
+        meta.sharding,
+        meta.instance_meta,
+        instance_id=ids.instance(),
+        new_runner_id=ids.runner,
+        rendezvous_port=ids.port(),
+        min_nodes=meta.min_nodes,
+        excluded_nodes=excluded,
+    )
+    if isinstance(outcome, PlacementError):
+        return outcome
+    return outcome.model_copy(update={"meta_instance_id": meta.meta_instance_id})
+
+
+def placement_events(
+    state: State,
+    metas: Iterable[MetaInstance],
+    card_of: Callable[[ModelId], ModelCard | None],
+    ids: Ids,
+) -> list[Event]:
+    """One placement per unsatisfied MetaInstance, each against the instances placed before it in the same
+    pass; a failure is recorded only when its reason changed (no event storm every second)."""
+    events: list[Event] = []
+    for meta in metas:
+        card = card_of(meta.model_id)
+        if card is None:
+            outcome: MlxRingInstance | PlacementError | str = f"unknown model {meta.model_id}"
+        else:
+            outcome = place_for(state, meta, card, ids)
+        if isinstance(outcome, MlxRingInstance):
+            events.append(InstanceCreated(instance=outcome))
+            state = state.model_copy(update={"instances": {**state.instances, outcome.instance_id: outcome}})
+            continue
+        reason = outcome if isinstance(outcome, str) else outcome.message
+        if reason != meta.placement_error:
+            events.append(MetaInstancePlacementFailed(meta_instance_id=meta.meta_instance_id, reason=reason))
+    return events
+
+
+def unsatisfied_placements(
+    state: State, card_of: Callable[[ModelId], ModelCard | None], ids: Ids, only: MetaInstanceId | None = None
+) -> list[Event]:
+    metas = [m for m in unsatisfied(state) if only is None or m.meta_instance_id == only]
+    return placement_events(state, metas, card_of, ids)

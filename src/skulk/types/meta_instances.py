@@ -1,0 +1,31 @@
+"""MetaInstances (seed 003): "an instance matching these parameters always exists", kept true by the master.
+
+The binding is the `meta_instance_id` on the backing instance, set only by the master's reconciler: there is no
+binding event and no backing map, so deleting an instance unbinds it in the same step.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .base import CamelModel
+from .ids import MetaInstanceId, ModelId, NodeId
+from .instances import InstanceMeta, Sharding
+
+MAX_INSTANCE_RETRIES = 3
+"""Consecutive failures of a backing instance retried in place before it is deleted and placed anew."""
+
+
+class MetaInstance(CamelModel):
+    """Frozen (every CamelModel is). Failure fields: consecutive_failures and last_failure_error are always set
+    together by apply; placement_error says why the last placement attempt failed (None once one succeeds)."""
+
+    meta_instance_id: MetaInstanceId
+    model_id: ModelId
+    sharding: Sharding = Sharding.Pipeline
+    instance_meta: InstanceMeta = InstanceMeta.MlxRing
+    min_nodes: int = Field(default=1, ge=1, le=64)
+    node_ids: list[NodeId] | None = None
+    placement_error: str | None = None
+    consecutive_failures: int = 0
+    last_failure_error: str | None = None
