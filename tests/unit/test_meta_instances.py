@@ -344,3 +344,25 @@ def test_workers_may_report_only_about_themselves() -> None:
     assert not commands.accepts_local(state, LocalEvent(origin=NodeId("n2"), seq=3, event=info))
     forged = InstanceDeleted(instance_id=InstanceId("a"))
     assert not commands.accepts_local(state, LocalEvent(origin=NodeId("n1"), seq=4, event=forged))
+
+
+# -------------------------------------------------------------------------------------- diagnostics
+
+
+def test_status_words_placing_error_retrying_healthy() -> None:
+    from skulk.diagnostics.cli import meta_table
+    from skulk.diagnostics.meta import meta_status
+
+    state = applied(MetaInstanceCreated(meta_instance=meta()), state=cluster())
+    assert meta_status(state, state.meta_instances[M1]) == "placing"
+    failed = applied(MetaInstancePlacementFailed(meta_instance_id=M1, reason="no room"), state=state)
+    assert meta_status(failed, failed.meta_instances[M1]) == "error: no room"
+    state = applied(InstanceCreated(instance=bound()),
+                    RunnerStatusUpdated(runner_id=RunnerId("r-n1"), runner_status=RunnerReady()), state=state)
+    assert meta_status(state, state.meta_instances[M1]) == "healthy"
+    state = applied(InstanceRetrying(instance_id=InstanceId("inst"), meta_instance_id=M1, failure_error="oom"),
+                    state=state)
+    assert meta_status(state, state.meta_instances[M1]) == "RETRYING (1/3): oom"
+    table = meta_table({"meta_instances": {M1: {"modelId": "m", "status": "RETRYING (1/3): oom"}}})
+    assert table is not None and table.row_count == 1
+    assert meta_table({"meta_instances": {}}) is None

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from skulk.api.control import PLACED_WAIT_S, card_or_404
 from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
+from skulk.diagnostics.meta import meta_status
 from skulk.types.commands import CreateMetaInstance, DeleteMetaInstance
 from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId, new_id
 from skulk.types.instances import InstanceMeta, Sharding
@@ -65,6 +66,7 @@ def meta_instances_router(node: NodeHandle) -> APIRouter:
             "meta_instances": {
                 mid: {
                     **meta.model_dump(mode="json"),
+                    "status": meta_status(state, meta),
                     "instance_ids": sorted(i.instance_id for i in state.instances.values()
                                            if i.meta_instance_id == mid),
                 }

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 import httpx
 from rich.console import Console, Group, RenderableType
@@ -97,6 +98,37 @@ def render_timeline(
     return Group(*parts)
 
 
+def meta_table(listing: dict[str, Any]) -> Table | None:
+    """GET /meta_instances as a table: each MetaInstance, its backing instances and how it stands."""
+    metas = listing.get("meta_instances") or {}
+    if not metas:
+        return None
+    table = Table(title="MetaInstances", expand=False)
+    for name in ("meta instance", "model", "sharding", "min nodes", "instances", "status"):
+        table.add_column(name)
+    for mid, meta in sorted(metas.items()):
+        status = str(meta.get("status", ""))
+        style = "red" if status.startswith(("error", "RETRYING")) else None
+        instances = ", ".join(i[:8] for i in meta.get("instance_ids", [])) or "-"
+        table.add_row(mid[:8], str(meta.get("modelId")), str(meta.get("sharding")), str(meta.get("minNodes")),
+                      instances, status, style=style)
+    return table
+
+
+def fetch_meta_instances(url: str, timeout: float) -> dict[str, Any]:
+    """Best effort: a node without MetaInstance support (or a failing one) shows no table, not an error."""
+    try:
+        response = httpx.get(url.rstrip("/") + "/meta_instances", timeout=timeout, trust_env=False)
+        return response.json() if response.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def _with_metas(view: RenderableType, url: str, timeout: float) -> RenderableType:
+    table = meta_table(fetch_meta_instances(url, timeout))
+    return view if table is None else Group(view, table)
+
+
 def fetch_timeline(url: str, timeout: float) -> ClusterTimeline:
     response = httpx.get(url.rstrip("/") + TIMELINE_PATH, timeout=timeout, trust_env=False)
     response.raise_for_status()
@@ -105,7 +137,7 @@ def fetch_timeline(url: str, timeout: float) -> ClusterTimeline:
 
 def _frame(url: str, timeout: float) -> RenderableType:
     try:
-        return render_timeline(fetch_timeline(url, timeout))
+        return _with_metas(render_timeline(fetch_timeline(url, timeout)), url, timeout)
     except (httpx.HTTPError, ValueError) as exc:
         return Text(f"cannot read {url}{TIMELINE_PATH}: {exc}", style="bold red")
 
@@ -133,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         except (httpx.HTTPError, ValueError) as exc:
             console.print(f"[bold red]cannot read {args.url}{TIMELINE_PATH}: {exc}[/]")
             raise SystemExit(1) from exc
-        console.print(render_timeline(timeline))
+        console.print(_with_metas(render_timeline(timeline), args.url, args.timeout))
         return
     try:
         with Live(_frame(args.url, args.timeout), console=console, auto_refresh=False) as live:

@@ -16,6 +16,7 @@ from typing import Protocol
 from skulk import __version__
 from skulk.config import Settings
 from skulk.diagnostics.clock import iso, utc_now
+from skulk.diagnostics.meta import meta_status
 from skulk.diagnostics.processes import scan_processes
 from skulk.diagnostics.resources import gather_resources
 from skulk.diagnostics.supervisor_view import SupervisorLike, supervisor_diagnostics
@@ -104,6 +105,7 @@ def _placement(
     state: State, instance: MlxRingInstance, local: NodeId, master: NodeId | None, notes: list[str]
 ) -> PlacementDiagnostics:
     assignments = instance.shard_assignments
+    meta = state.meta_instances.get(instance.meta_instance_id) if instance.meta_instance_id else None
     runners: list[PlacementRunnerDiagnostics] = []
     for node_id, runner_id in assignments.node_to_runner.items():
         shard = assignments.runner_to_shard[runner_id]
@@ -136,6 +138,8 @@ def _placement(
         placement_node_ids=nodes,
         runners=runners,
         warnings=notes,
+        meta_instance_id=instance.meta_instance_id,
+        meta_instance_status=meta_status(state, meta) if meta is not None else None,
     )
 
 

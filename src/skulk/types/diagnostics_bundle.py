@@ -194,6 +194,9 @@ class PlacementDiagnostics(DiagModel):
     placement_node_ids: list[str] = []
     runners: list[PlacementRunnerDiagnostics] = []
     warnings: list[str] = []
+    meta_instance_id: str | None = None
+    """Beyond seed 002: the MetaInstance this instance backs, and how that MetaInstance stands."""
+    meta_instance_status: str | None = None
 
 
 WarningSeverity = Literal["info", "warning", "critical"]
