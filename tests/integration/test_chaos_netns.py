@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,3 +81,46 @@ def test_cutting_a_link_for_10_s_keeps_one_master_and_converges_after(
     verdicts.expect(master_of(nodes[cut]) == master_id, f"node{cut} follows {master_of(nodes[cut])} after healing")
     check_instance_intact(verdicts, nodes, instance_id, members, pids)
     verdicts.settle()
+
+
+def _backing(node: NsNode, meta_id: str) -> dict[str, dict[str, Any]]:
+    bodies = {iid: next(iter(i.values())) for iid, i in ((state_of(node) or {}).get("instances") or {}).items()}
+    return {iid: b for iid, b in bodies.items() if b.get("metaInstanceId") == meta_id}
+
+
+def _chat_ok(node: NsNode) -> bool:
+    body = {"model": "skulk/tiny-random-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return node.post("/v1/chat/completions", body, timeout=30)[0] == 200
+
+
+@pytest.mark.timeout(200)
+def test_a_meta_instance_that_loses_a_link_is_placed_again_on_the_nodes_still_linked(
+    lan_nodes: tuple[BridgedLan, list[NsNode]],
+) -> None:
+    """Seed 003's "disconnect Ethernet" scenario: pull the cable of a node of a 2-node MetaInstance; the master
+    (on the majority side) re-places it on the two nodes still linked, and a chat through them succeeds."""
+    lan, nodes = lan_nodes
+    wait_until(lambda: formed(nodes), 60, "three namespaced nodes to form", lambda: converged(nodes)[1])
+    master_id = master_of(nodes[0])
+    api = next(n for n in nodes if n.node_id == master_id)
+    status, reply = api.post("/meta_instance", {"model_id": "skulk/tiny-random-llama", "min_nodes": 2})
+    assert status == 200, reply
+    meta_id = reply["meta_instance_id"]
+    first = wait_until(lambda: next(iter(_backing(api, meta_id)), None), 60, "the MetaInstance placed")
+    wait_until(lambda: _chat_ok(api) or None, 90, "a chat through the MetaInstance")
+    members = set(_backing(api, meta_id)[first]["shardAssignments"]["nodeToRunner"])
+    cut = next(i for i, n in enumerate(nodes) if n.node_id in members and n is not api)
+    linked = {n.node_id for i, n in enumerate(nodes) if i != cut}
+    lan.cut(cut)
+    try:
+        second = wait_until(
+            lambda: next((i for i, b in _backing(api, meta_id).items()
+                          if i != first and set(b["shardAssignments"]["nodeToRunner"]) == linked), None),
+            60, "the MetaInstance placed again on the nodes still linked")
+        wait_until(lambda: _chat_ok(api) or None, 90, "a chat through the new instance")
+    finally:
+        lan.heal(cut)
+    assert second != first
+    assert "left the cluster" in (state_of(api) or {})["metaInstances"][meta_id]["lastFailureError"]
+    wait_until(lambda: converged(nodes)[0] or None, CONVERGE_S + 10, "agreement after the cable is back",
+               lambda: converged(nodes)[1])

@@ -13,11 +13,13 @@ restarted with its instance never reads what the previous group left behind.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -75,6 +77,24 @@ def op_timeout_s() -> float:
     return float(value) if value else DEFAULT_OP_TIMEOUT_S
 
 
+def interface_towards(host: str) -> str | None:
+    """The name of the local interface this machine uses to reach `host`, or None if it cannot tell.
+
+    Gloo advertises the address its hostname resolves to unless told otherwise, and on many LANs (Debian's
+    default /etc/hosts) that is 127.0.1.1: the peer on the other machine then dials loopback and the group never
+    forms. Binding gloo to the interface that routes to the rendezvous host is what works on a real LAN."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addresses):
+            return name
+    return None
+
+
 def choose_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" and torch.cuda.is_available() else "gloo"
 
@@ -96,6 +116,9 @@ def connect_group(
     where = f"{rendezvous.host}:{rendezvous.port}"
     recorder.record("connect_group", "connect_started", where, rank=rank, world_size=world, backend=backend)
     started = time.monotonic()
+    interface = interface_towards(rendezvous.host)
+    if interface is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface  # this process only: a runner forms one group
     try:
         tcp_store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             rendezvous.host, rendezvous.port, world, is_master=rank == 0,
