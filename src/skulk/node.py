@@ -26,7 +26,7 @@ from skulk.diagnostics.cluster import DepartedPeer, local_addresses, peer_url
 from skulk.loops import Loops
 from skulk.master.decide import session_changed_message
 from skulk.master.master import Master
-from skulk.models.cards import load_custom_cards
+from skulk.models.cards import know_card, load_custom_cards
 from skulk.models.demo import DEMO_MODEL_ID, ensure_demo_model
 from skulk.runner.fault import recording_enabled
 from skulk.state.store import StateStore
@@ -39,6 +39,7 @@ from skulk.types.events import (
     Event,
     IndexedEvent,
     LocalEvent,
+    ModelCardAdded,
     NodeGatheredInfo,
     TaskFailed,
     TaskStatusUpdated,
@@ -306,6 +307,9 @@ class Node:
             self.master.on_node_lost(node)
 
     def _on_state_change(self, state: State, indexed: IndexedEvent | None) -> None:
+        if indexed is None or isinstance(indexed.event, ModelCardAdded):
+            for card in state.model_cards.values():
+                know_card(card)
         if indexed is not None:
             self._fail_streams_of(state, indexed.event)
         if not self._reconcile_pending:

@@ -366,3 +366,23 @@ def test_status_words_placing_error_retrying_healthy() -> None:
     table = meta_table({"meta_instances": {M1: {"modelId": "m", "status": "RETRYING (1/3): oom"}}})
     assert table is not None and table.row_count == 1
     assert meta_table({"meta_instances": {}}) is None
+
+
+# ------------------------------------------------------------------------------- cluster-wide cards
+
+
+def test_a_card_added_on_one_node_reaches_every_state_once() -> None:
+    from skulk.master.decide import events_for_command
+    from skulk.types.commands import AddModelCard
+    from skulk.types.events import ModelCardAdded, NodeTimedOut
+    from skulk.types.ids import TaskId
+
+    custom = CARD.model_copy(update={"model_id": ModelId("org/custom")})
+    add = AddModelCard(command_id=CommandId("c"), card=custom)
+    events = events_for_command(State(), add, TaskId("t"))
+    assert events == [ModelCardAdded(card=custom)]
+    state = applied(*events)
+    assert state.model_cards == {ModelId("org/custom"): custom}
+    assert events_for_command(state, add, TaskId("t")) == []  # the same card again changes nothing
+    gone = applied(NodeTimedOut(node_id=NodeId("n1")), state=state.model_copy(update={"downloads": {"n1": {}}}))
+    assert gone.downloads == {} and gone.model_cards == state.model_cards

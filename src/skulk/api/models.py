@@ -22,6 +22,8 @@ from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list
 from skulk.store.files import INDEX_FILE, is_complete, local_files
 from skulk.store.hub import Hub, HubError, list_files
 from skulk.store.service import ModelFiles
+from skulk.types.commands import AddModelCard
+from skulk.types.ids import CommandId, new_id
 from skulk.types.models import ModelCard
 
 
@@ -50,6 +52,7 @@ def models_router(node: NodeHandle, files: ModelFiles | None) -> APIRouter:
             except UnsupportedArchitecture as exc:
                 raise ApiError(400, str(exc), code="unsupported_architecture") from exc
             add_custom_card(node.settings.home / "cards", known)
+            node.send_command(AddModelCard(command_id=CommandId(new_id()), card=known))
         return list_entry(known, created=0, where=_where(files, known))
 
     return router

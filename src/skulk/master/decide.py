@@ -6,6 +6,7 @@ from datetime import datetime
 
 from skulk.config import Settings
 from skulk.types.commands import (
+    AddModelCard,
     CancelCommand,
     Command,
     CreateInstance,
@@ -18,6 +19,7 @@ from skulk.types.events import (
     InstanceDeleted,
     InstanceFailed,
     InstanceRetrying,
+    ModelCardAdded,
     NodeTimedOut,
     SessionStarted,
     TaskCreated,
@@ -51,6 +53,8 @@ def events_for_command(state: State, command: Command, new_task_id: TaskId) -> l
             ]
         case StartChatCompletion():
             return _start_chat(state, command, new_task_id)
+        case AddModelCard(card=card):
+            return [] if state.model_cards.get(card.model_id) == card else [ModelCardAdded(card=card)]
         case CancelCommand(target_command_id=target):
             return [
                 TaskStatusUpdated(task_id=task.task_id, task_status=TaskStatus.Cancelled)

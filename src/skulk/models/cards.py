@@ -58,6 +58,12 @@ def load_custom_cards(folder: Path) -> None:
         _custom[card.model_id] = card
 
 
+def know_card(card: ModelCard) -> None:
+    """A custom card another node added (it reached us through state): list and place it here too."""
+    if card.model_id not in _cards_by_id():
+        _custom[card.model_id] = card
+
+
 def add_custom_card(folder: Path, card: ModelCard) -> None:
     """Keep card under folder (written whole, then renamed) and list it from now on."""
     folder.mkdir(parents=True, exist_ok=True)

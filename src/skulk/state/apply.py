@@ -16,6 +16,7 @@ from skulk.types.events import (
     MetaInstanceCreated,
     MetaInstanceDeleted,
     MetaInstancePlacementFailed,
+    ModelCardAdded,
     NodeDownloadProgress,
     NodeGatheredInfo,
     NodeTimedOut,
@@ -87,6 +88,8 @@ def _changes(state: State, event: Event) -> dict[str, Any]:
             return meta.meta_deleted(state, meta_instance_id)
         case MetaInstancePlacementFailed(meta_instance_id=meta_instance_id, reason=reason):
             return meta.placement_failed(state, meta_instance_id, reason)
+        case ModelCardAdded(card=card):
+            return {"model_cards": {**state.model_cards, card.model_id: card}}
         case InstanceFailed(instance_id=instance_id, failure_error=error):
             if instance_id not in state.instances:
                 return {}
@@ -192,6 +195,7 @@ def _forget_node(state: State, node: NodeId) -> dict[str, Any]:
         "node_accelerator",
         "node_network",
         "node_api_ports",
+        "downloads",
     )
     changes: dict[str, Any] = {field: _without(getattr(state, field), node) for field in per_node}
     topo = state.topology

@@ -51,6 +51,13 @@ class DeleteMetaInstance(TaggedModel):
     meta_instance_id: MetaInstanceId
 
 
+class AddModelCard(TaggedModel):
+    """A card built on one node (POST /models/add) made known to every node, the master included."""
+
+    command_id: CommandId
+    card: ModelCard
+
+
 class PlaceInstance(TaggedModel):
     """Place a model now; the master decides, against its own state and the instances it already committed.
 
@@ -75,7 +82,8 @@ Command = Annotated[
     | Annotated[CancelCommand, Tag("CancelCommand")]
     | Annotated[CreateMetaInstance, Tag("CreateMetaInstance")]
     | Annotated[DeleteMetaInstance, Tag("DeleteMetaInstance")]
-    | Annotated[PlaceInstance, Tag("PlaceInstance")],
+    | Annotated[PlaceInstance, Tag("PlaceInstance")]
+    | Annotated[AddModelCard, Tag("AddModelCard")],
     Discriminator(tag_of),
 ]
 

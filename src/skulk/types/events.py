@@ -12,6 +12,7 @@ from .downloads import DownloadProgress
 from .ids import InstanceId, MetaInstanceId, ModelId, NodeId, RunnerId, TaskId
 from .instances import Instance
 from .meta_instances import MetaInstance
+from .models import ModelCard
 from .node_info import Connection, NodeInfo
 from .runners import RunnerStatus
 from .tasks import Task, TaskStatus
@@ -105,6 +106,12 @@ class NodeDownloadProgress(TaggedModel):
     progress: DownloadProgress | None = None
 
 
+class ModelCardAdded(TaggedModel):
+    """A custom model card, known cluster-wide from now on (built from a model's config.json on one node)."""
+
+    card: ModelCard
+
+
 class MetaInstanceCreated(TaggedModel):
     meta_instance: MetaInstance
 
@@ -136,6 +143,7 @@ Event = Annotated[
     | Annotated[MetaInstanceCreated, Tag("MetaInstanceCreated")]
     | Annotated[MetaInstanceDeleted, Tag("MetaInstanceDeleted")]
     | Annotated[MetaInstancePlacementFailed, Tag("MetaInstancePlacementFailed")]
+    | Annotated[ModelCardAdded, Tag("ModelCardAdded")]
     | Annotated[NodeDownloadProgress, Tag("NodeDownloadProgress")],
     Discriminator(tag_of),
 ]

@@ -9,6 +9,7 @@ from .downloads import DownloadProgress
 from .ids import InstanceId, MetaInstanceId, ModelId, NodeId, RunnerId, TaskId
 from .instances import Instance
 from .meta_instances import MetaInstance
+from .models import ModelCard
 from .node_info import (
     AcceleratorInfo,
     DiskUsage,
@@ -43,6 +44,8 @@ class InstanceRetries(CamelModel):
 class State(CamelModel):
     instances: dict[InstanceId, Instance] = {}
     meta_instances: dict[MetaInstanceId, MetaInstance] = {}
+    model_cards: dict[ModelId, ModelCard] = {}
+    """Custom cards added on any node (POST /models/add): every node, the master included, can place them."""
     runners: dict[RunnerId, RunnerStatus] = {}
     tasks: dict[TaskId, Task] = {}
     instance_retries: dict[InstanceId, InstanceRetries] = {}
