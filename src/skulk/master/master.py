@@ -41,7 +41,8 @@ from skulk.types.events import (
     MetaInstancePlacementFailed,
     TaskFailed,
 )
-from skulk.types.ids import NodeId, TaskId, new_id
+from skulk.types.ids import ModelId, NodeId, TaskId, new_id
+from skulk.types.models import ModelCard
 from skulk.types.state import State
 
 log = logging.getLogger("skulk.master")
@@ -132,7 +133,7 @@ class Master:
             case CreateInstance():
                 return commands.create_instance(self.state, command)
             case PlaceInstance():
-                card_of = (lambda _m: command.model_card) if command.model_card is not None else get_card
+                card_of = (lambda _m: command.model_card) if command.model_card is not None else self._card_of
                 return commands.place_instance(self.state, command, card_of, self.ids)
             case CreateMetaInstance(meta_instance=meta):
                 if meta.meta_instance_id in self.state.meta_instances:
@@ -148,10 +149,14 @@ class Master:
                 return events
         return events_for_command(self.state, command, TaskId(new_id()))
 
+    def _card_of(self, model_id: ModelId) -> ModelCard | None:
+        """Packaged cards, then the custom ones any node added (they live in state)."""
+        return get_card(model_id) or self.state.model_cards.get(model_id)
+
     def _place_meta(self, command: CreateMetaInstance) -> None:
         """Placed at once if possible; the state is re-read here, so a reconcile that already placed it wins."""
         only = command.meta_instance.meta_instance_id
-        self._emit_placements(reconcile.unsatisfied_placements(self.state, get_card, self.ids, only=only))
+        self._emit_placements(reconcile.unsatisfied_placements(self.state, self._card_of, self.ids, only=only))
 
     def _emit_placements(self, events: list[Event]) -> None:
         for event in events:
@@ -195,7 +200,7 @@ class Master:
         self.emit(
             events_for_unhealthy_instances(self.state, budget=self.restart_budget, window_s=self.restart_window_s)
         )
-        self._emit_placements(reconcile.unsatisfied_placements(self.state, get_card, self.ids))
+        self._emit_placements(reconcile.unsatisfied_placements(self.state, self._card_of, self.ids))
 
     def _log_health(self, events: list[Event]) -> None:
         for event in events:
