@@ -133,3 +133,23 @@ def test_crash_fault_exits_the_process_on_a_poisoned_request(monkeypatch: pytest
     assert exits == []
     hook("sample", type("R", (), {"request_id": "bad", "prompt": [1]})())
     assert exits == [fault.CRASH_EXIT_CODE]
+
+
+def test_top_k_above_the_models_vocabulary_is_422_naming_the_vocabulary() -> None:
+    from types import SimpleNamespace
+
+    from skulk.types.events import InstanceCreated
+    from skulk.types.ids import ModelId
+
+    from .factories import applied, instance
+
+    demo = instance().model_copy(update={"shard_assignments": instance().shard_assignments.model_copy(
+        update={"model_id": ModelId("skulk/tiny-random-llama")})})
+    node = SimpleNamespace(state=applied(InstanceCreated(instance=demo)))
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(openai_router(node))  # type: ignore[arg-type]
+    body = {**GOOD, "model": "skulk/tiny-random-llama", "top_k": 261}
+    reply = TestClient(app).post("/v1/chat/completions", json=body)
+    assert reply.status_code == 422, reply.text
+    assert reply.json()["error"]["message"].startswith("top_k: ") and "0...260" in reply.text

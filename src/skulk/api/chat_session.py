@@ -8,6 +8,7 @@ from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.cluster.dataplane import ChunkStream
 from skulk.master.decide import failed_for_good, instance_failed_message
+from skulk.models.cards import get_card
 from skulk.types.chat import ChatCompletionRequest
 from skulk.types.chunks import ErrorChunk, TokenChunk
 from skulk.types.commands import CancelCommand, StartChatCompletion
@@ -72,9 +73,23 @@ def require_instance(node: NodeHandle, model: str) -> None:
         raise ApiError(503, instance_failed_message(instance_id, why), code="instance_failed")
 
 
+def check_top_k(node: NodeHandle, request: ChatCompletionRequest) -> None:
+    """top_k is bounded by the model's vocabulary where its card knows it (422, like every other bound)."""
+    card = get_card(request.model) or node.state.model_cards.get(ModelId(request.model))
+    vocab = card.vocab_size if card is not None else None
+    if vocab is not None and request.top_k is not None and request.top_k > vocab:
+        raise ApiError(
+            422,
+            f"top_k: top_k must be an integer in 0...{vocab} (the vocabulary of {request.model}; 0 = off), "
+            f"got {request.top_k}",
+            code="invalid_request",
+        )
+
+
 async def start_chat(node: NodeHandle, request: ChatCompletionRequest) -> ChatSession:
     """Raises ApiError with the runner's status (e.g. 400 context_length_exceeded) before anything streams."""
     require_instance(node, request.model)
+    check_top_k(node, request)
     command_id = CommandId(new_id())
     stream = node.open_stream(command_id)
     node.send_command(

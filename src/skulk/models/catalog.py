@@ -72,6 +72,7 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
         dtype=dtype if dtype in _DTYPES else "bfloat16",  # type: ignore[arg-type]
         quantization="none" if not quantization else str(quantization.get("bits", "quantized")),
         context_length=int(config.get("max_position_embeddings") or 4096),
+        vocab_size=int(config["vocab_size"]) if config.get("vocab_size") else None,
         supports_tensor=True,
         builtin=False,
     )

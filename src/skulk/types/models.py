@@ -22,5 +22,7 @@ class ModelCard(CamelModel):
     dtype: DType = "bfloat16"
     quantization: str = "none"
     context_length: int = 4096
+    vocab_size: int | None = None
+    """Tokens the model knows; bounds a request's top_k at the API (None: unknown, the engine clamps)."""
     supports_tensor: bool = True
     builtin: bool = False
