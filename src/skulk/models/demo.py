@@ -108,6 +108,7 @@ def demo_card() -> ModelCard:
         storage_size=Memory.from_bytes(size),
         dtype="float32",
         context_length=_MAX_POSITIONS,
+        vocab_size=BYTE_VOCAB_SIZE,
         supports_tensor=True,
         builtin=True,
     )
