@@ -41,6 +41,7 @@ from skulk.types.events import (
     LocalEvent,
     ModelCardAdded,
     NodeGatheredInfo,
+    NodeTimedOut,
     TaskFailed,
     TaskStatusUpdated,
 )
@@ -84,6 +85,7 @@ class Node:
         self._reconcile_pending = False
         self.api_port = settings.api_port
         self._departed: dict[NodeId, DepartedPeer] = {}
+        self._peer_urls: dict[NodeId, str | None] = {}
 
     # -- NodeHandle -------------------------------------------------------------------------------
     @property
@@ -300,13 +302,30 @@ class Node:
             log.info("node %s %s", node[:8], "joined" if alive else "left (liveliness token gone or lease expired)")
         if alive:
             self._departed.pop(node, None)
-        elif node in self.store.state.node_api_ports:
-            url = peer_url(self.store.state, self.node_id, node, local_addresses())
-            self._departed[node] = DepartedPeer(url=url, left_at=datetime.now(UTC))
+        else:
+            self._depart(node)
         if not alive and self.master is not None:
             self.master.on_node_lost(node)
 
+    def _depart(self, node: NodeId) -> None:
+        """Diagnostics keep listing a peer that left (ok: false, since when) at the address it last had: the
+        master's NodeTimedOut may remove it from state before this node's own lease on it runs out."""
+        if node in self._peer_urls and node not in self._departed:
+            self._departed[node] = DepartedPeer(url=self._peer_urls[node], left_at=datetime.now(UTC))
+
+    def _remember_peer(self, state: State, event: Event | None) -> None:
+        if event is None:  # a snapshot: every peer it knows
+            ours = local_addresses()
+            for node in state.node_api_ports:
+                if node != self.node_id:
+                    self._peer_urls[node] = peer_url(state, self.node_id, node, ours)
+        elif isinstance(event, NodeGatheredInfo) and event.node_id != self.node_id:
+            self._peer_urls[event.node_id] = peer_url(state, self.node_id, event.node_id, local_addresses())
+        elif isinstance(event, NodeTimedOut):
+            self._depart(event.node_id)
+
     def _on_state_change(self, state: State, indexed: IndexedEvent | None) -> None:
+        self._remember_peer(state, indexed.event if indexed is not None else None)
         if indexed is None or isinstance(indexed.event, ModelCardAdded):
             for card in state.model_cards.values():
                 know_card(card)
