@@ -7,7 +7,6 @@ teardown. Waits are on callbacks, not sleeps, except where a test checks that no
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import time
 import uuid
@@ -21,18 +20,13 @@ from skulk.cluster.membership import Membership
 from skulk.cluster.sync import EventFollower, Intake, Sequencer, send_command, send_local_event
 from skulk.cluster.transport import Transport, TransportSettings
 from skulk.state.apply import apply
+from skulk.testing.nodes import free_port
 from skulk.types.commands import DeleteInstance, ForwardedCommand
 from skulk.types.events import Event, IndexedEvent, LocalEvent, NodeTimedOut, SessionStarted
 from skulk.types.ids import CommandId, InstanceId, NodeId
 from skulk.types.state import State
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -8,6 +8,7 @@ the node ever spawned through the group, even one that outlived it.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,7 +26,26 @@ import psutil
 READY_MARK = "SKULK_READY"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
+    """A TCP port free right now, chosen below the kernel's ephemeral range (32768 and up) and below the
+    rendezvous ports placement picks (29500-29999): a port handed out by binding to 0 is an ephemeral one, which
+    any outgoing connection on the machine may take before the node binds it (seen as 'Address already in
+    use' on a busy CI machine)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(20000, 29000)
+        if port in _HANDED_OUT:
+            continue  # not bound yet by the node it was chosen for, but taken all the same
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _HANDED_OUT.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
