@@ -9,6 +9,17 @@ import pytest
 
 from .harness import Cluster
 
+RERUNS = 1
+"""Integration tests run real node processes on a shared 2-core machine, where a timing can slip now and then;
+each may run once more, with fresh nodes. A test that fails twice fails, and pytest's summary lists every rerun
+(`R`), so a flaky test stays visible instead of being hidden."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/integration/" in str(item.path) and not item.get_closest_marker("flaky"):
+            item.add_marker(pytest.mark.flaky(reruns=RERUNS))
+
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:

@@ -185,7 +185,8 @@ def test_wedged_rank_shows_as_rank_disagreement_within_seconds(cluster: Cluster)
     assert elapsed < 15, f"the hang took {elapsed:.1f} s to show"
     ranks = {r["deviceRank"]: r for r in timeline["runners"] if r["instanceId"] == instance_id}
     assert ranks[1]["phase"] == "task_agreement", ranks
-    assert ranks[0]["phase"] != "task_agreement" and ranks[0]["secondsInPhase"] > 5, ranks
+    # > 4.5, not > 5: the rows and the warnings of one timeline are computed a few ms apart
+    assert ranks[0]["phase"] != "task_agreement" and ranks[0]["secondsInPhase"] > 4.5, ranks
     assert all(r["processAlive"] for r in ranks.values()), "a stalled rank stays alive"
     warning = next(w for w in timeline["warnings"] if w["code"] == "rank_disagreement")
     assert warning["instanceId"] == instance_id and warning["runnerId"] == ranks[0]["runnerId"], warning
