@@ -33,8 +33,7 @@ from skulk.testing.chaos import (
     runner_pids,
 )
 from skulk.testing.convergence import master_of, one_master, state_of
-from skulk.testing.nodes import LocalNode
-from skulk.testing.streams import StreamLoop, StreamOutcome, StreamProbe, chat_body
+from skulk.testing.streams import StreamLoop, StreamOutcome, chat_body, open_long_stream
 
 from .harness import Cluster, place_and_wait, wait_until
 
@@ -155,23 +154,13 @@ def test_restarted_former_master_without_bootstrap_peers_joins_as_follower_and_p
     verdicts.settle()
 
 
-def open_stream(api: LocalNode, attempts: int = 3) -> StreamProbe:
-    """A stream well into decode; a random-weights model may stop early, so try again if it already ended."""
-    for _ in range(attempts):
-        probe = StreamProbe(api.url, chat_body(MODEL, 1900), read_timeout=30)
-        probe.wait_tokens(5, 30)
-        if probe.outcome.ended is None:
-            return probe
-    raise AssertionError(f"no stream stayed open past 5 tokens in {attempts} attempts")
-
-
 @pytest.mark.timeout(150)
 def test_kill_9_of_a_node_holding_a_shard_ends_the_stream_with_a_retryable_error(cluster: Cluster) -> None:
     nodes = cluster.form(3)
     master = cluster.master(nodes)
     api, victim = [n for n in nodes if n is not master]
     place_and_wait(api, min_nodes=2, excluded_nodes=[master.node_id])
-    probe = open_stream(api)
+    probe = open_long_stream(api.url, MODEL)
     killed_at = victim.kill()
     outcome = probe.wait(30)
     verdicts = Verdicts()

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from skulk.testing.nodes import LocalNode
-from skulk.testing.streams import StreamProbe, chat_body
+from skulk.testing.streams import open_long_stream
 
 from .harness import Cluster, place_and_wait, wait_until
 
@@ -63,16 +63,6 @@ def chat(node: LocalNode, content: str = "hello") -> httpx.Response:
     return httpx.post(f"{node.url}/v1/chat/completions", json=body, timeout=60)
 
 
-def open_stream(node: LocalNode, attempts: int = 3) -> StreamProbe:
-    """A stream well into decode; a random-weights model may stop early, so try again if it already ended."""
-    for _ in range(attempts):
-        probe = StreamProbe(node.url, chat_body(MODEL, 1900), read_timeout=30)
-        probe.wait_tokens(5, 30)
-        if probe.outcome.ended is None:
-            return probe
-    raise AssertionError(f"no stream stayed open past 5 tokens in {attempts} attempts")
-
-
 def delete(node: LocalNode, meta_instance_id: str) -> httpx.Response:
     return httpx.delete(f"{node.url}/meta_instance/{meta_instance_id}", timeout=30)
 
@@ -83,7 +73,7 @@ def test_lifecycle_create_serve_delete_cascades_and_leaves_direct_instances(clus
     only = create(node)
     placed_and_serving(node, only)
     assert chat(node).status_code == 200
-    probe = open_stream(node)
+    probe = open_long_stream(node.url, MODEL)
     assert delete(node, only).status_code == 200
     outcome = probe.wait(30)
     assert outcome.kind == "error" and (outcome.error or {}).get("code") == "cancelled", outcome.describe()

@@ -210,3 +210,13 @@ class StreamLoop:
         if self._thread.is_alive():
             raise AssertionError(f"a stream was still open {timeout:.0f} s after the loop was stopped")
         return list(self.outcomes)
+
+
+def open_long_stream(url: str, model: str, attempts: int = 3) -> StreamProbe:
+    """A stream well into decode; a random-weights model may stop early, so try again if it already ended."""
+    for _ in range(attempts):
+        probe = StreamProbe(url, chat_body(model, 1900), read_timeout=30)
+        probe.wait_tokens(5, 30)
+        if probe.outcome.ended is None:
+            return probe
+    raise AssertionError(f"no stream stayed open past 5 tokens in {attempts} attempts")
