@@ -95,6 +95,23 @@ def interface_towards(host: str) -> str | None:
     return None
 
 
+def listen_on(host: str, port: int) -> int:
+    """A listening socket on exactly the rendezvous address placement chose, handed to the store by fd.
+
+    Left to itself torch's store listens on every interface, so any host that can reach the port could talk to
+    it; bound here, only the interface the peers were placed to use is open."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
+
+
 def choose_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" and torch.cuda.is_available() else "gloo"
 
@@ -123,6 +140,7 @@ def connect_group(
         tcp_store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             rendezvous.host, rendezvous.port, world, is_master=rank == 0,
             timeout=timedelta(seconds=spec.connect_deadline_s), wait_for_workers=True,
+            master_listen_fd=listen_on(rendezvous.host, rendezvous.port) if rank == 0 else None,
         )
         # keys per attempt: a rank restarted with its instance never reads what an older group left behind
         store = dist.PrefixStore(f"skulk/attempt{spec.attempt}/", tcp_store)  # pyright: ignore[reportPrivateImportUsage]

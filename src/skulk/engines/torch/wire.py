@@ -1,21 +1,32 @@
 """What rank 0 (the scheduler) tells every other rank before each step, and how it travels.
 
 A step header is one broadcast of a fixed int64 pair [kind, payload_bytes] over the control group; only a
-step that adds or releases requests pays for a second broadcast carrying the pickled changes. A steady
+step that adds or releases requests pays for a second broadcast carrying the changes as JSON. A steady
 decode step therefore costs one tiny collective on top of the model's own traffic.
+
+The changes are JSON validated into a fixed pydantic model (`StepChanges`), never pickle: any peer that can
+reach the group's sockets could otherwise run code in this rank by sending a crafted header. A header whose
+kind is unknown, whose size is out of bounds or whose payload does not validate raises `WireError`, which
+fails the rank like any other group error.
 """
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skulk.types.chat import SamplingParams
+
+MAX_CHANGES_BYTES = 256 * 1024 * 1024  # one step's adds, prompts included; a larger size is a forged header
+
+
+class WireError(RuntimeError):
+    """A step header that is not one rank 0 could have sent: refused without decoding anything else."""
 
 
 class StepKind(IntEnum):
@@ -81,6 +92,61 @@ class Released:
 RequestEvent = Admitted | Released
 
 
+class _WireAdd(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    request_id: str = Field(max_length=256)
+    command_id: str = Field(max_length=256)
+    prompt: list[int]
+    sampling: SamplingParams
+
+
+class _WireRelease(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    request_id: str = Field(max_length=256)
+    cancelled: bool
+    failed: bool = False
+
+
+class StepChanges(BaseModel):
+    """The variable part of a step header, exactly as it travels."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    adds: list[_WireAdd] = []
+    releases: list[_WireRelease] = []
+
+
+def encode_changes(adds: tuple[NewRequest, ...], releases: tuple[Release, ...]) -> bytes:
+    changes = StepChanges(
+        adds=[_WireAdd(request_id=a.request_id, command_id=a.command_id, prompt=a.prompt,
+                       sampling=a.sampling_params()) for a in adds],
+        releases=[_WireRelease(request_id=r.request_id, cancelled=r.cancelled, failed=r.failed) for r in releases],
+    )
+    return changes.model_dump_json(by_alias=True).encode()
+
+
+def decode_changes(payload: bytes) -> tuple[tuple[NewRequest, ...], tuple[Release, ...]]:
+    """Validate a payload into adds and releases; anything else is a WireError (nothing is constructed but
+    these plain records)."""
+    try:
+        changes = StepChanges.model_validate_json(payload)
+    except ValidationError as exc:
+        raise WireError(f"malformed step header payload ({len(payload)} bytes): {exc.error_count()} errors") from None
+    adds = tuple(NewRequest.of(a.request_id, a.command_id, a.prompt, a.sampling) for a in changes.adds)
+    releases = tuple(Release(r.request_id, r.cancelled, r.failed) for r in changes.releases)
+    return adds, releases
+
+
+def decode_fixed(kind: int, size: int) -> tuple[StepKind, int]:
+    """Check the fixed pair before allocating anything for the payload."""
+    try:
+        step = StepKind(kind)
+    except ValueError:
+        raise WireError(f"unknown step kind {kind}") from None
+    if not 0 <= size <= MAX_CHANGES_BYTES:
+        raise WireError(f"step header payload size {size} out of bounds (0...{MAX_CHANGES_BYTES})")
+    return step, size
+
+
 @dataclass
 class HeaderChannel:
     """Broadcasts headers from rank 0 over the control group (gloo, CPU tensors)."""
@@ -89,7 +155,7 @@ class HeaderChannel:
     _fixed: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.int64))
 
     def send(self, header: Header) -> None:
-        payload = pickle.dumps((header.adds, header.releases)) if header.adds or header.releases else b""
+        payload = encode_changes(header.adds, header.releases) if header.adds or header.releases else b""
         self._fixed[0], self._fixed[1] = int(header.kind), len(payload)
         dist.broadcast(self._fixed, src=0, group=self.group)
         if payload:
@@ -98,10 +164,10 @@ class HeaderChannel:
 
     def receive(self) -> Header:
         dist.broadcast(self._fixed, src=0, group=self.group)
-        kind, size = StepKind(int(self._fixed[0])), int(self._fixed[1])
+        kind, size = decode_fixed(int(self._fixed[0]), int(self._fixed[1]))
         if not size:
             return Header(kind)
         data = torch.empty(size, dtype=torch.uint8)
         dist.broadcast(data, src=0, group=self.group)
-        adds, releases = pickle.loads(data.numpy().tobytes())
+        adds, releases = decode_changes(data.numpy().tobytes())
         return Header(kind, adds, releases)
