@@ -108,6 +108,24 @@ class Settings(BaseModel):
     """SKULK_FLIGHT_RECORDER: 0/false/no/off turns the runners' flight recorder off."""
     hf_token: str | None = None
     """Token for gated Hugging Face repositories (HF_TOKEN)."""
+    libp2p_namespace: str | None = None
+    """SKULK_LIBP2P_NAMESPACE, reported as-is by diagnostics (libp2PNamespace); discovery uses `cluster`."""
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    """SKULK_MAX_BODY_BYTES: the largest request body the API reads; more is refused (413) while reading."""
+    max_connections: int = Field(default=4096, ge=16)
+    """Open HTTP connections beyond this are closed on accept (slowloris); raise with the open-file limit."""
+    header_timeout_seconds: float = Field(default=10.0, gt=0)
+    """A connection that has not sent a complete request head within this long is closed."""
+    body_timeout_seconds: float = Field(default=30.0, gt=0)
+    """A request body that stalls this long between two reads is refused (408)."""
+    api_keys: list[str] = []
+    """SKULK_API_KEYS (comma-separated), --api-key: with any key set, every route but /healthz needs one."""
+    admin_keys: list[str] = []
+    """SKULK_ADMIN_KEYS, --admin-key: keys that may also place/delete instances, cancel, read diagnostics."""
+    allowed_hosts: list[str] = []
+    """Host header values accepted on a non-loopback bind, besides this machine's own names and addresses."""
+    cors_origins: list[str] = []
+    """Browser origins allowed to call the API (CORS); none by default."""
     model_store: ModelStoreConfig = ModelStoreConfig()
     logging: LoggingConfig = LoggingConfig()
     tracing: TracingConfig = TracingConfig()
@@ -153,7 +171,7 @@ class Settings(BaseModel):
 
 
 ENV_PREFIX = "SKULK_"
-LIST_FIELDS = {"bootstrap_peers", "zenoh_listen"}
+LIST_FIELDS = {"bootstrap_peers", "zenoh_listen", "api_keys", "admin_keys", "allowed_hosts", "cors_origins"}
 BOOL_FIELDS = {"place_default", "multicast"}
 ENV_ALIASES = {"bootstrap_peers": "SKULK_BOOTSTRAP_PEERS", "zenoh_listen": "SKULK_ZENOH_LISTEN"}
 SECTION_FIELDS = {"model_store", "logging", "tracing", "hf_token"}
@@ -171,6 +189,10 @@ NESTED_ENV: dict[str, tuple[str, ...]] = {
     "SKULK_STAGING_KEEP_RECENT_GB": ("model_store", "staging", "staging_keep_recent_gb"),
     "SKULK_CLEANUP_ON_DEACTIVATE": ("model_store", "staging", "cleanup_on_deactivate"),
     "SKULK_TRACING": ("tracing", "enabled"),
+    "SKULK_TRACING_ENABLED": ("tracing", "enabled"),
+    "SKULK_TRACING_RETENTION_DAYS": ("tracing", "retention_days"),
+    "SKULK_LOGGING_ENABLED": ("logging", "enabled"),
+    "SKULK_LOGGING_INGEST_URL": ("logging", "ingest_url"),
 }
 """Environment twins of nested keys; HF_TOKEN and HF_ENDPOINT are Hugging Face's own names (SKULK_ wins)."""
 _HUB_NAMES = ("HF_TOKEN", "HF_ENDPOINT")

@@ -29,7 +29,10 @@ def _disk_reason(state: State, node_id: NodeId) -> HealthReason | None:
         return HealthReason(
             code="disk_full",
             message=f"only {free_gb:.1f} GiB free on the Skulk home disk (≤ 2 GiB)",
-            remediation="free disk space or run POST /store/purge-staging to evict staged models",
+            remediation=(
+                "free disk space, or evict not-in-use staged models on every node with "
+                "POST /store/purge-staging and the JSON body {} (or {\"modelId\": …} for one model)"
+            ),
         )
     if disk.available.in_bytes < DISK_LOW_BYTES:
         return HealthReason(

@@ -63,7 +63,7 @@ def runtime_diagnostics(source: BundleSource) -> RuntimeDiagnostics:
     """The process's view of itself: the first thing to compare when two nodes behave differently."""
     state, settings, master = source.state, source.settings, source.master_id
     ident = state.node_identities.get(source.node_id)
-    ingest = os.environ.get("SKULK_LOGGING_INGEST_URL") or None
+    logging_config = settings.logging
     return RuntimeDiagnostics(
         node_id=source.node_id,
         hostname=socket.gethostname(),
@@ -75,12 +75,11 @@ def runtime_diagnostics(source: BundleSource) -> RuntimeDiagnostics:
         config_file_exists=settings.config_exists,
         skulk_version=__version__,
         skulk_commit=node_info.skulk_commit(),
-        # Skulk's discovery namespace is the zenoh cluster name; the libp2p env name is honoured if set.
-        libp2p_namespace=os.environ.get("SKULK_LIBP2P_NAMESPACE") or settings.cluster,
+        libp2p_namespace=settings.libp2p_namespace,  # the variable's value or null, as the seed says
         python_unbuffered=_env_flag("PYTHONUNBUFFERED"),
         tracing_enabled=source.tracing_enabled,
-        structured_logging_configured=ingest is not None,
-        logging_ingest_url=ingest,
+        structured_logging_configured=logging_config.enabled,
+        logging_ingest_url=logging_config.ingest_url,
     )
 
 

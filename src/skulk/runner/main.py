@@ -58,7 +58,7 @@ IDLE_POLL_S = 0.25
 def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunner]) -> None:
     """Process entry point (multiprocessing spawn target)."""
     _heartbeat(outbox)  # first: the supervisor's hung-runner clock starts with the first message it hears
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s runner %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)-7s runner: %(message)s")
     _exit_with_parent()
     if spec.shard.world_size > 1:
         # ranks of an instance that share a host take turns computing: before torch loads OpenMP, make its idle
@@ -273,6 +273,7 @@ class Runner:
             case RunTask(task=task) if self.schedules:
                 self._accept(task)
             case CancelTask(task_id=task_id) if self.schedules:
+                self.recorder.record("cancel_requested", "cancel_received", task_id=task_id)
                 self._cancel(task_id)
             case Shutdown():
                 for task_id in list(self.active):
@@ -294,7 +295,7 @@ class Runner:
         if prompt is None:
             return
         self.active[task.task_id] = _Active(task.command_id, len(prompt))
-        self.recorder.record("decode_stream", "decode_started", prompt_tokens=len(prompt), **ids)
+        self.recorder.record("prefill_stream", "prefill_queued", prompt_tokens=len(prompt), **ids)
         self.set_status(RunnerRunning(), after_step=True)
 
     def _admit(self, task: ChatCompletion) -> list[int] | None:
@@ -310,6 +311,8 @@ class Runner:
             self.send_after_step()
             self._fail(task.task_id, task.command_id, message, code="context_length_exceeded", status=400)
             return None
+        # a fresh KV-cache slot per request: this engine keeps no prefix cache, so the lookup always misses
+        self.recorder.record("kv_cache_lookup", "slot_allocated", task_id=task.task_id, command_id=task.command_id)
         if self.dist is not None:
             self.dist.add_request(task.task_id, prompt, task.task_params.sampling, command_id=task.command_id)
         else:
@@ -351,6 +354,9 @@ class Runner:
                 failed.append((TaskId(out.request_id), active.command_id, out.error))
                 continue
             active.completion_tokens += 1
+            if active.completion_tokens == 1:  # once per request: the prefill's token is out, decoding begins
+                self.recorder.record("decode_stream", "first_token", task_id=out.request_id,
+                                     command_id=active.command_id)
             chunks.append(
                 TokenChunk(
                     command_id=active.command_id,

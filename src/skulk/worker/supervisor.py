@@ -164,6 +164,7 @@ class RunnerSupervisor:
             name=f"skulk-runner-{self.runner_id[:8]}",
         )
         self._hung = None
+        self.view.exit_code = None  # a fresh process: the previous one's exit code no longer describes it
         self._process.start()
         self.milestone("spawned", f"pid {self._process.pid}")
         threading.Thread(target=self._read, args=(self._process, outbox), daemon=True).start()
