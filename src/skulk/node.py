@@ -30,7 +30,7 @@ from skulk.models.cards import know_card, load_custom_cards
 from skulk.models.demo import DEMO_MODEL_ID, ensure_demo_model
 from skulk.runner.fault import recording_enabled
 from skulk.state.store import StateStore
-from skulk.store.server import create_store_app
+from skulk.store.server import StoreServer
 from skulk.store.service import ModelFiles
 from skulk.store.staging import startable
 from skulk.types.chunks import ErrorChunk
@@ -179,7 +179,7 @@ class Node:
         await self._join()
         self.files.start(self.node_id)
         if self.settings.is_store_host:
-            self._spawn(self._store_server().serve())
+            self._spawn(self._serve_store())
         server = self._api_server()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -380,15 +380,15 @@ class Node:
                     self.emit_local(event)
                 await asyncio.sleep(TOPOLOGY_EVERY_S)
 
-    def _store_server(self) -> uvicorn.Server:
-        """The store host serves store_path to the LAN (store.server)."""
+    async def _serve_store(self) -> None:
+        """The store host serves store_path to the LAN (store.server) on its own threads until the node stops."""
         store = self.settings.model_store
-        log.info("model store serving %s on port %d", self.settings.store_path, store.store_port)
-        config = uvicorn.Config(
-            create_store_app(self.settings.store_path), host=self.settings.api_host, port=store.store_port,
-            log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
-        )
-        return _ApiServer(config)
+        server = StoreServer(self.settings.store_path, self.settings.api_host, store.store_port).start()
+        log.info("model store serving %s on port %d", self.settings.store_path, server.server_address[1])
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.to_thread(server.close)
 
     async def _place_default(self) -> None:
         """Keep the demo model placed: a MetaInstance, so the default placement heals too. Only a settled master

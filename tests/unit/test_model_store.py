@@ -3,15 +3,18 @@ config.json, and the start gate."""
 
 from __future__ import annotations
 
+import http.client
+import json
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
 from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry, weight_bytes
+from skulk.store import client
 from skulk.store.eviction import StagedModel, to_evict, to_purge
+from skulk.store.fetch import partial_path
 from skulk.store.files import files_for_shard, shard_files
-from skulk.store.server import create_store_app
+from skulk.store.server import StoreServer
 
 pytestmark = pytest.mark.timeout(30)
 MB = 10**6
@@ -64,6 +67,17 @@ def test_shard_files_follow_the_index() -> None:
     assert set(files_for_shard(files, None, (0, 4, 4))) == {"config.json", "tokenizer.json", "f3.safetensors"}
 
 
+def _raw_get(port: int, path: str, headers: dict[str, str] | None = None, method: str = "GET") -> tuple[int, bytes]:
+    """A request with the path exactly as written (httpx would normalise the dot segments away)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(method, path, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
 def test_store_server_serves_ranges_and_nothing_outside(tmp_path: Path) -> None:
     store = tmp_path / "store"
     model = store / "org--m"
@@ -71,22 +85,37 @@ def test_store_server_serves_ranges_and_nothing_outside(tmp_path: Path) -> None:
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(bytes(range(200)))
     (tmp_path / "secret.txt").write_text("no")
-    client = TestClient(create_store_app(store))
-    assert client.get("/models/org/m/files").json()["files"] == {"config.json": 2, "model.safetensors": 200}
-    ranged = client.get("/models/org/m/files/model.safetensors", headers={"Range": "bytes=100-"})
-    assert ranged.status_code == 206 and ranged.content == bytes(range(100, 200))
-    for path in (
-        "/models/org/m/files/..%2F..%2Fsecret.txt",
-        "/models/org/m/files/%2E%2E",
-        "/models/%2E%2E/m/files/config.json",
-        "/models/org/..%2F..%2Fx/files",
-        "/models/org/m/../../secret.txt",
-        "/models/org/nope/files/config.json",
-    ):
-        response = client.get(path)
-        assert response.status_code in (400, 404), path
-        assert response.content != b"no"
-    assert client.get("/registry").json()["entries"][0]["model_id"] == "org/m"
+    server = StoreServer(store, "127.0.0.1", 0).start()
+    port = server.server_address[1]
+    try:
+        status, body = _raw_get(port, "/models/org/m/files")
+        assert status == 200 and json.loads(body)["files"] == {"config.json": 2, "model.safetensors": 200}
+        assert _raw_get(port, "/models/org/m/files/model.safetensors") == (200, bytes(range(200)))
+        ranged = _raw_get(port, "/models/org/m/files/model.safetensors", {"Range": "bytes=100-"})
+        assert ranged == (206, bytes(range(100, 200)))
+        assert _raw_get(port, "/models/org/m/files/model.safetensors", {"Range": "bytes=10-19"}) == (
+            206, bytes(range(10, 20)))
+        status, body = _raw_get(port, "/models/org/m/files/model.safetensors", {"Range": "bytes=500-"})
+        assert status == 416 and json.loads(body)["error"]["code"] == "range_not_satisfiable"
+        for path in (
+            "/models/org/m/files/..%2F..%2Fsecret.txt",
+            "/models/org/m/files/%2E%2E",
+            "/models/%2E%2E/m/files/config.json",
+            "/models/org/..%2F..%2Fx/files",
+            "/models/org/m/../../secret.txt",
+            "/models/org/m/files/../../../secret.txt",
+            "/../secret.txt",
+            "/models/org/nope/files/config.json",
+        ):
+            status, body = _raw_get(port, path)
+            assert status in (400, 404), path
+            assert body != b"no" and "error" in json.loads(body), path
+        status, body = _raw_get(port, "/registry")
+        assert json.loads(body)["entries"][0]["model_id"] == "org/m"
+        assert _raw_get(port, "/models/org/m/files/config.json", method="DELETE")[0] == 405
+        assert model.joinpath("config.json").exists()
+    finally:
+        server.close()
 
 
 def test_card_from_config_and_unsupported_architecture() -> None:
@@ -145,3 +174,28 @@ def test_route_a_store_worker_stages_the_store_host_loads_in_place(tmp_path: Pat
     assert route(worker, store_copy_complete=True) == Route.FromStore
     assert (route(host, True), route(host, False)) == (Route.LocalStore, Route.FromHub)
     assert (route(alone, True), route(alone, False)) == (Route.LocalStore, Route.FromHub)
+
+
+def test_staging_resumes_a_partial_and_splices_the_rest(tmp_path: Path) -> None:
+    """A stager killed mid-file left a partial: the next attempt asks for the rest with Range and the file
+    takes its final name only whole (the same bytes as the store's)."""
+    store = tmp_path / "store"
+    model = store / "org--m"
+    model.mkdir(parents=True)
+    payload = bytes(range(256)) * 40_000  # ~10 MB: several splice rounds
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(payload)
+    server = StoreServer(store, "127.0.0.1", 0).start()
+    try:
+        base = client.store_url("127.0.0.1", server.server_address[1])
+        files = client.store_files(base, "org/m")
+        target = tmp_path / "staged"
+        part = partial_path(target / "model.safetensors")
+        part.parent.mkdir(parents=True)
+        part.write_bytes(payload[:1_234_567])
+        seen: list[int] = []
+        client.stage(base, "org/m", files, target, lambda done, _files: seen.append(done))
+        assert (target / "model.safetensors").read_bytes() == payload
+        assert not part.exists() and seen[-1] == len(payload) + 2
+    finally:
+        server.close()

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import http.client
-from collections.abc import Iterator
+import os
+import select
+import socket
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 
-from skulk.store.fetch import Progress, fetch_all, fetch_file
+from skulk.store.fetch import Progress, Pump, chunks_pump, fetch_all, fetch_file
 from skulk.store.files import INDEX_FILE
 
 TIMEOUT_S = 30.0
 READ_BYTES = 4 * 1024 * 1024
+PIPE_BYTES = 1024 * 1024
 
 
 class NotInStore(LookupError):
@@ -56,10 +62,9 @@ def file_url(base: str, model_id: str, name: str) -> str:
 
 
 @contextmanager
-def open_store_stream(url: str, start: int) -> Iterator[tuple[int, Iterator[bytes]]]:
-    """One GET to the store's file server with the standard library's http.client: it reads what the socket
-    has in one call (read1) where httpx parses 64 KiB at a time, which doubles staging throughput on a fast
-    LAN. The store speaks plain HTTP/1.1 without redirects, so nothing more is needed."""
+def open_store_stream(url: str, start: int) -> Iterator[tuple[int, Pump]]:
+    """One GET to the store's file server with the standard library's http.client: the store speaks plain
+    HTTP/1.1 without redirects, and owning the socket lets the body be spliced straight into the file."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=TIMEOUT_S)
     try:
@@ -69,9 +74,50 @@ def open_store_stream(url: str, start: int) -> Iterator[tuple[int, Iterator[byte
             raise NotInStore(response.read().decode(errors="replace"))
         if response.status >= 400:
             raise OSError(f"the store answered HTTP {response.status} for {parts.path}")
-        yield response.status, iter(lambda: response.read1(READ_BYTES), b"")
+        length = int(response.getheader("Content-Length") or 0)
+        if hasattr(os, "splice") and conn.sock is not None and length:
+            yield response.status, _splice_pump(response, conn.sock, length)
+        else:
+            yield response.status, chunks_pump(iter(lambda: response.read1(READ_BYTES), b""))
     finally:
         conn.close()
+
+
+def _splice_pump(response: http.client.HTTPResponse, sock: socket.socket, length: int) -> Pump:
+    """Linux: the body moves socket → pipe → file inside the kernel (splice), so staging runs at about the
+    speed of a local copy; through Python it costs two copies per byte and reaches about half of it. The
+    bytes http.client already buffered with the headers are written first."""
+
+    def pump(fd: int, on_bytes: Callable[[int], None]) -> None:
+        head = response.fp.read(len(response.fp.peek()))  # type: ignore[union-attr]  # the buffered start
+        os.write(fd, head)
+        on_bytes(len(head))
+        left = length - len(head)
+        readable = select.poll()
+        readable.register(sock.fileno(), select.POLLIN)
+        pipe_out, pipe_in = os.pipe()
+        try:
+            with contextlib.suppress(OSError):  # a bigger pipe means fewer calls; the default 64 KiB works too
+                fcntl.fcntl(pipe_in, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+            while left > 0:
+                try:
+                    moved = os.splice(sock.fileno(), pipe_in, min(left, PIPE_BYTES))
+                except BlockingIOError:  # the socket has a timeout, so it is non-blocking underneath
+                    if not readable.poll(TIMEOUT_S * 1000):
+                        raise TimeoutError(f"the store sent nothing for {TIMEOUT_S:.0f} s") from None
+                    continue
+                if moved == 0:
+                    return  # the store closed early; the size check makes the caller retry from here
+                pending = moved
+                while pending:
+                    pending -= os.splice(pipe_out, fd, pending)
+                on_bytes(moved)
+                left -= moved
+        finally:
+            os.close(pipe_out)
+            os.close(pipe_in)
+
+    return pump
 
 
 def stage(base: str, model_id: str, files: dict[str, int], target: Path, on_progress: Progress | None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
@@ -24,8 +24,10 @@ POLL_S = 0.25
 Progress = Callable[[int, int], None]
 """(bytes on disk so far, files done)."""
 
-Opener = Callable[[str, int], AbstractContextManager[tuple[int, Iterator[bytes]]]]
-"""(url, first byte) → (HTTP status, body chunks): one GET, from `first byte` on when it is not 0."""
+Pump = Callable[[int, Callable[[int], None]], None]
+"""Writes a response body to an open file descriptor at its position, reporting bytes as they land."""
+Opener = Callable[[str, int], AbstractContextManager[tuple[int, Pump]]]
+"""(url, first byte) → (HTTP status, body pump): one GET, from `first byte` on when it is not 0."""
 CheckResponse = Callable[[httpx.Response], None]
 """Raise a typed error for a response that is not the file (read it first for its body)."""
 
@@ -64,28 +66,45 @@ def fetch_file(opener: Opener, url: str, dest: Path, size: int, *, on_bytes: Cal
 
 
 def _stream(opener: Opener, url: str, part: Path, have: int, on_bytes: Callable[[int], None]) -> None:
-    with opener(url, have) as (status, chunks):
-        mode = "ab" if have and status == 206 else "wb"
-        if mode == "wb" and have:
+    with opener(url, have) as (status, pump):
+        resume = bool(have) and status == 206
+        if have and not resume:
             on_bytes(-have)
-        with part.open(mode, buffering=0) as out:  # unbuffered: what arrived is on disk, whatever happens next
-            for chunk in chunks:
-                out.write(chunk)
-                on_bytes(len(chunk))
+        # A plain descriptor, unbuffered: what arrived is on disk whatever happens next, and a body can be
+        # spliced into it (splice refuses O_APPEND, hence the explicit seek).
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | (0 if resume else os.O_TRUNC), 0o644)
+        try:
+            os.lseek(fd, have if resume else 0, os.SEEK_SET)
+            pump(fd, on_bytes)
+        finally:
+            os.close(fd)
+
+
+def chunks_pump(chunks: Iterable[bytes]) -> Pump:
+    """A pump over body chunks held in Python (httpx's, or any stream without a socket to splice from)."""
+
+    def pump(fd: int, on_bytes: Callable[[int], None]) -> None:
+        for chunk in chunks:
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view):]
+            on_bytes(len(chunk))
+
+    return pump
 
 
 def httpx_opener(client: httpx.Client, check: CheckResponse, headers: Mapping[str, str] | None = None) -> Opener:
     """Streams through httpx (redirects, TLS: what Hugging Face needs); check maps error responses."""
 
     @contextmanager
-    def open_stream(url: str, start: int) -> Iterator[tuple[int, Iterator[bytes]]]:
+    def open_stream(url: str, start: int) -> Iterator[tuple[int, Pump]]:
         sent = {**(headers or {}), **({"Range": f"bytes={start}-"} if start else {})}
         with client.stream("GET", url, headers=sent) as response:
             if response.status_code >= 400:
                 response.read()
                 check(response)
                 response.raise_for_status()
-            yield response.status_code, response.iter_bytes()
+            yield response.status_code, chunks_pump(response.iter_bytes())
 
     return open_stream
 
