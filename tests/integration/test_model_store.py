@@ -218,3 +218,37 @@ def test_hugging_face_download_progress_errors_and_chat(cluster: Cluster, tmp_pa
 def _progress(node: LocalNode, model_id: str) -> dict[str, Any]:
     state = node.get("/state") or {}
     return state.get("downloads", {}).get(node.node_id, {}).get(model_id, {})
+
+
+def test_a_download_survives_kill_9_and_a_hub_that_is_down(cluster: Cluster, tmp_path: Path) -> None:
+    """The field conditions of a download: the node is killed -9 mid-file, then restarts while the hub is down.
+    It retries by itself (the progress in /state says so) and, once the hub is back, resumes the partial with a
+    Range request from where the killed node stopped; no half file ever takes its final name."""
+    root = tmp_path / "hub"
+    repo = write_random_model(root, "org/resume", hidden=128)
+    weights = (repo / "model.safetensors").stat().st_size
+    cut = weights // 2
+    hub = RunningHub(root).start(stall_after=cut)
+    try:
+        node = cluster.start(1, extra_env={"HF_ENDPOINT": hub.url}, place_default=False)[0]
+        assert node.post("/models/add", {"model_id": "org/resume"})[0] == 200
+        place(node, "org/resume")
+        model_dir = node.home / "models" / "org--resume"
+        part = model_dir / ".skulk-partial" / "model.safetensors.part"
+        wait_until(lambda: part.is_file() and part.stat().st_size >= cut, 60, "half the weights on disk")
+        node.kill()
+        hub.kill()
+        assert not (model_dir / "model.safetensors").exists(), "a half file never takes the final name"
+
+        node.restart()
+        node.wait_ready()
+        instance_id = place(node, "org/resume")["instanceId"]
+        wait_until(lambda: "retrying in" in (_progress(node, "org/resume").get("error") or ""), 60,
+                   "the node to report that it retries")
+        hub.start()
+        wait_until(lambda: instance_ready(node, instance_id), 90, "the instance to be ready", node.log_tail)
+        assert (model_dir / "model.safetensors").read_bytes() == (repo / "model.safetensors").read_bytes()
+        assert any(line.endswith(f"model.safetensors bytes={cut}-") for line in hub.requests()), hub.requests()
+        assert _progress(node, "org/resume")["status"] == "Completed"
+    finally:
+        hub.kill()

@@ -9,6 +9,7 @@ triggers (deactivation, startup, operator purge).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import shutil
@@ -32,6 +33,19 @@ from skulk.types.instances import MlxRingInstance
 from skulk.types.state import State
 
 log = logging.getLogger("skulk.store")
+
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 30.0
+
+
+def retryable(status: int) -> bool:
+    """A 5xx is the network's or a server's (it may pass); a 4xx, or 507 for a full disk, needs the operator."""
+    return status >= 500 and status != 507
+
+
+def retry_delay(attempt: int) -> float:
+    """1, 2, 4 … seconds, at most RETRY_MAX_S: quick after a blip, gentle on a host that is down for long."""
+    return min(RETRY_FIRST_S * 2**attempt, RETRY_MAX_S)
 
 
 class ModelFiles:
@@ -103,16 +117,22 @@ class ModelFiles:
 
     # -- preparing files ------------------------------------------------------------------------------------
     async def _prepare(self, need: Need) -> None:
-        try:
-            path = await asyncio.to_thread(self._prepare_sync, need)
-        except HubError as exc:
-            self._fail(need.model_id, exc.message, exc.status)
-            return
-        except Exception as exc:  # a worker thread's failure is reported, never allowed to stop the node
-            log.warning("preparing %s failed: %s", need.model_id, exc)
-            self._fail(need.model_id, str(exc), 502)
-            return
-        self._dirs[need.model_id] = path
+        """Prepare need's files, retrying a transient failure (a dropped link, a store host or hub that is
+        down) with backoff for as long as the model is needed: each attempt resumes the partials the last one
+        left. A failure only an operator can fix (unknown or gated repo, no safetensors, a full disk) ends it;
+        re-placing the model starts over."""
+        for attempt in itertools.count():
+            try:
+                self._dirs[need.model_id] = await asyncio.to_thread(self._prepare_sync, need)
+                return
+            except Exception as exc:  # a worker thread's failure is reported, never allowed to stop the node
+                status, message = (exc.status, exc.message) if isinstance(exc, HubError) else (502, str(exc))
+                if not retryable(status):
+                    self._fail(need.model_id, message, status)
+                    return
+                wait = retry_delay(attempt)
+                self._fail(need.model_id, f"{message}; retrying in {wait:.0f} s", status)
+                await asyncio.sleep(wait)
 
     def _lock(self, model_id: str) -> threading.Lock:
         """One transfer of a model at a time on this node: an operator download and a placement of the same
@@ -144,7 +164,9 @@ class ModelFiles:
             files = client.store_files(base, need.model_id)
         except (client.NotInStore, client.StoreUnreachable) as exc:
             if not self.settings.model_store.download.allow_hf_fallback:
-                raise HubError(404, f"{exc}; download.allow_hf_fallback is off", "model_not_in_store") from exc
+                status, code = (503, "store_unreachable") if isinstance(exc, client.StoreUnreachable) else (
+                    404, "model_not_in_store")
+                raise HubError(status, f"{exc}; download.allow_hf_fallback is off", code) from exc
             log.info("%s: %s; falling back to Hugging Face", need.model_id, exc)
             return self._stage_from_hub(need, target)
         index = client.fetch_index(base, need.model_id, files, target)
