@@ -75,6 +75,22 @@ class LoggingConfig(_Section):
     level: str = "INFO"
 
 
+class EventLogConfig(_Section):
+    """The API-side event log (runbook 004: "Event-log retention and the free-space floor"). The defaults are
+    the runbook's numbers; tests set small ones to drive the same code paths."""
+
+    enabled: bool = True
+    max_bytes: int = Field(default=256 * 1024**2, gt=0)
+    """Past this the live file is ring-compacted to its latest keep_events records."""
+    keep_events: int = Field(default=20_000, gt=0)
+    archive_max_bytes: int = Field(default=1024**3, ge=0)
+    """Archives (the compacted-away parts) are dropped oldest first beyond this total."""
+    max_archives: int = Field(default=16, ge=0)
+    free_space_floor_bytes: int = Field(default=2 * 1024**3, ge=0)
+    """Below this much free disk the log only counts events (checked every check_every appends)."""
+    check_every: int = Field(default=1024, gt=0)
+
+
 class TracingConfig(_Section):
     enabled: bool = False
     retention_days: float = Field(default=3.0, ge=0)
@@ -129,6 +145,7 @@ class Settings(BaseModel):
     model_store: ModelStoreConfig = ModelStoreConfig()
     logging: LoggingConfig = LoggingConfig()
     tracing: TracingConfig = TracingConfig()
+    event_log: EventLogConfig = EventLogConfig()
 
     @property
     def models_dir(self) -> Path:
@@ -174,7 +191,7 @@ ENV_PREFIX = "SKULK_"
 LIST_FIELDS = {"bootstrap_peers", "zenoh_listen", "api_keys", "admin_keys", "allowed_hosts", "cors_origins"}
 BOOL_FIELDS = {"place_default", "multicast"}
 ENV_ALIASES = {"bootstrap_peers": "SKULK_BOOTSTRAP_PEERS", "zenoh_listen": "SKULK_ZENOH_LISTEN"}
-SECTION_FIELDS = {"model_store", "logging", "tracing", "hf_token"}
+SECTION_FIELDS = {"model_store", "logging", "tracing", "event_log", "hf_token"}
 NESTED_ENV: dict[str, tuple[str, ...]] = {
     "SKULK_HF_TOKEN": ("hf_token",),
     "HF_TOKEN": ("hf_token",),
@@ -193,6 +210,12 @@ NESTED_ENV: dict[str, tuple[str, ...]] = {
     "SKULK_TRACING_RETENTION_DAYS": ("tracing", "retention_days"),
     "SKULK_LOGGING_ENABLED": ("logging", "enabled"),
     "SKULK_LOGGING_INGEST_URL": ("logging", "ingest_url"),
+    "SKULK_EVENT_LOG": ("event_log", "enabled"),
+    "SKULK_EVENT_LOG_MAX_BYTES": ("event_log", "max_bytes"),
+    "SKULK_EVENT_LOG_KEEP_EVENTS": ("event_log", "keep_events"),
+    "SKULK_EVENT_LOG_ARCHIVE_MAX_BYTES": ("event_log", "archive_max_bytes"),
+    "SKULK_EVENT_LOG_FREE_FLOOR_BYTES": ("event_log", "free_space_floor_bytes"),
+    "SKULK_EVENT_LOG_CHECK_EVERY": ("event_log", "check_every"),
 }
 """Environment twins of nested keys; HF_TOKEN and HF_ENDPOINT are Hugging Face's own names (SKULK_ wins)."""
 _HUB_NAMES = ("HF_TOKEN", "HF_ENDPOINT")

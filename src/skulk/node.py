@@ -23,6 +23,7 @@ from skulk.cluster.sync import EventFollower
 from skulk.cluster.transport import Transport, TransportSettings
 from skulk.config import Settings
 from skulk.diagnostics.cluster import DepartedPeer, local_addresses, peer_url
+from skulk.eventlog import EventLog, open_for
 from skulk.loops import Loops
 from skulk.master.decide import session_changed_message
 from skulk.master.master import Master
@@ -86,6 +87,7 @@ class Node:
         self.api_port = settings.api_port
         self._departed: dict[NodeId, DepartedPeer] = {}
         self._peer_urls: dict[NodeId, str | None] = {}
+        self.event_log: EventLog | None = None
 
     # -- NodeHandle -------------------------------------------------------------------------------
     @property
@@ -103,7 +105,8 @@ class Node:
         return await self.store.wait_until(predicate, timeout)
 
     def open_stream(self, command_id: CommandId) -> ChunkStream:
-        stream = ChunkStream(self.transport, command_id)
+        tap = self.event_log.append if self.event_log is not None else None
+        stream = ChunkStream(self.transport, command_id, tap)
         self.streams[command_id] = stream
         return stream
 
@@ -139,6 +142,7 @@ class Node:
             raise SystemExit(1)
 
     def _open(self) -> None:
+        self.event_log = open_for(self.settings)
         self.transport.open()
         self.node_id = NodeId(self.transport.zenoh_id())
         log.info("node %s starting (cluster %r)", self.node_id, self.settings.cluster)
@@ -247,6 +251,8 @@ class Node:
         self.follower.stop()
         self.membership.stop()
         self.transport.close()
+        if self.event_log is not None:
+            self.event_log.close()
 
     # -- cluster reactions ------------------------------------------------------------------------
     def emit_local(self, event: Event) -> None:
@@ -254,6 +260,8 @@ class Node:
         send_local_event(self.transport, LocalEvent(origin=self.node_id, seq=self._local_seq, event=event))
 
     def _on_event(self, indexed: IndexedEvent) -> None:
+        if self.event_log is not None:
+            self.event_log.append(indexed)
         self.store.apply(indexed)
 
     def _on_master_changed(self, master: NodeId | None, term: int) -> None:

@@ -8,6 +8,7 @@ from skulk import __version__
 from skulk.api.control import control_router
 from skulk.api.diagnostics import DiagnosticsHandle, diagnostics_router
 from skulk.api.errors import install_error_handlers
+from skulk.api.events import events_router
 from skulk.api.meta_instances import meta_instances_router
 from skulk.api.models import models_router
 from skulk.api.openai import openai_router
@@ -23,6 +24,8 @@ def create_app(node: DiagnosticsHandle) -> FastAPI:
                diagnostics_router(node))
     for router in routers:
         app.include_router(router)
+    if hasattr(node, "event_log"):
+        app.include_router(events_router(node))  # type: ignore[arg-type]
     files = getattr(node, "files", None)
     app.include_router(models_router(node, files if isinstance(files, ModelFiles) else None))
     if isinstance(files, ModelFiles):

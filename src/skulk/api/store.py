@@ -121,7 +121,9 @@ def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
 
     @router.get("/store/storage")
     async def storage() -> dict[str, Any]:
-        return await asyncio.to_thread(files.storage, node.state)
+        event_log = getattr(node, "event_log", None)  # the node's EventLog, None when it is off
+        used = event_log.bytes_on_disk if event_log is not None else 0
+        return await asyncio.to_thread(files.storage, node.state, used)
 
     @router.post("/store/purge-staging/local")
     async def purge_local(body: PurgeRequest) -> dict[str, Any]:

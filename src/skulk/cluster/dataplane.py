@@ -6,6 +6,7 @@ Tokens never touch the master or the event log.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -28,16 +29,28 @@ def publish_chunk(transport: Transport, chunk: TokenChunk | ErrorChunk) -> None:
 class ChunkStream:
     """The API side of one command: chunks in arrival order, plus errors injected from cluster state."""
 
-    def __init__(self, transport: Transport, command_id: CommandId) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        command_id: CommandId,
+        tap: Callable[[TokenChunk | ErrorChunk], None] | None = None,
+    ) -> None:
         self.command_id = command_id
         self._transport = transport
         self._queue: asyncio.Queue[TokenChunk | ErrorChunk] = asyncio.Queue()
+        self._tap = tap
+        """Sees every chunk this stream sees (the event log's O(1) append); must never block."""
         self._sub: Any = transport.subscribe(data_key(command_id), self._on_message)
 
     def _on_message(self, _key: str, payload: bytes) -> None:
-        self._queue.put_nowait(_chunk_json.validate_json(payload))
+        chunk = _chunk_json.validate_json(payload)
+        if self._tap is not None:
+            self._tap(chunk)
+        self._queue.put_nowait(chunk)
 
     def inject(self, chunk: TokenChunk | ErrorChunk) -> None:
+        if self._tap is not None:
+            self._tap(chunk)
         self._queue.put_nowait(chunk)
 
     async def next(self, timeout: float | None = None) -> TokenChunk | ErrorChunk:

@@ -6,6 +6,7 @@ state. Download failures are not event-sourced yet; the `download_failed` code i
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
 from skulk.types.diagnostics_bundle import HealthLevel, HealthReason, NodeHealth
@@ -55,21 +56,39 @@ def _reach_reason(state: State, node_id: NodeId, now: datetime, after: timedelta
     )
 
 
+def event_log_reason(counting_reason: str) -> HealthReason:
+    """This node's event log only counts (runbook 004): inference goes on, /events history thins out."""
+    return HealthReason(
+        code="event_log_counting_only",
+        message=f"the event log is counting-only: {counting_reason}",
+        remediation="free disk on this node (GET /store/storage shows what uses it); the log writes again by itself",
+    )
+
+
 def node_health(
-    state: State, node_id: NodeId, now: datetime, unreachable_after: timedelta = UNREACHABLE_AFTER
+    state: State,
+    node_id: NodeId,
+    now: datetime,
+    unreachable_after: timedelta = UNREACHABLE_AFTER,
+    local: Sequence[HealthReason] = (),
 ) -> NodeHealth:
+    """`local`: reasons only the node itself knows (its event log's mode), added to the state-derived ones."""
     reasons = [
         r
         for r in (_reach_reason(state, node_id, now, unreachable_after), _disk_reason(state, node_id))
         if r is not None
-    ]
+    ] + list(local)
     level: HealthLevel = "healthy"
     if reasons:
         level = "unhealthy" if any(r.code in _SEVERE for r in reasons) else "degraded"
     return NodeHealth(level=level, reasons=reasons)
 
 
-def cluster_health(state: State, now: datetime) -> dict[NodeId, NodeHealth]:
-    """One entry per node the state knows of; ready to publish as `/state`'s `nodeHealth`."""
+def cluster_health(
+    state: State, now: datetime, local: Mapping[NodeId, Sequence[HealthReason]] | None = None
+) -> dict[NodeId, NodeHealth]:
+    """One entry per node the state knows of; ready to publish as `/state`'s `nodeHealth`. `local` holds the
+    answering node's own, not event-sourced, reasons (each node reports its own event log)."""
+    local = local or {}
     nodes = {*state.last_seen, *state.topology.nodes, *state.node_disk}
-    return {node: node_health(state, node, now) for node in sorted(nodes)}
+    return {node: node_health(state, node, now, local=local.get(node, ())) for node in sorted(nodes)}

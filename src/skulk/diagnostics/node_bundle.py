@@ -151,6 +151,17 @@ def placements(
     ]
 
 
+def event_log_warnings(source: BundleSource) -> list[DiagnosticWarning]:
+    """The event log's counting-only mode (runbook 004) is node-local: only the node's own bundle can say it."""
+    event_log = getattr(source, "event_log", None)
+    if event_log is None or not event_log.counting_only:
+        return []
+    message = (f"event log counting-only ({event_log.counting_reason}): {event_log.counted_only} events counted, "
+               "not written; inference goes on. Free disk on this node.")
+    return [DiagnosticWarning(code="event_log_counting_only", severity="critical", message=message,
+                              node_id=source.node_id)]
+
+
 def assemble(
     source: BundleSource,
     now: datetime,
@@ -161,7 +172,7 @@ def assemble(
 ) -> NodeDiagnostics:
     """Pure once its inputs are read: warnings, placements and runtime from state and the runner copies."""
     state, master = source.state, source.master_id or source.state.master_node_id
-    found = all_warnings(state, runners, now, thresholds)
+    found = [*all_warnings(state, runners, now, thresholds), *event_log_warnings(source)]
     return NodeDiagnostics(
         generated_at=iso(now),
         runtime=runtime_diagnostics(source),

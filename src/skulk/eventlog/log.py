@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from skulk.config import Settings
 from skulk.eventlog import records
 
 log = logging.getLogger("skulk.eventlog")
@@ -289,3 +290,21 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+def open_for(settings: Settings) -> EventLog | None:
+    """The node's event log under <home>/eventlog with skulk.yaml's `event_log` limits, opened; None when off."""
+    config = settings.event_log
+    if not config.enabled:
+        return None
+    limits = Limits(
+        max_bytes=config.max_bytes,
+        keep_events=config.keep_events,
+        archive_max_bytes=config.archive_max_bytes,
+        max_archives=config.max_archives,
+        free_space_floor_bytes=config.free_space_floor_bytes,
+        check_every=config.check_every,
+    )
+    event_log = EventLog(settings.home / "eventlog", limits)
+    event_log.open()
+    return event_log

@@ -263,7 +263,7 @@ class ClusterTimeline(DiagModel):
 # -- /state nodeHealth ------------------------------------------------------------------------------------
 
 HealthLevel = Literal["healthy", "degraded", "unhealthy"]
-HealthCode = Literal["download_failed", "disk_full", "disk_low", "unreachable"]
+HealthCode = Literal["download_failed", "disk_full", "disk_low", "unreachable", "event_log_counting_only"]
 
 
 class HealthReason(DiagModel):

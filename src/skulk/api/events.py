@@ -1,0 +1,44 @@
+"""GET /events: this node's API-side event log (runbook 004), read back from disk.
+
+Records are `{"seq", "at", "kind", "event"}`, oldest first, with `seq > since`; the answer says where to
+continue (`nextSince`) and whether the log is writing or only counting (then history thins out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any, Protocol
+
+from fastapi import APIRouter, Query
+
+from skulk.api.errors import ApiError
+from skulk.eventlog import EventLog
+
+MAX_LIMIT = 10_000
+
+
+class EventLogSource(Protocol):
+    event_log: EventLog | None
+
+
+def events_router(node: EventLogSource) -> APIRouter:
+    router = APIRouter(tags=["events"])
+
+    @router.get("/events")
+    async def events(
+        since: Annotated[int, Query(ge=0, description="return records with seq greater than this")] = 0,
+        limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="at most this many records")] = 1000,
+    ) -> dict[str, Any]:
+        event_log = node.event_log
+        if event_log is None:
+            raise ApiError(404, "the event log is off on this node (event_log.enabled: false in skulk.yaml)",
+                           code="event_log_disabled")
+        found = await asyncio.to_thread(event_log.read, since, limit)
+        return {
+            "events": found,
+            "nextSince": found[-1]["seq"] if found else since,
+            "firstSeq": await asyncio.to_thread(event_log.first_seq),
+            **event_log.status(),
+        }
+
+    return router

@@ -1,0 +1,115 @@
+"""The runbook's day-two tools on real nodes: the event log (and its counting-only mode), diagnostics fixes.
+
+One two-node cluster for the module: node0 writes its event log; node1 starts with a free-space floor no disk
+can meet, so its log is counting-only from the first check while it goes on serving. A 2-rank instance spans
+both. The test that kills a node with kill -9 runs last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from skulk.testing.convergence import converged, formed
+from skulk.testing.nodes import LocalNode
+
+from .harness import Cluster, place_and_wait, wait_until
+
+MODEL = "skulk/tiny-random-llama"
+pytestmark = pytest.mark.timeout(240)
+NAMESPACE = "day-two-ns"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalNode, LocalNode]]:
+    cluster = Cluster(tmp_path_factory.mktemp("daytwo"), extra_env={"SKULK_LIBP2P_NAMESPACE": NAMESPACE})
+    try:
+        (writer,) = cluster.start(1)
+        full_env = {"SKULK_LIBP2P_NAMESPACE": NAMESPACE, "SKULK_EVENT_LOG_FREE_FLOOR_BYTES": str(10**18)}
+        (full,) = cluster.start(1, extra_env=full_env)
+        nodes = [writer, full]
+        wait_until(lambda: formed(nodes), 60, "two nodes to form one cluster", lambda: converged(nodes)[1])
+        place_and_wait(writer, min_nodes=2)
+        yield writer, full
+    finally:
+        assert cluster.stop_all() == [], "runner processes outlived their node"
+
+
+def chat(node: LocalNode, text: str = "ping", max_tokens: int = 6) -> dict[str, object]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    reply = httpx.post(node.url + "/v1/chat/completions", json=body, timeout=60, trust_env=False)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def events(node: LocalNode, **params: int) -> dict[str, object]:
+    reply = httpx.get(node.url + "/events", params=params, timeout=10, trust_env=False)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_events_hold_token_chunks_and_state_events(pair: tuple[LocalNode, LocalNode]) -> None:
+    writer, _ = pair
+    answer = chat(writer)
+    command_id = str(answer["id"]).removeprefix("chatcmpl-")
+
+    def logged() -> list[dict[str, object]] | None:
+        found = events(writer, since=0, limit=10_000)["events"]
+        assert isinstance(found, list)
+        chunks = [r for r in found if r["kind"] == "TokenChunk" and command_id in str(r["event"])]
+        return found if chunks else None
+
+    found = wait_until(logged, 10, "the chat's token chunks in GET /events")
+    kinds = {r["kind"] for r in found}
+    assert {"TaskCreated", "TokenChunk"} <= kinds, kinds
+    seqs = [r["seq"] for r in found]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    page = events(writer, since=seqs[2], limit=3)
+    assert [r["seq"] for r in page["events"]] == seqs[3:6] and page["nextSince"] == seqs[5]
+    assert page["mode"] == "writing"
+    bad = httpx.get(writer.url + "/events", params={"limit": 0}, timeout=10, trust_env=False)
+    assert bad.status_code == 422 and "limit" in bad.json()["error"]["message"]
+    storage = writer.get("/store/storage")
+    assert storage["event_log_bytes"] > 0, storage
+
+
+def test_counting_only_node_keeps_serving_and_says_so(pair: tuple[LocalNode, LocalNode]) -> None:
+    _, full = pair
+    chat(full)
+    status = events(full, since=0, limit=10)
+    assert status["mode"] == "counting_only" and status["events"] == []
+    assert "floor" in str(status["countingOnlyReason"])
+    critical = [line for line in full.output if "CRITICAL" in line and "counting-only" in line]
+    assert len(critical) == 1, full.log_tail()
+    bundle = full.get("/v1/diagnostics/node")
+    assert any(w["code"] == "event_log_counting_only" for w in bundle["warningDetails"]), bundle["warnings"]
+    health = full.get("/state")["nodeHealth"][full.node_id]
+    assert health["level"] != "healthy"
+    assert any(r["code"] == "event_log_counting_only" for r in health["reasons"]), health
+    wait_until(lambda: events(full, since=0, limit=1)["countedNotWritten"], 10, "events counted, not written")
+
+
+def test_runtime_diagnostics_come_from_settings(pair: tuple[LocalNode, LocalNode]) -> None:
+    writer, _ = pair
+    runtime = writer.get("/v1/diagnostics/node")["runtime"]
+    assert runtime["libp2PNamespace"] == NAMESPACE
+    assert runtime["structuredLoggingConfigured"] is False and runtime["loggingIngestUrl"] is None
+
+
+def test_kill_9_leaves_a_readable_log(pair: tuple[LocalNode, LocalNode], tmp_path: Path) -> None:
+    """Last: it kills node0. A torn record is appended after the kill, as a write cut short would leave it."""
+    writer, _ = pair
+    chat(writer, max_tokens=4)
+    before = events(writer, since=0, limit=10_000)["lastSeq"]
+    writer.kill()
+    live = writer.home / "eventlog" / "events.jsonl"
+    with live.open("ab") as f:
+        f.write(b'{"seq":999999,"at":1.0,"kind":"TokenChunk","event":{"TokenCh')
+    writer.restart().wait_ready()
+    after = events(writer, since=0, limit=10_000)
+    assert after["tornBytesDroppedAtOpen"] > 0
+    assert isinstance(before, int) and after["lastSeq"] >= before
+    assert all(isinstance(r["seq"], int) for r in after["events"])
