@@ -111,6 +111,8 @@ class Settings(BaseModel):
     multicast: bool = True
     multicast_interface: str | None = None
     warmup_deadline_seconds: float = 300.0
+    group_timeout_seconds: float = Field(default=10.0, gt=0)
+    """How long a rank waits on its peers in one group op before it fails (a killed or frozen peer)."""
     runner_restart_budget: int = Field(default=3, ge=0)
     """Restarts of one runner (or of a multi-rank instance as a whole) allowed within the window below."""
     runner_restart_window_seconds: float = Field(default=60.0, gt=0)

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from skulk import internal_auth
 from skulk.api.app import create_app
 from skulk.cluster.dataplane import ChunkStream, publish_chunk
 from skulk.cluster.election import Elector
@@ -170,6 +171,7 @@ class Node:
             publish=lambda chunk: publish_chunk(self.transport, chunk),
             model_dir_for=self.files.model_dir_for,
             warmup_deadline_s=self.settings.warmup_deadline_seconds,
+            group_timeout_s=self.settings.group_timeout_seconds,
             fault=self.settings.fault,
             record=recording_enabled(self.settings.flight_recorder),
             runner_restart_budget=self.settings.runner_restart_budget,
@@ -380,7 +382,7 @@ class Node:
             await asyncio.sleep(INFO_EVERY_S)
 
     async def _probe_topology_forever(self) -> None:
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(headers=internal_auth.headers()) as client:
             while True:
                 state = self.store.state
                 reachable = await topology.probe(client, state, self.node_id)

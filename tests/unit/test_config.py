@@ -73,7 +73,7 @@ def test_override_by_node_id_wins_over_hostname(tmp_path: Path) -> None:
             "model_store.staging.staging_keep_recnt_gb: unknown key; allowed here: cleanup_on_deactivate",
         ),
         ("model_store:\n  store_port: abc\n", "model_store.store_port: Input should be a valid integer"),
-        ("apiport: 1\n", "apiport: unknown key; allowed here: api_host, api_port"),
+        ("apiport: 1\n", "apiport: unknown key; allowed here: admin_keys, allowed_hosts, api_host"),
         (
             "model_store:\n  node_overrides:\n    b:\n      staging: {bogus: 1}\n",
             "node_overrides.b.staging.bogus: unknown key",

@@ -29,8 +29,8 @@ from skulk.runner.spec import RunnerSpec
 from skulk.types.instances import Sharding
 
 # A hung peer must be noticed in <= 10 s; idle ranks exchange heartbeats well inside this. A stage whose
-# prefill alone runs longer (huge prompts on CPU) needs more: SKULK_GROUP_TIMEOUT_SECONDS raises it.
-DEFAULT_OP_TIMEOUT_S = 10.0
+# prefill alone runs longer (huge prompts on CPU) needs more: SKULK_GROUP_TIMEOUT_SECONDS (group_timeout_seconds,
+# carried to the runner in its spec) raises it.
 LOAD_POLL_S = 0.05
 
 
@@ -70,11 +70,6 @@ class Group:
                 dist.destroy_process_group()
             except (RuntimeError, ValueError):
                 pass
-
-
-def op_timeout_s() -> float:
-    value = os.environ.get("SKULK_GROUP_TIMEOUT_SECONDS")
-    return float(value) if value else DEFAULT_OP_TIMEOUT_S
 
 
 def interface_towards(host: str) -> str | None:
@@ -129,7 +124,7 @@ def connect_group(
         raise GroupError(f"instance {spec.instance_id} has world_size {shard.world_size} but no rendezvous")
     rank, world = shard.device_rank, shard.world_size
     backend = choose_backend(torch.device(device))
-    op_timeout = timeout_s if timeout_s is not None else op_timeout_s()
+    op_timeout = timeout_s if timeout_s is not None else spec.group_timeout_s
     where = f"{rendezvous.host}:{rendezvous.port}"
     recorder.record("connect_group", "connect_started", where, rank=rank, world_size=world, backend=backend)
     started = time.monotonic()

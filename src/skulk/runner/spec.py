@@ -22,6 +22,7 @@ class RunnerSpec:
     rendezvous: Rendezvous | None = None
     warmup_deadline_s: float = 300.0
     connect_deadline_s: float = 60.0
+    group_timeout_s: float = 10.0
     record: bool = True
     fault: str | None = None
     attempt: int = 0  # the instance attempt this runner serves (restarts of a multi-rank instance count up)

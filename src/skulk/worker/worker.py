@@ -46,6 +46,7 @@ class Worker:
         publish: Callable[[TokenChunk | ErrorChunk], None],
         model_dir_for: ModelDirFor,
         warmup_deadline_s: float,
+        group_timeout_s: float = _DEFAULTS.group_timeout_seconds,
         fault: str | None = None,
         record: bool = True,
         runner_restart_budget: int = _DEFAULTS.runner_restart_budget,
@@ -60,6 +61,7 @@ class Worker:
         self.publish = publish
         self.model_dir_for = model_dir_for
         self.warmup_deadline_s = warmup_deadline_s
+        self.group_timeout_s = group_timeout_s
         self.fault = fault
         self.record = record
         self.supervisors: dict[RunnerId, RunnerSupervisor] = {}
@@ -142,6 +144,7 @@ class Worker:
             model_dir=self.model_dir_for(instance),
             rendezvous=instance.rendezvous,
             warmup_deadline_s=self.warmup_deadline_s,
+            group_timeout_s=self.group_timeout_s,
             fault=self.fault,
             record=self.record,
             attempt=attempt,
