@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from skulk import __version__
+from skulk.api.config_routes import config_router
 from skulk.api.control import control_router
 from skulk.api.diagnostics import DiagnosticsHandle, diagnostics_router
 from skulk.api.errors import install_error_handlers
@@ -21,7 +22,7 @@ def create_app(node: DiagnosticsHandle) -> FastAPI:
     app = FastAPI(title="Skulk", version=__version__)
     install_error_handlers(app)
     routers = (state_router(node), control_router(node), meta_instances_router(node), openai_router(node),
-               diagnostics_router(node))
+               diagnostics_router(node), config_router(node))
     for router in routers:
         app.include_router(router)
     if hasattr(node, "event_log"):

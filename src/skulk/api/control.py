@@ -1,4 +1,4 @@
-"""Placement and instance control: /place_instance, /instance/previews, /instance/{id}, /v1/cancel/{id}."""
+"""Placement and instance control: /place_instance, /instance, /instance/previews, /instance/{id}, /v1/cancel/{id}."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ from pydantic.alias_generators import to_camel
 
 from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
-from skulk.master.placement import place, preview_placements
+from skulk.api.previews import skulk_previews
+from skulk.api.security import OWNERS
+from skulk.master.placement import place
 from skulk.models.cards import get_card
 from skulk.types.chunks import ErrorChunk
-from skulk.types.commands import CancelCommand, DeleteInstance, PlaceInstance
+from skulk.types.commands import CancelCommand, Command, CreateInstance, DeleteInstance, PlaceInstance
 from skulk.types.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, new_id
-from skulk.types.instances import InstanceMeta, MlxRingInstance, Sharding
+from skulk.types.instances import Instance, InstanceMeta, MlxRingInstance, Sharding
 from skulk.types.models import ModelCard
 from skulk.types.placement import InfoPending, NoConnectedCycle, PlacementError
 from skulk.types.state import State
@@ -33,6 +35,13 @@ class PlaceInstanceRequest(BaseModel):
     instance_meta: InstanceMeta = InstanceMeta.MlxRing
     min_nodes: int = Field(default=1, ge=1, le=64)
     excluded_nodes: list[NodeId] = []
+
+
+class CreateInstanceRequest(BaseModel):
+    """Skulk's POST /instance: an instance exactly as a preview (or GET /instance/{id}) wrote it."""
+
+    model_config = ConfigDict(extra="forbid")
+    instance: Instance
 
 
 def card_or_404(model_id: str) -> ModelCard:
@@ -102,11 +111,16 @@ async def place_on_master(
         excluded_nodes=request.excluded_nodes,
         model_card=card_or_404(request.model_id),
     )
-    stream = node.open_stream(command_id)
+    return await send_and_await_instance(node, command, planned.instance_id)
+
+
+async def send_and_await_instance(node: NodeHandle, command: Command, instance_id: InstanceId) -> MlxRingInstance:
+    """Send a placing command; the instance once it is in state, or the master's refusal as an ApiError."""
+    stream = node.open_stream(command.command_id)
     try:
         node.send_command(command)
         placed = asyncio.ensure_future(
-            node.wait_for_state(lambda s: planned.instance_id in s.instances, PLACED_WAIT_S)
+            node.wait_for_state(lambda s: instance_id in s.instances, PLACED_WAIT_S)
         )
         refused = asyncio.ensure_future(stream.next(PLACED_WAIT_S))
         done, pending = await asyncio.wait({placed, refused}, return_when=asyncio.FIRST_COMPLETED)
@@ -114,7 +128,7 @@ async def place_on_master(
             task.cancel()
     finally:
         node.close_stream(stream)
-    instance = node.state.instances.get(planned.instance_id)
+    instance = node.state.instances.get(instance_id)
     if instance is not None:
         return instance
     if refused in done and not refused.cancelled() and refused.exception() is None:
@@ -140,23 +154,40 @@ def control_router(node: NodeHandle) -> APIRouter:
             "instance": instance.model_dump(mode="json"),
         }
 
+    @router.post("/instance")
+    async def create_instance(body: CreateInstanceRequest) -> dict[str, Any]:
+        """Place exactly this instance (a preview's `instance`): the master refuses taken ids."""
+        instance = body.instance
+        card = card_or_404(instance.model_id)
+        unknown = sorted(set(instance.shard_assignments.node_to_runner) - set(node.state.topology.nodes))
+        if unknown or not instance.shard_assignments.node_to_runner:
+            raise ApiError(400, f"instance.shardAssignments.nodeToRunner names nodes not in this cluster: {unknown}; "
+                           "GET /instance/previews for placements on the current nodes", code="invalid_request")
+        if instance.instance_id in node.state.instances:
+            raise ApiError(400, f"instance id {instance.instance_id} is already in use; GET /instance/previews for "
+                           "a fresh placement", code="invalid_request")
+        command_id = CommandId(new_id())
+        await send_and_await_instance(node, CreateInstance(command_id=command_id, instance=instance),
+                                      instance.instance_id)
+        return {"message": "Command received.", "command_id": command_id,
+                "model_card": card.model_dump(mode="json")}
+
     @router.get("/instance/previews")
     async def previews(
         model_id: str = Query(min_length=1),
         sharding: Sharding | None = None,
-        instance_meta: InstanceMeta = InstanceMeta.MlxRing,
+        instance_meta: InstanceMeta | None = None,
         excluded_node_ids: list[NodeId] = Query(default=[]),  # noqa: B008 - FastAPI's query declaration
     ) -> dict[str, Any]:
+        """Skulk's shape: `{"previews": [{model_id, sharding, instance_meta, instance, memory_delta_by_node,
+        error}]}`; `downloads` (each node's copy of the model) rides along for this project's own clients."""
         card = card_or_404(model_id)
         shardings = [sharding] if sharding else list(Sharding)
-        found = [
-            preview.model_dump(mode="json")
-            for s in shardings
-            for preview in preview_placements(node.state, card, s, instance_meta, set(excluded_node_ids))
-        ]
+        metas = [instance_meta] if instance_meta else list(InstanceMeta)
+        found = skulk_previews(node.state, card, shardings, metas, set(excluded_node_ids))
         wanted = ModelId(model_id)
         downloads = {n: d[wanted].model_dump(mode="json") for n, d in node.state.downloads.items() if wanted in d}
-        return {"modelId": model_id, "previews": found, "downloads": downloads}
+        return {"previews": [p.model_dump(mode="json") for p in found], "downloads": downloads}
 
     @router.get("/instance/{instance_id}")
     async def get_instance(instance_id: str) -> dict[str, Any]:
@@ -178,6 +209,7 @@ def control_router(node: NodeHandle) -> APIRouter:
     async def cancel(command_id: str) -> dict[str, Any]:
         if not any(t.command_id == command_id and t.task_status.is_open for t in node.state.tasks.values()):
             raise ApiError(404, f"no running request with command id {command_id}")
+        OWNERS.check_cancel(command_id)
         node.send_command(
             CancelCommand(command_id=CommandId(new_id()), target_command_id=CommandId(command_id))
         )

@@ -9,6 +9,28 @@ from fastapi import APIRouter
 
 from skulk.api.handle import NodeHandle
 from skulk.diagnostics.health import cluster_health, event_log_reason
+from skulk.types.state import State
+
+DATA_TRANSPORT = "zenoh"
+"""How tokens travel from the sampling rank to the API node (the data plane)."""
+
+
+def node_system_and_resources(state: State) -> dict[str, dict[str, Any]]:
+    """Skulk's per-node views: `nodeSystem[node]` (performance readings with the accelerator inside, as Skulk
+    nests it) and `nodeResources[node]` (what the node can run and how its tokens travel)."""
+    nodes = set(state.node_system) | set(state.node_accelerator)
+    system: dict[str, Any] = {}
+    resources: dict[str, Any] = {}
+    for node_id in sorted(nodes):
+        perf = state.node_system.get(node_id)
+        accel = state.node_accelerator.get(node_id)
+        system[node_id] = {
+            **(perf.model_dump(mode="json") if perf is not None else {}),
+            "accelerator": accel.model_dump(mode="json") if accel is not None else None,
+        }
+        backends = ["torch"] + (["cuda"] if accel is not None and accel.vendor == "nvidia" else [])
+        resources[node_id] = {"backends": backends, "participation": "full", "dataTransport": DATA_TRANSPORT}
+    return {"nodeSystem": system, "nodeResources": resources}
 
 
 def state_router(node: NodeHandle) -> APIRouter:
@@ -21,6 +43,7 @@ def state_router(node: NodeHandle) -> APIRouter:
         mine = [event_log_reason(event_log.counting_reason or "")] if event_log and event_log.counting_only else []
         health = cluster_health(node.state, datetime.now(UTC), {node.node_id: mine})
         body["nodeHealth"] = {n: h.model_dump(mode="json") for n, h in health.items()}
+        body.update(node_system_and_resources(node.state))
         return body
 
     @router.get("/node_id")

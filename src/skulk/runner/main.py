@@ -12,6 +12,7 @@ from multiprocessing.queues import Queue
 from typing import TYPE_CHECKING, Any
 
 from skulk.engines.base import Engine, TokenOut
+from skulk.runner.admission import context_refusal
 from skulk.runner.fault import Fault, FaultInjector, PoisonHook, fault_from_setting
 from skulk.runner.messages import (
     HEARTBEAT_S,
@@ -29,6 +30,7 @@ from skulk.runner.messages import (
 )
 from skulk.runner.recorder import FlightRecorder
 from skulk.runner.spec import RunnerSpec
+from skulk.runner.stats import RequestClock
 from skulk.types.chunks import ErrorChunk, TokenChunk
 from skulk.types.ids import CommandId, TaskId
 from skulk.types.runners import (
@@ -104,12 +106,13 @@ def _exit_with_parent() -> None:
 
 
 class _Active:
-    __slots__ = ("command_id", "completion_tokens", "prompt_tokens")
+    __slots__ = ("clock", "command_id", "completion_tokens", "prompt_tokens")
 
-    def __init__(self, command_id: CommandId, prompt_tokens: int) -> None:
+    def __init__(self, command_id: CommandId, prompt_tokens: int, in_flight: int = 0) -> None:
         self.command_id = command_id
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        self.clock = RequestClock(in_flight)
 
 
 class Runner:
@@ -294,7 +297,7 @@ class Runner:
             return
         if prompt is None:
             return
-        self.active[task.task_id] = _Active(task.command_id, len(prompt))
+        self.active[task.task_id] = _Active(task.command_id, len(prompt), len(self.active))
         self.recorder.record("prefill_stream", "prefill_queued", prompt_tokens=len(prompt), **ids)
         self.set_status(RunnerRunning(), after_step=True)
 
@@ -302,12 +305,8 @@ class Runner:
         """Template, check the context and add to the engine; None when rejected (already reported)."""
         assert self.engine is not None
         prompt = self.engine.encode_chat(task.task_params.messages)
-        limit = self.engine.context_length
-        if len(prompt) >= limit:
-            message = (
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{len(prompt)} tokens. Shorten the messages."
-            )
+        message = context_refusal(len(prompt), task.task_params.sampling, self.engine.context_length)
+        if message is not None:
             self.send_after_step()
             self._fail(task.task_id, task.command_id, message, code="context_length_exceeded", status=400)
             return None
@@ -345,6 +344,7 @@ class Runner:
         chunks: list[TokenChunk | ErrorChunk] = []
         ended: list[TaskEnded] = []
         failed: list[tuple[TaskId, CommandId, str]] = []
+        now = time.perf_counter()
         for out in outs:
             active = self.active.get(TaskId(out.request_id))
             if active is None:
@@ -354,6 +354,7 @@ class Runner:
                 failed.append((TaskId(out.request_id), active.command_id, out.error))
                 continue
             active.completion_tokens += 1
+            active.clock.on_token(now)
             if active.completion_tokens == 1:  # once per request: the prefill's token is out, decoding begins
                 self.recorder.record("decode_stream", "first_token", task_id=out.request_id,
                                      command_id=active.command_id)
@@ -365,6 +366,9 @@ class Runner:
                     finish_reason=out.finish_reason,
                     prompt_tokens=active.prompt_tokens,
                     completion_tokens=active.completion_tokens,
+                    stats=None if out.finish_reason is None else active.clock.stats(
+                        active.prompt_tokens, active.completion_tokens
+                    ),
                 )
             )
             if out.finish_reason is not None:

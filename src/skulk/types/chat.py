@@ -89,6 +89,8 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: int | None = None
+    """Choices per request: only 1 is served (the API answers 400 for any other value)."""
 
     _ranges = field_validator(*RANGES, mode="wrap")(_say_range)
 
@@ -111,6 +113,7 @@ class ChatCompletionRequest(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=self.max_completion_tokens or self.max_tokens or 256,
+            max_tokens_explicit=(self.max_completion_tokens or self.max_tokens) is not None,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
@@ -123,6 +126,9 @@ class SamplingParams(CamelModel):
     """What the engine samples with; bounded like the request, so a command from any source is safe too."""
 
     max_tokens: MaxTokens = 256
+    max_tokens_explicit: bool = False
+    """The client asked for max_tokens: a prompt plus that budget beyond the context is refused (400) rather
+    than cut short; an implicit budget is clamped to the context left."""
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = 0

@@ -6,8 +6,33 @@ from typing import Annotated, Literal
 
 from pydantic import Discriminator, Tag
 
-from .base import TaggedModel, tag_of
+from .base import CamelModel, TaggedModel, tag_of
 from .ids import CommandId
+from .memory import Memory
+
+
+class GenerationStats(CamelModel):
+    """Engine-side throughput of one request, as Skulk reports it (snake_case keys on the wire, like Skulk's).
+
+    prompt_tps counts the prompt over the time from admission to the first token (queueing for a slot
+    included); generation_tps counts the tokens after the first over the time after it."""
+
+    model_config = CamelModel.model_config | {"alias_generator": None}
+    prompt_tps: float
+    generation_tps: float
+    prompt_tokens: int
+    generation_tokens: int
+    peak_memory_usage: Memory
+
+
+class RequestStats(CamelModel):
+    """What the runner measured for one request: Skulk's generation stats and how it was batched."""
+
+    generation: GenerationStats
+    in_flight_at_admission: int = 0
+    """Other requests the runner was serving when this one was admitted."""
+    serving_batches: int = 0
+    """Engine steps (batched forwards) that produced this request's tokens."""
 
 
 class TokenChunk(TaggedModel):
@@ -17,6 +42,8 @@ class TokenChunk(TaggedModel):
     finish_reason: Literal["stop", "length"] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    stats: RequestStats | None = None
+    """Only on the last chunk of a request."""
 
 
 class ErrorChunk(TaggedModel):

@@ -1,0 +1,23 @@
+"""GET /instance/previews as Skulk writes it: snake_case keys, the instance as a tagged union, error a string.
+
+Skulk's clients filter on `sharding`/`instance_meta` and `error is None`, then POST the preview's `instance` to
+/instance, so these names and types are the contract."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from .ids import ModelId
+from .instances import Instance, InstanceMeta, Sharding
+
+
+class SkulkPlacementPreview(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_id: ModelId
+    sharding: Sharding
+    instance_meta: InstanceMeta
+    instance: Instance | None = None
+    memory_delta_by_node: dict[str, int] | None = None
+    """Bytes each node of the instance would take on: its share of the weights, overhead and KV headroom."""
+    error: str | None = None

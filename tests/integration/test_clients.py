@@ -1,0 +1,171 @@
+"""Clients written for real Skulk and the common SDKs, against one real node (one module-scoped fixture).
+
+The node's instance is placed the way a Skulk client places one: GET /instance/previews, take the widest
+preview whose error is null, POST its `instance` to /instance. Responses are checked field for field against
+recorded Skulk-shaped ones (skulk_wire/)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from skulk.testing.nodes import LocalNode
+from skulk.testing.wire_shape import shape_mismatches
+
+from .harness import Cluster, instance_ready, wait_until
+
+MODEL = "skulk/tiny-random-llama"
+WIRE = Path(__file__).parent / "skulk_wire"
+pytestmark = pytest.mark.timeout(180)
+
+
+def recorded(name: str) -> Any:
+    return json.loads((WIRE / name).read_text())
+
+
+@dataclass
+class Served:
+    node: LocalNode
+    preview: dict[str, Any]
+    placed: dict[str, Any]
+
+
+def place_through_previews(node: LocalNode) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a Skulk client does: the widest preview that can be placed, sent back as it came (right after start
+    the node's memory reading may not be in yet: every preview then says so in its error)."""
+
+    def usable() -> list[dict[str, Any]]:
+        previews = node.get(f"/instance/previews?model_id={MODEL}")["previews"]
+        return [p for p in previews if p["error"] is None and p["instance"] is not None]
+
+    widest = max(wait_until(usable, 30, "a placeable preview"), key=lambda p: len(p["memory_delta_by_node"]))
+    with node.client() as client:
+        reply = client.post("/instance", json={"instance": widest["instance"]})
+        assert reply.status_code == 200, reply.text
+    return widest, reply.json()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("clients")
+    (root / "node0").mkdir()
+    (root / "node0" / "skulk.yaml").write_text("tracing:\n  retention_days: 2\n")
+    cluster = Cluster(root)
+    try:
+        (node,) = cluster.start(1)
+        preview, placed = place_through_previews(node)
+        instance_id = preview["instance"]["MlxRingInstance"]["instanceId"]
+        wait_until(lambda: instance_ready(node, instance_id), 90, "the previewed instance to be ready")
+        yield Served(node, preview, placed)
+    finally:
+        assert cluster.stop_all() == [], "runner processes outlived their node"
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 8, **extra}
+
+
+# ------------------------------------------------------------------------------------ Skulk's wire contract
+
+
+def test_previews_round_trip_in_skulks_shape(served: Served) -> None:
+    assert shape_mismatches(recorded("previews.json")["previews"][0], served.preview) == []
+    assert shape_mismatches(recorded("create_instance.json"), served.placed) == []
+    state = served.node.get("/state")
+    assert served.preview["instance"]["MlxRingInstance"]["instanceId"] in state["instances"]
+    with served.node.client() as client:
+        everything = client.get("/instance/previews", params={"model_id": MODEL}).json()
+        refused = [p for p in everything["previews"] if p["instance_meta"] == "MlxJaccl"]
+        assert refused and all(isinstance(p["error"], str) and p["instance"] is None for p in refused)
+        assert shape_mismatches(recorded("preview_refused.json"), refused[0]) == []
+        again = client.post("/instance", json={"instance": served.preview["instance"]})
+        assert again.status_code == 400 and "already in use" in again.json()["error"]["message"]
+        bogus = client.post("/instance", json={"instance": {"MlxRingInstance": {"instanceId": "x"}}})
+        assert bogus.status_code == 422
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_beyond_the_context_is_refused_before_streaming(served: Served, stream: bool) -> None:
+    started = time.monotonic()
+    with served.node.client() as client:
+        reply = client.post("/v1/chat/completions", json=chat(max_tokens=1_000_000, stream=stream))
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "max_tokens" in error["message"]
+    assert time.monotonic() - started < 10
+
+
+def test_stream_ends_with_a_generation_stats_comment(served: Served) -> None:
+    with served.node.client() as client, client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+        lines = [line for line in r.iter_lines() if line]
+    comments = [line for line in lines if line.startswith(": generation_stats ")]
+    assert len(comments) == 1 and lines[-1] == "data: [DONE]" and lines[-2] == comments[0]
+    stats = json.loads(comments[0].removeprefix(": generation_stats "))
+    assert shape_mismatches(recorded("generation_stats.json"), stats) == []
+    assert stats["prompt_tokens"] > 0 and 1 <= stats["generation_tokens"] <= 8 and stats["prompt_tps"] > 0
+    assert stats["peak_memory_usage"]["inBytes"] > 0
+
+
+def test_bench_chat_completions(served: Served) -> None:
+    with served.node.client() as client:
+        reply = client.post("/bench/chat/completions", json=chat(max_tokens=6, stream=True))
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert shape_mismatches(recorded("bench_chat_completion.json"), body) == []
+    assert body["generation_stats"]["generation_tokens"] == body["usage"]["completion_tokens"]
+    assert body["serving_batches"] >= 1 and body["in_flight_at_admission"] >= 0
+
+
+def test_state_has_node_system_and_resources(served: Served) -> None:
+    state = served.node.get("/state")
+    assert shape_mismatches(recorded("state_nodes.json"), state) == []
+    assert state["nodeSystem"][served.node.node_id]["accelerator"]["vendor"] in ("cpu", "nvidia", "amd", "apple")
+    assert "torch" in state["nodeResources"][served.node.node_id]["backends"]
+
+
+def test_config_get_and_put(served: Served) -> None:
+    with served.node.client() as client:
+        got = client.get("/config").json()
+        assert shape_mismatches(recorded("config.json"), got) == []
+        assert got["config"] == {"tracing": {"retention_days": 2}}
+        assert got["effective"]["tracing"]["retention_days"] == 2 and got["effective"]["api_port"] > 0
+        same = client.put("/config", json={"config": got["config"]})
+        assert same.status_code == 200 and same.json()["changed"] == []
+        changed = client.put("/config", json={"tracing": {"retention_days": 5}})
+        assert changed.status_code == 400 and "restart" in changed.json()["error"]["message"]
+        assert "tracing.retention_days" in changed.json()["error"]["message"]
+        invalid = client.put("/config", json={"tracing": {"retention_dayz": 5}})
+        assert invalid.status_code == 422 and "retention_dayz" in invalid.json()["error"]["message"]
+        assert client.get("/config").json()["config"] == got["config"]
+
+
+def test_n_other_than_one_is_refused(served: Served) -> None:
+    with served.node.client() as client:
+        reply = client.post("/v1/chat/completions", json=chat(n=2))
+        assert reply.status_code == 400 and "n=1" in reply.json()["error"]["message"]
+        assert client.post("/v1/chat/completions", json=chat(n=1)).status_code == 200
+
+
+def _open_tasks(node: LocalNode) -> dict[str, str]:
+    tasks = node.get("/state")["tasks"]
+    return {t["ChatCompletion"]["commandId"]: t["ChatCompletion"]["taskStatus"] for t in tasks.values()}
+
+
+def test_non_streaming_disconnect_cancels(served: Served) -> None:
+    before = set(_open_tasks(served.node))
+    body = chat(max_tokens=1900, temperature=1.0, seed=3, messages=[{"role": "user", "content": "go on"}])
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=served.node.url, timeout=2.0) as client:
+        client.post("/v1/chat/completions", json=body)
+    new = wait_until(lambda: set(_open_tasks(served.node)) - before, 10, "the request's task to appear")
+    (command_id,) = new
+    ended = wait_until(
+        lambda: _open_tasks(served.node)[command_id] not in ("Pending", "Running"), 15, "the abandoned request to end"
+    )
+    assert ended and _open_tasks(served.node)[command_id] == "Cancelled"
