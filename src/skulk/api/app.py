@@ -7,6 +7,7 @@ from fastapi import FastAPI
 from skulk import __version__
 from skulk.api.config_routes import config_router
 from skulk.api.control import control_router
+from skulk.api.dashboard import install_dashboard
 from skulk.api.diagnostics import DiagnosticsHandle, diagnostics_router
 from skulk.api.errors import install_error_handlers
 from skulk.api.events import events_router
@@ -21,6 +22,7 @@ from skulk.store.service import ModelFiles
 def create_app(node: DiagnosticsHandle) -> FastAPI:
     app = FastAPI(title="Skulk", version=__version__)
     install_error_handlers(app)
+    install_dashboard(app)  # before security, so its Host and key checks wrap the dashboard too
     routers = (state_router(node), control_router(node), meta_instances_router(node), openai_router(node),
                diagnostics_router(node), config_router(node))
     for router in routers:

@@ -1,0 +1,121 @@
+// The dashboard shell: navigation between the five pages (real paths; the server falls back to index.html),
+// the cluster state polled once for every page, the API-key prompt, and what to show while this node is down.
+import { render } from '../vendor/preact.js';
+import { useEffect, useRef, useState } from '../vendor/hooks.js';
+import { events, setApiKey, usePoll } from './api.js';
+import { html, ago, nodeName } from './ui.js';
+import { navigate } from './nav.js';
+import { ClusterPage } from './pages/cluster.js';
+import { ModelsPage } from './pages/models.js';
+import { PlacingPage } from './pages/placing.js';
+import { ChatPage } from './pages/chat.js';
+import { OperatorPage } from './pages/operator.js';
+
+export const STATE_POLL_MS = 2000;
+
+const PAGES = [
+  { path: '/', title: 'Cluster', view: ClusterPage },
+  { path: '/catalog', title: 'Models', view: ModelsPage },
+  { path: '/placing', title: 'Placing', view: PlacingPage },
+  { path: '/chat', title: 'Chat', view: ChatPage },
+  { path: '/operator', title: 'Operator', view: OperatorPage },
+];
+const pageFor = (path) => PAGES.find((p) => p.path === path) || (path === '/cluster' ? PAGES[0] : null);
+
+
+function usePath() {
+  const [path, setPath] = useState(window.location.pathname);
+  useEffect(() => {
+    const update = () => setPath(window.location.pathname);
+    window.addEventListener('popstate', update);
+    window.addEventListener('skulk:navigate', update);
+    return () => { window.removeEventListener('popstate', update); window.removeEventListener('skulk:navigate', update); };
+  }, []);
+  return path;
+}
+
+function NavLink({ page, current }) {
+  const onClick = (e) => {
+    if (e.metaKey || e.ctrlKey || e.shiftKey || e.button !== 0) return;
+    e.preventDefault();
+    navigate(page.path);
+  };
+  return html`<a href=${page.path} class="nav-link" aria-current=${current ? 'page' : undefined}
+    onClick=${onClick}>${page.title}</a>`;
+}
+
+// Nodes this page has seen that the cluster no longer lists: shown as gone rather than silently dropped.
+function useGoneNodes(state) {
+  const seen = useRef(new Map());
+  if (!state) return [];
+  const live = new Set(Object.keys(state.nodeIdentities || {}).concat((state.topology || {}).nodes || []));
+  for (const id of live) seen.current.set(id, { id, name: nodeName(state, id), goneAt: null });
+  const gone = [];
+  for (const entry of seen.current.values()) {
+    if (live.has(entry.id)) continue;
+    if (!entry.goneAt) entry.goneAt = Date.now();
+    gone.push(entry);
+  }
+  return gone;
+}
+
+function KeyPrompt({ onDone }) {
+  const [key, setKey] = useState('');
+  const input = useRef(null);
+  useEffect(() => { if (input.current) input.current.focus(); }, []);
+  const submit = (e) => { e.preventDefault(); setApiKey(key.trim()); onDone(); };
+  return html`<div class="modal-backdrop">
+    <form class="modal" role="dialog" aria-modal="true" aria-labelledby="key-title" onSubmit=${submit}>
+      <h2 id="key-title">API key needed</h2>
+      <p>This cluster asks for an API key. It is kept in this browser only and sent as
+        <code>Authorization: Bearer …</code> with every request.</p>
+      <label>API key <input ref=${input} type="password" autocomplete="off" value=${key}
+        onInput=${(e) => setKey(e.target.value)} data-testid="api-key" required /></label>
+      <div class="row"><button type="submit" class="primary">Use this key</button>
+        <button type="button" onClick=${onDone}>Not now</button></div>
+    </form>
+  </div>`;
+}
+
+function DownBanner({ error, at }) {
+  if (!error) return null;
+  const since = at ? `; showing the cluster as it was ${ago(at)}` : '';
+  return html`<div class="banner" role="status" data-testid="node-down">
+    This node is not answering (${error.message})${since}. The page keeps trying; any other node's dashboard works too.
+  </div>`;
+}
+
+function App() {
+  const path = usePath();
+  const page = pageFor(path);
+  const [askKey, setAskKey] = useState(false);
+  const [{ data: state, error, at }, refreshState] = usePoll('/state', STATE_POLL_MS);
+  const gone = useGoneNodes(state);
+  useEffect(() => {
+    const ask = () => setAskKey(true);
+    events.addEventListener('unauthorized', ask);
+    return () => events.removeEventListener('unauthorized', ask);
+  }, []);
+  useEffect(() => { document.title = `${page ? page.title : 'Not found'} · Skulk`; }, [page]);
+  const View = page && page.view;
+  const master = state && state.masterNodeId ? nodeName(state, state.masterNodeId) : null;
+  return html`
+    <header class="top">
+      <a class="brand" href="/" onClick=${(e) => { e.preventDefault(); navigate('/'); }}>Skulk</a>
+      <nav aria-label="Pages">${PAGES.map((p) => html`<${NavLink} page=${p} current=${p === page} />`)}</nav>
+      <span class="top-meta" data-testid="top-meta">${state
+        ? `${Object.keys(state.nodeIdentities || {}).length} nodes · master ${master || 'none'}`
+        : error ? 'offline' : 'loading…'}</span>
+      <button type="button" class="link" onClick=${() => setAskKey(true)}>API key</button>
+    </header>
+    <${DownBanner} error=${error} at=${at} />
+    <main id="main">
+      ${View
+        ? state ? html`<${View} state=${state} gone=${gone} refreshState=${refreshState} />`
+          : html`<p class="muted">${error ? '' : 'Loading the cluster state…'}</p>`
+        : html`<section class="panel"><h2>Not found</h2><p>No page at ${path}. <a href="/">Cluster</a></p></section>`}
+    </main>
+    ${askKey && html`<${KeyPrompt} onDone=${() => setAskKey(false)} />`}`;
+}
+
+render(html`<${App} />`, document.getElementById('root'));

@@ -1,0 +1,119 @@
+// Cluster: every node (name, master badge, memory and disk bars, accelerator, health with reasons and
+// remediations, version), nodes that left, and the topology as a graph. Reads only the shell's /state poll.
+import { html, Badge, Bar, Section, ago, bytesOf, shortId, nodeName } from '../ui.js';
+
+const HEALTH_KIND = { healthy: 'ok', degraded: 'warn', unhealthy: 'error' };
+
+function apiAddress(state, nodeId) {
+  const port = (state.nodeApiPorts || {})[nodeId];
+  if (!port) return null;
+  const here = window.location.hostname;
+  const loopback = here === 'localhost' || here.startsWith('127.') || here === '[::1]';
+  const ifaces = ((state.nodeNetwork || {})[nodeId] || {}).interfaces || [];
+  const lan = ifaces.find((i) => i.ipAddress && !i.ipAddress.startsWith('127.') && !i.ipAddress.includes(':'));
+  const host = loopback || !lan ? here : lan.ipAddress;
+  return `http://${host}:${port}/`;
+}
+
+function Accelerator({ acc }) {
+  if (!acc) return html`<span class="muted">unknown</span>`;
+  const vram = acc.vramTotalBytes ? ` · ${Math.round(acc.vramTotalBytes / 2 ** 30)} GB VRAM` : '';
+  const util = acc.utilizationRatio != null ? ` · ${Math.round(acc.utilizationRatio * 100)}% busy` : '';
+  return html`<span>${acc.vendor === 'cpu' ? 'CPU only' : acc.vendor} (${acc.name})${vram}${util}</span>`;
+}
+
+function Health({ health }) {
+  if (!health) return html`<${Badge} kind="muted">no health yet<//>`;
+  return html`<div class="health">
+    <${Badge} kind=${HEALTH_KIND[health.level] || ''}>${health.level}<//>
+    ${(health.reasons || []).map((r) => html`<div class="reason">
+      <strong>${r.message}</strong><div class="muted">${r.remediation}</div></div>`)}
+  </div>`;
+}
+
+function NodeCard({ state, nodeId }) {
+  const ident = (state.nodeIdentities || {})[nodeId] || {};
+  const mem = (state.nodeMemory || {})[nodeId];
+  const disk = (state.nodeDisk || {})[nodeId];
+  const sys = (state.nodeSystem || {})[nodeId];
+  const isMaster = state.masterNodeId === nodeId;
+  const link = apiAddress(state, nodeId);
+  const total = mem ? bytesOf(mem.ramTotal) : 0;
+  const diskTotal = disk ? bytesOf(disk.total) : 0;
+  return html`<article class="card node" data-testid="node-card" data-node-id=${nodeId} data-state="live">
+    <header class="card-head">
+      <h3>${ident.friendlyName || 'node'} <span class="muted mono">${shortId(nodeId)}</span></h3>
+      ${isMaster && html`<${Badge} kind="master" title="the elected master orders every event">master<//>`}
+    </header>
+    ${mem ? html`<${Bar} label="memory" used=${total - bytesOf(mem.ramAvailable)} total=${total} />`
+      : html`<p class="muted">memory not reported yet</p>`}
+    ${disk && html`<${Bar} label="disk" used=${diskTotal - bytesOf(disk.available)} total=${diskTotal} />`}
+    <dl class="facts">
+      <dt>accelerator</dt><dd><${Accelerator} acc=${(state.nodeAccelerator || {})[nodeId]} /></dd>
+      ${sys && html`<dt>CPU</dt><dd>${Math.round(sys.pcpuUsage || 0)}%</dd>`}
+      <dt>version</dt><dd>${ident.skulkVersion || '?'}${ident.skulkCommit ? ` (${ident.skulkCommit})` : ''}</dd>
+      <dt>system</dt><dd>${ident.osVersion || '?'} · ${ident.chipId || ''}</dd>
+      <dt>health</dt><dd><${Health} health=${(state.nodeHealth || {})[nodeId]} /></dd>
+    </dl>
+    ${link && html`<a class="small" href=${link}>this node's dashboard</a>`}
+  </article>`;
+}
+
+function GoneCard({ node }) {
+  return html`<article class="card node gone" data-testid="node-card" data-node-id=${node.id} data-state="gone">
+    <header class="card-head"><h3>${node.name}</h3><${Badge} kind="error">gone<//></header>
+    <p>Left the cluster ${ago(node.goneAt)}. Its instances were deleted; MetaInstances are placed again on the
+      nodes that are left.</p>
+  </article>`;
+}
+
+// Nodes on a circle, one line per linked pair (dashed when only one direction answers), the master ringed.
+export function Topology({ state, gone }) {
+  const nodes = [...((state.topology || {}).nodes || [])].sort();
+  const all = [...nodes, ...gone.map((g) => g.id)];
+  const size = 320;
+  const c = size / 2;
+  const r = all.length > 1 ? size / 2 - 48 : 0;
+  const pos = new Map(all.map((id, i) => {
+    const a = (2 * Math.PI * i) / all.length - Math.PI / 2;
+    return [id, [c + r * Math.cos(a), c + r * Math.sin(a)]];
+  }));
+  const links = new Map();
+  for (const conn of (state.topology || {}).connections || []) {
+    const key = [conn.source, conn.sink].sort().join('|');
+    const both = links.has(key) && links.get(key).from !== conn.source;
+    links.set(key, { from: conn.source, a: conn.source, b: conn.sink, both: both || (links.get(key) || {}).both });
+  }
+  const goneIds = new Set(gone.map((g) => g.id));
+  return html`<svg class="topology" viewBox=${`0 0 ${size} ${size}`} role="img" data-testid="topology"
+      aria-label=${`topology: ${nodes.length} nodes, ${links.size} links`}>
+    ${[...links.values()].filter((l) => pos.has(l.a) && pos.has(l.b)).map((l) => html`<line
+      class=${l.both ? 'edge' : 'edge one-way'} x1=${pos.get(l.a)[0]} y1=${pos.get(l.a)[1]}
+      x2=${pos.get(l.b)[0]} y2=${pos.get(l.b)[1]} />`)}
+    ${all.map((id) => {
+      const [x, y] = pos.get(id);
+      const cls = goneIds.has(id) ? 'vertex gone' : state.masterNodeId === id ? 'vertex master' : 'vertex';
+      const label = goneIds.has(id) ? `${gone.find((g) => g.id === id).name} (gone)` : nodeName(state, id);
+      return html`<g class=${cls} data-node-id=${id}><circle cx=${x} cy=${y} r="18" />
+        <text x=${x} y=${y + 34} text-anchor="middle">${label}</text></g>`;
+    })}
+  </svg>`;
+}
+
+export function ClusterPage({ state, gone }) {
+  const nodes = Object.keys(state.nodeIdentities || {}).sort((a, b) =>
+    (b === state.masterNodeId) - (a === state.masterNodeId) || a.localeCompare(b));
+  return html`
+    <${Section} id="nodes-title" title=${`Nodes (${nodes.length})`}
+      actions=${html`<span class="muted">term ${state.term} · event ${state.lastEventAppliedIdx}</span>`}>
+      <div class="grid" data-testid="nodes">
+        ${nodes.map((id) => html`<${NodeCard} key=${id} state=${state} nodeId=${id} />`)}
+        ${gone.map((g) => html`<${GoneCard} key=${g.id} node=${g} />`)}
+      </div>
+    <//>
+    <${Section} id="topology-title" title="Topology">
+      <${Topology} state=${state} gone=${gone} />
+      <p class="muted small">A line joins two nodes whose APIs reach each other (dashed: one direction only).
+        Placement builds rings from these links.</p>
+    <//>`;
+}
