@@ -35,6 +35,8 @@ from skulk.state.store import StateStore
 from skulk.store.server import StoreServer
 from skulk.store.service import ModelFiles
 from skulk.store.staging import startable
+from skulk.tracing.service import NodeTracing
+from skulk.tracing.store import TraceStore
 from skulk.types.chunks import ErrorChunk
 from skulk.types.commands import Command, CreateMetaInstance
 from skulk.types.events import (
@@ -109,11 +111,13 @@ class Node:
         tap = self.event_log.append if self.event_log is not None else None
         stream = ChunkStream(self.transport, command_id, tap)
         self.streams[command_id] = stream
+        self.tracing.stream_opened(command_id)
         return stream
 
     def close_stream(self, stream: ChunkStream) -> None:
         self.streams.pop(stream.command_id, None)
         stream.close()
+        self.tracing.stream_closed(stream.command_id)
 
     # -- DiagnosticsHandle ------------------------------------------------------------------------
     @property
@@ -123,7 +127,11 @@ class Node:
 
     @property
     def tracing_enabled(self) -> bool:
-        return False
+        return self.store.state.tracing_enabled is True
+
+    @property
+    def traces(self) -> TraceStore:
+        return self.tracing.store
 
     @property
     def departed_peers(self) -> Mapping[NodeId, DepartedPeer]:
@@ -146,6 +154,8 @@ class Node:
         self.event_log = open_for(self.settings)
         self.transport.open()
         self.node_id = NodeId(self.transport.zenoh_id())
+        self.tracing = NodeTracing(self.settings.home, self.node_id, lambda: self.store.state,
+                                   self.settings.tracing.retention_days)
         log.info("node %s starting (cluster %r)", self.node_id, self.settings.cluster)
         self.membership = Membership(self.transport, self.node_id)
         self.follower = EventFollower(
@@ -177,12 +187,16 @@ class Node:
             runner_restart_budget=self.settings.runner_restart_budget,
             runner_restart_window_s=self.settings.runner_restart_window_seconds,
             runner_hung_s=self.settings.runner_hung_seconds,
+            on_spans=self.tracing.on_spans,
         )
         self.store.listen(self._on_state_change)
 
     async def _serve(self) -> None:
         self._spawn(self.elector.run())
         await self._join()
+        if (initial := self.tracing.initial_command(self.settings.tracing.enabled)) is not None:
+            self.send_command(initial)
+        self._spawn(self.tracing.janitor())
         self.files.start(self.node_id)
         if self.settings.is_store_host:
             self._spawn(self._serve_store())

@@ -99,6 +99,58 @@ def test_runtime_diagnostics_come_from_settings(pair: tuple[LocalNode, LocalNode
     assert runtime["structuredLoggingConfigured"] is False and runtime["loggingIngestUrl"] is None
 
 
+def task_of(node: LocalNode, answer: dict[str, object]) -> str:
+    command_id = str(answer["id"]).removeprefix("chatcmpl-")
+    tasks = node.get("/state")["tasks"]
+    return next(t["ChatCompletion"]["taskId"] for t in tasks.values() if t["ChatCompletion"]["commandId"] == command_id)
+
+
+def set_tracing(node: LocalNode, enabled: bool) -> None:
+    reply = httpx.put(node.url + "/v1/tracing", json={"enabled": enabled}, timeout=10, trust_env=False)
+    assert reply.status_code == 200 and reply.json() == {"enabled": enabled}, reply.text
+
+
+def test_tracing_two_ranks_only_new_requests(pair: tuple[LocalNode, LocalNode]) -> None:
+    writer, full = pair
+    assert writer.get("/v1/tracing") == {"enabled": False}
+    before = task_of(writer, chat(writer, "untraced", max_tokens=40))
+    set_tracing(writer, True)
+    wait_until(lambda: full.get("/v1/tracing") == {"enabled": True}, 10, "the flag to reach the other node")
+    assert full.get("/v1/diagnostics/node")["runtime"]["tracingEnabled"] is True
+    traced = task_of(writer, chat(writer, "traced", max_tokens=40))
+    set_tracing(writer, False)
+
+    def both_ranks() -> dict[str, object] | None:
+        body = writer.get(f"/v1/traces/cluster/{traced}")
+        ranks = {s["rank"] for s in (body or {}).get("spans", [])}
+        return body if {0, 1} <= ranks else None
+
+    body = wait_until(both_ranks, 20, "spans of both ranks in the cluster view")
+    names = {s["name"] for s in body["spans"]}
+    assert {"tokenize", "prefill", "decode", "api_stream"} <= names, names
+    assert set(body["sourceNodes"]) == {writer.node_id, full.node_id}
+    listed = writer.get("/v1/traces/cluster")["traces"]
+    assert [t["taskId"] for t in listed].count(traced) == 1, "the cluster view de-duplicates by task id"
+    entry = next(t for t in listed if t["taskId"] == traced)
+    assert entry["modelId"] == MODEL and entry["taskKind"] == "ChatCompletion" and entry["fileSize"] > 0
+    assert set(entry["sourceNodes"]) == {writer.node_id, full.node_id}
+    assert before not in [t["taskId"] for t in listed], "a request from before the flip is not traced"
+    local = {t["taskId"] for t in writer.get("/v1/traces")["traces"]} | {
+        t["taskId"] for t in full.get("/v1/traces")["traces"]}
+    assert traced in local and before not in local
+    stats = writer.get(f"/v1/traces/cluster/{traced}/stats")
+    assert stats["taskId"] == traced and stats["totalWallTimeUs"] > 0
+    assert {"0", "1"} <= set(stats["byRank"]) and "decode" in stats["byCategory"]
+    raw = writer.get(f"/v1/traces/cluster/{traced}/raw")
+    complete = [e for e in raw["traceEvents"] if e["ph"] == "X"]
+    assert complete and all(isinstance(e["ts"], int) and e["dur"] >= 0 for e in complete)
+    assert httpx.get(writer.url + "/v1/traces/..%2fx", timeout=10, trust_env=False).status_code in (400, 404)
+    assert httpx.get(writer.url + "/v1/traces/nope", timeout=10, trust_env=False).status_code == 404
+    deleted = httpx.post(full.url + "/v1/traces/delete", json={"taskIds": [traced]}, timeout=10, trust_env=False)
+    assert deleted.json() == {"deleted": [traced]}
+    assert traced not in {t["taskId"] for t in full.get("/v1/traces")["traces"]}
+
+
 def test_kill_9_leaves_a_readable_log(pair: tuple[LocalNode, LocalNode], tmp_path: Path) -> None:
     """Last: it kills node0. A torn record is appended after the kill, as a write cut short would leave it."""
     writer, _ = pair

@@ -16,6 +16,7 @@ from skulk.api.models import models_router
 from skulk.api.openai import openai_router
 from skulk.api.state_routes import state_router
 from skulk.api.store import store_router
+from skulk.api.tracing import tracing_router
 from skulk.store.service import ModelFiles
 
 
@@ -29,6 +30,8 @@ def create_app(node: DiagnosticsHandle) -> FastAPI:
         app.include_router(router)
     if hasattr(node, "event_log"):
         app.include_router(events_router(node))  # type: ignore[arg-type]
+    if hasattr(node, "traces"):
+        app.include_router(tracing_router(node))  # type: ignore[arg-type]
     files = getattr(node, "files", None)
     app.include_router(models_router(node, files if isinstance(files, ModelFiles) else None))
     if isinstance(files, ModelFiles):

@@ -11,6 +11,8 @@ from skulk.types.commands import (
     Command,
     CreateInstance,
     DeleteInstance,
+    RestartNode,
+    SetTracingEnabled,
     StartChatCompletion,
 )
 from skulk.types.events import (
@@ -20,11 +22,13 @@ from skulk.types.events import (
     InstanceFailed,
     InstanceRetrying,
     ModelCardAdded,
+    NodeRestartRequested,
     NodeTimedOut,
     SessionStarted,
     TaskCreated,
     TaskFailed,
     TaskStatusUpdated,
+    TracingStateChanged,
 )
 from skulk.types.ids import InstanceId, ModelId, NodeId, TaskId
 from skulk.types.instances import MlxRingInstance
@@ -55,6 +59,10 @@ def events_for_command(state: State, command: Command, new_task_id: TaskId) -> l
             return _start_chat(state, command, new_task_id)
         case AddModelCard(card=card):
             return [] if state.model_cards.get(card.model_id) == card else [ModelCardAdded(card=card)]
+        case SetTracingEnabled(enabled=enabled):
+            return [] if state.tracing_enabled is enabled else [TracingStateChanged(enabled=enabled)]
+        case RestartNode(node_id=node_id):
+            return [NodeRestartRequested(node_id=node_id)]
         case CancelCommand(target_command_id=target):
             return [
                 TaskStatusUpdated(task_id=task.task_id, task_status=TaskStatus.Cancelled)
@@ -74,6 +82,7 @@ def _start_chat(state: State, command: StartChatCompletion, task_id: TaskId) -> 
         command_id=command.command_id,
         instance_id=instance_id or InstanceId(""),
         task_params=params,
+        traced=state.tracing_enabled is True,
     )
     if instance_id is None or instance_id not in state.instances:
         message = f"No instance found for model {command.model}; place it first, then retry"

@@ -22,6 +22,7 @@ from skulk.runner.messages import (
     Records,
     RunTask,
     Shutdown,
+    Spans,
     StatusChanged,
     TaskAccepted,
     TaskEnded,
@@ -29,6 +30,7 @@ from skulk.runner.messages import (
     ToRunner,
 )
 from skulk.runner.recorder import FlightRecorder
+from skulk.runner.spans import SpanBook
 from skulk.runner.spec import RunnerSpec
 from skulk.runner.stats import RequestClock
 from skulk.types.chunks import ErrorChunk, TokenChunk
@@ -126,6 +128,8 @@ class Runner:
         self.status: RunnerStatus | None = None
         self.stopping = False
         self._after_step: list[FromRunner] = []
+        self.spans = SpanBook(spec.shard.device_rank)
+        self._new_tasks: list[str] = []  # admitted since the last step: its prefill runs in the next one
         # world_size > 1: rank 0 schedules through step headers; other ranks follow them, not their inbox
         self.group: Group | None = None
         self.dist: DistributedEngine | None = None
@@ -137,6 +141,8 @@ class Runner:
             self.recorder.on_enter = self.fault.on_enter
 
     def send(self, message: FromRunner) -> None:
+        if isinstance(message, TaskEnded):
+            self.spans.end(message.task_id)
         self.outbox.put(message)
 
     def set_status(self, status: RunnerStatus, *, after_step: bool = False) -> None:
@@ -158,6 +164,8 @@ class Runner:
         entries = self.recorder.drain()
         if entries:
             self.send(Records(entries))
+        if self.spans.has_spans:
+            self.send(Spans(self.spans.drain()))
 
     def start(self) -> None:
         self.recorder.record("created", "process_started")
@@ -245,9 +253,12 @@ class Runner:
         while not self.stopping and not (self.dist is not None and self.dist.closed):
             self._take_messages(block=not engine.has_work())
             if engine.has_work():
+                started = time.time()
                 outs = engine.step()
                 if self.dist is not None:  # admissions first: a prefill's token belongs to a task admitted now
                     self._follow_requests(self.dist.take_events())
+                self.spans.step(started, time.time(), self._new_tasks, self.active)
+                self._new_tasks.clear()
                 self._publish(outs)
             self.send_after_step()
             self.flush()
@@ -275,6 +286,8 @@ class Runner:
         match message:
             case RunTask(task=task) if self.schedules:
                 self._accept(task)
+            case RunTask(task=task) if task.traced:  # a following rank: its spans of this task are kept
+                self.spans.trace(task.task_id)
             case CancelTask(task_id=task_id) if self.schedules:
                 self.recorder.record("cancel_requested", "cancel_received", task_id=task_id)
                 self._cancel(task_id)
@@ -289,6 +302,9 @@ class Runner:
         self.recorder.record("task_submission", "task_received", **ids)
         self._after_step.append(TaskAccepted(task.task_id))
         self.recorder.record("prompt_build", "chat_template", **ids)
+        if task.traced:
+            self.spans.trace(task.task_id)
+        started = time.time()
         try:
             prompt = self._admit(task)
         except Exception as exc:  # this request alone fails; the runner and its batch go on
@@ -299,6 +315,8 @@ class Runner:
             return
         self.active[task.task_id] = _Active(task.command_id, len(prompt), len(self.active))
         self.recorder.record("prefill_stream", "prefill_queued", prompt_tokens=len(prompt), **ids)
+        self.spans.span(task.task_id, "tokenize", started, time.time(), prompt_tokens=len(prompt))
+        self._new_tasks.append(task.task_id)
         self.set_status(RunnerRunning(), after_step=True)
 
     def _admit(self, task: ChatCompletion) -> list[int] | None:
@@ -416,6 +434,7 @@ class Runner:
                 self.recorder.record("task_agreement", "task_admitted", prompt_tokens=event.prompt_tokens, **ids)
                 self.send(TaskAccepted(task_id))
                 self.active[task_id] = _Active(CommandId(event.command_id), event.prompt_tokens)
+                self._new_tasks.append(task_id)
                 self.set_status(RunnerRunning())
                 continue
             active = self.active.pop(task_id, None)

@@ -9,6 +9,7 @@ from skulk.types.diagnostics import FlightRecorderEntry
 from skulk.types.ids import CommandId, TaskId
 from skulk.types.runners import RunnerStatus
 from skulk.types.tasks import ChatCompletion, TaskStatus
+from skulk.types.tracing import TraceSpan
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,13 @@ class Heartbeat:
     gone (a long prefill on the main thread does not stop it)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Spans:
+    """Trace spans of traced tasks (runtime tracing), flushed with the flight recorder between steps."""
+
+    spans: list[TraceSpan] = field(default_factory=list)
+
+
 HEARTBEAT_S = 1.0
 
-FromRunner = StatusChanged | Tokens | TaskAccepted | TaskEnded | Records | Heartbeat
+FromRunner = StatusChanged | Tokens | TaskAccepted | TaskEnded | Records | Heartbeat | Spans

@@ -19,6 +19,7 @@ from skulk.types.events import (
     ModelCardAdded,
     NodeDownloadProgress,
     NodeGatheredInfo,
+    NodeRestartRequested,
     NodeTimedOut,
     RunnerDeleted,
     RunnerStatusUpdated,
@@ -28,6 +29,7 @@ from skulk.types.events import (
     TaskStatusUpdated,
     TopologyEdgeCreated,
     TopologyEdgeDeleted,
+    TracingStateChanged,
 )
 from skulk.types.ids import InstanceId, ModelId, NodeId, RunnerId
 from skulk.types.instances import Instance
@@ -97,6 +99,10 @@ def _changes(state: State, event: Event) -> dict[str, Any]:
             return _with_retries(state, instance_id, retries.model_copy(update={"failed": error}))
         case NodeDownloadProgress(node_id=node_id, model_id=model_id, progress=progress):
             return _download_progress(state, node_id, model_id, progress)
+        case TracingStateChanged(enabled=enabled):
+            return {"tracing_enabled": enabled}
+        case NodeRestartRequested():
+            return {}
     raise TypeError(f"no rule to apply {type(event).__name__}")
 
 

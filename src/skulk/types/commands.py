@@ -75,6 +75,20 @@ class PlaceInstance(TaggedModel):
     """The card as the API node knows it (a model added on that node may be unknown to the master's catalog)."""
 
 
+class SetTracingEnabled(TaggedModel):
+    """Turn runtime tracing on or off cluster-wide; tasks created from then on carry the flag (runbook 004)."""
+
+    command_id: CommandId
+    enabled: bool
+
+
+class RestartNode(TaggedModel):
+    """POST /admin/restart?node_id=… for another node: that node replaces its process image in place."""
+
+    command_id: CommandId
+    node_id: NodeId
+
+
 Command = Annotated[
     Annotated[CreateInstance, Tag("CreateInstance")]
     | Annotated[DeleteInstance, Tag("DeleteInstance")]
@@ -83,7 +97,9 @@ Command = Annotated[
     | Annotated[CreateMetaInstance, Tag("CreateMetaInstance")]
     | Annotated[DeleteMetaInstance, Tag("DeleteMetaInstance")]
     | Annotated[PlaceInstance, Tag("PlaceInstance")]
-    | Annotated[AddModelCard, Tag("AddModelCard")],
+    | Annotated[AddModelCard, Tag("AddModelCard")]
+    | Annotated[SetTracingEnabled, Tag("SetTracingEnabled")]
+    | Annotated[RestartNode, Tag("RestartNode")],
     Discriminator(tag_of),
 ]
 

@@ -125,6 +125,18 @@ class MetaInstancePlacementFailed(TaggedModel):
     reason: str
 
 
+class TracingStateChanged(TaggedModel):
+    """Runtime tracing is now on or off for new tasks."""
+
+    enabled: bool
+
+
+class NodeRestartRequested(TaggedModel):
+    """An operator asked this node to restart in place (os.execv); state does not change."""
+
+    node_id: NodeId
+
+
 Event = Annotated[
     Annotated[InstanceCreated, Tag("InstanceCreated")]
     | Annotated[InstanceDeleted, Tag("InstanceDeleted")]
@@ -144,7 +156,9 @@ Event = Annotated[
     | Annotated[MetaInstanceDeleted, Tag("MetaInstanceDeleted")]
     | Annotated[MetaInstancePlacementFailed, Tag("MetaInstancePlacementFailed")]
     | Annotated[ModelCardAdded, Tag("ModelCardAdded")]
-    | Annotated[NodeDownloadProgress, Tag("NodeDownloadProgress")],
+    | Annotated[NodeDownloadProgress, Tag("NodeDownloadProgress")]
+    | Annotated[TracingStateChanged, Tag("TracingStateChanged")]
+    | Annotated[NodeRestartRequested, Tag("NodeRestartRequested")],
     Discriminator(tag_of),
 ]
 

@@ -61,6 +61,8 @@ class State(CamelModel):
     master_node_id: NodeId | None = None
     term: int = 0
     last_event_applied_idx: int = -1
+    tracing_enabled: bool | None = None
+    """Runtime tracing for new tasks; None until someone set it (a node then applies its tracing.enabled)."""
     downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = {}
     """Per node, where each model's files stand (store.service reports them; an instance is ready to start only
     when every node of it has its files)."""

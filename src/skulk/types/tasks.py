@@ -37,6 +37,8 @@ class ChatCompletion(TaggedModel):
     task_status: TaskStatus = TaskStatus.Pending
     task_params: ChatCompletionTaskParams
     error_message: str | None = None
+    traced: bool = False
+    """Tracing was on when the master created the task: every rank records spans for it (runbook 004)."""
 
 
 Task = Annotated[Annotated[ChatCompletion, Tag("ChatCompletion")], Discriminator(tag_of)]

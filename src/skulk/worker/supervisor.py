@@ -31,6 +31,7 @@ from skulk.runner.messages import (
     Records,
     RunTask,
     Shutdown,
+    Spans,
     StatusChanged,
     TaskAccepted,
     TaskEnded,
@@ -44,6 +45,7 @@ from skulk.types.ids import TaskId
 from skulk.types.runners import RunnerFailed, RunnerIdle, RunnerPhase, RunnerStatus
 from skulk.types.state import State
 from skulk.types.tasks import ChatCompletion, TaskStatus
+from skulk.types.tracing import TraceSpan
 
 log = logging.getLogger("skulk.supervisor")
 
@@ -62,6 +64,8 @@ class SupervisorCallbacks:
     on_task_ended: Callable[[TaskEnded], None]
     on_gave_up: Callable[[str], None] | None = None
     """A single-rank runner spent its restart budget; the argument says why (for InstanceFailed)."""
+    on_spans: Callable[[list[TraceSpan]], None] | None = None
+    """Trace spans of traced tasks (runtime tracing), for the node's trace store."""
 
 
 @dataclass
@@ -249,6 +253,8 @@ class RunnerSupervisor:
                 self._on_task_ended(message)
             case Records(entries=entries):
                 self._on_records(entries)
+            case Spans(spans=spans) if self.callbacks.on_spans is not None:
+                self.callbacks.on_spans(spans)
 
     def _on_task_ended(self, ended: TaskEnded) -> None:
         self.view.in_progress.pop(ended.task_id, None)

@@ -17,6 +17,7 @@ from skulk.types.instances import MlxRingInstance
 from skulk.types.runners import RunnerStatus
 from skulk.types.state import State
 from skulk.types.tasks import TaskStatus
+from skulk.types.tracing import TraceSpan
 from skulk.worker.plan import (
     Action,
     CancelRunnerTask,
@@ -52,7 +53,10 @@ class Worker:
         runner_restart_budget: int = _DEFAULTS.runner_restart_budget,
         runner_restart_window_s: float = _DEFAULTS.runner_restart_window_seconds,
         runner_hung_s: float = _DEFAULTS.runner_hung_seconds,
+        on_spans: Callable[[list[TraceSpan]], None] | None = None,
     ) -> None:
+        self.on_spans = on_spans
+        """Where runners' trace spans go (the node's trace store); None drops them."""
         self.restart_budget = runner_restart_budget
         self.restart_window_s = runner_restart_window_s
         self.hung_s = runner_hung_s
@@ -203,7 +207,7 @@ class Worker:
         def on_gave_up(why: str) -> None:
             self.emit(InstanceFailed(instance_id=instance_id, failure_error=why))
 
-        return SupervisorCallbacks(on_status, on_chunks, on_task_started, on_task_ended, on_gave_up)
+        return SupervisorCallbacks(on_status, on_chunks, on_task_started, on_task_ended, on_gave_up, self.on_spans)
 
     async def stop(self) -> None:
         self._closed = True
