@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry, weight_bytes
 from skulk.store import client
 from skulk.store.eviction import StagedModel, to_evict, to_purge
-from skulk.store.fetch import partial_path
+from skulk.store.fetch import fetch_file, partial_path
 from skulk.store.files import files_for_shard, shard_files
 from skulk.store.server import StoreServer
 
@@ -199,3 +201,32 @@ def test_staging_resumes_a_partial_and_splices_the_rest(tmp_path: Path) -> None:
         assert not part.exists() and seen[-1] == len(payload) + 2
     finally:
         server.close()
+
+
+def test_a_frozen_store_times_out_and_keeps_the_partial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store host that stops sending mid-file (frozen, or its link cut) ends the transfer with a timeout
+    instead of hanging the stager; what arrived stays in the partial for the retry to resume."""
+    monkeypatch.setattr(client, "TIMEOUT_S", 1.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    release = threading.Event()
+
+    def frozen_store() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n" + b"x" * 300_000)
+        release.wait(20)
+        conn.close()
+
+    thread = threading.Thread(target=frozen_store, daemon=True)
+    thread.start()
+    dest = tmp_path / "m" / "model.safetensors"
+    try:
+        with pytest.raises(TimeoutError):
+            url = f"http://127.0.0.1:{port}/f"
+            fetch_file(client.open_store_stream, url, dest, 1_000_000, on_bytes=lambda _n: None)
+    finally:
+        release.set()
+        thread.join(5)
+        listener.close()
+    assert not dest.exists() and partial_path(dest).stat().st_size == 300_000

@@ -6,8 +6,8 @@ import contextlib
 import fcntl
 import http.client
 import os
-import select
 import socket
+import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -93,8 +93,10 @@ def _splice_pump(response: http.client.HTTPResponse, sock: socket.socket, length
         os.write(fd, head)
         on_bytes(len(head))
         left = length - len(head)
-        readable = select.poll()
-        readable.register(sock.fileno(), select.POLLIN)
+        # Blocking splice with a kernel receive timeout: a timeout set in Python makes the socket non-blocking,
+        # and polling before every splice costs a third of the throughput.
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(TIMEOUT_S), 0))
         pipe_out, pipe_in = os.pipe()
         try:
             with contextlib.suppress(OSError):  # a bigger pipe means fewer calls; the default 64 KiB works too
@@ -102,10 +104,8 @@ def _splice_pump(response: http.client.HTTPResponse, sock: socket.socket, length
             while left > 0:
                 try:
                     moved = os.splice(sock.fileno(), pipe_in, min(left, PIPE_BYTES))
-                except BlockingIOError:  # the socket has a timeout, so it is non-blocking underneath
-                    if not readable.poll(TIMEOUT_S * 1000):
-                        raise TimeoutError(f"the store sent nothing for {TIMEOUT_S:.0f} s") from None
-                    continue
+                except BlockingIOError:
+                    raise TimeoutError(f"the store sent nothing for {TIMEOUT_S:.0f} s") from None
                 if moved == 0:
                     return  # the store closed early; the size check makes the caller retry from here
                 pending = moved
