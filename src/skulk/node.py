@@ -30,6 +30,7 @@ from skulk.master.decide import session_changed_message
 from skulk.master.master import Master
 from skulk.models.cards import know_card, load_custom_cards
 from skulk.models.demo import DEMO_MODEL_ID, ensure_demo_model
+from skulk.restart import RestartGate, exec_self
 from skulk.runner.fault import recording_enabled
 from skulk.state.store import StateStore
 from skulk.store.server import StoreServer
@@ -45,6 +46,7 @@ from skulk.types.events import (
     LocalEvent,
     ModelCardAdded,
     NodeGatheredInfo,
+    NodeRestartRequested,
     NodeTimedOut,
     TaskFailed,
     TaskStatusUpdated,
@@ -91,6 +93,7 @@ class Node:
         self._departed: dict[NodeId, DepartedPeer] = {}
         self._peer_urls: dict[NodeId, str | None] = {}
         self.event_log: EventLog | None = None
+        self.restart = RestartGate()
 
     # -- NodeHandle -------------------------------------------------------------------------------
     @property
@@ -201,6 +204,7 @@ class Node:
         if self.settings.is_store_host:
             self._spawn(self._serve_store())
         server = self._api_server()
+        self.restart.arm(lambda: setattr(server, "should_exit", True))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, setattr, server, "should_exit", True)
@@ -355,6 +359,8 @@ class Node:
                 know_card(card)
         if indexed is not None:
             self._fail_streams_of(state, indexed.event)
+            if isinstance(indexed.event, NodeRestartRequested) and indexed.event.node_id == self.node_id:
+                self.restart.request("RestartNode command")
         if not self._reconcile_pending:
             self._reconcile_pending = True
             asyncio.get_running_loop().call_soon(self._reconcile)
@@ -438,4 +444,7 @@ class _ApiServer(uvicorn.Server):
 
 
 def run_node(settings: Settings) -> None:
-    asyncio.run(Node(settings).run())
+    node = Node(settings)
+    asyncio.run(node.run())
+    if node.restart.pending:  # POST /admin/restart: everything is stopped; the same pid runs afresh
+        exec_self()

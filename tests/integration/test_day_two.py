@@ -151,6 +151,34 @@ def test_tracing_two_ranks_only_new_requests(pair: tuple[LocalNode, LocalNode]) 
     assert traced not in {t["taskId"] for t in full.get("/v1/traces")["traces"]}
 
 
+def restarted(node: LocalNode, old_id: str, pid: int) -> None:
+    """The same process (pid) came back with a new node id (ids are per session) and answers again."""
+    wait_until(lambda: node.node_id != old_id and node.get("/node_id") == node.node_id, 60,
+               "the node to come back after its restart", node.log_tail)
+    assert node.process is not None and node.process.pid == pid and node.alive, "same pid: os.execv in place"
+
+
+def test_admin_restart_in_place_rejoins_and_serves(pair: tuple[LocalNode, LocalNode]) -> None:
+    writer, full = pair
+    assert full.process is not None
+    pid, old_id = full.process.pid, full.node_id
+    status, body = writer.post(f"/admin/restart?node_id={full.node_id}", {})
+    assert (status, body["status"]) == (200, "restart_sent"), body
+    restarted(full, old_id, pid)
+    status, body = writer.post("/admin/restart?node_id=not-a-node", {})
+    assert status == 404 and "not known" in body["error"]["message"]
+
+    old_id = full.node_id
+    first, second = full.post("/admin/restart", {}), full.post("/admin/restart", {})
+    assert first == (200, {"status": "restarting", "nodeId": old_id})
+    assert second[0] == 409 and second[1]["status"] == "restart_already_pending"
+    restarted(full, old_id, pid)
+    nodes = [writer, full]
+    wait_until(lambda: formed(nodes), 60, "the restarted node to rejoin", lambda: converged(nodes)[1])
+    place_and_wait(full)
+    assert chat(full)["choices"]
+
+
 def test_kill_9_leaves_a_readable_log(pair: tuple[LocalNode, LocalNode], tmp_path: Path) -> None:
     """Last: it kills node0. A torn record is appended after the kill, as a write cut short would leave it."""
     writer, _ = pair

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from skulk import __version__
+from skulk.api.admin import admin_router
 from skulk.api.config_routes import config_router
 from skulk.api.control import control_router
 from skulk.api.dashboard import install_dashboard
@@ -32,6 +33,8 @@ def create_app(node: DiagnosticsHandle) -> FastAPI:
         app.include_router(events_router(node))  # type: ignore[arg-type]
     if hasattr(node, "traces"):
         app.include_router(tracing_router(node))  # type: ignore[arg-type]
+    if hasattr(node, "restart"):
+        app.include_router(admin_router(node))  # type: ignore[arg-type]
     files = getattr(node, "files", None)
     app.include_router(models_router(node, files if isinstance(files, ModelFiles) else None))
     if isinstance(files, ModelFiles):

@@ -1,0 +1,42 @@
+"""Admin routes: POST /admin/restart[?node_id=…] (runbook 004).
+
+Admin scope: with API keys configured, every route outside the inference list needs an admin key
+(api/security.py), so these are admin-only by construction; nothing here needs to check it again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from skulk.api.errors import ApiError
+from skulk.api.handle import NodeHandle
+from skulk.diagnostics.cluster import known_peers
+from skulk.restart import RestartGate
+from skulk.types.commands import RestartNode
+from skulk.types.ids import CommandId, NodeId, new_id
+
+
+class AdminHandle(NodeHandle, Protocol):
+    restart: RestartGate
+
+
+def admin_router(node: AdminHandle) -> APIRouter:
+    router = APIRouter(prefix="/admin", tags=["admin"])
+
+    @router.post("/restart", response_model=None)
+    async def restart(node_id: str | None = None) -> dict[str, Any] | JSONResponse:
+        """This node: stop runners and os.execv in place (same pid). Another node: a RestartNode command."""
+        if node_id is not None and node_id != node.node_id:
+            if NodeId(node_id) not in known_peers(node.state, node.node_id):
+                raise ApiError(404, f"node {node_id} is not known to this cluster (GET /state lists the node ids)",
+                               code="node_not_found")
+            node.send_command(RestartNode(command_id=CommandId(new_id()), node_id=NodeId(node_id)))
+            return {"status": "restart_sent", "nodeId": node_id}
+        if not node.restart.request("POST /admin/restart"):
+            return JSONResponse({"status": "restart_already_pending", "nodeId": node.node_id}, status_code=409)
+        return {"status": "restarting", "nodeId": node.node_id}
+
+    return router
