@@ -8,6 +8,7 @@ import sys
 
 from skulk import __version__
 from skulk.config import ConfigError, resolve
+from skulk.logs import install_log_limits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--multicast-interface",
         help="interface to scout on, e.g. lo on a loopback-only host (SKULK_MULTICAST_INTERFACE, auto)",
     )
+    add_security_flags(parser)
     return parser
+
+
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    """API keys, browser rules and request bounds (issue 10); each has a SKULK_ twin and a skulk.yaml key."""
+    parser.add_argument("--api-key", dest="api_keys", action="append",
+                        help="inference API key, repeatable; with any key set every route needs one "
+                        "(SKULK_API_KEYS, comma-separated)")
+    parser.add_argument("--admin-key", dest="admin_keys", action="append",
+                        help="admin API key, repeatable: placement, deletes, cancels, diagnostics, store "
+                        "(SKULK_ADMIN_KEYS)")
+    parser.add_argument("--allowed-host", dest="allowed_hosts", action="append",
+                        help="extra Host header name this node answers to, repeatable; * = any "
+                        "(SKULK_ALLOWED_HOSTS; this machine's names and addresses are always allowed)")
+    parser.add_argument("--cors-origin", dest="cors_origins", action="append",
+                        help="browser origin allowed to call the API, repeatable (SKULK_CORS_ORIGINS, none)")
+    parser.add_argument("--max-body-bytes", type=int,
+                        help="largest request body read, in bytes (SKULK_MAX_BODY_BYTES, 8 MiB)")
+    parser.add_argument("--max-connections", type=int,
+                        help="open HTTP connections accepted at once (SKULK_MAX_CONNECTIONS, 4096)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    install_log_limits()
     try:
         settings = resolve(flags)
     except ConfigError as exc:

@@ -16,6 +16,7 @@ import uvicorn
 
 from skulk import internal_auth
 from skulk.api.app import create_app
+from skulk.api.limits import guarded_protocol, raise_open_file_limit
 from skulk.cluster.dataplane import ChunkStream, publish_chunk
 from skulk.cluster.election import Elector
 from skulk.cluster.intake import send_command, send_local_event
@@ -154,6 +155,7 @@ class Node:
             raise SystemExit(1)
 
     def _open(self) -> None:
+        self._harden()
         self.event_log = open_for(self.settings)
         self.transport.open()
         self.node_id = NodeId(self.transport.zenoh_id())
@@ -231,6 +233,13 @@ class Node:
             except Exception as exc:  # a master change mid-catch-up: the resync that follows repairs it
                 log.warning("catching up with the master failed (%s); following its events from here", exc)
 
+    def _harden(self) -> None:
+        """Before anything listens: enough descriptors for many clients, and the secret of internal calls."""
+        soft, _ = raise_open_file_limit()
+        internal_auth.configure(None, self.settings.admin_keys)
+        log.info("open-file limit %d; API keys %s", soft, "on" if self.settings.api_keys or self.settings.admin_keys
+                 else "off (anyone who can reach the API may use it)")
+
     def _spawn(self, coro: Any) -> asyncio.Task[Any] | None:
         return self._loops.spawn(coro)
 
@@ -240,8 +249,10 @@ class Node:
             host=self.settings.api_host,
             port=self.settings.api_port,
             log_level="warning",
+            log_config=None,  # uvicorn's records go to the root handler and its rate limit (skulk.logs)
             lifespan="off",
             timeout_graceful_shutdown=2,
+            http=guarded_protocol(self.settings.max_connections, self.settings.header_timeout_seconds),
         )
         return _ApiServer(config)
 

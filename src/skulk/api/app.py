@@ -15,15 +15,20 @@ from skulk.api.events import events_router
 from skulk.api.meta_instances import meta_instances_router
 from skulk.api.models import models_router
 from skulk.api.openai import openai_router
+from skulk.api.security import install_security
 from skulk.api.state_routes import state_router
 from skulk.api.store import store_router
 from skulk.api.tracing import tracing_router
+from skulk.config import Settings
 from skulk.store.service import ModelFiles
 
 
 def create_app(node: DiagnosticsHandle) -> FastAPI:
     app = FastAPI(title="Skulk", version=__version__)
     install_error_handlers(app)
+    settings = getattr(node, "settings", None)
+    if isinstance(settings, Settings):
+        install_security(app, settings)
     install_dashboard(app)  # before security, so its Host and key checks wrap the dashboard too
     routers = (state_router(node), control_router(node), meta_instances_router(node), openai_router(node),
                diagnostics_router(node), config_router(node))

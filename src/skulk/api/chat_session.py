@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
+from skulk.api.security import OWNERS
 from skulk.cluster.dataplane import ChunkStream
 from skulk.master.decide import failed_for_good, instance_failed_message
 from skulk.models.cards import get_card
@@ -91,6 +92,7 @@ async def start_chat(node: NodeHandle, request: ChatCompletionRequest) -> ChatSe
     require_instance(node, request.model)
     check_top_k(node, request)
     command_id = CommandId(new_id())
+    OWNERS.claim(command_id)  # only this key (or an admin) may cancel it by id
     stream = node.open_stream(command_id)
     node.send_command(
         StartChatCompletion(

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
+from skulk import internal_auth
 from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
@@ -154,7 +155,7 @@ async def _at_store_host(node: NodeHandle, method: str, path: str) -> JSONRespon
     if url is None:
         raise ApiError(503, f"the store host {store.store_host} is not in the cluster", code="store_unreachable")
     try:
-        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S * 6) as client:
+        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S * 6, headers=internal_auth.headers()) as client:
             response = await client.request(method, url + path)
         return JSONResponse(response.json(), status_code=response.status_code)
     except (httpx.HTTPError, ValueError) as exc:
@@ -173,7 +174,7 @@ def _keep(task: asyncio.Task[None]) -> None:
 
 async def _get_json(url: str) -> Any:
     try:
-        async with httpx.AsyncClient(timeout=3.0) as client:
+        async with httpx.AsyncClient(timeout=3.0, headers=internal_auth.headers()) as client:
             response = await client.get(url)
         return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
@@ -185,7 +186,7 @@ async def _purge_peer(url: str | None, body: PurgeRequest) -> dict[str, Any]:
     if url is None:
         return {"ok": False, "error": "no API address known for this node"}
     try:
-        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, headers=internal_auth.headers()) as client:
             response = await client.post(url + "/store/purge-staging/local", json=body.model_dump(by_alias=True))
         if response.status_code != 200:
             return {"ok": False, "error": f"HTTP {response.status_code}: {response.text[:200]}"}

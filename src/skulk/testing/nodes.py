@@ -60,6 +60,8 @@ class LocalNode:
     peers: list[str] = field(default_factory=list)
     place_default: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+    """Sent with every get/post/client call (an API key, when the node is started with keys)."""
     process: subprocess.Popen[str] | None = None
     node_id: str = ""
     output: deque[str] = field(default_factory=lambda: deque(maxlen=400))
@@ -153,14 +155,14 @@ class LocalNode:
 
         Polling treats all of those as 'not yet': the caller's deadline decides when that becomes a failure."""
         try:
-            return httpx.get(self.url + path, timeout=timeout, trust_env=False).json()
+            return httpx.get(self.url + path, timeout=timeout, trust_env=False, headers=self.headers).json()
         except (httpx.HTTPError, ValueError):
             return None
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, Any]:
         """POST JSON; (HTTP status, parsed body), status 0 if nothing answered. Same as NsNode.post."""
         try:
-            reply = httpx.post(self.url + path, json=body, timeout=timeout, trust_env=False)
+            reply = httpx.post(self.url + path, json=body, timeout=timeout, trust_env=False, headers=self.headers)
         except httpx.HTTPError:
             return 0, None
         try:
@@ -169,7 +171,7 @@ class LocalNode:
             return reply.status_code, reply.text
 
     def client(self, timeout: float = 60.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout)
+        return httpx.Client(base_url=self.url, timeout=timeout, headers=self.headers)
 
     @property
     def alive(self) -> bool:

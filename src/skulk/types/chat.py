@@ -16,6 +16,7 @@ from pydantic import (
 )
 
 from .base import CamelModel
+from .limits import MAX_MESSAGES, MAX_TOKENS_LIMIT, ContentText, ModelText, NameText, StopText
 
 SEED_MAX = 2**64 - 1
 TOP_K_MAX = 2**31 - 1
@@ -24,14 +25,14 @@ tensor index, and the engine clamps a top_k above the vocabulary to the vocabula
 
 # One bound per sampling field, shared by the request body and the engine's SamplingParams: a value outside
 # them once took a whole runner (and every stream in its batch) down.
-MaxTokens = Annotated[int, Field(ge=1)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=0, le=TOP_K_MAX)]
 Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
 RANGES: dict[str, str] = {
-    "max_tokens": "an integer >= 1",
-    "max_completion_tokens": "an integer >= 1",
+    "max_tokens": f"an integer >= 1 and <= {MAX_TOKENS_LIMIT}",
+    "max_completion_tokens": f"an integer >= 1 and <= {MAX_TOKENS_LIMIT}",
     "temperature": "a finite number in 0...2",
     "top_p": "a number in (0, 1]",
     "top_k": f"an integer in 0...{TOP_K_MAX} (0 = off; above the vocabulary keeps every token)",
@@ -51,14 +52,14 @@ def _say_range(value: Any, handler: ValidatorFunctionWrapHandler, info: Validati
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: str
+    text: ContentText
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: ContentText | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    name: NameText | None = None
 
     @property
     def text(self) -> str:
@@ -78,15 +79,15 @@ class ChatCompletionRequest(BaseModel):
     """The body of POST /v1/chat/completions. Unknown OpenAI fields are accepted and ignored."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
-    model: str = Field(min_length=1)
-    messages: list[ChatMessage] = Field(min_length=1)
+    model: ModelText
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: StopText | list[StopText] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None

@@ -41,18 +41,14 @@ class NewRequest:
     request_id: str
     command_id: str
     prompt: list[int]
-    sampling: tuple[int, float, float, int, int | None, tuple[str, ...]]  # SamplingParams, compactly
+    sampling: SamplingParams  # the whole validated model: a field added to it rides along on the wire
 
     @classmethod
     def of(cls, request_id: str, command_id: str, prompt: list[int], s: SamplingParams) -> NewRequest:
-        return cls(request_id, command_id, prompt, (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed,
-                                                    tuple(s.stop)))
+        return cls(request_id, command_id, prompt, s)
 
     def sampling_params(self) -> SamplingParams:
-        max_tokens, temperature, top_p, top_k, seed, stop = self.sampling
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=list(stop)
-        )
+        return self.sampling
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,148 @@
+"""Bounds on what one HTTP client can make a node hold: body size, slow clients, open connections.
+
+A 10 MB body once took 13 s to refuse because it was read whole first, and ~1100 idle sockets took the API down:
+slow connections were never timed out and the process ran out of file descriptors. Here the body is counted as
+it arrives (413 as soon as it passes the limit, or at once from Content-Length), a body that stalls is refused
+(408), a connection that does not finish its request head in time is closed, connections beyond a cap are
+closed on accept, and the soft open-file limit is raised to the hard one at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from skulk.api.errors import error_body
+
+
+class RequestRefused(HTTPException):
+    """Raised from inside `receive` so the app stops reading. An HTTPException, so FastAPI's body parsing lets it
+    through to the error handlers (any other exception there becomes a generic 400); the middleware answers it
+    itself when it escapes a route that reads the body on its own."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(status, message, headers={"Connection": "close"})
+        self.status, self.message, self.code = status, message, code
+
+
+def too_large(limit: int) -> RequestRefused:
+    return RequestRefused(413, f"request body exceeds the limit of {limit} bytes ({limit / 1048576:.1f} MiB); "
+                          "send a smaller request or raise SKULK_MAX_BODY_BYTES", "request_too_large")
+
+
+def declared_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def send_error(send: Send, status: int, message: str, code: str, kind: str = "invalid_request_error") -> None:
+    body = json.dumps(error_body(message, kind=kind, code=code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """Counts the bytes of the request body as the app reads them; refuses past `max_bytes` or after a stall."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int, stall_timeout_s: float) -> None:
+        self.app, self.max_bytes, self.stall_timeout_s = app, max_bytes, stall_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = declared_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            refused = too_large(self.max_bytes)
+            await send_error(send, refused.status, refused.message, refused.code)
+            return
+        started = False
+        seen = 0
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            try:
+                message = await asyncio.wait_for(receive(), self.stall_timeout_s)
+            except TimeoutError:
+                raise RequestRefused(408, f"request body stalled for {self.stall_timeout_s:.0f} s",
+                                     "request_timeout") from None
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise too_large(self.max_bytes)
+            return message
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, watched_send)
+        except RequestRefused as refused:
+            if not started:
+                await send_error(send, refused.status, refused.message, refused.code)
+
+
+def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline for the request head and a cap on open connections.
+
+    uvicorn times out idle keep-alive connections only after a first response, so a client that opens a
+    socket and sends nothing (or one byte a minute) holds it for ever; its `limit_concurrency` answers 503 to
+    every new request once enough such sockets are open, which is the outage itself."""
+
+    class GuardedH11Protocol(H11Protocol):
+        _head_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.abort()
+                return
+            self._head_deadline = self.loop.call_later(header_timeout_s, self._head_overdue)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+            super().connection_lost(exc)
+
+        def _head_overdue(self) -> None:
+            self._head_deadline = None
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.abort()
+
+    return GuardedH11Protocol
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Soft RLIMIT_NOFILE up to the hard limit: every connection is a descriptor, and running out makes the
+    accept loop fail (and log) in a tight loop. Returns (soft, hard) after the change."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft, hard

@@ -1,0 +1,262 @@
+"""Who may call the API: API keys with two scopes, a Host allow-list, foreign Origins refused, owned cancels.
+
+Without keys the API stays open (zero-config), as before. With `--api-key`/`--admin-key` every route needs a key
+(`Authorization: Bearer …` as OpenAI and Ollama clients send it, or `x-api-key` as Anthropic clients do) except
+the liveness routes. An inference key may chat, list models, read the cluster's state and cancel its own
+requests; everything else (placing and deleting instances and MetaInstances, cancelling someone else's request,
+diagnostics, the store, config) needs an admin key. Calls between nodes (diagnostics fan-out, store purge) carry
+the cluster's internal token instead of a user's key (`skulk.internal_auth`).
+
+A browser page cannot be turned against a node: a Host header that names neither this machine nor an allowed
+host is refused (DNS rebinding), and a state-changing request whose Origin is neither this node nor an allowed
+CORS origin is refused (a form or fetch from any web page).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import re
+import socket
+import time
+from collections import OrderedDict
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from enum import IntEnum
+from urllib.parse import urlsplit
+
+import psutil
+from fastapi import APIRouter, FastAPI
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from skulk import internal_auth
+from skulk.api.errors import ApiError
+from skulk.api.limits import BodyLimitMiddleware, send_error
+from skulk.config import Settings
+
+
+class Access(IntEnum):
+    NONE = 0
+    INFERENCE = 1
+    ADMIN = 2
+
+
+EXEMPT = {("GET", "/healthz"), ("GET", "/node_id")}
+"""Liveness, and the topology probe's node id (nothing else is said there)."""
+_INFERENCE = [
+    ("POST", r"/v1/chat/completions"), ("POST", r"/bench/chat/completions"), ("POST", r"/v1/completions"),
+    ("POST", r"/v1/messages"), ("POST", r"/api/(chat|generate)"), ("POST", r"/v1/cancel/[^/]+"),
+    ("GET", r"/v1/models(/.*)?"), ("GET", r"/models"), ("GET", r"/api/(tags|version|ps)"), ("GET", r"/state"),
+    ("GET", r"/instance/[^/]+"), ("GET", r"/meta_instances"), ("GET", r"/"), ("GET", r"/assets/.*"),
+]
+INFERENCE_ROUTES = [(method, re.compile(pattern + r"/?")) for method, pattern in _INFERENCE]
+"""What an inference key may call; every other route (including any added later) needs an admin key."""
+STATE_CHANGING = {"POST", "PUT", "PATCH", "DELETE"}
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
+
+
+def required_access(method: str, path: str) -> Access:
+    """The least access a route needs (pure). HEAD is GET's twin; OPTIONS is answered by CORS, if configured."""
+    method = "GET" if method == "HEAD" else method
+    if (method, path) in EXEMPT:
+        return Access.NONE
+    if any(m == method and pattern.fullmatch(path) for m, pattern in INFERENCE_ROUTES):
+        return Access.INFERENCE
+    return Access.ADMIN
+
+
+def fingerprint(key: str) -> str:
+    """What the node keeps of a key to remember who started a request (never the key itself)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class KeyRing:
+    inference: tuple[str, ...] = ()
+    admin: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.inference or self.admin)
+
+    def access_of(self, key: str | None) -> Access:
+        """Constant-time comparison against every key; admin keys may do everything inference keys may."""
+        if key is None:
+            return Access.NONE
+        is_admin = any(hmac.compare_digest(key.encode(), k.encode()) for k in self.admin)
+        is_user = any(hmac.compare_digest(key.encode(), k.encode()) for k in self.inference)
+        return Access.ADMIN if is_admin else Access.INFERENCE if is_user else Access.NONE
+
+
+def presented_key(headers: dict[bytes, bytes]) -> str | None:
+    auth = headers.get(b"authorization", b"").decode("latin-1").strip()
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    key = headers.get(b"x-api-key", b"").decode("latin-1").strip()
+    return key or None
+
+
+def host_name_of(host_header: str) -> str:
+    """The host part of a Host header, without port; IPv6 literals keep no brackets."""
+    if host_header.startswith("["):
+        return host_header[1:].split("]", 1)[0]
+    return host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
+
+
+def is_loopback_bind(api_host: str) -> bool:
+    if api_host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(api_host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class LocalNames:
+    """This machine's names and addresses, refreshed at most every few seconds (DHCP moves addresses)."""
+
+    extra: frozenset[str]
+    refresh_s: float = 5.0
+    _names: frozenset[str] = frozenset()
+    _at: float = -1e9
+
+    def allows(self, host: str) -> bool:
+        host = host.lower()
+        if not host or "*" in self.extra or host in self.extra or host in LOOPBACK_NAMES:
+            return True
+        if host not in self._names and time.monotonic() - self._at > self.refresh_s:
+            self._names, self._at = _local_names(), time.monotonic()
+        return host in self._names
+
+
+def _local_names() -> frozenset[str]:
+    names = {socket.gethostname().lower(), socket.getfqdn().lower()}
+    for addresses in psutil.net_if_addrs().values():
+        names.update(a.address.split("%", 1)[0].lower() for a in addresses if a.family in (socket.AF_INET,
+                                                                                               socket.AF_INET6))
+    return frozenset(names)
+
+
+@dataclass(frozen=True)
+class Principal:
+    access: Access
+    key_id: str | None  # fingerprint of the key used; None when keys are off or for internal calls
+
+
+OPEN = Principal(Access.ADMIN, None)
+CURRENT: ContextVar[Principal] = ContextVar("skulk_principal", default=OPEN)
+
+
+@dataclass
+class Owners:
+    """Which key started which command on this node, so a cancel by command id can be checked (bounded)."""
+
+    limit: int = 100_000
+    _by_command: OrderedDict[str, str] = field(default_factory=OrderedDict)
+
+    def claim(self, command_id: str) -> None:
+        key_id = CURRENT.get().key_id
+        if key_id is None:
+            return
+        self._by_command[command_id] = key_id
+        while len(self._by_command) > self.limit:
+            self._by_command.popitem(last=False)
+
+    def check_cancel(self, command_id: str) -> None:
+        """An admin may cancel anything; an inference key only what it started (on the node it started it)."""
+        principal = CURRENT.get()
+        if principal.access >= Access.ADMIN:
+            return
+        if self._by_command.get(command_id) != principal.key_id:
+            raise ApiError(403, f"request {command_id} was not started with this API key; only the key that "
+                           "started it (or an admin key) may cancel it", code="forbidden", kind="permission_error")
+
+
+OWNERS = Owners()
+
+
+def same_origin(origin: str, host_header: str) -> bool:
+    parts = urlsplit(origin)
+    return bool(parts.netloc) and parts.netloc.lower() == host_header.lower()
+
+
+class SecurityMiddleware:
+    """Host, Origin and API-key checks before any route runs or any body byte is read."""
+
+    def __init__(self, app: ASGIApp, *, settings: Settings) -> None:
+        self.app = app
+        self.keys = KeyRing(tuple(settings.api_keys), tuple(settings.admin_keys))
+        self.names = LocalNames(frozenset(h.lower() for h in settings.allowed_hosts))
+        self.origins = frozenset(o.rstrip("/").lower() for o in settings.cors_origins)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", ()))
+        refusal = self.refusal(scope["method"], scope["path"], headers)
+        if refusal is not None:
+            status, message, code, kind = refusal
+            await send_error(send, status, message, code, kind)
+            return
+        token = CURRENT.set(self.principal(headers))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CURRENT.reset(token)
+
+    def principal(self, headers: dict[bytes, bytes]) -> Principal:
+        if not self.keys.enabled or internal_auth.is_internal(headers.get(internal_auth.HEADER_BYTES)):
+            return OPEN
+        key = presented_key(headers)
+        return Principal(self.keys.access_of(key), fingerprint(key) if key else None)
+
+    def refusal(self, method: str, path: str, headers: dict[bytes, bytes]) -> tuple[int, str, str, str] | None:
+        """None, or (status, message, code, kind) for the first check the request fails."""
+        host = headers.get(b"host", b"").decode("latin-1")
+        if not self.names.allows(host_name_of(host)):
+            return (400, f"Host {host!r} is not this node; add it with --allowed-host (SKULK_ALLOWED_HOSTS) if it "
+                    "is a name of this machine", "host_not_allowed", "invalid_request_error")
+        origin = headers.get(b"origin", b"").decode("latin-1").rstrip("/")
+        if method in STATE_CHANGING and origin and origin.lower() not in self.origins and not same_origin(
+                origin, host):
+            return (403, f"Origin {origin!r} may not change anything here; allow it with --cors-origin",
+                    "origin_not_allowed", "permission_error")
+        needed = required_access(method, path)
+        if needed is Access.NONE or method == "OPTIONS":
+            return None
+        got = self.principal(headers).access
+        if got is Access.NONE:
+            return (401, "an API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                    "missing_api_key" if presented_key(headers) is None else "invalid_api_key",
+                    "authentication_error")
+        if got < needed:
+            return (403, f"{method} {path} needs an admin key (--admin-key); this key may only run inference",
+                    "admin_key_required", "permission_error")
+        return None
+
+
+def liveness_router() -> APIRouter:
+    router = APIRouter(tags=["liveness"])
+
+    @router.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        """Liveness: answers without a key, says nothing about the cluster."""
+        return {"status": "ok"}
+
+    return router
+
+
+def install_security(app: FastAPI, settings: Settings) -> None:
+    """Outermost first: CORS (only with --cors-origin) answers preflights, then Host/Origin/key checks, then the
+    body limit, so an unauthenticated or misdirected request is refused before a byte of its body is read."""
+    app.include_router(liveness_router())
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
+                       stall_timeout_s=settings.body_timeout_seconds)
+    app.add_middleware(SecurityMiddleware, settings=settings)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["*"])

@@ -1,0 +1,199 @@
+"""An attacker's view of real nodes on loopback, started with API keys: no key, a stranger's key, an inference
+key on admin routes, someone else's cancel, a foreign Host or Origin, oversized and malformed bodies, and a
+slowloris crowd of idle sockets. One two-node cluster serves the whole module."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from skulk.testing.nodes import LocalNode
+
+from .harness import Cluster, place_and_wait
+
+MODEL = "skulk/tiny-random-llama"
+ADMIN, USER_A, USER_B = "admin-key-1", "user-key-a", "user-key-b"
+pytestmark = pytest.mark.timeout(240)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalNode]]:
+    env = {"SKULK_API_KEYS": f"{USER_A},{USER_B}", "SKULK_ADMIN_KEYS": ADMIN}
+    cluster = Cluster(tmp_path_factory.mktemp("security"), extra_env=env)
+    try:
+        started = cluster.form(2, headers=bearer(ADMIN))
+        place_and_wait(started[0])
+        yield started
+    finally:
+        assert cluster.stop_all() == [], "runner processes outlived their node"
+
+
+def chat(max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, **extra}
+
+
+def error_of(reply: httpx.Response) -> dict[str, Any]:
+    body = reply.json()
+    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
+    return body["error"]
+
+
+def test_no_key_is_401_except_liveness(nodes: list[LocalNode]) -> None:
+    node = nodes[1]
+    for method, path in (("GET", "/state"), ("POST", "/v1/chat/completions"), ("GET", "/v1/diagnostics/node"),
+                         ("POST", "/v1/cancel/anything"), ("DELETE", "/instance/x")):
+        reply = httpx.request(method, node.url + path, json=chat(), timeout=10)
+        assert reply.status_code == 401, (method, path, reply.text)
+        assert error_of(reply)["code"] == "missing_api_key"
+    wrong = httpx.get(node.url + "/state", headers=bearer("guess"), timeout=10)
+    assert wrong.status_code == 401 and error_of(wrong)["code"] == "invalid_api_key"
+    assert httpx.get(node.url + "/healthz", timeout=10).json() == {"status": "ok"}
+
+
+def test_inference_key_chats_but_admin_routes_are_403(nodes: list[LocalNode]) -> None:
+    node = nodes[1]
+    ok = httpx.post(node.url + "/v1/chat/completions", json=chat(), headers={"x-api-key": USER_A}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    for method, path, body in (("POST", "/place_instance", {"model_id": MODEL}), ("DELETE", "/instance/x", None),
+                               ("GET", "/v1/diagnostics/node", None), ("POST", "/meta_instance", {"model_id": MODEL}),
+                               ("POST", "/store/purge-staging", {})):
+        reply = httpx.request(method, node.url + path, json=body, headers=bearer(USER_A), timeout=10)
+        assert reply.status_code == 403, (method, path, reply.text)
+        assert error_of(reply)["type"] == "permission_error"
+
+
+def test_cluster_diagnostics_fan_out_with_the_internal_token(nodes: list[LocalNode]) -> None:
+    """The fan-out to peers carries the cluster's internal token, not the caller's key: every peer answers."""
+    reply = httpx.get(nodes[0].url + "/v1/diagnostics/cluster", headers=bearer(ADMIN), timeout=30)
+    assert reply.status_code == 200, reply.text
+    rows = reply.json()["nodes"]
+    assert len(rows) == 2 and all(row["ok"] for row in rows), rows
+
+
+def _open_stream(node: LocalNode, key: str) -> tuple[httpx.Client, Iterator[str], str]:
+    """A streaming chat held open by `key`; returns its command id once the first token arrived. The line
+    iterator is returned too: dropping it would close the connection, and the node would cancel the request."""
+    client = httpx.Client(timeout=60, headers=bearer(key))
+    body = chat(1900, stream=True, messages=[{"role": "user", "content": "tell me a story"}])
+    response = client.send(client.build_request("POST", node.url + "/v1/chat/completions", json=body), stream=True)
+    assert response.status_code == 200, response.read()
+    lines = response.iter_lines()
+    for line in lines:
+        if line.startswith("data: {"):
+            return client, lines, json.loads(line[6:])["id"].removeprefix("chatcmpl-")
+    raise AssertionError("the stream ended before its first chunk")
+
+
+def test_only_the_key_that_started_a_request_may_cancel_it(nodes: list[LocalNode]) -> None:
+    """User B may not cancel user A's stream; A may. (A random-weights model may end a stream early: then the
+    cancel finds nothing (404) and the test opens another stream.)"""
+    node = nodes[0]
+    for _ in range(5):
+        client, lines, command_id = _open_stream(node, USER_A)
+        try:
+            other = httpx.post(f"{node.url}/v1/cancel/{command_id}", headers=bearer(USER_B), timeout=10)
+            if other.status_code == 404:
+                continue
+            assert other.status_code == 403, other.text
+            assert "not started with this API key" in error_of(other)["message"]
+            mine = httpx.post(f"{node.url}/v1/cancel/{command_id}", headers=bearer(USER_A), timeout=10)
+            assert mine.status_code in (200, 404), mine.text  # 404: it ended by itself meanwhile
+            return
+        finally:
+            del lines
+            client.close()
+    raise AssertionError("no stream stayed open long enough to be cancelled")
+
+
+def test_foreign_host_and_origin_are_refused(nodes: list[LocalNode]) -> None:
+    node = nodes[0]
+    rebound = httpx.get(node.url + "/state", headers={**bearer(ADMIN), "Host": "evil.example:80"}, timeout=10)
+    assert rebound.status_code == 400 and error_of(rebound)["code"] == "host_not_allowed"
+    foreign = httpx.post(f"{node.url}/v1/cancel/x", headers={**bearer(ADMIN), "Origin": "https://evil.example"},
+                         timeout=10)
+    assert foreign.status_code == 403 and error_of(foreign)["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in foreign.headers  # CORS is off by default
+    same = httpx.post(f"{node.url}/v1/cancel/x", headers={**bearer(ADMIN), "Origin": node.url}, timeout=10)
+    assert same.status_code == 404, same.text  # past the checks: there is simply no such request
+
+
+def test_a_9_mib_body_is_refused_before_it_is_read(nodes: list[LocalNode]) -> None:
+    """Content-Length says 9 MiB, 1 KiB is sent: the 413 arrives without waiting for the rest."""
+    node = nodes[0]
+    with socket.create_connection(("127.0.0.1", node.api_port), timeout=10) as sock:
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {USER_A}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {9 * 1024 * 1024}\r\n\r\n")
+        sock.sendall(head.encode() + b"{" + b" " * 1024)
+        reply = b""
+        while chunk := sock.recv(65536):  # the node closes the connection after its answer
+            reply += chunk
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 413"), reply[:200]
+    assert "8388608 bytes" in reply
+
+
+def test_a_chunked_body_past_the_limit_is_cut_off_while_reading(nodes: list[LocalNode]) -> None:
+    sent = 0
+
+    def body() -> Iterator[bytes]:
+        nonlocal sent
+        for _ in range(9 * 16):  # 9 MiB in 64 KiB pieces, no Content-Length
+            sent += 65536
+            yield b" " * 65536
+
+    try:
+        reply = httpx.post(nodes[0].url + "/v1/chat/completions", content=body(), headers=bearer(USER_A),
+                           timeout=30)
+    except httpx.WriteError:
+        return  # the node closed the connection while we still wrote: also refused while reading
+    assert reply.status_code == 413, reply.text
+    assert error_of(reply)["code"] == "request_too_large"
+
+
+def test_malformed_requests_get_typed_errors(nodes: list[LocalNode]) -> None:
+    url, headers = nodes[0].url, bearer(USER_A)
+    surrogate = b'{"model":"%s","messages":[{"role":"user","content":"a\\ud800b"}]}' % MODEL.encode()
+    reply = httpx.post(url + "/v1/chat/completions", content=surrogate, timeout=10,
+                       headers={**headers, "Content-Type": "application/json"})
+    assert reply.status_code == 400 and error_of(reply)["code"] == "invalid_unicode", reply.text
+    cases = {
+        "messages": chat(messages=[{"role": "user", "content": "x"}] * 2049),
+        "name": chat(messages=[{"role": "user", "content": "x", "name": "n" * 300}]),
+        "stop": chat(stop=["s" * 300]),
+        "max_tokens": chat(max_tokens=10**9),
+    }
+    for field, body in cases.items():
+        reply = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=10)
+        assert reply.status_code == 422, (field, reply.text)
+        assert field in error_of(reply)["message"], (field, reply.text)
+    wrong_method = httpx.put(url + "/v1/chat/completions", json=chat(), headers=bearer(ADMIN), timeout=10)
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert error_of(wrong_method)["type"] == "invalid_request_error"
+
+
+def test_a_slowloris_crowd_does_not_stop_a_chat(nodes: list[LocalNode]) -> None:
+    """1,100 sockets that never finish their request head; a real client still gets its answer."""
+    node = nodes[1]
+    crowd: list[socket.socket] = []
+    try:
+        for _ in range(1100):
+            sock = socket.create_connection(("127.0.0.1", node.api_port), timeout=10)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            crowd.append(sock)
+        started = time.monotonic()
+        reply = httpx.post(node.url + "/v1/chat/completions", json=chat(), headers=bearer(USER_B), timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert time.monotonic() - started < 30
+    finally:
+        for sock in crowd:
+            sock.close()
