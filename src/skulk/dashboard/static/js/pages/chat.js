@@ -77,7 +77,7 @@ function Message({ msg, live }) {
 
 function Sidebar({ list, current, onPick, onNew, onDelete }) {
   return html`<aside class="chat-list" aria-label="Conversations">
-    <button type="button" onClick=${onNew}>New chat</button>
+    <button type="button" onClick=${onNew} data-testid="new-chat">New chat</button>
     <ul class="plain">${list.map((c) => html`<li class=${c.id === current ? 'current' : ''}>
       <button type="button" class="link" aria-current=${c.id === current ? 'true' : undefined}
         onClick=${() => onPick(c.id)}>${c.title}</button>
@@ -98,6 +98,7 @@ export function ChatPage({ state }) {
   const [currentId, setCurrentId] = useState(() => list[0].id);
   const [model, setModel] = useState('');
   const [maxTokens, setMaxTokens] = useState(512);
+  const [temperature, setTemperature] = useState('');
   const [draft, setDraft] = useState('');
   const [live, setLive] = useState(null);
   const [error, setError] = useState(null);
@@ -138,8 +139,9 @@ export function ChatPage({ state }) {
     };
     let end = null;
     try {
-      const result = await streamChat({ model: chosen, messages, stream: true, max_tokens: maxTokens,
-        stream_options: { include_usage: true } }, controller.signal, onText);
+      const body = { model: chosen, messages, stream: true, max_tokens: maxTokens, stream_options: { include_usage: true } };
+      if (temperature !== '') body.temperature = Number(temperature);
+      const result = await streamChat(body, controller.signal, onText);
       const tokens = result.usage ? result.usage.completion_tokens : chunks;
       answer.stats = { ...timing(started, first, last, tokens), end: result.finish === 'length' ? 'max tokens reached' : 'done' };
     } catch (err) {
@@ -155,7 +157,12 @@ export function ChatPage({ state }) {
 
   const stop = () => { if (ctrl.current) ctrl.current.abort(); };
   const onKey = (e) => { if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) send(e); };
-  const fresh = () => { const c = newConversation(); setList((all) => [c, ...all]); setCurrentId(c.id); };
+  const fresh = () => {
+    if (!conv.messages.length) return;  // the current one is still empty: use it
+    const c = newConversation();
+    setList((all) => [c, ...all]);
+    setCurrentId(c.id);
+  };
   const remove = (id) => setList((all) => {
     const rest = all.filter((c) => c.id !== id);
     if (id === currentId && rest.length) setCurrentId(rest[0].id);
@@ -170,6 +177,8 @@ export function ChatPage({ state }) {
           ${models.map((m) => html`<option value=${m}>${m}</option>`)}</select></label>
         <label>Max tokens <input type="number" min="1" max="32768" value=${maxTokens} data-testid="max-tokens"
           onInput=${(e) => setMaxTokens(Math.max(1, Number(e.target.value) || 1))} /></label>
+        <label>Temperature <input type="number" min="0" max="2" step="0.1" value=${temperature}
+          placeholder="model default" data-testid="temperature" onInput=${(e) => setTemperature(e.target.value)} /></label>
         <label class="wide">System prompt <textarea rows="2" value=${conv.system} data-testid="system-prompt"
           onInput=${(e) => update((c) => ({ ...c, system: e.target.value }))}></textarea></label>
       </div>

@@ -1,0 +1,328 @@
+"""The dashboard in a real browser (Debian's chromium driven by Playwright) against a real 2-node cluster.
+
+One cluster and one browser for the module, the tests in the order a user would go: the cluster page shows every
+node and the master; a refused placement shows its GB arithmetic; a model placed from the previews becomes
+healthy; a chat streams and the stop button cancels it on the node; a wedged rank (SKULK_FAULT) is highlighted
+in the timeline; a killed node shows as gone while its MetaInstance is placed again on the survivor. No console
+errors in any test; a failing test leaves a screenshot in its temporary directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from skulk.testing.nodes import LocalNode
+from skulk.testing.streams import StreamProbe, chat_body
+
+from .harness import Cluster, instance_ready, wait_until
+
+CHROMIUM = Path("/usr/bin/chromium")
+INSTALL = "apt-get install -y chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+MODEL = "skulk/tiny-random-llama"
+TOO_BIG = "meta-llama/Llama-3.3-70B-Instruct"
+# Rank 1 of a 2-rank Pipeline wedges on its first real request (the MetaInstance's single rank 0 never does);
+# the waiting rank's group op must not time out while the test looks at the hang.
+WEDGE_ENV = {"SKULK_FAULT": "stall:task_agreement:rank=1", "SKULK_GROUP_TIMEOUT_SECONDS": "120"}
+UI_TIMEOUT_MS = 30_000
+
+pytestmark = pytest.mark.timeout(150)
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extras: make test)")
+
+
+def get(node: LocalNode, path: str) -> Any:
+    reply = httpx.get(node.url + path, timeout=15, trust_env=False)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def members(node: LocalNode, instance_id: str) -> set[str]:
+    body = next(iter(get(node, "/state")["instances"][instance_id].values()))
+    return set(body["shardAssignments"]["nodeToRunner"])
+
+
+@dataclass
+class Scenario:
+    """The module's cluster and what earlier tests left on it; each test makes sure of what it needs, so any
+    one of them also runs alone (`-k`)."""
+
+    cluster: Cluster
+    nodes: list[LocalNode]
+    meta_id: str | None = None
+    wedge_id: str | None = None
+    _wedge_thread: threading.Thread | None = None
+    _wedge_reply: list[Any] = field(default_factory=list)
+
+    def live(self) -> list[LocalNode]:
+        return [n for n in self.nodes if n.alive]
+
+    def meta_instance(self) -> str:
+        """The MetaInstance the placing test launched from the page, or one made through the API."""
+        if self.meta_id is None:
+            reply = httpx.post(self.nodes[0].url + "/meta_instance", json={"model_id": MODEL}, timeout=30)
+            assert reply.status_code == 200, reply.text
+            self.meta_id = reply.json()["meta_instance_id"]
+        return self.meta_id
+
+    def meta_serving(self, node: LocalNode) -> str | None:
+        listed = get(node, "/meta_instances")["meta_instances"].get(self.meta_instance())
+        if not listed or not listed["status"].startswith("healthy"):
+            return None
+        return next((i for i in listed["instance_ids"] if instance_ready(node, i)), None)
+
+    def start_wedge_instance(self) -> None:
+        """A directly placed 2-rank Pipeline instance, placed in the background (it loads while other tests run).
+        Placed after the MetaInstance's, so idle chats go to the older one (ties go to the oldest instance)."""
+        if self._wedge_thread is not None:
+            return
+        body = {"model_id": MODEL, "min_nodes": 2, "sharding": "Pipeline"}
+
+        def place() -> None:
+            self._wedge_reply.append(self.nodes[0].post("/place_instance", body))
+
+        self._wedge_thread = threading.Thread(target=place, daemon=True)
+        self._wedge_thread.start()
+
+    def wedge_instance(self) -> str:
+        self.start_wedge_instance()
+        assert self._wedge_thread is not None
+        self._wedge_thread.join(60)
+        status, reply = self._wedge_reply[0]
+        assert status == 200, reply
+        self.wedge_id = reply["instanceId"]
+        return reply["instanceId"]
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
+    if not CHROMIUM.exists() and shutil.which("chromium") is None:
+        pytest.skip(f"Debian's chromium is not installed: run `{INSTALL}` (as root), then `make test`")
+    cluster = Cluster(tmp_path_factory.mktemp("dashboard"), extra_env=WEDGE_ENV)
+    try:
+        nodes = cluster.form(2)
+        yield Scenario(cluster, nodes)
+    finally:
+        cluster.print_logs(20)
+        assert cluster.stop_all() == [], "runner processes outlived their node"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    executable = CHROMIUM if CHROMIUM.exists() else Path(shutil.which("chromium") or CHROMIUM)
+    if not executable.exists():
+        pytest.skip(f"Debian's chromium is not installed: run `{INSTALL}` (as root), then `make test`")
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(executable), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+class Dash:
+    """One page, with the console errors it logged (any is a failure)."""
+
+    def __init__(self, page: Any) -> None:
+        self.page = page
+        self.errors: list[str] = []
+        page.on("console", lambda m: self.errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
+        page.set_default_timeout(UI_TIMEOUT_MS)
+
+    def open(self, node: LocalNode, path: str = "/") -> Any:
+        self.page.goto(node.url + path)
+        self.page.wait_for_selector("header.top nav")
+        return self.page
+
+    def nav(self, title: str) -> None:
+        self.page.get_by_role("link", name=title, exact=True).click()
+
+    def assert_clean(self) -> None:
+        assert self.errors == [], "\n".join(self.errors)
+
+
+@pytest.fixture
+def dash(browser: Any, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Dash]:
+    """A fresh browser context per test; a screenshot under the test's tmp dir when the test failed
+    (the session's failure count has grown by teardown: the call's report is logged before teardown runs)."""
+    failed_before = request.session.testsfailed
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    view = Dash(context.new_page())
+    try:
+        yield view
+    finally:
+        if request.session.testsfailed > failed_before:
+            shot = tmp_path / "failure.png"
+            view.page.screenshot(path=str(shot), full_page=True)
+            print(f"screenshot of the failed page: {shot}; console: {view.errors}")
+        context.close()
+
+
+def test_cluster_page_shows_every_node_and_the_master_on_desktop_phone_and_keyboard(
+    scenario: Scenario, dash: Dash
+) -> None:
+    node = scenario.nodes[0]
+    page = dash.open(node)
+    cards = page.locator('[data-testid=node-card][data-state=live]')
+    sync_api.expect(cards).to_have_count(2)
+    ids = {cards.nth(i).get_attribute("data-node-id") for i in range(2)}
+    assert ids == {n.node_id for n in scenario.nodes}
+    master = get(node, "/state")["masterNodeId"]
+    master_card = page.locator(f'[data-testid=node-card][data-node-id="{master}"]')
+    sync_api.expect(master_card.locator(".badge.master")).to_have_text("master")
+    sync_api.expect(page.locator(".badge.master")).to_have_count(1)
+    sync_api.expect(master_card.get_by_role("meter", name="memory")).to_be_visible()
+    sync_api.expect(page.locator("[data-testid=topology] .vertex")).to_have_count(2)
+    sync_api.expect(page.locator("[data-testid=topology] .edge")).to_have_count(1)
+
+    page.set_viewport_size({"width": 390, "height": 844})
+    sync_api.expect(cards).to_have_count(2)
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 0, f"the phone-width page scrolls sideways by {overflow}px"
+
+    page.set_viewport_size({"width": 1280, "height": 900})
+    for _ in range(8):  # brand, then the nav links: keyboard alone reaches the Placing page
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.textContent") == "Placing":
+            break
+    page.keyboard.press("Enter")
+    sync_api.expect(page).to_have_url(node.url + "/placing")
+    page.reload()  # the SPA route survives a reload: the node serves index.html for it
+    sync_api.expect(page.get_by_role("heading", name="Place a model")).to_be_visible()
+    dash.assert_clean()
+
+
+def test_a_refused_placement_shows_the_gb_arithmetic(scenario: Scenario, dash: Dash) -> None:
+    node = scenario.nodes[1]
+    page = dash.open(node, "/placing")
+    page.get_by_test_id("place-model").select_option(TOO_BIG)
+    sync_api.expect(page.get_by_test_id("cannot-place")).to_be_visible()
+    first = page.get_by_test_id("gb-arithmetic").first
+    sync_api.expect(first).to_contain_text("weights share \u00d7 1.25")
+    text = first.inner_text()
+    assert "needs" in text and "KV headroom" in text and "but has" in text and "GB free" in text, text
+    previews = get(node, f"/instance/previews?model_id={TOO_BIG}")["previews"]
+    refusals = [str(p["error"]) for p in previews if p["error"]]
+    needs = {r.split(" needs ")[1].split(" GB")[0] for r in refusals if " needs " in r}
+    assert any(f"{n} GB" in text for n in needs), (text, needs)
+    sync_api.expect(page.get_by_test_id("launch")).to_have_count(0)
+    dash.assert_clean()
+
+
+def test_a_model_placed_from_the_previews_becomes_healthy(scenario: Scenario, dash: Dash) -> None:
+    node = scenario.nodes[0]
+    page = dash.open(node, "/placing")
+    single = page.locator('[data-testid=preview][data-ok=true][data-nodes="1"][data-sharding=Pipeline]').first
+    sync_api.expect(single.locator(".bar").first).to_be_visible()
+    single.get_by_test_id("launch").click()
+    row = page.get_by_test_id("meta-row")
+    sync_api.expect(row).to_have_count(1)
+    scenario.meta_id = row.get_attribute("data-meta-id")
+    scenario.start_wedge_instance()  # loads while this one does; the timeline test needs it
+    sync_api.expect(row).to_have_attribute("data-status", "healthy", timeout=90_000)
+    assert scenario.meta_serving(node), "the API agrees: the MetaInstance's instance serves"
+    sync_api.expect(row.locator(".badge")).to_have_text("healthy")
+    dash.assert_clean()
+
+
+def open_tasks(node: LocalNode) -> list[dict[str, Any]]:
+    tasks = get(node, "/state")["tasks"].values()
+    return [t for t in tasks if t.get("taskStatus") in ("Pending", "Running")]
+
+
+def test_a_chat_streams_and_the_stop_button_cancels_it(scenario: Scenario, dash: Dash) -> None:
+    node = scenario.nodes[1]
+    wait_until(lambda: scenario.meta_serving(node), 90, "the MetaInstance to serve")
+    page = dash.open(node, "/chat")
+    sync_api.expect(page.get_by_test_id("chat-model")).to_have_value(MODEL)
+    page.get_by_test_id("max-tokens").fill("1500")
+    page.get_by_test_id("temperature").fill("1")  # keeps a random-weights model from an early stop
+    stop = page.get_by_test_id("chat-stop")
+    stats = page.get_by_test_id("answer-stats").last
+    for attempt in range(3):  # a random-weights model may stop by itself before the button is pressed
+        page.get_by_test_id("new-chat").click()
+        page.get_by_test_id("system-prompt").fill("You are terse.")
+        page.get_by_test_id("chat-input").fill(f"tell me a long story {attempt}")
+        page.get_by_test_id("chat-input").press("Enter")
+        sync_api.expect(stop).to_be_visible()  # the answer is on its way: Send became Stop
+        page.wait_for_function(
+            "() => { const m = document.querySelector('[data-streaming=true] .msg-body');"
+            " return !m || m.textContent.length > 40; }")
+        if stop.count() == 0:
+            continue
+        stop.click()
+        sync_api.expect(page.get_by_test_id("chat-send")).to_be_visible()
+        if "stopped" in stats.inner_text():
+            break
+    else:
+        pytest.fail("no answer was still streaming when stop was pressed, in 3 attempts")
+    text = stats.inner_text()
+    assert "TTFT" in text and "tok/s" in text, text
+    wait_until(lambda: not open_tasks(node), 10, "the node to cancel the stopped request",
+               lambda: str(open_tasks(node)))
+    sync_api.expect(page.get_by_test_id("chat-send")).to_be_visible()
+    page.reload()  # the conversation is kept in the browser
+    sync_api.expect(page.get_by_test_id("msg-assistant").last).to_be_visible()
+    sync_api.expect(page.get_by_test_id("answer-stats").last).to_contain_text("stopped")
+    dash.assert_clean()
+
+
+def test_the_timeline_highlights_a_wedged_rank(scenario: Scenario, dash: Dash) -> None:
+    node = scenario.nodes[0]
+    scenario.meta_instance()
+    wedge = scenario.wedge_instance()
+    wait_until(lambda: instance_ready(node, wedge), 90, "the 2-rank instance to be ready")
+    page = dash.open(node, "/operator")
+    sync_api.expect(page.locator(f'[data-instance-id="{wedge}"] [data-testid=timeline-row]')).to_have_count(2)
+    # Two requests at once: the idle instances take one each (least loaded), so the 2-rank one gets one and
+    # wedges; the other ends by itself.
+    first = StreamProbe(node.url, chat_body(MODEL, 200))
+    first.wait_tokens(1, 30)
+    StreamProbe(node.url, chat_body(MODEL, 200))
+    stuck = page.locator(f'[data-instance-id="{wedge}"] [data-testid=timeline-row][data-stuck=true]')
+    sync_api.expect(stuck.first).to_be_visible(timeout=30_000)
+    sync_api.expect(stuck.first).to_contain_text("STUCK")
+    sync_api.expect(page.locator('[data-testid=warnings] [data-code=rank_disagreement]')).to_be_visible()
+    rank1 = page.locator(f'[data-instance-id="{wedge}"] [data-testid=timeline-row][data-rank="1"]')
+    sync_api.expect(rank1).to_contain_text("task_agreement")
+
+    page.get_by_role("button", name=node.node_id[:8]).click()  # one node's full diagnostics bundle
+    sync_api.expect(page.locator("details summary")).to_contain_text("Bundle of")
+    sync_api.expect(page.locator("pre.json")).to_contain_text("supervisorRunners")
+    sync_api.expect(page.get_by_role("heading", name="Tracing")).to_be_visible()
+    dash.assert_clean()
+
+
+def test_a_killed_node_shows_gone_and_the_meta_instance_is_placed_again(scenario: Scenario, dash: Dash) -> None:
+    wait_until(lambda: scenario.meta_serving(scenario.nodes[0]), 90, "the MetaInstance to serve")
+    first = scenario.meta_serving(scenario.nodes[0])
+    assert first is not None
+    (holder,) = members(scenario.nodes[0], first)
+    victim = next(n for n in scenario.nodes if n.node_id == holder)
+    survivor = next(n for n in scenario.nodes if n is not victim)
+    page = dash.open(survivor, "/")
+    sync_api.expect(page.locator("[data-testid=node-card][data-state=live]")).to_have_count(2)
+    victim.kill()
+    gone = page.locator(f'[data-testid=node-card][data-node-id="{victim.node_id}"]')
+    sync_api.expect(gone).to_have_attribute("data-state", "gone", timeout=30_000)
+    sync_api.expect(page.locator("[data-testid=node-card][data-state=live]")).to_have_count(1)
+    sync_api.expect(page.locator("[data-testid=topology] .vertex.gone")).to_have_count(1)
+
+    dash.nav("Placing")  # the page stays usable with a node down
+    row = page.locator(f'[data-testid=meta-row][data-meta-id="{scenario.meta_instance()}"]')
+    # healthy again, and saying why (a stale "healthy" from before the kill has no such note)
+    sync_api.expect(row.get_by_test_id("meta-note")).to_contain_text("re-created due to failure", timeout=90_000)
+    sync_api.expect(row).to_have_attribute("data-status", "healthy")
+    second = wait_until(lambda: scenario.meta_serving(survivor), 30, "the API to agree")
+    assert second != first and members(survivor, second) == {survivor.node_id}
+    dash.assert_clean()
