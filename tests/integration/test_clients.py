@@ -169,3 +169,94 @@ def test_non_streaming_disconnect_cancels(served: Served) -> None:
         lambda: _open_tasks(served.node)[command_id] not in ("Pending", "Running"), 15, "the abandoned request to end"
     )
     assert ended and _open_tasks(served.node)[command_id] == "Cancelled"
+
+
+# ------------------------------------------------------------------------------------- the SDKs, unchanged
+
+
+def test_openai_sdk_completions_and_responses(served: Served) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served.node.url}/v1", api_key="unused", timeout=60)
+    legacy = client.completions.create(model=MODEL, prompt="once upon", max_tokens=5)
+    assert legacy.choices[0].finish_reason in ("length", "stop")
+    assert legacy.usage is not None and legacy.usage.completion_tokens <= 5
+    pieces = list(client.completions.create(model=MODEL, prompt="once upon", max_tokens=5, stream=True))
+    assert pieces[-1].choices[0].finish_reason in ("length", "stop")
+    reply = client.responses.create(model=MODEL, input="hi", max_output_tokens=6)
+    assert reply.status in ("completed", "incomplete") and reply.usage and reply.usage.output_tokens <= 6
+    assert reply.output_text == reply.output[0].content[0].text  # type: ignore[union-attr]
+    events = list(client.responses.create(model=MODEL, input="hi", max_output_tokens=6, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    assert deltas == events[-1].response.output_text  # type: ignore[union-attr]
+
+
+CLAUDE_ORDER = ["message_start", "content_block_start", "ping", "content_block_delta", "content_block_stop",
+                "message_delta", "message_stop"]
+
+
+def test_anthropic_sdk_messages(served: Served) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=served.node.url, api_key="unused", timeout=60)
+    message = client.messages.create(
+        model=MODEL, max_tokens=6, system="be brief", stop_sequences=["\n\n"],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+    )
+    assert message.role == "assistant" and message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.input_tokens > 0 and 1 <= message.usage.output_tokens <= 6
+    with client.messages.stream(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "hi"}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.usage.output_tokens >= 1 and final.content[0].text == text  # type: ignore[union-attr]
+    body = {"model": MODEL, "max_tokens": 6, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with served.node.client() as raw, raw.stream("POST", "/v1/messages", json=body) as reply:
+        kinds = [line.removeprefix("event: ") for line in reply.iter_lines() if line.startswith("event: ")]
+    collapsed = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
+    assert collapsed == CLAUDE_ORDER, kinds
+    counted = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hello"}])
+    plain = client.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "hello"}])
+    assert counted.input_tokens == plain.usage.input_tokens > 0
+
+
+def test_anthropic_errors_in_anthropics_shape(served: Served) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=served.node.url, api_key="unused", timeout=60, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="nobody/none", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    with served.node.client() as raw:
+        no_max = raw.post("/v1/messages", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        assert no_max.status_code == 400 and no_max.json()["type"] == "error"
+        assert "max_tokens" in no_max.json()["error"]["message"]
+        too_long = raw.post("/v1/messages", json={"model": MODEL, "max_tokens": 1_000_000,
+                                                  "messages": [{"role": "user", "content": "x"}]})
+        assert too_long.status_code == 400 and too_long.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_ollama_client(served: Served) -> None:
+    import ollama
+
+    client = ollama.Client(host=f"{served.node.url}/ollama", timeout=60)
+    reply = client.chat(model=MODEL, messages=[{"role": "user", "content": "hi"}], options={"num_predict": 5})
+    assert reply.done and reply.done_reason in ("stop", "length") and reply.message.role == "assistant"
+    assert reply.eval_count is not None and 1 <= reply.eval_count <= 5 and (reply.prompt_eval_count or 0) > 0
+    parts = list(client.chat(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
+                             options={"num_predict": 5, "temperature": 0}))
+    assert [p.done for p in parts][-1] is True and not any(p.done for p in parts[:-1])
+    generated = client.generate(model=MODEL, prompt="why", options={"num_predict": 4})
+    assert generated.done and generated.eval_count is not None and generated.eval_count <= 4
+    assert MODEL in [m.model for m in client.list().models]
+    assert MODEL in [m.model for m in client.ps().models]
+    assert client.show(MODEL).details is not None
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.chat(model="nobody/none", messages=[{"role": "user", "content": "x"}])
+    assert missing.value.status_code == 404
+    with served.node.client() as raw:
+        assert raw.get("/ollama/api/version").json()["version"]

@@ -6,6 +6,7 @@ from fastapi import FastAPI
 
 from skulk import __version__
 from skulk.api.admin import admin_router
+from skulk.api.claude import claude_router
 from skulk.api.config_routes import config_router
 from skulk.api.control import control_router
 from skulk.api.dashboard import install_dashboard
@@ -14,7 +15,9 @@ from skulk.api.errors import install_error_handlers
 from skulk.api.events import events_router
 from skulk.api.meta_instances import meta_instances_router
 from skulk.api.models import models_router
+from skulk.api.ollama import ollama_router
 from skulk.api.openai import openai_router
+from skulk.api.responses import responses_router
 from skulk.api.security import install_security
 from skulk.api.state_routes import state_router
 from skulk.api.store import store_router
@@ -33,6 +36,8 @@ def create_app(node: DiagnosticsHandle) -> FastAPI:
     routers = (state_router(node), control_router(node), meta_instances_router(node), openai_router(node),
                diagnostics_router(node), config_router(node))
     for router in routers:
+        app.include_router(router)
+    for router in (claude_router(node), ollama_router(node), responses_router(node)):  # the other client APIs
         app.include_router(router)
     if hasattr(node, "event_log"):
         app.include_router(events_router(node))  # type: ignore[arg-type]

@@ -1,0 +1,132 @@
+"""Anthropic Messages: POST /v1/messages (JSON or SSE events) and POST /v1/messages/count_tokens.
+
+Errors are Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, whatever failed: the body, the
+model, the context, or the generation after it started streaming (then an `error` event)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
+
+from skulk.api.chat_session import ChatSession, start_chat
+from skulk.api.disconnect import unless_disconnected
+from skulk.api.errors import ApiError
+from skulk.api.generation import GenerationFailed, collect, deltas
+from skulk.api.handle import NodeHandle
+from skulk.api.tokens import count_chat_tokens
+from skulk.types.chat import ChatCompletionRequest
+from skulk.types.claude import ClaudeCountRequest, ClaudeRequest
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+M = TypeVar("M", bound=BaseModel)
+
+
+def error_payload(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _TYPES.get(status, "api_error"), "message": message}}
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(error_payload(exc.status, exc.message), status_code=exc.status)
+
+
+async def parse_body(http: Request, model: type[M]) -> M:
+    """The body validated into `model`; a 400 that names each bad field otherwise."""
+    try:
+        return model.model_validate(await http.json())
+    except ValueError as exc:
+        if not isinstance(exc, ValidationError):
+            raise ApiError(400, "the body is not valid JSON", code="invalid_request") from exc
+        where = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise ApiError(400, where, code="invalid_request") from exc
+
+
+def to_chat_request(body: ClaudeRequest) -> ChatCompletionRequest:
+    return ChatCompletionRequest(
+        model=body.model, messages=body.chat_messages(), max_tokens=body.max_tokens, temperature=body.temperature,
+        top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop_sequences or None, stream=body.stream,
+    )
+
+
+def _sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps({'type': event, **data}, separators=(',', ':'))}\n\n"
+
+
+def _message(msg_id: str, model: str, content: list[dict[str, Any]], stop: str | None, usage: dict[str, int]) -> dict[
+    str, Any
+]:
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop, "stop_sequence": None, "usage": usage}
+
+
+async def _events(session: ChatSession, model: str) -> AsyncIterator[str]:
+    """message_start, content_block_start, ping, content_block_delta..., content_block_stop, message_delta,
+    message_stop: the order Anthropic's SDKs expect."""
+    msg_id = f"msg_{session.command_id}"
+    usage = {"input_tokens": session.first.prompt_tokens, "output_tokens": 0}
+    yield _sse("message_start", {"message": _message(msg_id, model, [], None, usage)})
+    yield _sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    yield _sse("ping", {})
+    stop = "end_turn"
+    try:
+        async for chunk in deltas(session):
+            if chunk.text:
+                yield _sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": chunk.text}})
+            if chunk.finish_reason is not None:
+                usage["output_tokens"] = chunk.completion_tokens
+                stop = STOP_REASONS.get(chunk.finish_reason, "end_turn")
+    except GenerationFailed as failed:
+        yield _sse("error", {"error": error_payload(failed.chunk.status, failed.chunk.message)["error"]})
+        return
+    yield _sse("content_block_stop", {"index": 0})
+    yield _sse("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None},
+                                 "usage": {"output_tokens": usage["output_tokens"]}})
+    yield _sse("message_stop", {})
+
+
+async def _complete(node: NodeHandle, body: ClaudeRequest) -> JSONResponse:
+    session = await start_chat(node, to_chat_request(body))
+    try:
+        done = await collect(session)
+    except GenerationFailed as failed:
+        status = failed.chunk.status if failed.chunk.status >= 500 else 500
+        return JSONResponse(error_payload(status, failed.chunk.message), status_code=status)
+    usage = {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens}
+    content = [{"type": "text", "text": done.text}]
+    return JSONResponse(_message(f"msg_{session.command_id}", body.model, content,
+                                 STOP_REASONS.get(done.finish_reason, "end_turn"), usage))
+
+
+def claude_router(node: NodeHandle) -> APIRouter:
+    router = APIRouter(tags=["claude"])
+
+    @router.post("/v1/messages", response_model=None)
+    async def messages(http: Request) -> Response:
+        try:
+            body = await parse_body(http, ClaudeRequest)
+            if not body.stream:
+                return await unless_disconnected(http, _complete(node, body))
+            session = await start_chat(node, to_chat_request(body))
+        except ApiError as exc:
+            return _error(exc)
+        return StreamingResponse(_events(session, body.model), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(http: Request) -> Response:
+        try:
+            body = await parse_body(http, ClaudeCountRequest)
+            chat = body.model_dump() | {"max_tokens": 1}
+            messages = ClaudeRequest.model_validate(chat).chat_messages()
+            return JSONResponse({"input_tokens": await count_chat_tokens(node, body.model, messages)})
+        except ApiError as exc:
+            return _error(exc)
+
+    return router

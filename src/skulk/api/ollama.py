@@ -1,0 +1,171 @@
+"""Ollama's API under /ollama, as Skulk mounts it: /api/chat and /api/generate (NDJSON or one JSON object),
+/api/tags, /api/show, /api/ps, /api/version. Errors are Ollama's `{"error": "..."}` with the HTTP status."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.responses import Response
+
+from skulk import __version__
+from skulk.api.chat_session import ChatSession, start_chat
+from skulk.api.claude import parse_body
+from skulk.api.disconnect import unless_disconnected
+from skulk.api.errors import ApiError
+from skulk.api.generation import Finished, GenerationFailed, collect, deltas
+from skulk.api.handle import NodeHandle
+from skulk.models.cards import all_cards, get_card
+from skulk.types.chat import ChatCompletionRequest
+from skulk.types.chunks import RequestStats
+from skulk.types.ids import ModelId
+from skulk.types.models import ModelCard
+from skulk.types.ollama import OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
+
+NEVER = "9999-12-31T23:59:59Z"
+"""A placed instance stays until it is deleted: Ollama's keep-alive never runs out."""
+Body = OllamaChatRequest | OllamaGenerateRequest
+Shape = Callable[[str], dict[str, Any]]
+"""Puts a piece of text where the endpoint carries it: chat's `message`, generate's `response`."""
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse({"error": exc.message}, status_code=exc.status)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def to_chat_request(body: Body, stream: bool) -> ChatCompletionRequest:
+    o = body.options
+    return ChatCompletionRequest(
+        model=body.model, messages=body.chat_messages(), max_tokens=o.num_predict, temperature=o.temperature,
+        top_p=o.top_p, top_k=o.top_k, seed=o.seed, stop=o.stop or None, stream=stream,
+    )
+
+
+def _chat_shape(text: str) -> dict[str, Any]:
+    return {"message": {"role": "assistant", "content": text}}
+
+
+def _generate_shape(text: str) -> dict[str, Any]:
+    return {"response": text}
+
+
+def _timings(stats: RequestStats | None, prompt: int, generated: int, total_ns: int) -> dict[str, Any]:
+    """Ollama's counts and nanosecond durations, from the runner's measurements where it sent them."""
+    g = stats.generation if stats is not None else None
+    prompt_ns = int(prompt / g.prompt_tps * 1e9) if g and g.prompt_tps > 0 else 0
+    eval_ns = int((generated - 1) / g.generation_tps * 1e9) if g and g.generation_tps > 0 else 0
+    return {"total_duration": total_ns, "load_duration": 0, "prompt_eval_count": prompt,
+            "prompt_eval_duration": prompt_ns, "eval_count": generated, "eval_duration": eval_ns}
+
+
+def _final(model: str, shape: Shape, done: Finished) -> dict[str, Any]:
+    return {"model": model, "created_at": _now(), **shape(done.text), "done": True, "done_reason": done.finish_reason,
+            **_timings(done.stats, done.prompt_tokens, done.completion_tokens, done.total_ns)}
+
+
+async def _ndjson(session: ChatSession, model: str, shape: Shape) -> AsyncIterator[str]:
+    started = time.monotonic()
+    try:
+        async for chunk in deltas(session):
+            if chunk.finish_reason is None:
+                line = {"model": model, "created_at": _now(), **shape(chunk.text), "done": False}
+            else:
+                done = Finished(chunk.text, chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens,
+                                chunk.stats, started)
+                line = _final(model, shape, done)
+            yield json.dumps(line, separators=(",", ":")) + "\n"
+    except GenerationFailed as failed:
+        yield json.dumps({"error": failed.chunk.message}) + "\n"
+
+
+async def _complete(node: NodeHandle, body: Body, shape: Shape) -> JSONResponse:
+    session = await start_chat(node, to_chat_request(body, False))
+    try:
+        return JSONResponse(_final(body.model, shape, await collect(session)))
+    except GenerationFailed as failed:
+        return JSONResponse({"error": failed.chunk.message}, status_code=max(failed.chunk.status, 500))
+
+
+async def _generate(node: NodeHandle, http: Request, kind: type[Body], shape: Shape) -> Response:
+    try:
+        body = await parse_body(http, kind)
+        if not body.stream:
+            return await unless_disconnected(http, _complete(node, body, shape))
+        session = await start_chat(node, to_chat_request(body, True))
+    except ApiError as exc:
+        return _error(exc)
+    return StreamingResponse(_ndjson(session, body.model, shape), media_type="application/x-ndjson")
+
+
+def _details(card: ModelCard) -> dict[str, Any]:
+    return {"format": "safetensors", "family": card.family, "families": [card.family], "parameter_size": "",
+            "quantization_level": card.quantization}
+
+
+def _tag(card: ModelCard) -> dict[str, Any]:
+    return {"name": card.model_id, "model": card.model_id, "modified_at": _now(), "size": card.storage_size.in_bytes,
+            "digest": "", "details": _details(card)}
+
+
+def _available(node: NodeHandle) -> list[ModelCard]:
+    """Models this cluster can answer for now or has on disk: placed ones, and completed downloads."""
+    state = node.state
+    wanted = {i.model_id for i in state.instances.values()}
+    wanted |= {m for per_node in state.downloads.values() for m, d in per_node.items() if d.status == "Completed"}
+    cards = {c.model_id: c for c in [*all_cards(), *state.model_cards.values()]}
+    return [cards[m] for m in sorted(wanted) if m in cards]
+
+
+def ollama_router(node: NodeHandle) -> APIRouter:
+    router = APIRouter(prefix="/ollama", tags=["ollama"])
+
+    @router.post("/api/chat", response_model=None)
+    async def chat(http: Request) -> Response:
+        return await _generate(node, http, OllamaChatRequest, _chat_shape)
+
+    @router.post("/api/generate", response_model=None)
+    async def generate(http: Request) -> Response:
+        return await _generate(node, http, OllamaGenerateRequest, _generate_shape)
+
+    @router.get("/api/tags")
+    async def tags() -> dict[str, Any]:
+        return {"models": [_tag(card) for card in _available(node)]}
+
+    @router.post("/api/show", response_model=None)
+    async def show(http: Request) -> Response:
+        try:
+            body = await parse_body(http, OllamaShowRequest)
+            name = body.model or body.name
+            if not name:
+                raise ApiError(400, "model is required (the model id, as GET /ollama/api/tags lists it)")
+            card = get_card(name) or node.state.model_cards.get(ModelId(name))
+            if card is None:
+                raise ApiError(404, f"model '{name}' not found; GET /ollama/api/tags lists the models")
+        except ApiError as exc:
+            return _error(exc)
+        info = {"general.architecture": card.family, "general.parameter_count": 0,
+                f"{card.family}.context_length": card.context_length, f"{card.family}.block_count": card.n_layers,
+                f"{card.family}.embedding_length": card.hidden_size}
+        return JSONResponse({"modelfile": f"FROM {card.model_id}", "parameters": "", "template": "{{ .Prompt }}",
+                             "details": _details(card), "model_info": info, "capabilities": ["completion"],
+                             "modified_at": _now()})
+
+    @router.get("/api/ps")
+    async def ps() -> dict[str, Any]:
+        placed = {i.model_id for i in node.state.instances.values()}
+        return {"models": [{**_tag(c), "expires_at": NEVER, "size_vram": 0} for c in _available(node)
+                           if c.model_id in placed]}
+
+    @router.get("/api/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    return router

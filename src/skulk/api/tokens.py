@@ -1,0 +1,48 @@
+"""Counting a prompt's tokens on the API node, for APIs that ask without generating (count_tokens).
+
+The tokenizer lives with the model's files: a node that holds them (its store copy, a staged copy, or a built-in
+model it generated) counts exactly, with the model's own chat template; any other node answers 503 naming a node
+that can. Loaded once per model, off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from skulk.api.errors import ApiError
+from skulk.api.handle import NodeHandle
+from skulk.models.cards import model_dir_name
+from skulk.types.chat import ChatMessage
+
+if TYPE_CHECKING:
+    from skulk.engines.torch.tokenizer import ChatTokenizer
+
+
+def local_model_dir(node: NodeHandle, model_id: str) -> Path | None:
+    settings = node.settings
+    name = model_dir_name(model_id)
+    staging = settings.staging_for(node.node_id).node_cache_path
+    for root in (settings.models_dir, settings.store_path, staging):
+        if root is not None and (root / name / "tokenizer_config.json").exists():
+            return root / name
+    return None
+
+
+@lru_cache(maxsize=8)
+def _tokenizer(model_dir: Path) -> ChatTokenizer:
+    from skulk.engines.torch.tokenizer import ChatTokenizer
+
+    return ChatTokenizer(model_dir)
+
+
+async def count_chat_tokens(node: NodeHandle, model_id: str, messages: list[ChatMessage]) -> int:
+    model_dir = local_model_dir(node, model_id)
+    if model_dir is None:
+        holders = sorted({n for i in node.state.instances.values() if i.model_id == model_id
+                          for n in i.shard_assignments.node_to_runner})
+        raise ApiError(503, f"this node has no copy of {model_id}'s tokenizer; ask a node that serves it "
+                       f"({', '.join(holders) or 'none is placed: place the model first'})", code="tokenizer_not_local")
+    tokenizer = await asyncio.to_thread(_tokenizer, model_dir)
+    return len(await asyncio.to_thread(tokenizer.encode_chat, messages))

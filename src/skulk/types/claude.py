@@ -1,0 +1,98 @@
+"""Anthropic Messages API requests as Skulk validates them (POST /v1/messages, /v1/messages/count_tokens)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from .chat import ChatMessage, MaxTokens, Seed, Temperature, TopK, TopP
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = {}
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+def _block_type(value: Any) -> str:
+    return value.get("type", "") if isinstance(value, dict) else getattr(value, "type", "")
+
+
+Block = Annotated[
+    Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")],
+    Discriminator(_block_type),
+]
+
+
+class ClaudeMessage(_Block):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    def to_chat(self) -> list[ChatMessage]:
+        """Text blocks join into one message; a tool result becomes a `tool` message, a tool use its JSON."""
+        if isinstance(self.content, str):
+            return [ChatMessage(role=self.role, content=self.content)]
+        out: list[ChatMessage] = []
+        text: list[str] = []
+        for block in self.content:
+            if isinstance(block, TextBlock):
+                text.append(block.text)
+            elif isinstance(block, ToolUseBlock):
+                text.append(json.dumps({"name": block.name, "arguments": block.input}))
+            else:
+                body = block.content if isinstance(block.content, str) else "".join(b.text for b in block.content)
+                out.append(ChatMessage(role="tool", content=body))
+        if text:
+            out.insert(0, ChatMessage(role=self.role, content="".join(text)))
+        return out
+
+
+class ClaudeRequest(BaseModel):
+    """The body of POST /v1/messages. Unknown fields (metadata, thinking, ...) are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    model: str = Field(min_length=1)
+    messages: list[ClaudeMessage] = Field(min_length=1)
+    max_tokens: MaxTokens
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=4)
+    stream: bool = False
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def chat_messages(self) -> list[ChatMessage]:
+        system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
+        head = [ChatMessage(role="system", content=system)] if system else []
+        return head + [m for message in self.messages for m in message.to_chat()]
+
+
+class ClaudeCountRequest(BaseModel):
+    """POST /v1/messages/count_tokens: the request without max_tokens."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    model: str = Field(min_length=1)
+    messages: list[ClaudeMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
