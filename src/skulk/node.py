@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from skulk import internal_auth
+from skulk import internal_auth, structured_log
 from skulk.api.app import create_app
 from skulk.api.limits import guarded_protocol, raise_open_file_limit
 from skulk.cluster.dataplane import ChunkStream, publish_chunk
@@ -159,6 +159,7 @@ class Node:
         self.event_log = open_for(self.settings)
         self.transport.open()
         self.node_id = NodeId(self.transport.zenoh_id())
+        structured_log.install(self.settings.logging, self.node_id)
         self.tracing = NodeTracing(self.settings.home, self.node_id, lambda: self.store.state,
                                    self.settings.tracing.retention_days)
         log.info("node %s starting (cluster %r)", self.node_id, self.settings.cluster)

@@ -7,6 +7,7 @@ both. The test that kills a node with kill -9 runs last.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,19 +17,21 @@ import pytest
 from skulk.testing.convergence import converged, formed
 from skulk.testing.nodes import LocalNode
 
-from .harness import Cluster, place_and_wait, wait_until
+from .harness import Cluster, place, place_and_wait, wait_until
 
 MODEL = "skulk/tiny-random-llama"
 pytestmark = pytest.mark.timeout(240)
 NAMESPACE = "day-two-ns"
+INGEST = "http://127.0.0.1:9428/insert/jsonline"
+ENV = {"SKULK_LIBP2P_NAMESPACE": NAMESPACE, "SKULK_LOGGING_ENABLED": "1", "SKULK_LOGGING_INGEST_URL": INGEST}
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalNode, LocalNode]]:
-    cluster = Cluster(tmp_path_factory.mktemp("daytwo"), extra_env={"SKULK_LIBP2P_NAMESPACE": NAMESPACE})
+    cluster = Cluster(tmp_path_factory.mktemp("daytwo"), extra_env=ENV)
     try:
         (writer,) = cluster.start(1)
-        full_env = {"SKULK_LIBP2P_NAMESPACE": NAMESPACE, "SKULK_EVENT_LOG_FREE_FLOOR_BYTES": str(10**18)}
+        full_env = {**ENV, "SKULK_EVENT_LOG_FREE_FLOOR_BYTES": str(10**18)}
         (full,) = cluster.start(1, extra_env=full_env)
         nodes = [writer, full]
         wait_until(lambda: formed(nodes), 60, "two nodes to form one cluster", lambda: converged(nodes)[1])
@@ -96,7 +99,7 @@ def test_runtime_diagnostics_come_from_settings(pair: tuple[LocalNode, LocalNode
     writer, _ = pair
     runtime = writer.get("/v1/diagnostics/node")["runtime"]
     assert runtime["libp2PNamespace"] == NAMESPACE
-    assert runtime["structuredLoggingConfigured"] is False and runtime["loggingIngestUrl"] is None
+    assert runtime["structuredLoggingConfigured"] is True and runtime["loggingIngestUrl"] == INGEST
 
 
 def task_of(node: LocalNode, answer: dict[str, object]) -> str:
@@ -177,6 +180,28 @@ def test_admin_restart_in_place_rejoins_and_serves(pair: tuple[LocalNode, LocalN
     wait_until(lambda: formed(nodes), 60, "the restarted node to rejoin", lambda: converged(nodes)[1])
     place_and_wait(full)
     assert chat(full)["choices"]
+
+
+def test_structured_log_lines_are_json_with_ids(pair: tuple[LocalNode, LocalNode]) -> None:
+    writer, full = pair
+    instance_id = place(writer)["instanceId"]  # placed and deleted at once: the master logs the delete command
+    assert httpx.delete(f"{writer.url}/instance/{instance_id}", timeout=10, trust_env=False).status_code == 200
+
+    def records() -> list[dict[str, object]]:
+        master = next(n for n in (writer, full) if n.get("/state")["masterNodeId"] == n.node_id)
+        return [json.loads(line) for node in (master, writer, full) for line in node.output if line.startswith("{")]
+
+    def with_command() -> list[dict[str, object]] | None:
+        found = records()
+        return found if any("commandId" in r and "deleted on request" in str(r["message"]) for r in found) else None
+
+    found = wait_until(with_command, 10, "a JSON line of the master carrying the command id")
+    assert all({"time", "level", "logger", "nodeId", "message"} <= r.keys() for r in found)
+    assert {r["nodeId"] for r in found} >= {writer.node_id, full.node_id}
+    runner_lines = [r for r in found if "starting runner" in str(r["message"])]
+    assert runner_lines and all("instanceId" in r and "runnerId" in r for r in runner_lines)
+    human = [line for line in writer.output if " INFO " in line and not line.startswith("{")]
+    assert human, "the human-readable lines stay beside the JSON ones"
 
 
 def test_kill_9_leaves_a_readable_log(pair: tuple[LocalNode, LocalNode], tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from skulk.master.decide import (
 )
 from skulk.models.cards import get_card
 from skulk.state.apply import apply
+from skulk.structured_log import log_context
 from skulk.types.chunks import ErrorChunk
 from skulk.types.commands import (
     Command,
@@ -112,7 +113,10 @@ class Master:
             self.state = apply(self.state, indexed)
 
     def on_command(self, forwarded: ForwardedCommand) -> None:
-        command = forwarded.command
+        with log_context(command_id=forwarded.command.command_id):
+            self._on_command(forwarded.command)
+
+    def _on_command(self, command: Command) -> None:
         try:
             events = self._decide(command)
         except commands.Refused as refused:

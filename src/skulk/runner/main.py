@@ -62,7 +62,7 @@ IDLE_POLL_S = 0.25
 def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunner]) -> None:
     """Process entry point (multiprocessing spawn target)."""
     _heartbeat(outbox)  # first: the supervisor's hung-runner clock starts with the first message it hears
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)-7s runner: %(message)s")
+    configure_logging()
     _exit_with_parent()
     if spec.shard.world_size > 1:
         # ranks of an instance that share a host take turns computing: before torch loads OpenMP, make its idle
@@ -78,6 +78,11 @@ def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunn
         runner.flush()
         log.exception("runner %s crashed", spec.runner_id)
         sys.exit(1)
+
+
+def configure_logging() -> None:
+    """Runner lines on stderr keep their level: operators grep for CRITICAL (a warmup overrun, runbook 004)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)-7s runner: %(message)s")
 
 
 def _heartbeat(outbox: Queue[FromRunner]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from skulk.config import Settings
 from skulk.runner.messages import TaskEnded
 from skulk.runner.spec import RunnerSpec
+from skulk.structured_log import log_context
 from skulk.types.chunks import ErrorChunk, TokenChunk
 from skulk.types.events import Event, InstanceFailed, RunnerStatusUpdated, TaskFailed, TaskStatusUpdated
 from skulk.types.ids import InstanceId, NodeId, RunnerId, TaskId
@@ -153,15 +154,9 @@ class Worker:
             record=self.record,
             attempt=attempt,
         )
-        log.info(
-            "starting runner %s for %s (rank %d/%d, layers %d-%d)",
-            runner_id[:8],
-            shard.model_card.model_id,
-            shard.device_rank,
-            shard.world_size,
-            shard.start_layer,
-            shard.end_layer,
-        )
+        with log_context(instance_id=instance.instance_id, runner_id=runner_id):
+            log.info("starting runner %s for %s (rank %d/%d, layers %d-%d)", runner_id[:8], shard.model_card.model_id,
+                     shard.device_rank, shard.world_size, shard.start_layer, shard.end_layer)
         supervisor = RunnerSupervisor(
             spec,
             self._callbacks(runner_id, instance.instance_id, is_sampler=shard.is_last),
