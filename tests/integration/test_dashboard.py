@@ -12,16 +12,21 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
-from skulk.testing.nodes import LocalNode
+from skulk.api.app import create_app
+from skulk.config import Settings
+from skulk.testing.nodes import LocalNode, free_port
 from skulk.testing.streams import StreamProbe, chat_body
 
+from ..unit.diagnostics_fakes import FakeNode, cluster_state
 from .harness import Cluster, instance_ready, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -326,3 +331,51 @@ def test_a_killed_node_shows_gone_and_the_meta_instance_is_placed_again(scenario
     second = wait_until(lambda: scenario.meta_serving(survivor), 30, "the API to agree")
     assert second != first and members(survivor, second) == {survivor.node_id}
     dash.assert_clean()
+
+
+@contextmanager
+def api_with_keys(tmp_path: Path) -> Iterator[str]:
+    """A node's real app (security middleware included) with an inference key, over a fake two-node state."""
+    settings = Settings(config=tmp_path / "skulk.yaml", home=tmp_path, api_keys=["user-key"], admin_keys=["root"])
+    state = cluster_state(("n1", "n2"), master="n1")
+    app = create_app(FakeNode(node_id=state.master_node_id, state=state, master_id=state.master_node_id,
+                              settings=settings))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, name="keyed-api", daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, 20, "the keyed API to listen")
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_with_api_keys_the_dashboard_asks_for_one_keeps_it_and_sends_it(
+    browser: Any, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    view = Dash(context.new_page())
+    page = view.page
+    try:
+        with api_with_keys(tmp_path) as url:
+            page.goto(url + "/")  # the page itself loads without a key
+            dialog = page.get_by_role("dialog", name="API key needed")
+            sync_api.expect(dialog).to_be_visible()
+            page.get_by_test_id("api-key").fill("wrong")
+            page.get_by_test_id("api-key").press("Enter")
+            sync_api.expect(dialog).to_be_visible()  # refused again: asked again
+            page.get_by_test_id("api-key").fill("user-key")
+            page.get_by_role("button", name="Use this key").click()
+            sync_api.expect(dialog).to_be_hidden()
+            sync_api.expect(page.locator("[data-testid=node-card][data-state=live]")).to_have_count(2)
+            page.goto(url + "/operator")  # kept in the browser: no question this time; admin routes say so
+            sync_api.expect(page.get_by_text("needs an admin key").first).to_be_visible()
+            sync_api.expect(dialog).to_have_count(0)
+    except BaseException:
+        page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+        raise
+    finally:
+        context.close()
+    unexpected = [e for e in view.errors if "status of 401" not in e and "status of 403" not in e]
+    assert unexpected == [], "\n".join(unexpected)

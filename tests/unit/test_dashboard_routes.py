@@ -8,8 +8,9 @@ import re
 from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 
-from skulk.api.dashboard import CSP, IMMUTABLE, assets_version, install_dashboard, shipped_files
+from skulk.api.dashboard import CSP, IMMUTABLE, PAGE_PATHS, assets_version, install_dashboard, shipped_files
 from skulk.api.errors import install_error_handlers
+from skulk.api.security import Access, required_access
 from skulk.dashboard import STATIC_DIR
 
 HTML = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
@@ -87,3 +88,13 @@ def test_shipped_modules_import_only_shipped_files_and_nothing_remote() -> None:
         assert not re.search(r"""(src|href)=["']https?://""", text), f"{path.name} loads from the internet"
     index = (STATIC_DIR / "index.html").read_text()
     assert "http://" not in index and "https://" not in index
+
+
+def test_the_dashboards_static_paths_need_no_key_and_its_pages_match_main_js() -> None:
+    for path in ("/", f"/assets/{assets_version()}/js/main.js", *PAGE_PATHS):
+        assert required_access("GET", path) is Access.NONE, path
+    assert required_access("POST", "/chat") is Access.ADMIN
+    assert required_access("GET", "/state") is Access.INFERENCE, "the data behind the page still needs a key"
+    main_js = (STATIC_DIR / "js" / "main.js").read_text()
+    routed = set(re.findall(r"path(?::| ===) '(/[a-z]+)'", main_js)) - {"/"}
+    assert routed == set(PAGE_PATHS), "js/main.js PAGES and api/dashboard.py PAGE_PATHS disagree"

@@ -29,10 +29,10 @@ from skulk.store.service import ModelFiles
 def create_app(node: DiagnosticsHandle) -> FastAPI:
     app = FastAPI(title="Skulk", version=__version__)
     install_error_handlers(app)
+    install_dashboard(app)  # before security, so its Host and key checks wrap the dashboard too
     settings = getattr(node, "settings", None)
     if isinstance(settings, Settings):
         install_security(app, settings)
-    install_dashboard(app)  # before security, so its Host and key checks wrap the dashboard too
     routers = (state_router(node), control_router(node), meta_instances_router(node), openai_router(node),
                diagnostics_router(node), config_router(node))
     for router in routers:

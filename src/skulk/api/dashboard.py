@@ -22,6 +22,8 @@ from skulk.api.errors import ApiError
 from skulk.dashboard import STATIC_DIR
 
 ASSETS_PREFIX = "/assets"
+PAGE_PATHS = ("/cluster", "/catalog", "/placing", "/chat", "/operator")
+"""The dashboard's own routes besides `/` (js/main.js PAGES): static pages, no cluster data in them."""
 INDEX_PLACEHOLDER = "%ASSETS%"
 IMMUTABLE = "public, max-age=31536000, immutable"
 REVALIDATE = "no-cache"
@@ -93,8 +95,10 @@ def dashboard_router() -> APIRouter:
 
 
 def is_dashboard_path(path: str) -> bool:
-    """Paths that serve the dashboard itself (no API key needed to load the page that asks for one)."""
-    return path == "/" or path.startswith(ASSETS_PREFIX + "/")
+    """Paths that serve the dashboard itself: static files only, so no API key is needed to load the page that
+    asks for one (every API call it then makes needs the key as usual)."""
+    page = path.rstrip("/")
+    return path == "/" or path.startswith(ASSETS_PREFIX + "/") or page in PAGE_PATHS
 
 
 def api_segments(app: FastAPI) -> set[str]:

@@ -32,6 +32,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from skulk import internal_auth
+from skulk.api.dashboard import is_dashboard_path
 from skulk.api.errors import ApiError
 from skulk.api.limits import BodyLimitMiddleware, send_error
 from skulk.config import Settings
@@ -50,7 +51,7 @@ _INFERENCE = [
     ("POST", r"/v1/messages(/count_tokens)?"), ("POST", r"/v1/responses"), ("POST", r"/api/(chat|generate|show)"),
     ("POST", r"/v1/cancel/[^/]+"),
     ("GET", r"/v1/models(/.*)?"), ("GET", r"/models"), ("GET", r"/api/(tags|version|ps)"), ("GET", r"/state"),
-    ("GET", r"/instance/[^/]+"), ("GET", r"/meta_instances"), ("GET", r"/"), ("GET", r"/assets/.*"),
+    ("GET", r"/instance/[^/]+"), ("GET", r"/meta_instances"),
 ]
 INFERENCE_ROUTES = [(method, re.compile(pattern + r"/?")) for method, pattern in _INFERENCE]
 """What an inference key may call; every other route (including any added later) needs an admin key."""
@@ -61,8 +62,8 @@ LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
 def required_access(method: str, path: str) -> Access:
     """The least access a route needs (pure). HEAD is GET's twin; OPTIONS is answered by CORS, if configured."""
     method = "GET" if method == "HEAD" else method
-    if (method, path) in EXEMPT:
-        return Access.NONE
+    if (method, path) in EXEMPT or (method == "GET" and is_dashboard_path(path)):
+        return Access.NONE  # the dashboard's static files: the page must load to ask for a key
     if any(m == method and pattern.fullmatch(path) for m, pattern in INFERENCE_ROUTES):
         return Access.INFERENCE
     return Access.ADMIN
