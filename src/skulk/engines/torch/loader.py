@@ -9,14 +9,26 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from .config import ModelArgs, parse_dtype
 from .layers import AllReduce
 from .model import ModelSlice, tp_split_dim
+from .quant import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantSpec,
+    affine_quantize,
+    fitting_group,
+    quant_spec,
+    unpack_mlx,
+)
 
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -31,48 +43,55 @@ def load_model(
     all_reduce: AllReduce | None = None,
     dtype: str | torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    quantize: str | None = None,
 ) -> ModelSlice:
-    """Build the slice and fill it with its weights, in the config's dtype unless dtype overrides it."""
+    """Build the slice and fill it with its weights, in the config's dtype unless dtype overrides it.
+
+    An MLX-quantized checkpoint loads quantized as it ships; `quantize` ("int4"/"int8") quantizes a float one
+    while loading (engines/torch/quant.py). Quantized models compute in bfloat16, what the kernels want."""
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    if "quantization" in config or "quantization_config" in config:
-        raise ValueError(f"{model_dir.name} holds quantized weights, which the torch engine cannot run")
+    quant = quant_spec(config, quantize)
     args = ModelArgs.from_config(config)
-    if dtype is not None:
-        args = dataclasses.replace(args, dtype=parse_dtype(dtype))
+    if dtype is not None or quant is not None:
+        args = dataclasses.replace(args, dtype=parse_dtype(dtype or torch.bfloat16))
+    if quant is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"{model_dir.name}: quantized weights run on the CPU kernels only, not on {device}")
     model = ModelSlice(
         args, start_layer=start_layer, end_layer=end_layer,
         tp_rank=tp_rank, tp_size=tp_size, all_reduce=all_reduce, device=device,
     )
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    tensors = _read_tensors(model_dir, expected, args, tp_rank, tp_size, torch.device(device))
-    model.load_state_dict(tensors, strict=True, assign=True)
+    files = _weight_files(model_dir)
+    if quant is not None:
+        _quantize_modules(model, files, quant, Split(tp_rank, tp_size))
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if t.is_meta}
+    tensors = _read_tensors(model_dir.name, files, expected, args, tp_rank, tp_size, torch.device(device))
+    model.load_state_dict(tensors, strict=False, assign=True)
     return model.eval().requires_grad_(False)
 
 
-def _checkpoint_name(param: str, args: ModelArgs, available: set[str]) -> str:
+def _checkpoint_name(param: str, args: ModelArgs, available: Iterable[str]) -> str:
     """The checkpoint tensor behind a parameter; a tied lm_head reads the embedding."""
-    if param == "lm_head.weight":
-        if "lm_head.weight" in available or not args.tie_word_embeddings:
+    if param.startswith("lm_head."):
+        if param in available or not args.tie_word_embeddings:
             return param
-        return "model.embed_tokens.weight"
+        return "model.embed_tokens." + param.removeprefix("lm_head.")
     return f"model.{param}"
 
 
 def _read_tensors(
-    model_dir: Path,
+    name: str,
+    files: dict[str, Path],
     expected: dict[str, tuple[int, ...]],
     args: ModelArgs,
     tp_rank: int,
     tp_size: int,
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
-    files = _weight_files(model_dir)
     by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
-    available = set(files)
     for param in expected:
-        source = _checkpoint_name(param, args, available)
+        source = _checkpoint_name(param, args, files)
         if source not in files:
-            raise ValueError(f"{model_dir.name}: checkpoint has no tensor {source}")
+            raise ValueError(f"{name}: checkpoint has no tensor {source}")
         by_file[files[source]].append((param, source))
     loaded: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
@@ -83,6 +102,73 @@ def _read_tensors(
                     raise ValueError(f"{source}: shape {tuple(tensor.shape)}, expected {expected[param]}")
                 loaded[param] = tensor.to(device=device, dtype=args.dtype)
     return loaded
+
+
+@dataclass(frozen=True)
+class Split:
+    rank: int
+    size: int
+
+
+def _quantize_modules(model: ModelSlice, files: dict[str, Path], quant: QuantSpec, split: Split) -> None:
+    """Swap every projection (and lm_head; the embedding too when the checkpoint packs it) for its quantized
+    form, read straight from the checkpoint; what stays float is loaded afterwards as usual."""
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
+    for name, module in targets:
+        base = _checkpoint_name(f"{name}.weight", model.args, files).removesuffix(".weight")
+        replacement: nn.Module | None
+        if isinstance(module, nn.Embedding):
+            replacement = _packed_embedding(files, base, quant, model.args.dtype) if quant.prequantized else None
+        else:
+            dim = tp_split_dim(f"{name}.weight")
+            bias = _read(files, f"{base}.bias", 0 if dim == 0 else None, split) if module.bias is not None else None
+            build = _packed_linear if quant.prequantized else _quantized_float_linear
+            replacement = build(files, base, dim, split, quant, bias)
+        if replacement is not None:
+            model.set_submodule(name, replacement)
+
+
+def _packed_embedding(files: dict[str, Path], base: str, quant: QuantSpec, dtype: torch.dtype) -> nn.Module | None:
+    if f"{base}.scales" not in files:
+        return None
+    q_packed, scales, biases = (_read(files, f"{base}.{part}", None, Split(0, 1)) for part in _PARTS)
+    return QuantizedEmbedding(q_packed, scales, biases, quant.bits, quant.group_size, dtype)
+
+
+def _packed_linear(files: dict[str, Path], base: str, dim: int | None, split: Split, quant: QuantSpec,
+                   bias: torch.Tensor | None) -> nn.Module | None:
+    """An MLX-packed projection; this rank's rows, or its columns in whole groups."""
+    if f"{base}.scales" not in files:
+        return None  # a layer the checkpoint left in float stays an nn.Linear
+    q_packed, scales, biases = (_read(files, f"{base}.{part}", dim, split) for part in _PARTS)
+    q = unpack_mlx(q_packed, quant.bits)
+    if q.shape[1] != scales.shape[1] * quant.group_size:
+        raise ValueError(f"{base}: its columns do not split across {split.size} tensor-parallel ranks in whole "
+                         f"groups of {quant.group_size}; use fewer ranks")
+    return QuantizedLinear.from_affine(q, scales, biases, quant.bits, quant.group_size, bias)
+
+
+def _quantized_float_linear(files: dict[str, Path], base: str, dim: int | None, split: Split, quant: QuantSpec,
+                            bias: torch.Tensor | None) -> nn.Module | None:
+    """A float projection quantized while loading: int8 per row, int4 in groups."""
+    weight = _read(files, f"{base}.weight", dim, split)
+    group = fitting_group(weight.shape[1], quant.group_size)
+    if group is None:
+        return None  # no group size divides its columns: it stays float, the rest is quantized
+    if quant.bits == 8:
+        return QuantizedLinear.int8_from_float(weight, group, bias)
+    q, scales, biases = affine_quantize(weight, quant.bits, group)
+    return QuantizedLinear.from_affine(q, scales, biases, quant.bits, group, bias)
+
+
+_PARTS = ("weight", "scales", "biases")
+
+
+def _read(files: dict[str, Path], source: str, dim: int | None, split: Split) -> torch.Tensor:
+    if source not in files:
+        raise ValueError(f"checkpoint has no tensor {source}")
+    with safe_open(str(files[source]), framework="pt") as f:
+        return _shard(f.get_slice(source), dim, split.rank, split.size)
 
 
 def _shard(view: object, dim: int | None, rank: int, size: int) -> torch.Tensor:
@@ -102,7 +188,7 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     if index.exists():
         weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         return {name: model_dir / file for name, file in weight_map.items()}
-    files: dict[str, Path] = {}
+    files = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             files.update(dict.fromkeys(f.keys(), path))

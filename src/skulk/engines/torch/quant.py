@@ -1,0 +1,173 @@
+"""Weight-only quantized linears and embeddings: MLX-community checkpoints as they ship, or float ones
+quantized at load.
+
+MLX's affine format stores each quantized matrix as packed `uint32` words (`weight`, 32/bits values per word,
+lowest bits first) with one `scales` and one `biases` entry per group of `group_size` input columns:
+w = scales * q + biases. Matmuls run on torch's weight-only CPU kernels, never on a dequantized matrix:
+- 4-bit: `_weight_int4pack_mm_for_cpu`, which computes w = (q - 8) * scale + zero per group, so an MLX group
+  maps onto it exactly with zero = biases + 8 * scales;
+- 8-bit: `_weight_int8pack_mm`, which takes one symmetric scale per output row; MLX's 8-bit groups are
+  dequantized once at load and requantized per row (a small extra error, bounded by the tests).
+Both kernels want bfloat16 activations, so a quantized model computes in bfloat16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT4_ROWS = 16
+"""torch's int4 packing needs the output dimension in multiples of 16; other sizes are zero-padded."""
+INNER_K_TILES = 2
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_GROUPS = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int
+    group_size: int
+    prequantized: bool
+    """True: the checkpoint holds MLX-packed weights; False: float weights quantized while loading."""
+
+
+def quant_spec(config: dict[str, Any], requested: str | None) -> QuantSpec | None:
+    """How a checkpoint's linears are quantized: MLX's `quantization` section, else `requested`
+    ("int4" / "int8") for a float checkpoint, else None. ValueError names what is not supported."""
+    section = config.get("quantization") or config.get("quantization_config")
+    if section:
+        if "bits" not in section or "group_size" not in section:
+            raise ValueError(f"unsupported quantization {section!r}; the engine loads MLX affine 4- and 8-bit")
+        spec = QuantSpec(int(section["bits"]), int(section["group_size"]), prequantized=True)
+    elif requested:
+        bits = {"int4": 4, "int8": 8}.get(requested)
+        if bits is None:
+            raise ValueError(f"unsupported quantization {requested!r}; expected int4 or int8")
+        spec = QuantSpec(bits, 64, prequantized=False)
+    else:
+        return None
+    if spec.bits not in SUPPORTED_BITS or spec.group_size not in SUPPORTED_GROUPS:
+        raise ValueError(f"unsupported quantization: {spec.bits}-bit, group {spec.group_size}; the engine runs "
+                         f"{SUPPORTED_BITS} bits with groups {SUPPORTED_GROUPS}")
+    return spec
+
+
+def fitting_group(columns: int, preferred: int) -> int | None:
+    """The group size to quantize a float matrix with: the preferred one when it divides the columns, else
+    the largest supported one that does (None: none does, and the matrix stays float)."""
+    if columns % preferred == 0:
+        return preferred
+    return next((g for g in sorted(SUPPORTED_GROUPS, reverse=True) if columns % g == 0), None)
+
+
+# --- MLX's affine format --------------------------------------------------------------------------------------
+def affine_quantize(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 [N, K], scales [N, K/group], biases [N, K/group]) with w ≈ scales * q + biases, as MLX does."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group, group)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / (2**bits - 1)).clamp(min=1e-8)
+    q = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 2**bits - 1)
+    return q.reshape(n, k).to(torch.uint8), scales, low
+
+
+def pack_mlx(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 values [N, K] → MLX's uint32 words [N, K * bits / 32], lowest bits first."""
+    per_word = 32 // bits
+    values = q.to(torch.int64).reshape(q.shape[0], -1, per_word)
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    return (values << shifts).sum(-1).to(torch.uint32)
+
+
+def unpack_mlx(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """MLX's uint32 words [N, W] → uint8 values [N, W * 32 / bits]."""
+    per_word = 32 // bits
+    words = packed.to(torch.int64).unsqueeze(-1)
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    return ((words >> shifts) & (2**bits - 1)).reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int) -> torch.Tensor:
+    n, k = q.shape
+    grouped = q.float().reshape(n, k // group, group)
+    return (grouped * scales.float()[..., None] + biases.float()[..., None]).reshape(n, k)
+
+
+# --- modules ----------------------------------------------------------------------------------------------------
+class QuantizedLinear(nn.Module):
+    """y = x @ w.T (+ bias) on a weight-only kernel; activations go in and come out as bfloat16."""
+
+    def __init__(self, bits: int, group: int, out_features: int, weight: torch.Tensor, params: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.bits, self.group, self.out_features = bits, group, out_features
+        self.weight: torch.Tensor
+        self.params: torch.Tensor
+        self.register_buffer("weight", weight)
+        self.register_buffer("params", params)  # int4: scales and zeros [K/group, N, 2]; int8: scales [N]
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_affine(cls, q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
+                    bias: torch.Tensor | None = None) -> QuantizedLinear:
+        """From MLX-style groups (q [N, K] values, scales/biases [N, K/group])."""
+        if bits == 8:
+            return cls.int8_from_float(dequantize(q, scales, biases, group), group, bias)
+        n = q.shape[0]
+        bias = bias.to(torch.bfloat16) if bias is not None else None
+        pad = -n % INT4_ROWS
+        q32, scales, zeros = q.to(torch.int32), scales.float(), biases.float() + 8 * scales.float()
+        if pad:  # padded rows are zero weights: q = 8 with scale 0 and zero 0
+            q32 = F.pad(q32, (0, 0, 0, pad), value=8)
+            scales, zeros = F.pad(scales, (0, 0, 0, pad)), F.pad(zeros, (0, 0, 0, pad))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, INNER_K_TILES)
+        params = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+        return cls(4, group, n, packed, params, bias)
+
+    @classmethod
+    def int8_from_float(cls, w: torch.Tensor, group: int, bias: torch.Tensor | None = None) -> QuantizedLinear:
+        """One symmetric int8 scale per output row, the layout torch's int8 kernel takes."""
+        w = w.float()
+        row_scale = (w.abs().amax(-1) / 127).clamp(min=1e-8)
+        w8 = (w / row_scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        bias = bias.to(torch.bfloat16) if bias is not None else None
+        return cls(8, group, w.shape[0], w8, row_scale.to(torch.bfloat16), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        if self.bits == 4:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, self.group, self.params)
+            y = y[:, : self.out_features] if y.shape[-1] != self.out_features else y
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.params)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings kept in MLX's packed form; only the rows looked up are dequantized."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.bits, self.group, self.dtype = bits, group, dtype
+        self.weight: torch.Tensor
+        self.scales: torch.Tensor
+        self.biases: torch.Tensor
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("biases", biases)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = dequantize(unpack_mlx(self.weight[flat], self.bits), self.scales[flat], self.biases[flat], self.group)
+        return rows.to(self.dtype).reshape(*ids.shape, -1)
+
+    def affine(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, scales, biases) of the whole table, for a tied lm_head."""
+        return unpack_mlx(self.weight, self.bits), self.scales, self.biases
