@@ -8,6 +8,9 @@ Starts real nodes on loopback (explicit zenoh endpoints, unique cluster names) a
   decode tokens/s of one stream, flight recorder on ÷ recording off
       (2-rank Pipeline instances of the same model on two node sets, the second started with
       SKULK_FLIGHT_RECORDER=0; rounds interleaved so machine noise hits both alike)      (target >= 0.98)
+  decode tokens/s, event log on ÷ off (a third set started with SKULK_EVENT_LOG=0)    (target >= 0.98)
+  decode tokens/s, tracing on ÷ off (the same instance, PUT /v1/tracing flipped between
+      interleaved rounds, so each traced request records spans on both ranks)            (target >= 0.95)
 
 Run: .venv/bin/python bench/diagnostics.py [--model skulk/bench-random-100m] [--calls 20] [--rounds 5]
 """
@@ -109,19 +112,35 @@ def decode_tps(node: LocalNode, model: str, tokens: int) -> float:
     return decode_tokens_per_s(node.url, model, PROMPT, tokens)
 
 
-def measure_decode(on: LocalNode, off: LocalNode, model: str, tokens: int, rounds: int) -> None:
-    for node in (on, off):  # first-request effects out of the way
-        decode_tps(node, model, 4)
-    with_rec: list[float] = []
+def measure_decode(on: LocalNode, off: LocalNode, model: str, tokens: int, rounds: int, what: str = "recorder",
+                   target: float = 0.98) -> None:
+    compare(what, lambda: decode_tps(on, model, tokens), lambda: decode_tps(off, model, tokens), rounds, target)
+
+
+def compare(what: str, run_on: Any, run_off: Any, rounds: int, target: float,
+            switch: Any = None) -> None:
+    """Decode tok/s of `on` and `off`, rounds interleaved ABBA (neither side always runs first); `switch(flag)`
+    is called before each side when both sides share one instance (tracing)."""
+    with_it: list[float] = []
     without: list[float] = []
-    for i in range(rounds):  # ABBA: neither side always runs first
-        pair = [(on, with_rec), (off, without)]
-        for node, into in pair if i % 2 == 0 else reversed(pair):
-            into.append(decode_tps(node, model, tokens))
+    sides = [(True, run_on, with_it), (False, run_off, without)]
+    for i in range(rounds + 1):
+        for flag, run_side, into in sides if i % 2 == 0 else reversed(sides):
+            if switch is not None:
+                switch(flag)
+            value = run_side()
+            if i > 0:  # round 0 warms both sides up (first-request effects)
+                into.append(value)
     med = statistics.median
-    print(f"decode, recorder on     {med(with_rec):8.1f} tok/s  {[round(v, 1) for v in with_rec]}")
-    print(f"decode, recorder off    {med(without):8.1f} tok/s  {[round(v, 1) for v in without]}")
-    print(f"on / off                {med(with_rec) / med(without):8.3f}   (target >= 0.98)")
+    print(f"decode, {what + ' on':16s} {med(with_it):8.1f} tok/s  {[round(v, 1) for v in with_it]}")
+    print(f"decode, {what + ' off':16s} {med(without):8.1f} tok/s  {[round(v, 1) for v in without]}")
+    print(f"{what} on / off{'':{max(0, 9 - len(what))}s} {med(with_it) / med(without):8.3f}   (target >= {target})")
+
+
+def set_tracing(node: LocalNode, enabled: bool) -> None:
+    reply = httpx.put(node.url + "/v1/tracing", json={"enabled": enabled}, timeout=30, trust_env=False)
+    reply.raise_for_status()
+    assert reply.json() == {"enabled": enabled}, reply.text
 
 
 def measure_latency(asked: LocalNode, victim: LocalNode, calls: int) -> None:
@@ -169,10 +188,17 @@ def run(root: Path, args: argparse.Namespace, nodes: list[LocalNode]) -> None:
     victim = next(n for n in on_set if n.node_id != master)
     off_set = start_set(root, "off", 2, {"SKULK_FLIGHT_RECORDER": "0"}, args.model)
     nodes += off_set
+    nolog_set = start_set(root, "nolog", 2, {"SKULK_EVENT_LOG": "0"}, args.model)
+    nodes += nolog_set
     place(asked, args.model, [victim.node_id])
     place(off_set[0], args.model, [])
+    place(nolog_set[0], args.model, [])
     print(f"model {args.model}, {args.tokens} tokens per stream, {args.rounds} interleaved rounds")
     measure_decode(asked, off_set[0], args.model, args.tokens, args.rounds)
+    measure_decode(asked, nolog_set[0], args.model, args.tokens, args.rounds, "event log")
+    tps = lambda: decode_tps(asked, args.model, args.tokens)  # noqa: E731
+    compare("tracing", tps, tps, args.rounds, 0.95, switch=lambda flag: set_tracing(asked, flag))
+    set_tracing(asked, False)
     measure_latency(asked, victim, args.calls)
 
 

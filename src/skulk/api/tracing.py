@@ -14,6 +14,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from skulk import internal_auth
 from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
@@ -41,9 +42,8 @@ class DeleteTracesRequest(BaseModel):
 
 
 def peer_headers() -> dict[str, str]:
-    """Headers of the cluster fan-out's calls to peers. HOOK: once API keys exist, the cluster's internal
-    token goes here (skulk.internal_auth.headers()), as the diagnostics fan-out sends it."""
-    return {}
+    """The cluster's internal token, as the diagnostics fan-out sends it: with API keys, peers answer it."""
+    return internal_auth.headers()
 
 
 def tracing_router(node: TracingHandle) -> APIRouter:
