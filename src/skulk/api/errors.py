@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from skulk.types.limits import INVALID_UNICODE
@@ -66,6 +67,14 @@ def install_error_handlers(app: FastAPI) -> None:
         """Every HTTP error in the typed shape, its headers kept (405's Allow, 401's WWW-Authenticate)."""
         body = error_body(str(exc.detail), kind=_kind_for(exc.status_code), code=getattr(exc, "code", None))
         return JSONResponse(body, exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(ValidationError)
+    async def _invalid_inside(_: Request, exc: ValidationError) -> JSONResponse:
+        """A route that builds a model from the request (one API's body translated into another's) and finds it
+        invalid: the client's fault, a 422 naming the field, not a 500."""
+        parts = [f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()]
+        body = error_body("; ".join(parts) or "invalid request", kind="invalid_request_error", code="invalid_request")
+        return JSONResponse(body, status_code=422)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:

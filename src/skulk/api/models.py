@@ -51,6 +51,9 @@ def models_router(node: NodeHandle, files: ModelFiles | None) -> APIRouter:
                 raise ApiError(exc.status, exc.message, code=exc.code) from exc
             except UnsupportedArchitecture as exc:
                 raise ApiError(400, str(exc), code="unsupported_architecture") from exc
+            except Exception as exc:
+                raise ApiError(502, f"the model hub could not be reached for {body.model_id}: {exc}",
+                               code="hub_unreachable") from exc
             add_custom_card(node.settings.home / "cards", known)
             node.send_command(AddModelCard(command_id=CommandId(new_id()), card=known))
         return list_entry(known, created=0, where=_where(files, known))
