@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean chromium
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -14,8 +14,16 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/skulk $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The dashboard tests drive Debian's chromium (Playwright with executable_path; never `playwright install`).
+# Installed here when missing and apt-get may run (root); otherwise those tests skip and name the command.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  echo "installing chromium for the dashboard tests (apt-get install -y chromium)" && \
+	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "chromium is not installed and could not be: the dashboard tests will skip (run: apt-get install -y chromium)"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

@@ -304,7 +304,16 @@ def test_the_timeline_highlights_a_wedged_rank(scenario: Scenario, dash: Dash) -
     page.get_by_role("button", name=node.node_id[:8]).click()  # one node's full diagnostics bundle
     sync_api.expect(page.locator("details summary")).to_contain_text("Bundle of")
     sync_api.expect(page.locator("pre.json")).to_contain_text("supervisorRunners")
-    sync_api.expect(page.get_by_role("heading", name="Tracing")).to_be_visible()
+
+    tracing = page.get_by_test_id("tracing")  # on, a request, its per-rank breakdown
+    tracing.get_by_role("button", name="Turn on").click()
+    sync_api.expect(tracing.get_by_test_id("tracing-state")).to_have_text("on")
+    done = httpx.post(node.url + "/v1/chat/completions", json={**chat_body(MODEL, 4), "stream": False}, timeout=60)
+    assert done.status_code == 200, done.text
+    tracing.locator("tbody button").first.click(timeout=20_000)
+    sync_api.expect(page.get_by_test_id("trace-chart")).to_contain_text("Time per rank")
+    tracing.get_by_role("button", name="Turn off").click()
+    sync_api.expect(tracing.get_by_test_id("tracing-state")).to_have_text("off")
     dash.assert_clean()
 
 

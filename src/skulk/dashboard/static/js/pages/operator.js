@@ -4,7 +4,7 @@ import { useEffect, useState } from '../../vendor/hooks.js';
 import { apiRoutes, request, useAction, usePoll } from '../api.js';
 import { html, Badge, ErrorNote, Section, nodeName, secs, shortId } from '../ui.js';
 
-export const TIMELINE_POLL_MS = 2000;
+export const TIMELINE_POLL_MS = 3000;
 // As skulk diag (diagnostics/cli.py): these warnings mark a runner stuck; a barrier wait past 5 s in an
 // instance whose ranks disagree is stuck too, its peers are highlighted as involved.
 const STUCK_CODES = new Set(['rank_disagreement', 'phase_stuck']);
@@ -81,55 +81,57 @@ function Bundle({ state }) {
   </div>`;
 }
 
-// Per-rank (or per-phase) time of one trace as horizontal bars; the stats' numeric fields, whatever they are.
-function numbers(obj, prefix = '') {
-  const out = [];
-  for (const [k, v] of Object.entries(obj || {})) {
-    if (typeof v === 'number') out.push([prefix + k, v]);
-    else if (v && typeof v === 'object' && out.length < 64) out.push(...numbers(v, `${prefix}${k}.`));
-  }
-  return out;
+// Where one traced request's time went: per rank ("api" is the API node's stream) and per span kind, as bars.
+function Breakdown({ title, buckets }) {
+  const rows = Object.entries(buckets || {}).sort((a, b) => b[1].totalUs - a[1].totalUs);
+  const max = Math.max(1, ...rows.map(([, b]) => b.totalUs));
+  return html`<div class="trace-chart"><h3 class="small">${title}</h3>${rows.map(([name, b]) => html`<div class="bar-row">
+    <span class="bar-label mono small">${name}</span>
+    <span class="bar"><span class="bar-used" style=${{ width: `${(100 * b.totalUs) / max}%` }}></span></span>
+    <span class="bar-text">${(b.totalUs / 1000).toFixed(1)} ms · ${b.count}×</span></div>`)}</div>`;
 }
 
-function TraceChart({ stats }) {
-  const rows = numbers(stats).filter(([k]) => /ms|sec|time|dur|_s$|seconds/i.test(k));
-  const shown = rows.length ? rows : numbers(stats);
-  const max = Math.max(1e-9, ...shown.map(([, v]) => v));
-  return html`<div class="trace-chart" data-testid="trace-chart">${shown.map(([k, v]) => html`<div class="bar-row">
-    <span class="bar-label mono small">${k}</span>
-    <span class="bar"><span class="bar-used" style=${{ width: `${(100 * v) / max}%` }}></span></span>
-    <span class="bar-text">${Number.isInteger(v) ? v : v.toFixed(3)}</span></div>`)}</div>`;
+function TraceStats({ stats }) {
+  return html`<div data-testid="trace-chart">
+    <p>Task <span class="mono">${shortId(stats.taskId)}</span>: ${(stats.totalWallTimeUs / 1000).toFixed(1)} ms wall
+      time, traced on ${(stats.sourceNodes || []).length} node(s).</p>
+    <${Breakdown} title="Time per rank" buckets=${stats.byRank} />
+    <${Breakdown} title="Time per span" buckets=${stats.byCategory} />
+  </div>`;
 }
 
 function Tracing() {
   const [routes, setRoutes] = useState(null);
   const [failed, setFailed] = useState(null);
   useEffect(() => { apiRoutes().then(setRoutes, setFailed); }, []);
-  const has = routes && routes.has('/v1/tracing');
-  const listPath = routes && (routes.has('/v1/traces/cluster') ? '/v1/traces/cluster' : routes.has('/v1/traces') ? '/v1/traces' : null);
-  const [{ data: status, error }, refresh] = usePoll(has ? '/v1/tracing' : null, 10000, { enabled: !!has });
-  const [{ data: traces }] = usePoll(listPath, 5000, { enabled: !!listPath });
+  const has = !!routes && routes.has('/v1/tracing');
+  const cluster = !!routes && routes.has('/v1/traces/cluster');
+  const [{ data: status, error }, refresh] = usePoll(has ? '/v1/tracing' : null, 10000, { enabled: has });
+  const [{ data: traces }] = usePoll(has ? (cluster ? '/v1/traces/cluster' : '/v1/traces') : null, 5000, { enabled: has });
   const [act, run] = useAction();
   const [stats, statsRun] = useAction();
   if (failed) return html`<p class="muted">Tracing: could not read this node's routes (${failed.message}).</p>`;
   if (!routes) return html`<p class="muted">Loading…</p>`;
   if (!has) return html`<p class="muted" data-testid="tracing-absent">This node's version has no tracing API (/v1/tracing).</p>`;
-  const enabled = status && (status.enabled ?? status.tracingEnabled);
+  const enabled = !!(status && status.enabled);
   const toggle = () => run(() => request('/v1/tracing', { method: 'PUT', body: { enabled: !enabled } })).then(refresh);
-  const list = Array.isArray(traces) ? traces : (traces && (traces.traces || traces.data)) || [];
-  const open = (id) => statsRun(() => request(`/v1/traces/${encodeURIComponent(id)}/stats`, { timeout: 15000 }));
-  return html`<div>
+  const list = (traces && traces.traces) || [];
+  const base = cluster ? '/v1/traces/cluster' : '/v1/traces';
+  const open = (id) => statsRun(() => request(`${base}/${encodeURIComponent(id)}/stats`, { timeout: 15000 }));
+  return html`<div data-testid="tracing">
     <${ErrorNote} error=${error} what="tracing" />
-    <div class="row"><span>Tracing is <strong>${enabled ? 'on' : 'off'}</strong> (new requests only).</span>
+    <div class="row"><span>Tracing is <strong data-testid="tracing-state">${status ? (enabled ? 'on' : 'off') : '…'}</strong>
+      cluster-wide, for new requests only.</span>
       <button type="button" onClick=${toggle} disabled=${act.busy || !status}>${enabled ? 'Turn off' : 'Turn on'}</button></div>
     <${ErrorNote} error=${act.error} />
-    ${list.length ? html`<div class="table-wrap"><table><thead><tr><th>task</th><th>model</th><th>created</th></tr></thead>
+    ${list.length ? html`<div class="table-wrap"><table><thead><tr><th>task</th><th>model</th><th>created</th><th>nodes</th><th>spans</th></tr></thead>
       <tbody>${list.slice(0, 50).map((t) => html`<tr><td><button type="button" class="link mono"
-        onClick=${() => open(t.taskId || t.task_id)}>${shortId(t.taskId || t.task_id)}</button></td>
-        <td>${t.modelId || t.model_id || ''}</td><td>${t.createdAt || t.created_at || ''}</td></tr>`)}</tbody></table></div>`
-      : html`<p class="muted">No traces on this node yet.</p>`}
+        onClick=${() => open(t.taskId)}>${shortId(t.taskId)}</button></td>
+        <td>${t.modelId || ''}</td><td>${t.createdAt || ''}</td><td>${(t.sourceNodes || []).length}</td>
+        <td>${t.spanCount ?? ''}</td></tr>`)}</tbody></table></div>`
+      : html`<p class="muted">No traces yet: turn tracing on and send a request.</p>`}
     <${ErrorNote} error=${stats.error} what="trace" />
-    ${stats.result && html`<${TraceChart} stats=${stats.result} />`}
+    ${stats.result && html`<${TraceStats} stats=${stats.result} />`}
   </div>`;
 }
 
