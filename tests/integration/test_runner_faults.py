@@ -95,6 +95,8 @@ def test_a_frozen_runner_is_declared_hung_and_restarted(faulty: tuple[LocalNode,
     assert elapsed <= 20, f"the error came {elapsed:.1f} s after SIGSTOP (hung limit 15 s)"
     new_runner(node, frozen)
     serving(node, instance_id)
+    runners = node.get("/v1/diagnostics/node")["supervisorRunners"]
+    assert [r["exitCode"] for r in runners] == [None], "the killed process's -9 is not the restarted runner's"
     assert chat_ok(node)
     assert "declared hung" in "\n".join(node.output)
 
