@@ -224,6 +224,17 @@ def test_delete_then_place_again(tmp_path: Path, cluster: Cluster) -> None:
     pids = fresh.runner_pids()
     wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 20, "the runner to exit")
 
+    # placed again, quantized while loading: the runner runs int4 weights and chats
+    instance_id = place_and_wait(fresh, quantization="int4")
+    with fresh.client() as client:
+        instance = next(iter(client.get(f"/instance/{instance_id}").json().values()))
+        shard = next(iter(next(iter(instance["shardAssignments"]["runnerToShard"].values())).values()))
+        assert shard["modelCard"]["quantizeAtLoad"] == "int4"
+        reply = client.post("/v1/chat/completions", json=chat_body(temperature=0))
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0, reply.text
+        refused = client.post("/place_instance", json={"model_id": MODEL, "quantization": "int3"})
+        assert refused.status_code == 422 and "quantization" in refused.text
+
 
 def test_stopping_the_node_leaves_no_runner(cluster: Cluster) -> None:
     (fresh,) = cluster.start(1)

@@ -24,6 +24,10 @@ from skulk.engines.torch.quant import (
     quant_spec,
     unpack_mlx,
 )
+from skulk.models.cards import with_quantization
+from skulk.types.ids import ModelId
+from skulk.types.memory import Memory
+from skulk.types.models import ModelCard
 from tests.unit.test_model_families import REAL_CONFIGS, scaled_down, write_checkpoint
 from tests.unit.test_torch_engine import ThreadAllReduce
 
@@ -161,3 +165,22 @@ def test_quantized_pipeline_and_tensor_splits_equal_one_rank(
     with ThreadPoolExecutor(2) as pool:
         parts = list(pool.map(logits, shards))
     assert relative_error(parts[0], logits(whole)) < 0.02
+
+
+def test_quantized_card_memory_never_runs_short() -> None:
+    """Placement fits the quantized estimate: about 1/3.5 (int4) or 1/2 (int8) of a bf16 model, the float
+    embedding and a quantized copy for a tied lm_head included."""
+    card = ModelCard(model_id=ModelId("x/llama-70b"), family="llama", n_layers=80, hidden_size=8192,
+                     num_attention_heads=64, num_key_value_heads=8, storage_size=Memory.from_bytes(141_000_000_000),
+                     dtype="bfloat16", vocab_size=128256)
+    int4, int8 = with_quantization(card, "int4"), with_quantization(card, "int8")
+    assert int4.quantize_at_load == "int4" and int8.quantize_at_load == "int8"
+    params = 141e9 / 2
+    embed = 128256 * 8192
+    assert (params - embed) * 0.5 + embed * 2 < int4.storage_size.in_bytes < 141e9 / 3.2
+    assert (params - embed) * 1.0 + embed * 2 < int8.storage_size.in_bytes < 141e9 / 1.8
+    assert with_quantization(card, None) is card
+    unknown = with_quantization(card.model_copy(update={"vocab_size": None}), "int4")
+    assert unknown.storage_size.in_bytes > int4.storage_size.in_bytes
+    with pytest.raises(ValueError, match="already quantized"):
+        with_quantization(card.model_copy(update={"quantization": "4"}), "int8")

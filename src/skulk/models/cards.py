@@ -12,7 +12,8 @@ import logging
 from importlib import resources
 from pathlib import Path
 
-from skulk.types.models import ModelCard
+from skulk.types.memory import Memory
+from skulk.types.models import ModelCard, QuantizeAtLoad
 
 log = logging.getLogger("skulk.models")
 
@@ -56,6 +57,31 @@ def load_custom_cards(folder: Path) -> None:
             log.warning("ignoring custom model card %s: %s", entry, exc)
             continue
         _custom[card.model_id] = card
+
+
+_FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_QUANT_BYTES = {"int4": 0.5 + 4 / 64, "int8": 1.0 + 2 / 256}
+"""Bytes per weight after quantizing at load: int4 in groups of 64 with a bf16 scale and zero each; int8 with
+one bf16 scale per row (rows are at least a few hundred wide)."""
+
+
+def with_quantization(card: ModelCard, kind: QuantizeAtLoad | None) -> ModelCard:
+    """card as it will run quantized at load. The memory estimate never runs short: projections shrink by the
+    byte ratio, the embedding stays float, and a tied lm_head adds a quantized copy of it (a card that does not
+    know its vocabulary gets a quarter more). ValueError when the checkpoint is quantized already."""
+    if kind is None:
+        return card
+    if card.quantization != "none":
+        raise ValueError(f"{card.model_id} is already quantized ({card.quantization}-bit); place it without "
+                         "quantization")
+    ratio = _QUANT_BYTES[kind] / _FLOAT_BYTES[card.dtype]
+    stored = card.storage_size.in_bytes
+    if card.vocab_size is None:  # the embedding's share is unknown: leave a quarter more room
+        size = stored * ratio * 1.25
+    else:
+        embed = card.vocab_size * card.hidden_size
+        size = stored * ratio + embed * (_FLOAT_BYTES[card.dtype] * (1 - ratio) + _QUANT_BYTES[kind])
+    return card.model_copy(update={"quantize_at_load": kind, "storage_size": Memory.from_bytes(int(size))})
 
 
 def know_card(card: ModelCard) -> None:

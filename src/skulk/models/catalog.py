@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES
+from skulk.engines.torch.quant import quant_spec
 from skulk.models.cards import is_custom
 from skulk.types.ids import ModelId
 from skulk.types.memory import Memory
@@ -58,6 +59,10 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
             f"{model_id} is a {model_type or 'model without model_type'} model (architectures: {architectures}); "
             f"the engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models"
         )
+    try:
+        quant_spec(config, None)
+    except ValueError as exc:
+        raise UnsupportedArchitecture(f"{model_id}: {exc}") from exc
     heads = int(config["num_attention_heads"])
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     quantization = config.get("quantization_config") or config.get("quantization")

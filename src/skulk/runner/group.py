@@ -162,4 +162,5 @@ def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str =
         end_layer=shard.end_layer,
         control_group=group.control,
         device=device,
+        quantize=shard.model_card.quantize_at_load,
     )

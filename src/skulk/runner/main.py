@@ -220,7 +220,8 @@ class Runner:
             ensure_builtin_model(shard.model_card.model_id, self.spec.model_dir.parent)
         if self.group is not None:
             return self._build_distributed_engine(self.group)
-        return TorchEngine(self.spec.model_dir, start_layer=shard.start_layer, end_layer=shard.end_layer)
+        return TorchEngine(self.spec.model_dir, start_layer=shard.start_layer, end_layer=shard.end_layer,
+                           quantize=shard.model_card.quantize_at_load)
 
     def _build_distributed_engine(self, group: Group) -> Engine:
         from skulk.runner.group import build_engine

@@ -9,6 +9,7 @@ from .ids import ModelId
 from .memory import Memory
 
 DType = Literal["float32", "bfloat16", "float16"]
+QuantizeAtLoad = Literal["int4", "int8"]
 
 
 class ModelCard(CamelModel):
@@ -25,4 +26,7 @@ class ModelCard(CamelModel):
     vocab_size: int | None = None
     """Tokens the model knows; bounds a request's top_k at the API (None: unknown, the engine clamps)."""
     supports_tensor: bool = True
+    quantize_at_load: QuantizeAtLoad | None = None
+    """Float weights the engine quantizes while loading (weight-only int4/int8); storage_size is then the
+    quantized estimate, which placement fits into node memory."""
     builtin: bool = False

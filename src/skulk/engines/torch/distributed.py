@@ -71,6 +71,7 @@ class DistributedEngine:
         max_seq: int | None = None,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        quantize: str | None = None,
     ) -> None:
         self.rank, self.world_size, self.kind = rank, world_size, kind
         self.device = torch.device(device)
@@ -78,7 +79,7 @@ class DistributedEngine:
         self.model = load_model(
             model_dir, start_layer=0 if tensor else start_layer, end_layer=None if tensor else end_layer,
             tp_rank=rank if tensor else 0, tp_size=world_size if tensor else 1,
-            all_reduce=_tensor_all_reduce if tensor else None, dtype=dtype, device=self.device,
+            all_reduce=_tensor_all_reduce if tensor else None, dtype=dtype, device=self.device, quantize=quantize,
         )
         positions = self.model.args.max_position_embeddings
         self.context_length = min(positions, max_seq if max_seq is not None else DEFAULT_MAX_SEQ)

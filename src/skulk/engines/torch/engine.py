@@ -139,12 +139,14 @@ class TorchEngine:
         max_seq: int | None = None,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        quantize: str | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.device = torch.device(device)
         self.model = load_model(
-            model_dir, start_layer=start_layer, end_layer=end_layer, dtype=dtype, device=self.device
+            model_dir, start_layer=start_layer, end_layer=end_layer, dtype=dtype, device=self.device,
+            quantize=quantize,
         )
         positions = self.model.args.max_position_embeddings
         self.context_length = min(positions, max_seq if max_seq is not None else DEFAULT_MAX_SEQ)
