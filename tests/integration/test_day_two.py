@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -41,14 +42,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalNode, 
         assert cluster.stop_all() == [], "runner processes outlived their node"
 
 
-def chat(node: LocalNode, text: str = "ping", max_tokens: int = 6) -> dict[str, object]:
+def chat(node: LocalNode, text: str = "ping", max_tokens: int = 6) -> dict[str, Any]:
     body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
     reply = httpx.post(node.url + "/v1/chat/completions", json=body, timeout=60, trust_env=False)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
 
-def events(node: LocalNode, **params: int) -> dict[str, object]:
+def events(node: LocalNode, **params: int) -> dict[str, Any]:
     reply = httpx.get(node.url + "/events", params=params, timeout=10, trust_env=False)
     assert reply.status_code == 200, reply.text
     return reply.json()
@@ -59,7 +60,7 @@ def test_events_hold_token_chunks_and_state_events(pair: tuple[LocalNode, LocalN
     answer = chat(writer)
     command_id = str(answer["id"]).removeprefix("chatcmpl-")
 
-    def logged() -> list[dict[str, object]] | None:
+    def logged() -> list[dict[str, Any]] | None:
         found = events(writer, since=0, limit=10_000)["events"]
         assert isinstance(found, list)
         chunks = [r for r in found if r["kind"] == "TokenChunk" and command_id in str(r["event"])]
@@ -102,7 +103,7 @@ def test_runtime_diagnostics_come_from_settings(pair: tuple[LocalNode, LocalNode
     assert runtime["structuredLoggingConfigured"] is True and runtime["loggingIngestUrl"] == INGEST
 
 
-def task_of(node: LocalNode, answer: dict[str, object]) -> str:
+def task_of(node: LocalNode, answer: dict[str, Any]) -> str:
     command_id = str(answer["id"]).removeprefix("chatcmpl-")
     tasks = node.get("/state")["tasks"]
     return next(t["ChatCompletion"]["taskId"] for t in tasks.values() if t["ChatCompletion"]["commandId"] == command_id)
@@ -123,7 +124,7 @@ def test_tracing_two_ranks_only_new_requests(pair: tuple[LocalNode, LocalNode]) 
     traced = task_of(writer, chat(writer, "traced", max_tokens=40))
     set_tracing(writer, False)
 
-    def both_ranks() -> dict[str, object] | None:
+    def both_ranks() -> dict[str, Any] | None:
         body = writer.get(f"/v1/traces/cluster/{traced}")
         ranks = {s["rank"] for s in (body or {}).get("spans", [])}
         return body if {0, 1} <= ranks else None
@@ -187,11 +188,11 @@ def test_structured_log_lines_are_json_with_ids(pair: tuple[LocalNode, LocalNode
     instance_id = place(writer)["instanceId"]  # placed and deleted at once: the master logs the delete command
     assert httpx.delete(f"{writer.url}/instance/{instance_id}", timeout=10, trust_env=False).status_code == 200
 
-    def records() -> list[dict[str, object]]:
+    def records() -> list[dict[str, Any]]:
         master = next(n for n in (writer, full) if n.get("/state")["masterNodeId"] == n.node_id)
         return [json.loads(line) for node in (master, writer, full) for line in node.output if line.startswith("{")]
 
-    def with_command() -> list[dict[str, object]] | None:
+    def with_command() -> list[dict[str, Any]] | None:
         found = records()
         return found if any("commandId" in r and "deleted on request" in str(r["message"]) for r in found) else None
 
