@@ -199,3 +199,19 @@ def test_kill_9_mid_write_leaves_a_readable_log(tmp_path: Path, free: list[int])
     assert log.read(since=len(lines), limit=10)[0]["seq"] == len(lines) + 1
     assert size > 2_000_000
     log.close()
+
+
+def test_since_is_found_by_bisection_across_gaps(tmp_path: Path) -> None:
+    """Counting-only mode leaves gaps in the numbering; every `since` still lands on the next record."""
+    import random
+
+    from skulk.eventlog import records
+
+    rng = random.Random(4)
+    seqs = sorted(rng.sample(range(1, 5000), 700))
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b"".join(records.encode(s, 0.0, {"pad": "x" * rng.randint(0, 300)}) for s in seqs))
+    size = path.stat().st_size
+    for since in [0, *rng.sample(range(0, 5001), 300), seqs[-1], 10**9]:
+        expected = [s for s in seqs if s > since][:5]
+        assert [r["seq"] for r in records.read_after(path, size, since, 5)] == expected, since
