@@ -145,6 +145,11 @@ class RunnerSupervisor:
         return self.spec.runner_id
 
     @property
+    def _log_ids(self) -> dict[str, str]:
+        """The ids structured logs carry for this runner's lines (structured_log)."""
+        return {"runner_id": self.spec.runner_id, "instance_id": self.spec.instance_id}
+
+    @property
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
@@ -202,7 +207,7 @@ class RunnerSupervisor:
         then fails its requests and restarts it like any crash."""
         self._hung = f"runner {self.runner_id[:8]} made no progress for {silent_s:.0f} s (hung) and was killed"
         log.warning("runner %s declared hung: silent for %.1f s (limit %.0f s), killing pid %s",
-                    self.runner_id[:8], silent_s, self.hung_s, process.pid)
+                    self.runner_id[:8], silent_s, self.hung_s, process.pid, extra=self._log_ids)
         process.kill()
 
     def send_task(self, task: ChatCompletion) -> None:
@@ -283,7 +288,7 @@ class RunnerSupervisor:
         if self.stopping:
             return
         reason = self._hung or f"runner process exited with code {code}"
-        log.warning("runner %s: %s", self.runner_id[:8], reason)
+        log.warning("runner %s: %s", self.runner_id[:8], reason, extra=self._log_ids)
         delay, gave_up = None, None
         if self.spec.shard.world_size == 1 and self.restarts_locally:
             delay, self.restarts = restart_delay(self.restarts, time.monotonic(), self.restart_budget,
@@ -298,7 +303,7 @@ class RunnerSupervisor:
         if delay is not None:
             self._schedule_restart(delay, reason)
         elif gave_up is not None:
-            log.warning("runner %s failed for good: %s", self.runner_id[:8], gave_up)
+            log.warning("runner %s failed for good: %s", self.runner_id[:8], gave_up, extra=self._log_ids)
             self.milestone("failed_for_good", gave_up[:200])
             if self.callbacks.on_gave_up is not None:
                 self.callbacks.on_gave_up(gave_up)
@@ -307,7 +312,7 @@ class RunnerSupervisor:
         self.restarts.append(time.monotonic())
         attempt = len(self.restarts)
         log.info("runner %s restarting in %.1f s (attempt %d of %d within %.0f s): %s", self.runner_id[:8],
-                 delay, attempt, self.restart_budget, self.restart_window_s, reason)
+                 delay, attempt, self.restart_budget, self.restart_window_s, reason, extra=self._log_ids)
         self.milestone("restarting", f"attempt {attempt} of {self.restart_budget}")
         assert self._loop is not None
         self._loop.call_later(delay, self._restart)
