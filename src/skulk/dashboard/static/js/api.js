@@ -74,8 +74,13 @@ export async function request(path, { method = 'GET', body, timeout = 10000, sig
 export function usePoll(path, interval, { enabled = true, timeout } = {}) {
   const [result, setResult] = useState({ data: null, error: null, at: 0 });
   const [nonce, setNonce] = useState(0);
+  const shown = useRef(path);
   const refresh = useCallback(() => setNonce((n) => n + 1), []);
   useEffect(() => {
+    if (shown.current !== path) {  // another question: never show the old answer under it
+      shown.current = path;
+      setResult({ data: null, error: null, at: 0 });
+    }
     if (!enabled || !path) return undefined;
     let stopped = false;
     let timer = null;

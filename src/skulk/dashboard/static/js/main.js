@@ -63,7 +63,7 @@ function KeyPrompt({ onDone }) {
   const [key, setKey] = useState('');
   const input = useRef(null);
   useEffect(() => { if (input.current) input.current.focus(); }, []);
-  const submit = (e) => { e.preventDefault(); setApiKey(key.trim()); onDone(); };
+  const submit = (e) => { e.preventDefault(); setApiKey(key.trim()); onDone(false); };
   return html`<div class="modal-backdrop">
     <form class="modal" role="dialog" aria-modal="true" aria-labelledby="key-title" onSubmit=${submit}>
       <h2 id="key-title">API key needed</h2>
@@ -72,13 +72,13 @@ function KeyPrompt({ onDone }) {
       <label>API key <input ref=${input} type="password" autocomplete="off" value=${key}
         onInput=${(e) => setKey(e.target.value)} data-testid="api-key" required /></label>
       <div class="row"><button type="submit" class="primary">Use this key</button>
-        <button type="button" onClick=${onDone}>Not now</button></div>
+        <button type="button" onClick=${() => onDone(true)}>Not now</button></div>
     </form>
   </div>`;
 }
 
 function DownBanner({ error, at }) {
-  if (!error) return null;
+  if (!error || (error.status > 0 && error.status < 500)) return null;  // 401/403 are not "down"; the key prompt says
   const since = at ? `; showing the cluster as it was ${ago(at)}` : '';
   return html`<div class="banner" role="status" data-testid="node-down">
     This node is not answering (${error.message})${since}. The page keeps trying; any other node's dashboard works too.
@@ -89,10 +89,11 @@ function App() {
   const path = usePath();
   const page = pageFor(path);
   const [askKey, setAskKey] = useState(false);
+  const dismissed = useRef(false);
   const [{ data: state, error, at }, refreshState] = usePoll('/state', STATE_POLL_MS);
   const gone = useGoneNodes(state);
   useEffect(() => {
-    const ask = () => setAskKey(true);
+    const ask = () => { if (!dismissed.current) setAskKey(true); };
     events.addEventListener('unauthorized', ask);
     return () => events.removeEventListener('unauthorized', ask);
   }, []);
@@ -105,17 +106,17 @@ function App() {
       <nav aria-label="Pages">${PAGES.map((p) => html`<${NavLink} page=${p} current=${p === page} />`)}</nav>
       <span class="top-meta" data-testid="top-meta">${state
         ? `${Object.keys(state.nodeIdentities || {}).length} nodes · master ${master || 'none'}`
-        : error ? 'offline' : 'loading…'}</span>
-      <button type="button" class="link" onClick=${() => setAskKey(true)}>API key</button>
+        : error ? (error.status === 401 ? 'API key needed' : 'offline') : 'loading…'}</span>
+      <button type="button" class="link" onClick=${() => { dismissed.current = false; setAskKey(true); }}>API key</button>
     </header>
     <${DownBanner} error=${error} at=${at} />
     <main id="main">
       ${View
         ? state ? html`<${View} state=${state} gone=${gone} refreshState=${refreshState} />`
-          : html`<p class="muted">${error ? '' : 'Loading the cluster state…'}</p>`
+          : html`<p class="muted">${error ? error.message : 'Loading the cluster state…'}</p>`
         : html`<section class="panel"><h2>Not found</h2><p>No page at ${path}. <a href="/">Cluster</a></p></section>`}
     </main>
-    ${askKey && html`<${KeyPrompt} onDone=${() => setAskKey(false)} />`}`;
+    ${askKey && html`<${KeyPrompt} onDone=${(skipped) => { dismissed.current = !!skipped; setAskKey(false); }} />`}`;
 }
 
 render(html`<${App} />`, document.getElementById('root'));

@@ -7,7 +7,9 @@ import { markdown } from '../markdown.js';
 import { html, ErrorNote, servedModels } from '../ui.js';
 
 const STORE = 'skulk.conversations';
-const newConversation = () => ({ id: crypto.randomUUID(), title: 'New chat', system: '', messages: [], at: Date.now() });
+// crypto.randomUUID exists only in secure contexts, and a LAN node is usually plain http://<address>.
+const newId = () => `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 10)}`;
+const newConversation = () => ({ id: newId(), title: 'New chat', system: '', messages: [], at: Date.now() });
 
 function load() {
   try {

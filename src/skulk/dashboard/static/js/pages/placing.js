@@ -127,13 +127,14 @@ function PlaceForm({ state, onLaunched }) {
     </form>
     <${ErrorNote} error=${error} what="previews" />
     <${ErrorNote} error=${act.error} what="not launched" />
-    ${data && !fits.length && html`<p class="error" role="alert" data-testid="cannot-place">
+    ${data && !fits.length && wanted.length > 0 && html`<p class="error" role="alert" data-testid="cannot-place">
       ${model} cannot be placed with these choices. The reasons, per candidate:</p>`}
     <ul class="grid plain" data-testid="previews">
       ${wanted.map((p, i) => html`<${PreviewCard} key=${`${p.sharding}${p.nodeIds.join()}${i}`} state=${state} preview=${p}
         onLaunch=${launch} busy=${act.busy} />`)}
     </ul>
-    ${data && !wanted.length && html`<p class="muted">No candidate with at least ${minNodes} node(s).</p>`}
+    ${data && !wanted.length && html`<p class="muted" data-testid="no-candidate">No candidate with at least ${minNodes}
+      node(s)${picked.length ? ' among the nodes picked' : ''}: the nodes must be linked in a ring (see the topology).</p>`}
   </div>`;
 }
 
