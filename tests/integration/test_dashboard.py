@@ -339,6 +339,11 @@ def test_a_killed_node_shows_gone_and_the_meta_instance_is_placed_again(scenario
     sync_api.expect(row).to_have_attribute("data-status", "healthy")
     second = wait_until(lambda: scenario.meta_serving(survivor), 30, "the API to agree")
     assert second != first and members(survivor, second) == {survivor.node_id}
+
+    row.get_by_test_id("delete-meta").click()  # delete asks first, then cascades to the instance
+    row.get_by_test_id("delete-meta-yes").click()
+    sync_api.expect(row).to_have_count(0)
+    assert second not in get(survivor, "/state")["instances"]
     dash.assert_clean()
 
 
@@ -388,3 +393,32 @@ def test_with_api_keys_the_dashboard_asks_for_one_keeps_it_and_sends_it(
         context.close()
     unexpected = [e for e in view.errors if "status of 401" not in e and "status of 403" not in e]
     assert unexpected == [], "\n".join(unexpected)
+
+
+MARKDOWN = "# Title\n\nSome **bold** and `code` <img src=x onerror=alert(1)>\n\n```py\nprint('<b>')\n```\n" \
+    "- [ok](https://example.com/a)\n- [bad](javascript:alert(1))\n"
+
+
+def test_answers_render_as_markdown_and_never_as_html(browser: Any, tmp_path: Path) -> None:
+    """The chat's renderer builds elements from model output, so markup in it stays text."""
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        with api_with_keys(tmp_path) as url:
+            page.goto(url + "/")
+            rendered = page.evaluate(
+                """async (text) => {
+                    const base = document.querySelector('script[type=module]').src.replace(/js\\/main\\.js$/, '');
+                    const { markdown } = await import(base + 'js/markdown.js');
+                    const { render, h } = await import(base + 'vendor/preact.js');
+                    const box = document.createElement('div');
+                    render(h('div', null, markdown(text)), box);
+                    return box.innerHTML;
+                }""", MARKDOWN)
+    finally:
+        context.close()
+    assert "<h3>Title</h3>" in rendered and "<strong>bold</strong>" in rendered and "<code>code</code>" in rendered
+    assert "&lt;img src=x onerror=alert(1)&gt;" in rendered and "<img" not in rendered
+    assert "<pre class=\"code\" data-lang=\"py\"><code>print('&lt;b&gt;')</code></pre>" in rendered, rendered
+    assert 'href="https://example.com/a"' in rendered and 'rel="noopener noreferrer"' in rendered
+    assert 'href="javascript' not in rendered and "[bad](javascript:alert(1))" in rendered, "kept as text"
