@@ -8,13 +8,14 @@ With no task traced, each engine step costs one empty-set test here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from skulk.types.tracing import TraceSpan
 
 DECODE_BATCH = 16
 """Decode steps folded into one span: a span per token would cost more than the step it measures."""
 CATEGORY = "runner"
+_NONE: frozenset[str] = frozenset()
 
 
 def _us(seconds: float) -> int:
@@ -39,9 +40,9 @@ class SpanBook:
         if task_id in self.traced:
             self._add(task_id, name, start, end, **args)
 
-    def step(self, start: float, end: float, prefilled: Iterable[str], active: Iterable[str]) -> None:
+    def step(self, start: float, end: float, prefilled: Collection[str], active: Iterable[str]) -> None:
         """One engine step: a prefill span for the tasks admitted in it, a decode step for the others."""
-        new = set(prefilled)
+        new = set(prefilled) if prefilled else _NONE
         for task_id in new:
             if task_id in self.traced:
                 self._add(task_id, "prefill", start, end, batch=len(new))
