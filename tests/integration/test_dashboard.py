@@ -365,27 +365,32 @@ def api_with_keys(tmp_path: Path) -> Iterator[str]:
         thread.join(10)
 
 
+@pytest.fixture(scope="module")
+def keyed_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with api_with_keys(tmp_path_factory.mktemp("keyed")) as url:
+        yield url
+
+
 def test_with_api_keys_the_dashboard_asks_for_one_keeps_it_and_sends_it(
-    browser: Any, tmp_path: Path, request: pytest.FixtureRequest
+    browser: Any, keyed_api: str, tmp_path: Path
 ) -> None:
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     view = Dash(context.new_page())
     page = view.page
     try:
-        with api_with_keys(tmp_path) as url:
-            page.goto(url + "/")  # the page itself loads without a key
-            dialog = page.get_by_role("dialog", name="API key needed")
-            sync_api.expect(dialog).to_be_visible()
-            page.get_by_test_id("api-key").fill("wrong")
-            page.get_by_test_id("api-key").press("Enter")
-            sync_api.expect(dialog).to_be_visible()  # refused again: asked again
-            page.get_by_test_id("api-key").fill("user-key")
-            page.get_by_role("button", name="Use this key").click()
-            sync_api.expect(dialog).to_be_hidden()
-            sync_api.expect(page.locator("[data-testid=node-card][data-state=live]")).to_have_count(2)
-            page.goto(url + "/operator")  # kept in the browser: no question this time; admin routes say so
-            sync_api.expect(page.get_by_text("needs an admin key").first).to_be_visible()
-            sync_api.expect(dialog).to_have_count(0)
+        page.goto(keyed_api + "/")  # the page itself loads without a key
+        dialog = page.get_by_role("dialog", name="API key needed")
+        sync_api.expect(dialog).to_be_visible()
+        page.get_by_test_id("api-key").fill("wrong")
+        page.get_by_test_id("api-key").press("Enter")
+        sync_api.expect(dialog).to_be_visible()  # refused again: asked again
+        page.get_by_test_id("api-key").fill("user-key")
+        page.get_by_role("button", name="Use this key").click()
+        sync_api.expect(dialog).to_be_hidden()
+        sync_api.expect(page.locator("[data-testid=node-card][data-state=live]")).to_have_count(2)
+        page.goto(keyed_api + "/operator")  # kept in the browser: no question this time; admin routes say so
+        sync_api.expect(page.get_by_text("needs an admin key").first).to_be_visible()
+        sync_api.expect(dialog).to_have_count(0)
     except BaseException:
         page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
         raise
@@ -399,22 +404,21 @@ MARKDOWN = "# Title\n\nSome **bold** and `code` <img src=x onerror=alert(1)>\n\n
     "- [ok](https://example.com/a)\n- [bad](javascript:alert(1))\n"
 
 
-def test_answers_render_as_markdown_and_never_as_html(browser: Any, tmp_path: Path) -> None:
+def test_answers_render_as_markdown_and_never_as_html(browser: Any, keyed_api: str) -> None:
     """The chat's renderer builds elements from model output, so markup in it stays text."""
     context = browser.new_context()
     page = context.new_page()
     try:
-        with api_with_keys(tmp_path) as url:
-            page.goto(url + "/")
-            rendered = page.evaluate(
-                """async (text) => {
-                    const base = document.querySelector('script[type=module]').src.replace(/js\\/main\\.js$/, '');
-                    const { markdown } = await import(base + 'js/markdown.js');
-                    const { render, h } = await import(base + 'vendor/preact.js');
-                    const box = document.createElement('div');
-                    render(h('div', null, markdown(text)), box);
-                    return box.innerHTML;
-                }""", MARKDOWN)
+        page.goto(keyed_api + "/")
+        rendered = page.evaluate(
+            """async (text) => {
+                const base = document.querySelector('script[type=module]').src.replace(/js\\/main\\.js$/, '');
+                const { markdown } = await import(base + 'js/markdown.js');
+                const { render, h } = await import(base + 'vendor/preact.js');
+                const box = document.createElement('div');
+                render(h('div', null, markdown(text)), box);
+                return box.innerHTML;
+            }""", MARKDOWN)
     finally:
         context.close()
     assert "<h3>Title</h3>" in rendered and "<strong>bold</strong>" in rendered and "<code>code</code>" in rendered
