@@ -21,6 +21,7 @@ from skulk.cluster.dataplane import ChunkStream, publish_chunk
 from skulk.cluster.election import Elector
 from skulk.cluster.intake import send_command, send_local_event
 from skulk.cluster.membership import Membership
+from skulk.cluster.payloads import PayloadBook, PayloadFetcher
 from skulk.cluster.sync import EventFollower
 from skulk.cluster.transport import Transport, TransportSettings
 from skulk.config import Settings
@@ -55,7 +56,7 @@ from skulk.types.events import (
 from skulk.types.ids import CommandId, MetaInstanceId, NodeId, RunnerId, new_id
 from skulk.types.meta_instances import MetaInstance
 from skulk.types.state import State
-from skulk.types.tasks import TaskStatus
+from skulk.types.tasks import ChatCompletionTaskParams, TaskStatus
 from skulk.worker import node_info, topology
 from skulk.worker.supervisor import RunnerSupervisor
 from skulk.worker.worker import Worker
@@ -118,7 +119,12 @@ class Node:
         self.tracing.stream_opened(command_id)
         return stream
 
+    def offer_payload(self, command_id: CommandId, params: ChatCompletionTaskParams) -> None:
+        """Keep a request's prompt here, for the nodes that run it to fetch (never in state)."""
+        self.payloads.offer(command_id, params)
+
     def close_stream(self, stream: ChunkStream) -> None:
+        self.payloads.withdraw(stream.command_id)
         self.streams.pop(stream.command_id, None)
         stream.close()
         self.tracing.stream_closed(stream.command_id)
@@ -159,6 +165,8 @@ class Node:
         self.event_log = open_for(self.settings)
         self.transport.open()
         self.node_id = NodeId(self.transport.zenoh_id())
+        self.payloads = PayloadBook(self.transport, self.node_id)
+        self.payloads.start()
         structured_log.install(self.settings.logging, self.node_id)
         self.tracing = NodeTracing(self.settings.home, self.node_id, lambda: self.store.state,
                                    self.settings.tracing.retention_days)
@@ -194,6 +202,7 @@ class Node:
             runner_restart_window_s=self.settings.runner_restart_window_seconds,
             runner_hung_s=self.settings.runner_hung_seconds,
             on_spans=self.tracing.on_spans,
+            payloads=PayloadFetcher(self.transport),
         )
         self.store.listen(self._on_state_change)
 

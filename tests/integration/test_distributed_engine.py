@@ -236,6 +236,7 @@ async def test_runner_path_serves_a_task_across_two_ranks(demo_dir: Path) -> Non
         supervisors = await start_runners(demo_dir, seen)
         task = ChatCompletion(
             task_id=TaskId("task-1"), command_id=CommandId("cmd-1"), instance_id=InstanceId("inst"),
+            model=ModelId("skulk/tiny-random-llama"),
             task_params=ChatCompletionTaskParams(model=ModelId("skulk/tiny-random-llama"), messages=messages,
                                                  sampling=GREEDY),
         )

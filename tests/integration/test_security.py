@@ -197,3 +197,22 @@ def test_a_slowloris_crowd_does_not_stop_a_chat(nodes: list[LocalNode]) -> None:
     finally:
         for sock in crowd:
             sock.close()
+
+
+def test_prompts_never_reach_state_or_diagnostics(nodes: list[LocalNode]) -> None:
+    """A system prompt sent through each node is answered (its payload went point to point to the runner's node)
+    and never appears in /state or any diagnostics of any node, nor do other hosts' processes."""
+    canary = "CANARY-7f3c-secret-system-prompt"
+    for node in nodes:
+        body = chat(messages=[{"role": "system", "content": canary}, {"role": "user", "content": "hi"}])
+        reply = httpx.post(node.url + "/v1/chat/completions", json=body, headers=bearer(USER_A), timeout=60)
+        assert reply.status_code == 200, reply.text
+    for node in nodes:
+        state = httpx.get(node.url + "/state", headers=bearer(ADMIN), timeout=10)
+        tasks = state.json()["tasks"]
+        assert tasks and all("taskParams" not in next(iter(t.values())) for t in tasks.values()), tasks
+        for path in ("/state", "/v1/diagnostics/node", "/v1/diagnostics/cluster", "/v1/diagnostics/cluster/timeline"):
+            text = httpx.get(node.url + path, headers=bearer(ADMIN), timeout=30).text
+            assert canary not in text, path
+        processes = httpx.get(node.url + "/v1/diagnostics/node", headers=bearer(ADMIN), timeout=30).json()
+        assert all(p["isChildOfSkulk"] for p in processes["processes"]), processes["processes"]

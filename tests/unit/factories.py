@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from skulk.state.apply import apply
-from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.events import Event, IndexedEvent
 from skulk.types.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance, ShardAssignments
@@ -11,7 +10,7 @@ from skulk.types.memory import Memory
 from skulk.types.models import ModelCard
 from skulk.types.shards import PipelineShardMetadata
 from skulk.types.state import State
-from skulk.types.tasks import ChatCompletion, ChatCompletionTaskParams
+from skulk.types.tasks import ChatCompletion
 
 CARD = ModelCard(
     model_id=ModelId("test/model"),
@@ -53,11 +52,7 @@ def chat_task(task_id: str = "t1", instance_id: str = "inst", command_id: str = 
         task_id=TaskId(task_id),
         command_id=CommandId(command_id),
         instance_id=InstanceId(instance_id),
-        task_params=ChatCompletionTaskParams(
-            model=CARD.model_id,
-            messages=[ChatMessage(role="user", content="hi")],
-            sampling=SamplingParams(max_tokens=4),
-        ),
+        model=CARD.model_id,
     )
 
 

@@ -7,7 +7,6 @@ from skulk.master.decide import (
     events_for_unhealthy_instances,
     pick_instance,
 )
-from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.commands import CancelCommand, DeleteInstance, StartChatCompletion
 from skulk.types.events import (
     InstanceCreated,
@@ -30,8 +29,6 @@ def _start(command_id: str = "c9") -> StartChatCompletion:
     return StartChatCompletion(
         command_id=CommandId(command_id),
         model=CARD.model_id,
-        messages=[ChatMessage(role="user", content="hi")],
-        sampling=SamplingParams(),
     )
 
 

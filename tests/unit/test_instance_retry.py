@@ -10,7 +10,6 @@ import pytest
 from skulk.api.chat_session import require_instance
 from skulk.api.errors import ApiError
 from skulk.master.decide import events_for_command, events_for_unhealthy_instances, pick_instance
-from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.commands import StartChatCompletion
 from skulk.types.events import (
     Event,
@@ -141,8 +140,7 @@ def test_chats_to_a_failed_instance_fail_fast_with_what_to_do() -> None:
     assert caught.value.status == 503 and caught.value.code == "instance_failed"
     assert "DELETE /instance/a" in caught.value.message and "place it again" in caught.value.message
     command = StartChatCompletion(
-        command_id=CommandId("c"), model=CARD.model_id, messages=[ChatMessage(role="user", content="hi")],
-        sampling=SamplingParams(),
+        command_id=CommandId("c"), model=CARD.model_id,
     )
     events = events_for_command(single, command, TaskId("t"))
     assert isinstance(events[-1], TaskFailed) and "failed" in events[-1].error_message

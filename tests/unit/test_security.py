@@ -17,8 +17,14 @@ from skulk.api.errors import install_error_handlers
 from skulk.api.security import Access, KeyRing, LocalNames, host_name_of, install_security, required_access
 from skulk.config import Settings
 from skulk.logs import RateLimitFilter
-from skulk.types.chat import ChatCompletionRequest
+from skulk.types.chat import ChatCompletionRequest, ChatMessage, SamplingParams
+from skulk.types.commands import StartChatCompletion
+from skulk.types.events import TaskCreated
+from skulk.types.ids import CommandId
 from skulk.types.limits import INVALID_UNICODE
+from skulk.types.tasks import ChatCompletionTaskParams
+
+from .factories import CARD, applied, chat_task
 
 
 @pytest.mark.parametrize(("method", "path", "access"), [
@@ -142,3 +148,17 @@ def test_log_flood_is_cut_and_counted() -> None:
     now[0] = 11.0
     later = record("accept failed")
     assert limiter.filter(later) and later.msg.startswith("[7 similar messages suppressed]")
+
+
+def test_a_prompt_never_serialises_with_its_task() -> None:
+    """The payload a worker attaches for its runner is excluded from every dump: no event, snapshot or /state
+    can carry it, even if a task with one reached the state by mistake."""
+    params = ChatCompletionTaskParams(model=CARD.model_id, messages=[ChatMessage(role="user", content="SECRET")],
+                                      sampling=SamplingParams())
+    task = chat_task().model_copy(update={"task_params": params})
+    assert task.task_params is params
+    state = applied(TaskCreated(task=task))
+    for dumped in (task.model_dump_json(), TaskCreated(task=task).model_dump_json(), state.model_dump_json()):
+        assert "SECRET" not in dumped and "messages" not in dumped
+    command = StartChatCompletion(command_id=CommandId("c"), model=CARD.model_id).model_dump(by_alias=True)
+    assert set(command["StartChatCompletion"]) == {"commandId", "model", "originNodeId", "instanceId"}

@@ -14,6 +14,7 @@ from skulk.types.chat import ChatCompletionRequest
 from skulk.types.chunks import ErrorChunk, TokenChunk
 from skulk.types.commands import CancelCommand, StartChatCompletion
 from skulk.types.ids import CommandId, ModelId, new_id
+from skulk.types.tasks import ChatCompletionTaskParams
 
 FIRST_CHUNK_TIMEOUT_S = 120.0
 NEXT_CHUNK_TIMEOUT_S = 300.0
@@ -94,14 +95,11 @@ async def start_chat(node: NodeHandle, request: ChatCompletionRequest) -> ChatSe
     command_id = CommandId(new_id())
     OWNERS.claim(command_id)  # only this key (or an admin) may cancel it by id
     stream = node.open_stream(command_id)
-    node.send_command(
-        StartChatCompletion(
-            command_id=command_id,
-            model=ModelId(request.model),
-            messages=request.messages,
-            sampling=request.sampling(),
-        )
-    )
+    params = ChatCompletionTaskParams(model=ModelId(request.model), messages=request.messages,
+                                      sampling=request.sampling())
+    node.offer_payload(command_id, params)  # the prompt stays here; runners fetch it point to point
+    node.send_command(StartChatCompletion(command_id=command_id, model=ModelId(request.model),
+                                          origin_node_id=node.node_id))
     try:
         first = await stream.next(FIRST_CHUNK_TIMEOUT_S)
     except TimeoutError:

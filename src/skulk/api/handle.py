@@ -10,6 +10,7 @@ from skulk.config import Settings
 from skulk.types.commands import Command
 from skulk.types.ids import CommandId, NodeId
 from skulk.types.state import State
+from skulk.types.tasks import ChatCompletionTaskParams
 
 
 class NodeHandle(Protocol):
@@ -28,6 +29,10 @@ class NodeHandle(Protocol):
 
     def open_stream(self, command_id: CommandId) -> ChunkStream:
         """Subscribe before the command is sent, so no chunk is missed. Close it when done."""
+        ...
+
+    def offer_payload(self, command_id: CommandId, params: ChatCompletionTaskParams) -> None:
+        """Keep the request's prompt on this node for the nodes that run it; withdrawn by close_stream."""
         ...
 
     def close_stream(self, stream: ChunkStream) -> None: ...

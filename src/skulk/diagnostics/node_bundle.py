@@ -93,7 +93,7 @@ def _instance_tasks(state: State, instance: MlxRingInstance, runner_id: str) -> 
             instance_id=task.instance_id,
             command_id=task.command_id,
             runner_id=runner_id,
-            model_id=task.task_params.model,
+            model_id=task.model,
         )
         for task in state.tasks.values()
         if task.instance_id == instance.instance_id and task.task_status.is_open

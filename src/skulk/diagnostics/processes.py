@@ -1,8 +1,9 @@
-"""Relevant OS processes: this Skulk process, its descendants (runners and helpers), and other Python.
+"""This node's own OS processes: the Skulk process and its descendants (runners and helpers), nothing else.
 
-One `psutil.process_iter` pass with prefetched attributes, capped at MAX_PROCESSES rows, so the scan stays
-in the tens of milliseconds even on a busy machine. Processes that vanish mid-scan are skipped. Blocking:
-run it off the event loop.
+Other processes on the host are none of the cluster's business: their command lines can carry secrets and
+show what else a machine runs, and diagnostics are readable by every admin of the cluster. One pass over the
+tree with prefetched attributes, capped at MAX_PROCESSES rows. Processes that vanish mid-scan are skipped.
+Blocking: run it off the event loop.
 """
 
 from __future__ import annotations
@@ -82,15 +83,17 @@ def _row(info: dict[str, object], role: ProcessRole, in_tree: bool, now: float) 
 def scan_processes(
     runner_pids: Collection[int] = (), root: int | None = None, limit: int = MAX_PROCESSES
 ) -> list[ProcessDiagnostics]:
-    """Skulk's own tree first (it explains the node), then other Python processes, up to `limit` rows."""
+    """Skulk's own tree, the node's process first, up to `limit` rows."""
     root = os.getpid() if root is None else root
     tree = _tree(root)
     now = time.time()
     rows: list[ProcessDiagnostics] = []
-    for proc in psutil.process_iter(_ATTRS, ad_value=None):
-        info: dict[str, object] = proc.info  # type: ignore[attr-defined]
-        pid = int(info["pid"])  # type: ignore[arg-type]
-        in_tree = pid in tree
+    for pid in sorted(tree):
+        try:
+            info: dict[str, object] = psutil.Process(pid).as_dict(_ATTRS, ad_value=None)
+        except psutil.Error:
+            continue  # gone since the tree was read
+        in_tree = True
         role = classify(pid, str(info.get("name") or ""), _command(info), root, runner_pids, in_tree)
         if role is not None:
             rows.append(_row(info, role, in_tree, now))

@@ -95,7 +95,7 @@ def task_diagnostics(task: ChatCompletion, runner_id: str | None, state: State |
         instance_id=task.instance_id,
         command_id=task.command_id,
         runner_id=runner_id,
-        model_id=task.task_params.model,
+        model_id=task.model,
     )
 
 

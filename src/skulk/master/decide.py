@@ -34,7 +34,7 @@ from skulk.types.ids import InstanceId, ModelId, NodeId, TaskId
 from skulk.types.instances import MlxRingInstance
 from skulk.types.runners import RunnerFailed, RunnerReady, RunnerRunning
 from skulk.types.state import InstanceRetries, State
-from skulk.types.tasks import ChatCompletion, ChatCompletionTaskParams, TaskStatus
+from skulk.types.tasks import ChatCompletion, TaskStatus
 
 SERVING = (RunnerReady, RunnerRunning)
 _DEFAULTS = Settings()
@@ -74,14 +74,12 @@ def events_for_command(state: State, command: Command, new_task_id: TaskId) -> l
 
 def _start_chat(state: State, command: StartChatCompletion, task_id: TaskId) -> list[Event]:
     instance_id = command.instance_id or pick_instance(state, command.model)
-    params = ChatCompletionTaskParams(
-        model=command.model, messages=command.messages, sampling=command.sampling
-    )
     task = ChatCompletion(
         task_id=task_id,
         command_id=command.command_id,
         instance_id=instance_id or InstanceId(""),
-        task_params=params,
+        model=command.model,
+        origin_node_id=command.origin_node_id,
         traced=state.tracing_enabled is True,
     )
     if instance_id is None or instance_id not in state.instances:

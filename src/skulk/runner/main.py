@@ -328,8 +328,10 @@ class Runner:
     def _admit(self, task: ChatCompletion) -> list[int] | None:
         """Template, check the context and add to the engine; None when rejected (already reported)."""
         assert self.engine is not None
-        prompt = self.engine.encode_chat(task.task_params.messages)
-        message = context_refusal(len(prompt), task.task_params.sampling, self.engine.context_length)
+        params = task.task_params  # attached by the worker from the API node's payload; never in state
+        assert params is not None, "a task reached the runner without its payload"
+        prompt = self.engine.encode_chat(params.messages)
+        message = context_refusal(len(prompt), params.sampling, self.engine.context_length)
         if message is not None:
             self.send_after_step()
             self._fail(task.task_id, task.command_id, message, code="context_length_exceeded", status=400)
@@ -337,9 +339,9 @@ class Runner:
         # a fresh KV-cache slot per request: this engine keeps no prefix cache, so the lookup always misses
         self.recorder.record("kv_cache_lookup", "slot_allocated", task_id=task.task_id, command_id=task.command_id)
         if self.dist is not None:
-            self.dist.add_request(task.task_id, prompt, task.task_params.sampling, command_id=task.command_id)
+            self.dist.add_request(task.task_id, prompt, params.sampling, command_id=task.command_id)
         else:
-            self.engine.add_request(task.task_id, prompt, task.task_params.sampling)
+            self.engine.add_request(task.task_id, prompt, params.sampling)
         return prompt
 
     def _fail_in_engine(self, task_id: TaskId, command_id: CommandId, why: BaseException | str) -> None:

@@ -41,7 +41,7 @@ class NodeTracing:
         if not spans:
             return
         task = self._state().tasks.get(spans[0].task_id)  # type: ignore[arg-type]
-        model = task.task_params.model if task is not None else None
+        model = task.model if task is not None else None
         self.store.add(spans, model, type(task).__name__ if task is not None else None)
 
     def stream_opened(self, command_id: str) -> None:
@@ -58,7 +58,7 @@ class NodeTracing:
         start_us, end_us = int(started * 1e6), int(time.time() * 1e6)
         span = TraceSpan(task_id=task.task_id, name="api_stream", category="api", start_us=start_us,
                          duration_us=end_us - start_us)
-        self.store.add([span], task.task_params.model, type(task).__name__)
+        self.store.add([span], task.model, type(task).__name__)
 
     def initial_command(self, configured: bool) -> Command | None:
         """tracing.enabled / SKULK_TRACING_ENABLED applies while nobody has set the flag in this cluster."""

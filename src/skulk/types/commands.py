@@ -7,7 +7,6 @@ from typing import Annotated
 from pydantic import Discriminator, Tag
 
 from .base import TaggedModel, tag_of
-from .chat import ChatMessage, SamplingParams
 from .ids import CommandId, InstanceId, MetaInstanceId, ModelId, NodeId
 from .instances import Instance, InstanceMeta, Sharding
 from .meta_instances import MetaInstance
@@ -27,10 +26,12 @@ class DeleteInstance(TaggedModel):
 
 
 class StartChatCompletion(TaggedModel):
+    """Ask the master for a task. No prompt: the payload stays on origin_node_id, which serves it point to
+    point to the nodes that run the task."""
+
     command_id: CommandId
     model: ModelId
-    messages: list[ChatMessage]
-    sampling: SamplingParams
+    origin_node_id: NodeId | None = None
     instance_id: InstanceId | None = None
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import Discriminator, Tag
+from pydantic import Discriminator, Field, Tag
 
 from .base import CamelModel, TaggedModel, tag_of
 from .chat import ChatMessage, SamplingParams
-from .ids import CommandId, InstanceId, ModelId, TaskId
+from .ids import CommandId, InstanceId, ModelId, NodeId, TaskId
 
 
 class TaskStatus(StrEnum):
@@ -25,6 +25,10 @@ class TaskStatus(StrEnum):
 
 
 class ChatCompletionTaskParams(CamelModel):
+    """Everything prompt-bearing of one request (messages, sampling, and whatever a client API adds next to
+    them). It never enters the replicated state, the master's history or a snapshot: the API node that took
+    the request keeps it and serves it point to point to the nodes that run the task (cluster/payloads.py)."""
+
     model: ModelId
     messages: list[ChatMessage]
     sampling: SamplingParams
@@ -35,7 +39,12 @@ class ChatCompletion(TaggedModel):
     command_id: CommandId
     instance_id: InstanceId
     task_status: TaskStatus = TaskStatus.Pending
-    task_params: ChatCompletionTaskParams
+    model: ModelId
+    origin_node_id: NodeId | None = None
+    """The API node that took the request and holds its payload."""
+    task_params: ChatCompletionTaskParams | None = Field(default=None, exclude=True)
+    """Runner-local: the worker attaches the payload it fetched before handing the task to its runner.
+    Excluded from every serialisation, so no event, snapshot or /state can carry a prompt even by mistake."""
     error_message: str | None = None
     traced: bool = False
     """Tracing was on when the master created the task: every rank records spans for it (runbook 004)."""

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from skulk.config import Settings
 from skulk.runner.messages import TaskEnded
@@ -17,7 +18,7 @@ from skulk.types.ids import InstanceId, NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance
 from skulk.types.runners import RunnerStatus
 from skulk.types.state import State
-from skulk.types.tasks import TaskStatus
+from skulk.types.tasks import ChatCompletion, TaskStatus
 from skulk.types.tracing import TraceSpan
 from skulk.worker.plan import (
     Action,
@@ -30,6 +31,9 @@ from skulk.worker.plan import (
     plan,
 )
 from skulk.worker.supervisor import RunnerSupervisor, SupervisorCallbacks
+
+if TYPE_CHECKING:
+    from skulk.cluster.payloads import PayloadFetcher
 
 log = logging.getLogger("skulk.worker")
 
@@ -55,7 +59,13 @@ class Worker:
         runner_restart_window_s: float = _DEFAULTS.runner_restart_window_seconds,
         runner_hung_s: float = _DEFAULTS.runner_hung_seconds,
         on_spans: Callable[[list[TraceSpan]], None] | None = None,
+        payloads: PayloadFetcher | None = None,
     ) -> None:
+        self.payloads = payloads
+        """Where a task's prompt comes from (its API node, point to point); None: tasks carry it already."""
+        self._fetching: set[tuple[RunnerId, TaskId]] = set()
+        self._deliveries: set[asyncio.Task[None]] = set()
+        self._state = State()
         self.on_spans = on_spans
         """Where runners' trace spans go (the node's trace store); None drops them."""
         self.restart_budget = runner_restart_budget
@@ -83,8 +93,11 @@ class Worker:
     def reconcile(self, state: State) -> None:
         if self._closed:
             return
+        self._state = state
         for action in plan(state, self.node_id, self.local_view()):
             self._execute(action, state)
+        if self.payloads is not None:
+            self.payloads.forget({t.command_id for t in state.tasks.values() if t.task_status.is_open})
         for supervisor in self.supervisors.values():
             supervisor.forget_finished(state)
         self._log_failed_instances(state)
@@ -108,9 +121,39 @@ class Worker:
                 self._log_retry(state, instance, runner_id, why)
                 self._start_runner(instance, runner_id, attempt, after=self._stop_runner(runner_id))
             case SendTask(runner_id=runner_id, task=task):
-                self.supervisors[runner_id].send_task(task)
+                self._send(runner_id, task)
             case CancelRunnerTask(runner_id=runner_id, task_id=task_id):
                 self.supervisors[runner_id].cancel(task_id)
+
+    def _send(self, runner_id: RunnerId, task: ChatCompletion) -> None:
+        """Hand a task to its runner, once its payload has come from the API node that took the request."""
+        if task.task_params is not None or self.payloads is None:
+            self.supervisors[runner_id].send_task(task)
+            return
+        if (runner_id, task.task_id) in self._fetching:
+            return  # plan() asks again on every state change while the payload is on its way
+        self._fetching.add((runner_id, task.task_id))
+        delivery = asyncio.get_running_loop().create_task(self._deliver(runner_id, task, self.payloads))
+        self._deliveries.add(delivery)
+        delivery.add_done_callback(self._deliveries.discard)
+
+    async def _deliver(self, runner_id: RunnerId, task: ChatCompletion, payloads: PayloadFetcher) -> None:
+        try:
+            params = await payloads.fetch(task)
+        finally:
+            self._fetching.discard((runner_id, task.task_id))
+        current = self._state.tasks.get(task.task_id)
+        supervisor = self.supervisors.get(runner_id)
+        if supervisor is None or current is None or not current.task_status.is_open:
+            return
+        if params is None:
+            log.warning("task %s: its payload could not be fetched from node %s", task.task_id[:8],
+                        (task.origin_node_id or "?")[:8])
+            self.emit(TaskFailed(task_id=task.task_id, retryable=True,
+                                 error_message="the request's prompt could not be fetched from the node that "
+                                 "took it; retry"))
+            return
+        supervisor.send_task(task.model_copy(update={"task_params": params}))
 
     def _log_retry(self, state: State, instance: MlxRingInstance, runner_id: RunnerId, why: str) -> None:
         retries = state.instance_retries.get(instance.instance_id)

@@ -1,0 +1,92 @@
+"""Request payloads (prompts and sampling) travel point to point, never through the replicated state.
+
+The API node that takes a request keeps its `ChatCompletionTaskParams` and answers zenoh queries for it on
+`payload/<its node id>/<command id>`; the command to the master and the task in state carry only ids and the
+model. A worker about to hand the task to its runner asks the origin node for the payload (one query, cached
+per command so the ranks of one node share it). A payload is dropped when the API node closes the request's
+stream, and the book is bounded, so an abandoned request cannot pin memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from threading import Lock
+
+from pydantic import ValidationError
+
+from skulk.cluster.transport import Transport
+from skulk.types.ids import CommandId, NodeId
+from skulk.types.tasks import ChatCompletion, ChatCompletionTaskParams
+
+log = logging.getLogger(__name__)
+MAX_HELD = 4096
+"""Open requests one API node holds payloads for; the oldest goes first past this (its stream is long gone)."""
+FETCH_TIMEOUT_S = 5.0
+
+
+def payload_key(origin: str, command_id: str) -> str:
+    return f"payload/{origin}/{command_id}"
+
+
+class PayloadBook:
+    """API side: the payloads of this node's open requests, served to the nodes that run them."""
+
+    def __init__(self, transport: Transport, node_id: NodeId, limit: int = MAX_HELD) -> None:
+        self._transport, self._node_id, self._limit = transport, node_id, limit
+        self._held: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = Lock()  # answered on zenoh's threads, written on the loop
+
+    def start(self) -> None:
+        self._transport.serve(payload_key(self._node_id, "*"), self._answer)
+
+    def offer(self, command_id: CommandId, params: ChatCompletionTaskParams) -> None:
+        data = params.model_dump_json().encode()
+        with self._lock:
+            self._held[command_id] = data
+            while len(self._held) > self._limit:
+                self._held.popitem(last=False)
+
+    def withdraw(self, command_id: CommandId) -> None:
+        with self._lock:
+            self._held.pop(command_id, None)
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def _answer(self, key: str, _parameters: str) -> bytes | None:
+        with self._lock:
+            return self._held.get(key.rsplit("/", 1)[-1])
+
+
+class PayloadFetcher:
+    """Worker side: one query per command to its origin node, shared by this node's ranks."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._pending: dict[str, asyncio.Task[ChatCompletionTaskParams | None]] = {}
+
+    async def fetch(self, task: ChatCompletion) -> ChatCompletionTaskParams | None:
+        if task.origin_node_id is None:
+            return None
+        pending = self._pending.get(task.command_id)
+        if pending is None:
+            pending = asyncio.get_running_loop().create_task(self._query(task.origin_node_id, task.command_id))
+            self._pending[task.command_id] = pending
+        return await asyncio.shield(pending)
+
+    def forget(self, open_commands: set[str]) -> None:
+        """Drop what was fetched for commands that are no longer open."""
+        for command_id in [c for c in self._pending if c not in open_commands and self._pending[c].done()]:
+            del self._pending[command_id]
+
+    async def _query(self, origin: NodeId, command_id: CommandId) -> ChatCompletionTaskParams | None:
+        replies = await self._transport.query(payload_key(origin, command_id), timeout_s=FETCH_TIMEOUT_S)
+        for reply in replies:
+            try:
+                return ChatCompletionTaskParams.model_validate_json(reply)
+            except ValidationError:
+                log.warning("malformed payload for command %s from %s dropped", command_id[:8], origin[:8])
+        return None
