@@ -67,7 +67,7 @@ function KeyPrompt({ onDone }) {
   return html`<div class="modal-backdrop">
     <form class="modal" role="dialog" aria-modal="true" aria-labelledby="key-title" onSubmit=${submit}>
       <h2 id="key-title">API key needed</h2>
-      <p>This cluster asks for an API key. It is kept in this browser only and sent as
+      <p>This cluster asks for an API key. It is kept in this browser only and sent as${' '}
         <code>Authorization: Bearer …</code> with every request.</p>
       <label>API key <input ref=${input} type="password" autocomplete="off" value=${key}
         onInput=${(e) => setKey(e.target.value)} data-testid="api-key" required /></label>

@@ -32,7 +32,7 @@ export function Bar({ label, used, total, extra = 0, title }) {
   const extraPct = Math.min(100 - usedPct, pct(extra, total));
   const text = `${gb(used)}${extra ? ` + ${gb(extra)}` : ''} of ${gb(total)}`;
   const level = usedPct + extraPct > 90 ? 'bar-high' : usedPct + extraPct > 75 ? 'bar-mid' : '';
-  return html`<div class="bar-row" title=${title || text}>
+  return html`<div class=${label ? 'bar-row' : 'bar-row no-label'} title=${title || text}>
     ${label && html`<span class="bar-label">${label}</span>`}
     <span class=${`bar ${level}`} role="meter" aria-label=${label || 'usage'} aria-valuemin="0" aria-valuemax="100"
       aria-valuenow=${Math.round(usedPct + extraPct)} aria-valuetext=${text}>

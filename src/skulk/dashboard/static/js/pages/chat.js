@@ -184,7 +184,7 @@ export function ChatPage({ state }) {
         <label class="wide">System prompt <textarea rows="2" value=${conv.system} data-testid="system-prompt"
           onInput=${(e) => update((c) => ({ ...c, system: e.target.value }))}></textarea></label>
       </div>
-      ${!models.length && html`<p class="muted">No model is served yet: place one on the
+      ${!models.length && html`<p class="muted">No model is served yet: place one on the${' '}
         <a href="/placing">Placing</a> page.</p>`}
       <div class="messages" aria-live="polite">
         ${conv.messages.map((m, i) => html`<${Message} key=${i} msg=${m} />`)}

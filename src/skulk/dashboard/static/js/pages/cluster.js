@@ -1,6 +1,6 @@
 // Cluster: every node (name, master badge, memory and disk bars, accelerator, health with reasons and
 // remediations, version), nodes that left, and the topology as a graph. Reads only the shell's /state poll.
-import { html, Badge, Bar, Section, ago, bytesOf, shortId, nodeName } from '../ui.js';
+import { html, Badge, Bar, Section, ago, bytesOf, shortId, nodeName, tagged } from '../ui.js';
 
 const HEALTH_KIND = { healthy: 'ok', degraded: 'warn', unhealthy: 'error' };
 
@@ -31,6 +31,21 @@ function Health({ health }) {
   </div>`;
 }
 
+// The shards this node runs: model, rank/world and the runner's status.
+function shardsOn(state, nodeId) {
+  const found = [];
+  for (const [id, inst] of Object.entries(state.instances || {})) {
+    const [, body] = tagged(inst);
+    const assign = body.shardAssignments || {};
+    const runner = (assign.nodeToRunner || {})[nodeId];
+    if (!runner) continue;
+    const [, shard] = tagged((assign.runnerToShard || {})[runner]);
+    const status = tagged((state.runners || {})[runner])[0].replace('Runner', '') || 'pending';
+    found.push({ id, model: assign.modelId, rank: `${shard.deviceRank}/${shard.worldSize}`, status });
+  }
+  return found;
+}
+
 function NodeCard({ state, nodeId }) {
   const ident = (state.nodeIdentities || {})[nodeId] || {};
   const mem = (state.nodeMemory || {})[nodeId];
@@ -54,6 +69,8 @@ function NodeCard({ state, nodeId }) {
       <dt>version</dt><dd>${ident.skulkVersion || '?'}${ident.skulkCommit ? ` (${ident.skulkCommit})` : ''}</dd>
       <dt>system</dt><dd>${ident.osVersion || '?'} · ${ident.chipId || ''}</dd>
       <dt>health</dt><dd><${Health} health=${(state.nodeHealth || {})[nodeId]} /></dd>
+      <dt>runs</dt><dd>${shardsOn(state, nodeId).map((r) => html`<div class="small">
+        ${`${r.model} · rank ${r.rank} · ${r.status} `}<span class="muted mono">${shortId(r.id)}</span></div>`)}${shardsOn(state, nodeId).length ? '' : 'nothing'}</dd>
     </dl>
     ${link && html`<a class="small" href=${link}>this node's dashboard</a>`}
   </article>`;

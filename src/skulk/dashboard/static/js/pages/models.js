@@ -33,7 +33,7 @@ function ModelRow({ state, model, onChanged }) {
       <h3>${model.name} <span class="muted mono">${model.id}</span></h3>
       <span>${model.is_custom && html`<${Badge}>custom<//>`} ${here && html`<${Badge} kind="ok">${here}<//>`}</span>
     </header>
-    <p class="muted">${model.family} · ${(model.storage_size_megabytes / 1024).toFixed(2)} GiB on disk ·
+    <p class="muted">${model.family} · ${(model.storage_size_megabytes / 1024).toFixed(2)} GiB on disk ·${' '}
       ${model.quantization === 'none' ? 'unquantized' : model.quantization} · context ${model.context_length}
       ${model.supports_tensor ? ' · Pipeline or Tensor' : ' · Pipeline only'}</p>
     ${perNode.map(([node, p]) => html`<${Progress} state=${state} nodeId=${node} p=${p} />`)}
@@ -76,10 +76,10 @@ function Storage({ onPurged }) {
     ${data && html`<div>
       <${Bar} label="disk" used=${data.disk_total_bytes - data.disk_free_bytes} total=${data.disk_total_bytes} />
       <p>Staged here: ${gb(data.staged_total_bytes)} in ${data.staged_models.length} models
-        (kept while idle up to ${data.staging_keep_recent_gb} GB; cleanup on deactivate
-        ${data.cleanup_on_deactivate ? 'on' : 'off'}) · event log ${gb(data.event_log_bytes)} ·
+        (kept while idle up to ${data.staging_keep_recent_gb} GB; cleanup on deactivate${' '}
+        ${data.cleanup_on_deactivate ? 'on' : 'off'}) · event log ${gb(data.event_log_bytes)} ·${' '}
         <span class="mono small">${data.staging_root}</span></p>
-      <ul class="plain">${data.staged_models.map((m) => html`<li><span class="mono">${m.model_id}</span>
+      <ul class="plain">${data.staged_models.map((m) => html`<li><span class="mono">${m.model_id}</span>${' '}
         · ${gb(m.size_bytes)}${m.in_use ? ' · in use' : ''} · last used ${m.last_used_at}</li>`)}</ul>
     </div>`}
     <${ConfirmButton} label="Purge all staging" question="Evict every not-in-use staged model on every node?"

@@ -74,8 +74,8 @@ function Bundle({ state }) {
       aria-pressed=${shown === id ? 'true' : 'false'}>${nodeName(state, id)}</button>`)}</div>
     <${ErrorNote} error=${act.error} what="diagnostics" />
     ${act.busy && html`<p class="muted">Asking ${nodeName(state, shown)}…</p>`}
-    ${act.result && html`<details open><summary>Bundle of ${nodeName(state, act.result.nodeId)}
-        (${act.result.ok ? 'answered' : `not answering: ${act.result.error}`}) ·
+    ${act.result && html`<details open><summary>Bundle of ${nodeName(state, act.result.nodeId)}${' '}
+        (${act.result.ok ? 'answered' : `not answering: ${act.result.error}`}) ·${' '}
         <a href=${`/v1/diagnostics/cluster/${act.result.nodeId}`} target="_blank" rel="noopener">raw JSON</a></summary>
       <pre class="json">${JSON.stringify(act.result.diagnostics || act.result, null, 2)}</pre></details>`}
   </div>`;
@@ -120,7 +120,7 @@ function Tracing() {
   const open = (id) => statsRun(() => request(`${base}/${encodeURIComponent(id)}/stats`, { timeout: 15000 }));
   return html`<div data-testid="tracing">
     <${ErrorNote} error=${error} what="tracing" />
-    <div class="row"><span>Tracing is <strong data-testid="tracing-state">${status ? (enabled ? 'on' : 'off') : '…'}</strong>
+    <div class="row"><span>Tracing is <strong data-testid="tracing-state">${status ? (enabled ? 'on' : 'off') : '…'}</strong>${' '}
       cluster-wide, for new requests only.</span>
       <button type="button" onClick=${toggle} disabled=${act.busy || !status}>${enabled ? 'Turn off' : 'Turn on'}</button></div>
     <${ErrorNote} error=${act.error} />

@@ -55,8 +55,8 @@ export function normalizePreview(p, state) {
 export function Refusal({ state, refusal }) {
   const n = refusal.numbers;
   const arithmetic = n && html`<p class="arithmetic" data-testid="gb-arithmetic">
-    ${n.nodeName || nodeName(state, n.nodeId)} needs <strong>${gb(n.needed)}</strong>
-    (${gb(n.weightsShare)} weights share × ${n.overheadFactor} + ${gb(n.kvHeadroom)} KV headroom) but has
+    ${n.nodeName || nodeName(state, n.nodeId)} needs <strong>${gb(n.needed)}</strong>${' '}
+    (${gb(n.weightsShare)} weights share × ${n.overheadFactor} + ${gb(n.kvHeadroom)} KV headroom) but has${' '}
     <strong>${gb(n.available)}</strong> free</p>`;
   return html`<div class="refusal" data-testid="refusal">
     <${Badge} kind="error">${refusal.kind}<//> ${arithmetic}
@@ -76,8 +76,8 @@ function PreviewCard({ state, preview, onLaunch, busy }) {
       ${preview.nodes.map((n) => {
         const total = bytesOf(((state.nodeMemory || {})[n.nodeId] || {}).ramTotal) || n.free;
         return html`<div class="preview-node">
-          <div class="small">${nodeName(state, n.nodeId)} · rank ${n.deviceRank}/${n.worldSize}
-            · layers ${n.startLayer}–${n.endLayer} of ${n.nLayers} · needs ${gb(n.needed)}
+          <div class="small">${nodeName(state, n.nodeId)} · rank ${n.deviceRank}/${n.worldSize}${' '}
+            · layers ${n.startLayer}–${n.endLayer} of ${n.nLayers} · needs ${gb(n.needed)}${' '}
             · leaves ${gb(n.free - n.needed)}</div>
           <${Bar} used=${total - n.free} extra=${n.needed} total=${total}
             title=${`in use ${gb(total - n.free)} + this model ${gb(n.needed)} of ${gb(total)}`} />
@@ -133,7 +133,7 @@ function PlaceForm({ state, onLaunched }) {
       ${wanted.map((p, i) => html`<${PreviewCard} key=${`${p.sharding}${p.nodeIds.join()}${i}`} state=${state} preview=${p}
         onLaunch=${launch} busy=${act.busy} />`)}
     </ul>
-    ${data && !wanted.length && html`<p class="muted" data-testid="no-candidate">No candidate with at least ${minNodes}
+    ${data && !wanted.length && html`<p class="muted" data-testid="no-candidate">No candidate with at least ${minNodes}${' '}
       node(s)${picked.length ? ' among the nodes picked' : ''}: the nodes must be linked in a ring (see the topology).</p>`}
   </div>`;
 }
