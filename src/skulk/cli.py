@@ -75,6 +75,9 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
                         help="largest request body read, in bytes (SKULK_MAX_BODY_BYTES, 8 MiB)")
     parser.add_argument("--max-connections", type=int,
                         help="open HTTP connections accepted at once (SKULK_MAX_CONNECTIONS, 4096)")
+    parser.add_argument("--cluster-key",
+                        help="shared secret that seals every message between nodes; `skulk keygen` makes one "
+                        "(SKULK_CLUSTER_KEY, cluster_key in skulk.yaml; none = open cluster)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,6 +86,14 @@ def main(argv: list[str] | None = None) -> None:
         from skulk.diagnostics.cli import main as diag_main
 
         diag_main(args[1:])
+        return
+    if args and args[0] == "keygen":
+        from skulk.cluster.seal import generate_key
+
+        key = generate_key()
+        print(f"cluster_key: {key}")
+        print(f"# start every node of the cluster with the same key: skulk --cluster-key {key}", file=sys.stderr)
+        print(f"#   (or SKULK_CLUSTER_KEY={key}, or the line above in skulk.yaml)", file=sys.stderr)
         return
     if args and args[0] == "models":
         from skulk.models.cli import main as models_main

@@ -144,6 +144,8 @@ class Settings(BaseModel):
     """Host header values accepted on a non-loopback bind, besides this machine's own names and addresses."""
     cors_origins: list[str] = []
     """Browser origins allowed to call the API (CORS); none by default."""
+    cluster_key: str | None = None
+    """SKULK_CLUSTER_KEY, --cluster-key: seals every zenoh payload (`skulk keygen` makes one); None = open."""
     model_store: ModelStoreConfig = ModelStoreConfig()
     logging: LoggingConfig = LoggingConfig()
     tracing: TracingConfig = TracingConfig()

@@ -17,11 +17,13 @@ import uvicorn
 from skulk import internal_auth, structured_log
 from skulk.api.app import create_app
 from skulk.api.limits import guarded_protocol, raise_open_file_limit
+from skulk.api.security import sealing_router
 from skulk.cluster.dataplane import ChunkStream, publish_chunk
 from skulk.cluster.election import Elector
 from skulk.cluster.intake import send_command, send_local_event
 from skulk.cluster.membership import Membership
 from skulk.cluster.payloads import PayloadBook, PayloadFetcher
+from skulk.cluster.seal import reachable_beyond_loopback
 from skulk.cluster.sync import EventFollower
 from skulk.cluster.transport import Transport, TransportSettings
 from skulk.config import Settings
@@ -82,6 +84,7 @@ class Node:
                 bootstrap_peers=settings.bootstrap_peers,
                 multicast=settings.multicast,
                 multicast_interface=settings.multicast_interface,
+                cluster_key=settings.cluster_key,
             )
         )
         self.node_id = NodeId("")
@@ -246,16 +249,23 @@ class Node:
     def _harden(self) -> None:
         """Before anything listens: enough descriptors for many clients, and the secret of internal calls."""
         soft, _ = raise_open_file_limit()
-        internal_auth.configure(None, self.settings.admin_keys)
+        internal_auth.configure(self.settings.cluster_key, self.settings.admin_keys)
         log.info("open-file limit %d; API keys %s", soft, "on" if self.settings.api_keys or self.settings.admin_keys
                  else "off (anyone who can reach the API may use it)")
+        if self.settings.cluster_key is None and reachable_beyond_loopback(self.settings.api_host,
+                                                                           self.settings.zenoh_listen):
+            log.warning("no cluster key: any host on this network can read prompts and tokens and send commands; "
+                        "run `skulk keygen` and start every node with its --cluster-key")
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any] | None:
         return self._loops.spawn(coro)
 
     def _api_server(self) -> uvicorn.Server:
+        app = create_app(self)
+        app.include_router(sealing_router(lambda: self.transport.sealer, self.settings.api_host,
+                                          self.settings.zenoh_listen))
         config = uvicorn.Config(
-            create_app(self),
+            app,
             host=self.settings.api_host,
             port=self.settings.api_port,
             log_level="warning",

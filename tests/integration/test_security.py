@@ -12,13 +12,19 @@ from typing import Any
 
 import httpx
 import pytest
+import zenoh
 
+from skulk.cluster.intake import COMMANDS_KEY, ForwardedCommand
+from skulk.cluster.seal import generate_key
 from skulk.testing.nodes import LocalNode
+from skulk.types.commands import DeleteInstance
+from skulk.types.ids import CommandId, InstanceId, NodeId
 
 from .harness import Cluster, place_and_wait
 
 MODEL = "skulk/tiny-random-llama"
 ADMIN, USER_A, USER_B = "admin-key-1", "user-key-a", "user-key-b"
+CLUSTER_KEY = generate_key()
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -28,7 +34,7 @@ def bearer(key: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalNode]]:
-    env = {"SKULK_API_KEYS": f"{USER_A},{USER_B}", "SKULK_ADMIN_KEYS": ADMIN}
+    env = {"SKULK_API_KEYS": f"{USER_A},{USER_B}", "SKULK_ADMIN_KEYS": ADMIN, "SKULK_CLUSTER_KEY": CLUSTER_KEY}
     cluster = Cluster(tmp_path_factory.mktemp("security"), extra_env=env)
     try:
         started = cluster.form(2, headers=bearer(ADMIN))
@@ -216,3 +222,48 @@ def test_prompts_never_reach_state_or_diagnostics(nodes: list[LocalNode]) -> Non
             assert canary not in text, path
         processes = httpx.get(node.url + "/v1/diagnostics/node", headers=bearer(ADMIN), timeout=30).json()
         assert all(p["isChildOfSkulk"] for p in processes["processes"]), processes["processes"]
+
+
+def test_a_host_without_the_cluster_key_reads_nothing_and_is_not_believed(nodes: list[LocalNode]) -> None:
+    """A plain zenoh peer on the cluster's endpoints: it hears only sealed bytes while a chat with a canary runs,
+    and its forged DeleteInstance command, forged event and forged token chunk change nothing; the nodes count
+    what they dropped."""
+    canary = "CANARY-zenoh-eavesdropper"
+    node = nodes[0]
+    cluster = node.cluster
+    heard: list[bytes] = []
+    conf = zenoh.Config()
+    conf.insert_json5("mode", json.dumps("peer"))
+    conf.insert_json5("connect/endpoints", json.dumps([n.endpoint for n in nodes]))
+    conf.insert_json5("scouting/multicast/enabled", "false")
+    session = zenoh.open(conf)
+    try:
+        session.declare_subscriber(f"skulk/{cluster}/**", lambda sample: heard.append(sample.payload.to_bytes()))
+        before = httpx.get(node.url + "/state", headers=bearer(ADMIN), timeout=10).json()
+        instance_id = next(iter(before["instances"]))
+        forged_delete = ForwardedCommand(origin=NodeId("attacker"), command=DeleteInstance(
+            command_id=CommandId("forged-1"), instance_id=InstanceId(instance_id))).model_dump_json().encode()
+        session.put(f"skulk/{cluster}/{COMMANDS_KEY}", forged_delete)
+        session.put(f"skulk/{cluster}/events", b'{"idx": 999999, "event": {}}')
+        client, lines, command_id = _open_stream(node, USER_A)
+        try:
+            session.put(f"skulk/{cluster}/data/{command_id}",
+                        json.dumps({"TokenChunk": {"commandId": command_id, "text": "ATTACKER", "tokenId": 1,
+                                                   "finishReason": "stop"}}).encode())
+            text = "".join(line for line in lines)
+        finally:
+            client.close()
+        assert "ATTACKER" not in text
+        body = chat(messages=[{"role": "system", "content": canary}, {"role": "user", "content": "hi"}])
+        assert httpx.post(nodes[1].url + "/v1/chat/completions", json=body, headers=bearer(USER_A),
+                          timeout=60).status_code == 200
+    finally:
+        session.close()
+    theirs = [payload for payload in heard if not payload.startswith(b"{")]  # ours come back to us too
+    assert theirs and all(payload.startswith(b"S1") for payload in theirs)
+    assert not any(canary.encode() in payload for payload in heard)
+    after = httpx.get(node.url + "/state", headers=bearer(ADMIN), timeout=10).json()
+    assert instance_id in after["instances"], "a forged DeleteInstance deleted the instance"
+    dropped = [httpx.get(n.url + "/v1/diagnostics/security", headers=bearer(ADMIN), timeout=10).json()
+               for n in nodes]
+    assert all(d["sealed"] for d in dropped) and sum(d["forgedDropped"] for d in dropped) >= 3, dropped

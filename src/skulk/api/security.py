@@ -21,9 +21,11 @@ import re
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 from urllib.parse import urlsplit
 
 import psutil
@@ -35,6 +37,7 @@ from skulk import internal_auth
 from skulk.api.dashboard import is_dashboard_path
 from skulk.api.errors import ApiError
 from skulk.api.limits import BodyLimitMiddleware, send_error
+from skulk.cluster.seal import Sealer, reachable_beyond_loopback
 from skulk.config import Settings
 
 
@@ -262,3 +265,27 @@ def install_security(app: FastAPI, settings: Settings) -> None:
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["*"])
+
+
+def sealing_router(sealer_of: Callable[[], Sealer | None], api_host: str, zenoh_listen: list[str]) -> APIRouter:
+    """GET /v1/diagnostics/security (admin): whether the cluster is sealed, and what was dropped as forged."""
+    router = APIRouter(tags=["diagnostics"])
+
+    @router.get("/v1/diagnostics/security")
+    async def security() -> dict[str, Any]:
+        sealer = sealer_of()
+        warnings = []
+        if sealer is None and reachable_beyond_loopback(api_host, zenoh_listen):
+            warnings.append("no cluster key: any host on this network can read prompts and tokens and send "
+                            "commands (run `skulk keygen` and start every node with --cluster-key)")
+        stats = sealer.stats if sealer is not None else None
+        return {
+            "sealed": sealer is not None,
+            "forgedDropped": stats.forged if stats else 0,
+            "replayedDropped": stats.replayed if stats else 0,
+            "opened": stats.opened if stats else 0,
+            "sealedSent": stats.sealed if stats else 0,
+            "warnings": warnings,
+        }
+
+    return router

@@ -2,6 +2,9 @@
 
 Every control-plane key lives under `skulk/<cluster>/`. zenoh calls back on its own threads; each callback
 only hands the message to the asyncio loop, so the rest of the node never touches a zenoh thread.
+
+This is also the one place payloads are sealed: with a cluster key every put, subscription, query and reply
+goes through `cluster/seal.py`, and what does not open is dropped here, before any part of the node sees it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zenoh
+
+from skulk.cluster.seal import Sealer
 
 LEASE_MS = 3000
 """A hung or cut-off peer is declared gone after this long; a killed one is seen at once (TCP close)."""
@@ -28,6 +33,8 @@ class TransportSettings:
     bootstrap_peers: list[str] = field(default_factory=list)
     multicast: bool = True
     multicast_interface: str | None = None
+    cluster_key: str | None = None
+    """With a key, every payload is sealed (ChaCha20-Poly1305, replay-protected); without, plain as before."""
 
     @property
     def scout_port(self) -> int:
@@ -76,6 +83,13 @@ class Transport:
         self._session: zenoh.Session | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._declared: list[Any] = []
+        self.sealer = Sealer.from_cluster_key(settings.cluster_key) if settings.cluster_key else None
+
+    def _seal(self, key_expr: str, payload: bytes) -> bytes:
+        return self.sealer.seal(key_expr, payload) if self.sealer is not None else payload
+
+    def _open(self, key_expr: str, payload: bytes) -> bytes | None:
+        return self.sealer.open(key_expr, payload) if self.sealer is not None else payload
 
     @property
     def session(self) -> zenoh.Session:
@@ -114,7 +128,8 @@ class Transport:
         return [str(loc) for loc in locators()] if locators is not None else []
 
     def put(self, suffix: str, payload: bytes) -> None:
-        self.session.put(self.key(suffix), payload)
+        key = self.key(suffix)
+        self.session.put(key, self._seal(key, payload))
 
     def subscribe(self, suffix: str, on_message: Callable[[str, bytes], None]) -> Any:
         """on_message(key, payload) runs on the asyncio loop, never on a zenoh thread."""
@@ -122,9 +137,10 @@ class Transport:
         prefix_len = len(self.prefix) + 1
 
         def callback(sample: zenoh.Sample) -> None:
-            key = str(sample.key_expr)[prefix_len:]
-            payload = sample.payload.to_bytes()
-            _hand_over(loop, on_message, key, payload)
+            full = str(sample.key_expr)
+            payload = self._open(full, sample.payload.to_bytes())
+            if payload is not None:  # forged or replayed: dropped (and counted) here
+                _hand_over(loop, on_message, full[prefix_len:], payload)
 
         sub = self.session.declare_subscriber(self.key(suffix), callback)
         self._declared.append(sub)
@@ -163,7 +179,7 @@ class Transport:
             key = str(query.key_expr)
             reply = answer(key[len(self.prefix) + 1 :], str(query.parameters))
             if reply is not None:
-                query.reply(key, reply)
+                query.reply(key, self._seal(key, reply))
 
         queryable = self.session.declare_queryable(self.key(suffix), handler)
         self._declared.append(queryable)
@@ -174,7 +190,8 @@ class Transport:
 
         def blocking() -> list[bytes]:
             replies = self.session.get(selector, timeout=timeout_s)
-            return [r.ok.payload.to_bytes() for r in replies if r.ok is not None]
+            opened = [self._open(str(r.ok.key_expr), r.ok.payload.to_bytes()) for r in replies if r.ok is not None]
+            return [payload for payload in opened if payload is not None]
 
         return await asyncio.to_thread(blocking)
 
