@@ -4,6 +4,7 @@ Prints three ratios, each from runs interleaved with its baseline so machine noi
   decode tokens/s through the HTTP API ÷ the bare engine in-process   (target ≥ 0.95)
   TTFT through the API - bare prefill time                            (target ≤ 15 ms)
   aggregate tokens/s of 8 concurrent streams ÷ one stream via the API (target ≥ 3)
+  streaming decode tokens/s of /v1/messages and /ollama/api/chat ÷ /v1/chat/completions (target ≥ 0.98 each)
 
 Run: .venv/bin/python bench/serving.py [--tokens 64] [--rounds 3]
 """
@@ -85,6 +86,36 @@ async def api_concurrent(url: str, tokens: int, streams: int) -> float:
     return sum(r[1] for r in results) / elapsed
 
 
+async def compat_single(url: str, tokens: int, route: str) -> float:
+    """Streaming decode tokens/s (first to last text piece) through the Claude or Ollama route, greedy."""
+    messages = [{"role": "user", "content": PROMPT}]
+    if route == "claude":
+        path, body = "/v1/messages", {"max_tokens": tokens, "stream": True, "temperature": 0.0}
+    else:
+        path, body = "/ollama/api/chat", {"stream": True, "options": {"num_predict": tokens, "temperature": 0.0}}
+    first = last = 0.0
+    produced = 0
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client, client.stream(
+        "POST", path, json={"model": BENCH_MODEL_ID, "messages": messages, **body}
+    ) as reply:
+        async for line in reply.aiter_lines():
+            if route == "claude" and line.startswith("data: "):
+                event = json.loads(line[6:])
+                text = event.get("delta", {}).get("text")
+                produced = event.get("usage", {}).get("output_tokens", produced)
+            elif route == "ollama" and line:
+                event = json.loads(line)
+                text = event.get("message", {}).get("content")
+                produced = event.get("eval_count", produced)
+            else:
+                continue
+            if text:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+    return (produced - 1) / max(last - first, 1e-9)
+
+
 async def api_single_aggregate(url: str, tokens: int) -> float:
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         start = time.perf_counter()
@@ -121,6 +152,9 @@ def main() -> None:
             engine = TorchEngine(model_dir)
             engine.warmup()
             measure(engine, node.url, args.tokens, args.rounds)
+        except BaseException:
+            print(f"---- node output ----\n{node.log_tail(80)}")
+            raise
         finally:
             node.stop()
             node.reap_leftovers()
@@ -133,9 +167,12 @@ def measure(engine: TorchEngine, url: str, tokens: int, rounds: int) -> None:
         prefill.append(bare_run(engine, 2)[0])
         ttft.append(asyncio.run(api_single(url, 2))[0])
     bare_tps, api_tps, one_agg, eight_agg = [], [], [], []
+    claude_tps, ollama_tps = [], []
     for _ in range(rounds):
         bare_tps.append(bare_run(engine, tokens)[1])
         api_tps.append(asyncio.run(api_single(url, tokens))[1])
+        claude_tps.append(asyncio.run(compat_single(url, tokens, "claude")))
+        ollama_tps.append(asyncio.run(compat_single(url, tokens, "ollama")))
         one_agg.append(asyncio.run(api_single_aggregate(url, tokens)))
         eight_agg.append(asyncio.run(api_concurrent(url, tokens, 8)))
     print(f"model {BENCH_MODEL_ID}, {tokens} tokens, medians of interleaved rounds")
@@ -145,6 +182,8 @@ def measure(engine: TorchEngine, url: str, tokens: int, rounds: int) -> None:
     overhead = [t - p for t, p in zip(ttft, prefill, strict=True)]
     print(f"TTFT - bare prefill     {med(overhead) * 1000:8.1f} ms (target <= 15; min {min(overhead) * 1000:.1f})")
     print(f"8 streams / 1 stream    {med(eight_agg) / med(one_agg):8.2f}   (target >= 3)")
+    print(f"/v1/messages / OpenAI   {med(claude_tps) / med(api_tps):8.3f}   (streaming decode; target >= 0.98)")
+    print(f"/ollama/api/chat / OpenAI {med(ollama_tps) / med(api_tps):6.3f}   (streaming decode; target >= 0.98)")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("clients")
     (root / "node0").mkdir()
     (root / "node0" / "skulk.yaml").write_text("tracing:\n  retention_days: 2\n")
-    cluster = Cluster(root)
+    cluster = Cluster(root, extra_env={"SKULK_FAULT": "script:reply"})  # SKULK_SCRIPT<<<…>>> scripts a reply
     try:
         (node,) = cluster.start(1)
         preview, placed = place_through_previews(node)
@@ -192,7 +192,7 @@ def test_openai_sdk_completions_and_responses(served: Served) -> None:
                          "response.content_part.added"]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
                           "response.completed"]
-    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == events[-1].response.output_text  # type: ignore[union-attr]
 
 
@@ -260,3 +260,54 @@ def test_ollama_client(served: Served) -> None:
     assert missing.value.status_code == 404
     with served.node.client() as raw:
         assert raw.get("/ollama/api/version").json()["version"]
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": CITY}}
+]
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_openai_tool_call_round_trip(served: Served) -> None:
+    """The demo model's Qwen-style template renders the tools and the tool result; its reply is scripted
+    (SKULK_FAULT=script:reply) so the real parser and streaming paths see a real tool call."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served.node.url}/v1", api_key="unused", timeout=60)
+    ask: list[Any] = [{"role": "user", "content": f"Weather in Paris? SKULK_SCRIPT<<<{CALL_TEXT}>>>"}]
+    reply = client.chat.completions.create(model=MODEL, messages=ask, tools=WEATHER, max_tokens=300)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+    plain = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=300)
+    assert reply.usage and plain.usage and reply.usage.prompt_tokens > plain.usage.prompt_tokens + 100  # tools rendered
+    assert plain.choices[0].finish_reason == "stop" and plain.choices[0].message.content == CALL_TEXT  # no tools: text
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask, tools=WEATHER, max_tokens=300,
+                                                 stream=True))
+    streamed = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in streamed) == ""
+    calls = [tc for d in streamed for tc in d.tool_calls or []]
+    assert [tc.function.name for tc in calls] == ["get_weather"]  # type: ignore[union-attr]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+    follow = [*ask, choice.message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": "sunny SKULK_SCRIPT<<<It is sunny in Paris.>>>"}]
+    answer = client.chat.completions.create(model=MODEL, messages=follow, tools=WEATHER, max_tokens=300)
+    assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.content == "It is sunny in Paris."
+    assert answer.usage and answer.usage.prompt_tokens > reply.usage.prompt_tokens + len(CALL_TEXT) // 2
+
+
+def test_json_mode_logprobs_and_tool_choice(served: Served) -> None:
+    with served.node.client() as client:
+        asked = chat(response_format={"type": "json_object"}, max_tokens=2)
+        plain = client.post("/v1/chat/completions", json=chat(max_tokens=2)).json()
+        json_mode = client.post("/v1/chat/completions", json=asked).json()
+        assert json_mode["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]  # the JSON instruction
+        bad_format = client.post("/v1/chat/completions", json=chat(response_format={"type": "xml"}))
+        assert bad_format.status_code == 422 and "response_format" in bad_format.json()["error"]["message"]
+        for refused in ({"logprobs": True}, {"top_logprobs": 2}, {"tool_choice": "required", "tools": WEATHER}):
+            reply = client.post("/v1/chat/completions", json=chat(**refused))
+            assert reply.status_code == 400, (refused, reply.text)

@@ -96,7 +96,7 @@ async def start_chat(node: NodeHandle, request: ChatCompletionRequest) -> ChatSe
     OWNERS.claim(command_id)  # only this key (or an admin) may cancel it by id
     stream = node.open_stream(command_id)
     params = ChatCompletionTaskParams(model=ModelId(request.model), messages=request.messages,
-                                      sampling=request.sampling())
+                                      sampling=request.sampling(), tools=request.tool_specs())
     node.offer_payload(command_id, params)  # the prompt stays here; runners fetch it point to point
     node.send_command(StartChatCompletion(command_id=command_id, model=ModelId(request.model),
                                           origin_node_id=node.node_id))

@@ -71,9 +71,15 @@ class BodyLimitMiddleware:
             return
         started = False
         seen = 0
+        body_done = False
 
         async def counted_receive() -> Message:
-            nonlocal seen
+            """The stall deadline holds only while the body is arriving: once it is complete, the next message is
+            the client's disconnect, which streams (and a non-streaming request's watcher) wait for as long as
+            the response takes."""
+            nonlocal seen, body_done
+            if body_done:
+                return await receive()
             try:
                 message = await asyncio.wait_for(receive(), self.stall_timeout_s)
             except TimeoutError:
@@ -83,6 +89,7 @@ class BodyLimitMiddleware:
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     raise too_large(self.max_bytes)
+                body_done = not message.get("more_body", False)
             return message
 
         async def watched_send(message: Message) -> None:

@@ -11,93 +11,114 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
+from skulk.api.chat_options import check_supported, tool_family, with_response_format
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import ApiError, error_body
+from skulk.api.generation import GenerationFailed, collect, deltas
 from skulk.api.handle import NodeHandle
+from skulk.api.tool_calls import ToolCallStream, openai_tool_calls, parse_tool_calls
 from skulk.models.cards import all_cards
 from skulk.types.chat import ChatCompletionRequest
-from skulk.types.chunks import ErrorChunk, TokenChunk
+from skulk.types.chunks import RequestStats, TokenChunk
 
 
-def _usage(chunk: TokenChunk) -> dict[str, int]:
-    return {
-        "prompt_tokens": chunk.prompt_tokens,
-        "completion_tokens": chunk.completion_tokens,
-        "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
-    }
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def generation_stats_comment(chunk: TokenChunk | None) -> str:
+def generation_stats_comment(stats: RequestStats | None) -> str:
     """Skulk's `: generation_stats {...}` SSE comment (clients that do not know it skip comments)."""
-    if chunk is None or chunk.stats is None:
-        return ""
-    return f": generation_stats {chunk.stats.generation.model_dump_json()}\n\n"
+    return "" if stats is None else f": generation_stats {stats.generation.model_dump_json()}\n\n"
 
 
-def require_one_choice(request: ChatCompletionRequest) -> None:
-    if request.n is not None and request.n != 1:
-        raise ApiError(400, f"n: only n=1 is supported (one choice per request), got {request.n}; "
-                       "send n separate requests instead", code="invalid_request")
+def _prepared(node: NodeHandle, request: ChatCompletionRequest) -> tuple[ChatCompletionRequest, str | None]:
+    """The request as sent (refusals first, JSON instruction added) and the tool-call format to parse, if any."""
+    check_supported(request)
+    return with_response_format(request), tool_family(node, request)
 
 
-async def _stream_events(session: ChatSession, request: ChatCompletionRequest) -> AsyncIterator[str]:
+async def _stream_events(
+    session: ChatSession, request: ChatCompletionRequest, family: str | None
+) -> AsyncIterator[str]:
     head = {
         "id": f"chatcmpl-{session.command_id}",
         "object": "chat.completion.chunk",
         "created": int(time.time()),
+        "model": request.model,
     }
-    head["model"] = request.model
     role_sent = False
     last: TokenChunk | None = None
-    async for chunk in session.chunks():
-        if isinstance(chunk, ErrorChunk):
-            yield _sse(
-                error_body(chunk.message, kind="server_error", code=chunk.code, retryable=chunk.retryable)
-            )
-            break
-        last = chunk
-        if not chunk.text and role_sent:
-            continue
-        delta: dict[str, str] = {"content": chunk.text}
-        if not role_sent:
-            delta["role"], role_sent = "assistant", True
-        yield _sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-    if last is not None and last.finish_reason is not None:
-        yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": last.finish_reason}]})
-        if request.stream_options is not None and request.stream_options.include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(last)})
-    yield generation_stats_comment(last)
+    held = ToolCallStream(family) if family is not None else None
+    try:
+        async for chunk in deltas(session):
+            last = chunk
+            text = held.push(chunk.text) if held is not None else chunk.text
+            if not text and role_sent:
+                continue
+            delta: dict[str, Any] = {"content": text}
+            if not role_sent:
+                delta["role"], role_sent = "assistant", True
+            yield _sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    except GenerationFailed as failed:
+        c = failed.chunk
+        yield _sse(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable))
+        yield "data: [DONE]\n\n"
+        return
+    assert last is not None and last.finish_reason is not None
+    finish = last.finish_reason
+    if held is not None:
+        tail, calls = held.finish(session.command_id)
+        delta = {"tool_calls": openai_tool_calls(calls)} if calls else {"content": tail}
+        if calls and tail:
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"content": tail}, "finish_reason": None}]})
+        if calls or tail:
+            yield _sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+        finish = "tool_calls" if calls else finish
+    yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    if request.stream_options is not None and request.stream_options.include_usage:
+        yield _sse({**head, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens)})
+    yield generation_stats_comment(last.stats)
     yield "data: [DONE]\n\n"
 
 
-async def _complete(session: ChatSession, request: ChatCompletionRequest, *, bench: bool = False) -> JSONResponse:
-    parts: list[str] = []
-    last: TokenChunk | None = None
-    async for chunk in session.chunks():
-        if isinstance(chunk, ErrorChunk):
-            return JSONResponse(
-                error_body(chunk.message, kind="server_error", code=chunk.code, retryable=chunk.retryable),
-                status_code=chunk.status if chunk.status >= 500 else 500,
+def _bench_fields(stats: RequestStats | None) -> dict[str, Any]:
+    """What POST /bench/chat/completions adds to a completion: the runner's measurements of the request."""
+    return {
+        "generation_stats": stats.generation.model_dump(mode="json") if stats else None,
+        "serving_batches": stats.serving_batches if stats else None,
+        "in_flight_at_admission": stats.in_flight_at_admission if stats else None,
+    }
+
+
+def _message(text: str, finish: str, family: str | None, call_id: str) -> tuple[dict[str, Any], str]:
+    """The reply message and finish_reason, with tool calls parsed out of the text when tools were offered."""
+    if family is not None:
+        content, calls = parse_tool_calls(family, text, call_id)
+        if calls:
+            return {"role": "assistant", "content": content or None, "tool_calls": openai_tool_calls(calls)}, (
+                "tool_calls"
             )
-        parts.append(chunk.text)
-        last = chunk
-    assert last is not None
-    body: dict[str, Any] = {}
-    if bench:
-        stats = last.stats
-        body = {
-            "generation_stats": stats.generation.model_dump(mode="json") if stats else None,
-            "serving_batches": stats.serving_batches if stats else None,
-            "in_flight_at_admission": stats.in_flight_at_admission if stats else None,
-        }
+    return {"role": "assistant", "content": text}, finish
+
+
+async def _complete(
+    session: ChatSession, request: ChatCompletionRequest, family: str | None = None, *, bench: bool = False
+) -> JSONResponse:
+    try:
+        done = await collect(session)
+    except GenerationFailed as failed:
+        c = failed.chunk
+        return JSONResponse(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable),
+                            status_code=c.status if c.status >= 500 else 500)
+    message, finish = _message(done.text, done.finish_reason, family, session.command_id)
     return JSONResponse(
         {
-            **body,
+            **(_bench_fields(done.stats) if bench else {}),
             "id": f"chatcmpl-{session.command_id}",
             "object": "chat.completion",
             "created": int(time.time()),
@@ -105,12 +126,12 @@ async def _complete(session: ChatSession, request: ChatCompletionRequest, *, ben
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(parts)},
+                    "message": message,
                     "logprobs": None,
-                    "finish_reason": last.finish_reason,
+                    "finish_reason": finish,
                 }
             ],
-            "usage": _usage(last),
+            "usage": _usage(done.prompt_tokens, done.completion_tokens),
         }
     )
 
@@ -120,24 +141,24 @@ def openai_router(node: NodeHandle) -> APIRouter:
 
     @router.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
-        require_one_choice(body)
+        body, family = _prepared(node, body)
         if body.stream:
             session = await start_chat(node, body)
             return StreamingResponse(
-                _stream_events(session, body),
+                _stream_events(session, body, family),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await unless_disconnected(http, _start_and_complete(body))
+        return await unless_disconnected(http, _start_and_complete(body, family))
 
     @router.post("/bench/chat/completions", response_model=None)
     async def bench_chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         """Skulk's benchmarking route: never streamed; the reply carries the runner's generation_stats."""
-        require_one_choice(body)
-        return await unless_disconnected(http, _start_and_complete(body.model_copy(update={"stream": False}), True))
+        body, family = _prepared(node, body.model_copy(update={"stream": False}))
+        return await unless_disconnected(http, _start_and_complete(body, family, True))
 
-    async def _start_and_complete(body: ChatCompletionRequest, bench: bool = False) -> JSONResponse:
-        return await _complete(await start_chat(node, body), body, bench=bench)
+    async def _start_and_complete(body: ChatCompletionRequest, family: str | None, bench: bool = False) -> JSONResponse:
+        return await _complete(await start_chat(node, body), body, family, bench=bench)
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from skulk.types.chat import ChatMessage, SamplingParams
 
@@ -30,8 +30,8 @@ class Engine(Protocol):
 
     context_length: int
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        """Apply the model's chat template (with the generation prompt) and tokenize."""
+    def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Apply the model's chat template (with the generation prompt and the tools offered) and tokenize."""
         ...
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None: ...

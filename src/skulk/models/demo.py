@@ -36,11 +36,23 @@ BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # byte b has id b; specials follow 
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(256, BYTE_VOCAB_SIZE)
 
 CHATML_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ '</tools>\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags.<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
+    "{% if message['role'] == 'assistant' and message.get('tool_calls') %}{{ '<|im_start|>assistant\\n' }}"
+    "{% for call in message['tool_calls'] %}{{ '<tool_call>\\n{\"name\": \"' + call['function']['name'] + "
+    "'\", \"arguments\": ' + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+"""ChatML with Qwen's (Hermes) tool conventions: offered tools in a system block, calls as <tool_call> JSON, tool
+results as <tool_response>; a conversation without tools renders exactly as plain ChatML."""
 
 DEMO_SHAPE: dict[str, int] = {
     "hidden_size": 64, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "intermediate_size": 128,

@@ -27,12 +27,21 @@ the user message), so a test can send one bad request among good ones:
   token into text). The request must end alone with a 500 error; its batch-mates and the runner go on.
 - `crash:poison` makes the runner process exit at once (`os._exit(70)`, no clean-up: a crash) the first time
   the engine touches a poisoned request on that rank (admission on rank 0, sampling on the last rank).
+
+One more makes a model say what a test needs it to say (a random model never writes a tool call):
+
+    SKULK_FAULT=script:reply[:rank=<n>]
+
+- for a request whose prompt contains `SKULK_SCRIPT<<<text>>>` (the last one counts), the sampling rank emits
+  exactly the tokens of `text`, then end-of-sequence, instead of sampling; everything after sampling (detokenisation, stop strings, the
+  API's tool-call parsing and streaming) runs as for any reply. Other requests sample as usual.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +56,7 @@ PHASES: frozenset[str] = frozenset(get_args(RunnerPhase))
 STARTUP_PHASES: frozenset[str] = frozenset({"created", "connect_group", "load_model", "warmup"})
 _OFF = {"0", "false", "no", "off"}
 POISON_MARKER = "SKULK_POISON"
+SCRIPT = re.compile(r"SKULK_SCRIPT<<<(.*?)>>>(?!>)", re.DOTALL)  # the text may end in ">"
 RaiseWhere = Literal["admit", "sample", "detokenize"]
 WHERES: frozenset[str] = frozenset(get_args(RaiseWhere))
 CRASH_EXIT_CODE = 70
@@ -81,7 +91,14 @@ class CrashFault:
     rank: int | None = None
 
 
-AnyFault = Fault | RaiseFault | CrashFault
+@dataclass(frozen=True)
+class ScriptFault:
+    """`script:reply[:rank=<n>]`: requests carrying SKULK_SCRIPT<<<text>>> get exactly `text` as their reply."""
+
+    rank: int | None = None
+
+
+AnyFault = Fault | RaiseFault | CrashFault | ScriptFault
 
 
 class InjectedFault(RuntimeError):
@@ -117,12 +134,16 @@ def parse_fault(value: str | None) -> AnyFault | None:
         if what not in WHERES:
             raise FaultError(f"unknown place {what!r}; one of: {', '.join(sorted(WHERES))}")
         return RaiseFault(cast(RaiseWhere, what), _options(value, parts[2:], ("rank",))[0])
+    if kind == "script":
+        if what != "reply":
+            raise FaultError(f"unknown script target {what!r} (only 'reply')")
+        return ScriptFault(_options(value, parts[2:], ("rank",))[0])
     if kind == "crash":
         if what != "poison":
             raise FaultError(f"unknown crash trigger {what!r} (only 'poison')")
         return CrashFault(_options(value, parts[2:], ("rank",))[0])
     if kind != "stall":
-        raise FaultError(f"unknown fault kind {kind!r} (one of: stall, raise, crash)")
+        raise FaultError(f"unknown fault kind {kind!r} (one of: stall, raise, crash, script)")
     if what not in PHASES:
         raise FaultError(f"unknown phase {what!r}; one of: {', '.join(sorted(PHASES))}")
     rank, after_s = _options(value, parts[2:], ("rank", "after"))
@@ -204,3 +225,38 @@ class PoisonHook:
             os._exit(CRASH_EXIT_CODE)
         elif fault.where == where:
             raise InjectedFault(f"injected fault at {where} on rank {self.rank} (SKULK_FAULT)")
+
+
+@dataclass
+class ScriptHook:
+    """The engine's hook for `script:reply`: at "sample", the scripted token for this position, else None."""
+
+    fault: ScriptFault
+    rank: int
+    decode: Any  # Callable[[list[int]], str]
+    encode: Any  # Callable[[str], list[int]]
+    eos_id: int
+    _scripts: dict[str, list[int] | None] = field(default_factory=dict)
+
+    def script(self, request_id: str, prompt: list[int]) -> list[int] | None:
+        if request_id not in self._scripts:
+            if len(self._scripts) > 1024:
+                self._scripts.clear()
+            found = SCRIPT.findall(self.decode(prompt))  # the last one: a conversation's newest turn
+            self._scripts[request_id] = [*self.encode(found[-1]), self.eos_id] if found else None
+        return self._scripts[request_id]
+
+    def __call__(self, where: str, request: Any) -> int | None:
+        if where != "sample" or (self.fault.rank is not None and self.fault.rank != self.rank):
+            return None
+        tokens = self.script(request.request_id, request.prompt)
+        if tokens is None:
+            return None
+        return tokens[min(request.generated, len(tokens) - 1)]
+
+
+def engine_hook(fault: RaiseFault | CrashFault | ScriptFault, rank: int, tokenizer: Any) -> PoisonHook | ScriptHook:
+    """The hook a runner installs in its engine for a request-level fault."""
+    if isinstance(fault, ScriptFault):
+        return ScriptHook(fault, rank, tokenizer.decode, tokenizer.encode, min(tokenizer.eos_ids))
+    return PoisonHook(fault, rank, tokenizer.decode)

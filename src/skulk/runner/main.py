@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from skulk.engines.base import Engine, TokenOut
 from skulk.runner.admission import context_refusal
-from skulk.runner.fault import Fault, FaultInjector, PoisonHook, fault_from_setting
+from skulk.runner.fault import Fault, FaultInjector, engine_hook, fault_from_setting
 from skulk.runner.messages import (
     HEARTBEAT_S,
     CancelTask,
@@ -195,13 +195,13 @@ class Runner:
         self.flush()
 
     def _install_poison_hook(self, engine: Engine) -> None:
-        """SKULK_FAULT=raise:/crash: acts inside the engine, on requests carrying the poison marker."""
+        """SKULK_FAULT=raise:/crash:/script: acts inside the engine, on requests carrying its marker."""
         fault = self.fault_spec
         if fault is None or isinstance(fault, Fault):
             return
         tokenizer = getattr(engine, "tokenizer", None)
         if tokenizer is not None and hasattr(engine, "fault_hook"):
-            engine.fault_hook = PoisonHook(fault, self.spec.shard.device_rank, tokenizer.decode)  # type: ignore[attr-defined]
+            engine.fault_hook = engine_hook(fault, self.spec.shard.device_rank, tokenizer)  # type: ignore[attr-defined]
 
     def _connect(self) -> None:
         from skulk.runner.group import connect_group
@@ -330,7 +330,7 @@ class Runner:
         assert self.engine is not None
         params = task.task_params  # attached by the worker from the API node's payload; never in state
         assert params is not None, "a task reached the runner without its payload"
-        prompt = self.engine.encode_chat(params.messages)
+        prompt = self.engine.encode_chat(params.messages, params.tools or None)
         message = context_refusal(len(prompt), params.sampling, self.engine.context_length)
         if message is not None:
             self.send_after_step()

@@ -55,11 +55,50 @@ class TextPart(BaseModel):
     text: ContentText
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = "{}"
+    """JSON text, as OpenAI sends it."""
+
+
+class ToolCall(BaseModel):
+    """One call the assistant made (in a reply's `tool_calls`, and sent back in the next request's history)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class ResponseFormat(BaseModel):
+    """`json_object` (and `json_schema`) add one system line asking for JSON; nothing constrains decoding."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: ContentText | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: NameText | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
+    tool_call_id: str | None = Field(default=None, max_length=256)
 
     @property
     def text(self) -> str:
@@ -92,6 +131,11 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = None
     """Choices per request: only 1 is served (the API answers 400 for any other value)."""
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     _ranges = field_validator(*RANGES, mode="wrap")(_say_range)
 
@@ -109,6 +153,10 @@ class ChatCompletionRequest(BaseModel):
         if not any(m.text for m in self.messages):
             raise ValueError("messages must contain at least one message with non-empty content")
         return self
+
+    def tool_specs(self) -> list[dict[str, Any]]:
+        """The tools as chat templates take them (OpenAI's JSON)."""
+        return [tool.model_dump(mode="json", exclude_none=True) for tool in self.tools or []]
 
     def sampling(self) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Discriminator, Field, Tag
 
@@ -32,6 +32,8 @@ class ChatCompletionTaskParams(CamelModel):
     model: ModelId
     messages: list[ChatMessage]
     sampling: SamplingParams
+    tools: list[dict[str, Any]] = []
+    """The tools offered (OpenAI's `tools`), rendered by the model's chat template."""
 
 
 class ChatCompletion(TaggedModel):

@@ -105,8 +105,8 @@ class DistributedEngine:
 
     # --- the Engine protocol -------------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        return self.tokenizer.encode_chat(messages)
+    def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.tokenizer.encode_chat(messages, tools)
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, command_id: str = ""

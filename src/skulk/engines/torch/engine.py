@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,8 +26,9 @@ from .loader import load_model
 from .sampling import RowSampling, sample
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 
-FaultHook = Callable[[str, "Request"], None]
-"""Test-only (SKULK_FAULT): called with (where, request) at "admit", "sample" and "detokenize"; may raise."""
+FaultHook = Callable[[str, "Request"], int | None]
+"""Test-only (SKULK_FAULT): called with (where, request) at "admit", "sample" and "detokenize"; may raise, and at
+"sample" may return the token to emit instead of sampling (a scripted reply)."""
 
 DEFAULT_MAX_SEQ = 4096  # caps the preallocated cache for long-context models unless max_seq says otherwise
 _WARMUP_ID = "__skulk_warmup__"
@@ -95,18 +97,22 @@ def sample_each(logits: torch.Tensor, reqs: Sequence[Request], hook: FaultHook |
     """One token per row, batched; only if the batch raises is each row sampled alone, so a row that raises
     gets its exception and every other row its token (the same token: each row draws from its own generator)."""
     failed: dict[int, Exception] = {}
+    forced: dict[int, int] = {}
     if hook is not None:
         for i, req in enumerate(reqs):
             try:
-                hook("sample", req)
+                token = hook("sample", req)
             except Exception as exc:
                 failed[i] = exc
+            else:
+                if token is not None:
+                    forced[i] = token
     rows = [r.sampling for r in reqs]
     try:
         tokens: list[int | Exception] = list(sample(logits, rows))
     except Exception:
         tokens = [_sample_one(logits[i : i + 1], row) for i, row in enumerate(rows)]
-    return [failed.get(i, token) for i, token in enumerate(tokens)]
+    return [failed.get(i, forced.get(i, token)) for i, token in enumerate(tokens)]
 
 
 def accept_each(
@@ -158,8 +164,8 @@ class TorchEngine:
         self._unseeded = torch.Generator(device=self.device).manual_seed(secrets.randbits(63))
         self.fault_hook: FaultHook | None = None
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        return self.tokenizer.encode_chat(messages)
+    def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.tokenizer.encode_chat(messages, tools)
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Queue a request; it is prefilled by the next step that has a free cache slot."""

@@ -26,10 +26,12 @@ class ChatTokenizer:
         self._tok: Any = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self.eos_ids = frozenset(_eos_ids(model_dir, self._tok.eos_token_id))
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Render the chat template with the generation prompt; tokenize without adding specials twice."""
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Render the chat template with the generation prompt and the tools offered (templates that know
+        tools render them; the others ignore them); tokenize without adding specials twice."""
         rendered: str = self._tok.apply_chat_template(
-            [{"role": m.role, "content": m.text} for m in messages],
+            [template_message(m) for m in messages],
+            tools=tools or None,
             add_generation_prompt=True,
             tokenize=False,
         )
@@ -40,6 +42,28 @@ class ChatTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as Hugging Face chat templates read it: an assistant's tool calls with their arguments as an
+    object (Qwen and Llama 3 templates serialise them with `tojson`), a tool result with its call id."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": _args(c.function.arguments)}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _args(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def _eos_ids(model_dir: Path, tokenizer_eos: int | None) -> set[int]:
