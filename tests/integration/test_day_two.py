@@ -145,6 +145,7 @@ def test_tracing_two_ranks_only_new_requests(pair: tuple[LocalNode, LocalNode]) 
     stats = writer.get(f"/v1/traces/cluster/{traced}/stats")
     assert stats["taskId"] == traced and stats["totalWallTimeUs"] > 0
     assert {"0", "1"} <= set(stats["byRank"]) and "decode" in stats["byCategory"]
+    assert all("pipelineWaitUs" in s["args"] for s in body["spans"] if s["name"] in ("prefill", "decode"))
     raw = writer.get(f"/v1/traces/cluster/{traced}/raw")
     complete = [e for e in raw["traceEvents"] if e["ph"] == "X"]
     assert complete and all(isinstance(e["ts"], int) and e["dur"] >= 0 for e in complete)

@@ -37,13 +37,14 @@ def test_decode_steps_are_batched_and_untraced_tasks_cost_nothing() -> None:
     book.step(0.0, 0.1, ["a", "b"], ["a", "b"])  # both admitted before anyone said they are traced
     book.trace("a")  # the RunTask reaches this rank after the step header did
     for i in range(DECODE_BATCH + 3):
-        book.step(1.0 + i, 1.5 + i, [], ["a", "b"])
+        book.step(1.0 + i, 1.5 + i, [], ["a", "b"], wait_s=0.25)
     book.end("a")
     book.end("b")
     spans = book.drain()
     assert [s.name for s in spans] == ["prefill", "decode", "decode"]
     assert all(s.task_id == "a" and s.rank == 1 for s in spans)
     assert [s.args.get("steps") for s in spans[1:]] == [DECODE_BATCH, 3]
+    assert [s.args.get("pipelineWaitUs") for s in spans[1:]] == [DECODE_BATCH * 250_000, 750_000]
     assert spans[1].start_us == 1_000_000 and spans[1].duration_us == int((DECODE_BATCH - 0.5) * 1e6)
     book.step(0.0, 1.0, [], ["b"])
     assert book.drain() == []
@@ -66,6 +67,8 @@ def test_store_summaries_stats_and_chrome_export(tmp_path: Path) -> None:
     summary_stats = stats("t1", merged)
     assert summary_stats["totalWallTimeUs"] == 80 and summary_stats["sourceNodes"] == ["n1", "n2"]
     assert summary_stats["byRank"]["1"] == {"count": 1, "totalUs": 40}
+    waited = stats("t1", [span("t1", 1, 0, 100).model_copy(update={"args": {"pipelineWaitUs": 60}})])
+    assert waited["byCategory"]["pipeline_wait"] == {"count": 1, "totalUs": 60}
     raw = chrome_trace("t1", merged)
     assert {e["pid"] for e in raw["traceEvents"] if e["ph"] == "X"} == {0, 1}
     assert store.spans("../etc") is None and store.delete(["../etc"]) == []

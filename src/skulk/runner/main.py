@@ -263,7 +263,8 @@ class Runner:
                 outs = engine.step()
                 if self.dist is not None:  # admissions first: a prefill's token belongs to a task admitted now
                     self._follow_requests(self.dist.take_events())
-                self.spans.step(started, time.time(), self._new_tasks, self.active)
+                waited = self._take_wait()
+                self.spans.step(started, time.time(), self._new_tasks, self.active, waited)
                 self._new_tasks.clear()
                 self._publish(outs)
             self.send_after_step()
@@ -421,6 +422,13 @@ class Runner:
         if not self.active:
             self.recorder.record("idle", "no_active_tasks")
             self.set_status(RunnerReady())
+
+    def _take_wait(self) -> float:
+        """Seconds this step waited on peers (distributed engine), for the trace spans."""
+        if self.dist is None:
+            return 0.0
+        waited, self.dist.wait_s = self.dist.wait_s, 0.0
+        return waited
 
     def _engine_phase(self, phase: RunnerPhase, event: str) -> None:
         """Called by the distributed engine only when its phase changes, before it may block on a peer, so a

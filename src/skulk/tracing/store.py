@@ -136,6 +136,10 @@ def stats(task_id: str, spans: list[TraceSpan]) -> dict[str, Any]:
         for bucket in (by_category[span.name], by_rank["api" if span.rank is None else str(span.rank)]):
             bucket["count"] += 1
             bucket["totalUs"] += span.duration_us
+        waited = span.args.get("pipelineWaitUs")
+        if isinstance(waited, int) and waited > 0:  # inside prefill/decode spans: time spent waiting on peers
+            by_category["pipeline_wait"]["count"] += 1
+            by_category["pipeline_wait"]["totalUs"] += waited
     return {
         "taskId": task_id,
         "totalWallTimeUs": end - start,

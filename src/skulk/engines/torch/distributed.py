@@ -91,6 +91,8 @@ class DistributedEngine:
         self.channel = HeaderChannel(control_group)
         self.control_group = control_group
         self.on_phase: PhaseHook | None = None
+        self.wait_s = 0.0
+        """Seconds spent waiting on peers (pipeline recv, token share) since the runner last took it (tracing)."""
         self.closed = False
         self._pending: deque[Request] = deque()
         self._running: list[Request] = []  # index == cache slot, identical on every rank
@@ -290,7 +292,9 @@ class DistributedEngine:
         else:
             hidden = self.model.args.hidden_size
             x = torch.empty((*shape, hidden), dtype=self.model.args.dtype, device=self.device)
+            started = time.perf_counter()
             dist.recv(x, src=self.rank - 1)
+            self.wait_s += time.perf_counter() - started
         out = self.model(x, batch, self.cache, last_only=last_only)
         if self.kind == "pipeline" and not self.is_sampler:
             dist.send(out.contiguous(), dst=self.rank + 1)
@@ -307,6 +311,7 @@ class DistributedEngine:
         if self.is_sampler:
             rows = [[0, 1, 1] if o.error else [o.token_id, o.finish_reason is not None, 0] for o in outs]
             wire = torch.tensor(rows, dtype=torch.int64)
+        started = time.perf_counter()
         if self.kind == "tensor":
             dist.broadcast(wire, src=self.world_size - 1, group=self.control_group)
         elif self.is_sampler:
@@ -314,6 +319,7 @@ class DistributedEngine:
             return
         else:
             dist.recv(wire, src=self.world_size - 1, group=self.control_group)
+        self.wait_s += time.perf_counter() - started
         for req, (token, finished, failed) in zip(reqs, wire.tolist(), strict=True):
             req.last_token = token
             if finished and self.is_scheduler:
