@@ -209,7 +209,16 @@ def test_cluster_page_shows_every_node_and_the_master_on_desktop_phone_and_keybo
 
 def test_a_refused_placement_shows_the_gb_arithmetic(scenario: Scenario, dash: Dash) -> None:
     node = scenario.nodes[1]
-    page = dash.open(node, "/placing")
+    page = dash.open(node, "/catalog")  # the catalog first: sizes, families, where the files are
+    catalog = {m["id"]: m for m in get(node, "/models")["data"]}
+    sync_api.expect(page.get_by_test_id("model-row")).to_have_count(len(catalog))
+    def row(model_id: str) -> Any:
+        return page.locator(f"[data-testid=model-row][data-model-id='{model_id}']")
+
+    big = catalog[TOO_BIG]
+    sync_api.expect(row(TOO_BIG)).to_contain_text(f"{big['family']} · {big['storage_size_megabytes'] / 1024:.2f} GiB")
+    sync_api.expect(row(MODEL)).to_contain_text("downloaded here")
+    dash.nav("Placing")
     page.get_by_test_id("place-model").select_option(TOO_BIG)
     sync_api.expect(page.get_by_test_id("cannot-place")).to_be_visible()
     first = page.get_by_test_id("gb-arithmetic").first
