@@ -15,16 +15,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 import uvicorn
 
 from skulk.api.app import create_app
+from skulk.api.diagnostics import DiagnosticsHandle
 from skulk.config import Settings
 from skulk.testing.nodes import LocalNode, free_port
 from skulk.testing.streams import StreamProbe, chat_body
+from skulk.types.ids import NodeId
 
 from ..unit.diagnostics_fakes import FakeNode, cluster_state
 from .harness import Cluster, instance_ready, wait_until
@@ -75,11 +77,12 @@ class Scenario:
 
     def meta_instance(self) -> str:
         """The MetaInstance the placing test launched from the page, or one made through the API."""
-        if self.meta_id is None:
-            reply = httpx.post(self.nodes[0].url + "/meta_instance", json={"model_id": MODEL}, timeout=30)
-            assert reply.status_code == 200, reply.text
-            self.meta_id = reply.json()["meta_instance_id"]
-        return self.meta_id
+        if self.meta_id is not None:
+            return self.meta_id
+        reply = httpx.post(self.nodes[0].url + "/meta_instance", json={"model_id": MODEL}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        self.meta_id = meta_id = str(reply.json()["meta_instance_id"])
+        return meta_id
 
     def meta_serving(self, node: LocalNode) -> str | None:
         listed = get(node, "/meta_instances")["meta_instances"].get(self.meta_instance())
@@ -363,9 +366,10 @@ def test_a_killed_node_shows_gone_and_the_meta_instance_is_placed_again(scenario
 def api_with_keys(tmp_path: Path) -> Iterator[str]:
     """A node's real app (security middleware included) with an inference key, over a fake two-node state."""
     settings = Settings(config=tmp_path / "skulk.yaml", home=tmp_path, api_keys=["user-key"], admin_keys=["root"])
-    state = cluster_state(("n1", "n2"), master="n1")
-    app = create_app(FakeNode(node_id=state.master_node_id, state=state, master_id=state.master_node_id,
-                              settings=settings))
+    master = NodeId("n1")
+    node = FakeNode(node_id=master, state=cluster_state(("n1", "n2"), master=master), master_id=master,
+                    settings=settings)
+    app = create_app(cast(DiagnosticsHandle, node))  # the fake has what the routes read
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, name="keyed-api", daemon=True)
     thread.start()
