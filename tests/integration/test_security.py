@@ -16,6 +16,7 @@ import zenoh
 
 from skulk.cluster.intake import COMMANDS_KEY, ForwardedCommand
 from skulk.cluster.seal import generate_key
+from skulk.testing.convergence import master_of
 from skulk.testing.nodes import LocalNode
 from skulk.types.commands import DeleteInstance
 from skulk.types.ids import CommandId, InstanceId, NodeId
@@ -226,8 +227,8 @@ def test_prompts_never_reach_state_or_diagnostics(nodes: list[LocalNode]) -> Non
 
 def test_a_host_without_the_cluster_key_reads_nothing_and_is_not_believed(nodes: list[LocalNode]) -> None:
     """A plain zenoh peer on the cluster's endpoints: it hears only sealed bytes while a chat with a canary runs,
-    and its forged DeleteInstance command, forged event and forged token chunk change nothing; the nodes count
-    what they dropped."""
+    the master's snapshot it asks for comes back sealed, and its forged DeleteInstance command, forged event and
+    forged token chunk change nothing; the nodes count what they dropped."""
     canary = "CANARY-zenoh-eavesdropper"
     node = nodes[0]
     cluster = node.cluster
@@ -257,6 +258,10 @@ def test_a_host_without_the_cluster_key_reads_nothing_and_is_not_believed(nodes:
         body = chat(messages=[{"role": "system", "content": canary}, {"role": "user", "content": "hi"}])
         assert httpx.post(nodes[1].url + "/v1/chat/completions", json=body, headers=bearer(USER_A),
                           timeout=60).status_code == 200
+        master = master_of(node)
+        snapshots = [r.ok.payload.to_bytes() for r in session.get(f"skulk/{cluster}/master/{master}/snapshot",
+                                                                  timeout=5) if r.ok is not None]
+        assert snapshots and all(s.startswith(b"S1") and canary.encode() not in s for s in snapshots)
     finally:
         session.close()
     theirs = [payload for payload in heard if not payload.startswith(b"{")]  # ours come back to us too

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from skulk.cluster.seal import MAX_AGE_S, WINDOW, Sealer, derive, generate_key, reachable_beyond_loopback
+from skulk.cluster.seal import (
+    MAX_AGE_S,
+    WINDOW,
+    ReplayWindow,
+    Sealer,
+    derive,
+    generate_key,
+    reachable_beyond_loopback,
+)
 
 KEY = generate_key()
 
@@ -51,3 +59,14 @@ def test_reachability() -> None:
     assert not reachable_beyond_loopback("127.0.0.1", ["tcp/127.0.0.1:7447"])
     assert reachable_beyond_loopback("127.0.0.1", ["tcp/0.0.0.0:0"])
     assert reachable_beyond_loopback("0.0.0.0", ["tcp/[::1]:7447"])
+
+
+def test_each_subscription_gets_a_message_once() -> None:
+    """zenoh hands one message to every matching subscription of a node: each has its own replay window."""
+    now = [1000.0]
+    alice, bob = pair(now)
+    sealed = alice.seal("skulk/c/events", b"e")
+    first, second = ReplayWindow(), ReplayWindow()
+    assert bob.open("skulk/c/events", sealed, first) == b"e"
+    assert bob.open("skulk/c/events", sealed, second) == b"e"
+    assert bob.open("skulk/c/events", sealed, first) is None

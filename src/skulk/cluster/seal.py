@@ -54,6 +54,15 @@ class _Sender:
 
 
 @dataclass
+class ReplayWindow:
+    """What one receiver (one subscription) has accepted: each sealed message once. Per subscription, because
+    zenoh hands one message to every matching subscription of a node, and each must get it."""
+
+    senders: dict[bytes, _Sender] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
 class SealStats:
     sealed: int = 0
     opened: int = 0
@@ -71,7 +80,7 @@ class Sealer:
     _aead: ChaCha20Poly1305 = field(init=False)
     _me: bytes = field(default_factory=lambda: os.urandom(4))
     _counter: int = 0
-    _senders: dict[bytes, _Sender] = field(default_factory=dict)
+    _window: ReplayWindow = field(default_factory=ReplayWindow)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -93,8 +102,9 @@ class Sealer:
         plain = struct.pack(">q", int(self._now() * 1000)) + payload
         return MAGIC + nonce + self._aead.encrypt(nonce, plain, key_expr.encode())
 
-    def open(self, key_expr: str, sealed: bytes) -> bytes | None:
-        """The payload, or None (counted) when it is forged, tampered, replayed or stale."""
+    def open(self, key_expr: str, sealed: bytes, window: ReplayWindow | None = None) -> bytes | None:
+        """The payload, or None (counted) when it is forged, tampered, replayed (in `window`, by default the
+        sealer's own) or stale."""
         if len(sealed) < HEADER + 8 + 16 or not sealed.startswith(MAGIC):
             return self._count_forged()
         nonce = sealed[2:HEADER]
@@ -104,7 +114,8 @@ class Sealer:
             return self._count_forged()
         sent_ms = struct.unpack(">q", plain[:8])[0]
         now = self._now()
-        if abs(now - sent_ms / 1000) > MAX_AGE_S or not self._first_time(nonce[:4], nonce[4:], now):
+        seen = window if window is not None else self._window
+        if abs(now - sent_ms / 1000) > MAX_AGE_S or not _first_time(seen, nonce[:4], nonce[4:], now):
             with self._lock:
                 self.stats.replayed += 1
             return None
@@ -117,27 +128,26 @@ class Sealer:
             self.stats.forged += 1
         return None
 
-    def _first_time(self, sender: bytes, counter_bytes: bytes, now: float) -> bool:
-        counter = struct.unpack(">Q", counter_bytes)[0]
-        with self._lock:
-            state = self._senders.get(sender)
-            if state is None:
-                self._forget_quiet_senders(now)
-                self._senders[sender] = _Sender(counter, {counter}, now)
-                return True
-            state.last_heard = now
-            if counter <= state.newest - WINDOW or counter in state.seen:
-                return False
-            state.seen.add(counter)
-            if counter > state.newest:
-                state.newest = counter
-                if len(state.seen) > 2 * WINDOW:
-                    state.seen = {c for c in state.seen if c > state.newest - WINDOW}
-            return True
 
-    def _forget_quiet_senders(self, now: float) -> None:
-        for sender in [s for s, st in self._senders.items() if now - st.last_heard > SENDER_TTL_S]:
-            del self._senders[sender]
+
+def _first_time(window: ReplayWindow, sender: bytes, counter_bytes: bytes, now: float) -> bool:
+    counter = struct.unpack(">Q", counter_bytes)[0]
+    with window.lock:
+        state = window.senders.get(sender)
+        if state is None:
+            for quiet in [s for s, st in window.senders.items() if now - st.last_heard > SENDER_TTL_S]:
+                del window.senders[quiet]
+            window.senders[sender] = _Sender(counter, {counter}, now)
+            return True
+        state.last_heard = now
+        if counter <= state.newest - WINDOW or counter in state.seen:
+            return False
+        state.seen.add(counter)
+        if counter > state.newest:
+            state.newest = counter
+            if len(state.seen) > 2 * WINDOW:
+                state.seen = {c for c in state.seen if c > state.newest - WINDOW}
+        return True
 
 
 def reachable_beyond_loopback(api_host: str, zenoh_listen: list[str]) -> bool:

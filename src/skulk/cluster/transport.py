@@ -18,7 +18,7 @@ from typing import Any
 
 import zenoh
 
-from skulk.cluster.seal import Sealer
+from skulk.cluster.seal import ReplayWindow, Sealer
 
 LEASE_MS = 3000
 """A hung or cut-off peer is declared gone after this long; a killed one is seen at once (TCP close)."""
@@ -88,8 +88,8 @@ class Transport:
     def _seal(self, key_expr: str, payload: bytes) -> bytes:
         return self.sealer.seal(key_expr, payload) if self.sealer is not None else payload
 
-    def _open(self, key_expr: str, payload: bytes) -> bytes | None:
-        return self.sealer.open(key_expr, payload) if self.sealer is not None else payload
+    def _open(self, key_expr: str, payload: bytes, window: ReplayWindow | None = None) -> bytes | None:
+        return self.sealer.open(key_expr, payload, window) if self.sealer is not None else payload
 
     @property
     def session(self) -> zenoh.Session:
@@ -135,10 +135,11 @@ class Transport:
         """on_message(key, payload) runs on the asyncio loop, never on a zenoh thread."""
         loop = self._require_loop()
         prefix_len = len(self.prefix) + 1
+        window = ReplayWindow()  # its own: a message matching two subscriptions reaches both
 
         def callback(sample: zenoh.Sample) -> None:
             full = str(sample.key_expr)
-            payload = self._open(full, sample.payload.to_bytes())
+            payload = self._open(full, sample.payload.to_bytes(), window)
             if payload is not None:  # forged or replayed: dropped (and counted) here
                 _hand_over(loop, on_message, full[prefix_len:], payload)
 
