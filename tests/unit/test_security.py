@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from skulk import internal_auth
+from skulk.api.config_routes import effective
 from skulk.api.errors import install_error_handlers
 from skulk.api.security import Access, KeyRing, LocalNames, host_name_of, install_security, required_access
 from skulk.config import Settings
@@ -162,3 +163,10 @@ def test_a_prompt_never_serialises_with_its_task() -> None:
         assert "SECRET" not in dumped and "messages" not in dumped
     command = StartChatCompletion(command_id=CommandId("c"), model=CARD.model_id).model_dump(by_alias=True)
     assert set(command["StartChatCompletion"]) == {"commandId", "model", "originNodeId", "instanceId"}
+
+
+def test_config_route_never_shows_keys() -> None:
+    shown = effective(Settings(api_keys=["u"], admin_keys=["a"], cluster_key="k", hf_token="hf"))
+    text = repr(shown)
+    assert "'u'" not in text and "'a'" not in text and "'k'" not in text and "'hf'" not in text
+    assert shown["has_cluster_key"] and shown["api_key_count"] == 1 and shown["admin_key_count"] == 1

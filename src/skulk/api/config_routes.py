@@ -16,7 +16,7 @@ from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.config import ConfigError, Settings, describe_error, yaml_values
 
-SECRET_KEYS = frozenset({"hf_token"})
+SECRET_KEYS = frozenset({"hf_token", "api_keys", "admin_keys", "cluster_key"})
 LIVE_KEYS: frozenset[str] = frozenset()
 """Dotted keys a PUT can apply without a restart (none yet: see the module docstring)."""
 
@@ -29,6 +29,8 @@ def effective(settings: Settings) -> dict[str, Any]:
     """Every setting in force on this node (defaults, file, environment and flags merged), secrets as flags."""
     dumped = _redacted(settings.model_dump(mode="json"))
     dumped["has_hf_token"] = settings.hf_token is not None
+    dumped["has_cluster_key"] = settings.cluster_key is not None
+    dumped["api_key_count"], dumped["admin_key_count"] = len(settings.api_keys), len(settings.admin_keys)
     return dumped
 
 
