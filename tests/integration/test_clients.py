@@ -311,3 +311,24 @@ def test_json_mode_logprobs_and_tool_choice(served: Served) -> None:
         for refused in ({"logprobs": True}, {"top_logprobs": 2}, {"tool_choice": "required", "tools": WEATHER}):
             reply = client.post("/v1/chat/completions", json=chat(**refused))
             assert reply.status_code == 400, (refused, reply.text)
+
+
+def test_anthropic_tool_use_round_trip(served: Served) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=served.node.url, api_key="unused", timeout=60)
+    tools: list[Any] = [{"name": "get_weather", "description": "Weather in a city", "input_schema": CITY}]
+    ask: list[Any] = [{"role": "user", "content": f"Weather in Paris? SKULK_SCRIPT<<<{CALL_TEXT}>>>"}]
+    message = client.messages.create(model=MODEL, max_tokens=300, tools=tools, messages=ask)
+    assert message.stop_reason == "tool_use"
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.input == {"city": "Paris"}  # type: ignore[union-attr]
+    with client.messages.stream(model=MODEL, max_tokens=300, tools=tools, messages=ask) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["text", "tool_use"]
+    assert final.content[1].input == {"city": "Paris"}  # type: ignore[union-attr]
+    follow = [*ask, {"role": "assistant", "content": [b.model_dump() for b in message.content]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,  # type: ignore[union-attr]
+                                            "content": "sunny SKULK_SCRIPT<<<Sunny in Paris.>>>"}]}]
+    answer = client.messages.create(model=MODEL, max_tokens=300, tools=tools, messages=follow)
+    assert answer.stop_reason == "end_turn" and answer.content[0].text == "Sunny in Paris."  # type: ignore[union-attr]

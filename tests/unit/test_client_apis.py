@@ -65,8 +65,11 @@ def test_claude_request_to_chat() -> None:
         ],
     })
     chat = claude_to_chat(body)
-    assert [(m.role, m.text) for m in chat.messages] == [
-        ("system", "sys"), ("user", "ab"), ("assistant", '{"name": "f", "arguments": {"x": 1}}'), ("tool", "42")]
+    roles = [("system", "sys"), ("user", "ab"), ("assistant", ""), ("tool", "42")]
+    assert [(m.role, m.text) for m in chat.messages] == roles
+    (call,) = chat.messages[2].tool_calls or []
+    assert (call.id, call.function.name, call.function.arguments) == ("t1", "f", '{"x": 1}')
+    assert chat.messages[3].tool_call_id == "t1"
     sampling = chat.sampling()
     assert sampling.max_tokens == 5 and sampling.max_tokens_explicit and sampling.stop == ["END"]
 
@@ -170,5 +173,5 @@ def test_tool_call_stream_holds_back_only_what_may_be_a_call(
     stream = ToolCallStream(family)
     out = "".join(stream.push(p) for p in pieces)
     tail, calls = stream.finish("x")
-    assert out + (tail if not calls else "") == streamed + ("" if calls else "")
+    assert out + ("" if calls else tail) == streamed  # a call's text never streams as content
     assert [c.function.name for c in calls] == names

@@ -14,13 +14,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
+from skulk.api.chat_options import tool_family
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import ApiError
 from skulk.api.generation import GenerationFailed, collect, deltas
 from skulk.api.handle import NodeHandle
 from skulk.api.tokens import count_chat_tokens
-from skulk.types.chat import ChatCompletionRequest
+from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
+from skulk.types.chat import ChatCompletionRequest, ToolCall
 from skulk.types.claude import ClaudeCountRequest, ClaudeRequest
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -49,10 +51,26 @@ async def parse_body(http: Request, model: type[M]) -> M:
 
 
 def to_chat_request(body: ClaudeRequest) -> ChatCompletionRequest:
+    choice = body.tool_choice.type if body.tool_choice is not None else None
+    if choice in ("any", "tool"):
+        raise ApiError(400, "tool_choice: only \"auto\" and \"none\" are supported (the model decides whether to "
+                       "use a tool; nothing forces it)", code="invalid_request")
     return ChatCompletionRequest(
         model=body.model, messages=body.chat_messages(), max_tokens=body.max_tokens, temperature=body.temperature,
         top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop_sequences or None, stream=body.stream,
+        tools=[t.to_openai() for t in body.tools] if body.tools else None, tool_choice=choice,
     )
+
+
+def tool_use_blocks(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"type": "tool_use", "id": f"toolu_{c.id}", "name": c.function.name, "input": _input(c)} for c in calls]
+
+
+def _input(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return {}
 
 
 def _sse(event: str, data: dict[str, Any]) -> str:
@@ -66,42 +84,56 @@ def _message(msg_id: str, model: str, content: list[dict[str, Any]], stop: str |
             "stop_reason": stop, "stop_sequence": None, "usage": usage}
 
 
-async def _events(session: ChatSession, model: str) -> AsyncIterator[str]:
-    """message_start, content_block_start, ping, content_block_delta..., content_block_stop, message_delta,
-    message_stop: the order Anthropic's SDKs expect."""
+async def _events(session: ChatSession, model: str, family: str | None) -> AsyncIterator[str]:
+    """message_start, content_block_start, ping, content_block_delta..., content_block_stop, (a tool_use block per
+    call), message_delta, message_stop: the order Anthropic's SDKs expect."""
     msg_id = f"msg_{session.command_id}"
     usage = {"input_tokens": session.first.prompt_tokens, "output_tokens": 0}
     yield _sse("message_start", {"message": _message(msg_id, model, [], None, usage)})
     yield _sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     yield _sse("ping", {})
     stop = "end_turn"
+    held = ToolCallStream(family) if family is not None else None
     try:
         async for chunk in deltas(session):
-            if chunk.text:
-                yield _sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": chunk.text}})
+            text = held.push(chunk.text) if held is not None else chunk.text
+            if text:
+                yield _sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
             if chunk.finish_reason is not None:
                 usage["output_tokens"] = chunk.completion_tokens
                 stop = STOP_REASONS.get(chunk.finish_reason, "end_turn")
     except GenerationFailed as failed:
         yield _sse("error", {"error": error_payload(failed.chunk.status, failed.chunk.message)["error"]})
         return
+    tail, calls = held.finish(session.command_id) if held is not None else ("", [])
+    if tail:
+        yield _sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": tail}})
     yield _sse("content_block_stop", {"index": 0})
+    for index, block in enumerate(tool_use_blocks(calls), start=1):
+        yield _sse("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        yield _sse("content_block_delta", {"index": index, "delta": delta})
+        yield _sse("content_block_stop", {"index": index})
+    stop = "tool_use" if calls else stop
     yield _sse("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None},
                                  "usage": {"output_tokens": usage["output_tokens"]}})
     yield _sse("message_stop", {})
 
 
 async def _complete(node: NodeHandle, body: ClaudeRequest) -> JSONResponse:
-    session = await start_chat(node, to_chat_request(body))
+    chat = to_chat_request(body)
+    session = await start_chat(node, chat)
     try:
         done = await collect(session)
     except GenerationFailed as failed:
         status = failed.chunk.status if failed.chunk.status >= 500 else 500
         return JSONResponse(error_payload(status, failed.chunk.message), status_code=status)
     usage = {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens}
-    content = [{"type": "text", "text": done.text}]
-    return JSONResponse(_message(f"msg_{session.command_id}", body.model, content,
-                                 STOP_REASONS.get(done.finish_reason, "end_turn"), usage))
+    family = tool_family(node, chat)
+    text, calls = parse_tool_calls(family, done.text, session.command_id) if family is not None else (done.text, [])
+    content = ([{"type": "text", "text": text}] if text or not calls else []) + tool_use_blocks(calls)
+    stop = "tool_use" if calls else STOP_REASONS.get(done.finish_reason, "end_turn")
+    return JSONResponse(_message(f"msg_{session.command_id}", body.model, content, stop, usage))
 
 
 def claude_router(node: NodeHandle) -> APIRouter:
@@ -113,10 +145,11 @@ def claude_router(node: NodeHandle) -> APIRouter:
             body = await parse_body(http, ClaudeRequest)
             if not body.stream:
                 return await unless_disconnected(http, _complete(node, body))
-            session = await start_chat(node, to_chat_request(body))
+            chat = to_chat_request(body)
+            session = await start_chat(node, chat)
         except ApiError as exc:
             return _error(exc)
-        return StreamingResponse(_events(session, body.model), media_type="text/event-stream",
+        return StreamingResponse(_events(session, body.model, tool_family(node, chat)), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @router.post("/v1/messages/count_tokens")

@@ -33,8 +33,9 @@ One more makes a model say what a test needs it to say (a random model never wri
     SKULK_FAULT=script:reply[:rank=<n>]
 
 - for a request whose prompt contains `SKULK_SCRIPT<<<text>>>` (the last one counts), the sampling rank emits
-  exactly the tokens of `text`, then end-of-sequence, instead of sampling; everything after sampling (detokenisation, stop strings, the
-  API's tool-call parsing and streaming) runs as for any reply. Other requests sample as usual.
+  exactly the tokens of `text`, then end-of-sequence, instead of sampling; everything after sampling
+  (detokenisation, stop strings, the API's tool-call parsing and streaming) runs as for any reply. Other requests
+  sample as usual.
 """
 
 from __future__ import annotations

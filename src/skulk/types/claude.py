@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from .chat import ChatMessage, MaxTokens, Seed, Temperature, TopK, TopP
+from .chat import ChatMessage, FunctionCall, FunctionSpec, MaxTokens, Seed, Temperature, Tool, ToolCall, TopK, TopP
 
 
 class _Block(BaseModel):
@@ -49,22 +49,39 @@ class ClaudeMessage(_Block):
     content: str | list[Block]
 
     def to_chat(self) -> list[ChatMessage]:
-        """Text blocks join into one message; a tool result becomes a `tool` message, a tool use its JSON."""
+        """Text blocks join into one message with the turn's tool uses as its tool calls; each tool result becomes
+        a `tool` message naming its call, as OpenAI-style chat templates expect."""
         if isinstance(self.content, str):
             return [ChatMessage(role=self.role, content=self.content)]
         out: list[ChatMessage] = []
         text: list[str] = []
+        calls: list[ToolCall] = []
         for block in self.content:
             if isinstance(block, TextBlock):
                 text.append(block.text)
             elif isinstance(block, ToolUseBlock):
-                text.append(json.dumps({"name": block.name, "arguments": block.input}))
+                calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name,
+                                                                         arguments=json.dumps(block.input))))
             else:
                 body = block.content if isinstance(block.content, str) else "".join(b.text for b in block.content)
-                out.append(ChatMessage(role="tool", content=body))
-        if text:
-            out.insert(0, ChatMessage(role=self.role, content="".join(text)))
+                out.append(ChatMessage(role="tool", content=body, tool_call_id=block.tool_use_id))
+        if text or calls:
+            out.insert(0, ChatMessage(role=self.role, content="".join(text), tool_calls=calls or None))
         return out
+
+
+class ClaudeTool(_Block):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    input_schema: dict[str, Any] = {}
+
+    def to_openai(self) -> Tool:
+        return Tool(function=FunctionSpec(name=self.name, description=self.description, parameters=self.input_schema))
+
+
+class ClaudeToolChoice(_Block):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
 
 
 class ClaudeRequest(BaseModel):
@@ -81,7 +98,8 @@ class ClaudeRequest(BaseModel):
     top_p: TopP | None = None
     top_k: TopK | None = None
     seed: Seed | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ClaudeTool] | None = Field(default=None, max_length=128)
+    tool_choice: ClaudeToolChoice | None = None
 
     def chat_messages(self) -> list[ChatMessage]:
         system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
