@@ -332,3 +332,18 @@ def test_anthropic_tool_use_round_trip(served: Served) -> None:
                                             "content": "sunny SKULK_SCRIPT<<<Sunny in Paris.>>>"}]}]
     answer = client.messages.create(model=MODEL, max_tokens=300, tools=tools, messages=follow)
     assert answer.stop_reason == "end_turn" and answer.content[0].text == "Sunny in Paris."  # type: ignore[union-attr]
+
+
+def test_ollama_tool_calls(served: Served) -> None:
+    import ollama
+
+    client = ollama.Client(host=f"{served.node.url}/ollama", timeout=60)
+    ask: list[Any] = [{"role": "user", "content": f"Weather in Paris? SKULK_SCRIPT<<<{CALL_TEXT}>>>"}]
+    reply = client.chat(model=MODEL, messages=ask, tools=WEATHER, options={"num_predict": 300})
+    calls = reply.message.tool_calls or []
+    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    parts = list(client.chat(model=MODEL, messages=ask, tools=WEATHER, stream=True, options={"num_predict": 300}))
+    assert "".join(p.message.content or "" for p in parts) == "" and parts[-1].message.tool_calls
+    follow = [*ask, reply.message, {"role": "tool", "content": "sunny SKULK_SCRIPT<<<Sunny.>>>"}]
+    answer = client.chat(model=MODEL, messages=follow, tools=WEATHER, options={"num_predict": 300})
+    assert answer.message.content == "Sunny." and not answer.message.tool_calls

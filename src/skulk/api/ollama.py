@@ -13,14 +13,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
 from skulk import __version__
+from skulk.api.chat_options import tool_family
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.claude import parse_body
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import ApiError
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
 from skulk.api.handle import NodeHandle
+from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.models.cards import all_cards, get_card
-from skulk.types.chat import ChatCompletionRequest
+from skulk.types.chat import ChatCompletionRequest, ToolCall
 from skulk.types.chunks import RequestStats
 from skulk.types.ids import ModelId
 from skulk.types.models import ModelCard
@@ -43,10 +45,24 @@ def _now() -> str:
 
 def to_chat_request(body: Body, stream: bool) -> ChatCompletionRequest:
     o = body.options
+    tools = body.tools if isinstance(body, OllamaChatRequest) else None
     return ChatCompletionRequest(
         model=body.model, messages=body.chat_messages(), max_tokens=o.num_predict, temperature=o.temperature,
-        top_p=o.top_p, top_k=o.top_k, seed=o.seed, stop=o.stop or None, stream=stream,
+        top_p=o.top_p, top_k=o.top_k, seed=o.seed, stop=o.stop or None, stream=stream, tools=tools,
     )
+
+
+def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """Ollama writes a call's arguments as an object."""
+    return [{"function": {"index": i, "name": c.function.name, "arguments": _object(c.function.arguments)}}
+            for i, c in enumerate(calls)]
+
+
+def _object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return {}
 
 
 def _chat_shape(text: str) -> dict[str, Any]:
@@ -66,30 +82,43 @@ def _timings(stats: RequestStats | None, prompt: int, generated: int, total_ns: 
             "prompt_eval_duration": prompt_ns, "eval_count": generated, "eval_duration": eval_ns}
 
 
-def _final(model: str, shape: Shape, done: Finished) -> dict[str, Any]:
-    return {"model": model, "created_at": _now(), **shape(done.text), "done": True, "done_reason": done.finish_reason,
+def _final(model: str, shape: Shape, done: Finished, calls: list[ToolCall] | None = None) -> dict[str, Any]:
+    line = {"model": model, "created_at": _now(), **shape(done.text), "done": True, "done_reason": done.finish_reason,
             **_timings(done.stats, done.prompt_tokens, done.completion_tokens, done.total_ns)}
+    if calls:
+        line["message"]["tool_calls"] = _ollama_calls(calls)
+    return line
 
 
-async def _ndjson(session: ChatSession, model: str, shape: Shape) -> AsyncIterator[str]:
+async def _ndjson(session: ChatSession, model: str, shape: Shape, family: str | None) -> AsyncIterator[str]:
     started = time.monotonic()
+    held = ToolCallStream(family) if family is not None else None
     try:
         async for chunk in deltas(session):
+            text = held.push(chunk.text) if held is not None else chunk.text
             if chunk.finish_reason is None:
-                line = {"model": model, "created_at": _now(), **shape(chunk.text), "done": False}
-            else:
-                done = Finished(chunk.text, chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens,
-                                chunk.stats, started)
-                line = _final(model, shape, done)
-            yield json.dumps(line, separators=(",", ":")) + "\n"
+                if text:
+                    line = {"model": model, "created_at": _now(), **shape(text), "done": False}
+                    yield json.dumps(line, separators=(",", ":")) + "\n"
+                continue
+            tail, calls = held.finish(session.command_id) if held is not None else ("", [])
+            done = Finished(text + (tail if not calls else ""), chunk.finish_reason, chunk.prompt_tokens,
+                            chunk.completion_tokens, chunk.stats, started)
+            yield json.dumps(_final(model, shape, done, calls), separators=(",", ":")) + "\n"
     except GenerationFailed as failed:
         yield json.dumps({"error": failed.chunk.message}) + "\n"
 
 
 async def _complete(node: NodeHandle, body: Body, shape: Shape) -> JSONResponse:
-    session = await start_chat(node, to_chat_request(body, False))
+    chat = to_chat_request(body, False)
+    session = await start_chat(node, chat)
+    family = tool_family(node, chat)
     try:
-        return JSONResponse(_final(body.model, shape, await collect(session)))
+        done = await collect(session)
+        calls: list[ToolCall] = []
+        if family is not None:
+            done.text, calls = parse_tool_calls(family, done.text, session.command_id)
+        return JSONResponse(_final(body.model, shape, done, calls))
     except GenerationFailed as failed:
         return JSONResponse({"error": failed.chunk.message}, status_code=max(failed.chunk.status, 500))
 
@@ -99,10 +128,12 @@ async def _generate(node: NodeHandle, http: Request, kind: type[Body], shape: Sh
         body = await parse_body(http, kind)
         if not body.stream:
             return await unless_disconnected(http, _complete(node, body, shape))
-        session = await start_chat(node, to_chat_request(body, True))
+        chat = to_chat_request(body, True)
+        session = await start_chat(node, chat)
     except ApiError as exc:
         return _error(exc)
-    return StreamingResponse(_ndjson(session, body.model, shape), media_type="application/x-ndjson")
+    return StreamingResponse(_ndjson(session, body.model, shape, tool_family(node, chat)),
+                             media_type="application/x-ndjson")
 
 
 def _details(card: ModelCard) -> dict[str, Any]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .chat import ChatMessage, MaxTokens, Seed, Temperature, TopK, TopP
+from .chat import ChatMessage, FunctionCall, MaxTokens, Seed, Temperature, Tool, ToolCall, TopK, TopP
 
 
 class _Loose(BaseModel):
@@ -22,9 +23,32 @@ class OllamaOptions(_Loose):
     stop: str | list[str] | None = None
 
 
+class OllamaFunction(_Loose):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: dict[str, Any] | str = {}
+
+
+class OllamaToolCall(_Loose):
+    function: OllamaFunction
+
+
 class OllamaMessage(_Loose):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    tool_calls: list[OllamaToolCall] | None = Field(default=None, max_length=128)
+
+    def to_chat(self, index: int) -> ChatMessage:
+        """Ollama's calls carry no ids: each gets one from its position, which is all a template needs."""
+        calls = [
+            ToolCall(id=f"call_{index}_{i}",
+                     function=FunctionCall(name=c.function.name, arguments=_text(c.function.arguments)))
+            for i, c in enumerate(self.tool_calls or [])
+        ]
+        return ChatMessage(role=self.role, content=self.content, tool_calls=calls or None)
+
+
+def _text(arguments: dict[str, Any] | str) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
 
 class OllamaChatRequest(_Loose):
@@ -33,10 +57,10 @@ class OllamaChatRequest(_Loose):
     stream: bool = True
     options: OllamaOptions = OllamaOptions()
     format: Literal["json", ""] | dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
 
     def chat_messages(self) -> list[ChatMessage]:
-        return [ChatMessage(role=m.role, content=m.content) for m in self.messages]
+        return [m.to_chat(i) for i, m in enumerate(self.messages)]
 
 
 class OllamaGenerateRequest(_Loose):
