@@ -94,6 +94,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--control", action="store_true", help="A/A run: neither cluster sealed, to see how far "
+                        "two identical clusters differ on this machine")
     parser.add_argument("--model", default=BENCH_MODEL_ID, help="e.g. skulk/tiny-random-llama: a fast model, "
                         "so the per-message cost of sealing is a larger share of each token")
     args = parser.parse_args()
@@ -101,7 +103,8 @@ def main() -> None:
         root = Path(tmp)
         clusters: list[Cluster] = []
         try:
-            sealed, sealed_url = start(root, "sealed", {"SKULK_CLUSTER_KEY": generate_key()}, args.model)
+            key = {} if args.control else {"SKULK_CLUSTER_KEY": generate_key()}
+            sealed, sealed_url = start(root, "sealed", key, args.model)
             clusters.append(sealed)
             plain, plain_url = start(root, "open", {}, args.model)
             clusters.append(plain)
@@ -117,11 +120,12 @@ def measure(sealed_url: str, plain_url: str, tokens: int, rounds: int, model: st
         asyncio.run(api_single(url, 8, model))
     ttft = {"sealed": [], "open": []}
     tps = {"sealed": [], "open": []}
-    for _ in range(rounds * 3):
-        for name, url in (("sealed", sealed_url), ("open", plain_url)):
+    pairs = [("sealed", sealed_url), ("open", plain_url)]
+    for n in range(rounds * 3):
+        for name, url in pairs if n % 2 == 0 else pairs[::-1]:  # alternate who goes first
             ttft[name].append(asyncio.run(api_single(url, 2, model))[0])
-    for _ in range(rounds):
-        for name, url in (("sealed", sealed_url), ("open", plain_url)):
+    for n in range(rounds):
+        for name, url in pairs if n % 2 == 0 else pairs[::-1]:
             tps[name].append(asyncio.run(api_single(url, tokens, model))[1])
     print(f"model {model} on one node, requests through the other, {tokens} tokens, medians")
     print(f"seal + open of a 200-byte message {seal_cost_us():6.1f} us (in-process)")
