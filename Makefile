@@ -15,7 +15,7 @@ run: $(STAMP)
 	$(VENV)/bin/skulk $(ARGS)
 
 test: $(STAMP) chromium
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # The dashboard tests drive Debian's chromium (Playwright with executable_path; never `playwright install`).
 # Installed here when missing and apt-get may run (root); otherwise those tests skip and name the command.

@@ -29,14 +29,24 @@ READY_MARK = "SKULK_READY"
 _HANDED_OUT: set[int] = set()
 
 
+def _port_range() -> tuple[int, int]:
+    """20000-29000, split between pytest-xdist workers so two test processes never pick the same port."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    span = 9000 // count
+    index = int(worker) % count if worker.isdigit() else 0
+    return 20000 + index * span, 20000 + (index + 1) * span - 1
+
+
 def free_port() -> int:
     """A TCP port free right now, chosen below the kernel's ephemeral range (32768 and up) and below the
     rendezvous ports placement picks (29500-29999): a port handed out by binding to 0 is an ephemeral one, which
     any outgoing connection on the machine may take before the node binds it (seen as 'Address already in
     use' on a busy CI machine)."""
     rng = random.Random()
+    low, high = _port_range()
     for _ in range(200):
-        port = rng.randint(20000, 29000)
+        port = rng.randint(low, high)
         if port in _HANDED_OUT:
             continue  # not bound yet by the node it was chosen for, but taken all the same
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
