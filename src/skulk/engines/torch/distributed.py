@@ -33,8 +33,9 @@ from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
 
 from .cache import StepBatch
-from .engine import DEFAULT_MAX_SEQ, FaultHook, Request, accept_each, row_sampling
+from .engine import DEFAULT_MAX_SEQ
 from .loader import load_model
+from .requests import FaultHook, Request, accept_each, row_sampling
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 from .wire import Admitted, Header, HeaderChannel, NewRequest, Release, Released, RequestEvent, StepKind
 

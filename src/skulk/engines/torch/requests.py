@@ -1,0 +1,123 @@
+"""One request's decoding state and the sampler's bookkeeping, shared by every engine rank that samples.
+
+Sampling and detokenisation happen per row in isolation: an exception in one request's settings or text ends
+that request only, never its batch-mates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from skulk.engines.base import FinishReason, TokenOut
+from skulk.types.chat import SamplingParams
+
+from .sampling import RowSampling, sample
+from .tokenizer import IncrementalDecoder, StopMatcher
+
+FaultHook = Callable[[str, "Request"], int | None]
+"""Test-only (SKULK_FAULT): called with (where, request) at "admit", "sample" and "detokenize"; may raise, and at
+"sample" may return the token to emit instead of sampling (a scripted reply)."""
+
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's decoding state, shared by the single-rank and the distributed engines."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: RowSampling
+    decoder: IncrementalDecoder
+    stops: StopMatcher
+    length: int = 0  # positions filled in this request's cache slot
+    generated: int = 0
+    last_token: int = -1
+    finished: bool = False
+    command_id: str = ""
+
+
+def accept_token(req: Request, token: int, eos_ids: Collection[int], context_length: int) -> TokenOut:
+    """Record a sampled token and turn it into streamed text, deciding whether the request is done."""
+    req.generated += 1
+    req.last_token = token
+    finish: FinishReason | None = None
+    if token in eos_ids:
+        text, finish = req.stops.push(req.decoder.flush())[0] + req.stops.flush(), "stop"
+    else:
+        text, stopped = req.stops.push(req.decoder.push(token))
+        if stopped:
+            finish = "stop"
+        elif req.generated >= req.max_tokens or req.length >= context_length:
+            tail, stopped = req.stops.push(req.decoder.flush())
+            text += tail if stopped else tail + req.stops.flush()
+            finish = "stop" if stopped else "length"
+    req.finished = finish is not None
+    return TokenOut(req.request_id, token, text, finish)
+
+
+def row_sampling(
+    s: SamplingParams, vocab: int, device: torch.device, unseeded: torch.Generator
+) -> RowSampling:
+    """A request's sampling row. top_k above the vocabulary keeps every token, so it is clamped to it."""
+    generator = unseeded
+    if s.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(s.seed)
+    return RowSampling(s.temperature, min(s.top_k, vocab), s.top_p, generator)
+
+
+def failed_out(req: Request, exc: BaseException) -> TokenOut:
+    """The request is over with an error; its slot is released like a finished one's."""
+    req.finished = True
+    return TokenOut(req.request_id, -1, "", None, error=f"{type(exc).__name__}: {exc}")
+
+
+def _sample_one(logits: torch.Tensor, row: RowSampling) -> int | Exception:
+    try:
+        return sample(logits, [row])[0]
+    except Exception as exc:  # one request's settings must not fail its batch-mates
+        return exc
+
+
+def sample_each(logits: torch.Tensor, reqs: Sequence[Request], hook: FaultHook | None) -> list[int | Exception]:
+    """One token per row, batched; only if the batch raises is each row sampled alone, so a row that raises
+    gets its exception and every other row its token (the same token: each row draws from its own generator)."""
+    failed: dict[int, Exception] = {}
+    forced: dict[int, int] = {}
+    if hook is not None:
+        for i, req in enumerate(reqs):
+            try:
+                token = hook("sample", req)
+            except Exception as exc:
+                failed[i] = exc
+            else:
+                if token is not None:
+                    forced[i] = token
+    rows = [r.sampling for r in reqs]
+    try:
+        tokens: list[int | Exception] = list(sample(logits, rows))
+    except Exception:
+        tokens = [_sample_one(logits[i : i + 1], row) for i, row in enumerate(rows)]
+    return [failed.get(i, forced.get(i, token)) for i, token in enumerate(tokens)]
+
+
+def accept_each(
+    logits: torch.Tensor, reqs: Sequence[Request], eos_ids: Collection[int], context_length: int,
+    hook: FaultHook | None,
+) -> list[TokenOut]:
+    """Sample and detokenise every row, each in isolation: an exception ends only its own request."""
+    outs: list[TokenOut] = []
+    for req, token in zip(reqs, sample_each(logits, reqs, hook), strict=True):
+        if isinstance(token, Exception):
+            outs.append(failed_out(req, token))
+            continue
+        try:
+            if hook is not None:
+                hook("detokenize", req)
+            outs.append(accept_token(req, token, eos_ids, context_length))
+        except Exception as exc:
+            outs.append(failed_out(req, exc))
+    return outs
