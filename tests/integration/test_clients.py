@@ -7,6 +7,7 @@ recorded Skulk-shaped ones (skulk_wire/)."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from skulk.testing.nodes import LocalNode
 from skulk.testing.wire_shape import shape_mismatches
@@ -300,17 +302,21 @@ def test_openai_tool_call_round_trip(served: Served) -> None:
     assert answer.usage and answer.usage.prompt_tokens > reply.usage.prompt_tokens + len(CALL_TEXT) // 2
 
 
-def test_json_mode_logprobs_and_tool_choice(served: Served) -> None:
+def test_json_mode_and_response_format_validation(served: Served) -> None:
+    schema = {"name": "city", "schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
     with served.node.client() as client:
         asked = chat(response_format={"type": "json_object"}, max_tokens=2)
         plain = client.post("/v1/chat/completions", json=chat(max_tokens=2)).json()
         json_mode = client.post("/v1/chat/completions", json=asked).json()
         assert json_mode["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]  # the JSON instruction
-        bad_format = client.post("/v1/chat/completions", json=chat(response_format={"type": "xml"}))
-        assert bad_format.status_code == 422 and "response_format" in bad_format.json()["error"]["message"]
-        for refused in ({"logprobs": True}, {"top_logprobs": 2}, {"tool_choice": "required", "tools": WEATHER}):
-            reply = client.post("/v1/chat/completions", json=chat(**refused))
-            assert reply.status_code == 400, (refused, reply.text)
+        with_schema = client.post("/v1/chat/completions", json=chat(
+            response_format={"type": "json_schema", "json_schema": schema}, max_tokens=2)).json()
+        assert with_schema["usage"]["prompt_tokens"] > json_mode["usage"]["prompt_tokens"]  # and the schema
+        for bad, says in (({"type": "xml"}, "response_format"),
+                          ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}, "JSON Schema"),
+                          ({"type": "json_schema", "json_schema": {"schema": {}}}, "name")):
+            reply = client.post("/v1/chat/completions", json=chat(response_format=bad))
+            assert reply.status_code == 422 and says in reply.json()["error"]["message"], reply.text
 
 
 def test_anthropic_tool_use_round_trip(served: Served) -> None:
@@ -347,3 +353,138 @@ def test_ollama_tool_calls(served: Served) -> None:
     follow = [*ask, reply.message, {"role": "tool", "content": "sunny SKULK_SCRIPT<<<Sunny.>>>"}]
     answer = client.chat(model=MODEL, messages=follow, tools=WEATHER, options={"num_predict": 300})
     assert answer.message.content == "Sunny." and not answer.message.tool_calls
+
+
+# ------------------------------------------------------------------------------- logprobs and tool_choice
+
+
+def _first_step_logprobs(prompt_tokens: int, models_dir: Path) -> torch.Tensor:
+    """What the node's first token must report: log_softmax of the demo model's last logits over the prompt,
+    computed here with the model loaded in the test process (the demo model is generated identically)."""
+    from skulk.engines.torch.cache import StepBatch
+    from skulk.engines.torch.loader import load_model
+    from skulk.engines.torch.tokenizer import ChatTokenizer
+    from skulk.models.demo import ensure_demo_model
+    from skulk.types.chat import ChatMessage
+
+    demo = ensure_demo_model(models_dir)
+    prompt = ChatTokenizer(demo).encode_chat([ChatMessage(role="user", content="ping")])
+    assert len(prompt) == prompt_tokens
+    model = load_model(demo)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]), StepBatch.build(torch.arange(len(prompt)).unsqueeze(0), 0),
+                       model.make_cache(1, len(prompt)))
+    return torch.log_softmax(logits[0, -1].float(), dim=-1)
+
+
+def _check_entries(entries: list[Any], top: int) -> None:
+    for entry in entries:
+        alternatives = entry.top_logprobs
+        assert entry.logprob <= 0 and len(alternatives) == top and entry.bytes == list(entry.token.encode())
+        values = [a.logprob for a in alternatives]
+        assert values == sorted(values, reverse=True) and sum(math.exp(v) for v in values) <= 1 + 1e-6
+        assert entry.token == alternatives[0].token and entry.logprob == pytest.approx(values[0])  # greedy
+
+
+def test_openai_logprobs(served: Served, tmp_path: Path) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served.node.url}/v1", api_key="unused", timeout=60, max_retries=0)
+    ask: list[Any] = [{"role": "user", "content": "ping"}]
+    reply = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=5, temperature=0, logprobs=True,
+                                           top_logprobs=3)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None and reply.usage is not None
+    assert len(logprobs.content) == reply.usage.completion_tokens
+    _check_entries(logprobs.content, 3)
+    expected = _first_step_logprobs(reply.usage.prompt_tokens, tmp_path)
+    first = logprobs.content[0]
+    assert first.logprob == pytest.approx(expected.max().item(), abs=1e-3)
+    assert [a.logprob for a in first.top_logprobs] == pytest.approx(expected.topk(3).values.tolist(), abs=1e-3)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask, max_tokens=5, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in logprobs.content]
+    no_top = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, logprobs=True)
+    assert no_top.choices[0].logprobs and all(e.top_logprobs == [] for e in no_top.choices[0].logprobs.content or [])
+    assert client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2).choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, top_logprobs=2)
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, logprobs=True, top_logprobs=21)
+
+    legacy = client.completions.create(model=MODEL, prompt="once upon", max_tokens=4, temperature=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs and lp.text_offset is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    pieces = list(client.completions.create(model=MODEL, prompt="once upon", max_tokens=4, temperature=0,
+                                            logprobs=2, stream=True))
+    assert [t for p in pieces if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens or []] == lp.tokens
+
+
+WHEN = {"type": "function", "function": {"name": "get_time", "description": "Time in a city", "parameters": CITY}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+TIME_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_openai_tool_choice_required_and_named(served: Served) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served.node.url}/v1", api_key="unused", timeout=60, max_retries=0)
+    calls: list[Any] = [{"role": "user", "content": f"Weather? SKULK_SCRIPT<<<{CALL_TEXT}>>>"}]
+    text: list[Any] = [{"role": "user", "content": "Weather? SKULK_SCRIPT<<<No idea.>>>"}]
+    both = [*WEATHER, WHEN]
+    required = client.chat.completions.create(model=MODEL, messages=calls, tools=both, tool_choice="required",
+                                              max_tokens=300)
+    assert required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.tool_calls
+    named = client.chat.completions.create(model=MODEL, messages=calls, tools=both, tool_choice=NAMED,  # type: ignore[arg-type]
+                                           max_tokens=300)
+    assert [c.function.name for c in named.choices[0].message.tool_calls or []] == ["get_weather"]  # type: ignore[union-attr]
+    assert named.usage and required.usage and named.usage.prompt_tokens < required.usage.prompt_tokens - 50  # one tool
+    with pytest.raises(openai.InternalServerError) as unmet:
+        client.chat.completions.create(model=MODEL, messages=text, tools=both, tool_choice="required", max_tokens=300)
+    assert unmet.value.code == "tool_choice_unmet" and "in text" in unmet.value.message
+    wrong: list[Any] = [{"role": "user", "content": f"Weather? SKULK_SCRIPT<<<{TIME_CALL}>>>"}]
+    with pytest.raises(openai.InternalServerError, match="called get_time, not get_weather"):
+        client.chat.completions.create(model=MODEL, messages=wrong, tools=both, tool_choice=NAMED, max_tokens=300)  # type: ignore[arg-type]
+    with pytest.raises(openai.APIError, match="in text"):
+        list(client.chat.completions.create(model=MODEL, messages=text, tools=both, tool_choice="required",
+                                            max_tokens=300, stream=True))
+    for bad in ({"type": "function", "function": {"name": "nope"}}, {"type": "web"}):
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            client.chat.completions.create(model=MODEL, messages=calls, tools=both, tool_choice=bad, max_tokens=2)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        client.chat.completions.create(model=MODEL, messages=calls, tool_choice="required", max_tokens=2)
+
+
+def test_responses_function_tools(served: Served) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served.node.url}/v1", api_key="unused", timeout=60, max_retries=0)
+    tools: list[Any] = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+                         "parameters": CITY}]
+    ask: list[Any] = [{"role": "user", "content": f"Weather in Paris? SKULK_SCRIPT<<<{CALL_TEXT}>>>"}]
+    reply = client.responses.create(model=MODEL, input=ask, tools=tools, max_output_tokens=300)
+    (call,) = [item for item in reply.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+    events = list(client.responses.create(model=MODEL, input=ask, tools=tools, max_output_tokens=300, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"], kinds
+    final = events[-1].response  # type: ignore[union-attr]
+    assert [(i.type, i.name) for i in final.output] == [("function_call", "get_weather")]  # type: ignore[union-attr]
+    follow = [*ask, call.model_dump(exclude_none=True),
+              {"type": "function_call_output", "call_id": call.call_id,  # type: ignore[union-attr]
+               "output": "sunny SKULK_SCRIPT<<<It is sunny.>>>"}]
+    answer = client.responses.create(model=MODEL, input=follow, tools=tools, max_output_tokens=300)
+    assert answer.output_text == "It is sunny." and answer.usage and reply.usage
+    assert answer.usage.input_tokens > reply.usage.input_tokens  # the call and its output went into the template
+    text_events = list(client.responses.create(model=MODEL, input=follow, tools=tools, max_output_tokens=300,
+                                               stream=True))
+    assert "".join(e.delta for e in text_events if e.type == "response.output_text.delta") == "It is sunny."  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError, match="only function tools"):
+        client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}], max_output_tokens=2)  # type: ignore[list-item]

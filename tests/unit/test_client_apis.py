@@ -8,7 +8,8 @@ import pytest
 from skulk.api.claude import to_chat_request as claude_to_chat
 from skulk.api.config_routes import changed_keys
 from skulk.api.ollama import to_chat_request as ollama_to_chat
-from skulk.api.responses import completion_to_chat, responses_to_chat
+from skulk.api.responses import completion_to_chat
+from skulk.api.responses_api import responses_to_chat
 from skulk.runner.admission import context_refusal
 from skulk.runner.stats import RequestClock
 from skulk.testing.wire_shape import shape_mismatches

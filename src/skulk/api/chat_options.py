@@ -1,41 +1,89 @@
-"""What a chat request asks beyond messages and sampling, decided before it is sent: one choice, no logprobs
-(this engine does not return them yet), JSON output asked for in the prompt, and whether the reply is parsed for
-tool calls (and how: the model family's format)."""
+"""What a chat request asks beyond messages and sampling, decided before it is sent: one choice, logprobs only
+when asked for properly, JSON output asked for in the prompt, the tool choice, and whether the reply is parsed for
+tool calls (and how: the model family's format).
+
+Nothing here constrains decoding: `response_format` and a forced `tool_choice` become a system line (and, for a
+named function, the only tool the template sees); a forced tool choice is then checked on the reply
+(`unmet_tool_choice`), and a reply that breaks it is answered with an error rather than passed off as a call."""
 
 from __future__ import annotations
+
+import json
 
 from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.models.cards import get_card
-from skulk.types.chat import ChatCompletionRequest, ChatMessage
+from skulk.types.chat import ChatCompletionRequest, ChatMessage, ToolCall
 from skulk.types.ids import ModelId
 
 JSON_INSTRUCTION = "Respond with one valid JSON object and nothing else."
+ANY_TOOL_INSTRUCTION = "You must answer by calling one of the tools offered, not with text."
 
 
 def check_supported(request: ChatCompletionRequest) -> None:
     if request.n is not None and request.n != 1:
         raise ApiError(400, f"n: only n=1 is supported (one choice per request), got {request.n}; "
                        "send n separate requests instead", code="invalid_request")
-    if request.logprobs or request.top_logprobs:
-        raise ApiError(400, "logprobs/top_logprobs: this engine does not return log probabilities yet; drop them",
+    if request.top_logprobs is not None and not request.logprobs:
+        raise ApiError(400, "top_logprobs: set logprobs to true as well (top_logprobs says how many alternatives "
+                       "each token's logprobs list)", code="invalid_request")
+    forced_tool(request)
+
+
+def forced_tool(request: ChatCompletionRequest) -> str | None:
+    """None: the model may answer in text; "": it must call some tool; a name: it must call that function.
+    A 400 for a tool choice that cannot be met (no tools, an unknown name, a shape OpenAI does not define)."""
+    choice = request.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if not request.tools:
+        raise ApiError(400, "tool_choice: forcing a tool call needs tools; send tools or drop tool_choice",
                        code="invalid_request")
-    if request.tool_choice == "required" or isinstance(request.tool_choice, dict):
-        raise ApiError(400, "tool_choice: only \"auto\" and \"none\" are supported (the model decides whether to "
-                       "call a tool; nothing forces it)", code="invalid_request")
+    if choice == "required":
+        return ""
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise ApiError(400, 'tool_choice: "none", "auto", "required" or {"type": "function", "function": '
+                       '{"name": ...}}', code="invalid_request")
+    if name not in {t.function.name for t in request.tools}:
+        raise ApiError(400, f"tool_choice: function {name!r} is not among the tools sent", code="invalid_request")
+    return name
 
 
-def with_response_format(request: ChatCompletionRequest) -> ChatCompletionRequest:
-    """json_object/json_schema: a system line asking for JSON (and the schema) goes first; decoding is not
-    constrained, so a model may still answer otherwise."""
+def prepared(request: ChatCompletionRequest) -> ChatCompletionRequest:
+    """The request as the engine gets it: the JSON and tool-choice instructions first, a named function the only
+    tool offered."""
+    lines: list[str] = []
     fmt = request.response_format
-    if fmt is None or fmt.type == "text":
-        return request
-    line = JSON_INSTRUCTION
-    if fmt.type == "json_schema" and fmt.json_schema:
-        line += f" It must match this JSON schema: {fmt.json_schema}"
-    messages = [ChatMessage(role="system", content=line), *request.messages]
-    return request.model_copy(update={"messages": messages})
+    if fmt is not None and fmt.type != "text":
+        lines.append(JSON_INSTRUCTION)
+        schema = fmt.json_schema.get("schema") if fmt.json_schema else None
+        if schema is not None:
+            lines.append(f"It must match this JSON schema: {json.dumps(schema, separators=(',', ':'))}")
+    update: dict[str, object] = {}
+    forced = forced_tool(request)
+    if forced:
+        update["tools"] = [t for t in request.tools or [] if t.function.name == forced][:1]
+        lines.append(f"You must answer by calling the function {forced}, not with text.")
+    elif forced == "":
+        lines.append(ANY_TOOL_INSTRUCTION)
+    if lines:
+        update["messages"] = [ChatMessage(role="system", content=" ".join(lines)), *request.messages]
+    return request.model_copy(update=update) if update else request
+
+
+def unmet_tool_choice(forced: str | None, calls: list[ToolCall]) -> str | None:
+    """Why a finished reply breaks a forced tool choice (None when it keeps it)."""
+    if forced is None:
+        return None
+    if not calls:
+        return ("tool_choice: the model answered in text, not with a tool call (decoding is not constrained "
+                "here, the choice is asked for in the prompt); retry, or use tool_choice auto")
+    wrong = sorted({c.function.name for c in calls} - {forced}) if forced else []
+    if wrong:
+        return f"tool_choice: the model called {', '.join(wrong)}, not {forced}; retry, or use tool_choice auto"
+    return None
 
 
 def tool_family(node: NodeHandle, request: ChatCompletionRequest) -> str | None:

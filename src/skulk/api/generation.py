@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from skulk.api.chat_session import ChatSession
-from skulk.types.chunks import ErrorChunk, RequestStats, TokenChunk
+from skulk.types.chunks import ErrorChunk, RequestStats, TokenChunk, TokenLogprob
 
 
 class GenerationFailed(Exception):
@@ -31,6 +31,8 @@ class Finished:
     stats: RequestStats | None
     started: float
     """time.monotonic() when the request was started, for APIs that report durations."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per generated token when the request asked for logprobs."""
 
     @property
     def total_ns(self) -> int:
@@ -38,11 +40,12 @@ class Finished:
 
 
 async def deltas(session: ChatSession) -> AsyncIterator[TokenChunk]:
-    """Chunks that carry text, and always the last one (its finish_reason and counts); GenerationFailed on error."""
+    """Chunks that carry text or logprobs, and always the last one (its finish_reason and counts);
+    GenerationFailed on error."""
     async for chunk in session.chunks():
         if isinstance(chunk, ErrorChunk):
             raise GenerationFailed(chunk)
-        if chunk.text or chunk.finish_reason is not None:
+        if chunk.text or chunk.finish_reason is not None or chunk.logprobs is not None:
             yield chunk
 
 
@@ -50,10 +53,13 @@ async def collect(session: ChatSession) -> Finished:
     """The whole answer of a non-streaming request."""
     started = time.monotonic()
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     last: TokenChunk | None = None
     async for chunk in deltas(session):
         parts.append(chunk.text)
+        if chunk.logprobs is not None:
+            logprobs.append(chunk.logprobs)
         last = chunk
     assert last is not None and last.finish_reason is not None
     return Finished("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.stats,
-                    started)
+                    started, logprobs)

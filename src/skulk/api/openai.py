@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
-from skulk.api.chat_options import check_supported, tool_family, with_response_format
+from skulk.api.chat_options import check_supported, forced_tool, prepared, tool_family, unmet_tool_choice
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import ApiError, error_body
@@ -20,7 +20,7 @@ from skulk.api.handle import NodeHandle
 from skulk.api.tool_calls import ToolCallStream, openai_tool_calls, parse_tool_calls
 from skulk.models.cards import all_cards
 from skulk.types.chat import ChatCompletionRequest
-from skulk.types.chunks import RequestStats, TokenChunk
+from skulk.types.chunks import RequestStats, TokenChunk, TokenLogprob
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -37,9 +37,19 @@ def generation_stats_comment(stats: RequestStats | None) -> str:
 
 
 def _prepared(node: NodeHandle, request: ChatCompletionRequest) -> tuple[ChatCompletionRequest, str | None]:
-    """The request as sent (refusals first, JSON instruction added) and the tool-call format to parse, if any."""
+    """The request as sent (refusals first, JSON and tool-choice instructions added) and the tool-call format to
+    parse, if any."""
     check_supported(request)
-    return with_response_format(request), tool_family(node, request)
+    return prepared(request), tool_family(node, request)
+
+
+def _logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's `choices[i].logprobs` (refusal is never produced here)."""
+    return {"content": [e.model_dump(mode="json") for e in entries], "refusal": None}
+
+
+def _tool_choice_error(why: str) -> dict[str, Any]:
+    return error_body(why, kind="server_error", code="tool_choice_unmet", retryable=True)
 
 
 async def _stream_events(
@@ -53,17 +63,20 @@ async def _stream_events(
     }
     role_sent = False
     last: TokenChunk | None = None
-    held = ToolCallStream(family) if family is not None else None
+    forced = forced_tool(request)
+    held = ToolCallStream(family, hold_all=forced is not None) if family is not None else None
     try:
         async for chunk in deltas(session):
             last = chunk
             text = held.push(chunk.text) if held is not None else chunk.text
-            if not text and role_sent:
+            if not text and role_sent and chunk.logprobs is None:
                 continue
             delta: dict[str, Any] = {"content": text}
             if not role_sent:
                 delta["role"], role_sent = "assistant", True
-            yield _sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+            logprobs = None if chunk.logprobs is None else _logprobs([chunk.logprobs])
+            yield _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                             "finish_reason": None}]})
     except GenerationFailed as failed:
         c = failed.chunk
         yield _sse(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable))
@@ -73,6 +86,11 @@ async def _stream_events(
     finish = last.finish_reason
     if held is not None:
         tail, calls = held.finish(session.command_id)
+        unmet = unmet_tool_choice(forced, calls)
+        if unmet is not None:
+            yield _sse(_tool_choice_error(unmet))
+            yield "data: [DONE]\n\n"
+            return
         delta = {"tool_calls": openai_tool_calls(calls)} if calls else {"content": tail}
         if calls and tail:
             yield _sse({**head, "choices": [{"index": 0, "delta": {"content": tail}, "finish_reason": None}]})
@@ -95,10 +113,16 @@ def _bench_fields(stats: RequestStats | None) -> dict[str, Any]:
     }
 
 
-def _message(text: str, finish: str, family: str | None, call_id: str) -> tuple[dict[str, Any], str]:
-    """The reply message and finish_reason, with tool calls parsed out of the text when tools were offered."""
+def _message(
+    text: str, finish: str, family: str | None, call_id: str, forced: str | None = None
+) -> tuple[dict[str, Any], str]:
+    """The reply message and finish_reason, with tool calls parsed out of the text when tools were offered.
+    ValueError (why) when a forced tool choice is not met."""
     if family is not None:
         content, calls = parse_tool_calls(family, text, call_id)
+        unmet = unmet_tool_choice(forced, calls)
+        if unmet is not None:
+            raise ValueError(unmet)
         if calls:
             return {"role": "assistant", "content": content or None, "tool_calls": openai_tool_calls(calls)}, (
                 "tool_calls"
@@ -115,7 +139,10 @@ async def _complete(
         c = failed.chunk
         return JSONResponse(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable),
                             status_code=c.status if c.status >= 500 else 500)
-    message, finish = _message(done.text, done.finish_reason, family, session.command_id)
+    try:
+        message, finish = _message(done.text, done.finish_reason, family, session.command_id, forced_tool(request))
+    except ValueError as unmet:
+        return JSONResponse(_tool_choice_error(str(unmet)), status_code=500)
     return JSONResponse(
         {
             **(_bench_fields(done.stats) if bench else {}),
@@ -127,7 +154,7 @@ async def _complete(
                 {
                     "index": 0,
                     "message": message,
-                    "logprobs": None,
+                    "logprobs": _logprobs(done.logprobs) if request.logprobs else None,
                     "finish_reason": finish,
                 }
             ],

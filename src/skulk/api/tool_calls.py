@@ -78,11 +78,12 @@ def _prefix_tail(text: str, tag: str) -> int:
 class ToolCallStream:
     """Splits streamed text into content that can go out now and a held tail that may be a tool call."""
 
-    def __init__(self, family: str) -> None:
+    def __init__(self, family: str, *, hold_all: bool = False) -> None:
+        """hold_all: nothing streams, the whole reply is parsed at the end (a tool call was forced)."""
         self.family = family
         self.held = ""
         self.started = False  # some content went out: a Llama-style bare JSON call is no longer possible
-        self.capturing = False
+        self.capturing = hold_all
 
     def push(self, text: str) -> str:
         self.held += text

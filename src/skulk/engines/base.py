@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from skulk.types.chat import ChatMessage, SamplingParams
+from skulk.types.chunks import TokenLogprob
 
 FinishReason = Literal["stop", "length"]
 
@@ -23,6 +24,8 @@ class TokenOut:
     text: str
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprobs: TokenLogprob | None = None
+    """Only for a request whose sampling asked for logprobs."""
 
 
 class Engine(Protocol):

@@ -391,6 +391,7 @@ class Runner:
                     text=out.text,
                     token_id=out.token_id,
                     finish_reason=out.finish_reason,
+                    logprobs=out.logprobs,
                     prompt_tokens=active.prompt_tokens,
                     completion_tokens=active.completion_tokens,
                     stats=None if out.finish_reason is None else active.clock.stats(

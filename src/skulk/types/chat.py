@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -18,6 +21,7 @@ from pydantic import (
 from .base import CamelModel
 from .limits import MAX_MESSAGES, MAX_TOKENS_LIMIT, ContentText, ModelText, NameText, StopText
 
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SEED_MAX = 2**64 - 1
 TOP_K_MAX = 2**31 - 1
 """The API cannot know a model's vocabulary (model cards do not carry it): top_k is bounded here so it fits any
@@ -29,6 +33,7 @@ MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=0, le=TOP_K_MAX)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
 RANGES: dict[str, str] = {
     "max_tokens": f"an integer >= 1 and <= {MAX_TOKENS_LIMIT}",
@@ -85,11 +90,29 @@ class Tool(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """`json_object` (and `json_schema`) add one system line asking for JSON; nothing constrains decoding."""
+    """`json_object` (and `json_schema`) add one system line asking for JSON; nothing constrains decoding.
+    A json_schema must be OpenAI's `{"name", "schema", "strict"?}` with a schema that is a valid JSON Schema."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _valid_schema(self) -> ResponseFormat:
+        if self.type != "json_schema":
+            return self
+        spec = self.json_schema or {}
+        name = spec.get("name")
+        if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+            raise ValueError('json_schema must be {"name": "<1-64 letters, digits, _ or ->", "schema": {...}}')
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise ValueError("json_schema.schema must be a JSON Schema object")
+        try:
+            validator_for(schema).check_schema(schema)
+        except SchemaError as exc:
+            raise ValueError(f"json_schema.schema is not a valid JSON Schema: {exc.message}") from None
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -135,7 +158,7 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: TopLogprobs | None = None
 
     _ranges = field_validator(*RANGES, mode="wrap")(_say_range)
 
@@ -168,6 +191,7 @@ class ChatCompletionRequest(BaseModel):
             top_k=self.top_k or 0,
             seed=self.seed,
             stop=stops,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
 
 
@@ -183,3 +207,5 @@ class SamplingParams(CamelModel):
     top_k: TopK = 0
     seed: Seed | None = None
     stop: list[str] = []
+    logprobs: TopLogprobs | None = None
+    """None: none reported; n: each token's log-probability and its n most likely alternatives."""

@@ -35,6 +35,22 @@ class RequestStats(CamelModel):
     """Engine steps (batched forwards) that produced this request's tokens."""
 
 
+class TopLogprob(CamelModel):
+    """One candidate token in OpenAI's logprobs shape: its text, log-probability and UTF-8 bytes."""
+
+    model_config = CamelModel.model_config | {"alias_generator": None}
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    """The emitted token's log-probability under the model, with the most likely alternatives (OpenAI's
+    `logprobs.content[i]`); only on chunks of requests that asked for logprobs."""
+
+    top_logprobs: list[TopLogprob] = []
+
+
 class TokenChunk(TaggedModel):
     command_id: CommandId
     text: str
@@ -44,6 +60,8 @@ class TokenChunk(TaggedModel):
     completion_tokens: int = 0
     stats: RequestStats | None = None
     """Only on the last chunk of a request."""
+    logprobs: TokenLogprob | None = None
+    """Only when the request asked for logprobs: one per token, even a token whose text is not out yet."""
 
 
 class ErrorChunk(TaggedModel):

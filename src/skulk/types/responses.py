@@ -5,11 +5,22 @@ message, so every model serves them the same way as chat."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from .chat import ChatMessage, MaxTokens, Seed, StreamOptions, Temperature, TopP
+from .chat import (
+    ChatMessage,
+    FunctionCall,
+    FunctionSpec,
+    MaxTokens,
+    Seed,
+    StreamOptions,
+    Temperature,
+    Tool,
+    ToolCall,
+    TopP,
+)
 
 
 class _Loose(BaseModel):
@@ -28,6 +39,8 @@ class CompletionRequest(_Loose):
     stream_options: StreamOptions | None = None
     n: int | None = None
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    """Legacy logprobs: each token's log-probability and this many most likely alternatives (0...5)."""
 
 
 class InputText(_Loose):
@@ -45,18 +58,92 @@ class InputMessage(_Loose):
         return ChatMessage(role=self.role, content=text)
 
 
+class FunctionCallItem(_Loose):
+    """A call the model made, sent back in the next request's input (as the Responses API returned it)."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = "{}"
+    id: str | None = None
+
+
+class FunctionCallOutputItem(_Loose):
+    """The result of a call, for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=256)
+    output: str
+
+
+def _item_type(value: Any) -> str:
+    """Easy input messages may leave out "type": they are messages."""
+    if isinstance(value, dict):
+        return str(value.get("type", "message"))
+    return str(getattr(value, "type", "message"))
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
+
+
+class FunctionTool(_Loose):
+    """A Responses API function tool (flat: name and parameters beside type, unlike chat's nested function)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def to_chat(self) -> Tool:
+        return Tool(function=FunctionSpec(name=self.name, description=self.description, parameters=self.parameters))
+
+
+class NamedFunction(_Loose):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=256)
+
+
 class ResponsesRequest(_Loose):
     model: str = Field(min_length=1)
-    input: str | list[InputMessage] = Field(min_length=1)
+    input: str | list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     stream: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    """Only function tools are served; checked by `function_tools` (a 400 naming any other type)."""
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
 
     def chat_messages(self) -> list[ChatMessage]:
+        """The input as chat messages: an assistant message and the function calls after it become one assistant
+        turn with tool_calls, each output a tool message."""
         head = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         if isinstance(self.input, str):
             return [*head, ChatMessage(role="user", content=self.input)]
-        return [*head, *(m.to_chat() for m in self.input)]
+        messages = head
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                messages.append(item.to_chat())
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
+            else:
+                call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+                last = messages[-1] if messages else None
+                if last is not None and last.role == "assistant":  # the same turn's text and earlier calls
+                    messages[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
+                else:
+                    messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+        return messages
+
+    def chat_tool_choice(self) -> Literal["none", "auto", "required"] | dict[str, Any] | None:
+        """The tool choice in chat's shape."""
+        if isinstance(self.tool_choice, NamedFunction):
+            return {"type": "function", "function": {"name": self.tool_choice.name}}
+        return self.tool_choice

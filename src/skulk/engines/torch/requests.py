@@ -7,14 +7,15 @@ that request only, never its batch-mates.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from skulk.engines.base import FinishReason, TokenOut
 from skulk.types.chat import SamplingParams
+from skulk.types.chunks import TokenLogprob, TopLogprob
 
-from .sampling import RowSampling, sample
+from .sampling import RowSampling, sample, token_logprobs
 from .tokenizer import IncrementalDecoder, StopMatcher
 
 FaultHook = Callable[[str, "Request"], int | None]
@@ -66,7 +67,7 @@ def row_sampling(
     generator = unseeded
     if s.seed is not None:
         generator = torch.Generator(device=device).manual_seed(s.seed)
-    return RowSampling(s.temperature, min(s.top_k, vocab), s.top_p, generator)
+    return RowSampling(s.temperature, min(s.top_k, vocab), s.top_p, generator, s.logprobs)
 
 
 def failed_out(req: Request, exc: BaseException) -> TokenOut:
@@ -110,14 +111,51 @@ def accept_each(
 ) -> list[TokenOut]:
     """Sample and detokenise every row, each in isolation: an exception ends only its own request."""
     outs: list[TokenOut] = []
-    for req, token in zip(reqs, sample_each(logits, reqs, hook), strict=True):
+    tokens = sample_each(logits, reqs, hook)
+    logprobs = logprobs_each(logits, reqs, tokens)
+    for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
         if isinstance(token, Exception):
             outs.append(failed_out(req, token))
             continue
         try:
             if hook is not None:
                 hook("detokenize", req)
-            outs.append(accept_token(req, token, eos_ids, context_length))
+            out = accept_token(req, token, eos_ids, context_length)
+            reported = logprobs.get(i)
+            if isinstance(reported, Exception):
+                raise reported
+            outs.append(out if reported is None else replace(out, logprobs=reported))
         except Exception as exc:
             outs.append(failed_out(req, exc))
     return outs
+
+
+def logprobs_each(
+    logits: torch.Tensor, reqs: Sequence[Request], tokens: Sequence[int | Exception]
+) -> dict[int, TokenLogprob | Exception]:
+    """The reported log-probabilities of the rows whose request asked for them (one batched log_softmax and
+    topk over those rows only); an empty dict, at the cost of one pass over the settings, when none asked."""
+    rows = [i for i, (r, t) in enumerate(zip(reqs, tokens, strict=True))
+            if r.sampling.logprobs is not None and not isinstance(t, Exception)]
+    if not rows:
+        return {}
+    picked = [t for i in rows if isinstance(t := tokens[i], int)]  # every one: rows hold no exceptions
+    top = [reqs[i].sampling.logprobs or 0 for i in rows]
+    try:
+        index = torch.tensor(rows, device=logits.device)
+        found = token_logprobs(logits.index_select(0, index), picked, top)
+        return {i: _reported(reqs[i], t, f) for i, t, f in zip(rows, picked, found, strict=True)}
+    except Exception as exc:  # ends the requests that asked, never their batch-mates
+        return dict.fromkeys(rows, exc)
+
+
+def _reported(req: Request, token: int, found: tuple[float, list[tuple[int, float]]]) -> TokenLogprob:
+    logprob, top = found
+    text = req.decoder.piece(token)
+    return TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")),
+                        top_logprobs=[_candidate(req, t, lp) for t, lp in top])
+
+
+def _candidate(req: Request, token: int, logprob: float) -> TopLogprob:
+    text = req.decoder.piece(token)
+    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))

@@ -20,6 +20,8 @@ class RowSampling:
     top_k: int
     top_p: float
     generator: torch.Generator
+    logprobs: int | None = None
+    """None: no log-probabilities; n: the sampled token's and the n most likely tokens' (0...20)."""
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
@@ -54,3 +56,26 @@ def _filter(scaled: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop |= mass_before >= top_p.unsqueeze(1)  # keeps the first token always: its mass_before is 0
     return scaled.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], top: Sequence[int]
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of logits [B, V]: the log-probability of tokens[row] and the top[row] most likely (id, logprob),
+    most likely first.
+
+    Of the model's own distribution (log_softmax of the raw logits), not of the temperature-scaled and
+    top-k/top-p filtered one the token was drawn from: it is what the model thinks of each token, and the same
+    whatever sampling settings a client picks (what OpenAI and vLLM report). Callers pass only the rows that
+    asked, so a batch where nobody asked pays nothing."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(top, default=0)
+    if k == 0:
+        return [(c, []) for c in chosen]
+    values, ids = logprobs.topk(min(k, logits.shape[-1]), dim=-1)
+    values_l, ids_l = values.tolist(), ids.tolist()
+    return [
+        (c, list(zip(ids_l[row][:n], values_l[row][:n], strict=True)))
+        for row, (c, n) in enumerate(zip(chosen, top, strict=True))
+    ]

@@ -95,6 +95,10 @@ class IncrementalDecoder:
         self._ids.append(token_id)
         return self._release(final=False)
 
+    def piece(self, token_id: int) -> str:
+        """One token decoded alone (the text logprobs report for it; part of a codepoint decodes as U+FFFD)."""
+        return self._decode([token_id])
+
     def flush(self) -> str:
         """Whatever is left at the end of generation, even an incomplete codepoint."""
         return self._release(final=True)

@@ -1,0 +1,186 @@
+"""The Responses API (POST /v1/responses): one response object, JSON or its typed SSE events, with function tools.
+
+Function tools go to the chat template like chat's; the reply is parsed per model family, and each call becomes a
+`function_call` output item (streamed as output_item.added, function_call_arguments.delta/.done and
+output_item.done after any message item). `function_call` and `function_call_output` input items go back into the
+template as the assistant's tool calls and tool messages. Without tools the text streams as it comes; with tools
+it is held only while it could still be a call (api/tool_calls.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from skulk.api.chat_options import check_supported, forced_tool, prepared, tool_family, unmet_tool_choice
+from skulk.api.chat_session import ChatSession, start_chat
+from skulk.api.errors import ApiError
+from skulk.api.generation import Finished, GenerationFailed, collect, deltas
+from skulk.api.handle import NodeHandle
+from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
+from skulk.types.chat import ChatCompletionRequest, Tool, ToolCall
+from skulk.types.responses import FunctionTool, ResponsesRequest
+
+
+def function_tools(body: ResponsesRequest) -> list[Tool] | None:
+    """The request's tools in chat's shape; a 400 for any tool type but function (none is served here)."""
+    tools: list[Tool] = []
+    for i, spec in enumerate(body.tools or []):
+        if spec.get("type") != "function":
+            raise ApiError(400, f"tools[{i}]: only function tools are served here, not {spec.get('type')!r}",
+                           code="invalid_request")
+        tools.append(FunctionTool.model_validate(spec).to_chat())
+    return tools or None
+
+
+def responses_to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+    request = ChatCompletionRequest(
+        model=body.model, messages=body.chat_messages(), max_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, stream=body.stream, tools=function_tools(body),
+        tool_choice=body.chat_tool_choice(),
+    )
+    check_supported(request)
+    return prepared(request)
+
+
+class ResponseBuilder:
+    """One response object as it grows: ids, output items, status and usage."""
+
+    def __init__(self, session: ChatSession, body: ResponsesRequest, family: str | None, forced: str | None) -> None:
+        self.id = f"resp_{session.command_id}"
+        self.command_id = session.command_id
+        self.item_id = f"msg_{session.command_id}"
+        self.body, self.family, self.forced = body, family, forced
+        self.created = int(time.time())
+        self.seq = 0
+
+    def message(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
+
+    def call(self, index: int, call: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
+        return {"type": "function_call", "id": f"fc_{self.command_id}_{index}", "call_id": call.id,
+                "name": call.function.name,
+                "arguments": call.function.arguments if arguments is None else arguments, "status": status}
+
+    def items(self, text: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """The finished output: the message (left out when the reply is only calls), then one item per call."""
+        message = [self.message(text, "completed")] if text or not calls else []
+        return [*message, *(self.call(i, c, "completed") for i, c in enumerate(calls))]
+
+    def obj(self, status: str, done: Finished | None = None, items: list[dict[str, Any]] | None = None
+            ) -> dict[str, Any]:
+        usage = None
+        if done is not None:
+            usage = {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
+                     "total_tokens": done.prompt_tokens + done.completion_tokens,
+                     "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+        incomplete = {"reason": "max_output_tokens"} if done is not None and done.finish_reason == "length" else None
+        b = self.body
+        choice = b.tool_choice.model_dump() if b.tool_choice is not None and not isinstance(b.tool_choice, str) \
+            else b.tool_choice or "auto"
+        return {"id": self.id, "object": "response", "created_at": self.created, "model": b.model,
+                "status": "incomplete" if incomplete else status, "incomplete_details": incomplete, "error": None,
+                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+                "temperature": b.temperature, "top_p": b.top_p, "tools": b.tools or [], "tool_choice": choice,
+                "parallel_tool_calls": True, "text": {"format": {"type": "text"}}, "output": items or [],
+                "usage": usage}
+
+    def event(self, kind: str, **fields: Any) -> str:
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq, **fields})}\n\n"
+
+    # ---- streaming: the events of one message item and of one function call item
+
+    def where(self) -> dict[str, Any]:
+        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+
+    def open_message(self) -> list[str]:
+        return [self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress")),
+                self.event("response.content_part.added", **self.where(),
+                           part={"type": "output_text", "text": "", "annotations": []})]
+
+    def close_message(self, text: str) -> list[str]:
+        part = {"type": "output_text", "text": text, "annotations": []}
+        return [self.event("response.output_text.done", **self.where(), text=text, logprobs=[]),
+                self.event("response.content_part.done", **self.where(), part=part),
+                self.event("response.output_item.done", output_index=0, item=self.message(text, "completed"))]
+
+    def call_events(self, output_index: int, index: int, call: ToolCall) -> list[str]:
+        item_id, args = f"fc_{self.command_id}_{index}", call.function.arguments
+        where = {"item_id": item_id, "output_index": output_index}
+        return [self.event("response.output_item.added", output_index=output_index,
+                           item=self.call(index, call, "in_progress", "")),
+                self.event("response.function_call_arguments.delta", **where, delta=args),
+                self.event("response.function_call_arguments.done", **where, arguments=args),
+                self.event("response.output_item.done", output_index=output_index,
+                           item=self.call(index, call, "completed"))]
+
+
+async def response_events(session: ChatSession, r: ResponseBuilder) -> AsyncIterator[str]:
+    yield r.event("response.created", response=r.obj("in_progress"))
+    yield r.event("response.in_progress", response=r.obj("in_progress"))
+    held = ToolCallStream(r.family, hold_all=r.forced is not None) if r.family is not None else None
+    opened, parts = held is None, []
+    for e in r.open_message() if opened else []:
+        yield e
+    done = Finished("", "stop", 0, 0, None, time.monotonic())
+    try:
+        async for chunk in deltas(session):
+            text = held.push(chunk.text) if held is not None else chunk.text
+            if text:
+                for e in [] if opened else r.open_message():
+                    yield e
+                opened = True
+                parts.append(text)
+                yield r.event("response.output_text.delta", **r.where(), delta=text, logprobs=[])
+            if chunk.finish_reason is not None:
+                done = Finished("", chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens, chunk.stats,
+                                done.started)
+    except GenerationFailed as failed:
+        yield r.event("error", code=failed.chunk.code, message=failed.chunk.message, param=None)
+        return
+    tail, calls = held.finish(r.command_id) if held is not None else ("", [])
+    unmet = unmet_tool_choice(r.forced, calls)
+    if unmet is not None:
+        yield r.event("error", code="tool_choice_unmet", message=unmet, param=None)
+        return
+    if tail:
+        for e in [] if opened else r.open_message():
+            yield e
+        opened = True
+        parts.append(tail)
+        yield r.event("response.output_text.delta", **r.where(), delta=tail, logprobs=[])
+    text = "".join(parts)
+    message = opened or not calls
+    for e in [*([] if opened or not message else r.open_message()), *(r.close_message(text) if message else [])]:
+        yield e
+    for i, call in enumerate(calls):
+        for e in r.call_events(i + int(message), i, call):
+            yield e
+    yield r.event("response.completed", response=r.obj("completed", done, r.items(text, calls)))
+
+
+async def respond(node: NodeHandle, body: ResponsesRequest) -> dict[str, Any]:
+    chat = responses_to_chat(body)
+    session = await start_chat(node, chat)
+    r = ResponseBuilder(session, body, tool_family(node, chat), forced_tool(chat))
+    try:
+        done = await collect(session)
+    except GenerationFailed as failed:
+        raise ApiError(max(failed.chunk.status, 500), failed.chunk.message, code=failed.chunk.code) from failed
+    text, calls = done.text, []
+    if r.family is not None:
+        text, calls = parse_tool_calls(r.family, done.text, session.command_id)
+    unmet = unmet_tool_choice(r.forced, calls)
+    if unmet is not None:
+        raise ApiError(500, unmet, code="tool_choice_unmet")
+    return r.obj("completed", done, r.items(text, calls))
+
+
+async def start_response_stream(node: NodeHandle, body: ResponsesRequest) -> AsyncIterator[str]:
+    """Starts the request (errors before the first token raise ApiError) and returns its event stream."""
+    chat = responses_to_chat(body)
+    session = await start_chat(node, chat)
+    return response_events(session, ResponseBuilder(session, body, tool_family(node, chat), forced_tool(chat)))
