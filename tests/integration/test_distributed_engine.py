@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from skulk.engines.torch.distributed import DistributedEngine
 from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.wire import Released
 from skulk.models.demo import demo_card, ensure_demo_model
@@ -76,7 +75,7 @@ def rank_main(spec: RunnerSpec, results: Any, hang_after_warmup: bool) -> None:
     """One rank: form the group, load, warm up, then rank 0 schedules the batches and the sampler reports."""
     torch.set_num_threads(1)
     group = connect_group(spec, FlightRecorder(spec.context(os.getpid()), enabled=False))
-    engine = DistributedEngine(
+    engine = TorchEngine(
         spec.model_dir, rank=group.rank, world_size=group.world_size,
         kind="tensor" if spec.sharding == Sharding.Tensor else "pipeline",
         start_layer=spec.shard.start_layer, end_layer=spec.shard.end_layer, control_group=group.control,
@@ -102,7 +101,7 @@ def rank_main(spec: RunnerSpec, results: Any, hang_after_warmup: bool) -> None:
     group.destroy()
 
 
-def _schedule(engine: DistributedEngine) -> None:
+def _schedule(engine: TorchEngine) -> None:
     for number, batch in enumerate(BATCHES):
         open_ids = {f"{rid}{number}" for rid in batch}
         for rid in batch:

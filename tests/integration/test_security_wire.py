@@ -38,7 +38,7 @@ def _group(rank: int, port: int) -> Any:
 
 
 def _attacker(port: int, marker: Path) -> None:
-    """Rank 0 played by an attacker: one honest header, then the fixed pair announcing a pickle, then the pickle."""
+    """Rank 0 played by an attacker: one honest header, then the fixed header announcing a pickle, then the pickle."""
     import torch
 
     from skulk.engines.torch.wire import Header, HeaderChannel, NewRequest, StepKind
@@ -49,7 +49,7 @@ def _attacker(port: int, marker: Path) -> None:
         Header(StepKind.PREFILL, (NewRequest.of("r1", "c1", [1, 2, 3], SamplingParams(max_tokens=4)),))
     )
     payload = pickle.dumps(_Exploit(marker))
-    fixed = torch.tensor([int(StepKind.PREFILL), len(payload)], dtype=torch.int64)
+    fixed = torch.tensor([int(StepKind.PREFILL), len(payload), 1, -1, 0], dtype=torch.int64)
     try:
         dist.broadcast(fixed, src=0)
         dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)

@@ -260,11 +260,13 @@ def test_cancel_frees_the_slot(demo_dir: Path) -> None:
     for tok in engine.step() + engine.step():
         seen[tok.request_id].append(tok.token_id)
     assert seen["c"] == []  # both slots busy: c waits
+    before_cancel = len(seen["a"])
+    assert before_cancel >= 1
     engine.cancel("a")
     while engine.has_work():
         for tok in engine.step():
             seen[tok.request_id].append(tok.token_id)
-    assert len(seen["a"]) == 3  # nothing after the cancel
+    assert len(seen["a"]) == before_cancel  # nothing after the cancel
     assert seen["c"] == solo_c  # c took a's slot; stale cache entries never leak in
     assert seen["b"] == solo_b  # b was moved to slot 0 mid-generation
     assert not engine.has_work()

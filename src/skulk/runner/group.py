@@ -23,7 +23,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from skulk.engines.torch.distributed import DistributedEngine
+from skulk.engines.torch.engine import TorchEngine
 from skulk.runner.recorder import FlightRecorder
 from skulk.runner.spec import RunnerSpec
 from skulk.types.instances import Sharding
@@ -150,10 +150,10 @@ def connect_group(
     return Group(rank, world, backend, store, control or dist.group.WORLD, op_timeout)
 
 
-def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str = "cpu") -> DistributedEngine:
+def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str = "cpu") -> TorchEngine:
     """This rank's engine over the formed group: its layer range for Pipeline, all layers sharded for Tensor."""
     shard = spec.shard
-    return DistributedEngine(
+    return TorchEngine(
         spec.model_dir,
         rank=shard.device_rank,
         world_size=shard.world_size,

@@ -50,7 +50,7 @@ from skulk.types.runners import (
 from skulk.types.tasks import ChatCompletion, TaskStatus
 
 if TYPE_CHECKING:
-    from skulk.engines.torch.distributed import DistributedEngine
+    from skulk.engines.torch.engine import TorchEngine
     from skulk.engines.torch.wire import RequestEvent
     from skulk.runner.group import Group
 
@@ -128,7 +128,7 @@ class Runner:
         self.inbox = inbox
         self.outbox = outbox
         self.recorder = FlightRecorder(spec.context(os.getpid()), enabled=spec.record)
-        self.engine: Engine | None = None
+        self.engine: TorchEngine | None = None
         self.active: dict[TaskId, _Active] = {}
         self.status: RunnerStatus | None = None
         self.stopping = False
@@ -137,7 +137,6 @@ class Runner:
         self._new_tasks: list[str] = []  # admitted since the last step: its prefill runs in the next one
         # world_size > 1: rank 0 schedules through step headers; other ranks follow them, not their inbox
         self.group: Group | None = None
-        self.dist: DistributedEngine | None = None
         self.schedules = spec.shard.device_rank == 0
         self.fault_spec = fault_from_setting(spec.fault)
         fault = self.fault_spec
@@ -211,7 +210,7 @@ class Runner:
         self.group = connect_group(self.spec, self.recorder)
         self.set_status(RunnerConnected())
 
-    def _build_engine(self) -> Engine:
+    def _build_engine(self) -> TorchEngine:
         from skulk.engines.torch.engine import TorchEngine
         from skulk.models.demo import BUILTIN_MODELS, ensure_builtin_model
 
@@ -223,15 +222,15 @@ class Runner:
         return TorchEngine(self.spec.model_dir, start_layer=shard.start_layer, end_layer=shard.end_layer,
                            quantize=shard.model_card.quantize_at_load)
 
-    def _build_distributed_engine(self, group: Group) -> Engine:
+    def _build_distributed_engine(self, group: Group) -> TorchEngine:
         from skulk.runner.group import build_engine
 
-        self.dist = build_engine(self.spec, group)
-        self.dist.on_phase = self._engine_phase
+        engine = build_engine(self.spec, group)
+        engine.on_phase = self._engine_phase
         self.recorder.record("connect_group", "waiting_for_peers_to_load")
         self.flush()
         group.wait_all_loaded(self.spec.warmup_deadline_s)
-        return self.dist
+        return engine
 
     def _warmup_with_deadline(self, engine: Engine) -> None:
         deadline = self.spec.warmup_deadline_s
@@ -256,22 +255,22 @@ class Runner:
     def serve(self) -> None:
         assert self.engine is not None
         engine = self.engine
-        while not self.stopping and not (self.dist is not None and self.dist.closed):
+        while not self.stopping and not engine.closed:
             self._take_messages(block=not engine.has_work())
             if engine.has_work():
                 started = time.time()
                 outs = engine.step()
-                if self.dist is not None:  # admissions first: a prefill's token belongs to a task admitted now
-                    self._follow_requests(self.dist.take_events())
+                # admissions first: a prefill's token belongs to a task admitted now
+                self._follow_requests(engine.take_events())
                 waited = self._take_wait()
                 self.spans.step(started, time.time(), self._new_tasks, self.active, waited)
                 self._new_tasks.clear()
                 self._publish(outs)
             self.send_after_step()
             self.flush()
-        if self.dist is not None and self.group is not None:
-            self.dist.close()
-            self._follow_requests(self.dist.take_events())
+        if self.group is not None:
+            engine.close()
+            self._follow_requests(engine.take_events())
             self.group.destroy()
         self.recorder.record("shutdown_cleanup", "shutdown")
         self.set_status(RunnerShutdown())
@@ -339,10 +338,7 @@ class Runner:
             return None
         # a fresh KV-cache slot per request: this engine keeps no prefix cache, so the lookup always misses
         self.recorder.record("kv_cache_lookup", "slot_allocated", task_id=task.task_id, command_id=task.command_id)
-        if self.dist is not None:
-            self.dist.add_request(task.task_id, prompt, params.sampling, command_id=task.command_id)
-        else:
-            self.engine.add_request(task.task_id, prompt, params.sampling)
+        self.engine.add_request(task.task_id, prompt, params.sampling, command_id=task.command_id)
         return prompt
 
     def _fail_in_engine(self, task_id: TaskId, command_id: CommandId, why: BaseException | str) -> None:
@@ -426,9 +422,9 @@ class Runner:
 
     def _take_wait(self) -> float:
         """Seconds this step waited on peers (distributed engine), for the trace spans."""
-        if self.dist is None:
+        if self.engine is None:
             return 0.0
-        waited, self.dist.wait_s = self.dist.wait_s, 0.0
+        waited, self.engine.wait_s = self.engine.wait_s, 0.0
         return waited
 
     def _engine_phase(self, phase: RunnerPhase, event: str) -> None:

@@ -83,6 +83,14 @@ class KVCache:
             layer.keys[dst, :, :length] = layer.keys[src, :, :length]
             layer.values[dst, :, :length] = layer.values[src, :, :length]
 
+    def swap_slots(self, a: int, b: int, length: int) -> None:
+        """Exchange the first length positions of two slots (a leaving request and the last running one)."""
+        for layer in self.layers:
+            for buf in (layer.keys, layer.values):
+                held = buf[a, :, :length].clone()
+                buf[a, :, :length] = buf[b, :, :length]
+                buf[b, :, :length] = held
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self.layers for t in (layer.keys, layer.values))

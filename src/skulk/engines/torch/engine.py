@@ -1,31 +1,67 @@
-"""TorchEngine: the Engine protocol over a ModelSlice, with continuous batching.
+"""TorchEngine: one slot-batch core for every world size, with continuous batching, chunked prefill and
+prefix reuse.
 
-Requests join between steps. Each step prefills the requests that fit into free cache slots (one forward
-each), then decodes one token for every running request in a single batched forward. Running requests are
-kept packed in cache slots [0, n) so the batched forward reads the cache as a view; when one finishes, the
-last request moves into its slot. Not thread-safe: one runner thread drives add_request/cancel/step.
+One step() is one header and exactly the work it names. Rank 0 is the scheduler: it turns queued
+add_request/cancel calls into the header's adds and releases, applies them to its own state, decides the step
+(schedule.py: a prefill chunk or a decode, alternating while both are wanted) and sends it; every other rank
+applies the same header to the same state, so pending queues, running slots and KV-cache slot moves stay
+identical everywhere without further agreement. A single rank (world size 1) is the same core over a
+LocalLink, where sending a header costs nothing and rank 0 is also the sampler.
+
+Running requests are packed in cache slots [0, n) so a decode reads the cache as a view. A request being
+prefilled holds a slot too; a decode step computes its row but samples nothing from it (the row's key/value
+lands on the position its next chunk overwrites). When a request leaves, its KV stays in the freed slot as a
+retained prefix (the last running request moves into its slot, it into the last), and a new request whose
+prompt starts with the same tokens starts from it instead of position 0.
+
+Pipeline: rank r owns [start_layer, end_layer); hidden states go rank to rank, the last rank samples and sends
+[token, finished, failed] per row back to rank 0. Tensor: every rank runs all layers on its shard with a real
+all_reduce; the last rank samples and broadcasts. Only the sampler's step() returns TokenOuts.
 """
 
 from __future__ import annotations
 
 import secrets
+import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from skulk.engines.base import TokenOut
 from skulk.engines.errors import ContextLengthExceeded
 from skulk.types.chat import ChatMessage, SamplingParams
+from skulk.types.runners import RunnerPhase
 
 from .cache import StepBatch
+from .links import GroupLink, Link, LocalLink, ShardKind, TokenRows
 from .loader import load_model
 from .requests import FaultHook, Request, accept_each, row_sampling
+from .schedule import Retained, choose_reuse, chunk_tokens, next_kind, spare_slot
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
+from .wire import Admitted, Header, NewRequest, Release, Released, RequestEvent, StepKind, WireError
 
 DEFAULT_MAX_SEQ = 4096  # caps the preallocated cache for long-context models unless max_seq says otherwise
-_WARMUP_ID = "__skulk_warmup__"
+DEFAULT_PREFILL_CHUNK = 512
+HEARTBEAT_S = 0.5
+WARMUP_ID = "__skulk_warmup__"
+PhaseHook = Callable[[RunnerPhase, str], None]
+
+_PHASES: dict[tuple[str, StepKind], RunnerPhase] = {
+    ("pipeline", StepKind.PREFILL): "prefill_pipeline",
+    ("pipeline", StepKind.DECODE): "decode_stream",
+    ("tensor", StepKind.PREFILL): "prefill_barrier",
+    ("tensor", StepKind.DECODE): "decode_barrier",
+}
+_EMA = 0.3  # weight of the newest step in the scheduler's running cost averages
+
+
+def _tensor_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
 
 
 class TorchEngine:
@@ -33,117 +69,351 @@ class TorchEngine:
         self,
         model_dir: Path,
         *,
+        rank: int = 0,
+        world_size: int = 1,
+        kind: ShardKind = "pipeline",
         start_layer: int = 0,
         end_layer: int | None = None,
+        control_group: Any = None,
         max_batch: int = 8,
         max_seq: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device = "cpu",
         quantize: str | None = None,
     ) -> None:
-        if max_batch < 1:
-            raise ValueError("max_batch must be at least 1")
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be at least 1")
+        self.rank, self.world_size, self.kind = rank, world_size, kind
         self.device = torch.device(device)
+        tensor = kind == "tensor" and world_size > 1
         self.model = load_model(
-            model_dir, start_layer=start_layer, end_layer=end_layer, dtype=dtype, device=self.device,
-            quantize=quantize,
+            model_dir, start_layer=0 if tensor else start_layer, end_layer=None if tensor else end_layer,
+            tp_rank=rank if tensor else 0, tp_size=world_size if tensor else 1,
+            all_reduce=_tensor_all_reduce if tensor else None, dtype=dtype, device=self.device, quantize=quantize,
         )
         positions = self.model.args.max_position_embeddings
         self.context_length = min(positions, max_seq if max_seq is not None else DEFAULT_MAX_SEQ)
-        self.max_batch = max_batch
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.cache = self.model.make_cache(max_batch, self.context_length)
         self.tokenizer = ChatTokenizer(model_dir)
-        self._pending: deque[Request] = deque()
-        self._running: list[Request] = []  # index == cache slot
-        self._unseeded = torch.Generator(device=self.device).manual_seed(secrets.randbits(63))
+        self.is_scheduler, self.is_sampler = rank == 0, rank == world_size - 1
+        self.needs_ids = tensor or rank == 0  # who embeds token ids
+        self.link: Link = LocalLink() if world_size == 1 else GroupLink(rank, world_size, kind, control_group)
+        self.on_phase: PhaseHook | None = None
+        self.closed = False
         self.fault_hook: FaultHook | None = None
+        self._pending: deque[Request] = deque()
+        self._running: list[Request] = []  # index == cache slot, identical on every rank
+        self._retained: dict[int, Retained] = {}  # free slot -> the prefix it still holds
+        self._stamp = 0
+        self._adds: list[NewRequest] = []  # rank 0: for the next header
+        self._releases: list[Release] = []  # rank 0: for the next header
+        self._emitted: dict[str, list[int]] = {}  # rank 0: tokens sampled per request (for retained prefixes)
+        self._events: list[RequestEvent] = []
+        self._phase: RunnerPhase = "idle"
+        self._last_kind = StepKind.HEARTBEAT
+        self._last_header = 0.0
+        self._decode_s = 0.0  # rank 0: running average of a decode step
+        self._prefill_s_per_token = 0.0  # rank 0: running average of a prefill token
+        self._warming = False
+        self._unseeded = torch.Generator(device=self.device).manual_seed(secrets.randbits(63))
+
+    # --- the Engine protocol -------------------------------------------------------------------------------
 
     def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
         return self.tokenizer.encode_chat(messages, tools)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        """Queue a request; it is prefilled by the next step that has a free cache slot."""
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, command_id: str = ""
+    ) -> None:
+        """Rank 0 queues the request for the next header; on other ranks this is a no-op."""
+        if not self.is_scheduler:
+            return
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")
         if len(prompt_ids) > self.context_length:
             raise ContextLengthExceeded(len(prompt_ids), self.context_length)
-        if any(r.request_id == request_id for r in (*self._pending, *self._running)):
+        known = {r.request_id for r in (*self._pending, *self._running)} | {a.request_id for a in self._adds}
+        if request_id in known:
             raise ValueError(f"request {request_id!r} is already running")
-        row = row_sampling(sampling, self.model.args.vocab_size, self.device, self._unseeded)
-        req = Request(
-            request_id, list(prompt_ids), sampling.max_tokens, row,
-            IncrementalDecoder(self.tokenizer.decode), StopMatcher(sampling.stop),
-        )
+        add = NewRequest.of(request_id, command_id, list(prompt_ids), sampling)
+        req = self._new_request(add)  # what every rank will build from the header: if it raises, it does here
         if self.fault_hook is not None:
             self.fault_hook("admit", req)
-        self._pending.append(req)
+        self._adds.append(add)
 
     def cancel(self, request_id: str) -> None:
-        self._pending = deque(r for r in self._pending if r.request_id != request_id)
-        for slot, req in enumerate(self._running):
-            if req.request_id == request_id:
-                self._release(slot)
-                return
+        """Rank 0 releases the request in the next header (every rank then frees it); elsewhere a no-op."""
+        if not self.is_scheduler:
+            return
+        before = len(self._adds)
+        self._adds = [a for a in self._adds if a.request_id != request_id]
+        if len(self._adds) == before:
+            self._releases.append(Release(request_id, cancelled=True))
 
     def has_work(self) -> bool:
-        return bool(self._pending or self._running)
+        """Rank 0: something to compute or announce, or (in a group) a heartbeat is due. Others: always, until
+        shutdown, because they must be inside step() whenever rank 0 sends."""
+        if not self.is_scheduler:
+            return not self.closed
+        if self._pending or self._running or self._adds or self._releases:
+            return True
+        return self.world_size > 1 and time.monotonic() - self._last_header >= HEARTBEAT_S
 
     def step(self) -> list[TokenOut]:
-        """Prefill what fits, then decode every running request once (a request prefilled in this step
-        decodes too, so it may yield two tokens); returns the tokens in the order they were produced."""
-        if not (self.model.is_first and self.model.is_last):
-            raise RuntimeError("step() needs the whole model; a layer slice is driven stage by stage")
-        out: list[TokenOut] = []
         with torch.inference_mode():
-            while self._pending and len(self._running) < self.max_batch:
-                out.append(self._prefill(self._pending.popleft()))
-                self._release_finished()
-            if self._running:
-                out.extend(self._decode())
-                self._release_finished()
-        return out
+            header = self._lead() if self.is_scheduler else self._follow()
+            started = time.perf_counter()
+            if header.kind == StepKind.PREFILL:
+                outs = self._prefill(header)
+            elif header.kind == StepKind.DECODE:
+                outs = self._decode()
+            else:
+                if header.kind == StepKind.SHUTDOWN:
+                    self.closed = True
+                self._enter_phase("idle", "heartbeat")
+                return []
+            if self.is_scheduler:
+                self._measure(header, time.perf_counter() - started)
+            return outs
 
     def warmup(self) -> None:
-        """Generate two tokens of a throwaway request, unless real work is already under way."""
-        if self.has_work():
-            return
-        prompt = self.tokenizer.encode("warmup") or [0]
-        sampling = SamplingParams(max_tokens=2, temperature=0)
-        self.add_request(_WARMUP_ID, prompt[: self.context_length], sampling)
-        while self.has_work():
+        """Rank 0 generates two tokens of a throwaway request and every rank steps until the header releases
+        it, so each rank has run its layers and a group's connections are exercised."""
+        self._warming = True
+        if self.is_scheduler:
+            prompt = self.tokenizer.encode("warmup") or [0]
+            self.add_request(WARMUP_ID, prompt[: self.context_length], SamplingParams(max_tokens=2, temperature=0))
+        while self._warming:
             self.step()
+        self._events.clear()
+        self._retained.clear()  # the throwaway prompt is nobody's prefix
 
-    def _prefill(self, req: Request) -> TokenOut:
+    # --- extras for the runner -----------------------------------------------------------------------------
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds spent waiting on peers (pipeline recv, token share) since the runner last took it."""
+        return self.link.wait_s
+
+    @wait_s.setter
+    def wait_s(self, value: float) -> None:
+        self.link.wait_s = value
+
+    def take_events(self) -> list[RequestEvent]:
+        """Requests admitted and released by the headers since the last call (cheap when nothing happened)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def close(self) -> None:
+        """Rank 0 tells everyone to leave (with any last releases); a dead peer no longer matters here."""
+        if self.is_scheduler and not self.closed:
+            self.closed = True
+            try:
+                self.link.send_header(Header(StepKind.SHUTDOWN, (), tuple(self._releases)))
+            except RuntimeError:
+                pass
+        self.closed = True
+
+    # --- headers -------------------------------------------------------------------------------------------
+
+    def _lead(self) -> Header:
+        changes = Header(StepKind.HEARTBEAT, tuple(self._adds), tuple(self._releases))
+        self._adds, self._releases = [], []
+        self._apply(changes)
+        prefilling = self._prefilling() is not None
+        decoding = any(r.length >= len(r.prompt) for r in self._running)
+        can_admit = bool(self._pending) and len(self._running) < self.max_batch and not prefilling
+        kind = next_kind(prefilling=prefilling, can_admit=can_admit, decoding=decoding, last=self._last_kind)
+        header = Header(kind, changes.adds, changes.releases)
+        if kind == StepKind.PREFILL:
+            chunk = chunk_tokens(self.prefill_chunk, decoding=decoding, decode_s=self._decode_s,
+                                 prefill_s_per_token=self._prefill_s_per_token)
+            slot, length = (-1, 0) if prefilling else choose_reuse(self._retained.values(), self._pending[0].prompt)
+            header = Header(kind, changes.adds, changes.releases, chunk, slot, length)
+        self.link.send_header(header)
+        self._last_kind = kind
+        self._last_header = time.monotonic()
+        return header
+
+    def _follow(self) -> Header:
+        header = self.link.receive_header()
+        self._apply(header)
+        return header
+
+    def _apply(self, header: Header) -> None:
+        for release in header.releases:
+            self._release(release)
+        for add in header.adds:
+            self._pending.append(self._new_request(add))
+            if add.request_id != WARMUP_ID:
+                self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt)))
+
+    def _new_request(self, add: NewRequest) -> Request:
+        s = add.sampling_params()
+        row = row_sampling(s, self.model.args.vocab_size, self.device, self._unseeded)
+        decoder = IncrementalDecoder(self.tokenizer.decode)
+        stops = StopMatcher(s.stop)
+        return Request(add.request_id, add.prompt, s.max_tokens, row, decoder, stops, command_id=add.command_id)
+
+    def _release(self, release: Release) -> None:
+        """Drop a pending request, or free a running one's slot, keeping its KV as a retained prefix."""
+        found = next((r for r in self._pending if r.request_id == release.request_id), None)
+        slot: int | None = None
+        if found is not None:
+            self._pending.remove(found)
+        else:
+            slot = next((i for i, r in enumerate(self._running) if r.request_id == release.request_id), None)
+            if slot is None:
+                return
+            found = self._free_slot(slot)
+        emitted = self._emitted.pop(found.request_id, [])
+        if found.request_id == WARMUP_ID:
+            self._warming = False
+        else:
+            self._events.append(Released(found.request_id, found.command_id, release.cancelled, release.failed))
+        if found.length and slot is not None:
+            self._retain(len(self._running), found, emitted)
+
+    def _free_slot(self, slot: int) -> Request:
+        """Swap the leaving request with the last running one, so slots stay packed and its KV lands in the
+        first free slot, and return it."""
+        found, last = self._running[slot], self._running[-1]
+        end = len(self._running) - 1
+        if slot < end:  # end is a running slot, so no retained prefix is lost by the swap
+            self.cache.swap_slots(slot, end, max(found.length, last.length))
+            self._running[slot] = last
+        self._running.pop()
+        return found
+
+    def _retain(self, slot: int, req: Request, emitted: list[int]) -> None:
+        self._stamp += 1
+        tokens = tuple((req.prompt + emitted)[: req.length]) if self.is_scheduler else ()
+        self._retained[slot] = Retained(slot, req.length, self._stamp, tokens)
+
+    def _parked(self, slot: int, keep: int) -> None:
+        """Slot is about to be overwritten: keep its retained prefix by copying it to a spare free slot (never
+        to slot keep, the prefix being reused)."""
+        entry = self._retained.pop(slot, None)
+        if entry is None:
+            return
+        spare = spare_slot(self._retained, len(self._running), self.max_batch, {slot, keep})
+        if spare is not None:
+            self.cache.move_slot(slot, spare, entry.length)
+            self._retained[spare] = Retained(spare, entry.length, entry.stamp, entry.tokens)
+
+    def _admit(self, header: Header) -> Request:
+        """Move the first pending request into the next slot, starting from a retained prefix if named."""
         slot = len(self._running)
+        source, length = header.reuse_slot, header.reuse_length
+        if source != -1:
+            entry = self._retained.get(source)
+            if entry is None or not 0 < length <= entry.length:
+                raise WireError(f"header reuses {length} positions of slot {source}, which does not hold them")
+        if source != slot:
+            self._parked(slot, source)
+        if source not in (-1, slot):
+            self.cache.move_slot(source, slot, length)
+        self._retained.pop(slot, None)
+        req = self._pending.popleft()
+        req.length = length
         self._running.append(req)
-        ids = torch.tensor([req.prompt], device=self.device)
-        positions = torch.arange(len(req.prompt), device=self.device).unsqueeze(0)
-        batch = StepBatch.build(positions, slot, kv_len=len(req.prompt))
-        logits = self.model(ids, batch, self.cache, last_only=True)
-        req.length = len(req.prompt)
-        return self._accept(logits, [req])[0]
+        return req
+
+    def _prefilling(self) -> Request | None:
+        return next((r for r in self._running if r.length < len(r.prompt)), None)
+
+    def _enter_phase(self, phase: RunnerPhase, event: str) -> None:
+        if phase != self._phase:
+            self._phase = phase
+            if self.on_phase is not None:
+                self.on_phase(phase, event)
+
+    def _measure(self, header: Header, seconds: float) -> None:
+        """Rank 0's running averages of what a decode step and a prefill token cost (chunk sizing)."""
+        if header.kind == StepKind.DECODE:
+            self._decode_s += _EMA * (seconds - self._decode_s) if self._decode_s else seconds
+        elif header.chunk:
+            per_token = seconds / header.chunk
+            old = self._prefill_s_per_token
+            self._prefill_s_per_token = old + _EMA * (per_token - old) if old else per_token
+
+    # --- compute -------------------------------------------------------------------------------------------
+
+    def _prefill(self, header: Header) -> list[TokenOut]:
+        self._enter_phase(_PHASES[self.kind, StepKind.PREFILL], "prefill")
+        req = self._prefilling() or self._admit(header)
+        slot = self._running.index(req)
+        start = req.length
+        end = min(len(req.prompt), start + max(1, header.chunk))
+        positions = torch.arange(start, end, device=self.device).unsqueeze(0)
+        batch = StepBatch.build(positions, slot, kv_len=end)
+        ids = torch.tensor([req.prompt[start:end]], device=self.device) if self.needs_ids else None
+        logits = self._forward(ids, batch, (1, end - start), last_only=True)
+        req.length = end
+        if end < len(req.prompt):
+            return []
+        outs = self._accept(logits, [req]) if logits is not None else []
+        if self.is_scheduler and self.kind == "pipeline" and self.world_size > 1:
+            self._enter_phase("decode_wait_first_token", "prefill_sent")
+        self._share_tokens([req], outs)
+        return outs
 
     def _decode(self) -> list[TokenOut]:
+        self._enter_phase(_PHASES[self.kind, StepKind.DECODE], "decode")
         running = self._running
-        ids = torch.tensor([[r.last_token] for r in running], device=self.device)
         positions = torch.tensor([[r.length] for r in running], device=self.device)
         batch = StepBatch.build(positions, 0, kv_len=max(r.length for r in running) + 1)
-        logits = self.model(ids, batch, self.cache)
-        for req in running:
+        # a row still being prefilled has no token yet: any id will do, its output is dropped
+        ids = torch.tensor([[max(r.last_token, 0)] for r in running], device=self.device) if self.needs_ids else None
+        logits = self._forward(ids, batch, (len(running), 1))
+        rows = [i for i, r in enumerate(running) if r.length >= len(r.prompt)]
+        decoding = [running[i] for i in rows]
+        for req in decoding:
             req.length += 1
-        return self._accept(logits, running)
+        if logits is not None and len(rows) < len(running):
+            logits = logits[rows]
+        outs = self._accept(logits, decoding) if logits is not None else []
+        self._share_tokens(decoding, outs)
+        return outs
+
+    def _forward(
+        self, ids: torch.Tensor | None, batch: StepBatch, shape: tuple[int, int], *, last_only: bool = False
+    ) -> torch.Tensor | None:
+        """Run this rank's part of the forward pass; the sampler gets logits, everyone else None."""
+        if ids is not None:
+            x = ids
+        else:
+            x = self.link.recv_hidden((*shape, self.model.args.hidden_size), self.model.args.dtype, self.device)
+        out = self.model(x, batch, self.cache, last_only=last_only)
+        if self.kind == "pipeline" and not self.is_sampler:
+            self.link.send_hidden(out)
+            return None
+        return out if self.is_sampler else None
+
+    def _share_tokens(self, reqs: list[Request], outs: list[TokenOut]) -> None:
+        """Get [token, finished, failed] per row from the sampler to the ranks that embed the next input. A row
+        that failed on the sampler is finished too: rank 0 releases it in the next header, so every rank frees
+        its slot, while its batch-mates go on."""
+        rows: TokenRows | None = None
+        if self.is_sampler:
+            rows = [[0, 1, 1] if o.error else [o.token_id, int(o.finish_reason is not None), 0] for o in outs]
+        shared = self.link.exchange_tokens(rows, len(reqs))
+        if shared is None:
+            return
+        for req, (token, finished, failed) in zip(reqs, shared, strict=True):
+            req.last_token = token
+            if not self.is_scheduler:
+                continue
+            if not failed:
+                self._emitted.setdefault(req.request_id, []).append(token)
+            if finished:
+                req.finished = True
+                self._releases.append(Release(req.request_id, cancelled=False, failed=bool(failed)))
 
     def _accept(self, logits: torch.Tensor, reqs: list[Request]) -> list[TokenOut]:
+        """The sampler's bookkeeping: text, finish and per-request failure (requests.py)."""
         return accept_each(logits[:, -1], reqs, self.tokenizer.eos_ids, self.context_length, self.fault_hook)
-
-    def _release_finished(self) -> None:
-        for slot in range(len(self._running) - 1, -1, -1):
-            if self._running[slot].finished:
-                self._release(slot)
-
-    def _release(self, slot: int) -> None:
-        """Free a slot, moving the last running request into it so slots stay packed."""
-        last = self._running.pop()
-        if slot < len(self._running):
-            self._running[slot] = last
-            self.cache.move_slot(len(self._running), slot, last.length)

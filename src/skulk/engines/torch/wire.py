@@ -1,7 +1,8 @@
 """What rank 0 (the scheduler) tells every other rank before each step, and how it travels.
 
-A step header is one broadcast of a fixed int64 pair [kind, payload_bytes] over the control group; only a
-step that adds or releases requests pays for a second broadcast carrying the changes as JSON. A steady
+A step header is one broadcast of five fixed int64s [kind, payload_bytes, chunk, reuse_slot, reuse_length]
+over the control group; only a step that adds or releases requests pays for a second broadcast carrying the
+changes as JSON. A steady
 decode step therefore costs one tiny collective on top of the model's own traffic.
 
 The changes are JSON validated into a fixed pydantic model (`StepChanges`), never pickle: any peer that can
@@ -31,8 +32,8 @@ class WireError(RuntimeError):
 
 class StepKind(IntEnum):
     HEARTBEAT = 0  # nothing to compute: lets idle ranks look at their inbox and notice a dead peer
-    PREFILL = 1  # prefill the first pending request into the next free slot
-    DECODE = 2  # decode one token for every running request
+    PREFILL = 1  # prefill the next chunk of the request being prefilled (admitting the first pending one if none)
+    DECODE = 2  # decode one token for every running request past its prefill
     SHUTDOWN = 3  # the scheduler is leaving; everyone leaves after applying the releases
 
 
@@ -63,9 +64,18 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class Header:
+    """One step, as every rank applies it: releases, then adds, then the kind's work.
+
+    chunk: the prompt tokens a PREFILL step computes. reuse_slot/reuse_length: a PREFILL step that admits a
+    request starts it from the first reuse_length positions of retained slot reuse_slot (-1: from nothing).
+    """
+
     kind: StepKind
     adds: tuple[NewRequest, ...] = ()
     releases: tuple[Release, ...] = ()
+    chunk: int = 0
+    reuse_slot: int = -1
+    reuse_length: int = 0
 
 
 # What the engine tells its runner happened to requests, so non-scheduler ranks can report tasks they never
@@ -148,11 +158,12 @@ class HeaderChannel:
     """Broadcasts headers from rank 0 over the control group (gloo, CPU tensors)."""
 
     group: Any
-    _fixed: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.int64))
+    _fixed: torch.Tensor = field(default_factory=lambda: torch.zeros(5, dtype=torch.int64))
 
     def send(self, header: Header) -> None:
         payload = encode_changes(header.adds, header.releases) if header.adds or header.releases else b""
-        self._fixed[0], self._fixed[1] = int(header.kind), len(payload)
+        fixed = (int(header.kind), len(payload), header.chunk, header.reuse_slot, header.reuse_length)
+        self._fixed.copy_(torch.tensor(fixed, dtype=torch.int64))
         dist.broadcast(self._fixed, src=0, group=self.group)
         if payload:
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -160,10 +171,12 @@ class HeaderChannel:
 
     def receive(self) -> Header:
         dist.broadcast(self._fixed, src=0, group=self.group)
-        kind, size = decode_fixed(int(self._fixed[0]), int(self._fixed[1]))
-        if not size:
-            return Header(kind)
-        data = torch.empty(size, dtype=torch.uint8)
-        dist.broadcast(data, src=0, group=self.group)
-        adds, releases = decode_changes(data.numpy().tobytes())
-        return Header(kind, adds, releases)
+        raw_kind, size, chunk, reuse_slot, reuse_length = self._fixed.tolist()
+        kind, size = decode_fixed(raw_kind, size)
+        adds: tuple[NewRequest, ...] = ()
+        releases: tuple[Release, ...] = ()
+        if size:
+            data = torch.empty(size, dtype=torch.uint8)
+            dist.broadcast(data, src=0, group=self.group)
+            adds, releases = decode_changes(data.numpy().tobytes())
+        return Header(kind, adds, releases, chunk, reuse_slot, reuse_length)

@@ -1,0 +1,88 @@
+"""Rank 0's decisions for one engine step, as pure functions of the slot state.
+
+Three questions are answered here and nowhere else: what kind of step runs next (a prefill chunk or a decode
+of every running request, alternating while both are wanted so running streams keep flowing during a long
+prefill), how many prompt tokens that chunk takes, and which retained prefix (the KV of a request that has
+left, still sitting in a free cache slot) a new request can start from. The engine applies the answers; the
+other ranks receive them in the step header, so nothing here needs to run anywhere but rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .wire import StepKind
+
+MIN_CHUNK = 16  # below this a prefill chunk is all overhead; a running stream may wait one such chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Retained:
+    """The KV of a request that has left, kept in the free slot `slot` for positions [0, length).
+
+    tokens are the ids those positions hold; only the scheduler knows them (it sees every sampled token), so
+    on other ranks they are empty and the header names the slot and length to reuse.
+    """
+
+    slot: int
+    length: int
+    stamp: int  # larger is more recent: the least recent is the first to be overwritten
+    tokens: tuple[int, ...] = ()
+
+
+def next_kind(*, prefilling: bool, can_admit: bool, decoding: bool, last: StepKind) -> StepKind:
+    """Prefill and decode alternate while both are wanted: a long prompt then delays each running stream by
+    one chunk per token, never by the whole prefill."""
+    wants_prefill = prefilling or can_admit
+    if wants_prefill and decoding:
+        return StepKind.DECODE if last == StepKind.PREFILL else StepKind.PREFILL
+    if wants_prefill:
+        return StepKind.PREFILL
+    return StepKind.DECODE if decoding else StepKind.HEARTBEAT
+
+
+def chunk_tokens(max_chunk: int, *, decoding: bool, decode_s: float, prefill_s_per_token: float) -> int:
+    """How many prompt tokens the next prefill chunk takes.
+
+    Alone, a prompt goes in chunks of max_chunk (which bounds the attention scores' memory). Beside running
+    streams, a chunk is sized to cost about two of their decode steps, so their gap between tokens stays near
+    three steps; the costs are the scheduler's running averages, measured on this machine.
+    """
+    if not decoding or decode_s <= 0 or prefill_s_per_token <= 0:
+        return max_chunk
+    fitted = int(2 * decode_s / prefill_s_per_token)
+    return max(min(MIN_CHUNK, max_chunk), min(max_chunk, fitted))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def choose_reuse(retained: Iterable[Retained], prompt: Sequence[int]) -> tuple[int, int]:
+    """(slot, length) of the retained prefix sharing the most leading tokens with prompt, or (-1, 0).
+
+    At least the prompt's last token is always computed: its logits give the first generated token.
+    """
+    best_slot, best_len = -1, 0
+    for entry in retained:
+        shared = min(common_prefix(entry.tokens, prompt), len(prompt) - 1, entry.length)
+        if shared > best_len:
+            best_slot, best_len = entry.slot, shared
+    return best_slot, best_len
+
+
+def spare_slot(retained: dict[int, Retained], first_free: int, max_slots: int, keep: set[int]) -> int | None:
+    """A free slot to park a retained prefix in: one holding nothing, else the least recent entry's (never one
+    in keep); None when every free slot is kept."""
+    candidates = [s for s in range(first_free, max_slots) if s not in keep]
+    empty = [s for s in candidates if s not in retained]
+    if empty:
+        return empty[-1]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda s: retained[s].stamp)
