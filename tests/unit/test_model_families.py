@@ -72,9 +72,49 @@ REAL_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
     },
+    "mistralai/Mistral-7B-Instruct-v0.3": {
+        "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "use_cache": True, "vocab_size": 32768,
+    },
+    "mistralai/Mistral-7B-v0.1": {
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+        "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 32000,
+    },
+    "google/gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+        "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+        "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 262144,
+    },
+    "Qwen/Qwen3-30B-A3B": {
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+        "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+        "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936,
+    },
 }
-HEADS = {"meta-llama": 8, "Qwen/Qwen2.5": 7, "Qwen/Qwen3-0.6B": 4, "Qwen/Qwen3-8B": 8}
+HEADS = {"meta-llama": 8, "Qwen/Qwen2.5": 7, "Qwen/Qwen3-0.6B": 4, "Qwen/Qwen3-8B": 8, "mistralai": 8,
+         "google/gemma-3": 4, "Qwen/Qwen3-30B-A3B": 16}
 """Attention heads after scaling, chosen so the real query/key-value ratio survives."""
+WINDOW = 16
+"""A sliding window shorter than the test prompts, for the families whose configs use one."""
 
 
 def scaled_down(model_id: str, real: dict[str, Any], layers: int = 2, vocab: int = 512) -> dict[str, Any]:
@@ -96,6 +136,12 @@ def scaled_down(model_id: str, real: dict[str, Any], layers: int = 2, vocab: int
     }
     if "head_dim" in real:
         config["head_dim"] = new_head_dim
+    if real["model_type"] == "gemma3_text":  # one global layer after five local ones: keep a whole period
+        config["num_hidden_layers"] = max(layers, real["sliding_window_pattern"])
+    if real["model_type"] in ("mistral", "gemma3_text") and real.get("sliding_window"):
+        config["sliding_window"] = WINDOW
+    if real["model_type"] == "qwen3_moe":  # 16 experts of 128 (whole int4 groups on each of 2 ranks), top 8
+        config |= {"num_experts": 16, "moe_intermediate_size": 128}
     return config
 
 
@@ -118,7 +164,7 @@ def write_checkpoint(config: dict[str, Any], path: Path) -> Path:
 def test_family_logits_match_transformers(model_id: str, tmp_path: Path) -> None:
     config = scaled_down(model_id, REAL_CONFIGS[model_id])
     path = write_checkpoint(config, tmp_path / model_id.replace("/", "--"))
-    tied = config["tie_word_embeddings"]
+    tied = AutoConfig.for_model(**config).tie_word_embeddings  # Gemma's config leaves it to the default, True
     from safetensors import safe_open
 
     with safe_open(str(path / "model.safetensors"), "pt") as weights:

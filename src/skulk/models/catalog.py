@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES
+from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES, text_config
 from skulk.engines.torch.quant import quant_spec
 from skulk.models.cards import is_custom
 from skulk.types.ids import ModelId
@@ -51,7 +51,8 @@ def list_entry(card: ModelCard, *, created: int, where: dict[str, Any]) -> dict[
 
 def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -> ModelCard:
     """A card from config.json and the bytes of the safetensors; UnsupportedArchitecture for anything the
-    torch engine (Llama 3.x, Qwen2/2.5, Qwen3) cannot run."""
+    torch engine (Llama 3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 3, Qwen3-MoE) cannot run. A multimodal Gemma 3
+    is carded by its language model (text_config, transformers' defaults filled in): the engine runs only that."""
     model_type = str(config.get("model_type", ""))
     if model_type not in SUPPORTED_MODEL_TYPES:
         architectures = ", ".join(config.get("architectures") or []) or "none given"
@@ -63,9 +64,10 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
         quant_spec(config, None)
     except ValueError as exc:
         raise UnsupportedArchitecture(f"{model_id}: {exc}") from exc
+    quantization = config.get("quantization_config") or config.get("quantization")
+    config = text_config(config)
     heads = int(config["num_attention_heads"])
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    quantization = config.get("quantization_config") or config.get("quantization")
     return ModelCard(
         model_id=ModelId(model_id),
         family=model_type,

@@ -9,14 +9,41 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3", "qwen3_moe")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+}
+"""What transformers' Gemma3TextConfig fills in: hub configs of the multimodal `gemma3` checkpoints leave most
+of their text_config to these defaults."""
+
+SLIDING = "sliding_attention"
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's own config: a multimodal `gemma3` checkpoint's text_config (its vision tower is not
+    run), Gemma 3's defaults filled in; any other config as it is."""
+    model_type = cfg.get("model_type")
+    if model_type == "gemma3":
+        inner = dict(cfg.get("text_config") or {})
+        for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
+            if key in cfg and key not in inner:
+                inner[key] = cfg[key]
+        return {**GEMMA3_TEXT_DEFAULTS, **inner, "model_type": "gemma3_text"}
+    if model_type == "gemma3_text":
+        return {**GEMMA3_TEXT_DEFAULTS, **cfg}
+    return cfg
 
 
 @dataclass(frozen=True, slots=True)
 class ModelArgs:
-    """One Llama-family architecture. Qwen2 differs by qkv bias, Qwen3 by per-head q/k RMSNorm."""
+    """One decoder architecture. Qwen2 differs from Llama by qkv bias, Qwen3 by per-head q/k RMSNorm, Mistral
+    by an optional sliding window; Gemma 3 and Qwen3-MoE add the fields after `dtype` (see gemma.py, moe.py)."""
 
     model_type: str
     hidden_size: int
@@ -34,14 +61,38 @@ class ModelArgs:
     attention_bias: bool
     qk_norm: bool
     dtype: torch.dtype
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    """Per layer, "sliding_attention" or "full_attention" (empty: all full). A sliding layer attends through
+    sliding_window when it is set, and on Gemma rotates with rope_local_theta."""
+    rope_local_theta: float | None = None
+    """Gemma 3: the rope base of its sliding (local) layers, which take no rope scaling."""
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
+    """Qwen3-MoE: the layers whose MLP is a sparse mixture of experts."""
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.model_type == "gemma3_text"
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelArgs:
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; torch runs {SUPPORTED_MODEL_TYPES}")
+        cfg = text_config(cfg)
+        model_type = cfg["model_type"]
         # transformers 5 writes rope settings under rope_parameters; hub configs use rope_theta/rope_scaling.
-        rope_params = cfg.get("rope_parameters") or {}
+        rope_params = _global_rope_parameters(cfg)
         scaling = cfg.get("rope_scaling") or rope_params or None
         if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
             scaling = None
@@ -61,13 +112,71 @@ class ModelArgs:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            **_window_fields(cfg, model_type),
+            **_gemma_fields(cfg, model_type),
+            **_moe_fields(cfg, model_type),
         )
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelArgs:
         return cls.from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+
+
+def _global_rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """rope_parameters as transformers 5 writes them: flat, or per layer type (Gemma 3) with the global layers'
+    under full_attention."""
+    params = cfg.get("rope_parameters") or {}
+    return params.get("full_attention", params) if isinstance(params, dict) else {}
+
+
+def _window_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Which layers attend through a sliding window: Mistral's every layer when its config sets one; Gemma 3's
+    interleaved local layers (layer_types, or the older sliding_window_pattern: every n-th layer is global).
+    Qwen2/Qwen3 configs carry a window they do not use (use_sliding_window false): it is ignored."""
+    window = cfg.get("sliding_window")
+    n = cfg["num_hidden_layers"]
+    if model_type == "mistral" and window:
+        return {"sliding_window": int(window), "layer_types": (SLIDING,) * n}
+    if model_type != "gemma3_text":
+        return {}
+    types = cfg.get("layer_types")
+    if not types:
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        types = [SLIDING if (i + 1) % pattern else "full_attention" for i in range(n)]
+    # Gemma's local layers keep their own rope base even when a config turns the window off (null)
+    return {"sliding_window": int(window) if window else None, "layer_types": tuple(types)}
+
+
+def _gemma_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    if model_type != "gemma3_text":
+        return {}
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    return {
+        "rope_local_theta": float(cfg.get("rope_local_base_freq") or local.get("rope_theta") or 10_000.0),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
+        "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+    }
+
+
+def _moe_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0.
+    Hub configs say num_experts; transformers 5 writes num_local_experts."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if model_type != "qwen3_moe" or not experts:
+        return {}
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "sparse_layers": sparse,
+    }
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""The building blocks of a Llama-family decoder layer, tensor-parallel ready.
+"""The building blocks of a Llama-family decoder layer (Mistral, Qwen and Gemma 3 too), tensor-parallel ready.
 
 With tp_size > 1 each rank holds n_heads / tp_size query heads, n_kv_heads / tp_size key/value heads and
 intermediate_size / tp_size MLP columns; q/k/v/gate/up are split by output rows and o_proj/down_proj by input
@@ -25,27 +25,35 @@ def identity(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as Hugging Face does, so bf16 models match the reference."""
+    """RMSNorm computed in float32 and cast back, as Hugging Face does, so bf16 models match the reference.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    Gemma's (unit_offset) scales by 1 + weight and casts after scaling, not before: its checkpoints store the
+    weight that way, and the order changes bf16 results."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float() + 1.0, self.eps).to(x.dtype)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
 
 
 class Rope(nn.Module):
-    """Rotary position embedding (half-split layout, Llama 3 frequency scaling when the config asks)."""
+    """Rotary position embedding (half-split layout, Llama 3 or linear frequency scaling when the config asks).
 
-    def __init__(self, args: ModelArgs, device: torch.device | str) -> None:
+    local: Gemma 3's sliding layers, which rotate with their own base and no scaling."""
+
+    def __init__(self, args: ModelArgs, device: torch.device | str, *, local: bool = False) -> None:
         super().__init__()
         dim = args.head_dim
         exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
-        inv_freq = 1.0 / (args.rope_theta**exponents)
-        if args.rope_scaling is not None:
+        theta = args.rope_local_theta if local and args.rope_local_theta else args.rope_theta
+        inv_freq = 1.0 / (theta**exponents)
+        if args.rope_scaling is not None and not local:
             inv_freq = _scale_frequencies(inv_freq, args.rope_scaling)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -58,8 +66,11 @@ class Rope(nn.Module):
 
 
 def _scale_frequencies(inv_freq: torch.Tensor, scaling: dict[str, object]) -> torch.Tensor:
-    """Llama 3.1+ rope scaling: slow down low frequencies, keep high ones, interpolate between."""
+    """Llama 3.1+ rope scaling: slow down low frequencies, keep high ones, interpolate between. Linear
+    (Gemma 3's global layers): every frequency divided by the factor."""
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])  # type: ignore[arg-type]
     if kind != "llama3":
         raise ValueError(f"unsupported rope scaling {kind!r}")
     factor = float(scaling["factor"])  # type: ignore[arg-type]
@@ -90,8 +101,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        gemma = args.is_gemma
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, gemma) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, gemma) if args.qk_norm else None
+        self.scale = args.query_pre_attn_scalar**-0.5 if args.query_pre_attn_scalar else None
+        self.softcap = args.attn_logit_softcapping
         self.all_reduce = all_reduce
 
     def forward(
@@ -105,10 +119,25 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
         keys, values = cache.update(k, v, batch)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=batch.mask, enable_gqa=self.n_heads != self.n_kv_heads
-        )
+        if self.softcap:
+            out = _softcapped_attention(q, keys, values, batch.mask, self.scale, self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=batch.mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
+            )
         return self.all_reduce(self.o_proj(out.transpose(1, 2).reshape(b, t, -1)))
+
+
+def _softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                          scale: float | None, cap: float) -> torch.Tensor:
+    """Attention whose scores pass through cap * tanh(score / cap) before the softmax, which fused attention
+    cannot do (configs with attn_logit_softcapping: Gemma 2 style; Gemma 3 ships it off)."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = (q @ keys.transpose(-1, -2)).float() * (scale or q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1).to(values.dtype)) @ values
 
 
 class MLP(nn.Module):
@@ -118,17 +147,26 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, inter, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, args.hidden_size, bias=False)
+        self.gelu = args.is_gemma  # Gemma's gate is GELU (tanh approximation), everyone else's SiLU
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.all_reduce(self.down_proj(gate * self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
+    """Pre-norm attention then MLP, each added to the residual. mlp: a dense MLP or a sparse MoE block.
+
+    sliding: the layer attends through the config's sliding window (the model hands it the windowed mask)."""
+
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce, mlp: nn.Module | None = None,
+                 sliding: bool = False) -> None:
         super().__init__()
+        self.sliding = sliding
         self.self_attn = Attention(args, tp_size, all_reduce)
-        self.mlp = MLP(args, tp_size, all_reduce)
+        self.mlp = mlp if mlp is not None else MLP(args, tp_size, all_reduce)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

@@ -61,42 +61,69 @@ def load_model(
         tp_rank=tp_rank, tp_size=tp_size, all_reduce=all_reduce, device=device,
     )
     files = _weight_files(model_dir)
+    names = CheckpointNames(args.tie_word_embeddings, _text_prefix(files), files)
     if quant is not None:
-        _quantize_modules(model, files, quant, Split(tp_rank, tp_size))
+        _quantize_modules(model, names, quant, Split(tp_rank, tp_size))
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if t.is_meta}
-    tensors = _read_tensors(model_dir.name, files, expected, args, tp_rank, tp_size, torch.device(device))
+    tensors = _read_tensors(model_dir.name, names, expected, args, tp_rank, tp_size, torch.device(device))
     model.load_state_dict(tensors, strict=False, assign=True)
     return model.eval().requires_grad_(False)
 
 
-def _checkpoint_name(param: str, args: ModelArgs, available: Iterable[str]) -> str:
-    """The checkpoint tensor behind a parameter; a tied lm_head reads the embedding."""
-    if param.startswith("lm_head."):
-        if param in available or not args.tie_word_embeddings:
-            return param
-        return "model.embed_tokens." + param.removeprefix("lm_head.")
-    return f"model.{param}"
+_TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+"""Where a checkpoint keeps its decoder: a text model under model.; a multimodal Gemma 3 under
+language_model.model. (hub and MLX layout) or model.language_model. (newer transformers), next to a vision tower
+this engine does not load."""
+
+
+def _text_prefix(files: Iterable[str]) -> str:
+    names = list(files)
+    for prefix in _TEXT_PREFIXES:
+        if any(n.startswith(f"{prefix}layers.") or n.startswith(f"{prefix}embed_tokens.") for n in names):
+            return prefix
+    return "model."
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """Maps the slice's parameter names onto the checkpoint's tensor names."""
+
+    tied: bool
+    prefix: str
+    files: dict[str, Path]
+
+    def source(self, param: str) -> str:
+        """The checkpoint tensor behind a parameter; a tied lm_head reads the embedding."""
+        if param.startswith("lm_head."):
+            for candidate in (param, f"language_model.{param}"):
+                if candidate in self.files:
+                    return candidate
+            if not self.tied:
+                return param
+            return f"{self.prefix}embed_tokens." + param.removeprefix("lm_head.")
+        return f"{self.prefix}{param}"
 
 
 def _read_tensors(
     name: str,
-    files: dict[str, Path],
+    names: CheckpointNames,
     expected: dict[str, tuple[int, ...]],
     args: ModelArgs,
     tp_rank: int,
     tp_size: int,
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
+    files = names.files
     by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
     for param in expected:
-        source = _checkpoint_name(param, args, files)
+        source = names.source(param)
         if source not in files:
             raise ValueError(f"{name}: checkpoint has no tensor {source}")
         by_file[files[source]].append((param, source))
     loaded: dict[str, torch.Tensor] = {}
-    for path, names in by_file.items():
+    for path, pairs in by_file.items():
         with safe_open(str(path), framework="pt") as f:
-            for param, source in names:
+            for param, source in pairs:
                 tensor = _shard(f.get_slice(source), tp_split_dim(param), tp_rank, tp_size)
                 if tuple(tensor.shape) != expected[param]:
                     raise ValueError(f"{source}: shape {tuple(tensor.shape)}, expected {expected[param]}")
@@ -110,15 +137,19 @@ class Split:
     size: int
 
 
-def _quantize_modules(model: ModelSlice, files: dict[str, Path], quant: QuantSpec, split: Split) -> None:
+def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpec, split: Split) -> None:
     """Swap every projection (and lm_head; the embedding too when the checkpoint packs it) for its quantized
-    form, read straight from the checkpoint; what stays float is loaded afterwards as usual."""
+    form, read straight from the checkpoint; what stays float is loaded afterwards as usual. Quantizing at load
+    leaves a MoE router (mlp.gate) in float: it is small, and its error would flip which experts run."""
+    files = names.files
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
     for name, module in targets:
-        base = _checkpoint_name(f"{name}.weight", model.args, files).removesuffix(".weight")
+        base = names.source(f"{name}.weight").removesuffix(".weight")
         replacement: nn.Module | None
         if isinstance(module, nn.Embedding):
             replacement = _packed_embedding(files, base, quant, model.args.dtype) if quant.prequantized else None
+        elif name.endswith(".mlp.gate") and not quant.prequantized:
+            replacement = None
         else:
             dim = tp_split_dim(f"{name}.weight")
             bias = _read(files, f"{base}.bias", 0 if dim == 0 else None, split) if module.bias is not None else None

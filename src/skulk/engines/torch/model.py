@@ -1,4 +1,5 @@
-"""A Llama-family decoder that owns a slice of layers [start_layer, end_layer) and one tensor-parallel shard.
+"""A decoder (Llama, Qwen, Mistral, Gemma 3, Qwen3-MoE) owning layers [start_layer, end_layer) and one
+tensor-parallel shard.
 
 The first slice embeds token ids, inner slices map hidden states to hidden states, the last slice applies the
 final norm and lm_head; a slice holding every layer is the whole model. A pipeline stage therefore runs
@@ -9,6 +10,7 @@ it does not own.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -16,7 +18,9 @@ from torch import nn
 
 from .cache import KVCache, StepBatch
 from .config import ModelArgs
-from .layers import AllReduce, DecoderLayer, RMSNorm, Rope, identity
+from .gemma import GemmaDecoderLayer, scale_embeddings, softcap_logits
+from .layers import MLP, AllReduce, DecoderLayer, RMSNorm, Rope, identity
+from .moe import SparseMoe
 
 _COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _ROW_SPLIT = re.compile(r"\.(o_proj|down_proj)\.weight$")
@@ -53,11 +57,14 @@ class ModelSlice(nn.Module):
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size) if self.is_first else None
             self.layers = nn.ModuleDict(
-                {str(i): DecoderLayer(args, tp_size, reduce) for i in range(start_layer, end)}
+                {str(i): make_layer(args, i, tp_size, reduce) for i in range(start_layer, end)}
             )
-            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if self.is_last else None
+            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.is_gemma) if self.is_last else None
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False) if self.is_last else None
         self.rope = Rope(args, device)
+        local_layers = any(args.is_sliding(i) for i in range(start_layer, end))
+        self.windowed = local_layers and args.sliding_window is not None
+        self.local_rope = Rope(args, device, local=True) if local_layers and args.rope_local_theta else None
 
     @property
     def n_kv_heads(self) -> int:
@@ -79,15 +86,36 @@ class ModelSlice(nn.Module):
         last_only keeps only the final position before lm_head, which is all sampling needs after a prefill.
         Logits come back in float32 so sampling is identical whatever dtype the weights are in.
         """
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        h = scale_embeddings(self.embed_tokens(x), self.args) if self.embed_tokens is not None else x
         rope = self.rope(batch.positions, h.dtype)
+        local = (self._windowed_batch(batch), rope) if self.windowed else (batch, rope)
+        if self.local_rope is not None:
+            local = (local[0], self.local_rope(batch.positions, h.dtype))
         for layer, layer_cache in zip(self.layers.values(), cache.layers, strict=True):
-            h = layer(h, batch, rope, layer_cache)
+            h = layer(h, *(local if layer.sliding else (batch, rope)), layer_cache)
         if self.norm is None or self.lm_head is None:
             return h
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(self.norm(h)).float()
+        return softcap_logits(self.lm_head(self.norm(h)).float(), self.args)
+
+    def _windowed_batch(self, batch: StepBatch) -> StepBatch:
+        """The step's batch with keys older than the sliding window masked too: a query at position p sees keys
+        p - window + 1 .. p. Derived from positions, so a prefill chunk starting at any offset is right."""
+        window = self.args.sliding_window or 0
+        keys = torch.arange(batch.kv_len, device=batch.positions.device).view(1, 1, 1, -1)
+        near = keys > batch.positions.unsqueeze(1).unsqueeze(-1) - window
+        return dataclasses.replace(batch, mask=near & batch.mask)
+
+
+def make_layer(args: ModelArgs, index: int, tp_size: int, reduce: AllReduce) -> nn.Module:
+    """Layer `index` of the architecture: Gemma 3's four-norm layer, or the Llama-shaped one with a dense MLP
+    or (Qwen3-MoE's sparse layers) a mixture of experts."""
+    sliding = args.is_sliding(index)
+    if args.is_gemma:
+        return GemmaDecoderLayer(args, tp_size, reduce, sliding)
+    mlp = SparseMoe(args, tp_size, reduce) if index in args.sparse_layers else MLP(args, tp_size, reduce)
+    return DecoderLayer(args, tp_size, reduce, mlp, sliding)
 
 
 def _check_partition(args: ModelArgs, start: int, end: int, tp_rank: int, tp_size: int) -> None:
@@ -99,6 +127,7 @@ def _check_partition(args: ModelArgs, start: int, end: int, tp_rank: int, tp_siz
         ("attention heads", args.num_attention_heads),
         ("key/value heads", args.num_key_value_heads),
         ("intermediate size", args.intermediate_size),
+        ("expert intermediate size", args.moe_intermediate_size),
     ):
         if n % tp_size:
             raise ValueError(f"{what} ({n}) do not split evenly across {tp_size} tensor-parallel ranks")

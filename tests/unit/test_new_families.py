@@ -1,0 +1,239 @@
+"""Mistral, Gemma 3 and Qwen3-MoE beyond float32 parity (test_model_families.py): half precision against
+transformers, MLX-packed and quantized-at-load weights against the dequantized or float model, tensor-parallel
+and pipeline splits against one rank, the sliding window over chunked prefill, the multimodal Gemma 3 layout,
+and expert dispatch that runs only the experts the router picked."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from skulk.engines.torch.cache import StepBatch
+from skulk.engines.torch.config import ModelArgs, text_config
+from skulk.engines.torch.loader import load_model
+from skulk.engines.torch.model import ModelSlice
+from skulk.engines.torch.moe import SparseMoe
+from skulk.engines.torch.quant import QuantizedLinear, affine_quantize, dequantize, fitting_group
+from skulk.models.catalog import card_from_config
+from tests.unit.test_model_families import REAL_CONFIGS, WINDOW, scaled_down, write_checkpoint
+from tests.unit.test_quantized import logits, relative_error, write_mlx
+from tests.unit.test_torch_engine import ThreadAllReduce
+
+pytestmark = pytest.mark.timeout(120)
+
+MISTRAL, MISTRAL_WINDOWED = "mistralai/Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-v0.1"
+GEMMA, MOE = "google/gemma-3-1b-it", "Qwen/Qwen3-30B-A3B"
+FAMILIES = (MISTRAL, GEMMA, MOE)
+IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 42, 11, 3] * 3])  # 30 positions: past the window of 16
+
+GEMMA3_4B: dict[str, Any] = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False},
+}
+"""google/gemma-3-4b-it's config.json: a multimodal checkpoint whose text_config leaves most numbers to
+transformers' defaults (8 heads, 4 key/value heads, head_dim 256, ...)."""
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {
+        model_id: write_checkpoint(scaled_down(model_id, REAL_CONFIGS[model_id]), root / model_id.replace("/", "--"))
+        for model_id in (*FAMILIES, MISTRAL_WINDOWED)
+    }
+
+
+@pytest.fixture(scope="module")
+def gemma_4b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(a gemma3_text checkpoint of gemma-3-4b's language model, scaled down; the same weights in the multimodal
+    layout: config with text_config, tensors under language_model.model., a vision tower beside them)."""
+    root = tmp_path_factory.mktemp("gemma4b")
+    full = text_config(GEMMA3_4B)
+    text = {**full, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 320,
+            "intermediate_size": 1280, "num_hidden_layers": 6, "vocab_size": 512, "sliding_window": WINDOW,
+            "torch_dtype": "float32"}
+    text_dir = write_checkpoint(text, root / "text")
+    weights = {f"language_model.{name}": t for name, t in load_file(str(text_dir / "model.safetensors")).items()}
+    weights["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
+    multimodal = root / "multimodal"
+    multimodal.mkdir()
+    save_file(weights, str(multimodal / "model.safetensors"), metadata={"format": "pt"})
+    shipped = {key: text[key] for key in (*GEMMA3_4B["text_config"], "num_attention_heads", "num_key_value_heads",
+                                          "head_dim", "vocab_size")}
+    config = {**GEMMA3_4B, "torch_dtype": "float32", "text_config": shipped}
+    (multimodal / "config.json").write_text(json.dumps(config))
+    return text_dir, multimodal
+
+
+def reference_logits(path: Path, dtype: torch.dtype, ids: torch.Tensor = IDS) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.bfloat16, 0.03), (torch.float16, 0.01)])
+@pytest.mark.parametrize("model_id", FAMILIES)
+def test_half_precision_matches_transformers(
+    model_id: str, dtype: torch.dtype, bound: float, checkpoints: dict[str, Path]
+) -> None:
+    """The same dtype on both sides; what differs is only rounding order (float32 parity is exact to 1e-4)."""
+    model = load_model(checkpoints[model_id], dtype=dtype)
+    assert next(model.parameters()).dtype == dtype
+    assert relative_error(logits(model, IDS), reference_logits(checkpoints[model_id], dtype)) < bound
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("model_id", FAMILIES)
+def test_mlx_checkpoint_matches_its_dequantized_weights(
+    model_id: str, bits: int, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Every projection packed, experts and router included (and Gemma's tied embedding, which lm_head reads)."""
+    write_mlx(checkpoints[model_id], bits, tmp_path / "mlx", tmp_path / "reference")
+    model = load_model(tmp_path / "mlx")
+    mlp = model.layers["0"].mlp
+    projection = mlp.experts[3].down_proj if isinstance(mlp, SparseMoe) else mlp.down_proj  # type: ignore[index]
+    assert isinstance(projection, QuantizedLinear) and isinstance(model.lm_head, QuantizedLinear)
+    assert relative_error(logits(model, IDS), logits(load_model(tmp_path / "reference"), IDS)) < 0.03
+
+
+@pytest.mark.parametrize(("kind", "bound"), [("int8", 0.05), ("int4", 0.03)])
+@pytest.mark.parametrize("model_id", FAMILIES)
+def test_float_checkpoint_quantized_at_load(
+    model_id: str, kind: str, bound: float, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """int4 at load against the same affine groups dequantized (the router stays float on both sides, so the
+    same experts run); int8, one scale per row, against the float model itself."""
+    path = checkpoints[model_id]
+    model = load_model(path, quantize=kind)
+    if model_id == MOE:
+        assert isinstance(model.layers["1"].mlp.experts[0].up_proj, QuantizedLinear)  # type: ignore[index]
+        assert type(model.layers["1"].mlp.gate) is torch.nn.Linear  # type: ignore[union-attr]
+    reference = load_model(path if kind == "int8" else _int4_reference(path, tmp_path), dtype=torch.float32)
+    assert relative_error(logits(model, IDS), logits(reference, IDS)) < bound
+
+
+def _int4_reference(path: Path, out: Path) -> Path:
+    """path's weights with every projection and lm_head replaced by its int4 groups dequantized, each in the
+    group the loader picks for its width; embedding and router as they are (a tied lm_head becomes its own)."""
+    weights = load_file(str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    if "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    for name, tensor in weights.items():
+        if tensor.dim() == 2 and "embed_tokens" not in name and ".mlp.gate." not in name:
+            group = fitting_group(tensor.shape[1], 64)
+            assert group is not None
+            weights[name] = dequantize(*affine_quantize(tensor, 4, group), group)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    return out
+
+
+def _split_logits(path: Path) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(one rank's logits, a two-stage pipeline's, each of two tensor-parallel ranks')."""
+    whole = logits(load_model(path, dtype=torch.float32), IDS)
+    first = load_model(path, end_layer=1, dtype=torch.float32)
+    second = load_model(path, start_layer=1, dtype=torch.float32)
+    with torch.inference_mode():
+        batch = StepBatch.build(torch.arange(IDS.shape[1]).unsqueeze(0), 0)
+        hidden = first(IDS, batch, first.make_cache(1, 64))
+        piped = second(hidden, batch, second.make_cache(1, 64))
+    reduce = ThreadAllReduce(2)
+    shards = [load_model(path, tp_rank=r, tp_size=2, all_reduce=reduce.for_rank(r), dtype=torch.float32)
+              for r in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        ranks = list(pool.map(lambda m: logits(m, IDS), shards))
+    return whole, piped, ranks
+
+
+def test_moe_splits_across_ranks_and_stages(checkpoints: dict[str, Path]) -> None:
+    """Tensor parallel: each rank a slice of every expert, the router whole; pipeline: experts whole per stage."""
+    shard = load_model(checkpoints[MOE], tp_rank=1, tp_size=2)
+    moe = shard.layers["0"].mlp
+    assert isinstance(moe, SparseMoe) and moe.gate.weight.shape == (16, 256)
+    assert moe.experts[5].gate_proj.weight.shape == (64, 256)  # type: ignore[union-attr]
+    assert moe.experts[5].down_proj.weight.shape == (256, 64)  # type: ignore[union-attr]
+    whole, piped, ranks = _split_logits(checkpoints[MOE])
+    torch.testing.assert_close(piped, whole, atol=1e-5, rtol=1e-5)
+    for rank in ranks:
+        torch.testing.assert_close(rank, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_gemma_multimodal_layout_runs_its_language_model(gemma_4b: tuple[Path, Path]) -> None:
+    """The text part of a `gemma3` checkpoint: numbers from text_config and transformers' defaults, tensors
+    under language_model.model., the vision tower left unread; split over ranks and stages like any model."""
+    text_dir, multimodal = gemma_4b
+    args = ModelArgs.from_dir(multimodal)
+    assert (args.num_attention_heads, args.num_key_value_heads, args.head_dim) == (4, 2, 64)
+    assert args.layer_types.count("full_attention") == 1 and args.rope_scaling == {"factor": 8.0,
+                                                                                     "rope_type": "linear"}
+    whole, piped, ranks = _split_logits(multimodal)
+    torch.testing.assert_close(whole, reference_logits(text_dir, torch.float32), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(piped, whole, atol=1e-5, rtol=1e-5)
+    for rank in ranks:
+        torch.testing.assert_close(rank, whole, atol=1e-5, rtol=1e-5)
+    card = card_from_config("google/gemma-3-4b-it", GEMMA3_4B, 8_600_000_000)
+    assert (card.family, card.n_layers, card.hidden_size) == ("gemma3", 34, 2560)
+    assert (card.num_attention_heads, card.num_key_value_heads, card.vocab_size) == (8, 4, 262208)
+
+
+def _chunked(model: ModelSlice, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Logits of ids fed `chunk` tokens at a time into one cache, positions continuing where the last ended."""
+    cache, parts = model.make_cache(1, 64), []
+    with torch.inference_mode():
+        for start in range(0, ids.shape[1], chunk):
+            piece = ids[:, start : start + chunk]
+            positions = torch.arange(start, start + piece.shape[1]).unsqueeze(0)
+            parts.append(model(piece, StepBatch.build(positions, 0), cache))
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize("model_id", [MISTRAL_WINDOWED, GEMMA])
+def test_sliding_window_over_chunks_and_decode(model_id: str, checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """A 30-token prompt through a window of 16: one pass, chunks of 7 and token-by-token decode agree with
+    transformers; the window matters (the same weights without it differ past position 16, not before)."""
+    path = checkpoints[model_id]
+    model = load_model(path, dtype=torch.float32)
+    expected = reference_logits(path, torch.float32)
+    for chunk in (IDS.shape[1], 7, 1):
+        torch.testing.assert_close(_chunked(model, IDS, chunk), expected, atol=1e-4, rtol=1e-4)
+    unwindowed = tmp_path / "unwindowed"
+    unwindowed.mkdir()
+    (unwindowed / "model.safetensors").symlink_to(path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    (unwindowed / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    everything = logits(load_model(unwindowed, dtype=torch.float32), IDS)
+    torch.testing.assert_close(everything[:, :WINDOW], expected[:, :WINDOW], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(everything[:, WINDOW:], expected[:, WINDOW:], atol=1e-3)
+
+
+def test_moe_decode_runs_only_the_picked_experts(checkpoints: dict[str, Path]) -> None:
+    """One decode token runs exactly k = 8 of the 16 experts per sparse layer, each once; a prefill runs each
+    picked expert once over all of its rows."""
+    model = load_model(checkpoints[MOE], dtype=torch.float32)
+    calls: list[int] = []
+    for layer in model.layers.values():
+        for expert in layer.mlp.experts:  # type: ignore[union-attr]
+            expert.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[0]))
+    cache = model.make_cache(1, 64)
+    with torch.inference_mode():
+        model(IDS, StepBatch.build(torch.arange(30).unsqueeze(0), 0), cache)
+        assert len(calls) <= 2 * 16 and sum(calls) == 2 * 30 * 8
+        calls.clear()
+        model(IDS[:, :1], StepBatch.build(torch.tensor([[30]]), 0), cache)
+    assert calls == [1] * (2 * 8)
