@@ -33,8 +33,9 @@ from skulk.worker.supervisor import RunnerSupervisor, SupervisorCallbacks
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
 PROMPTS = {"a": [258, *b"hello there", 259, 10], "b": [*b"abc def ghi jkl", 10, 258]}
-# each batch runs to completion before the next: a and b alone, then both concurrently
-BATCHES = [["a"], ["b"], ["a", "b"]]
+PROMPTS["c"] = [*PROMPTS["a"], *b"and more"]  # starts from a's retained KV on every rank
+# each batch runs to completion before the next: a and b alone, then both concurrently, then c
+BATCHES = [["a"], ["b"], ["a", "b"], ["c"]]
 Layers = list[tuple[int, int]]
 
 
@@ -45,9 +46,10 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def single_rank(demo_dir: Path) -> dict[str, list[int]]:
-    engine = TorchEngine(demo_dir, max_batch=8, max_seq=512)
+    """Each prompt on a fresh engine: the cold truth that reused prefixes must reproduce."""
     outs: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
     for rid, prompt in PROMPTS.items():
+        engine = TorchEngine(demo_dir, max_batch=8, max_seq=512)
         engine.add_request(rid, prompt, GREEDY)
         while engine.has_work():
             for tok in engine.step():

@@ -336,8 +336,6 @@ class Runner:
             self.send_after_step()
             self._fail(task.task_id, task.command_id, message, code="context_length_exceeded", status=400)
             return None
-        # a fresh KV-cache slot per request: this engine keeps no prefix cache, so the lookup always misses
-        self.recorder.record("kv_cache_lookup", "slot_allocated", task_id=task.task_id, command_id=task.command_id)
         self.engine.add_request(task.task_id, prompt, params.sampling, command_id=task.command_id)
         return prompt
 
@@ -434,13 +432,18 @@ class Runner:
         self.flush()
 
     def _follow_requests(self, events: list[RequestEvent]) -> None:
-        """Report what the step headers admitted and released; idempotent, so rank 0, which already
+        """Report what the step headers admitted, started and released; idempotent, so rank 0, which already
         reported from its inbox, and the sampler, which reported completions when publishing, skip them."""
-        from skulk.engines.torch.wire import Admitted
+        from skulk.engines.torch.wire import Admitted, Started
 
         for event in events:
             task_id = TaskId(event.request_id)
             ids: dict[str, Any] = dict(task_id=task_id, command_id=event.command_id)
+            if isinstance(event, Started):  # the slot is taken: its prefill starts from any reused prefix
+                hit = "prefix_hit" if event.reused_tokens else "prefix_miss"
+                self.recorder.record("kv_cache_lookup", hit, reused_tokens=event.reused_tokens, **ids)
+                self.recorder.record("prefill_stream", "prefill_started", **ids)
+                continue
             if isinstance(event, Admitted):
                 if task_id in self.active:
                     continue

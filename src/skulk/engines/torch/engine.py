@@ -42,7 +42,7 @@ from .loader import load_model
 from .requests import FaultHook, Request, accept_each, row_sampling
 from .schedule import Retained, choose_reuse, chunk_tokens, next_kind, spare_slot
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
-from .wire import Admitted, Header, NewRequest, Release, Released, RequestEvent, StepKind, WireError
+from .wire import Admitted, Header, NewRequest, Release, Released, RequestEvent, Started, StepKind, WireError
 
 DEFAULT_MAX_SEQ = 4096  # caps the preallocated cache for long-context models unless max_seq says otherwise
 DEFAULT_PREFILL_CHUNK = 512
@@ -313,14 +313,17 @@ class TorchEngine:
             entry = self._retained.get(source)
             if entry is None or not 0 < length <= entry.length:
                 raise WireError(f"header reuses {length} positions of slot {source}, which does not hold them")
-        if source != slot:
-            self._parked(slot, source)
+        here = self._retained.get(slot)
+        if here is not None and not (source == slot and length >= here.length):
+            self._parked(slot, source)  # a prefix used only in part (or not at all) is kept for later turns
         if source not in (-1, slot):
             self.cache.move_slot(source, slot, length)
         self._retained.pop(slot, None)
         req = self._pending.popleft()
         req.length = length
         self._running.append(req)
+        if req.request_id != WARMUP_ID:
+            self._events.append(Started(req.request_id, req.command_id, length))
         return req
 
     def _prefilling(self) -> Request | None:

@@ -95,7 +95,16 @@ class Released:
     failed: bool = False
 
 
-RequestEvent = Admitted | Released
+@dataclass(frozen=True, slots=True)
+class Started:
+    """The request took a cache slot and its prefill began, from reused_tokens positions of a retained prefix."""
+
+    request_id: str
+    command_id: str
+    reused_tokens: int
+
+
+RequestEvent = Admitted | Started | Released
 
 
 class _WireAdd(BaseModel):
