@@ -20,7 +20,7 @@ from skulk.engines.torch.config import ModelArgs, text_config
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.model import ModelSlice
 from skulk.engines.torch.moe import SparseMoe
-from skulk.engines.torch.quant import QuantizedLinear, affine_quantize, dequantize, fitting_group
+from skulk.engines.torch.quant import QuantizedLinear, affine_quantize, dequantize, fitting_group, pack_mlx
 from skulk.models.catalog import card_from_config
 from tests.unit.test_model_families import REAL_CONFIGS, WINDOW, scaled_down, write_checkpoint
 from tests.unit.test_quantized import logits, relative_error, write_mlx
@@ -237,3 +237,67 @@ def test_moe_decode_runs_only_the_picked_experts(checkpoints: dict[str, Path]) -
         calls.clear()
         model(IDS[:, :1], StepBatch.build(torch.tensor([[30]]), 0), cache)
     assert calls == [1] * (2 * 8)
+
+
+def _write_mlx_moe(float_dir: Path, mlx_dir: Path, reference_dir: Path, group: int = 32) -> None:
+    """float_dir's Qwen3-MoE as mlx-lm saves it: each layer's experts stacked per projection into
+    mlp.switch_mlp.{gate,up,down}_proj [experts, out, in] and packed at 4 bits, the router packed at 8 bits
+    under its own entry in the quantization section; reference_dir holds the same weights dequantized."""
+    packed: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    stacks: dict[str, list[tuple[int, dict[str, torch.Tensor]]]] = {}
+    quantization: dict[str, Any] = {"group_size": group, "bits": 4}
+    for name, tensor in load_file(str(float_dir / "model.safetensors")).items():
+        if tensor.dim() != 2:
+            packed[name] = dequantized[name] = tensor
+            continue
+        base = name.removesuffix(".weight")
+        bits = 8 if base.endswith(".mlp.gate") else 4
+        if bits == 8:
+            quantization[base] = {"group_size": group, "bits": 8}
+        q, scales, biases = affine_quantize(tensor, bits, group)
+        scales, biases = scales.to(torch.bfloat16), biases.to(torch.bfloat16)
+        dequantized[name] = dequantize(q, scales, biases, group)
+        parts = {"weight": pack_mlx(q, bits), "scales": scales, "biases": biases}
+        if ".mlp.experts." in base:
+            start, rest = base.split(".mlp.experts.")
+            expert, projection = rest.split(".")
+            stacks.setdefault(f"{start}.mlp.switch_mlp.{projection}", []).append((int(expert), parts))
+        else:
+            packed |= {f"{base}.{part}": value for part, value in parts.items()}
+    for base, experts in stacks.items():
+        experts.sort(key=lambda item: item[0])
+        for part in ("weight", "scales", "biases"):
+            packed[f"{base}.{part}"] = torch.stack([parts[part] for _, parts in experts])
+    config = json.loads((float_dir / "config.json").read_text())
+    for folder, tensors, extra in ((mlx_dir, packed, {"quantization": quantization}),
+                                   (reference_dir, dequantized, {"torch_dtype": "float32"})):
+        folder.mkdir(parents=True)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps({**config, **extra}))
+
+
+def test_mlx_moe_layout_with_stacked_experts(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """mlx-community's Qwen3-MoE layout loads (stacked experts, an 8-bit router beside 4-bit experts), matches
+    its dequantized weights, and gives one rank's greedy tokens split over two tensor-parallel ranks."""
+    _write_mlx_moe(checkpoints[MOE], tmp_path / "mlx", tmp_path / "reference")
+    model = load_model(tmp_path / "mlx")
+    moe = model.layers["1"].mlp
+    assert isinstance(moe, SparseMoe) and isinstance(moe.gate, QuantizedLinear) and moe.gate.bits == 8
+    assert isinstance(moe.experts[15].down_proj, QuantizedLinear) and moe.experts[15].down_proj.bits == 4
+    assert relative_error(logits(model, IDS), logits(load_model(tmp_path / "reference"), IDS)) < 0.03
+    reduce = ThreadAllReduce(2)
+    shards = [load_model(tmp_path / "mlx", tp_rank=r, tp_size=2, all_reduce=reduce.for_rank(r)) for r in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        ranks = list(pool.map(_greedy, shards))
+    assert ranks[0] == ranks[1] == _greedy(model)
+
+
+def _greedy(model: ModelSlice, steps: int = 4) -> list[int]:
+    cache, ids, pos, out = model.make_cache(1, 64), IDS[:, :8], torch.arange(8).unsqueeze(0), []
+    with torch.inference_mode():
+        for _ in range(steps):
+            ids = model(ids, StepBatch.build(pos, 0), cache)[:, -1].argmax(-1, keepdim=True)
+            out.append(int(ids))
+            pos = pos[:, -1:] + 1
+    return out

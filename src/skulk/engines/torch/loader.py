@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import defaultdict
+import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -61,11 +63,12 @@ def load_model(
         tp_rank=tp_rank, tp_size=tp_size, all_reduce=all_reduce, device=device,
     )
     files = _weight_files(model_dir)
-    names = CheckpointNames(args.tie_word_embeddings, _text_prefix(files), files)
-    if quant is not None:
-        _quantize_modules(model, names, quant, Split(tp_rank, tp_size))
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if t.is_meta}
-    tensors = _read_tensors(model_dir.name, names, expected, args, tp_rank, tp_size, torch.device(device))
+    with ExitStack() as stack:
+        names = CheckpointNames(args.tie_word_embeddings, _text_prefix(files), files, _stacked_experts(files), stack)
+        if quant is not None:
+            _quantize_modules(model, names, quant, Split(tp_rank, tp_size))
+        expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if t.is_meta}
+        tensors = _read_tensors(model_dir.name, names, expected, args, tp_rank, tp_size, torch.device(device))
     model.load_state_dict(tensors, strict=False, assign=True)
     return model.eval().requires_grad_(False)
 
@@ -84,13 +87,55 @@ def _text_prefix(files: Iterable[str]) -> str:
     return "model."
 
 
-@dataclass(frozen=True)
+_SWITCH = re.compile(r"^(.*\.mlp\.)switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+
+
+def _stacked_experts(files: dict[str, Path]) -> dict[str, tuple[str, int]]:
+    """Per-expert names → (stacked tensor, expert index) for checkpoints that stack a layer's experts in one
+    [num_experts, out, in] tensor per projection, as MLX saves Qwen3-MoE (mlp.switch_mlp.gate_proj, ...)."""
+    stacked: dict[str, tuple[str, int]] = {}
+    for name in files:
+        if match := _SWITCH.match(name):
+            start, projection, part = match.groups()
+            for expert in range(_leading_dim(files[name], name)):
+                stacked[f"{start}experts.{expert}.{projection}.{part}"] = (name, expert)
+    return stacked
+
+
+def _leading_dim(path: Path, name: str) -> int:
+    with safe_open(str(path), framework="pt") as f:
+        return int(f.get_slice(name).get_shape()[0])
+
+
+@dataclass
 class CheckpointNames:
-    """Maps the slice's parameter names onto the checkpoint's tensor names."""
+    """Maps the slice's parameter names onto the checkpoint's tensor names, and reads them (each file opened
+    once per load, in `stack`)."""
 
     tied: bool
     prefix: str
     files: dict[str, Path]
+    stacked: dict[str, tuple[str, int]] = field(default_factory=dict)
+    stack: ExitStack = field(default_factory=ExitStack)
+    handles: dict[Path, Any] = field(default_factory=dict)
+
+    def __contains__(self, tensor: str) -> bool:
+        return tensor in self.files or tensor in self.stacked
+
+    def read(self, tensor: str, dim: int | None, split: Split) -> torch.Tensor:
+        """A whole tensor, or this rank's block along dim; one expert's matrix of a stacked tensor."""
+        real, expert = self.stacked.get(tensor, (tensor, None))
+        if real not in self.files:
+            raise ValueError(f"checkpoint has no tensor {tensor}")
+        path = self.files[real]
+        if path not in self.handles:
+            self.handles[path] = self.stack.enter_context(safe_open(str(path), framework="pt"))
+        return _shard(self.handles[path].get_slice(real), dim, split.rank, split.size, expert)
+
+    def quant_path(self, base: str) -> str:
+        """The module path a per-module quantization entry names: a stacked expert's is its switch_mlp tensor."""
+        real, _ = self.stacked.get(f"{base}.weight", (f"{base}.weight", None))
+        return real.removesuffix(".weight")
 
     def source(self, param: str) -> str:
         """The checkpoint tensor behind a parameter; a tied lm_head reads the embedding."""
@@ -113,21 +158,15 @@ def _read_tensors(
     tp_size: int,
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
-    files = names.files
-    by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
+    loaded: dict[str, torch.Tensor] = {}
     for param in expected:
         source = names.source(param)
-        if source not in files:
+        if source not in names:
             raise ValueError(f"{name}: checkpoint has no tensor {source}")
-        by_file[files[source]].append((param, source))
-    loaded: dict[str, torch.Tensor] = {}
-    for path, pairs in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for param, source in pairs:
-                tensor = _shard(f.get_slice(source), tp_split_dim(param), tp_rank, tp_size)
-                if tuple(tensor.shape) != expected[param]:
-                    raise ValueError(f"{source}: shape {tuple(tensor.shape)}, expected {expected[param]}")
-                loaded[param] = tensor.to(device=device, dtype=args.dtype)
+        tensor = names.read(source, tp_split_dim(param), Split(tp_rank, tp_size))
+        if tuple(tensor.shape) != expected[param]:
+            raise ValueError(f"{source}: shape {tuple(tensor.shape)}, expected {expected[param]}")
+        loaded[param] = tensor.to(device=device, dtype=args.dtype)
     return loaded
 
 
@@ -141,37 +180,39 @@ def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpe
     """Swap every projection (and lm_head; the embedding too when the checkpoint packs it) for its quantized
     form, read straight from the checkpoint; what stays float is loaded afterwards as usual. Quantizing at load
     leaves a MoE router (mlp.gate) in float: it is small, and its error would flip which experts run."""
-    files = names.files
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
     for name, module in targets:
         base = names.source(f"{name}.weight").removesuffix(".weight")
         replacement: nn.Module | None
         if isinstance(module, nn.Embedding):
-            replacement = _packed_embedding(files, base, quant, model.args.dtype) if quant.prequantized else None
+            replacement = _packed_embedding(names, base, quant, model.args.dtype) if quant.prequantized else None
         elif name.endswith(".mlp.gate") and not quant.prequantized:
             replacement = None
         else:
             dim = tp_split_dim(f"{name}.weight")
-            bias = _read(files, f"{base}.bias", 0 if dim == 0 else None, split) if module.bias is not None else None
+            bias = names.read(f"{base}.bias", 0 if dim == 0 else None, split) if module.bias is not None else None
             build = _packed_linear if quant.prequantized else _quantized_float_linear
-            replacement = build(files, base, dim, split, quant, bias)
+            replacement = build(names, base, dim, split, quant, bias)
         if replacement is not None:
             model.set_submodule(name, replacement)
 
 
-def _packed_embedding(files: dict[str, Path], base: str, quant: QuantSpec, dtype: torch.dtype) -> nn.Module | None:
-    if f"{base}.scales" not in files:
+def _packed_embedding(names: CheckpointNames, base: str, quant: QuantSpec, dtype: torch.dtype) -> nn.Module | None:
+    if f"{base}.scales" not in names:
         return None
-    q_packed, scales, biases = (_read(files, f"{base}.{part}", None, Split(0, 1)) for part in _PARTS)
+    quant = quant.for_module(base)
+    q_packed, scales, biases = (names.read(f"{base}.{part}", None, Split(0, 1)) for part in _PARTS)
     return QuantizedEmbedding(q_packed, scales, biases, quant.bits, quant.group_size, dtype)
 
 
-def _packed_linear(files: dict[str, Path], base: str, dim: int | None, split: Split, quant: QuantSpec,
+def _packed_linear(names: CheckpointNames, base: str, dim: int | None, split: Split, quant: QuantSpec,
                    bias: torch.Tensor | None) -> nn.Module | None:
-    """An MLX-packed projection; this rank's rows, or its columns in whole groups."""
-    if f"{base}.scales" not in files:
+    """An MLX-packed projection, at the bits its module's own quantization entry gives if it has one (MLX keeps
+    MoE routers at 8 bits); this rank's rows, or its columns in whole groups."""
+    if f"{base}.scales" not in names:
         return None  # a layer the checkpoint left in float stays an nn.Linear
-    q_packed, scales, biases = (_read(files, f"{base}.{part}", dim, split) for part in _PARTS)
+    quant = quant.for_module(names.quant_path(base))
+    q_packed, scales, biases = (names.read(f"{base}.{part}", dim, split) for part in _PARTS)
     q = unpack_mlx(q_packed, quant.bits)
     if q.shape[1] != scales.shape[1] * quant.group_size:
         raise ValueError(f"{base}: its columns do not split across {split.size} tensor-parallel ranks in whole "
@@ -179,10 +220,10 @@ def _packed_linear(files: dict[str, Path], base: str, dim: int | None, split: Sp
     return QuantizedLinear.from_affine(q, scales, biases, quant.bits, quant.group_size, bias)
 
 
-def _quantized_float_linear(files: dict[str, Path], base: str, dim: int | None, split: Split, quant: QuantSpec,
+def _quantized_float_linear(names: CheckpointNames, base: str, dim: int | None, split: Split, quant: QuantSpec,
                             bias: torch.Tensor | None) -> nn.Module | None:
     """A float projection quantized while loading: int8 per row, int4 in groups."""
-    weight = _read(files, f"{base}.weight", dim, split)
+    weight = names.read(f"{base}.weight", dim, split)
     group = fitting_group(weight.shape[1], quant.group_size)
     if group is None:
         return None  # no group size divides its columns: it stays float, the rest is quantized
@@ -195,21 +236,15 @@ def _quantized_float_linear(files: dict[str, Path], base: str, dim: int | None, 
 _PARTS = ("weight", "scales", "biases")
 
 
-def _read(files: dict[str, Path], source: str, dim: int | None, split: Split) -> torch.Tensor:
-    if source not in files:
-        raise ValueError(f"checkpoint has no tensor {source}")
-    with safe_open(str(files[source]), framework="pt") as f:
-        return _shard(f.get_slice(source), dim, split.rank, split.size)
-
-
-def _shard(view: object, dim: int | None, rank: int, size: int) -> torch.Tensor:
-    """Read a whole tensor, or this rank's contiguous block along dim, from a lazy safetensors slice."""
+def _shard(view: object, dim: int | None, rank: int, size: int, expert: int | None = None) -> torch.Tensor:
+    """Read a whole tensor, or this rank's contiguous block along dim, from a lazy safetensors slice; of a
+    stacked [experts, out, in] tensor, expert's matrix (dim counts within it)."""
     shape = view.get_shape()  # type: ignore[attr-defined]
-    if dim is None or size == 1:
-        return view[:]  # type: ignore[index]
-    block = shape[dim] // size
-    index = [slice(None)] * len(shape)
-    index[dim] = slice(rank * block, (rank + 1) * block)
+    lead: list[int | slice] = [] if expert is None else [expert]
+    index: list[int | slice] = lead + [slice(None)] * (len(shape) - len(lead))
+    if dim is not None and size > 1:
+        block = shape[len(lead) + dim] // size
+        index[len(lead) + dim] = slice(rank * block, (rank + 1) * block)
     return view[tuple(index)]  # type: ignore[index]
 
 

@@ -13,7 +13,7 @@ Both kernels want bfloat16 activations, so a quantized model computes in bfloat1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,15 @@ class QuantSpec:
     group_size: int
     prequantized: bool
     """True: the checkpoint holds MLX-packed weights; False: float weights quantized while loading."""
+    overrides: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False)
+    """MLX's per-module entries (module path → bits, group size), e.g. MoE routers kept at 8 bits."""
+
+    def for_module(self, path: str) -> QuantSpec:
+        """The spec a module is packed with: its own entry in the checkpoint's quantization section, if any."""
+        if path not in self.overrides:
+            return self
+        bits, group = self.overrides[path]
+        return replace(self, bits=bits, group_size=group, overrides={})
 
 
 def quant_spec(config: dict[str, Any], requested: str | None) -> QuantSpec | None:
@@ -42,7 +51,9 @@ def quant_spec(config: dict[str, Any], requested: str | None) -> QuantSpec | Non
     if section:
         if "bits" not in section or "group_size" not in section:
             raise ValueError(f"unsupported quantization {section!r}; the engine loads MLX affine 4- and 8-bit")
-        spec = QuantSpec(int(section["bits"]), int(section["group_size"]), prequantized=True)
+        overrides = {key: (int(value["bits"]), int(value["group_size"])) for key, value in section.items()
+                     if isinstance(value, dict) and "bits" in value and "group_size" in value}
+        spec = QuantSpec(int(section["bits"]), int(section["group_size"]), prequantized=True, overrides=overrides)
     elif requested:
         bits = {"int4": 4, "int8": 8}.get(requested)
         if bits is None:
@@ -50,9 +61,10 @@ def quant_spec(config: dict[str, Any], requested: str | None) -> QuantSpec | Non
         spec = QuantSpec(bits, 64, prequantized=False)
     else:
         return None
-    if spec.bits not in SUPPORTED_BITS or spec.group_size not in SUPPORTED_GROUPS:
-        raise ValueError(f"unsupported quantization: {spec.bits}-bit, group {spec.group_size}; the engine runs "
-                         f"{SUPPORTED_BITS} bits with groups {SUPPORTED_GROUPS}")
+    for bits, group in [(spec.bits, spec.group_size), *spec.overrides.values()]:
+        if bits not in SUPPORTED_BITS or group not in SUPPORTED_GROUPS:
+            raise ValueError(f"unsupported quantization: {bits}-bit, group {group}; the engine runs "
+                             f"{SUPPORTED_BITS} bits with groups {SUPPORTED_GROUPS}")
     return spec
 
 
