@@ -488,3 +488,20 @@ def test_responses_function_tools(served: Served) -> None:
     assert "".join(e.delta for e in text_events if e.type == "response.output_text.delta") == "It is sunny."  # type: ignore[union-attr]
     with pytest.raises(openai.BadRequestError, match="only function tools"):
         client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}], max_output_tokens=2)  # type: ignore[list-item]
+
+
+def test_anthropic_forced_tool_choice(served: Served) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=served.node.url, api_key="unused", timeout=60, max_retries=0)
+    tools: list[Any] = [{"name": "get_weather", "description": "Weather in a city", "input_schema": CITY}]
+    ask: list[Any] = [{"role": "user", "content": f"Weather? SKULK_SCRIPT<<<{CALL_TEXT}>>>"}]
+    named = client.messages.create(model=MODEL, max_tokens=300, tools=tools, messages=ask,
+                                   tool_choice={"type": "tool", "name": "get_weather"})
+    assert named.stop_reason == "tool_use" and [b.type for b in named.content] == ["tool_use"]
+    text: list[Any] = [{"role": "user", "content": "Weather? SKULK_SCRIPT<<<No idea.>>>"}]
+    with pytest.raises(anthropic.InternalServerError, match="in text"):
+        client.messages.create(model=MODEL, max_tokens=300, tools=tools, messages=text, tool_choice={"type": "any"})
+    with pytest.raises(anthropic.BadRequestError, match="not among the tools"):
+        client.messages.create(model=MODEL, max_tokens=3, tools=tools, messages=text,
+                               tool_choice={"type": "tool", "name": "nope"})

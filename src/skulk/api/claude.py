@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from skulk.api.chat_options import tool_family
+from skulk.api.chat_options import check_supported, forced_tool, prepared, tool_family, unmet_tool_choice
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import ApiError
@@ -50,16 +50,30 @@ async def parse_body(http: Request, model: type[M]) -> M:
         raise ApiError(400, where, code="invalid_request") from exc
 
 
+def _chat_tool_choice(body: ClaudeRequest) -> Literal["auto", "none", "required"] | dict[str, Any] | None:
+    """Anthropic's tool_choice in chat's terms: any = required, tool = that named function."""
+    choice = body.tool_choice
+    if choice is None:
+        return None
+    if choice.type == "auto" or choice.type == "none":
+        return choice.type
+    if choice.type == "any":
+        return "required"
+    if not choice.name:
+        raise ApiError(400, 'tool_choice: {"type": "tool"} needs the tool\'s "name"', code="invalid_request")
+    return {"type": "function", "function": {"name": choice.name}}
+
+
 def to_chat_request(body: ClaudeRequest) -> ChatCompletionRequest:
-    choice = body.tool_choice.type if body.tool_choice is not None else None
-    if choice in ("any", "tool"):
-        raise ApiError(400, "tool_choice: only \"auto\" and \"none\" are supported (the model decides whether to "
-                       "use a tool; nothing forces it)", code="invalid_request")
-    return ChatCompletionRequest(
+    """The chat request; a forced tool choice (any, tool) is asked for in the prompt and checked on the reply."""
+    chat = ChatCompletionRequest(
         model=body.model, messages=body.chat_messages(), max_tokens=body.max_tokens, temperature=body.temperature,
         top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop_sequences or None, stream=body.stream,
-        tools=[t.to_openai() for t in body.tools] if body.tools else None, tool_choice=choice,
+        tools=[t.to_openai() for t in body.tools] if body.tools else None,
+        tool_choice=_chat_tool_choice(body),
     )
+    check_supported(chat)
+    return prepared(chat)
 
 
 def tool_use_blocks(calls: list[ToolCall]) -> list[dict[str, Any]]:
@@ -84,7 +98,9 @@ def _message(msg_id: str, model: str, content: list[dict[str, Any]], stop: str |
             "stop_reason": stop, "stop_sequence": None, "usage": usage}
 
 
-async def _events(session: ChatSession, model: str, family: str | None) -> AsyncIterator[str]:
+async def _events(
+    session: ChatSession, model: str, family: str | None, forced: str | None = None
+) -> AsyncIterator[str]:
     """message_start, content_block_start, ping, content_block_delta..., content_block_stop, (a tool_use block per
     call), message_delta, message_stop: the order Anthropic's SDKs expect."""
     msg_id = f"msg_{session.command_id}"
@@ -93,7 +109,7 @@ async def _events(session: ChatSession, model: str, family: str | None) -> Async
     yield _sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     yield _sse("ping", {})
     stop = "end_turn"
-    held = ToolCallStream(family) if family is not None else None
+    held = ToolCallStream(family, hold_all=forced is not None) if family is not None else None
     try:
         async for chunk in deltas(session):
             text = held.push(chunk.text) if held is not None else chunk.text
@@ -106,6 +122,10 @@ async def _events(session: ChatSession, model: str, family: str | None) -> Async
         yield _sse("error", {"error": error_payload(failed.chunk.status, failed.chunk.message)["error"]})
         return
     tail, calls = held.finish(session.command_id) if held is not None else ("", [])
+    unmet = unmet_tool_choice(forced, calls)
+    if unmet is not None:
+        yield _sse("error", {"error": error_payload(500, unmet)["error"]})
+        return
     if tail:
         yield _sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": tail}})
     yield _sse("content_block_stop", {"index": 0})
@@ -131,6 +151,9 @@ async def _complete(node: NodeHandle, body: ClaudeRequest) -> JSONResponse:
     usage = {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens}
     family = tool_family(node, chat)
     text, calls = parse_tool_calls(family, done.text, session.command_id) if family is not None else (done.text, [])
+    unmet = unmet_tool_choice(forced_tool(chat), calls)
+    if unmet is not None:
+        return JSONResponse(error_payload(500, unmet), status_code=500)
     content = ([{"type": "text", "text": text}] if text or not calls else []) + tool_use_blocks(calls)
     stop = "tool_use" if calls else STOP_REASONS.get(done.finish_reason, "end_turn")
     return JSONResponse(_message(f"msg_{session.command_id}", body.model, content, stop, usage))
@@ -149,7 +172,8 @@ def claude_router(node: NodeHandle) -> APIRouter:
             session = await start_chat(node, chat)
         except ApiError as exc:
             return _error(exc)
-        return StreamingResponse(_events(session, body.model, tool_family(node, chat)), media_type="text/event-stream",
+        return StreamingResponse(_events(session, body.model, tool_family(node, chat), forced_tool(chat)),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @router.post("/v1/messages/count_tokens")
