@@ -17,11 +17,13 @@ from transformers import AutoModelForCausalLM
 
 from skulk.engines.torch.cache import StepBatch
 from skulk.engines.torch.config import ModelArgs, text_config
+from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.model import ModelSlice
 from skulk.engines.torch.moe import SparseMoe
 from skulk.engines.torch.quant import QuantizedLinear, affine_quantize, dequantize, fitting_group, pack_mlx
 from skulk.models.catalog import card_from_config
+from skulk.types.chat import SamplingParams
 from tests.unit.test_model_families import REAL_CONFIGS, WINDOW, scaled_down, write_checkpoint
 from tests.unit.test_quantized import logits, relative_error, write_mlx
 from tests.unit.test_torch_engine import ThreadAllReduce
@@ -293,11 +295,31 @@ def test_mlx_moe_layout_with_stacked_experts(checkpoints: dict[str, Path], tmp_p
     assert ranks[0] == ranks[1] == _greedy(model)
 
 
-def _greedy(model: ModelSlice, steps: int = 4) -> list[int]:
-    cache, ids, pos, out = model.make_cache(1, 64), IDS[:, :8], torch.arange(8).unsqueeze(0), []
+def _greedy(model: ModelSlice, steps: int = 4, prompt: torch.Tensor = IDS[:, :8]) -> list[int]:
+    """Greedy tokens after prompt (one pass), then one token per step."""
+    ids, pos, out = prompt, torch.arange(prompt.shape[1]).unsqueeze(0), []
+    cache = model.make_cache(1, prompt.shape[1] + steps)
     with torch.inference_mode():
         for _ in range(steps):
             ids = model(ids, StepBatch.build(pos, 0), cache)[:, -1].argmax(-1, keepdim=True)
             out.append(int(ids))
             pos = pos[:, -1:] + 1
     return out
+
+
+@pytest.mark.parametrize("model_id", [GEMMA, MOE])
+def test_engine_chunked_prefill_and_prefix_reuse(model_id: str, checkpoints: dict[str, Path]) -> None:
+    """Through the engine: a 30-token prompt prefilled 7 tokens at a time past the window, then the next turn
+    (prompt, reply, more) starting from the first turn's KV, each giving the one-pass greedy tokens."""
+    path = checkpoints[model_id]
+    engine = TorchEngine(path, max_batch=2, max_seq=64, prefill_chunk=7, dtype=torch.float32)
+    model = load_model(path, dtype=torch.float32)
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    prompt = IDS[0].tolist()
+    for turn in ("first", "second"):
+        engine.add_request(turn, prompt, greedy)
+        tokens: list[int] = []
+        while engine.has_work():
+            tokens += [t.token_id for t in engine.step()]
+        assert tokens == _greedy(model, 5, torch.tensor([prompt]))
+        prompt = prompt + tokens + [5, 9, 33]
