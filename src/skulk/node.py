@@ -58,7 +58,7 @@ from skulk.types.events import (
 from skulk.types.ids import CommandId, MetaInstanceId, NodeId, RunnerId, new_id
 from skulk.types.meta_instances import MetaInstance
 from skulk.types.state import State
-from skulk.types.tasks import ChatCompletionTaskParams, TaskStatus
+from skulk.types.tasks import TaskParams, TaskStatus
 from skulk.worker import node_info, topology
 from skulk.worker.supervisor import RunnerSupervisor
 from skulk.worker.worker import Worker
@@ -122,7 +122,7 @@ class Node:
         self.tracing.stream_opened(command_id)
         return stream
 
-    def offer_payload(self, command_id: CommandId, params: ChatCompletionTaskParams) -> None:
+    def offer_payload(self, command_id: CommandId, params: TaskParams) -> None:
         """Keep a request's prompt here, for the nodes that run it to fetch (never in state)."""
         self.payloads.offer(command_id, params)
 

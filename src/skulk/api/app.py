@@ -11,6 +11,7 @@ from skulk.api.config_routes import config_router
 from skulk.api.control import control_router
 from skulk.api.dashboard import install_dashboard
 from skulk.api.diagnostics import DiagnosticsHandle, diagnostics_router
+from skulk.api.embeddings import embeddings_router
 from skulk.api.errors import install_error_handlers
 from skulk.api.events import events_router
 from skulk.api.meta_instances import meta_instances_router
@@ -37,7 +38,7 @@ def create_app(node: DiagnosticsHandle) -> FastAPI:
                diagnostics_router(node), config_router(node))
     for router in routers:
         app.include_router(router)
-    for router in (claude_router(node), ollama_router(node), responses_router(node)):  # the other client APIs
+    for router in (claude_router(node), ollama_router(node), responses_router(node), embeddings_router(node)):
         app.include_router(router)
     if hasattr(node, "event_log"):
         app.include_router(events_router(node))  # type: ignore[arg-type]

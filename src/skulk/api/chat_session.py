@@ -6,12 +6,13 @@ from collections.abc import AsyncIterator
 
 from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
+from skulk.api.model_kinds import refuse_embedding_model
 from skulk.api.security import OWNERS
 from skulk.cluster.dataplane import ChunkStream
 from skulk.master.decide import failed_for_good, instance_failed_message
 from skulk.models.cards import get_card
 from skulk.types.chat import ChatCompletionRequest
-from skulk.types.chunks import ErrorChunk, TokenChunk
+from skulk.types.chunks import Chunk, EmbeddingChunk, ErrorChunk, TokenChunk
 from skulk.types.commands import CancelCommand, StartChatCompletion
 from skulk.types.ids import CommandId, ModelId, new_id
 from skulk.types.tasks import ChatCompletionTaskParams
@@ -41,7 +42,7 @@ class ChatSession:
                     self.finished = True
                     return
                 try:
-                    chunk = await self.stream.next(NEXT_CHUNK_TIMEOUT_S)
+                    chunk = text_chunk(await self.stream.next(NEXT_CHUNK_TIMEOUT_S))
                 except TimeoutError:
                     chunk = ErrorChunk(
                         command_id=self.command_id,
@@ -59,6 +60,14 @@ class ChatSession:
                 CancelCommand(command_id=CommandId(new_id()), target_command_id=self.command_id)
             )
         self.node.close_stream(self.stream)
+
+
+def text_chunk(chunk: Chunk) -> TokenChunk | ErrorChunk:
+    """A chat reads text: vectors on its key (a runner that embedded instead) end it as an error."""
+    if isinstance(chunk, EmbeddingChunk):
+        return ErrorChunk(command_id=chunk.command_id, message="the instance answered with embeddings, not text",
+                          code="internal_error", status=500)
+    return chunk
 
 
 def require_instance(node: NodeHandle, model: str) -> None:
@@ -90,6 +99,7 @@ def check_top_k(node: NodeHandle, request: ChatCompletionRequest) -> None:
 
 async def start_chat(node: NodeHandle, request: ChatCompletionRequest) -> ChatSession:
     """Raises ApiError with the runner's status (e.g. 400 context_length_exceeded) before anything streams."""
+    refuse_embedding_model(node, request.model)
     require_instance(node, request.model)
     check_top_k(node, request)
     command_id = CommandId(new_id())
@@ -101,7 +111,7 @@ async def start_chat(node: NodeHandle, request: ChatCompletionRequest) -> ChatSe
     node.send_command(StartChatCompletion(command_id=command_id, model=ModelId(request.model),
                                           origin_node_id=node.node_id))
     try:
-        first = await stream.next(FIRST_CHUNK_TIMEOUT_S)
+        first = text_chunk(await stream.next(FIRST_CHUNK_TIMEOUT_S))
     except TimeoutError:
         first = ErrorChunk(
             command_id=command_id,

@@ -10,7 +10,7 @@ from skulk.config import Settings
 from skulk.types.commands import Command
 from skulk.types.ids import CommandId, NodeId
 from skulk.types.state import State
-from skulk.types.tasks import ChatCompletionTaskParams
+from skulk.types.tasks import TaskParams
 
 
 class NodeHandle(Protocol):
@@ -31,7 +31,7 @@ class NodeHandle(Protocol):
         """Subscribe before the command is sent, so no chunk is missed. Close it when done."""
         ...
 
-    def offer_payload(self, command_id: CommandId, params: ChatCompletionTaskParams) -> None:
+    def offer_payload(self, command_id: CommandId, params: TaskParams) -> None:
         """Keep the request's prompt on this node for the nodes that run it; withdrawn by close_stream."""
         ...
 

@@ -1,5 +1,6 @@
 """Ollama's API under /ollama, as Skulk mounts it: /api/chat and /api/generate (NDJSON or one JSON object),
-/api/tags, /api/show, /api/ps, /api/version. Errors are Ollama's `{"error": "..."}` with the HTTP status."""
+/api/tags, /api/show, /api/ps, /api/version, /api/embed (api/embeddings.py). Errors are Ollama's
+`{"error": "..."}` with the HTTP status."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from skulk.api.chat_options import tool_family
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.claude import parse_body
 from skulk.api.disconnect import unless_disconnected
+from skulk.api.embeddings import embed_for_ollama
 from skulk.api.errors import ApiError
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
 from skulk.api.handle import NodeHandle
@@ -166,6 +168,10 @@ def ollama_router(node: NodeHandle) -> APIRouter:
     async def generate(http: Request) -> Response:
         return await _generate(node, http, OllamaGenerateRequest, _generate_shape)
 
+    @router.post("/api/embed", response_model=None)
+    async def embed(http: Request) -> Response:
+        return await embed_for_ollama(node, http)
+
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:
         return {"models": [_tag(card) for card in _available(node)]}
@@ -186,7 +192,8 @@ def ollama_router(node: NodeHandle) -> APIRouter:
                 f"{card.family}.context_length": card.context_length, f"{card.family}.block_count": card.n_layers,
                 f"{card.family}.embedding_length": card.hidden_size}
         return JSONResponse({"modelfile": f"FROM {card.model_id}", "parameters": "", "template": "{{ .Prompt }}",
-                             "details": _details(card), "model_info": info, "capabilities": ["completion"],
+                             "details": _details(card), "model_info": info,
+                             "capabilities": ["embedding"] if card.embeds else ["completion"],
                              "modified_at": _now()})
 
     @router.get("/api/ps")

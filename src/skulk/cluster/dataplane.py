@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from skulk.cluster.transport import Transport
-from skulk.types.chunks import Chunk, ErrorChunk, TokenChunk
+from skulk.types.chunks import Chunk
 from skulk.types.ids import CommandId
 
 _chunk_json = TypeAdapter(Chunk)
@@ -22,7 +22,7 @@ def data_key(command_id: str) -> str:
     return f"data/{command_id}"
 
 
-def publish_chunk(transport: Transport, chunk: TokenChunk | ErrorChunk) -> None:
+def publish_chunk(transport: Transport, chunk: Chunk) -> None:
     transport.put(data_key(chunk.command_id), chunk.model_dump_json().encode())
 
 
@@ -33,11 +33,11 @@ class ChunkStream:
         self,
         transport: Transport,
         command_id: CommandId,
-        tap: Callable[[TokenChunk | ErrorChunk], None] | None = None,
+        tap: Callable[[Chunk], None] | None = None,
     ) -> None:
         self.command_id = command_id
         self._transport = transport
-        self._queue: asyncio.Queue[TokenChunk | ErrorChunk] = asyncio.Queue()
+        self._queue: asyncio.Queue[Chunk] = asyncio.Queue()
         self._tap = tap
         """Sees every chunk this stream sees (the event log's O(1) append); must never block."""
         self._sub: Any = transport.subscribe(data_key(command_id), self._on_message)
@@ -48,12 +48,12 @@ class ChunkStream:
             self._tap(chunk)
         self._queue.put_nowait(chunk)
 
-    def inject(self, chunk: TokenChunk | ErrorChunk) -> None:
+    def inject(self, chunk: Chunk) -> None:
         if self._tap is not None:
             self._tap(chunk)
         self._queue.put_nowait(chunk)
 
-    async def next(self, timeout: float | None = None) -> TokenChunk | ErrorChunk:
+    async def next(self, timeout: float | None = None) -> Chunk:
         return await asyncio.wait_for(self._queue.get(), timeout)
 
     def close(self) -> None:

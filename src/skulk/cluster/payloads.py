@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from skulk.cluster.transport import Transport
 from skulk.types.ids import CommandId, NodeId
-from skulk.types.tasks import ChatCompletion, ChatCompletionTaskParams
+from skulk.types.tasks import ChatCompletionTaskParams, EmbeddingTaskParams, Task, TaskParams, TextEmbedding
 
 log = logging.getLogger(__name__)
 MAX_HELD = 4096
@@ -41,7 +41,7 @@ class PayloadBook:
     def start(self) -> None:
         self._transport.serve(payload_key(self._node_id, "*"), self._answer)
 
-    def offer(self, command_id: CommandId, params: ChatCompletionTaskParams) -> None:
+    def offer(self, command_id: CommandId, params: TaskParams) -> None:
         data = params.model_dump_json().encode()
         with self._lock:
             self._held[command_id] = data
@@ -66,14 +66,15 @@ class PayloadFetcher:
 
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
-        self._pending: dict[str, asyncio.Task[ChatCompletionTaskParams | None]] = {}
+        self._pending: dict[str, asyncio.Task[TaskParams | None]] = {}
 
-    async def fetch(self, task: ChatCompletion) -> ChatCompletionTaskParams | None:
+    async def fetch(self, task: Task) -> TaskParams | None:
         if task.origin_node_id is None:
             return None
         pending = self._pending.get(task.command_id)
         if pending is None:
-            pending = asyncio.get_running_loop().create_task(self._query(task.origin_node_id, task.command_id))
+            query = self._query(task.origin_node_id, task.command_id, _params_type(task))
+            pending = asyncio.get_running_loop().create_task(query)
             self._pending[task.command_id] = pending
         return await asyncio.shield(pending)
 
@@ -82,11 +83,18 @@ class PayloadFetcher:
         for command_id in [c for c in self._pending if c not in open_commands and self._pending[c].done()]:
             del self._pending[command_id]
 
-    async def _query(self, origin: NodeId, command_id: CommandId) -> ChatCompletionTaskParams | None:
+    async def _query(
+        self, origin: NodeId, command_id: CommandId, kind: type[TaskParams]
+    ) -> TaskParams | None:
         replies = await self._transport.query(payload_key(origin, command_id), timeout_s=FETCH_TIMEOUT_S)
         for reply in replies:
             try:
-                return ChatCompletionTaskParams.model_validate_json(reply)
+                return kind.model_validate_json(reply)
             except ValidationError:
                 log.warning("malformed payload for command %s from %s dropped", command_id[:8], origin[:8])
         return None
+
+
+def _params_type(task: Task) -> type[TaskParams]:
+    """The payload a task's kind carries: an embedding's texts or a chat's messages."""
+    return EmbeddingTaskParams if isinstance(task, TextEmbedding) else ChatCompletionTaskParams

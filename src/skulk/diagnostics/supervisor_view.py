@@ -20,7 +20,7 @@ from skulk.types.diagnostics_bundle import (
 from skulk.types.ids import TaskId
 from skulk.types.runners import RunnerPhase
 from skulk.types.state import State
-from skulk.types.tasks import ChatCompletion
+from skulk.types.tasks import Task
 
 # Phases after which the task named by the last entry is over, so it is no longer "active".
 SETTLED_PHASES: frozenset[RunnerPhase] = frozenset({"idle", "completion", "error", "shutdown_cleanup"})
@@ -52,9 +52,9 @@ class ViewLike(Protocol):
     @property
     def milestones(self) -> Iterable[Milestone]: ...
     @property
-    def pending(self) -> Mapping[TaskId, ChatCompletion]: ...
+    def pending(self) -> Mapping[TaskId, Task]: ...
     @property
-    def in_progress(self) -> Mapping[TaskId, ChatCompletion]: ...
+    def in_progress(self) -> Mapping[TaskId, Task]: ...
     @property
     def completed_count(self) -> int: ...
     @property
@@ -84,7 +84,7 @@ class SupervisorLike(Protocol):
     def cancel(self, task_id: TaskId) -> None: ...
 
 
-def task_diagnostics(task: ChatCompletion, runner_id: str | None, state: State | None) -> TaskDiagnostics:
+def task_diagnostics(task: Task, runner_id: str | None, state: State | None) -> TaskDiagnostics:
     """The state's status wins over the supervisor's copy, which is frozen at the time it was sent."""
     known = state.tasks.get(task.task_id) if state is not None else None
     status = (known or task).task_status

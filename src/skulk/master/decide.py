@@ -14,6 +14,7 @@ from skulk.types.commands import (
     RestartNode,
     SetTracingEnabled,
     StartChatCompletion,
+    StartEmbedding,
 )
 from skulk.types.events import (
     Event,
@@ -34,7 +35,7 @@ from skulk.types.ids import InstanceId, ModelId, NodeId, TaskId
 from skulk.types.instances import MlxRingInstance
 from skulk.types.runners import RunnerFailed, RunnerReady, RunnerRunning
 from skulk.types.state import InstanceRetries, State
-from skulk.types.tasks import ChatCompletion, TaskStatus
+from skulk.types.tasks import ChatCompletion, TaskStatus, TextEmbedding
 
 SERVING = (RunnerReady, RunnerRunning)
 _DEFAULTS = Settings()
@@ -55,7 +56,7 @@ def events_for_command(state: State, command: Command, new_task_id: TaskId) -> l
                 *fail_open_tasks(state, {instance_id}, "the instance serving this request was deleted"),
                 InstanceDeleted(instance_id=instance_id),
             ]
-        case StartChatCompletion():
+        case StartChatCompletion() | StartEmbedding():
             return _start_chat(state, command, new_task_id)
         case AddModelCard(card=card):
             return [] if state.model_cards.get(card.model_id) == card else [ModelCardAdded(card=card)]
@@ -72,9 +73,11 @@ def events_for_command(state: State, command: Command, new_task_id: TaskId) -> l
     return []
 
 
-def _start_chat(state: State, command: StartChatCompletion, task_id: TaskId) -> list[Event]:
+def _start_chat(state: State, command: StartChatCompletion | StartEmbedding, task_id: TaskId) -> list[Event]:
+    """A task of the command's kind (a chat or an embedding) on the least-loaded instance of the model."""
     instance_id = command.instance_id or pick_instance(state, command.model)
-    task = ChatCompletion(
+    kind = TextEmbedding if isinstance(command, StartEmbedding) else ChatCompletion
+    task = kind(
         task_id=task_id,
         command_id=command.command_id,
         instance_id=instance_id or InstanceId(""),

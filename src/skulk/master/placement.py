@@ -50,6 +50,7 @@ from skulk.types.placement import (
     PlacementError,
     PlacementPreview,
     PreviewNode,
+    SingleNodeOnly,
     TensorNotSupported,
     TensorRefusal,
 )
@@ -112,6 +113,8 @@ def _tensor_error(card: ModelCard, reason: TensorRefusal, node_count: int | None
 
 def _shape_error(card: ModelCard, sharding: Sharding, size: int) -> AnyPlacementError | None:
     """Whether the model can be cut into `size` shards at all, before any memory is known."""
+    if card.embeds and size > 1:
+        return SingleNodeOnly(model_id=card.model_id, node_count=size)
     if sharding == Sharding.Pipeline:
         if card.n_layers < size:
             return NotEnoughLayers(model_id=card.model_id, n_layers=card.n_layers, node_count=size)

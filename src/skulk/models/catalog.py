@@ -39,12 +39,12 @@ def list_entry(card: ModelCard, *, created: int, where: dict[str, Any]) -> dict[
         "tags": [card.family, card.dtype] + (["builtin"] if card.builtin else []),
         "storage_size_megabytes": round(card.storage_size.in_bytes / MB),
         "supports_tensor": card.supports_tensor,
-        "tasks": ["TextGeneration"],
+        "tasks": list(card.tasks),
         "is_custom": is_custom(card.model_id),
         "family": card.family,
         "quantization": card.quantization,
         "base_model": card.model_id,
-        "capabilities": ["text"],
+        "capabilities": ["embedding"] if card.embeds else ["text"],
         **where,
     }
 

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from skulk.models.cards import model_dir_name
+from skulk.models.demo_embed import EMBED_MODEL_ID, EMBED_SEED, EMBED_SHAPE, generate_random_bert
 from skulk.types.ids import ModelId
 from skulk.types.memory import Memory
 from skulk.types.models import ModelCard
@@ -85,14 +86,13 @@ def ensure_builtin_model(model_id: str, models_dir: Path) -> Path:
     Generation goes to a temporary sibling directory that is renamed into place, so a crash or a concurrent
     caller never sees a half-written model: the directory either exists complete or not at all.
     """
-    shape, seed = BUILTIN_MODELS[model_id]
     target = models_dir / model_dir_name(model_id)
     if target.is_dir():
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-builtin-", dir=models_dir))
     try:
-        generate_random_llama(tmp, seed=seed, **shape)
+        _generate(model_id, tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; a staged model is readable like any other
         os.rename(tmp, target)
     except OSError:
@@ -101,6 +101,15 @@ def ensure_builtin_model(model_id: str, models_dir: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _generate(model_id: str, path: Path) -> None:
+    """The built-in model's files: the embedding demo is a sentence encoder, the others random Llamas."""
+    if model_id == EMBED_MODEL_ID:
+        generate_random_bert(path, seed=EMBED_SEED, **EMBED_SHAPE)
+        return
+    shape, seed = BUILTIN_MODELS[model_id]
+    generate_random_llama(path, seed=seed, **shape)
 
 
 @functools.cache

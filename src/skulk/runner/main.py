@@ -47,7 +47,7 @@ from skulk.types.runners import (
     RunnerStatus,
     RunnerWarmingUp,
 )
-from skulk.types.tasks import ChatCompletion, TaskStatus
+from skulk.types.tasks import ChatCompletion, TaskStatus, TextEmbedding
 
 if TYPE_CHECKING:
     from skulk.engines.torch.engine import TorchEngine
@@ -69,7 +69,7 @@ def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunn
         # workers sleep instead of spinning on the cores the computing rank needs (measured: 0.69 -> 0.91 of one
         # rank's decode speed for a 2-rank pipeline on 2 cores)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    runner = Runner(spec, inbox, outbox)
+    runner = _new_runner(spec, inbox, outbox)
     try:
         runner.start()
         runner.serve()
@@ -78,6 +78,15 @@ def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunn
         runner.flush()
         log.exception("runner %s crashed", spec.runner_id)
         sys.exit(1)
+
+
+def _new_runner(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunner]) -> Runner:
+    """An embedding model's runner answers embeddings with its encoder; every other runner generates text."""
+    if spec.shard.model_card.embeds:
+        from skulk.runner.embedder import EmbeddingRunner
+
+        return EmbeddingRunner(spec, inbox, outbox)
+    return Runner(spec, inbox, outbox)
 
 
 def configure_logging() -> None:
@@ -290,7 +299,10 @@ class Runner:
 
     def _handle(self, message: ToRunner) -> None:
         match message:
-            case RunTask(task=task) if self.schedules:
+            case RunTask(task=TextEmbedding() as task) if self.schedules:
+                self._fail(task.task_id, task.command_id, f"{task.model} generates text and cannot embed; send "
+                           "embeddings to an embedding model", code="model_not_embedding", status=400)
+            case RunTask(task=ChatCompletion() as task) if self.schedules:
                 self._accept(task)
             case RunTask(task=task) if task.traced:  # a following rank: its spans of this task are kept
                 self.spans.trace(task.task_id)

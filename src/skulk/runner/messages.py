@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from skulk.types.chunks import ErrorChunk, TokenChunk
+from skulk.types.chunks import Chunk
 from skulk.types.diagnostics import FlightRecorderEntry
 from skulk.types.ids import CommandId, TaskId
 from skulk.types.runners import RunnerStatus
-from skulk.types.tasks import ChatCompletion, TaskStatus
+from skulk.types.tasks import Task, TaskStatus
 from skulk.types.tracing import TraceSpan
 
 
 @dataclass(frozen=True, slots=True)
 class RunTask:
-    task: ChatCompletion
+    task: Task
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +40,7 @@ class StatusChanged:
 class Tokens:
     """Every token of one engine step in one queue message: IPC per step, not per token."""
 
-    chunks: list[TokenChunk | ErrorChunk]
+    chunks: Sequence[Chunk]
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,7 +74,22 @@ class ErrorChunk(TaggedModel):
     retryable: bool = True
 
 
+class EmbeddingChunk(TaggedModel):
+    """The whole answer of an embedding request, in one message: `count` vectors of `dimension` float32s,
+    row after row, little-endian, base64 (a fixed binary layout: a quarter of the JSON numbers' size, and
+    exactly OpenAI's `encoding_format: base64` per row)."""
+
+    command_id: CommandId
+    count: int
+    dimension: int
+    vectors: str
+    prompt_tokens: int
+    """Tokens of every input together, specials included (OpenAI's usage.prompt_tokens)."""
+
+
 Chunk = Annotated[
-    Annotated[TokenChunk, Tag("TokenChunk")] | Annotated[ErrorChunk, Tag("ErrorChunk")],
+    Annotated[TokenChunk, Tag("TokenChunk")]
+    | Annotated[ErrorChunk, Tag("ErrorChunk")]
+    | Annotated[EmbeddingChunk, Tag("EmbeddingChunk")],
     Discriminator(tag_of),
 ]

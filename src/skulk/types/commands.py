@@ -35,6 +35,15 @@ class StartChatCompletion(TaggedModel):
     instance_id: InstanceId | None = None
 
 
+class StartEmbedding(TaggedModel):
+    """Ask the master for an embedding task; like StartChatCompletion, the texts stay on origin_node_id."""
+
+    command_id: CommandId
+    model: ModelId
+    origin_node_id: NodeId | None = None
+    instance_id: InstanceId | None = None
+
+
 class CancelCommand(TaggedModel):
     command_id: CommandId
     target_command_id: CommandId
@@ -94,6 +103,7 @@ Command = Annotated[
     Annotated[CreateInstance, Tag("CreateInstance")]
     | Annotated[DeleteInstance, Tag("DeleteInstance")]
     | Annotated[StartChatCompletion, Tag("StartChatCompletion")]
+    | Annotated[StartEmbedding, Tag("StartEmbedding")]
     | Annotated[CancelCommand, Tag("CancelCommand")]
     | Annotated[CreateMetaInstance, Tag("CreateMetaInstance")]
     | Annotated[DeleteMetaInstance, Tag("DeleteMetaInstance")]

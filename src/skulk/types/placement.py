@@ -151,6 +151,20 @@ class NotEnoughLayers(PlacementError):
         )
 
 
+class SingleNodeOnly(PlacementError):
+    """An embedding model runs whole on one node: its encoder is small and a request is one forward, so
+    splitting it would only add network hops."""
+
+    model_id: ModelId
+    node_count: int
+
+    def describe(self) -> str:
+        return (
+            f"model {self.model_id} is an embedding model and runs on one node, not {self.node_count}; "
+            "place it with min_nodes 1."
+        )
+
+
 class InfoPending(PlacementError):
     """Memory info of some candidate nodes has not arrived yet; retrying shortly usually succeeds."""
 
@@ -170,6 +184,7 @@ AnyPlacementError = Annotated[
     | Annotated[TensorNotSupported, Tag("TensorNotSupported")]
     | Annotated[InstanceKindUnsupported, Tag("InstanceKindUnsupported")]
     | Annotated[NotEnoughLayers, Tag("NotEnoughLayers")]
+    | Annotated[SingleNodeOnly, Tag("SingleNodeOnly")]
     | Annotated[InfoPending, Tag("InfoPending")],
     Discriminator(tag_of),
 ]

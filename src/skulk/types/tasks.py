@@ -52,4 +52,34 @@ class ChatCompletion(TaggedModel):
     """Tracing was on when the master created the task: every rank records spans for it (runbook 004)."""
 
 
-Task = Annotated[Annotated[ChatCompletion, Tag("ChatCompletion")], Discriminator(tag_of)]
+class EmbeddingTaskParams(CamelModel):
+    """The texts (or the model's own token ids) of one embedding request: prompt-bearing like a chat's
+    messages, so it travels the same private way (cluster/payloads.py)."""
+
+    model: ModelId
+    inputs: list[str] | list[list[int]]
+    truncate: bool = False
+    """Cut an input longer than the model's positions (Ollama's default) instead of refusing it."""
+
+
+class TextEmbedding(TaggedModel):
+    """An embedding request for an instance of an embedding model; one runner answers it with one
+    EmbeddingChunk. Same life in state as a ChatCompletion."""
+
+    task_id: TaskId
+    command_id: CommandId
+    instance_id: InstanceId
+    task_status: TaskStatus = TaskStatus.Pending
+    model: ModelId
+    origin_node_id: NodeId | None = None
+    task_params: EmbeddingTaskParams | None = Field(default=None, exclude=True)
+    """Runner-local, as ChatCompletion.task_params."""
+    error_message: str | None = None
+    traced: bool = False
+
+
+Task = Annotated[
+    Annotated[ChatCompletion, Tag("ChatCompletion")] | Annotated[TextEmbedding, Tag("TextEmbedding")],
+    Discriminator(tag_of),
+]
+TaskParams = ChatCompletionTaskParams | EmbeddingTaskParams

@@ -9,7 +9,7 @@ from skulk.types.ids import NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance
 from skulk.types.runners import RunnerReady, RunnerRunning
 from skulk.types.state import State
-from skulk.types.tasks import ChatCompletion
+from skulk.types.tasks import Task
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class StopRunner:
 @dataclass(frozen=True)
 class SendTask:
     runner_id: RunnerId
-    task: ChatCompletion
+    task: Task
 
 
 @dataclass(frozen=True)

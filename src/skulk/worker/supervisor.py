@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -39,12 +39,12 @@ from skulk.runner.messages import (
 )
 from skulk.runner.recorder import utc_now
 from skulk.runner.spec import RunnerSpec
-from skulk.types.chunks import ErrorChunk, TokenChunk
+from skulk.types.chunks import Chunk, ErrorChunk
 from skulk.types.diagnostics import FlightRecorderEntry, Milestone
 from skulk.types.ids import TaskId
 from skulk.types.runners import RunnerFailed, RunnerIdle, RunnerPhase, RunnerStatus
 from skulk.types.state import State
-from skulk.types.tasks import ChatCompletion, TaskStatus
+from skulk.types.tasks import Task, TaskStatus
 from skulk.types.tracing import TraceSpan
 
 log = logging.getLogger("skulk.supervisor")
@@ -59,7 +59,7 @@ TERMINATE_GRACE_S = 2.0
 @dataclass
 class SupervisorCallbacks:
     on_status: Callable[[RunnerStatus], None]
-    on_chunks: Callable[[list[TokenChunk | ErrorChunk]], None]
+    on_chunks: Callable[[Sequence[Chunk]], None]
     on_task_started: Callable[[TaskId], None]
     on_task_ended: Callable[[TaskEnded], None]
     on_gave_up: Callable[[str], None] | None = None
@@ -82,8 +82,8 @@ class SupervisorView:
         default_factory=lambda: deque(maxlen=FLIGHT_RECORDER_SIZE)
     )
     milestones: deque[Milestone] = field(default_factory=lambda: deque(maxlen=MILESTONES_KEPT))
-    pending: dict[TaskId, ChatCompletion] = field(default_factory=dict)
-    in_progress: dict[TaskId, ChatCompletion] = field(default_factory=dict)
+    pending: dict[TaskId, Task] = field(default_factory=dict)
+    in_progress: dict[TaskId, Task] = field(default_factory=dict)
     sent: set[TaskId] = field(default_factory=set)
     completed_count: int = 0
     cancelled: list[TaskId] = field(default_factory=list)
@@ -210,7 +210,7 @@ class RunnerSupervisor:
                     self.runner_id[:8], silent_s, self.hung_s, process.pid, extra=self._log_ids)
         process.kill()
 
-    def send_task(self, task: ChatCompletion) -> None:
+    def send_task(self, task: Task) -> None:
         self.view.sent.add(task.task_id)
         self.view.pending[task.task_id] = task
         self.view.last_task_sent_at = utc_now()

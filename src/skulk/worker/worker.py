@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,13 +12,13 @@ from skulk.config import Settings
 from skulk.runner.messages import TaskEnded
 from skulk.runner.spec import RunnerSpec
 from skulk.structured_log import log_context
-from skulk.types.chunks import ErrorChunk, TokenChunk
+from skulk.types.chunks import Chunk
 from skulk.types.events import Event, InstanceFailed, RunnerStatusUpdated, TaskFailed, TaskStatusUpdated
 from skulk.types.ids import InstanceId, NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance
 from skulk.types.runners import RunnerStatus
 from skulk.types.state import State
-from skulk.types.tasks import ChatCompletion, TaskStatus
+from skulk.types.tasks import Task, TaskStatus
 from skulk.types.tracing import TraceSpan
 from skulk.worker.plan import (
     Action,
@@ -49,7 +49,7 @@ class Worker:
         node_id: NodeId,
         *,
         emit: Callable[[Event], None],
-        publish: Callable[[TokenChunk | ErrorChunk], None],
+        publish: Callable[[Chunk], None],
         model_dir_for: ModelDirFor,
         warmup_deadline_s: float,
         group_timeout_s: float = _DEFAULTS.group_timeout_seconds,
@@ -125,7 +125,7 @@ class Worker:
             case CancelRunnerTask(runner_id=runner_id, task_id=task_id):
                 self.supervisors[runner_id].cancel(task_id)
 
-    def _send(self, runner_id: RunnerId, task: ChatCompletion) -> None:
+    def _send(self, runner_id: RunnerId, task: Task) -> None:
         """Hand a task to its runner, once its payload has come from the API node that took the request."""
         if task.task_params is not None or self.payloads is None:
             self.supervisors[runner_id].send_task(task)
@@ -137,7 +137,7 @@ class Worker:
         self._deliveries.add(delivery)
         delivery.add_done_callback(self._deliveries.discard)
 
-    async def _deliver(self, runner_id: RunnerId, task: ChatCompletion, payloads: PayloadFetcher) -> None:
+    async def _deliver(self, runner_id: RunnerId, task: Task, payloads: PayloadFetcher) -> None:
         try:
             params = await payloads.fetch(task)
         finally:
@@ -225,7 +225,7 @@ class Worker:
         def on_status(status: RunnerStatus) -> None:
             self.emit(RunnerStatusUpdated(runner_id=runner_id, runner_status=status))
 
-        def on_chunks(chunks: list[TokenChunk | ErrorChunk]) -> None:
+        def on_chunks(chunks: Sequence[Chunk]) -> None:
             for chunk in chunks:
                 self.publish(chunk)
 

@@ -1,0 +1,129 @@
+"""Embeddings: OpenAI's `POST /v1/embeddings` here, Ollama's `/ollama/api/embed` through `embed_for_ollama`.
+
+A request takes the path a chat takes, with its own command and task kind: the texts stay on this node (the
+payload book) while `StartEmbedding` asks the master for a task on the least-loaded instance of the model; the
+instance's runner fetches them, runs the encoder and answers with one `EmbeddingChunk` (float32 rows in
+base64). Which model may do what is decided here, from its card, before anything is sent: a chat model asked
+for embeddings and an embedding model asked to chat both get a 400 that names the models that can.
+
+`dimensions`: MiniLM- and BGE-style encoders are not trained Matryoshka-style, so a truncated vector would be a
+worse, silently different embedding. Only the model's own dimension is accepted; anything else is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from skulk.api.chat_session import FIRST_CHUNK_TIMEOUT_S, require_instance
+from skulk.api.claude import parse_body
+from skulk.api.disconnect import unless_disconnected
+from skulk.api.errors import ApiError, error_body
+from skulk.api.handle import NodeHandle
+from skulk.api.model_kinds import check_dimensions, embedding_card
+from skulk.api.security import OWNERS
+from skulk.types.chunks import EmbeddingChunk, ErrorChunk
+from skulk.types.commands import CancelCommand, StartEmbedding
+from skulk.types.embeddings import EmbeddingRequest, OllamaEmbedRequest
+from skulk.types.ids import CommandId, ModelId, new_id
+from skulk.types.tasks import EmbeddingTaskParams
+
+
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    vectors: np.ndarray[Any, np.dtype[np.float32]]
+    """[inputs, dimension], in input order."""
+    prompt_tokens: int
+    seconds: float
+
+
+async def embed(node: NodeHandle, model: str, inputs: list[str] | list[list[int]], *,
+                truncate: bool = False) -> Embedded:
+    """Run one embedding request on an instance of the model; ApiError with the runner's status otherwise."""
+    require_instance(node, model)
+    started = asyncio.get_running_loop().time()
+    command_id = CommandId(new_id())
+    OWNERS.claim(command_id)  # only this key (or an admin) may cancel it by id
+    stream = node.open_stream(command_id)
+    answered = False
+    try:
+        node.offer_payload(command_id, EmbeddingTaskParams(model=ModelId(model), inputs=inputs, truncate=truncate))
+        node.send_command(StartEmbedding(command_id=command_id, model=ModelId(model), origin_node_id=node.node_id))
+        try:
+            chunk = await stream.next(FIRST_CHUNK_TIMEOUT_S)
+        except TimeoutError:
+            raise ApiError(503, f"the instance for {model} answered nothing in {FIRST_CHUNK_TIMEOUT_S:.0f} s; it "
+                           "may still be loading, retry shortly", code="instance_not_ready") from None
+        answered = True
+        if isinstance(chunk, ErrorChunk):
+            raise ApiError(chunk.status, chunk.message, code=chunk.code)
+        if not isinstance(chunk, EmbeddingChunk):
+            raise ApiError(500, f"the instance for {model} answered with text, not vectors", code="internal_error")
+        return Embedded(unpack_vectors(chunk), chunk.prompt_tokens, asyncio.get_running_loop().time() - started)
+    finally:
+        if not answered:  # timed out or the client went away: the task must not run on for nobody
+            node.send_command(CancelCommand(command_id=CommandId(new_id()), target_command_id=command_id))
+        node.close_stream(stream)
+
+
+def unpack_vectors(chunk: EmbeddingChunk) -> np.ndarray[Any, np.dtype[np.float32]]:
+    raw = base64.b64decode(chunk.vectors)
+    if len(raw) != chunk.count * chunk.dimension * 4:
+        raise ApiError(500, "the runner sent a malformed embedding (size does not match its shape)",
+                       code="internal_error")
+    return np.frombuffer(raw, dtype="<f4").reshape(chunk.count, chunk.dimension)
+
+
+def _openai_body(request: EmbeddingRequest, done: Embedded) -> dict[str, Any]:
+    def encode(row: np.ndarray[Any, np.dtype[np.float32]]) -> list[float] | str:
+        if request.encoding_format == "base64":
+            return base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
+        return row.tolist()
+
+    data = [{"object": "embedding", "index": i, "embedding": encode(row)} for i, row in enumerate(done.vectors)]
+    return {"object": "list", "data": data, "model": request.model,
+            "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}}
+
+
+async def _openai(node: NodeHandle, request: EmbeddingRequest) -> dict[str, Any]:
+    check_dimensions(embedding_card(node, request.model), request.dimensions)
+    return _openai_body(request, await embed(node, request.model, request.inputs()))
+
+
+async def _ollama(node: NodeHandle, body: OllamaEmbedRequest) -> Response:
+    check_dimensions(embedding_card(node, body.model), body.dimensions)
+    done = await embed(node, body.model, body.inputs(), truncate=body.truncate)
+    return JSONResponse({"model": body.model, "embeddings": done.vectors.tolist(),
+                         "total_duration": int(done.seconds * 1e9), "load_duration": 0,
+                         "prompt_eval_count": done.prompt_tokens})
+
+
+async def embed_for_ollama(node: NodeHandle, http: Request) -> Response:
+    """Ollama's /api/embed: `{"model", "embeddings", "total_duration", "load_duration", "prompt_eval_count"}`,
+    errors as Ollama's `{"error": "..."}`."""
+    try:
+        body = await parse_body(http, OllamaEmbedRequest)  # the whole body first: then only a disconnect can come
+        return await unless_disconnected(http, _ollama(node, body))
+    except ApiError as exc:
+        return JSONResponse({"error": exc.message}, status_code=exc.status)
+
+
+def embeddings_router(node: NodeHandle) -> APIRouter:
+    router = APIRouter(tags=["openai"])
+
+    @router.post("/v1/embeddings", response_model=None)
+    async def embeddings(http: Request) -> Response | dict[str, Any]:
+        try:
+            request = await parse_body(http, EmbeddingRequest)  # the whole body first: then only a disconnect
+            return await unless_disconnected(http, _openai(node, request))
+        except ApiError as exc:
+            return JSONResponse(error_body(exc.message, kind=exc.kind, code=exc.code), status_code=exc.status)
+
+    return router
