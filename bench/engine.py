@@ -1,32 +1,43 @@
-"""The engine's forward path per weight format, side by side in one run, on a random ~500M Llama.
+"""The engine's forward path per weight format, side by side with llama.cpp in one run, on a random ~500M Llama.
 
 The model is issue 14's reference shape (vocab 32768, hidden 1024, 24 layers, 16/8 heads, ffn 4864), written
-once as a float checkpoint and loaded as f32, f16, bf16, and quantized at load to int8 and int4 (weight-only
+once as a bf16 checkpoint and loaded as f32, f16, bf16, and quantized at load to int8 and int4 (weight-only
 kernels, bf16 activations). For each format, interleaved over --rounds so noise hits all alike (medians):
   decode tok/s of one greedy stream (a batched forward of one row with the KV cache, as the engine steps)
   decode tok/s of 8 streams together ÷ one stream                                    (target >= 3)
   prefill tok/s of a 512-token prompt
   weight bytes in memory
-llama.cpp's figures for the same shapes are in issue 14; to put them side by side here, install
-`pip install llama-cpp-python` and convert this checkpoint with llama.cpp's convert_hf_to_gguf.py (not a
-dependency of this project).
+  per-step Python overhead: the decode step time of a model with the same structure and tiny weights (hidden 64,
+  ffn 64, vocab 256: the same ~ops per step, next to no arithmetic) as a % of the 500M step  (target < 5 %)
+When llama-cpp-python and gguf are installed (not dependencies:
+  CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install llama-cpp-python gguf ), the same checkpoint is converted
+to GGUF f16, bf16, q8_0 and Q4_0 (bench/llama_cpp_side.py) and llama.cpp's decode (greedy, single stream, same
+prompt and token count) and prefill (same 512 tokens) run in the same rounds, with ours ÷ llama.cpp per bit width:
+f16↔f16, bf16↔bf16, int8↔q8_0, int4↔Q4_0 (targets: decode >= 0.9 everywhere, prefill >= 0.9 at f16/bf16).
 
-Run: .venv/bin/python bench/engine.py [--rounds 3] [--tokens 32] [--threads 2]
+Run: .venv/bin/python bench/engine.py [--rounds 3] [--tokens 32] [--threads 2] [--formats f16,int4] [--no-llama]
+     (formats: f32 f16 bf16 int8 int4, and f16-native / bf16-native: see NATIVE)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+import llama_cpp_side
+from skulk.engines.torch import matmul
 from skulk.engines.torch.cache import StepBatch
 from skulk.engines.torch.config import ModelArgs
 from skulk.engines.torch.loader import load_model
@@ -34,14 +45,20 @@ from skulk.engines.torch.model import ModelSlice
 
 SHAPE = {"vocab_size": 32768, "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
          "num_key_value_heads": 8, "intermediate_size": 4864}
+TINY = {**SHAPE, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64}
 FORMATS = {"f32": {"dtype": "float32"}, "f16": {"dtype": "float16"}, "bf16": {"dtype": "bfloat16"},
            "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"}}
+NATIVE = "-native"
+"""A format named f16-native / bf16-native runs every matmul in its own dtype (engines/torch/matmul.py's f32
+GEMM for many rows switched off): the before/after of that path, measured in the same rounds."""
+PREFILL = 512
 
 
-def write_model(path: Path) -> Path:
+def write_model(path: Path, shape: dict[str, int]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A random bf16 Llama checkpoint of `shape` at path; returns its config and weights."""
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
               "rope_theta": 500000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-              "torch_dtype": "bfloat16", **SHAPE}
+              "torch_dtype": "bfloat16", **shape}
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(config))
     model = ModelSlice(ModelArgs.from_config(config))
@@ -53,14 +70,14 @@ def write_model(path: Path) -> Path:
         if "norm" in name:
             weights[name] = torch.ones_like(weights[name])
     save_file(weights, str(path / "model.safetensors"))
-    return path
+    return config, weights
 
 
 def decode_tps(model: ModelSlice, streams: int, tokens: int) -> float:
     cache = model.make_cache(streams, 256)
     prompt = 16
     with torch.inference_mode():
-        ids = torch.randint(0, SHAPE["vocab_size"], (streams, prompt))
+        ids = torch.randint(0, model.args.vocab_size, (streams, prompt))
         model(ids, StepBatch.build(torch.arange(prompt).repeat(streams, 1), 0), cache, last_only=True)
         next_ids = torch.zeros(streams, 1, dtype=torch.long)
         start = time.perf_counter()
@@ -71,17 +88,84 @@ def decode_tps(model: ModelSlice, streams: int, tokens: int) -> float:
     return streams * tokens / (time.perf_counter() - start)
 
 
-def prefill_tps(model: ModelSlice, length: int = 512) -> float:
+def prefill_tps(model: ModelSlice, length: int = PREFILL) -> float:
     cache = model.make_cache(1, length)
     with torch.inference_mode():
-        ids = torch.randint(0, SHAPE["vocab_size"], (1, length))
+        ids = torch.randint(0, model.args.vocab_size, (1, length))
         start = time.perf_counter()
         model(ids, StepBatch.build(torch.arange(length).unsqueeze(0), 0, kv_len=length), cache, last_only=True)
     return length / (time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def matmuls_for(name: str) -> Iterator[None]:
+    """Inside: the matmul paths the format `name` asks for (its own dtype only, for a -native name)."""
+    saved = matmul.FLOAT_GEMM_ROWS
+    matmul.FLOAT_GEMM_ROWS = sys.maxsize if name.endswith(NATIVE) else saved
+    try:
+        yield
+    finally:
+        matmul.FLOAT_GEMM_ROWS = saved
+
+
 def weight_bytes(model: ModelSlice) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def load_llama_cpp(root: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], formats: list[str],
+                   threads: int) -> dict[str, llama_cpp_side.LlamaCpp]:
+    """The GGUF counterpart of each of our formats that has one, loaded in llama.cpp."""
+    wanted = {llama_cpp_side.PAIRS[f] for f in formats if f in llama_cpp_side.PAIRS}
+    paths: dict[str, Path] = {}
+    if wanted & {"f16", "q8_0", "Q4_0"}:
+        paths["f16"] = llama_cpp_side.write_gguf(weights, config, root / "m-f16.gguf", "f16")
+    if "bf16" in wanted:
+        paths["bf16"] = llama_cpp_side.write_gguf(weights, config, root / "m-bf16.gguf", "bf16")
+    for kind in wanted & {"q8_0", "Q4_0"}:
+        paths[kind] = llama_cpp_side.quantize(paths["f16"], root / f"m-{kind}.gguf", kind, threads)
+    return {kind: llama_cpp_side.LlamaCpp(paths[kind], threads) for kind in sorted(wanted)}
+
+
+def measure_ours(model: ModelSlice, tiny: ModelSlice, tokens: int) -> dict[str, float]:
+    return {"one": decode_tps(model, 1, tokens), "eight": decode_tps(model, 8, tokens),
+            "prefill": prefill_tps(model), "tiny": decode_tps(tiny, 1, tokens)}
+
+
+def run_rounds(models: dict[str, ModelSlice], tiny: dict[str, ModelSlice], theirs: dict[str, llama_cpp_side.LlamaCpp],
+               args: argparse.Namespace) -> dict[str, list[float]]:
+    """Every measurement once per round, formats interleaved, llama.cpp's right after ours of the same width."""
+    results: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for name, model in models.items():
+            with matmuls_for(name):
+                figures = measure_ours(model, tiny[name], args.tokens)
+            their = theirs.get(llama_cpp_side.PAIRS.get(name, ""))
+            if their is not None:
+                figures |= {"their-one": their.decode_tps(args.tokens), "their-prefill": their.prefill_tps(PREFILL)}
+            for key, value in figures.items():
+                results.setdefault(f"{name}/{key}", []).append(value)
+    return results
+
+
+def report(models: dict[str, ModelSlice], theirs: dict[str, llama_cpp_side.LlamaCpp],
+           results: dict[str, list[float]], args: argparse.Namespace) -> None:
+    median = {key: statistics.median(values) for key, values in results.items()}
+    print(f"random Llama {SHAPE}, {args.threads} threads, {args.tokens} decode tokens, {PREFILL}-token prefill, "
+          f"medians of {args.rounds} interleaved rounds (tok/s)")
+    print(f"{'ours':6} {'decode':>7} {'8str÷1':>7} {'prefill':>8} {'MB':>6} {'ovh%':>5} | {'llama.cpp':9} "
+          f"{'decode':>7} {'prefill':>8} {'MB':>6} | {'dec÷':>5} {'pre÷':>5}")
+    for name, model in models.items():
+        one, eight, prefill, tiny = (median[f"{name}/{k}"] for k in ("one", "eight", "prefill", "tiny"))
+        line = (f"{name:6} {one:7.1f} {eight / one:7.2f} {prefill:8.1f} {weight_bytes(model) / 1e6:6.0f} "
+                f"{100 * one / tiny:5.1f} |")
+        base = name.removesuffix(NATIVE)
+        kind = llama_cpp_side.PAIRS.get(base, "")
+        if f"{base}/their-one" in median:
+            their_one, their_prefill = median[f"{base}/their-one"], median[f"{base}/their-prefill"]
+            line += (f" {kind:9} {their_one:7.1f} {their_prefill:8.1f} {theirs[kind].nbytes / 1e6:6.0f} |"
+                     f" {one / their_one:5.2f} {prefill / their_prefill:5.2f}")
+        print(line)
+    print("raw:", json.dumps({k: [round(v, 1) for v in vs] for k, vs in results.items()}))
 
 
 def main() -> None:
@@ -89,23 +173,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--no-llama", action="store_true", help="leave llama.cpp out even when installed")
     args = parser.parse_args()
+    formats = args.formats.split(",")
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="skulk-bench-engine-"))
     try:
-        path = write_model(root / "m")
-        models = {name: load_model(path, **options) for name, options in FORMATS.items()}  # type: ignore[arg-type]
-        results: dict[str, dict[str, list[float]]] = {n: {"one": [], "eight": [], "prefill": []} for n in models}
-        for _ in range(args.rounds):
-            for name, model in models.items():
-                results[name]["one"].append(decode_tps(model, 1, args.tokens))
-                results[name]["eight"].append(decode_tps(model, 8, args.tokens))
-                results[name]["prefill"].append(prefill_tps(model))
-        print(f"random Llama {SHAPE}, {args.threads} threads, medians of {args.rounds}")
-        print(f"{'weights':8} {'decode tok/s':>13} {'8 streams x':>12} {'prefill tok/s':>14} {'weight MB':>10}")
-        for name, model in models.items():
-            one, eight, prefill = (statistics.median(results[name][k]) for k in ("one", "eight", "prefill"))
-            print(f"{name:8} {one:13.1f} {eight / one:12.2f} {prefill:14.1f} {weight_bytes(model) / 1e6:10.0f}")
+        config, weights = write_model(root / "m", SHAPE)
+        write_model(root / "tiny", TINY)
+        models = {f: load_model(root / "m", **FORMATS[f.removesuffix(NATIVE)]) for f in formats}  # type: ignore[arg-type]
+        tiny = {f: load_model(root / "tiny", **FORMATS[f.removesuffix(NATIVE)]) for f in formats}  # type: ignore[arg-type]
+        theirs: dict[str, llama_cpp_side.LlamaCpp] = {}
+        if args.no_llama:
+            pass
+        elif llama_cpp_side.available():
+            theirs = load_llama_cpp(root, config, weights, formats, args.threads)
+        else:
+            print(f"llama.cpp not installed, its rows are left out; to add them: {llama_cpp_side.INSTALL}")
+        del weights
+        report(models, theirs, run_rounds(models, tiny, theirs, args), args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from .cache import LayerCache, StepBatch
 from .config import ModelArgs
+from .matmul import Linear
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -97,10 +98,10 @@ class Attention(nn.Module):
         self.n_kv_heads = args.num_key_value_heads // tp_size
         self.head_dim = args.head_dim
         hidden, bias = args.hidden_size, args.attention_bias
-        self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, hidden, bias=False)
         gemma = args.is_gemma
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, gemma) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, gemma) if args.qk_norm else None
@@ -144,9 +145,9 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
         super().__init__()
         inter = args.intermediate_size // tp_size
-        self.gate_proj = nn.Linear(args.hidden_size, inter, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, inter, bias=False)
-        self.down_proj = nn.Linear(inter, args.hidden_size, bias=False)
+        self.gate_proj = Linear(args.hidden_size, inter, bias=False)
+        self.up_proj = Linear(args.hidden_size, inter, bias=False)
+        self.down_proj = Linear(inter, args.hidden_size, bias=False)
         self.gelu = args.is_gemma  # Gemma's gate is GELU (tanh approximation), everyone else's SiLU
         self.all_reduce = all_reduce
 

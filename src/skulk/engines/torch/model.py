@@ -20,6 +20,7 @@ from .cache import KVCache, StepBatch
 from .config import ModelArgs
 from .gemma import GemmaDecoderLayer, scale_embeddings, softcap_logits
 from .layers import MLP, AllReduce, DecoderLayer, RMSNorm, Rope, identity
+from .matmul import Linear
 from .moe import SparseMoe
 
 _COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
@@ -60,7 +61,7 @@ class ModelSlice(nn.Module):
                 {str(i): make_layer(args, i, tp_size, reduce) for i in range(start_layer, end)}
             )
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.is_gemma) if self.is_last else None
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False) if self.is_last else None
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if self.is_last else None
         self.rope = Rope(args, device)
         local_layers = any(args.is_sliding(i) for i in range(start_layer, end))
         self.windowed = local_layers and args.sliding_window is not None
