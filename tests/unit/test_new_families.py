@@ -22,6 +22,7 @@ from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.model import ModelSlice
 from skulk.engines.torch.moe import SparseMoe
 from skulk.engines.torch.quant import QuantizedLinear, affine_quantize, dequantize, fitting_group, pack_mlx
+from skulk.master.shard_plan import kv_headroom_bytes
 from skulk.models.catalog import card_from_config
 from skulk.types.chat import SamplingParams
 from tests.unit.test_model_families import REAL_CONFIGS, WINDOW, scaled_down, write_checkpoint
@@ -323,3 +324,11 @@ def test_engine_chunked_prefill_and_prefix_reuse(model_id: str, checkpoints: dic
             tokens += [t.token_id for t in engine.step()]
         assert tokens == _greedy(model, 5, torch.tensor([prompt]))
         prompt = prompt + tokens + [5, 9, 33]
+
+
+def test_kv_headroom_uses_the_configs_head_dim() -> None:
+    """Qwen3-MoE's heads are 128 wide though hidden / heads is 64: placement sizes the KV cache by 128."""
+    card = card_from_config(MOE, REAL_CONFIGS[MOE], 61_000_000_000)
+    assert (card.family, card.head_dim, card.n_layers) == ("qwen3_moe", 128, 48)
+    assert kv_headroom_bytes(card, 48) == 2 * 48 * 4 * 128 * 40960 * 2
+    assert card_from_config(GEMMA, REAL_CONFIGS[GEMMA], 2_000_000_000).head_dim == 256

@@ -27,7 +27,7 @@ def kv_headroom_bytes(card: ModelCard, n_layers: int, tensor_ways: int = 1) -> i
 
     Tensor ranks hold 1/tensor_ways of the key/value heads, so their cache is that fraction.
     """
-    head_dim = card.hidden_size // card.num_attention_heads
+    head_dim = card.head_dim or card.hidden_size // card.num_attention_heads
     kv_heads = card.num_key_value_heads // tensor_ways
     return 2 * n_layers * kv_heads * head_dim * card.context_length * DTYPE_BYTES[card.dtype]
 

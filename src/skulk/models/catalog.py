@@ -39,12 +39,12 @@ def list_entry(card: ModelCard, *, created: int, where: dict[str, Any]) -> dict[
         "tags": [card.family, card.dtype] + (["builtin"] if card.builtin else []),
         "storage_size_megabytes": round(card.storage_size.in_bytes / MB),
         "supports_tensor": card.supports_tensor,
-        "tasks": list(card.tasks),
+        "tasks": ["TextGeneration"],
         "is_custom": is_custom(card.model_id),
         "family": card.family,
         "quantization": card.quantization,
         "base_model": card.model_id,
-        "capabilities": ["embedding"] if card.embeds else ["text"],
+        "capabilities": ["text"],
         **where,
     }
 
@@ -80,6 +80,7 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
         quantization="none" if not quantization else str(quantization.get("bits", "quantized")),
         context_length=int(config.get("max_position_embeddings") or 4096),
         vocab_size=int(config["vocab_size"]) if config.get("vocab_size") else None,
+        head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
         supports_tensor=True,
         builtin=False,
     )
