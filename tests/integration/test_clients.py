@@ -425,37 +425,39 @@ def test_openai_logprobs(served: Served, tmp_path: Path) -> None:
     assert [t for p in pieces if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens or []] == lp.tokens
 
 
-WHEN = {"type": "function", "function": {"name": "get_time", "description": "Time in a city", "parameters": CITY}}
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
-TIME_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"}}\n</tool_call>'
+WHEN: Any = {"type": "function", "function": {"name": "get_time", "description": "Time in a city", "parameters": CITY}}
+NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}
+SHORT_CALL = '<tool_call>{"name":"get_weather"}</tool_call>'
 
 
 def test_openai_tool_choice_required_and_named(served: Served) -> None:
+    """Short scripted replies and prompts (each request here prefills the tools): the forced paths, not the parser."""
     import openai
 
     client = openai.OpenAI(base_url=f"{served.node.url}/v1", api_key="unused", timeout=60, max_retries=0)
-    calls: list[Any] = [{"role": "user", "content": f"Weather? SKULK_SCRIPT<<<{CALL_TEXT}>>>"}]
-    text: list[Any] = [{"role": "user", "content": "Weather? SKULK_SCRIPT<<<No idea.>>>"}]
-    both = [*WEATHER, WHEN]
-    required = client.chat.completions.create(model=MODEL, messages=calls, tools=both, tool_choice="required",
-                                              max_tokens=300)
+    calls: list[Any] = [{"role": "user", "content": f"SKULK_SCRIPT<<<{SHORT_CALL}>>>"}]
+    text: list[Any] = [{"role": "user", "content": "SKULK_SCRIPT<<<No.>>>"}]
+    required = client.chat.completions.create(model=MODEL, messages=calls, tools=WEATHER, tool_choice="required",
+                                              max_tokens=100)
     assert required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.tool_calls
-    named = client.chat.completions.create(model=MODEL, messages=calls, tools=both, tool_choice=NAMED,  # type: ignore[arg-type]
-                                           max_tokens=300)
-    assert [c.function.name for c in named.choices[0].message.tool_calls or []] == ["get_weather"]  # type: ignore[union-attr]
-    assert named.usage and required.usage and named.usage.prompt_tokens < required.usage.prompt_tokens - 50  # one tool
+    named = list(client.chat.completions.create(model=MODEL, messages=calls, tools=[*WEATHER, WHEN],
+                                                tool_choice=NAMED, max_tokens=100, stream=True))
+    assert [tc.function.name for c in named if c.choices for tc in c.choices[0].delta.tool_calls or []] == [  # type: ignore[union-attr]
+        "get_weather"]
+    assert "".join(c.choices[0].delta.content or "" for c in named if c.choices) == ""  # held whole
     with pytest.raises(openai.InternalServerError) as unmet:
-        client.chat.completions.create(model=MODEL, messages=text, tools=both, tool_choice="required", max_tokens=300)
+        client.chat.completions.create(model=MODEL, messages=text, tools=WEATHER, tool_choice="required", max_tokens=9)
     assert unmet.value.code == "tool_choice_unmet" and "in text" in unmet.value.message
-    wrong: list[Any] = [{"role": "user", "content": f"Weather? SKULK_SCRIPT<<<{TIME_CALL}>>>"}]
-    with pytest.raises(openai.InternalServerError, match="called get_time, not get_weather"):
-        client.chat.completions.create(model=MODEL, messages=wrong, tools=both, tool_choice=NAMED, max_tokens=300)  # type: ignore[arg-type]
     with pytest.raises(openai.APIError, match="in text"):
-        list(client.chat.completions.create(model=MODEL, messages=text, tools=both, tool_choice="required",
-                                            max_tokens=300, stream=True))
+        list(client.chat.completions.create(model=MODEL, messages=text, tools=WEATHER, tool_choice="required",
+                                            max_tokens=9, stream=True))
+    wrong: list[Any] = [{"role": "user", "content": 'SKULK_SCRIPT<<<<tool_call>{"name":"get_time"}</tool_call>>>>'}]
+    with pytest.raises(openai.InternalServerError, match="called get_time, not get_weather"):
+        client.chat.completions.create(model=MODEL, messages=wrong, tools=[*WEATHER, WHEN], tool_choice=NAMED,
+                                       max_tokens=100)
     for bad in ({"type": "function", "function": {"name": "nope"}}, {"type": "web"}):
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
-            client.chat.completions.create(model=MODEL, messages=calls, tools=both, tool_choice=bad, max_tokens=2)  # type: ignore[arg-type]
+            client.chat.completions.create(model=MODEL, messages=calls, tools=WEATHER, tool_choice=bad, max_tokens=2)  # type: ignore[arg-type]
     with pytest.raises(openai.BadRequestError, match="needs tools"):
         client.chat.completions.create(model=MODEL, messages=calls, tool_choice="required", max_tokens=2)
 
@@ -466,11 +468,11 @@ def test_responses_function_tools(served: Served) -> None:
     client = openai.OpenAI(base_url=f"{served.node.url}/v1", api_key="unused", timeout=60, max_retries=0)
     tools: list[Any] = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
                          "parameters": CITY}]
-    ask: list[Any] = [{"role": "user", "content": f"Weather in Paris? SKULK_SCRIPT<<<{CALL_TEXT}>>>"}]
-    reply = client.responses.create(model=MODEL, input=ask, tools=tools, max_output_tokens=300)
+    ask: list[Any] = [{"role": "user", "content": f"SKULK_SCRIPT<<<{SHORT_CALL}>>>"}]
+    reply = client.responses.create(model=MODEL, input=ask, tools=tools, max_output_tokens=100)
     (call,) = [item for item in reply.output if item.type == "function_call"]
-    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
-    events = list(client.responses.create(model=MODEL, input=ask, tools=tools, max_output_tokens=300, stream=True))
+    assert call.name == "get_weather" and json.loads(call.arguments) == {}  # type: ignore[union-attr]
+    events = list(client.responses.create(model=MODEL, input=ask, tools=tools, max_output_tokens=100, stream=True))
     kinds = [e.type for e in events]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.function_call_arguments.delta", "response.function_call_arguments.done",
@@ -479,11 +481,11 @@ def test_responses_function_tools(served: Served) -> None:
     assert [(i.type, i.name) for i in final.output] == [("function_call", "get_weather")]  # type: ignore[union-attr]
     follow = [*ask, call.model_dump(exclude_none=True),
               {"type": "function_call_output", "call_id": call.call_id,  # type: ignore[union-attr]
-               "output": "sunny SKULK_SCRIPT<<<It is sunny.>>>"}]
-    answer = client.responses.create(model=MODEL, input=follow, tools=tools, max_output_tokens=300)
+               "output": "SKULK_SCRIPT<<<It is sunny.>>>"}]
+    answer = client.responses.create(model=MODEL, input=follow, tools=tools, max_output_tokens=100)
     assert answer.output_text == "It is sunny." and answer.usage and reply.usage
     assert answer.usage.input_tokens > reply.usage.input_tokens  # the call and its output went into the template
-    text_events = list(client.responses.create(model=MODEL, input=follow, tools=tools, max_output_tokens=300,
+    text_events = list(client.responses.create(model=MODEL, input=follow, tools=tools, max_output_tokens=100,
                                                stream=True))
     assert "".join(e.delta for e in text_events if e.type == "response.output_text.delta") == "It is sunny."  # type: ignore[union-attr]
     with pytest.raises(openai.BadRequestError, match="only function tools"):
@@ -495,13 +497,13 @@ def test_anthropic_forced_tool_choice(served: Served) -> None:
 
     client = anthropic.Anthropic(base_url=served.node.url, api_key="unused", timeout=60, max_retries=0)
     tools: list[Any] = [{"name": "get_weather", "description": "Weather in a city", "input_schema": CITY}]
-    ask: list[Any] = [{"role": "user", "content": f"Weather? SKULK_SCRIPT<<<{CALL_TEXT}>>>"}]
-    named = client.messages.create(model=MODEL, max_tokens=300, tools=tools, messages=ask,
+    ask: list[Any] = [{"role": "user", "content": f"SKULK_SCRIPT<<<{SHORT_CALL}>>>"}]
+    named = client.messages.create(model=MODEL, max_tokens=100, tools=tools, messages=ask,
                                    tool_choice={"type": "tool", "name": "get_weather"})
     assert named.stop_reason == "tool_use" and [b.type for b in named.content] == ["tool_use"]
-    text: list[Any] = [{"role": "user", "content": "Weather? SKULK_SCRIPT<<<No idea.>>>"}]
+    text: list[Any] = [{"role": "user", "content": "SKULK_SCRIPT<<<No.>>>"}]
     with pytest.raises(anthropic.InternalServerError, match="in text"):
-        client.messages.create(model=MODEL, max_tokens=300, tools=tools, messages=text, tool_choice={"type": "any"})
+        client.messages.create(model=MODEL, max_tokens=9, tools=tools, messages=text, tool_choice={"type": "any"})
     with pytest.raises(anthropic.BadRequestError, match="not among the tools"):
         client.messages.create(model=MODEL, max_tokens=3, tools=tools, messages=text,
                                tool_choice={"type": "tool", "name": "nope"})
