@@ -16,8 +16,13 @@ from skulk.engines.torch.bert import load_bert
 from skulk.engines.torch.embedding import EmbeddingEngine, EmbeddingRefused, Pooling, pool, read_pooling
 from skulk.master.decide import events_for_command
 from skulk.models.cards import get_card
+from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry
 from skulk.models.demo import ensure_builtin_model
 from skulk.models.demo_embed import EMBED_MODEL_ID, embed_card, generate_random_bert, wordpiece_tokenizer
+from skulk.store import client
+from skulk.store.files import is_complete, is_needed, local_files
+from skulk.store.hub import Hub, download, list_files
+from skulk.store.server import StoreServer
 from skulk.types.commands import StartEmbedding
 from skulk.types.embeddings import MAX_EMBEDDING_INPUTS, EmbeddingRequest, OllamaEmbedRequest
 from skulk.types.events import TaskCreated
@@ -25,7 +30,9 @@ from skulk.types.ids import CommandId, ModelId, NodeId, TaskId
 from skulk.types.placement import SingleNodeOnly
 from skulk.types.state import State
 from skulk.types.tasks import TextEmbedding
+from tests.fake_hub import RunningHub
 
+from .test_model_store import _raw_get
 from .test_placement import card, do_place, placed, state
 
 transformers = pytest.importorskip("transformers")
@@ -150,6 +157,10 @@ def test_pooling_comes_from_modules_json(tmp_path: Path) -> None:
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({**CLS_POOLING, "pooling_mode_max_tokens": True}))
     with pytest.raises(ValueError, match="exactly one of"):
         read_pooling(tmp_path)
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    (tmp_path / "modules.json").write_text(json.dumps([*MODULES[:2], dense]))
+    with pytest.raises(ValueError, match="Dense are not supported"):
+        read_pooling(tmp_path)
 
 
 def test_a_checkpoint_that_is_not_bert_or_misses_tensors_is_refused_at_load(tmp_path: Path) -> None:
@@ -224,3 +235,56 @@ def test_an_embedding_model_is_placed_on_one_node_only() -> None:
     refused = do_place(two, embedder, min_nodes=2)
     assert isinstance(refused, SingleNodeOnly) and "min_nodes 1" in refused.message
     assert len(placed(do_place(two, embedder)).shard_assignments.node_to_runner) == 1
+
+
+def test_a_sentence_encoders_config_makes_an_embedding_card() -> None:
+    minilm = card_from_config("sentence-transformers/all-MiniLM-L6-v2", ALL_MINILM_L6_V2, 90_868_376)
+    assert minilm.embeds and not minilm.supports_tensor and minilm.family == "bert"
+    assert (minilm.hidden_size, minilm.n_layers, minilm.context_length, minilm.vocab_size) == (384, 6, 512, 30522)
+    assert list_entry(minilm, created=0, where={})["tasks"] == ["TextEmbedding"]
+    assert card_from_config("BAAI/bge-small-en-v1.5", BGE_SMALL_EN_V1_5, 133_466_304).n_layers == 12
+    with pytest.raises(UnsupportedArchitecture, match="position_embedding_type relative_key"):
+        card_from_config("x/rel", {**ALL_MINILM_L6_V2, "position_embedding_type": "relative_key"}, 1)
+
+
+def test_the_store_fetches_stages_and_serves_a_sentence_encoders_pooling(tmp_path: Path) -> None:
+    """modules.json and 1_Pooling/config.json (which says mean or CLS) travel with the weights: from the hub
+    listing, through the store host's file server, into a staged copy that pools like the original."""
+    assert is_needed("modules.json") and is_needed("1_Pooling/config.json") and is_needed("sentence_bert_config.json")
+    assert not is_needed("onnx/model.onnx") and not is_needed("2_Dense/config.json")
+    store = tmp_path / "store"
+    _write_model(store / "org--bge", "bge-small-en-v1.5")
+    assert local_files(store / "org--bge")["1_Pooling/config.json"] > 0
+    server = StoreServer(store, "127.0.0.1", 0).start()
+    try:
+        port = server.server_address[1]
+        assert _raw_get(port, "/models/org/bge/files/1_Pooling/config.json") == (
+            200, (store / "org--bge" / "1_Pooling" / "config.json").read_bytes())
+        for bad in ("/models/org/bge/files/1_Pooling/..%2F..%2Fconfig.json", "/models/org/bge/files/x/config.json"):
+            assert _raw_get(port, bad)[0] in (400, 404), bad
+        base = client.store_url("127.0.0.1", port)
+        staged = tmp_path / "staged"
+        client.stage(base, "org/bge", client.store_files(base, "org/bge"), staged, None)
+    finally:
+        server.close()
+    assert read_pooling(staged) == Pooling("cls", normalize=True)
+    original, _ = EmbeddingEngine(store / "org--bge").embed(["staged copies pool alike"])
+    assert torch.equal(EmbeddingEngine(staged).embed(["staged copies pool alike"])[0], original)
+
+
+@pytest.mark.timeout(60)
+def test_a_sentence_encoder_downloads_from_the_hub_with_its_pooling(tmp_path: Path) -> None:
+    """Through the real huggingface_hub client against the local fake of the hub's file API."""
+    _write_model(tmp_path / "hub" / "BAAI--bge-small", "bge-small-en-v1.5")
+    (tmp_path / "hub" / "BAAI--bge-small" / "onnx").mkdir()
+    (tmp_path / "hub" / "BAAI--bge-small" / "onnx" / "model.onnx").write_bytes(b"not needed")
+    hub = RunningHub(tmp_path / "hub").start()
+    try:
+        repo = list_files(Hub(hub.url), "BAAI/bge-small")
+        assert "1_Pooling/config.json" in repo.files and "modules.json" in repo.files
+        assert "onnx/model.onnx" not in repo.files
+        download(Hub(hub.url), repo, tmp_path / "store" / "BAAI--bge-small")
+    finally:
+        hub.kill()
+    target = tmp_path / "store" / "BAAI--bge-small"
+    assert is_complete(target) and read_pooling(target) == Pooling("cls", normalize=True)

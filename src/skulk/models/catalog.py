@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from skulk.engines.torch.bert import ENCODER_MODEL_TYPES, BertArgs
 from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES, text_config
 from skulk.engines.torch.quant import quant_spec
 from skulk.models.cards import is_custom
@@ -39,12 +40,12 @@ def list_entry(card: ModelCard, *, created: int, where: dict[str, Any]) -> dict[
         "tags": [card.family, card.dtype] + (["builtin"] if card.builtin else []),
         "storage_size_megabytes": round(card.storage_size.in_bytes / MB),
         "supports_tensor": card.supports_tensor,
-        "tasks": ["TextGeneration"],
+        "tasks": list(card.tasks),
         "is_custom": is_custom(card.model_id),
         "family": card.family,
         "quantization": card.quantization,
         "base_model": card.model_id,
-        "capabilities": ["text"],
+        "capabilities": ["embedding"] if card.embeds else ["text"],
         **where,
     }
 
@@ -54,11 +55,14 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
     torch engine (Llama 3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 3, Qwen3-MoE) cannot run. A multimodal Gemma 3
     is carded by its language model (text_config, transformers' defaults filled in): the engine runs only that."""
     model_type = str(config.get("model_type", ""))
+    if model_type in ENCODER_MODEL_TYPES:
+        return encoder_card(model_id, config, weight_bytes)
     if model_type not in SUPPORTED_MODEL_TYPES:
         architectures = ", ".join(config.get("architectures") or []) or "none given"
         raise UnsupportedArchitecture(
             f"{model_id} is a {model_type or 'model without model_type'} model (architectures: {architectures}); "
-            f"the engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models"
+            f"the engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models and {', '.join(ENCODER_MODEL_TYPES)} "
+            "sentence encoders"
         )
     try:
         quant_spec(config, None)
@@ -83,6 +87,24 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
         head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
         supports_tensor=True,
         builtin=False,
+    )
+
+
+def encoder_card(model_id: str, config: dict[str, Any], weight_bytes: int) -> ModelCard:
+    """A BERT-family sentence encoder (all-MiniLM-L6-v2, bge-small-en-v1.5): an embedding model, one node,
+    its dimension the hidden size; UnsupportedArchitecture for a BERT variant the encoder does not run."""
+    try:
+        args = BertArgs.from_config(config)
+    except (ValueError, KeyError) as exc:
+        raise UnsupportedArchitecture(f"{model_id}: {exc}") from exc
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    return ModelCard(
+        model_id=ModelId(model_id), family=str(config["model_type"]), n_layers=args.num_hidden_layers,
+        hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_attention_heads, storage_size=Memory.from_bytes(weight_bytes),
+        dtype=dtype if dtype in _DTYPES else "float32",  # type: ignore[arg-type]
+        context_length=args.max_position_embeddings, vocab_size=args.vocab_size, supports_tensor=False,
+        tasks=["TextEmbedding"],
     )
 
 

@@ -33,7 +33,11 @@ NEEDED_PATTERNS = (
     "chat_template.json",
     "*.safetensors",
     INDEX_FILE,
+    "modules.json",
+    "sentence_bert_config.json",
 )
+NEEDED_NESTED = ("1_Pooling/config.json",)
+"""The only files below the top level that are fetched: a sentence encoder's pooling (its mode: mean or CLS)."""
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -45,8 +49,9 @@ class CompleteMarker(BaseModel):
 
 
 def is_needed(name: str) -> bool:
-    """Config, tokenizer files, chat template, safetensors and their index: nothing else is downloaded."""
-    return "/" not in name and any(fnmatch.fnmatch(name, p) for p in NEEDED_PATTERNS)
+    """Config, tokenizer files, chat template, safetensors and their index, a sentence encoder's modules and
+    pooling: nothing else is downloaded."""
+    return name in NEEDED_NESTED or ("/" not in name and any(fnmatch.fnmatch(name, p) for p in NEEDED_PATTERNS))
 
 
 def shard_files(index: dict[str, Any], start_layer: int, end_layer: int, n_layers: int) -> set[str]:
@@ -125,7 +130,8 @@ def local_files(model_dir: Path) -> dict[str, int]:
     """The needed files present in a directory, name → bytes."""
     if not model_dir.is_dir():
         return {}
-    return {p.name: p.stat().st_size for p in model_dir.iterdir() if p.is_file() and is_needed(p.name)}
+    found = {p.name: p.stat().st_size for p in model_dir.iterdir() if p.is_file() and is_needed(p.name)}
+    return found | {n: (model_dir / n).stat().st_size for n in NEEDED_NESTED if (model_dir / n).is_file()}
 
 
 def read_index(model_dir: Path) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 from skulk.api.errors import ApiError, error_body
 from skulk.models.cards import model_dir_name
-from skulk.store.files import is_complete, local_files, read_marker
+from skulk.store.files import NEEDED_NESTED, is_complete, local_files, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,8 @@ def route(store_path: Path, raw_path: str) -> dict[str, Any] | Path:
     parts = [unquote(p) for p in urlsplit(raw_path).path.split("/")[1:]]
     if parts == ["registry"]:
         return {"entries": registry(store_path)}
+    if len(parts) == 6 and "/".join(parts[4:]) in NEEDED_NESTED:  # a sentence encoder's 1_Pooling/config.json
+        parts = [*parts[:4], "/".join(parts[4:])]
     if len(parts) in (4, 5) and parts[0] == "models" and parts[3] == "files":
         org, name = parts[1], parts[2]
         folder = model_path(store_path, f"{org}/{name}")
@@ -95,7 +97,7 @@ def route(store_path: Path, raw_path: str) -> dict[str, Any] | Path:
             if not folder.is_dir() or not is_complete(folder):
                 raise ApiError(404, f"the store has no complete copy of {org}/{name}", code="model_not_in_store")
             return {"model_id": f"{org}/{name}", "files": local_files(folder)}
-        path = folder / safe_part(parts[4], "file name")
+        path = folder / (parts[4] if parts[4] in NEEDED_NESTED else safe_part(parts[4], "file name"))
         if not path.is_file() or not is_complete(folder):
             raise ApiError(404, f"the store has no file {parts[4]} of {org}/{name}", code="file_not_in_store")
         return path

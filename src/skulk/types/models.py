@@ -10,6 +10,8 @@ from .memory import Memory
 
 DType = Literal["float32", "bfloat16", "float16"]
 QuantizeAtLoad = Literal["int4", "int8"]
+ModelTask = Literal["TextGeneration", "TextEmbedding"]
+"""What a model serves: text generation (chat, completions) or text embedding (POST /v1/embeddings)."""
 
 
 class ModelCard(CamelModel):
@@ -33,3 +35,10 @@ class ModelCard(CamelModel):
     """Float weights the engine quantizes while loading (weight-only int4/int8); storage_size is then the
     quantized estimate, which placement fits into node memory."""
     builtin: bool = False
+    tasks: list[ModelTask] = ["TextGeneration"]
+    """Skulk's `tasks` of the card. An embedding model (TextEmbedding) answers only embeddings, runs on one
+    node, and a chat model answers no embeddings: the API refuses either mix-up with a 400."""
+
+    @property
+    def embeds(self) -> bool:
+        return "TextEmbedding" in self.tasks

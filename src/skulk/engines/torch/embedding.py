@@ -54,6 +54,10 @@ def read_pooling(model_dir: Path) -> Pooling:
         return Pooling("mean", normalize=False)
     modules: list[dict[str, Any]] = json.loads(modules_file.read_text(encoding="utf-8"))
     kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: str(m.get("path", "")) for m in modules}
+    unknown_modules = sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"})
+    if unknown_modules:  # a Dense projection or the like: its vectors would silently differ from the model's
+        raise ValueError(f"{model_dir.name}: sentence-transformers module(s) {', '.join(unknown_modules)} are not "
+                         "supported (only Transformer, Pooling and Normalize)")
     normalize = "Normalize" in kinds
     if "Pooling" not in kinds:
         return Pooling("mean", normalize)
