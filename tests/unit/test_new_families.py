@@ -6,6 +6,7 @@ and expert dispatch that runs only the experts the router picked."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,16 @@ GEMMA3_4B: dict[str, Any] = {
 }
 """google/gemma-3-4b-it's config.json: a multimodal checkpoint whose text_config leaves most numbers to
 transformers' defaults (8 heads, 4 key/value heads, head_dim 256, ...)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """These models are tiny: with two busy cores (xdist runs two modules side by side), torch's second
+    thread only adds barrier waits, measured at 10-30x the work itself under load."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
