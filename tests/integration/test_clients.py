@@ -507,3 +507,22 @@ def test_anthropic_forced_tool_choice(served: Served) -> None:
     with pytest.raises(anthropic.BadRequestError, match="not among the tools"):
         client.messages.create(model=MODEL, max_tokens=3, tools=tools, messages=text,
                                tool_choice={"type": "tool", "name": "nope"})
+
+
+def test_ollama_logprobs(served: Served) -> None:
+    import ollama
+
+    client = ollama.Client(host=f"{served.node.url}/ollama", timeout=60)
+    ask = [{"role": "user", "content": "ping"}]
+    greedy = {"num_predict": 3, "temperature": 0}
+    reply = client.chat(model=MODEL, messages=ask, options=greedy, logprobs=True, top_logprobs=2)
+    entries = reply.logprobs or []
+    assert len(entries) == reply.eval_count and all(e.logprob <= 0 for e in entries)
+    for e in entries:
+        top = [t.logprob for t in e.top_logprobs or []]
+        assert len(top) == 2 and top == sorted(top, reverse=True) and e.logprob == pytest.approx(top[0])
+    parts = list(client.chat(model=MODEL, messages=ask, options=greedy, logprobs=True, top_logprobs=2, stream=True))
+    assert [(e.token, e.logprob) for p in parts for e in p.logprobs or []] == [(e.token, e.logprob) for e in entries]
+    generated = client.generate(model=MODEL, prompt="ping", options=greedy, logprobs=True)
+    assert generated.logprobs and len(generated.logprobs) == generated.eval_count
+    assert client.chat(model=MODEL, messages=ask, options=greedy).logprobs is None

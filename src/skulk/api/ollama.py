@@ -25,7 +25,7 @@ from skulk.api.handle import NodeHandle
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.models.cards import all_cards, get_card
 from skulk.types.chat import ChatCompletionRequest, ToolCall
-from skulk.types.chunks import RequestStats
+from skulk.types.chunks import RequestStats, TokenLogprob
 from skulk.types.ids import ModelId
 from skulk.types.models import ModelCard
 from skulk.types.ollama import OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
@@ -51,6 +51,7 @@ def to_chat_request(body: Body, stream: bool) -> ChatCompletionRequest:
     return ChatCompletionRequest(
         model=body.model, messages=body.chat_messages(), max_tokens=o.num_predict, temperature=o.temperature,
         top_p=o.top_p, top_k=o.top_k, seed=o.seed, stop=o.stop or None, stream=stream, tools=tools,
+        logprobs=body.logprobs, top_logprobs=body.top_logprobs if body.logprobs else None,
     )
 
 
@@ -89,7 +90,14 @@ def _final(model: str, shape: Shape, done: Finished, calls: list[ToolCall] | Non
             **_timings(done.stats, done.prompt_tokens, done.completion_tokens, done.total_ns)}
     if calls:
         line["message"]["tool_calls"] = _ollama_calls(calls)
+    if done.logprobs:
+        line["logprobs"] = _logprobs(done.logprobs)
     return line
+
+
+def _logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """Ollama's `logprobs`: OpenAI's per-token entries (token, logprob, bytes, top_logprobs)."""
+    return [e.model_dump(mode="json") for e in entries]
 
 
 async def _ndjson(session: ChatSession, model: str, shape: Shape, family: str | None) -> AsyncIterator[str]:
@@ -98,14 +106,17 @@ async def _ndjson(session: ChatSession, model: str, shape: Shape, family: str | 
     try:
         async for chunk in deltas(session):
             text = held.push(chunk.text) if held is not None else chunk.text
+            logprobs = [chunk.logprobs] if chunk.logprobs is not None else []
             if chunk.finish_reason is None:
-                if text:
+                if text or logprobs:
                     line = {"model": model, "created_at": _now(), **shape(text), "done": False}
+                    if logprobs:
+                        line["logprobs"] = _logprobs(logprobs)
                     yield json.dumps(line, separators=(",", ":")) + "\n"
                 continue
             tail, calls = held.finish(session.command_id) if held is not None else ("", [])
             done = Finished(text + (tail if not calls else ""), chunk.finish_reason, chunk.prompt_tokens,
-                            chunk.completion_tokens, chunk.stats, started)
+                            chunk.completion_tokens, chunk.stats, started, logprobs)
             yield json.dumps(_final(model, shape, done, calls), separators=(",", ":")) + "\n"
     except GenerationFailed as failed:
         yield json.dumps({"error": failed.chunk.message}) + "\n"

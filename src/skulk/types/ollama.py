@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .chat import ChatMessage, FunctionCall, MaxTokens, Seed, Temperature, Tool, ToolCall, TopK, TopP
+from .chat import ChatMessage, FunctionCall, MaxTokens, Seed, Temperature, Tool, ToolCall, TopK, TopLogprobs, TopP
 
 
 class _Loose(BaseModel):
@@ -58,6 +58,8 @@ class OllamaChatRequest(_Loose):
     options: OllamaOptions = OllamaOptions()
     format: Literal["json", ""] | dict[str, Any] | None = None
     tools: list[Tool] | None = Field(default=None, max_length=128)
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
 
     def chat_messages(self) -> list[ChatMessage]:
         return [m.to_chat(i) for i, m in enumerate(self.messages)]
@@ -72,6 +74,8 @@ class OllamaGenerateRequest(_Loose):
     stream: bool = True
     options: OllamaOptions = OllamaOptions()
     format: Literal["json", ""] | dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
 
     def chat_messages(self) -> list[ChatMessage]:
         head = [ChatMessage(role="system", content=self.system)] if self.system else []
