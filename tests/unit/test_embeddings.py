@@ -12,6 +12,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
+from skulk.api.security import Access, required_access
 from skulk.engines.torch.bert import load_bert
 from skulk.engines.torch.embedding import EmbeddingEngine, EmbeddingRefused, Pooling, pool, read_pooling
 from skulk.master.decide import events_for_command
@@ -288,3 +289,10 @@ def test_a_sentence_encoder_downloads_from_the_hub_with_its_pooling(tmp_path: Pa
         hub.kill()
     target = tmp_path / "store" / "BAAI--bge-small"
     assert is_complete(target) and read_pooling(target) == Pooling("cls", normalize=True)
+
+
+def test_an_inference_key_may_embed_and_use_ollama_where_it_is_mounted() -> None:
+    for method, path in [("POST", "/v1/embeddings"), ("POST", "/ollama/api/embed"), ("POST", "/ollama/api/chat"),
+                         ("GET", "/ollama/api/tags")]:
+        assert required_access(method, path) is Access.INFERENCE, path
+    assert required_access("POST", "/ollama/api/pull") is Access.ADMIN

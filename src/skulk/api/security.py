@@ -51,9 +51,9 @@ EXEMPT = {("GET", "/healthz"), ("GET", "/node_id")}
 """Liveness, and the topology probe's node id (nothing else is said there)."""
 _INFERENCE = [
     ("POST", r"/v1/chat/completions"), ("POST", r"/bench/chat/completions"), ("POST", r"/v1/completions"),
-    ("POST", r"/v1/messages(/count_tokens)?"), ("POST", r"/v1/responses"), ("POST", r"/api/(chat|generate|show)"),
-    ("POST", r"/v1/cancel/[^/]+"),
-    ("GET", r"/v1/models(/.*)?"), ("GET", r"/models"), ("GET", r"/api/(tags|version|ps)"), ("GET", r"/state"),
+    ("POST", r"/v1/messages(/count_tokens)?"), ("POST", r"/v1/responses"), ("POST", r"/v1/embeddings"),
+    ("POST", r"(/ollama)?/api/(chat|generate|show|embed)"), ("POST", r"/v1/cancel/[^/]+"),
+    ("GET", r"/v1/models(/.*)?"), ("GET", r"/models"), ("GET", r"(/ollama)?/api/(tags|version|ps)"), ("GET", r"/state"),
     ("GET", r"/instance/[^/]+"), ("GET", r"/meta_instances"),
 ]
 INFERENCE_ROUTES = [(method, re.compile(pattern + r"/?")) for method, pattern in _INFERENCE]
