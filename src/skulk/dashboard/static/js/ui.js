@@ -92,11 +92,15 @@ export function instanceStatus(state, instanceId) {
   return { kind: 'busy', text: `starting (${[...new Set(waiting)].join(', ') || 'pending'})` };
 }
 
+// Models that can chat now: a served instance whose card is not an embedding model's (those answer only
+// POST /v1/embeddings).
 export function servedModels(state) {
   const models = new Set();
   for (const [id, inst] of Object.entries(state.instances || {})) {
     const [, body] = tagged(inst);
-    if (instanceStatus(state, id).kind === 'ok') models.add(body.shardAssignments.modelId);
+    const shards = Object.values(body.shardAssignments.runnerToShard || {}).map((s) => tagged(s)[1]);
+    const embeds = shards.some((s) => (s.modelCard?.tasks || []).includes('TextEmbedding'));
+    if (instanceStatus(state, id).kind === 'ok' && !embeds) models.add(body.shardAssignments.modelId);
   }
   return [...models].sort();
 }
