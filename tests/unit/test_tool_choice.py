@@ -70,8 +70,14 @@ def test_response_format_json_schema_is_validated() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     ok = _chat(response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}})
     assert '"properties":{"a":{"type":"integer"}}' in prepared(ok).messages[0].text
+    deep: dict[str, Any] = {}
+    inner = deep
+    for _ in range(5000):
+        inner["items"] = inner = {}
     for bad in ({"name": "thing", "schema": {"type": "nonsense"}}, {"schema": schema},
-                {"name": "has space", "schema": schema}, {"name": "t", "schema": [1]}, None):
+                {"name": "has space", "schema": schema}, {"name": "t", "schema": [1]}, None,
+                {"name": "t", "schema": {"$schema": 5}}, {"name": "t", "schema": {"$schema": ["x"]}},
+                {"name": "t", "schema": deep}):
         with pytest.raises(ValidationError, match="json_schema"):
             _chat(response_format={"type": "json_schema", "json_schema": bad})
     with pytest.raises(ValidationError):

@@ -106,12 +106,14 @@ class ResponseFormat(BaseModel):
         if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
             raise ValueError('json_schema must be {"name": "<1-64 letters, digits, _ or ->", "schema": {...}}')
         schema = spec.get("schema", {})
-        if not isinstance(schema, dict):
-            raise ValueError("json_schema.schema must be a JSON Schema object")
+        if not isinstance(schema, dict) or not isinstance(schema.get("$schema", ""), str):
+            raise ValueError("json_schema.schema must be a JSON Schema object (its $schema, if any, a string)")
         try:
             validator_for(schema).check_schema(schema)
         except SchemaError as exc:
             raise ValueError(f"json_schema.schema is not a valid JSON Schema: {exc.message}") from None
+        except RecursionError:
+            raise ValueError("json_schema.schema is nested too deeply to check") from None
         return self
 
 
