@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from skulk.engines.torch.cache import StepBatch
 from skulk.engines.torch.config import ModelArgs, text_config
@@ -343,3 +343,16 @@ def test_kv_headroom_uses_the_configs_head_dim() -> None:
     assert (card.family, card.head_dim, card.n_layers) == ("qwen3_moe", 128, 48)
     assert kv_headroom_bytes(card, 48) == 2 * 48 * 4 * 128 * 40960 * 2
     assert card_from_config(GEMMA, REAL_CONFIGS[GEMMA], 2_000_000_000).head_dim == 256
+
+
+@pytest.mark.parametrize("model_id", [GEMMA, MOE])
+def test_a_transformers_5_config_reads_the_same(model_id: str, checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """config.json as transformers 5 rewrites it (rope_parameters per layer type, layer_types spelled out,
+    num_local_experts) describes the same model as the hub's."""
+    path = checkpoints[model_id]
+    AutoConfig.from_pretrained(str(path)).save_pretrained(tmp_path)
+    rewritten = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" in rewritten and "rope_theta" not in rewritten
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    hub = ModelArgs.from_dir(path)
+    assert ModelArgs.from_dir(tmp_path) == hub

@@ -17,10 +17,12 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
     "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-    "sliding_window_pattern": 6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "sliding_window_pattern": 6,
 }
 """What transformers' Gemma3TextConfig fills in: hub configs of the multimodal `gemma3` checkpoints leave most
 of their text_config to these defaults."""
+_GEMMA3_ROPE_DEFAULTS = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+"""Gemma 3's rope bases when a hub-format config leaves them out (a transformers 5 config has rope_parameters)."""
 
 SLIDING = "sliding_attention"
 
@@ -34,10 +36,15 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
             if key in cfg and key not in inner:
                 inner[key] = cfg[key]
-        return {**GEMMA3_TEXT_DEFAULTS, **inner, "model_type": "gemma3_text"}
+        return _gemma3_defaults({**inner, "model_type": "gemma3_text"})
     if model_type == "gemma3_text":
-        return {**GEMMA3_TEXT_DEFAULTS, **cfg}
+        return _gemma3_defaults(cfg)
     return cfg
+
+
+def _gemma3_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    rope = {} if cfg.get("rope_parameters") else _GEMMA3_ROPE_DEFAULTS
+    return {**GEMMA3_TEXT_DEFAULTS, **rope, **cfg}
 
 
 @dataclass(frozen=True, slots=True)
