@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from skulk.api.security import Access, required_access
+from skulk.cluster.payloads import PayloadFetcher
 from skulk.engines.torch.bert import load_bert
 from skulk.engines.torch.embedding import EmbeddingEngine, EmbeddingRefused, Pooling, pool, read_pooling
 from skulk.master.decide import events_for_command
@@ -30,7 +31,7 @@ from skulk.types.events import TaskCreated
 from skulk.types.ids import CommandId, ModelId, NodeId, TaskId
 from skulk.types.placement import SingleNodeOnly
 from skulk.types.state import State
-from skulk.types.tasks import TextEmbedding
+from skulk.types.tasks import ChatCompletion, EmbeddingTaskParams, TextEmbedding
 from tests.fake_hub import RunningHub
 
 from .test_model_store import _raw_get
@@ -296,3 +297,25 @@ def test_an_inference_key_may_embed_and_use_ollama_where_it_is_mounted() -> None
                          ("GET", "/ollama/api/tags")]:
         assert required_access(method, path) is Access.INFERENCE, path
     assert required_access("POST", "/ollama/api/pull") is Access.ADMIN
+
+
+class _OneReply:
+    """A transport whose every query is answered by one node with the same bytes."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+
+    async def query(self, key: str, timeout_s: float) -> list[bytes]:
+        return [self.reply]
+
+
+async def test_a_worker_fetches_an_embedding_tasks_texts_as_embedding_params() -> None:
+    """The runner's node is often not the API node: the texts come point to point, validated as the task's kind."""
+    params = EmbeddingTaskParams(model=ModelId(EMBED_MODEL_ID), inputs=["private text"], truncate=True)
+    fetcher = PayloadFetcher(_OneReply(params.model_dump_json().encode()))  # type: ignore[arg-type]
+    ids = dict(task_id=TaskId("t1"), command_id=CommandId("c1"), instance_id="i", model=ModelId(EMBED_MODEL_ID),
+               origin_node_id=NodeId("api"))
+    assert await fetcher.fetch(TextEmbedding.model_validate(ids)) == params
+    chat = PayloadFetcher(_OneReply(params.model_dump_json().encode()))  # type: ignore[arg-type]
+    assert await chat.fetch(ChatCompletion.model_validate({**ids, "command_id": "c2"})) is None  # wrong kind: dropped
+    assert "private text" not in TextEmbedding.model_validate({**ids, "task_params": params}).model_dump_json()
