@@ -424,6 +424,15 @@ def test_openai_logprobs(served: Served, tmp_path: Path) -> None:
                                             logprobs=2, stream=True))
     assert [t for p in pieces if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens or []] == lp.tokens
 
+    asked: dict[str, Any] = {"include": ["message.output_text.logprobs"], "top_logprobs": 2, "temperature": 0}
+    response = client.responses.create(model=MODEL, input="ping", max_output_tokens=4, **asked)
+    part = response.output[0].content[0]  # type: ignore[union-attr]
+    assert response.usage and len(part.logprobs or []) == response.usage.output_tokens  # type: ignore[union-attr]
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in part.logprobs or [])  # type: ignore[union-attr]
+    events = list(client.responses.create(model=MODEL, input="ping", max_output_tokens=4, stream=True, **asked))
+    streamed_lp = [e for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]  # type: ignore[union-attr]
+    assert [e.token for e in streamed_lp] == [e.token for e in part.logprobs or []]  # type: ignore[union-attr]
+
 
 WHEN: Any = {"type": "function", "function": {"name": "get_time", "description": "Time in a city", "parameters": CITY}}
 NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}

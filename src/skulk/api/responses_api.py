@@ -20,6 +20,7 @@ from skulk.api.generation import Finished, GenerationFailed, collect, deltas
 from skulk.api.handle import NodeHandle
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.types.chat import ChatCompletionRequest, Tool, ToolCall
+from skulk.types.chunks import TokenLogprob
 from skulk.types.responses import FunctionTool, ResponsesRequest
 
 
@@ -38,10 +39,17 @@ def responses_to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     request = ChatCompletionRequest(
         model=body.model, messages=body.chat_messages(), max_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, stream=body.stream, tools=function_tools(body),
-        tool_choice=body.chat_tool_choice(),
+        tool_choice=body.chat_tool_choice(), logprobs=body.wants_logprobs(),
+        top_logprobs=(body.top_logprobs or 0) if body.wants_logprobs() else None,
     )
     check_supported(request)
     return prepared(request)
+
+
+def _part(text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    """An output_text content part; logprobs are OpenAI's per-token entries (empty unless asked for)."""
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": [e.model_dump(mode="json") for e in logprobs or []]}
 
 
 class ResponseBuilder:
@@ -55,8 +63,8 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.seq = 0
 
-    def message(self, text: str | None, status: str) -> dict[str, Any]:
-        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+    def message(self, text: str | None, status: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        content = [] if text is None else [_part(text, logprobs)]
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
     def call(self, index: int, call: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
@@ -64,9 +72,10 @@ class ResponseBuilder:
                 "name": call.function.name,
                 "arguments": call.function.arguments if arguments is None else arguments, "status": status}
 
-    def items(self, text: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
+    def items(self, text: str, calls: list[ToolCall], logprobs: list[TokenLogprob] | None = None
+              ) -> list[dict[str, Any]]:
         """The finished output: the message (left out when the reply is only calls), then one item per call."""
-        message = [self.message(text, "completed")] if text or not calls else []
+        message = [self.message(text, "completed", logprobs)] if text or not calls else []
         return [*message, *(self.call(i, c, "completed") for i, c in enumerate(calls))]
 
     def obj(self, status: str, done: Finished | None = None, items: list[dict[str, Any]] | None = None
@@ -98,14 +107,18 @@ class ResponseBuilder:
 
     def open_message(self) -> list[str]:
         return [self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress")),
-                self.event("response.content_part.added", **self.where(),
-                           part={"type": "output_text", "text": "", "annotations": []})]
+                self.event("response.content_part.added", **self.where(), part=_part("", None))]
 
-    def close_message(self, text: str) -> list[str]:
-        part = {"type": "output_text", "text": text, "annotations": []}
-        return [self.event("response.output_text.done", **self.where(), text=text, logprobs=[]),
+    def close_message(self, text: str, logprobs: list[TokenLogprob]) -> list[str]:
+        part = _part(text, logprobs)
+        return [self.event("response.output_text.done", **self.where(), text=text, logprobs=part["logprobs"]),
                 self.event("response.content_part.done", **self.where(), part=part),
-                self.event("response.output_item.done", output_index=0, item=self.message(text, "completed"))]
+                self.event("response.output_item.done", output_index=0,
+                           item=self.message(text, "completed", logprobs))]
+
+    def delta(self, text: str, logprobs: list[TokenLogprob]) -> str:
+        return self.event("response.output_text.delta", **self.where(), delta=text,
+                          logprobs=[e.model_dump(mode="json") for e in logprobs])
 
     def call_events(self, output_index: int, index: int, call: ToolCall) -> list[str]:
         item_id, args = f"fc_{self.command_id}_{index}", call.function.arguments
@@ -122,19 +135,22 @@ async def response_events(session: ChatSession, r: ResponseBuilder) -> AsyncIter
     yield r.event("response.created", response=r.obj("in_progress"))
     yield r.event("response.in_progress", response=r.obj("in_progress"))
     held = ToolCallStream(r.family, hold_all=r.forced is not None) if r.family is not None else None
-    opened, parts = held is None, []
+    opened, parts, logprobs, sent = held is None, [], [], 0
     for e in r.open_message() if opened else []:
         yield e
     done = Finished("", "stop", 0, 0, None, time.monotonic())
     try:
         async for chunk in deltas(session):
             text = held.push(chunk.text) if held is not None else chunk.text
+            if chunk.logprobs is not None:
+                logprobs.append(chunk.logprobs)
             if text:
                 for e in [] if opened else r.open_message():
                     yield e
                 opened = True
                 parts.append(text)
-                yield r.event("response.output_text.delta", **r.where(), delta=text, logprobs=[])
+                yield r.delta(text, logprobs[sent:])
+                sent = len(logprobs)
             if chunk.finish_reason is not None:
                 done = Finished("", chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens, chunk.stats,
                                 done.started)
@@ -151,15 +167,16 @@ async def response_events(session: ChatSession, r: ResponseBuilder) -> AsyncIter
             yield e
         opened = True
         parts.append(tail)
-        yield r.event("response.output_text.delta", **r.where(), delta=tail, logprobs=[])
+        yield r.delta(tail, logprobs[sent:])
     text = "".join(parts)
     message = opened or not calls
-    for e in [*([] if opened or not message else r.open_message()), *(r.close_message(text) if message else [])]:
+    closing = [*([] if opened else r.open_message()), *r.close_message(text, logprobs)] if message else []
+    for e in closing:
         yield e
     for i, call in enumerate(calls):
         for e in r.call_events(i + int(message), i, call):
             yield e
-    yield r.event("response.completed", response=r.obj("completed", done, r.items(text, calls)))
+    yield r.event("response.completed", response=r.obj("completed", done, r.items(text, calls, logprobs)))
 
 
 async def respond(node: NodeHandle, body: ResponsesRequest) -> dict[str, Any]:
@@ -176,7 +193,7 @@ async def respond(node: NodeHandle, body: ResponsesRequest) -> dict[str, Any]:
     unmet = unmet_tool_choice(r.forced, calls)
     if unmet is not None:
         raise ApiError(500, unmet, code="tool_choice_unmet")
-    return r.obj("completed", done, r.items(text, calls))
+    return r.obj("completed", done, r.items(text, calls, done.logprobs))
 
 
 async def start_response_stream(node: NodeHandle, body: ResponsesRequest) -> AsyncIterator[str]:

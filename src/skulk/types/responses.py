@@ -19,6 +19,7 @@ from .chat import (
     Temperature,
     Tool,
     ToolCall,
+    TopLogprobs,
     TopP,
 )
 
@@ -120,6 +121,12 @@ class ResponsesRequest(_Loose):
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     """Only function tools are served; checked by `function_tools` (a 400 naming any other type)."""
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    include: list[str] | None = Field(default=None, max_length=16)
+    top_logprobs: TopLogprobs | None = None
+
+    def wants_logprobs(self) -> bool:
+        """Logprobs are asked for with include "message.output_text.logprobs" (or by asking for alternatives)."""
+        return "message.output_text.logprobs" in (self.include or []) or self.top_logprobs is not None
 
     def chat_messages(self) -> list[ChatMessage]:
         """The input as chat messages: an assistant message and the function calls after it become one assistant
