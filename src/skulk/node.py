@@ -199,6 +199,7 @@ class Node:
             model_dir_for=self.files.model_dir_for,
             warmup_deadline_s=self.settings.warmup_deadline_seconds,
             group_timeout_s=self.settings.group_timeout_seconds,
+            prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
             fault=self.settings.fault,
             record=recording_enabled(self.settings.flight_recorder),
             runner_restart_budget=self.settings.runner_restart_budget,

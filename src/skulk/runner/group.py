@@ -161,6 +161,7 @@ def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str =
         start_layer=shard.start_layer,
         end_layer=shard.end_layer,
         control_group=group.control,
+        prefill_chunk=spec.prefill_chunk_tokens,
         device=device,
         quantize=shard.model_card.quantize_at_load,
     )

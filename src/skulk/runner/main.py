@@ -229,7 +229,7 @@ class Runner:
         if self.group is not None:
             return self._build_distributed_engine(self.group)
         return TorchEngine(self.spec.model_dir, start_layer=shard.start_layer, end_layer=shard.end_layer,
-                           quantize=shard.model_card.quantize_at_load)
+                           quantize=shard.model_card.quantize_at_load, prefill_chunk=self.spec.prefill_chunk_tokens)
 
     def _build_distributed_engine(self, group: Group) -> TorchEngine:
         from skulk.runner.group import build_engine

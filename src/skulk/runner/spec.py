@@ -23,6 +23,7 @@ class RunnerSpec:
     warmup_deadline_s: float = 300.0
     connect_deadline_s: float = 60.0
     group_timeout_s: float = 10.0
+    prefill_chunk_tokens: int = 512
     record: bool = True
     fault: str | None = None
     attempt: int = 0  # the instance attempt this runner serves (restarts of a multi-rank instance count up)

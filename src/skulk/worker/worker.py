@@ -53,6 +53,7 @@ class Worker:
         model_dir_for: ModelDirFor,
         warmup_deadline_s: float,
         group_timeout_s: float = _DEFAULTS.group_timeout_seconds,
+        prefill_chunk_tokens: int = _DEFAULTS.prefill_chunk_tokens,
         fault: str | None = None,
         record: bool = True,
         runner_restart_budget: int = _DEFAULTS.runner_restart_budget,
@@ -77,6 +78,7 @@ class Worker:
         self.model_dir_for = model_dir_for
         self.warmup_deadline_s = warmup_deadline_s
         self.group_timeout_s = group_timeout_s
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.fault = fault
         self.record = record
         self.supervisors: dict[RunnerId, RunnerSupervisor] = {}
@@ -193,6 +195,7 @@ class Worker:
             rendezvous=instance.rendezvous,
             warmup_deadline_s=self.warmup_deadline_s,
             group_timeout_s=self.group_timeout_s,
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
             fault=self.fault,
             record=self.record,
             attempt=attempt,
