@@ -18,14 +18,15 @@ from torch import nn
 
 from .config import ModelArgs
 from .layers import AllReduce
+from .matmul import Linear
 
 
 class Expert(nn.Module):
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -37,7 +38,7 @@ class SparseMoe(nn.Module):
     def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
         super().__init__()
         self.top_k, self.normalize = args.num_experts_per_tok, args.norm_topk_prob
-        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
         inter = args.moe_intermediate_size // tp_size
         self.experts = nn.ModuleList(Expert(args.hidden_size, inter) for _ in range(args.num_experts))
         self.all_reduce = all_reduce
