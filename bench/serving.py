@@ -5,7 +5,8 @@ Prints three ratios, each from runs interleaved with its baseline so machine noi
   TTFT through the API - bare prefill time                            (target ≤ 15 ms)
   aggregate tokens/s of 8 concurrent streams ÷ one stream via the API (target ≥ 3)
   streaming decode tokens/s of /v1/messages and /ollama/api/chat ÷ /v1/chat/completions (target ≥ 0.98 each;
-  the three routes run back to back in every round, each going first in turn)
+  the routes run back to back in every round, each going first in turn)
+  streaming decode tokens/s with logprobs (top 5) ÷ without, the same way
 
 Run: .venv/bin/python bench/serving.py [--tokens 64] [--rounds 3]
 """
@@ -20,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -45,9 +47,11 @@ def bare_run(engine: TorchEngine, tokens: int) -> tuple[float, float]:
     return first - start, (produced - 1) / max(end - first, 1e-9)
 
 
-async def api_stream(client: httpx.AsyncClient, tokens: int, seed: int = 0) -> tuple[float, int, float, float]:
+async def api_stream(
+    client: httpx.AsyncClient, tokens: int, seed: int = 0, extra: dict[str, Any] | None = None
+) -> tuple[float, int, float, float]:
     """(ttft seconds, tokens, first-token time, last-token time) for one streamed request."""
-    body = {
+    body: dict[str, Any] = {
         "model": BENCH_MODEL_ID,
         "messages": [{"role": "user", "content": PROMPT}],
         "max_tokens": tokens,
@@ -55,6 +59,7 @@ async def api_stream(client: httpx.AsyncClient, tokens: int, seed: int = 0) -> t
         "seed": seed,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     sent = time.perf_counter()
     first = last = 0.0
@@ -74,9 +79,9 @@ async def api_stream(client: httpx.AsyncClient, tokens: int, seed: int = 0) -> t
     return first - sent, produced, first, last
 
 
-async def api_single(url: str, tokens: int) -> tuple[float, float]:
+async def api_single(url: str, tokens: int, extra: dict[str, Any] | None = None) -> tuple[float, float]:
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        ttft, produced, first, last = await api_stream(client, tokens)
+        ttft, produced, first, last = await api_stream(client, tokens, extra=extra)
     return ttft, (produced - 1) / max(last - first, 1e-9)
 
 
@@ -169,19 +174,22 @@ def measure(engine: TorchEngine, url: str, tokens: int, rounds: int) -> None:
         prefill.append(bare_run(engine, 2)[0])
         ttft.append(asyncio.run(api_single(url, 2))[0])
     bare_tps, api_tps, one_agg, eight_agg = [], [], [], []
-    claude_tps, ollama_tps = [], []
+    claude_tps, ollama_tps, logprobs_tps = [], [], []
+    logprobs = {"logprobs": True, "top_logprobs": 5}
     streams: dict[str, Callable[[], float]] = {
         "openai": lambda: asyncio.run(api_single(url, tokens))[1],
+        "logprobs": lambda: asyncio.run(api_single(url, tokens, logprobs))[1],
         "claude": lambda: asyncio.run(compat_single(url, tokens, "claude")),
         "ollama": lambda: asyncio.run(compat_single(url, tokens, "ollama")),
     }
     for i in range(rounds):
         bare_tps.append(bare_run(engine, tokens)[1])
-        order = list(streams)[i % 3 :] + list(streams)[: i % 3]  # each route goes first in turn
+        order = list(streams)[i % len(streams) :] + list(streams)[: i % len(streams)]  # each goes first in turn
         got = {route: streams[route]() for route in order}
         api_tps.append(got["openai"])
         claude_tps.append(got["claude"])
         ollama_tps.append(got["ollama"])
+        logprobs_tps.append(got["logprobs"])
         one_agg.append(asyncio.run(api_single_aggregate(url, tokens)))
         eight_agg.append(asyncio.run(api_concurrent(url, tokens, 8)))
     print(f"model {BENCH_MODEL_ID}, {tokens} tokens, medians of interleaved rounds")
@@ -199,6 +207,8 @@ def measure(engine: TorchEngine, url: str, tokens: int, rounds: int) -> None:
           f"per-round median {med(ollama_pairs):.3f})")
     print(f"  streaming decode tok/s medians: OpenAI {med(api_tps):.1f}, /v1/messages {med(claude_tps):.1f}, "
           f"/ollama/api/chat {med(ollama_tps):.1f}")
+    print(f"logprobs (top 5) / none {med(logprobs_tps) / med(api_tps):8.3f}   (OpenAI streaming decode with "
+          f"logprobs=true, top_logprobs=5; the cost of asking)")
 
 
 if __name__ == "__main__":
