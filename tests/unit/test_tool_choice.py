@@ -53,6 +53,13 @@ def test_a_named_function_is_the_only_tool_offered_and_asked_for() -> None:
     assert len(required.tools or []) == 2 and "calling one of the tools" in required.messages[0].text
 
 
+def test_the_instructions_join_the_conversations_own_system_message() -> None:
+    own = prepared(_chat(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                         response_format={"type": "json_object"}))
+    assert [m.role for m in own.messages] == ["system", "user"]
+    assert own.messages[0].text.startswith("Respond with one valid JSON") and own.messages[0].text.endswith("Be brief.")
+
+
 def test_unmet_tool_choice() -> None:
     assert unmet_tool_choice(None, []) is None and unmet_tool_choice("", [_call("a")]) is None
     assert unmet_tool_choice("b", [_call("b")]) is None

@@ -69,8 +69,17 @@ def prepared(request: ChatCompletionRequest) -> ChatCompletionRequest:
     elif forced == "":
         lines.append(ANY_TOOL_INSTRUCTION)
     if lines:
-        update["messages"] = [ChatMessage(role="system", content=" ".join(lines)), *request.messages]
+        update["messages"] = _with_system_line(request.messages, " ".join(lines))
     return request.model_copy(update=update) if update else request
+
+
+def _with_system_line(messages: list[ChatMessage], line: str) -> list[ChatMessage]:
+    """The line first in the conversation's own system message (templates that take one system message, or
+    only one at the start, see one), else in a new one."""
+    head = messages[0]
+    if head.role in ("system", "developer") and not head.tool_calls:
+        return [head.model_copy(update={"content": f"{line}\n\n{head.text}"}), *messages[1:]]
+    return [ChatMessage(role="system", content=line), *messages]
 
 
 def unmet_tool_choice(forced: str | None, calls: list[ToolCall]) -> str | None:
