@@ -16,6 +16,7 @@ prompt and token count) and prefill (same 512 tokens) run in the same rounds, wi
 f16↔f16, bf16↔bf16, int8↔q8_0, int4↔Q4_0 (targets: decode >= 0.9 everywhere, prefill >= 0.9 at f16/bf16).
 
 Run: .venv/bin/python bench/engine.py [--rounds 3] [--tokens 32] [--threads 2] [--formats f16,int4] [--no-llama]
+                                  [--clock wall|cpu]
      (formats: f32 f16 bf16 int8 int4, and f16-native / bf16-native: see NATIVE)
 """
 
@@ -52,6 +53,10 @@ NATIVE = "-native"
 """A format named f16-native / bf16-native runs every matmul in its own dtype (engines/torch/matmul.py's f32
 GEMM for many rows switched off): the before/after of that path, measured in the same rounds."""
 PREFILL = 512
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter
+"""--clock cpu times with the process's CPU time instead of the wall clock: with --threads 1 on a shared, loaded
+machine that leaves out the time other processes held the core (barrier spinning still counts with more threads)."""
 
 
 def write_model(path: Path, shape: dict[str, int]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -80,21 +85,21 @@ def decode_tps(model: ModelSlice, streams: int, tokens: int) -> float:
         ids = torch.randint(0, model.args.vocab_size, (streams, prompt))
         model(ids, StepBatch.build(torch.arange(prompt).repeat(streams, 1), 0), cache, last_only=True)
         next_ids = torch.zeros(streams, 1, dtype=torch.long)
-        start = time.perf_counter()
+        start = clock()
         for step in range(tokens):
             positions = torch.full((streams, 1), prompt + step)
             logits = model(next_ids, StepBatch.build(positions, 0, kv_len=prompt + step + 1), cache)
             next_ids = logits[:, -1].argmax(-1, keepdim=True)
-    return streams * tokens / (time.perf_counter() - start)
+    return streams * tokens / (clock() - start)
 
 
 def prefill_tps(model: ModelSlice, length: int = PREFILL) -> float:
     cache = model.make_cache(1, length)
     with torch.inference_mode():
         ids = torch.randint(0, model.args.vocab_size, (1, length))
-        start = time.perf_counter()
+        start = clock()
         model(ids, StepBatch.build(torch.arange(length).unsqueeze(0), 0, kv_len=length), cache, last_only=True)
-    return length / (time.perf_counter() - start)
+    return length / (clock() - start)
 
 
 @contextlib.contextmanager
@@ -123,7 +128,7 @@ def load_llama_cpp(root: Path, config: dict[str, Any], weights: dict[str, torch.
         paths["bf16"] = llama_cpp_side.write_gguf(weights, config, root / "m-bf16.gguf", "bf16")
     for kind in wanted & {"q8_0", "Q4_0"}:
         paths[kind] = llama_cpp_side.quantize(paths["f16"], root / f"m-{kind}.gguf", kind, threads)
-    return {kind: llama_cpp_side.LlamaCpp(paths[kind], threads) for kind in sorted(wanted)}
+    return {kind: llama_cpp_side.LlamaCpp(paths[kind], threads, clock) for kind in sorted(wanted)}
 
 
 def measure_ours(model: ModelSlice, tiny: ModelSlice, tokens: int) -> dict[str, float]:
@@ -151,7 +156,7 @@ def report(models: dict[str, ModelSlice], theirs: dict[str, llama_cpp_side.Llama
            results: dict[str, list[float]], args: argparse.Namespace) -> None:
     median = {key: statistics.median(values) for key, values in results.items()}
     print(f"random Llama {SHAPE}, {args.threads} threads, {args.tokens} decode tokens, {PREFILL}-token prefill, "
-          f"medians of {args.rounds} interleaved rounds (tok/s)")
+          f"medians of {args.rounds} interleaved rounds (tok/s by the {args.clock} clock)")
     print(f"{'ours':6} {'decode':>7} {'8str÷1':>7} {'prefill':>8} {'MB':>6} {'ovh%':>5} | {'llama.cpp':9} "
           f"{'decode':>7} {'prefill':>8} {'MB':>6} | {'dec÷':>5} {'pre÷':>5}")
     for name, model in models.items():
@@ -175,7 +180,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--no-llama", action="store_true", help="leave llama.cpp out even when installed")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     args = parser.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     formats = args.formats.split(",")
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="skulk-bench-engine-"))

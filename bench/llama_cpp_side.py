@@ -15,7 +15,7 @@ import contextlib
 import ctypes
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +140,8 @@ def _quiet() -> Iterator[None]:
 class LlamaCpp:
     """One GGUF loaded in llama.cpp; decode and prefill timed like ours (same prompt and token counts)."""
 
-    def __init__(self, path: Path, threads: int, n_ctx: int = 640) -> None:
+    def __init__(self, path: Path, threads: int, clock: Callable[[], float] = time.perf_counter,
+                 n_ctx: int = 640) -> None:
         import llama_cpp  # pyright: ignore[reportMissingImports]
 
         with _quiet():
@@ -148,16 +149,17 @@ class LlamaCpp:
                                        n_threads=threads, n_threads_batch=threads, verbose=False)
         self.vocab = self.llm.n_vocab()
         self.nbytes = path.stat().st_size
+        self.clock = clock
 
     def decode_tps(self, tokens: int, prompt: int = 16) -> float:
         """Greedy single-stream decode after a `prompt`-token prefill, as bench/engine.py's decode_tps."""
         rng = np.random.default_rng(0)
         self.llm.reset()
         self.llm.eval(rng.integers(0, self.vocab, prompt).tolist())
-        start = time.perf_counter()
+        start = self.clock()
         for _ in range(tokens):
             self.llm.eval([int(np.argmax(self._last_logits()))])
-        return tokens / (time.perf_counter() - start)
+        return tokens / (self.clock() - start)
 
     def _last_logits(self) -> np.ndarray:
         """The logits of the last token evaluated (llama.cpp keeps only those unless asked for all)."""
@@ -169,9 +171,9 @@ class LlamaCpp:
         rng = np.random.default_rng(1)
         ids = rng.integers(0, self.vocab, length).tolist()
         self.llm.reset()
-        start = time.perf_counter()
+        start = self.clock()
         self.llm.eval(ids)
-        return length / (time.perf_counter() - start)
+        return length / (self.clock() - start)
 
     def close(self) -> None:
         self.llm.close()

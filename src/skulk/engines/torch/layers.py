@@ -60,10 +60,14 @@ class Rope(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for positions [B, T], shaped [B, 1, T, head_dim] to broadcast over heads."""
+        """cos and sign-folded sin for positions [B, T], shaped [B, 1, T, head_dim] to broadcast over heads.
+
+        The sin's first half is negated once here, so _rotate needs no negation per call (see there)."""
         freqs = positions.unsqueeze(-1).float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin()
+        sin[..., : freqs.shape[-1]].neg_()
+        return emb.cos().to(dtype), sin.to(dtype)
 
 
 def _scale_frequencies(inv_freq: torch.Tensor, scaling: dict[str, object]) -> torch.Tensor:
@@ -85,10 +89,10 @@ def _scale_frequencies(inv_freq: torch.Tensor, scaling: dict[str, object]) -> to
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1) as roll(x) = cat(x2, x1) times a sin
+    whose first half is negated: the same products bit for bit, in 4 ops instead of 7 (48 calls a step)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class Attention(nn.Module):
