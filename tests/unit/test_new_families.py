@@ -136,7 +136,7 @@ def test_float_checkpoint_quantized_at_load(
     model = load_model(path, quantize=kind)
     if model_id == MOE:
         assert isinstance(model.layers["1"].mlp.experts[0].up_proj, QuantizedLinear)  # type: ignore[index]
-        assert not isinstance(model.layers["1"].mlp.gate, QuantizedLinear)  # the router stays float
+        assert not isinstance(model.layers["1"].mlp.gate, QuantizedLinear)  # type: ignore[union-attr]  (router stays float)
     reference = load_model(path if kind == "int8" else _int4_reference(path, tmp_path), dtype=torch.float32)
     assert relative_error(logits(model, IDS), logits(reference, IDS)) < bound
 
@@ -293,7 +293,8 @@ def _write_mlx_moe(float_dir: Path, mlx_dir: Path, reference_dir: Path, group: i
 
 def test_mlx_moe_layout_with_stacked_experts(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """mlx-community's Qwen3-MoE layout loads (stacked experts, an 8-bit router beside 4-bit experts), matches
-    its dequantized weights, and gives one rank's greedy tokens split over two tensor-parallel ranks."""
+    its dequantized weights, and gives one rank's greedy tokens split over two tensor-parallel ranks or two
+    pipeline stages."""
     _write_mlx_moe(checkpoints[MOE], tmp_path / "mlx", tmp_path / "reference")
     model = load_model(tmp_path / "mlx")
     moe = model.layers["1"].mlp
@@ -305,18 +306,37 @@ def test_mlx_moe_layout_with_stacked_experts(checkpoints: dict[str, Path], tmp_p
     with ThreadPoolExecutor(2) as pool:
         ranks = list(pool.map(_greedy, shards))
     assert ranks[0] == ranks[1] == _greedy(model)
+    assert _greedy([load_model(tmp_path / "mlx", end_layer=1), load_model(tmp_path / "mlx", start_layer=1)]) == ranks[0]
 
 
-def _greedy(model: ModelSlice, steps: int = 4, prompt: torch.Tensor = IDS[:, :8]) -> list[int]:
-    """Greedy tokens after prompt (one pass), then one token per step."""
+def _greedy(model: ModelSlice | list[ModelSlice], steps: int = 4, prompt: torch.Tensor = IDS[:, :8]) -> list[int]:
+    """Greedy tokens after prompt (one pass), then one token per step; through a chain of pipeline stages when
+    given a list."""
+    stages = model if isinstance(model, list) else [model]
     ids, pos, out = prompt, torch.arange(prompt.shape[1]).unsqueeze(0), []
-    cache = model.make_cache(1, prompt.shape[1] + steps)
+    caches = [stage.make_cache(1, prompt.shape[1] + steps) for stage in stages]
     with torch.inference_mode():
         for _ in range(steps):
-            ids = model(ids, StepBatch.build(pos, 0), cache)[:, -1].argmax(-1, keepdim=True)
+            x = ids
+            for stage, cache in zip(stages, caches, strict=True):
+                x = stage(x, StepBatch.build(pos, 0), cache)
+            ids = x[:, -1].argmax(-1, keepdim=True)
             out.append(int(ids))
             pos = pos[:, -1:] + 1
     return out
+
+
+def test_quantized_gemma_splits_give_one_ranks_tokens(gemma_4b: tuple[Path, Path], tmp_path: Path) -> None:
+    """The multimodal Gemma 3 layout packed at 4 bits: two pipeline stages and two tensor-parallel ranks give
+    one rank's greedy tokens."""
+    write_mlx(gemma_4b[1], 4, tmp_path / "mlx", tmp_path / "reference")
+    path = tmp_path / "mlx"
+    expected = _greedy(load_model(path))
+    assert _greedy([load_model(path, end_layer=3), load_model(path, start_layer=3)]) == expected
+    reduce = ThreadAllReduce(2)
+    shards = [load_model(path, tp_rank=r, tp_size=2, all_reduce=reduce.for_rank(r)) for r in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(_greedy, shards)) == [expected, expected]
 
 
 @pytest.mark.parametrize("model_id", [GEMMA, MOE])
