@@ -376,3 +376,28 @@ def test_a_transformers_5_config_reads_the_same(model_id: str, checkpoints: dict
     (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
     hub = ModelArgs.from_dir(path)
     assert ModelArgs.from_dir(tmp_path) == hub
+
+
+def test_gemma_softcapping_matches_transformers(tmp_path: Path) -> None:
+    """Gemma 3 ships softcapping off; a config that sets it (Gemma 2's 50 on attention scores, 30 on logits)
+    is honoured as transformers' eager attention does."""
+    config = {**scaled_down(GEMMA, REAL_CONFIGS[GEMMA]), "attn_logit_softcapping": 50.0,
+              "final_logit_softcapping": 30.0}
+    path = write_checkpoint(config, tmp_path / "softcapped")
+    reference = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32,
+                                                     attn_implementation="eager")
+    with torch.no_grad():
+        expected = reference(IDS).logits
+    got = logits(load_model(path, dtype=torch.float32), IDS)
+    torch.testing.assert_close(got, expected, atol=5e-4, rtol=1e-4)  # eager attention's rounding: up to 2e-4
+    assert not torch.allclose(got, logits(load_model(_without_softcaps(path, tmp_path), dtype=torch.float32), IDS))
+
+
+def _without_softcaps(path: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "uncapped"
+    out.mkdir()
+    (out / "model.safetensors").symlink_to(path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "attn_logit_softcapping": None,
+                                                 "final_logit_softcapping": None}))
+    return out
