@@ -55,6 +55,8 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, chosen = self.route(flat)
+        if flat.shape[0] == 1:
+            return self.all_reduce(self._one_token(flat, weights[0], chosen[0]).view(x.shape))
         picks = chosen.reshape(-1)
         order = picks.argsort(stable=True)
         token = order // self.top_k
@@ -69,3 +71,11 @@ class SparseMoe(nn.Module):
                 out.index_add_(0, rows, y.to(out.dtype))
                 start += count
         return self.all_reduce(out.view(x.shape))
+
+    def _one_token(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """A single-token decode: its k experts in ascending order (the order a batch sums them in), without
+        the sort, gather and scatter a batch needs."""
+        out = torch.zeros_like(flat)
+        for weight, expert in sorted(zip(weights.unbind(), chosen.tolist(), strict=True), key=lambda p: p[1]):
+            out += self.experts[expert](flat) * weight
+        return out
