@@ -117,6 +117,16 @@ def weight_bytes(model: ModelSlice) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
+def load_ours(root: Path, formats: list[str]) -> tuple[dict[str, ModelSlice], dict[str, ModelSlice]]:
+    """The 500M and the tiny model per format; f16-native shares f16's model (only the matmul path differs)."""
+    loaded: dict[str, tuple[ModelSlice, ModelSlice]] = {}
+    for base in dict.fromkeys(f.removesuffix(NATIVE) for f in formats):
+        options: dict[str, Any] = FORMATS[base]
+        loaded[base] = (load_model(root / "m", **options), load_model(root / "tiny", **options))
+    return ({f: loaded[f.removesuffix(NATIVE)][0] for f in formats},
+            {f: loaded[f.removesuffix(NATIVE)][1] for f in formats})
+
+
 def load_llama_cpp(root: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], formats: list[str],
                    threads: int) -> dict[str, llama_cpp_side.LlamaCpp]:
     """The GGUF counterpart of each of our formats that has one, loaded in llama.cpp."""
@@ -190,8 +200,7 @@ def main() -> None:
     try:
         config, weights = write_model(root / "m", SHAPE)
         write_model(root / "tiny", TINY)
-        models = {f: load_model(root / "m", **FORMATS[f.removesuffix(NATIVE)]) for f in formats}  # type: ignore[arg-type]
-        tiny = {f: load_model(root / "tiny", **FORMATS[f.removesuffix(NATIVE)]) for f in formats}  # type: ignore[arg-type]
+        models, tiny = load_ours(root, formats)
         theirs: dict[str, llama_cpp_side.LlamaCpp] = {}
         if args.no_llama:
             pass
