@@ -78,6 +78,17 @@ def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunn
         runner.flush()
         log.exception("runner %s crashed", spec.runner_id)
         sys.exit(1)
+    _leave(outbox)
+
+
+def _leave(outbox: Queue[FromRunner]) -> None:
+    """A clean stop skips the interpreter's teardown, which spends seconds collecting torch's objects on a
+    loaded machine (past the supervisor's stop grace): once the queue's feeder has written everything the
+    supervisor is owed, the process ends."""
+    outbox.close()
+    outbox.join_thread()
+    logging.shutdown()
+    os._exit(0)
 
 
 def _new_runner(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunner]) -> Runner:
