@@ -80,10 +80,11 @@ def test_prefill_and_decode_alternate_while_both_are_wanted() -> None:
 
 def test_chunks_are_sized_to_two_decode_steps_beside_running_streams() -> None:
     assert chunk_tokens(512, decoding=False, decode_s=0.04, prefill_s_per_token=0.002) == 512
-    assert chunk_tokens(512, decoding=True, decode_s=0.04, prefill_s_per_token=0.002) == 40
+    assert chunk_tokens(512, decoding=True, decode_s=0.04, prefill_s_per_token=0.002) == 30
     assert chunk_tokens(512, decoding=True, decode_s=0.04, prefill_s_per_token=0.1) == 16  # never below the floor
     assert chunk_tokens(8, decoding=True, decode_s=0.04, prefill_s_per_token=0.1) == 8  # nor above the setting
-    assert chunk_tokens(512, decoding=True, decode_s=0.0, prefill_s_per_token=0.0) == 512  # nothing measured yet
+    assert chunk_tokens(512, decoding=True, decode_s=0.0, prefill_s_per_token=0.0) == 16  # nothing measured yet
+    assert chunk_tokens(512, decoding=True, decode_s=0.04, prefill_s_per_token=0.0) == 16
 
 
 def test_reuse_takes_the_longest_shared_prefix_and_leaves_the_last_token() -> None:

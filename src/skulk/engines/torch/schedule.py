@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from .wire import StepKind
 
 MIN_CHUNK = 16  # below this a prefill chunk is all overhead; a running stream may wait one such chunk
+CHUNK_STEPS = 1.5  # a chunk beside running streams costs this many of their decode steps: their gap is ~2.5 steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +47,15 @@ def chunk_tokens(max_chunk: int, *, decoding: bool, decode_s: float, prefill_s_p
     """How many prompt tokens the next prefill chunk takes.
 
     Alone, a prompt goes in chunks of max_chunk (which bounds the attention scores' memory). Beside running
-    streams, a chunk is sized to cost about two of their decode steps, so their gap between tokens stays near
-    three steps; the costs are the scheduler's running averages, measured on this machine.
+    streams, a chunk is sized to cost CHUNK_STEPS of their decode steps, so their gap between tokens stays
+    under three steps; the costs are the scheduler's running averages, measured on this machine. Until both
+    are measured, a chunk beside running streams is the smallest: a guess could stall them for seconds.
     """
-    if not decoding or decode_s <= 0 or prefill_s_per_token <= 0:
+    if not decoding:
         return max_chunk
-    fitted = int(2 * decode_s / prefill_s_per_token)
+    if decode_s <= 0 or prefill_s_per_token <= 0:
+        return min(MIN_CHUNK, max_chunk)
+    fitted = int(CHUNK_STEPS * decode_s / prefill_s_per_token)
     return max(min(MIN_CHUNK, max_chunk), min(max_chunk, fitted))
 
 
