@@ -150,7 +150,8 @@ def run_rounds(models: dict[str, ModelSlice], tiny: dict[str, ModelSlice], their
                args: argparse.Namespace) -> dict[str, list[float]]:
     """Every measurement once per round, formats interleaved, llama.cpp's right after ours of the same width."""
     results: dict[str, list[float]] = {}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
+        print(f"round {round_ + 1} of {args.rounds}", file=sys.stderr, flush=True)
         for name, model in models.items():
             with matmuls_for(name):
                 figures = measure_ours(model, tiny[name], args.tokens)
