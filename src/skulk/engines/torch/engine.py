@@ -115,8 +115,9 @@ class TorchEngine:
         self._last_kind = StepKind.HEARTBEAT
         self._last_header = 0.0
         self._decode_s = 0.0  # rank 0: running average of a decode step
-        self._prefill_s_per_token = 0.0  # rank 0: running average of a prefill token
+        self._last_chunk: tuple[int, float] | None = None  # rank 0: (tokens, seconds) of the last prefill chunk
         self._warming = False
+        self._chunk_done = 0  # prompt tokens the last prefill step computed
         self._unseeded = torch.Generator(device=self.device).manual_seed(secrets.randbits(63))
 
     # --- the Engine protocol -------------------------------------------------------------------------------
@@ -175,7 +176,7 @@ class TorchEngine:
                 self._enter_phase("idle", "heartbeat")
                 return []
             if self.is_scheduler:
-                self._measure(header, time.perf_counter() - started)
+                self._measure(header, time.perf_counter() - started, self._chunk_done)
             return outs
 
     def warmup(self) -> None:
@@ -231,7 +232,7 @@ class TorchEngine:
         header = Header(kind, changes.adds, changes.releases)
         if kind == StepKind.PREFILL:
             chunk = chunk_tokens(self.prefill_chunk, decoding=decoding, decode_s=self._decode_s,
-                                 prefill_s_per_token=self._prefill_s_per_token)
+                                 last_chunk=self._last_chunk)
             slot, length = (-1, 0) if prefilling else choose_reuse(self._retained.values(), self._pending[0].prompt)
             header = Header(kind, changes.adds, changes.releases, chunk, slot, length)
         self.link.send_header(header)
@@ -335,14 +336,12 @@ class TorchEngine:
             if self.on_phase is not None:
                 self.on_phase(phase, event)
 
-    def _measure(self, header: Header, seconds: float) -> None:
-        """Rank 0's running averages of what a decode step and a prefill token cost (chunk sizing)."""
+    def _measure(self, header: Header, seconds: float, tokens: int) -> None:
+        """Rank 0's running average of a decode step and the last prefill chunk's cost (chunk sizing)."""
         if header.kind == StepKind.DECODE:
             self._decode_s += _EMA * (seconds - self._decode_s) if self._decode_s else seconds
-        elif header.chunk:
-            per_token = seconds / header.chunk
-            old = self._prefill_s_per_token
-            self._prefill_s_per_token = old + _EMA * (per_token - old) if old else per_token
+        elif tokens:
+            self._last_chunk = (tokens, seconds)
 
     # --- compute -------------------------------------------------------------------------------------------
 
@@ -357,6 +356,7 @@ class TorchEngine:
         ids = torch.tensor([req.prompt[start:end]], device=self.device) if self.needs_ids else None
         logits = self._forward(ids, batch, (1, end - start), last_only=True)
         req.length = end
+        self._chunk_done = end - start
         if end < len(req.prompt):
             return []
         outs = self._accept(logits, [req]) if logits is not None else []

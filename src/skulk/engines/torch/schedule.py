@@ -43,20 +43,26 @@ def next_kind(*, prefilling: bool, can_admit: bool, decoding: bool, last: StepKi
     return StepKind.DECODE if decoding else StepKind.HEARTBEAT
 
 
-def chunk_tokens(max_chunk: int, *, decoding: bool, decode_s: float, prefill_s_per_token: float) -> int:
+def chunk_tokens(
+    max_chunk: int, *, decoding: bool, decode_s: float, last_chunk: tuple[int, float] | None
+) -> int:
     """How many prompt tokens the next prefill chunk takes.
 
     Alone, a prompt goes in chunks of max_chunk (which bounds the attention scores' memory). Beside running
-    streams, a chunk is sized to cost CHUNK_STEPS of their decode steps, so their gap between tokens stays
-    under three steps; the costs are the scheduler's running averages, measured on this machine. Until both
-    are measured, a chunk beside running streams is the smallest: a guess could stall them for seconds.
+    streams, a chunk should cost CHUNK_STEPS of their decode steps, so their gap between tokens stays under
+    three steps. A chunk's cost is not proportional to its tokens (a short one is dominated by reading the
+    weights, a late one by attention over a longer context), so the size is steered by the last chunk's
+    measured time (tokens, seconds) and at most doubles from one step to the next; with nothing measured it
+    starts at the floor.
     """
     if not decoding:
         return max_chunk
-    if decode_s <= 0 or prefill_s_per_token <= 0:
-        return min(MIN_CHUNK, max_chunk)
-    fitted = int(CHUNK_STEPS * decode_s / prefill_s_per_token)
-    return max(min(MIN_CHUNK, max_chunk), min(max_chunk, fitted))
+    floor = min(MIN_CHUNK, max_chunk)
+    if decode_s <= 0 or last_chunk is None or last_chunk[1] <= 0:
+        return floor
+    tokens, seconds = last_chunk
+    fitted = int(tokens * CHUNK_STEPS * decode_s / seconds)
+    return max(floor, min(max_chunk, 2 * tokens, fitted))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
