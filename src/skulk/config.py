@@ -115,7 +115,7 @@ class Settings(BaseModel):
     """How long a rank waits on its peers in one group op before it fails (a killed or frozen peer)."""
     prefill_chunk_tokens: int = Field(default=512, ge=16, le=65536)
     """The most prompt tokens one prefill step computes. Beside running streams the engine takes smaller chunks
-    (about one and a half of their decode steps), so a long prompt never stalls them for its whole prefill."""
+    (about one of their decode steps), so a long prompt never stalls them for its whole prefill."""
     runner_restart_budget: int = Field(default=3, ge=0)
     """Restarts of one runner (or of a multi-rank instance as a whole) allowed within the window below."""
     runner_restart_window_seconds: float = Field(default=60.0, gt=0)

@@ -78,12 +78,12 @@ def test_prefill_and_decode_alternate_while_both_are_wanted() -> None:
     assert next_kind(prefilling=False, can_admit=False, decoding=False, last=StepKind.DECODE) == StepKind.HEARTBEAT
 
 
-def test_chunks_are_steered_to_one_and_a_half_decode_steps_beside_running_streams() -> None:
+def test_chunks_are_steered_to_one_decode_step_beside_running_streams() -> None:
     assert chunk_tokens(512, decoding=False, decode_s=0.04, last_chunk=(16, 0.01)) == 512
     assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=None) == 16  # nothing measured yet
     assert chunk_tokens(512, decoding=True, decode_s=0.0, last_chunk=(16, 0.01)) == 16
     assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=(16, 0.01)) == 32  # at most doubles
-    assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=(100, 0.1)) == 60  # 0.06 s at 1 ms/token
+    assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=(100, 0.1)) == 40  # 0.04 s at 1 ms/token
     assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=(512, 2.0)) == 16  # never below the floor
     assert chunk_tokens(8, decoding=True, decode_s=0.04, last_chunk=(8, 0.001)) == 8  # nor above the setting
 

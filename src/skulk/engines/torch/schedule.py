@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .wire import StepKind
 
 MIN_CHUNK = 16  # below this a prefill chunk is all overhead; a running stream may wait one such chunk
-CHUNK_STEPS = 1.5  # a chunk beside running streams costs this many of their decode steps: their gap is ~2.5 steps
+CHUNK_STEPS = 1.0  # a chunk beside running streams costs this many of their decode steps: their gap is ~2 steps
 
 
 @dataclass(frozen=True, slots=True)
