@@ -463,9 +463,11 @@ class Runner:
             task_id = TaskId(event.request_id)
             ids: dict[str, Any] = dict(task_id=task_id, command_id=event.command_id)
             if isinstance(event, Started):  # the slot is taken: its prefill starts from any reused prefix
+                # reported after the step that took it: the rank is back in the phase it is really in
+                current = self.recorder.phase
                 hit = "prefix_hit" if event.reused_tokens else "prefix_miss"
                 self.recorder.record("kv_cache_lookup", hit, reused_tokens=event.reused_tokens, **ids)
-                self.recorder.record("prefill_stream", "prefill_started", **ids)
+                self.recorder.record(current, "prefill_started", **ids)
                 continue
             if isinstance(event, Admitted):
                 if task_id in self.active:
