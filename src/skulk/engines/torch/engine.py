@@ -310,6 +310,8 @@ class TorchEngine:
         """Move the first pending request into the next slot, starting from a retained prefix if named."""
         slot = len(self._running)
         source, length = header.reuse_slot, header.reuse_length
+        if source == -1 and length:
+            raise WireError(f"header reuses {length} positions from no slot")
         if source != -1:
             entry = self._retained.get(source)
             if entry is None or not 0 < length <= entry.length:
