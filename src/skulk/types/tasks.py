@@ -36,7 +36,9 @@ class ChatCompletionTaskParams(CamelModel):
     """The tools offered (OpenAI's `tools`), rendered by the model's chat template."""
 
 
-class ChatCompletion(TaggedModel):
+class _TaskFields(TaggedModel):
+    """What every task kind carries in state; each kind adds its runner-local payload."""
+
     task_id: TaskId
     command_id: CommandId
     instance_id: InstanceId
@@ -44,12 +46,15 @@ class ChatCompletion(TaggedModel):
     model: ModelId
     origin_node_id: NodeId | None = None
     """The API node that took the request and holds its payload."""
-    task_params: ChatCompletionTaskParams | None = Field(default=None, exclude=True)
-    """Runner-local: the worker attaches the payload it fetched before handing the task to its runner.
-    Excluded from every serialisation, so no event, snapshot or /state can carry a prompt even by mistake."""
     error_message: str | None = None
     traced: bool = False
     """Tracing was on when the master created the task: every rank records spans for it (runbook 004)."""
+
+
+class ChatCompletion(_TaskFields):
+    task_params: ChatCompletionTaskParams | None = Field(default=None, exclude=True)
+    """Runner-local: the worker attaches the payload it fetched before handing the task to its runner.
+    Excluded from every serialisation, so no event, snapshot or /state can carry a prompt even by mistake."""
 
 
 class EmbeddingTaskParams(CamelModel):
@@ -62,20 +67,12 @@ class EmbeddingTaskParams(CamelModel):
     """Cut an input longer than the model's positions (Ollama's default) instead of refusing it."""
 
 
-class TextEmbedding(TaggedModel):
+class TextEmbedding(_TaskFields):
     """An embedding request for an instance of an embedding model; one runner answers it with one
     EmbeddingChunk. Same life in state as a ChatCompletion."""
 
-    task_id: TaskId
-    command_id: CommandId
-    instance_id: InstanceId
-    task_status: TaskStatus = TaskStatus.Pending
-    model: ModelId
-    origin_node_id: NodeId | None = None
     task_params: EmbeddingTaskParams | None = Field(default=None, exclude=True)
     """Runner-local, as ChatCompletion.task_params."""
-    error_message: str | None = None
-    traced: bool = False
 
 
 Task = Annotated[
