@@ -81,7 +81,7 @@ def rank_main(spec: RunnerSpec, results: Any, hang_after_warmup: bool) -> None:
         spec.model_dir, rank=group.rank, world_size=group.world_size,
         kind="tensor" if spec.sharding == Sharding.Tensor else "pipeline",
         start_layer=spec.shard.start_layer, end_layer=spec.shard.end_layer, control_group=group.control,
-        max_seq=512,
+        max_seq=512, prefill_chunk=4,  # every prompt spans several chunks, interleaved with decodes in a batch
     )
     group.wait_all_loaded(60)
     engine.warmup()
