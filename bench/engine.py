@@ -8,7 +8,8 @@ kernels, bf16 activations). For each format, interleaved over --rounds so noise 
   prefill tok/s of a 512-token prompt
   weight bytes in memory
   per-step Python overhead: the decode step time of a model with the same structure and tiny weights (hidden 64,
-  ffn 64, vocab 256: the same ~ops per step, next to no arithmetic) as a % of the 500M step  (target < 5 %)
+  ffn 64, vocab 256, head_dim 8: the same ops per step, next to no arithmetic) as a % of the 500M step
+  (target < 5 %)
 When llama-cpp-python and gguf are installed (not dependencies:
   CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install llama-cpp-python gguf ), the same checkpoint is converted
 to GGUF f16, bf16, q8_0 and Q4_0 (bench/llama_cpp_side.py) and llama.cpp's decode (greedy, single stream, same
@@ -46,7 +47,7 @@ from skulk.engines.torch.model import ModelSlice
 
 SHAPE = {"vocab_size": 32768, "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
          "num_key_value_heads": 8, "intermediate_size": 4864}
-TINY = {**SHAPE, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64}
+TINY = {**SHAPE, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "head_dim": 8}
 FORMATS = {"f32": {"dtype": "float32"}, "f16": {"dtype": "float16"}, "bf16": {"dtype": "bfloat16"},
            "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"}}
 NATIVE = "-native"
@@ -114,7 +115,10 @@ def matmuls_for(name: str) -> Iterator[None]:
 
 
 def weight_bytes(model: ModelSlice) -> int:
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    """Bytes of distinct storage (a stacked q/k/v and the q_proj/k_proj/v_proj views of it count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers())}
+    return sum(storages.values())
 
 
 def load_ours(root: Path, formats: list[str]) -> tuple[dict[str, ModelSlice], dict[str, ModelSlice]]:

@@ -26,6 +26,7 @@ class StepBatch:
     positions: torch.Tensor  # [B, T]
     mask: torch.Tensor  # [B, 1, T, kv_len] bool
     kv_len: int
+    window: int = 0  # a sliding-window layer's batch: each token sees its last `window` keys only (0: all)
 
     @classmethod
     def build(cls, positions: torch.Tensor, slot_start: int, kv_len: int | None = None) -> StepBatch:

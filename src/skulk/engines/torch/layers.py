@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels, matmul, quant
 from .cache import LayerCache, StepBatch
 from .config import ModelArgs
 from .matmul import Linear
+from .quant import QuantizedLinear
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -37,6 +39,8 @@ class RMSNorm(nn.Module):
         self.eps, self.unit_offset = eps, unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype and cpu_kernels.handles(x) and cpu_kernels.available():
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
         if self.unit_offset:
             return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float() + 1.0, self.eps).to(x.dtype)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
@@ -112,25 +116,40 @@ class Attention(nn.Module):
         self.scale = args.query_pre_attn_scalar**-0.5 if args.query_pre_attn_scalar else None
         self.softcap = args.attn_logit_softcapping
         self.all_reduce = all_reduce
+        self.qkv: nn.Module | None = None  # q, k and v stacked (fuse_projections), when they can be
+        self.sizes = [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim]
 
     def forward(
         self, x: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split(self.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
         keys, values = cache.update(k, v, batch)
-        if self.softcap:
+        if t == 1 and not self.softcap and _decode_kernel(q, keys):
+            out = cpu_kernels.decode_attention(q, cache.keys[batch.slots], cache.values[batch.slots], batch.positions,
+                                               batch.window, self.scale or self.head_dim**-0.5)
+        elif self.softcap:
             out = _softcapped_attention(q, keys, values, batch.mask, self.scale, self.softcap)
         else:
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=batch.mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
             )
         return self.all_reduce(self.o_proj(out.transpose(1, 2).reshape(b, t, -1)))
+
+
+def _decode_kernel(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """True when a decode step's attention runs on cpu_kernels.decode_attention: one fused loop per head instead
+    of scaled_dot_product_attention's ~100 us of setup per call, the same softmax in f32."""
+    return (q.dtype == keys.dtype and q.shape[-1] % 8 == 0 and cpu_kernels.handles(q) and cpu_kernels.available())
 
 
 def _softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -154,11 +173,16 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, args.hidden_size, bias=False)
         self.gelu = args.is_gemma  # Gemma's gate is GELU (tanh approximation), everyone else's SiLU
         self.all_reduce = all_reduce
+        self.gate_up: nn.Module | None = None  # gate and up stacked (fuse_projections), when they can be
+        self.inter = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.all_reduce(self.down_proj(gate * self.up_proj(x)))
+        return self.all_reduce(self.down_proj(gate * up))
 
 
 class DecoderLayer(nn.Module):
@@ -180,3 +204,22 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), batch, rope, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Stack each attention's q/k/v and each MLP's gate/up into one linear (same math, the parts' outputs side
+    by side): per layer three matmul calls instead of five, which is most of a decode step's per-call overhead
+    on the CPU. Parts that cannot stack (different dtypes or layouts) stay separate."""
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            module.qkv = _stacked([module.q_proj, module.k_proj, module.v_proj])
+        elif isinstance(module, MLP):
+            module.gate_up = _stacked([module.gate_proj, module.up_proj])
+
+
+def _stacked(parts: list[nn.Module]) -> nn.Module | None:
+    if all(type(p) is Linear for p in parts):
+        return matmul.stack_rows(parts)  # type: ignore[arg-type]
+    if all(isinstance(p, QuantizedLinear) for p in parts):
+        return quant.stack_rows(parts)  # type: ignore[arg-type]
+    return None

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import ModelArgs, parse_dtype
-from .layers import AllReduce
+from .layers import AllReduce, fuse_projections
 from .model import ModelSlice, tp_split_dim
 from .quant import (
     QuantizedEmbedding,
@@ -70,6 +70,7 @@ def load_model(
         expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if t.is_meta}
         tensors = _read_tensors(model_dir.name, names, expected, args, tp_rank, tp_size, torch.device(device))
     model.load_state_dict(tensors, strict=False, assign=True)
+    fuse_projections(model)
     return model.eval().requires_grad_(False)
 
 
@@ -194,6 +195,8 @@ def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpe
             build = _packed_linear if quant.prequantized else _quantized_float_linear
             replacement = build(names, base, dim, split, quant, bias)
         if replacement is not None:
+            if isinstance(replacement, QuantizedLinear) and isinstance(module, nn.Linear):
+                replacement.out_dtype = getattr(module, "out_dtype", None)
             model.set_submodule(name, replacement)
 
 

@@ -25,6 +25,9 @@ from .moe import SparseMoe
 
 _COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _ROW_SPLIT = re.compile(r"\.(o_proj|down_proj)\.weight$")
+_PARTIAL_SUM = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)$")
+"""Row-split projections whose per-rank partial sums the all_reduce adds in float32 (a MoE's experts add theirs
+into one buffer in the activations' dtype)."""
 
 
 def tp_split_dim(param_name: str) -> int | None:
@@ -54,7 +57,7 @@ class ModelSlice(nn.Module):
         self.args, self.start_layer, self.end_layer = args, start_layer, end
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.is_first, self.is_last = start_layer == 0, end == args.num_hidden_layers
-        reduce = all_reduce if all_reduce is not None else identity
+        reduce = _rounded(all_reduce, args.dtype) if all_reduce is not None and tp_size > 1 else identity
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size) if self.is_first else None
             self.layers = nn.ModuleDict(
@@ -62,6 +65,10 @@ class ModelSlice(nn.Module):
             )
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.is_gemma) if self.is_last else None
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if self.is_last else None
+        if tp_size > 1:
+            for name, module in self.named_modules():
+                if _PARTIAL_SUM.search(name) and isinstance(module, Linear):
+                    module.out_dtype = torch.float32
         self.rope = Rope(args, device)
         local_layers = any(args.is_sliding(i) for i in range(start_layer, end))
         self.windowed = local_layers and args.sliding_window is not None
@@ -106,7 +113,17 @@ class ModelSlice(nn.Module):
         window = self.args.sliding_window or 0
         keys = torch.arange(batch.kv_len, device=batch.positions.device).view(1, 1, 1, -1)
         near = keys > batch.positions.unsqueeze(1).unsqueeze(-1) - window
-        return dataclasses.replace(batch, mask=near & batch.mask)
+        return dataclasses.replace(batch, mask=near & batch.mask, window=window)
+
+
+def _rounded(all_reduce: AllReduce, dtype: torch.dtype) -> AllReduce:
+    """The all_reduce a tensor-parallel slice's layers call: it adds float32 partial sums and rounds the total
+    to the activations' dtype once, so a split model rounds where the whole one does."""
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(x).to(dtype)
+
+    return reduce
 
 
 def make_layer(args: ModelArgs, index: int, tp_size: int, reduce: AllReduce) -> nn.Module:

@@ -3,12 +3,14 @@ quantized at load.
 
 MLX's affine format stores each quantized matrix as packed `uint32` words (`weight`, 32/bits values per word,
 lowest bits first) with one `scales` and one `biases` entry per group of `group_size` input columns:
-w = scales * q + biases. Matmuls run on torch's weight-only CPU kernels, never on a dequantized matrix:
-- 4-bit: `_weight_int4pack_mm_for_cpu`, which computes w = (q - 8) * scale + zero per group, so an MLX group
-  maps onto it exactly with zero = biases + 8 * scales;
-- 8-bit: `_weight_int8pack_mm`, which takes one symmetric scale per output row; MLX's 8-bit groups are
-  dequantized once at load and requantized per row (a small extra error, bounded by the tests).
-Both kernels want bfloat16 activations, so a quantized model computes in bfloat16.
+w = scales * q + biases. Matmuls run on weight-only kernels, never on a dequantized matrix:
+- ours (cpu_kernels.py, wherever they load): MLX's groups kept as they ship (the packed bytes, f16 scales and
+  biases; 8-bit values stored as q - 128 with the 128 folded into the biases), any activation dtype;
+- else torch's: 4-bit `_weight_int4pack_mm_for_cpu`, which computes w = (q - 8) * scale + zero per group, so
+  an MLX group maps onto it exactly with zero = biases + 8 * scales; 8-bit `_weight_int8pack_mm`, which takes
+  one symmetric scale per output row (MLX's groups are dequantized once at load and requantized per row, a small
+  extra error bounded by the tests). Both want bfloat16 activations.
+A quantized model computes in bfloat16 either way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import cpu_kernels
 
 INT4_ROWS = 16
 """torch's int4 packing needs the output dimension in multiples of 16; other sizes are zero-padded."""
@@ -111,26 +115,38 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, grou
 
 # --- modules ----------------------------------------------------------------------------------------------------
 class QuantizedLinear(nn.Module):
-    """y = x @ w.T (+ bias) on a weight-only kernel; activations go in and come out as bfloat16."""
+    """y = x @ w.T (+ bias) on a weight-only kernel. `kernel`: the layout is ours (weight: packed bytes [N, K * bits
+    / 8], params: f16 scales and biases [2, N, K / group], bias f32); else torch's (weight: int4pack or int8 rows,
+    params: int4 scales and zeros [K/group, N, 2] or int8 row scales [N], bias bf16)."""
 
     def __init__(self, bits: int, group: int, out_features: int, weight: torch.Tensor, params: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, *, kernel: bool = False) -> None:
         super().__init__()
-        self.bits, self.group, self.out_features = bits, group, out_features
+        self.bits, self.group, self.out_features, self.kernel = bits, group, out_features, kernel
+        self._matrix: cpu_kernels.QuantMatrix | None = None
         self.weight: torch.Tensor
         self.params: torch.Tensor
         self.register_buffer("weight", weight)
-        self.register_buffer("params", params)  # int4: scales and zeros [K/group, N, 2]; int8: scales [N]
+        self.register_buffer("params", params)
+        if bias is not None:
+            bias = bias.float() if kernel else bias.to(torch.bfloat16)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     @classmethod
     def from_affine(cls, q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
                     bias: torch.Tensor | None = None) -> QuantizedLinear:
         """From MLX-style groups (q [N, K] values, scales/biases [N, K/group])."""
+        n = q.shape[0]
+        if _kernel_fits(group):
+            if bits == 4:
+                packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # MLX's words, byte by byte
+            else:
+                packed = (q.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+                biases = biases.float() + 128 * scales.float()
+            params = torch.stack([scales.to(torch.float16), biases.to(torch.float16)]).contiguous()
+            return cls(bits, group, n, packed.contiguous(), params, bias, kernel=True)
         if bits == 8:
             return cls.int8_from_float(dequantize(q, scales, biases, group), group, bias)
-        n = q.shape[0]
-        bias = bias.to(torch.bfloat16) if bias is not None else None
         pad = -n % INT4_ROWS
         q32, scales, zeros = q.to(torch.int32), scales.float(), biases.float() + 8 * scales.float()
         if pad:  # padded rows are zero weights: q = 8 with scale 0 and zero 0
@@ -142,14 +158,23 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def int8_from_float(cls, w: torch.Tensor, group: int, bias: torch.Tensor | None = None) -> QuantizedLinear:
-        """One symmetric int8 scale per output row, the layout torch's int8 kernel takes."""
+        """8-bit from a float matrix: MLX-style groups for our kernel, else one symmetric scale per output row
+        (the layout torch's int8 kernel takes)."""
+        if _kernel_fits(group):
+            return cls.from_affine(*affine_quantize(w, 8, group), 8, group, bias)
         w = w.float()
         row_scale = (w.abs().amax(-1) / 127).clamp(min=1e-8)
         w8 = (w / row_scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-        bias = bias.to(torch.bfloat16) if bias is not None else None
         return cls(8, group, w.shape[0], w8, row_scale.to(torch.bfloat16), bias)
 
+    out_dtype: torch.dtype | None = None
+    """As matmul.Linear's: float32 partial sums on a tensor-parallel rank's o_proj/down_proj."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            if self._matrix is None:
+                self._matrix = cpu_kernels.QuantMatrix(self.weight, self.params, self.bits, self.group, self.bias)
+            return self._matrix(x, self.out_dtype)
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         if self.bits == 4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, self.group, self.params)
@@ -158,7 +183,35 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.params)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features).to(self.out_dtype or x.dtype)
+
+
+def stack_rows(parts: list[QuantizedLinear]) -> QuantizedLinear | None:
+    """One linear whose output is the parts' outputs side by side (q/k/v, gate/up), sharing one call; the parts'
+    buffers become views of it, so no memory is added. None when the parts are not all in our layout with the
+    same bits and group."""
+    first = parts[0]
+    if not all(p.kernel and (p.bits, p.group) == (first.bits, first.group) for p in parts):
+        return None
+    if len({p.bias is None for p in parts}) != 1:
+        return None
+    weight = torch.cat([p.weight for p in parts])
+    params = torch.cat([p.params for p in parts], dim=1)
+    bias = torch.cat([p.bias for p in parts]) if first.bias is not None else None  # type: ignore[misc]
+    fused = QuantizedLinear(first.bits, first.group, weight.shape[0], weight, params, bias, kernel=True)
+    start = 0
+    for part in parts:
+        rows = slice(start, start + part.out_features)
+        part.weight, part.params, part._matrix = weight[rows], params[:, rows], None
+        if part.bias is not None and fused.bias is not None:
+            part.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
+        start += part.out_features
+    return fused
+
+
+def _kernel_fits(group: int) -> bool:
+    """Our kernels take groups of 32 columns up to MAX_GROUP; they run where they load."""
+    return group % 32 == 0 and group <= cpu_kernels.MAX_GROUP and cpu_kernels.available()
 
 
 class QuantizedEmbedding(nn.Module):

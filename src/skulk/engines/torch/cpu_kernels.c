@@ -1,0 +1,368 @@
+/* Matrix-vector kernels for decode steps on x86 CPUs with AVX2, FMA and F16C (engines/torch/cpu_kernels.py
+ * compiles and loads this file; it is plain C with no Python or torch headers, so it builds in about a second).
+ *
+ * y[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n]) for a few rows r of activations x and a weight matrix w
+ * stored [N, K] as the checkpoint has it:
+ *   skulk_half_mv   w in f16 or bf16, widened to f32 as it streams past and multiplied with f32 activations;
+ *   skulk_quant_mv  w in MLX's affine layout (4 or 8 bits per value, one f16 scale and bias per group of
+ *                   `group` columns: w = scale * q + bias). Each activation row is quantized to int8 per group
+ *                   (symmetric, one f32 scale), the group's dot product runs in integers (maddubs), and
+ *                   scale * x_scale * dot(q, x_q) + bias * x_scale * sum(x_q) gives the group's contribution.
+ * Activations (xtype) and outputs (ytype) are f32, f16 or bf16, converted at the edges so the caller allocates
+ * nothing. Every weight byte is read once per call however many rows there are (rows are tiled inside a
+ * block of weight rows), which is what makes a batched decode step cost about what a single one does.
+ * Work is split across output rows with OpenMP; loaded into a process that has torch, this shares torch's
+ * OpenMP runtime (same soname), so torch.set_num_threads governs it too.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2 };
+#define BLOCK_N 32    /* weight rows per unit of parallel work */
+#define HALF_TILE 8   /* activation rows per pass over a weight row, float kernels */
+#define QUANT_TILE 4  /* the same for quantized kernels (two accumulators per row must stay in registers) */
+
+static __thread void *scratch_buf;
+static __thread size_t scratch_len;
+
+static void *scratch(size_t bytes) {
+    if (bytes > scratch_len) {
+        free(scratch_buf);
+        scratch_len = (bytes + 4095) & ~(size_t)4095;
+        scratch_buf = aligned_alloc(64, scratch_len);
+    }
+    return scratch_buf;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static void row_to_f32(const void *x, int type, int n, float *out) {
+    int k = 0;
+    if (type == T_F32) {
+        memcpy(out, x, (size_t)n * 4);
+    } else if (type == T_F16) {
+        const uint16_t *h = x;
+        for (; k + 8 <= n; k += 8) _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + k))));
+        for (; k < n; k++) out[k] = _cvtsh_ss(h[k]);
+    } else {
+        const uint16_t *h = x;
+        for (; k < n; k++) out[k] = bf16_to_f32(h[k]);
+    }
+}
+
+static inline void store(void *y, int type, size_t at, float v) {
+    if (type == T_F32) ((float *)y)[at] = v;
+    else if (type == T_F16) ((uint16_t *)y)[at] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+    else ((uint16_t *)y)[at] = f32_to_bf16(v);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+static inline size_t type_size(int type) { return type == T_F32 ? 4 : 2; }
+
+static void finish(const float *acc, int rows, int n, const float *bias, void *y, int ytype) {
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < n; i++) store(y, ytype, (size_t)r * n + i, acc[(size_t)r * n + i] + (bias ? bias[i] : 0.0f));
+}
+
+/* ---- f16 / bf16 weights ------------------------------------------------------------------------------------- */
+static inline __m256 load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256 load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* R rows of x against weight rows [n0, n1); U independent accumulators per row keep the FMA pipes busy when R is
+ * small. Instantiated per (R, U, dtype) so every loop below unrolls into registers. */
+#define HALF_KERNEL(NAME, LOAD, R, U)                                                                            \
+    static void NAME(const uint16_t *w, int n0, int n1, int K, int N, const float *x, float *out) {             \
+        for (int n = n0; n < n1; n++) {                                                                        \
+            const uint16_t *wr = w + (size_t)n * K;                                                            \
+            __m256 acc[R][U];                                                                                  \
+            for (int r = 0; r < R; r++)                                                                        \
+                for (int u = 0; u < U; u++) acc[r][u] = _mm256_setzero_ps();                                   \
+            int k = 0;                                                                                         \
+            for (; k + 8 * U <= K; k += 8 * U)                                                                 \
+                for (int u = 0; u < U; u++) {                                                                  \
+                    __m256 wv = LOAD(wr + k + 8 * u);                                                          \
+                    for (int r = 0; r < R; r++)                                                                \
+                        acc[r][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)r * K + k + 8 * u), acc[r][u]); \
+                }                                                                                              \
+            for (; k + 8 <= K; k += 8) {                                                                       \
+                __m256 wv = LOAD(wr + k);                                                                      \
+                for (int r = 0; r < R; r++)                                                                    \
+                    acc[r][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)r * K + k), acc[r][0]);        \
+            }                                                                                                  \
+            for (int r = 0; r < R; r++) {                                                                      \
+                for (int u = 1; u < U; u++) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][u]);                   \
+                float s = hsum(acc[r][0]);                                                                     \
+                for (int j = k; j < K; j++) s += x[(size_t)r * K + j] * (LOAD == load_f16 ? _cvtsh_ss(wr[j]) : bf16_to_f32(wr[j])); \
+                out[(size_t)r * N + n] = s;                                                                    \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+
+#define HALF_FAMILY(T, LOAD)                                                                                     \
+    HALF_KERNEL(half_##T##_1, LOAD, 1, 4)                                                                      \
+    HALF_KERNEL(half_##T##_2, LOAD, 2, 2)                                                                      \
+    HALF_KERNEL(half_##T##_3, LOAD, 3, 2)                                                                      \
+    HALF_KERNEL(half_##T##_4, LOAD, 4, 1)                                                                      \
+    HALF_KERNEL(half_##T##_5, LOAD, 5, 1)                                                                      \
+    HALF_KERNEL(half_##T##_6, LOAD, 6, 1)                                                                      \
+    HALF_KERNEL(half_##T##_7, LOAD, 7, 1)                                                                      \
+    HALF_KERNEL(half_##T##_8, LOAD, 8, 1)                                                                      \
+    static void (*const half_##T[HALF_TILE + 1])(const uint16_t *, int, int, int, int, const float *, float *) = { \
+        0, half_##T##_1, half_##T##_2, half_##T##_3, half_##T##_4, half_##T##_5, half_##T##_6, half_##T##_7, half_##T##_8};
+
+HALF_FAMILY(f16, load_f16)
+HALF_FAMILY(bf16, load_bf16)
+
+void skulk_half_mv(const uint16_t *w, int wtype, int N, int K, const void *x, int xtype, int R, const float *bias,
+                   void *y, int ytype) {
+    float *xf = scratch(((size_t)R * K + (size_t)R * N) * sizeof(float));
+    float *acc = xf + (size_t)R * K;
+    for (int r = 0; r < R; r++) row_to_f32((const char *)x + (size_t)r * K * type_size(xtype), xtype, K, xf + (size_t)r * K);
+    void (*const *family)(const uint16_t *, int, int, int, int, const float *, float *) = wtype == T_F16 ? half_f16 : half_bf16;
+    int blocks = (N + BLOCK_N - 1) / BLOCK_N;
+#pragma omp parallel for schedule(static) if ((size_t)N * K >= (1u << 18))
+    for (int b = 0; b < blocks; b++) {
+        int n0 = b * BLOCK_N, n1 = n0 + BLOCK_N < N ? n0 + BLOCK_N : N;
+        for (int r0 = 0; r0 < R; r0 += HALF_TILE) {
+            int rows = R - r0 < HALF_TILE ? R - r0 : HALF_TILE;
+            family[rows](w, n0, n1, K, N, xf + (size_t)r0 * K, acc + (size_t)r0 * N);
+        }
+    }
+    finish(acc, R, N, bias, y, ytype);
+}
+
+/* ---- MLX affine 4- and 8-bit weights ------------------------------------------------------------------------ */
+/* Each row of x becomes int8 values (xq), one scale (xs) and the sum of its quantized values (xsum) per group. For 4 bits the
+ * 32 values of each 32-column chunk are stored evens first, then odds: a weight byte holds columns 2j (low
+ * nibble) and 2j+1 (high), so the low nibbles of 16 bytes line up with the first half and the high ones with the
+ * second, and the weights need no reordering. */
+static void quantize_rows(const float *xf, int R, int K, int group, int bits, int8_t *xq, float *xs, float *xsum) {
+    int groups = K / group;
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < groups; g++) {
+            const float *v = xf + (size_t)r * K + (size_t)g * group;
+            float amax = 0.0f;
+            for (int i = 0; i < group; i++) {
+                float a = v[i] < 0 ? -v[i] : v[i];
+                amax = a > amax ? a : amax;
+            }
+            float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
+            int8_t *q = xq + (size_t)r * K + (size_t)g * group;
+            int sum = 0;
+            for (int i = 0; i < group; i++) {
+                int at = bits == 4 ? (i & ~31) + ((i & 1) ? 16 + ((i & 31) >> 1) : (i & 31) >> 1) : i;
+                q[at] = (int8_t)__builtin_lrintf(v[i] * inv);
+                sum += q[at];
+            }
+            xs[(size_t)r * groups + g] = d;
+            xsum[(size_t)r * groups + g] = d * (float)sum; /* of the quantized values, so the rounding error
+                                                              meets w = scale * q + bias, not scale * q alone */
+        }
+}
+
+#define QUANT_KERNEL(NAME, R, BITS)                                                                              \
+    static void NAME(const uint8_t *w, const uint16_t *scales, const uint16_t *biases, int group, int n0, int n1, \
+                     int K, int N, const int8_t *xq, const float *xs, const float *xsum, float *out) {             \
+        const int groups = K / group, chunks = group / 32;                                                     \
+        const size_t row_bytes = (size_t)K * BITS / 8;                                                         \
+        const __m256i ones = _mm256_set1_epi16(1);                                                             \
+        const __m128i low = _mm_set1_epi8(0x0f);                                                               \
+        for (int n = n0; n < n1; n++) {                                                                        \
+            const uint8_t *wr = w + (size_t)n * row_bytes;                                                     \
+            __m256 acc[R];                                                                                     \
+            float bsum[R];                                                                                     \
+            for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), bsum[r] = 0.0f;                          \
+            for (int g = 0; g < groups; g++) {                                                                 \
+                __m256i dot[R];                                                                                \
+                for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();                                   \
+                for (int c = 0; c < chunks; c++) {                                                             \
+                    const size_t col = (size_t)g * group + (size_t)c * 32;                                     \
+                    if (BITS == 4) {                                                                           \
+                        __m128i b = _mm_loadu_si128((const __m128i *)(wr + col / 2));                          \
+                        __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low)); \
+                        for (int r = 0; r < R; r++) /* 15 * 127 * 2 per lane, 8 chunks at most: fits int16 */   \
+                            dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + col)))); \
+                    } else {                                                                                   \
+                        __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + col));                          \
+                        __m256i aw = _mm256_abs_epi8(wv);                                                      \
+                        for (int r = 0; r < R; r++) {                                                          \
+                            __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + col)), wv); \
+                            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones)); \
+                        }                                                                                      \
+                    }                                                                                          \
+                }                                                                                              \
+                const float sc = _cvtsh_ss(scales[(size_t)n * groups + g]), bi = _cvtsh_ss(biases[(size_t)n * groups + g]); \
+                for (int r = 0; r < R; r++) {                                                                  \
+                    __m256i d32 = BITS == 4 ? _mm256_madd_epi16(dot[r], ones) : dot[r];                        \
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_set1_ps(sc * xs[(size_t)r * groups + g]), acc[r]); \
+                    bsum[r] += bi * xsum[(size_t)r * groups + g];                                               \
+                }                                                                                              \
+            }                                                                                                  \
+            for (int r = 0; r < R; r++) out[(size_t)r * N + n] = hsum(acc[r]) + bsum[r];                       \
+        }                                                                                                      \
+    }
+
+typedef void (*quant_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int, int, int, int, int, const int8_t *,
+                         const float *, const float *, float *);
+QUANT_KERNEL(q4_1, 1, 4)
+QUANT_KERNEL(q4_2, 2, 4)
+QUANT_KERNEL(q4_3, 3, 4)
+QUANT_KERNEL(q4_4, 4, 4)
+QUANT_KERNEL(q8_1, 1, 8)
+QUANT_KERNEL(q8_2, 2, 8)
+QUANT_KERNEL(q8_3, 3, 8)
+QUANT_KERNEL(q8_4, 4, 8)
+static const quant_fn q4[QUANT_TILE + 1] = {0, q4_1, q4_2, q4_3, q4_4};
+static const quant_fn q8[QUANT_TILE + 1] = {0, q8_1, q8_2, q8_3, q8_4};
+
+/* bits 4: w holds K/2 bytes per row, low nibble first; bits 8: K signed bytes per row (q - 128, the caller folds
+ * the 128 into biases). K must be a multiple of group, group a multiple of 32 and at most 256. */
+void skulk_quant_mv(const uint8_t *w, const uint16_t *scales, const uint16_t *biases, int bits, int group, int N, int K,
+                    const void *x, int xtype, int R, const float *bias, void *y, int ytype) {
+    const int groups = K / group;
+    size_t floats = (size_t)R * K + (size_t)R * N + 2 * (size_t)R * groups;
+    float *xf = scratch(floats * sizeof(float) + (size_t)R * K + 64);
+    float *acc = xf + (size_t)R * K, *xs = acc + (size_t)R * N, *xsum = xs + (size_t)R * groups;
+    int8_t *xq = (int8_t *)(xsum + (size_t)R * groups);
+    for (int r = 0; r < R; r++) row_to_f32((const char *)x + (size_t)r * K * type_size(xtype), xtype, K, xf + (size_t)r * K);
+    quantize_rows(xf, R, K, group, bits, xq, xs, xsum);
+    const quant_fn *family = bits == 4 ? q4 : q8;
+    int blocks = (N + BLOCK_N - 1) / BLOCK_N;
+#pragma omp parallel for schedule(static) if ((size_t)N * K >= (1u << 18))
+    for (int b = 0; b < blocks; b++) {
+        int n0 = b * BLOCK_N, n1 = n0 + BLOCK_N < N ? n0 + BLOCK_N : N;
+        for (int r0 = 0; r0 < R; r0 += QUANT_TILE) {
+            int rows = R - r0 < QUANT_TILE ? R - r0 : QUANT_TILE;
+            family[rows](w, scales, biases, group, n0, n1, K, N, xq + (size_t)r0 * K, xs + (size_t)r0 * groups,
+                         xsum + (size_t)r0 * groups, acc + (size_t)r0 * N);
+        }
+    }
+    finish(acc, R, N, bias, y, ytype);
+}
+
+/* ---- RMSNorm ------------------------------------------------------------------------------------------------ */
+static inline float round_to(float v, int type) {
+    if (type == T_F16) return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+    if (type == T_BF16) return bf16_to_f32(f32_to_bf16(v));
+    return v;
+}
+
+/* out = weight * round(x * rsqrt(mean(x^2) + eps)) as transformers' Llama computes it (normalise in f32, round to
+ * the activations' dtype, then multiply), or with unit_offset Gemma's round(x * rsqrt(...) * (1 + weight)). */
+void skulk_rms_norm(const void *x, int xtype, int rows, int n, const void *weight, int wtype, float eps,
+                    int unit_offset, void *out) {
+    float *buf = scratch((size_t)2 * n * sizeof(float));
+    float *w = buf + n;
+    row_to_f32(weight, wtype, n, w);
+    for (int r = 0; r < rows; r++) {
+        row_to_f32((const char *)x + (size_t)r * n * type_size(xtype), xtype, n, buf);
+        __m256 acc = _mm256_setzero_ps();
+        int k = 0;
+        for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(buf + k), _mm256_loadu_ps(buf + k), acc);
+        float ss = hsum(acc);
+        for (; k < n; k++) ss += buf[k] * buf[k];
+        float inv = 1.0f / __builtin_sqrtf(ss / (float)n + eps);
+        for (int i = 0; i < n; i++) {
+            float v = unit_offset ? buf[i] * inv * (1.0f + w[i]) : w[i] * round_to(buf[i] * inv, xtype);
+            store(out, xtype, (size_t)r * n + i, v);
+        }
+    }
+}
+
+/* ---- decode attention --------------------------------------------------------------------------------------- */
+/* exp for the softmax, 8 lanes: 2^(x log2 e) split into an integer power (exponent bits) and a degree-6
+ * polynomial of the remainder; relative error about 2e-7 over the range softmax feeds it (x <= 0). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 fi = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, fi);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline __m256 load8(const void *base, int type, size_t at) {
+    if (type == T_F32) return _mm256_loadu_ps((const float *)base + at);
+    if (type == T_F16) return load_f16((const uint16_t *)base + at);
+    return load_bf16((const uint16_t *)base + at);
+}
+
+/* One query per row (a decode step) against the cache: q [B, H, D], keys/values laid out [B, Hkv, max_seq, D]
+ * from the step's first slot, row b attending its positions [positions[b] + 1 - window, positions[b]] (window 0:
+ * all from 0). Grouped-query heads share their kv head (h / (H / Hkv)). Scores, softmax and the weighted sum run
+ * in f32; out [B, H, D] in q's dtype. D must be a multiple of 8. */
+void skulk_decode_attention(const void *q, const void *keys, const void *values, int type, int B, int H, int Hkv,
+                            int D, int max_seq, const int64_t *positions, int window, float scale, void *out) {
+    const int group = H / Hkv;
+#pragma omp parallel for collapse(2) schedule(static) if (B * H >= 8 && positions[0] >= 256)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            const int len = (int)positions[b] + 1, start = window > 0 && len > window ? len - window : 0;
+            const size_t kv = ((size_t)b * Hkv + (size_t)(h / group)) * max_seq * D;
+            float *buf = scratch(((size_t)(len - start) + 2 * (size_t)D + 8) * sizeof(float));
+            float *qf = buf, *acc = buf + D, *scores = buf + 2 * D;
+            row_to_f32((const char *)q + ((size_t)b * H + h) * D * type_size(type), type, D, qf);
+            float best = -3.0e38f;
+            for (int s = start; s < len; s++) {
+                __m256 dot = _mm256_setzero_ps();
+                for (int d = 0; d < D; d += 8)
+                    dot = _mm256_fmadd_ps(_mm256_loadu_ps(qf + d), load8(keys, type, kv + (size_t)s * D + d), dot);
+                float v = hsum(dot) * scale;
+                scores[s - start] = v;
+                best = v > best ? v : best;
+            }
+            const int n = len - start;
+            __m256 total = _mm256_setzero_ps();
+            int i = 0;
+            for (; i + 8 <= n; i += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), _mm256_set1_ps(best)));
+                _mm256_storeu_ps(scores + i, e);
+                total = _mm256_add_ps(total, e);
+            }
+            float sum = hsum(total);
+            for (; i < n; i++) {
+                float e[8] = {scores[i] - best};
+                _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
+                scores[i] = e[0];
+                sum += e[0];
+            }
+            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, _mm256_setzero_ps());
+            for (int s = start; s < len; s++) {
+                __m256 p = _mm256_set1_ps(scores[s - start]);
+                for (int d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load8(values, type, kv + (size_t)s * D + d), _mm256_loadu_ps(acc + d)));
+            }
+            const float inv = 1.0f / sum;
+            for (int d = 0; d < D; d++) store(out, type, ((size_t)b * H + h) * D + d, acc[d] * inv);
+        }
+}

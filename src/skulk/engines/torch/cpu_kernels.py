@@ -1,0 +1,176 @@
+"""Our AVX2 matrix-vector kernels (cpu_kernels.c), compiled on first use and called through ctypes.
+
+torch's CPU matmuls are fast for f16 weights one row at a time only, slow for bf16 weights at any row count
+below a GEMM's, and its weight-only int4/int8 kernels want bf16 activations and reach about a third of the
+memory bandwidth llama.cpp's do (bench/engine.py). Decode is a few rows against every weight, so it is
+bandwidth: these kernels stream each weight byte once per step, widen f16/bf16 or unpack MLX's 4/8-bit groups
+as they go, and handle up to eight rows per pass, so a batched step costs about what a single one does.
+
+The C file needs no torch or Python headers: gcc builds it in about a second into the user's cache directory
+(keyed by the source's hash, written atomically so concurrent processes agree), and it is loaded after torch,
+so it shares torch's OpenMP runtime and thread count. Where there is no AVX2/FMA/F16C CPU, no C compiler, or
+SKULK_CPU_KERNELS=0, available() is False and the engine uses torch's kernels instead: slower, same results
+within rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+MAX_GROUP = 256
+"""The largest quantization group the 4-bit kernel takes (its int16 accumulators hold 8 chunks of 32)."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "skulk" / "kernels"
+
+
+def _cpu_ok() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
+
+
+def _build() -> Path:
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise OSError("no C compiler (gcc or cc) on PATH")
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True, timeout=120)
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot run here (the reason is logged once)."""
+    if os.environ.get("SKULK_CPU_KERNELS", "1") == "0":
+        return None
+    if not _cpu_ok():
+        log.info("cpu kernels off: this CPU lacks AVX2, FMA or F16C")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        log.warning("cpu kernels off, torch's are used instead: %s %s", exc, detail.decode(errors="replace")[-500:])
+        return None
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.skulk_half_mv.argtypes = [ptr, i32, i32, i32, ptr, i32, i32, ptr, ptr, i32]
+    lib.skulk_half_mv.restype = None
+    lib.skulk_quant_mv.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, ptr, i32, i32, ptr, ptr, i32]
+    lib.skulk_quant_mv.restype = None
+    lib.skulk_rms_norm.argtypes = [ptr, i32, i32, i32, ptr, i32, ctypes.c_float, i32, ptr]
+    lib.skulk_rms_norm.restype = None
+    lib.skulk_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr, i32, ctypes.c_float, ptr]
+    lib.skulk_decode_attention.restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def handles(x: torch.Tensor) -> bool:
+    """True when x (activations) is a CPU tensor in a dtype the kernels read and write."""
+    return x.device.type == "cpu" and x.dtype in _TYPES
+
+
+class HalfMatrix:
+    """An f16/bf16 weight (and optional bias) resolved once for skulk_half_mv: pointers and sizes, bias as f32. The
+    module that owns the weight keeps one and rebuilds it if its weight tensor is replaced."""
+
+    __slots__ = ("args", "bias", "k", "n", "source", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.source = weight
+        self.weight = weight.contiguous()
+        self.bias = bias.detach().float().contiguous() if bias is not None else None
+        self.n, self.k = self.weight.shape
+        self.args = (self.weight.data_ptr(), _TYPES[weight.dtype], self.n, self.k)
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., K] @ weight.T (+ bias); out in out_dtype (else x's)."""
+        lib = library()
+        assert lib is not None
+        x = x.contiguous()
+        out = torch.empty((*x.shape[:-1], self.n), dtype=out_dtype or x.dtype)
+        lib.skulk_half_mv(*self.args, x.data_ptr(), _TYPES[x.dtype], x.numel() // self.k,
+                          self.bias.data_ptr() if self.bias is not None else None, out.data_ptr(), _TYPES[out.dtype])
+        return out
+
+
+class QuantMatrix:
+    """A matrix in our quantized layout (packed bytes [N, K*bits/8], f16 scales and biases [2, N, K/group], for
+    8 bits values stored as q - 128 with the 128 folded into biases), resolved once for skulk_quant_mv."""
+
+    __slots__ = ("args", "bias", "k", "n", "tensors")
+
+    def __init__(self, packed: torch.Tensor, params: torch.Tensor, bits: int, group: int,
+                 bias: torch.Tensor | None) -> None:
+        self.tensors = (packed.contiguous(), params.contiguous())
+        self.n, self.k = packed.shape[0], params.shape[2] * group
+        self.bias = bias.detach().float().contiguous() if bias is not None else None
+        scales, biases = self.tensors[1][0], self.tensors[1][1]
+        self.args = (self.tensors[0].data_ptr(), scales.data_ptr(), biases.data_ptr(), bits, group, self.n, self.k)
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        lib = library()
+        assert lib is not None
+        x = x.contiguous()
+        out = torch.empty((*x.shape[:-1], self.n), dtype=out_dtype or x.dtype)
+        lib.skulk_quant_mv(*self.args, x.data_ptr(), _TYPES[x.dtype], x.numel() // self.k,
+                           self.bias.data_ptr() if self.bias is not None else None, out.data_ptr(), _TYPES[out.dtype])
+        return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """layers.RMSNorm's arithmetic (f32 inside, the same roundings) in one call instead of a dozen ops."""
+    lib = library()
+    assert lib is not None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    lib.skulk_rms_norm(x.data_ptr(), _TYPES[x.dtype], x.numel() // n, n, weight.data_ptr(), _TYPES[weight.dtype], eps,
+                       int(unit_offset), out.data_ptr())
+    return out
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, window: int,
+                     scale: float) -> torch.Tensor:
+    """One query per row against its cached keys: q [B, H, 1, D]; keys/values the cache's [slots, Hkv, max_seq, D]
+    from the step's first slot; positions [B, 1] (the query's position: it sees keys up to it, and only the last
+    `window` of them when window > 0). Returns [B, H, 1, D] as scaled_dot_product_attention would."""
+    lib = library()
+    assert lib is not None
+    b, h, _, d = q.shape
+    q, positions = q.contiguous(), positions.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    lib.skulk_decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), _TYPES[q.dtype], b, h, keys.shape[1],
+                               d, keys.shape[2], positions.data_ptr(), window, scale, out.data_ptr())
+    return out

@@ -1,0 +1,167 @@
+"""Our AVX2 kernels (engines/torch/cpu_kernels.c) against torch's arithmetic for the same inputs: matrix-vector
+products on f16/bf16 and MLX 4/8-bit weights at every row count a tile boundary can split, RMSNorm, decode
+attention; the stacked q/k/v and gate/up projections; and the torch fallback when the kernels are off."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from skulk.engines.torch import cpu_kernels
+from skulk.engines.torch.cache import StepBatch
+from skulk.engines.torch.layers import RMSNorm
+from skulk.engines.torch.loader import load_model
+from skulk.engines.torch.quant import QuantizedLinear, affine_quantize, dequantize
+from tests.unit.test_model_families import REAL_CONFIGS, scaled_down, write_checkpoint
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an AVX2/FMA/F16C CPU and a C compiler")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected.float()).norm() / expected.float().norm())
+
+
+@pytest.mark.parametrize("wdtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("xdtype", DTYPES)
+def test_half_matrix_matches_f32_linear_for_every_row_count(wdtype: torch.dtype, xdtype: torch.dtype) -> None:
+    weight = (torch.randn(100, 200, generator=_gen(0)) * 0.05).to(wdtype)  # 100 rows: blocks of 32 and a rest
+    bias = torch.randn(100, generator=_gen(1)).to(wdtype)
+    matrix = cpu_kernels.HalfMatrix(weight, bias)
+    for rows in (1, 2, 3, 7, 8, 9, 17):
+        x = torch.randn(rows, 200, generator=_gen(rows)).to(xdtype)
+        expected = F.linear(x.float(), weight.float(), bias.float())
+        got = matrix(x)
+        assert got.dtype == xdtype and got.shape == (rows, 100)
+        assert relative(got, expected) < {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[xdtype]
+        assert torch.allclose(matrix(x, torch.float32), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_quant_matrix_matches_the_dequantized_weights(bits: int, group: int) -> None:
+    """Activations are quantized to int8 per group inside the kernel: the error against x @ dequantized.T stays
+    near int8's resolution (at most 0.4 % here; truncating instead of rounding makes it 0.8 %)."""
+    weight = torch.randn(70, group * 3, generator=_gen(bits + group)) * 0.02
+    q, scales, biases = affine_quantize(weight, bits, group)
+    layer = QuantizedLinear.from_affine(q, scales, biases, bits, group, bias=torch.randn(70, generator=_gen(2)))
+    assert layer.kernel
+    reference = dequantize(q, scales.half(), biases.half(), group)
+    for rows in (1, 4, 5, 11):
+        for dtype in DTYPES:
+            x = torch.randn(rows, group * 3, generator=_gen(rows)).to(dtype)
+            expected = F.linear(x.float(), reference, layer.bias)
+            got = layer(x)
+            assert got.dtype == dtype and relative(got, expected) < 0.006, (rows, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_rounds_where_the_torch_path_does(dtype: torch.dtype, unit_offset: bool) -> None:
+    norm = RMSNorm(96, 1e-6, unit_offset)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=_gen(3)))
+    norm = norm.to(dtype)
+    x = (torch.randn(5, 96, generator=_gen(4)) * 3).to(dtype)
+    got = cpu_kernels.rms_norm(x, norm.weight, norm.eps, unit_offset)
+    try:
+        cpu_kernels.library.cache_clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("SKULK_CPU_KERNELS", "0")
+            expected = norm(x)
+    finally:
+        cpu_kernels.library.cache_clear()
+    ulp = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    assert torch.allclose(got.float(), expected.float(), rtol=ulp, atol=ulp)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_attention_matches_sdpa_with_the_step_mask(dtype: torch.dtype, window: int) -> None:
+    """Three rows at different positions, 8 query heads on 2 kv heads, a cache longer than any row."""
+    slots, kv_heads, heads, max_seq, dim = 4, 2, 8, 40, 64
+    keys = torch.randn(slots, kv_heads, max_seq, dim, generator=_gen(5)).to(dtype)
+    values = torch.randn(slots, kv_heads, max_seq, dim, generator=_gen(6)).to(dtype)
+    q = torch.randn(3, heads, 1, dim, generator=_gen(7)).to(dtype)
+    positions = torch.tensor([[12], [3], [30]])
+    batch = StepBatch.build(positions, 1, kv_len=31)
+    mask = batch.mask
+    if window:
+        near = torch.arange(31).view(1, 1, 1, -1) > positions.view(3, 1, 1, 1) - window
+        mask = mask & near
+    expected = F.scaled_dot_product_attention(
+        q.float(), keys[1:4, :, :31].float(), values[1:4, :, :31].float(), attn_mask=mask, enable_gqa=True)
+    got = cpu_kernels.decode_attention(q, keys[1:], values[1:], positions, window, dim**-0.5)
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert got.dtype == dtype and torch.allclose(got.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2.5's real config scaled down: q/k/v biases, GQA, tied embeddings."""
+    model_id = "Qwen/Qwen2.5-7B-Instruct"
+    return write_checkpoint(scaled_down(model_id, REAL_CONFIGS[model_id]), tmp_path_factory.mktemp("qwen") / "m")
+
+
+def _logits(model: torch.nn.Module, steps: int = 3) -> list[torch.Tensor]:
+    """A prefill then single-row decode steps (the kernels' path), greedy."""
+    cache = model.make_cache(1, 32)  # type: ignore[operator]
+    ids, pos, seen = torch.tensor([[3, 9, 27, 81, 4]]), torch.arange(5).unsqueeze(0), []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = model(ids, StepBatch.build(pos, 0), cache)[:, -1]
+            seen.append(logits)
+            ids, pos = logits.argmax(-1, keepdim=True), pos[:, -1:] + 1
+    return seen
+
+
+@pytest.mark.parametrize("options", [{"dtype": "float16"}, {"dtype": "bfloat16"}, {"quantize": "int4"},
+                                     {"quantize": "int8"}])
+def test_stacked_projections_compute_what_the_separate_ones_do(qwen: Path, options: dict[str, str]) -> None:
+    model = load_model(qwen, **options)
+    attention = model.layers["0"].self_attn  # type: ignore[union-attr]
+    mlp = model.layers["0"].mlp  # type: ignore[union-attr]
+    assert attention.qkv is not None and mlp.gate_up is not None
+    assert attention.q_proj.weight.untyped_storage().data_ptr() == attention.qkv.weight.untyped_storage().data_ptr()
+    stacked = _logits(model)
+    for layer in model.layers.values():
+        layer.self_attn.qkv, layer.mlp.gate_up = None, None  # type: ignore[union-attr]
+    for got, expected in zip(stacked, _logits(model), strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.fixture
+def kernels_off() -> Iterator[None]:
+    cpu_kernels.library.cache_clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SKULK_CPU_KERNELS", "0")
+        yield
+    cpu_kernels.library.cache_clear()
+
+
+@pytest.mark.parametrize("options", [{"dtype": "bfloat16"}, {"quantize": "int4"}, {"quantize": "int8"}])
+def test_without_the_kernels_torch_computes_the_same_model(qwen: Path, options: dict[str, str],
+                                                           kernels_off: None) -> None:
+    """SKULK_CPU_KERNELS=0 (or a CPU or machine they cannot build for): torch's kernels and layouts, logits
+    within quantization noise of the kernels' own."""
+    fallback = load_model(qwen, **options)
+    assert not cpu_kernels.available()
+    if "quantize" in options:
+        assert not fallback.layers["0"].mlp.down_proj.kernel  # type: ignore[union-attr]
+    expected = _logits(fallback)
+    cpu_kernels.library.cache_clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SKULK_CPU_KERNELS", "1")
+        ours = load_model(qwen, **options)
+        got = _logits(ours)
+    bound = 0.05 if options.get("quantize") == "int8" else 0.03  # torch's int8 is per row, ours per group
+    for a, b in zip(got, expected, strict=True):
+        assert relative(a, b) < bound
