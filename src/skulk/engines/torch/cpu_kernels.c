@@ -366,3 +366,112 @@ void skulk_decode_attention(const void *q, const void *keys, const void *values,
             for (int d = 0; d < D; d++) store(out, type, ((size_t)b * H + h) * D + d, acc[d] * inv);
         }
 }
+
+/* ---- fused decode-step elementwise work --------------------------------------------------------------------- */
+/* Each of these does what a handful of torch ops do, with the same roundings to the activations' dtype between
+ * steps, so results match the torch path (and transformers) as those ops would compute them. */
+
+static void norm_in_place(float *v, int n, const float *w, float eps, int unit_offset, int type) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += v[i] * v[i];
+    const float inv = 1.0f / __builtin_sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++)
+        v[i] = unit_offset ? round_to(v[i] * inv * (1.0f + w[i]), type) : round_to(w[i] * round_to(v[i] * inv, type), type);
+}
+
+static void rotate(float *v, int D, const float *cos, const float *sin, int type) {
+    /* x * cos + roll(x, D/2) * sin with sin's first half negated (layers._rotate), each product rounded */
+    float rolled[512];
+    for (int i = 0; i < D; i++) rolled[i] = v[i < D / 2 ? i + D / 2 : i - D / 2];
+    for (int i = 0; i < D; i++) v[i] = round_to(round_to(v[i] * cos[i], type) + round_to(rolled[i] * sin[i], type), type);
+}
+
+/* One decode step's q/k/v for B rows (T = 1): qkv [B, (H + 2 Hkv) D] as the stacked projection wrote it; per head
+ * the optional q/k RMSNorm (weights [D]), then rope with cos/sin [B, D] (sin sign-folded); k and v stored at each
+ * row's position in the cache (laid out [B, Hkv, max_seq, D] from the step's first slot); rotated q out [B, H, D].
+ * D <= 512. */
+void skulk_qkv_rope(const void *qkv, int type, int B, int H, int Hkv, int D, const void *cos, const void *sin,
+                    const void *qnorm, const void *knorm, float eps, int unit_offset, const int64_t *positions,
+                    void *kcache, void *vcache, int max_seq, void *q_out) {
+    const size_t width = (size_t)(H + 2 * Hkv) * D, es = type_size(type);
+    float *buf = scratch((size_t)(width + 4 * D) * sizeof(float));
+    float *c = buf + width, *s = c + D, *qn = s + D, *kn = qn + D;
+    if (qnorm) row_to_f32(qnorm, type, D, qn);
+    if (knorm) row_to_f32(knorm, type, D, kn);
+    for (int b = 0; b < B; b++) {
+        row_to_f32((const char *)qkv + b * width * es, type, (int)width, buf);
+        row_to_f32((const char *)cos + (size_t)b * D * es, type, D, c);
+        row_to_f32((const char *)sin + (size_t)b * D * es, type, D, s);
+        for (int h = 0; h < H + Hkv; h++) {
+            float *v = buf + (size_t)h * D;
+            const float *w = h < H ? (qnorm ? qn : NULL) : (knorm ? kn : NULL);
+            if (w) norm_in_place(v, D, w, eps, unit_offset, type);
+            rotate(v, D, c, s, type);
+        }
+        for (int i = 0; i < H * D; i++) store(q_out, type, (size_t)b * H * D + i, buf[i]);
+        for (int h = 0; h < Hkv; h++) {
+            const size_t at = (((size_t)b * Hkv + h) * max_seq + (size_t)positions[b]) * D;
+            for (int i = 0; i < D; i++) {
+                store(kcache, type, at + i, buf[(size_t)(H + h) * D + i]);
+                store(vcache, type, at + i, buf[(size_t)(H + Hkv + h) * D + i]);
+            }
+        }
+    }
+}
+
+/* h = x + delta (rounded), out = rms_norm(h) (as skulk_rms_norm): the residual add and the next norm of a layer. */
+void skulk_add_rms_norm(const void *x, const void *delta, int type, int rows, int n, const void *weight, int wtype,
+                        float eps, int unit_offset, void *h_out, void *out) {
+    float *buf = scratch((size_t)3 * n * sizeof(float));
+    float *w = buf + n, *d = w + n;
+    row_to_f32(weight, wtype, n, w);
+    for (int r = 0; r < rows; r++) {
+        const size_t at = (size_t)r * n;
+        row_to_f32((const char *)x + at * type_size(type), type, n, buf);
+        row_to_f32((const char *)delta + at * type_size(type), type, n, d);
+        for (int i = 0; i < n; i++) {
+            buf[i] = round_to(buf[i] + d[i], type);
+            store(h_out, type, at + i, buf[i]);
+        }
+        norm_in_place(buf, n, w, eps, unit_offset, type);
+        for (int i = 0; i < n; i++) store(out, type, at + i, buf[i]);
+    }
+}
+
+/* out = act(gate) * up for gate_up [rows, 2 I] (gate first): act SiLU, or GELU with the tanh approximation (gelu=1),
+ * rounded after the activation and after the product as F.silu(gate) * up rounds them. */
+void skulk_act_mul(const void *gate_up, int type, int rows, int I, int gelu, void *out) {
+    float *buf = scratch((size_t)2 * I * sizeof(float));
+    for (int r = 0; r < rows; r++) {
+        row_to_f32((const char *)gate_up + (size_t)r * 2 * I * type_size(type), type, 2 * I, buf);
+        int i = 0;
+        for (; i + 8 <= I; i += 8) {
+            __m256 g = _mm256_loadu_ps(buf + i), a;
+            if (gelu) { /* 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (1 + exp(2u)), u = sqrt(2/pi) (g + 0.044715 g^3) */
+                __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                         _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
+                __m256 e = exp8(_mm256_min_ps(_mm256_mul_ps(u, _mm256_set1_ps(2.0f)), _mm256_set1_ps(80.0f)));
+                __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+                a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+            } else {
+                __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(80.0f)));
+                a = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            }
+            _mm256_storeu_ps(buf + i, a);
+        }
+        for (; i < I; i++) {
+            float g = buf[i], e[8] = {gelu ? 0.0f : -g};
+            if (gelu) {
+                float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+                e[0] = 2.0f * u < 80.0f ? 2.0f * u : 80.0f;
+                _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
+                buf[i] = 0.5f * g * (2.0f - 2.0f / (1.0f + e[0]));
+            } else {
+                e[0] = e[0] < 80.0f ? e[0] : 80.0f;
+                _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
+                buf[i] = g / (1.0f + e[0]);
+            }
+        }
+        for (i = 0; i < I; i++) store(out, type, (size_t)r * I + i, round_to(round_to(buf[i], type) * buf[I + i], type));
+    }
+}

@@ -8,9 +8,9 @@ as they go, and handle up to eight rows per pass, so a batched step costs about 
 
 The C file needs no torch or Python headers: gcc builds it in about a second into the user's cache directory
 (keyed by the source's hash, written atomically so concurrent processes agree), and it is loaded after torch,
-so it shares torch's OpenMP runtime and thread count. Where there is no AVX2/FMA/F16C CPU, no C compiler, or
-SKULK_CPU_KERNELS=0, available() is False and the engine uses torch's kernels instead: slower, same results
-within rounding.
+so it shares torch's OpenMP runtime and thread count. Where there is no AVX2/FMA/F16C CPU or no C compiler,
+available() is False and the engine uses torch's kernels instead: slower, the same results within rounding
+(tests/unit/test_cpu_kernels.py compares the two paths).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ MAX_GROUP = 256
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "skulk" / "kernels"
+    """Where the built library is kept, one file per source version: a build cache, not state."""
+    return Path.home() / ".cache" / "skulk" / "kernels"
 
 
 def _cpu_ok() -> bool:
@@ -56,7 +56,7 @@ def _build() -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise OSError("no C compiler (gcc or cc) on PATH")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -66,10 +66,21 @@ def _build() -> Path:
     return target
 
 
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch the kernels off (torch's ops everywhere) or back on, for models loaded from then on: tests compare
+    the two paths with it."""
+    global _enabled
+    _enabled = enabled
+    library.cache_clear()
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they cannot run here (the reason is logged once)."""
-    if os.environ.get("SKULK_CPU_KERNELS", "1") == "0":
+    if not _enabled:
         return None
     if not _cpu_ok():
         log.info("cpu kernels off: this CPU lacks AVX2, FMA or F16C")
@@ -89,6 +100,13 @@ def library() -> ctypes.CDLL | None:
     lib.skulk_rms_norm.restype = None
     lib.skulk_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr, i32, ctypes.c_float, ptr]
     lib.skulk_decode_attention.restype = None
+    lib.skulk_qkv_rope.argtypes = [ptr, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ctypes.c_float, i32, ptr, ptr, ptr,
+                                   i32, ptr]
+    lib.skulk_qkv_rope.restype = None
+    lib.skulk_add_rms_norm.argtypes = [ptr, ptr, i32, i32, i32, ptr, i32, ctypes.c_float, i32, ptr, ptr]
+    lib.skulk_add_rms_norm.restype = None
+    lib.skulk_act_mul.argtypes = [ptr, i32, i32, i32, i32, ptr]
+    lib.skulk_act_mul.restype = None
     return lib
 
 
@@ -173,4 +191,49 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     out = torch.empty_like(q)
     lib.skulk_decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), _TYPES[q.dtype], b, h, keys.shape[1],
                                d, keys.shape[2], positions.data_ptr(), window, scale, out.data_ptr())
+    return out
+
+
+def qkv_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, torch.Tensor],
+             norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float, unit_offset: bool, positions: torch.Tensor,
+             keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A decode step's attention inputs in one call: from the stacked projection's output qkv [B, 1, (H + 2 Hkv) D],
+    per-head q/k norms (norms: their weights, if the model has them), rope (cos and sign-folded sin [B, 1, 1, D]),
+    k and v stored at each row's position of the cache (keys/values from the step's first slot); returns the
+    rotated q [B, H, 1, D]."""
+    lib = library()
+    assert lib is not None
+    b = qkv.shape[0]
+    qkv, positions = qkv.contiguous(), positions.to(torch.int64).contiguous()
+    cos, sin = rope[0].contiguous(), rope[1].contiguous()
+    q = torch.empty((b, heads, 1, head_dim), dtype=qkv.dtype)
+    q_norm, k_norm = (norms[0].data_ptr(), norms[1].data_ptr()) if norms is not None else (None, None)
+    lib.skulk_qkv_rope(qkv.data_ptr(), _TYPES[qkv.dtype], b, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                       q_norm, k_norm, eps, int(unit_offset), positions.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                       keys.shape[2], q.data_ptr())
+    return q
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)) for h = x + delta: a layer's residual add and the norm after it, in one call."""
+    lib = library()
+    assert lib is not None
+    x, delta = x.contiguous(), delta.contiguous()
+    h, out = torch.empty_like(x), torch.empty_like(x)
+    n = x.shape[-1]
+    lib.skulk_add_rms_norm(x.data_ptr(), delta.data_ptr(), _TYPES[x.dtype], x.numel() // n, n, weight.data_ptr(),
+                           _TYPES[weight.dtype], eps, int(unit_offset), h.data_ptr(), out.data_ptr())
+    return h, out
+
+
+def act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(gate) * up for the stacked gate/up output [..., 2 I]: SiLU, or GELU's tanh approximation."""
+    lib = library()
+    assert lib is not None
+    gate_up = gate_up.contiguous()
+    inter = gate_up.shape[-1] // 2
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
+    lib.skulk_act_mul(gate_up.data_ptr(), _TYPES[gate_up.dtype], gate_up.numel() // (2 * inter), inter, int(gelu),
+                      out.data_ptr())
     return out

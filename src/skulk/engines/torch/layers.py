@@ -123,6 +123,17 @@ class Attention(nn.Module):
         self, x: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
     ) -> torch.Tensor:
         b, t, _ = x.shape
+        if t == 1 and self._decodes_on_kernels(x, cache):
+            out = self._decode(x, batch, rope, cache)
+        else:
+            out = self._attend(x, batch, rope, cache)
+        return self.all_reduce(self.o_proj(out.transpose(1, 2).reshape(b, t, -1)))
+
+    def _attend(
+        self, x: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
+    ) -> torch.Tensor:
+        """Any step in torch ops: q, k, v [B, heads, T, D], rope, the cache write, attention under the step's mask."""
+        b, t, _ = x.shape
         if self.qkv is not None:
             q, k, v = self.qkv(x).split(self.sizes, dim=-1)
         else:
@@ -134,22 +145,34 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
         keys, values = cache.update(k, v, batch)
-        if t == 1 and not self.softcap and _decode_kernel(q, keys):
-            out = cpu_kernels.decode_attention(q, cache.keys[batch.slots], cache.values[batch.slots], batch.positions,
-                                               batch.window, self.scale or self.head_dim**-0.5)
-        elif self.softcap:
-            out = _softcapped_attention(q, keys, values, batch.mask, self.scale, self.softcap)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=batch.mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
-            )
-        return self.all_reduce(self.o_proj(out.transpose(1, 2).reshape(b, t, -1)))
+        if self.softcap:
+            return _softcapped_attention(q, keys, values, batch.mask, self.scale, self.softcap)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=batch.mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
+        )
 
+    def _decode(
+        self, x: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
+    ) -> torch.Tensor:
+        """A decode step (one token per row) on the CPU kernels: the same arithmetic as _attend in three calls
+        (stacked projection; norms, rope and cache write; attention) instead of ~30 torch ops."""
+        keys, values = cache.keys[batch.slots], cache.values[batch.slots]
+        norms, eps, unit = None, 0.0, False
+        if self.q_norm is not None and self.k_norm is not None:
+            norms, eps, unit = (self.q_norm.weight, self.k_norm.weight), self.q_norm.eps, self.q_norm.unit_offset
+        assert self.qkv is not None
+        q = cpu_kernels.qkv_rope(self.qkv(x), self.n_heads, self.n_kv_heads, self.head_dim, rope, norms, eps, unit,
+                                 batch.positions, keys, values)
+        return cpu_kernels.decode_attention(q, keys, values, batch.positions, batch.window,
+                                            self.scale or self.head_dim**-0.5)
 
-def _decode_kernel(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """True when a decode step's attention runs on cpu_kernels.decode_attention: one fused loop per head instead
-    of scaled_dot_product_attention's ~100 us of setup per call, the same softmax in f32."""
-    return (q.dtype == keys.dtype and q.shape[-1] % 8 == 0 and cpu_kernels.handles(q) and cpu_kernels.available())
+    def _decodes_on_kernels(self, x: torch.Tensor, cache: LayerCache) -> bool:
+        """Whether _decode can run: stacked q/k/v, no score softcapping, the kernels loaded, one dtype throughout."""
+        if self.qkv is None or self.softcap or self.head_dim % 8 or self.head_dim > 512:
+            return False
+        if self.q_norm is not None and self.q_norm.weight.dtype != x.dtype:
+            return False
+        return x.dtype == cache.keys.dtype and cpu_kernels.handles(x) and cpu_kernels.available()
 
 
 def _softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -177,6 +200,8 @@ class MLP(nn.Module):
         self.inter = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and cpu_kernels.handles(x) and cpu_kernels.available():
+            return self.all_reduce(self.down_proj(cpu_kernels.act_mul(self.gate_up(x), self.gelu)))
         if self.gate_up is not None:
             gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)
         else:
@@ -202,8 +227,17 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), batch, rope, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, normed = add_norm(x, self.self_attn(self.input_layernorm(x), batch, rope, cache),
+                             self.post_attention_layernorm)
+        return h + self.mlp(normed)
+
+
+def add_norm(x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, norm(h)) for the residual h = x + delta: one kernel call where the kernels run."""
+    if x.dtype == delta.dtype == norm.weight.dtype and cpu_kernels.handles(x) and cpu_kernels.available():
+        return cpu_kernels.add_rms_norm(x, delta, norm.weight, norm.eps, norm.unit_offset)
+    h = x + delta
+    return h, norm(h)
 
 
 def fuse_projections(model: nn.Module) -> None:
