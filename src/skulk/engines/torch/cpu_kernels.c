@@ -23,6 +23,9 @@ enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2 };
 #define BLOCK_N 32    /* weight rows per unit of parallel work */
 #define HALF_TILE 8   /* activation rows per pass over a weight row, float kernels */
 #define QUANT_TILE 4  /* the same for quantized kernels (two accumulators per row must stay in registers) */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 2
+#endif
 
 static __thread void *scratch_buf;
 static __thread size_t scratch_len;
@@ -97,6 +100,8 @@ static inline __m256 load_bf16(const uint16_t *p) {
     static void NAME(const uint16_t *w, int n0, int n1, int K, int N, const float *x, float *out) {             \
         for (int n = n0; n < n1; n++) {                                                                        \
             const uint16_t *wr = w + (size_t)n * K;                                                            \
+            for (int at = 0; at < K; at += 32) /* the row PREFETCH_ROWS ahead, to keep DRAM busy */             \
+                _mm_prefetch((const char *)(wr + (size_t)PREFETCH_ROWS * K + at), _MM_HINT_T0);                \
             __m256 acc[R][U];                                                                                  \
             for (int r = 0; r < R; r++)                                                                        \
                 for (int u = 0; u < U; u++) acc[r][u] = _mm256_setzero_ps();                                   \
@@ -156,11 +161,11 @@ void skulk_half_mv(const uint16_t *w, int wtype, int N, int K, const void *x, in
 
 /* ---- MLX affine 4- and 8-bit weights ------------------------------------------------------------------------ */
 /* Each row of x becomes int8 values (xq), one scale (xs) and the sum of its quantized values (xsum) per group. For 4 bits the
- * 32 values of each 32-column chunk are stored evens first, then odds: a weight byte holds columns 2j (low
- * nibble) and 2j+1 (high), so the low nibbles of 16 bytes line up with the first half and the high ones with the
- * second, and the weights need no reordering. */
+ * values of each block of 64 columns (32 when the group is 32) are stored evens first, then odds: a weight byte
+ * holds columns 2j (low nibble) and 2j+1 (high), so the low nibbles of 32 bytes (16) line up with the first
+ * half and the high ones with the second, and the weights need no reordering. */
 static void quantize_rows(const float *xf, int R, int K, int group, int bits, int8_t *xq, float *xs, float *xsum) {
-    int groups = K / group;
+    const int groups = K / group, span = group % 64 == 0 ? 64 : 32;
     for (int r = 0; r < R; r++)
         for (int g = 0; g < groups; g++) {
             const float *v = xf + (size_t)r * K + (size_t)g * group;
@@ -173,7 +178,8 @@ static void quantize_rows(const float *xf, int R, int K, int group, int bits, in
             int8_t *q = xq + (size_t)r * K + (size_t)g * group;
             int sum = 0;
             for (int i = 0; i < group; i++) {
-                int at = bits == 4 ? (i & ~31) + ((i & 1) ? 16 + ((i & 31) >> 1) : (i & 31) >> 1) : i;
+                int at = i; /* 4 bits: evens then odds within each block of `span` columns (see above) */
+                if (bits == 4) at = (i & ~(span - 1)) + ((i & 1) ? span / 2 : 0) + ((i & (span - 1)) >> 1);
                 q[at] = (int8_t)__builtin_lrintf(v[i] * inv);
                 sum += q[at];
             }
@@ -190,14 +196,30 @@ static void quantize_rows(const float *xf, int R, int K, int group, int bits, in
         const size_t row_bytes = (size_t)K * BITS / 8;                                                         \
         const __m256i ones = _mm256_set1_epi16(1);                                                             \
         const __m128i low = _mm_set1_epi8(0x0f);                                                               \
+        const __m256i low256 = _mm256_set1_epi8(0x0f);                                                         \
         for (int n = n0; n < n1; n++) {                                                                        \
             const uint8_t *wr = w + (size_t)n * row_bytes;                                                     \
+            for (size_t at = 0; at < row_bytes; at += 64) /* the row PREFETCH_ROWS ahead, to keep DRAM busy */ \
+                _mm_prefetch((const char *)(wr + PREFETCH_ROWS * row_bytes + at), _MM_HINT_T0);                \
             __m256 acc[R];                                                                                     \
             float bsum[R];                                                                                     \
             for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), bsum[r] = 0.0f;                          \
             for (int g = 0; g < groups; g++) {                                                                 \
                 __m256i dot[R];                                                                                \
                 for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();                                   \
+                if (BITS == 4 && group % 64 == 0) {                                                            \
+                    for (int c = 0; c < group / 64; c++) { /* 64 columns per 32-byte load */                   \
+                        const size_t col = (size_t)g * group + (size_t)c * 64;                                \
+                        __m256i b = _mm256_loadu_si256((const __m256i *)(wr + col / 2));                       \
+                        __m256i lo = _mm256_and_si256(b, low256), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low256); \
+                        for (int r = 0; r < R; r++) {                                                          \
+                            const int8_t *xr = xq + (size_t)r * K + col;                                       \
+                            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)), \
+                                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32)))); \
+                            dot[r] = _mm256_add_epi16(dot[r], p);                                              \
+                        }                                                                                      \
+                    }                                                                                          \
+                } else                                                                                         \
                 for (int c = 0; c < chunks; c++) {                                                             \
                     const size_t col = (size_t)g * group + (size_t)c * 32;                                     \
                     if (BITS == 4) {                                                                           \
