@@ -179,3 +179,20 @@ def test_without_the_kernels_torch_computes_the_same_model(checkpoints: dict[str
         bound = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 0.03}[options["dtype"]]
         for got, their in zip(ours, theirs, strict=True):
             assert relative(got, their) < bound
+
+
+@pytest.mark.parametrize("options", [{"dtype": "float16"}, {"dtype": "bfloat16"}, {"quantize": "int4"},
+                                     {"quantize": "int8"}])
+@pytest.mark.parametrize("model_id", FAMILIES[:2])
+def test_one_call_decode_layer_is_the_per_step_calls(checkpoints: dict[str, Path], model_id: str,
+                                                     options: dict[str, str]) -> None:
+    """skulk_decode_layer runs the same kernels in the same order as DecoderLayer's own calls: identical logits,
+    batched rows at different positions included."""
+    model = load_model(checkpoints[model_id], **options)
+    native = _logits(model)
+    layers = list(model.layers.values())
+    assert all(isinstance(layer._native, tuple) for layer in layers)  # type: ignore[union-attr]
+    for layer in layers:
+        layer._native = False  # type: ignore[union-attr]
+    for got, expected in zip(native, _logits(model), strict=True):
+        assert torch.equal(got, expected)

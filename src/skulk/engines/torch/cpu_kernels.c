@@ -64,6 +64,8 @@ static void row_to_f32(const void *x, int type, int n, float *out) {
         for (; k < n; k++) out[k] = _cvtsh_ss(h[k]);
     } else {
         const uint16_t *h = x;
+        for (; k + 8 <= n; k += 8)
+            _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + k))), 16)));
         for (; k < n; k++) out[k] = bf16_to_f32(h[k]);
     }
 }
@@ -72,6 +74,39 @@ static inline void store(void *y, int type, size_t at, float v) {
     if (type == T_F32) ((float *)y)[at] = v;
     else if (type == T_F16) ((uint16_t *)y)[at] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
     else ((uint16_t *)y)[at] = f32_to_bf16(v);
+}
+
+/* 8 floats rounded to the type's precision (bf16: to nearest even, as f32_to_bf16), and stored in it */
+static inline __m256i bf16_bits8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+}
+
+static inline __m256 round8(__m256 v, int type) {
+    if (type == T_F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    if (type == T_BF16) return _mm256_castsi256_ps(_mm256_and_si256(bf16_bits8(v), _mm256_set1_epi32((int)0xffff0000u)));
+    return v;
+}
+
+static inline void store8(void *y, int type, size_t at, __m256 v) {
+    if (type == T_F32) {
+        _mm256_storeu_ps((float *)y + at, v);
+    } else if (type == T_F16) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)y + at), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    } else {
+        __m256i b = _mm256_srli_epi32(bf16_bits8(v), 16);
+        _mm_storeu_si128((__m128i *)((uint16_t *)y + at), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    }
+}
+
+static inline float round_to(float v, int type);
+
+/* v[0..n) stored at y[at..] in the type */
+static void store_row(const float *v, void *y, int type, size_t at, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) store8(y, type, at + i, _mm256_loadu_ps(v + i));
+    for (; i < n; i++) store(y, type, at + i, v[i]);
 }
 
 static inline float hsum(__m256 v) {
@@ -83,9 +118,13 @@ static inline float hsum(__m256 v) {
 
 static inline size_t type_size(int type) { return type == T_F32 ? 4 : 2; }
 
-static void finish(const float *acc, int rows, int n, const float *bias, void *y, int ytype) {
-    for (int r = 0; r < rows; r++)
-        for (int i = 0; i < n; i++) store(y, ytype, (size_t)r * n + i, acc[(size_t)r * n + i] + (bias ? bias[i] : 0.0f));
+static void finish(float *acc, int rows, int n, const float *bias, void *y, int ytype) {
+    for (int r = 0; r < rows; r++) {
+        float *row = acc + (size_t)r * n;
+        if (bias)
+            for (int i = 0; i < n; i++) row[i] += bias[i];
+        store_row(row, y, ytype, (size_t)r * n, n);
+    }
 }
 
 /* ---- f16 / bf16 weights ------------------------------------------------------------------------------------- */
@@ -164,28 +203,68 @@ void skulk_half_mv(const uint16_t *w, int wtype, int N, int K, const void *x, in
  * values of each block of 64 columns (32 when the group is 32) are stored evens first, then odds: a weight byte
  * holds columns 2j (low nibble) and 2j+1 (high), so the low nibbles of 32 bytes (16) line up with the first
  * half and the high ones with the second, and the weights need no reordering. */
+static inline __m256i pack_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
+    /* 4 x 8 int32 (each within int8) -> 32 int8 in order */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* 32 floats from v (stride 1, or 2 for every other value) times inv, rounded to nearest (even) int8; adds them to
+ * *sum */
+static inline void quantize32(const float *v, int stride, __m256 inv, int8_t *q, __m256i *sum) {
+    __m256i i[4];
+    for (int j = 0; j < 4; j++) {
+        __m256 x;
+        if (stride == 1) {
+            x = _mm256_loadu_ps(v + 8 * j);
+        } else { /* v[0], v[2], ..., v[14] of 16 floats: even lanes of two vectors, in order */
+            __m256 a = _mm256_loadu_ps(v + 16 * j), b = _mm256_loadu_ps(v + 16 * j + 8);
+            x = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
+        }
+        i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));
+        *sum = _mm256_add_epi32(*sum, i[j]);
+    }
+    _mm256_storeu_si256((__m256i *)q, pack_i8(i[0], i[1], i[2], i[3]));
+}
+
 static void quantize_rows(const float *xf, int R, int K, int group, int bits, int8_t *xq, float *xs, float *xsum) {
     const int groups = K / group, span = group % 64 == 0 ? 64 : 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int r = 0; r < R; r++)
         for (int g = 0; g < groups; g++) {
             const float *v = xf + (size_t)r * K + (size_t)g * group;
-            float amax = 0.0f;
-            for (int i = 0; i < group; i++) {
-                float a = v[i] < 0 ? -v[i] : v[i];
-                amax = a > amax ? a : amax;
-            }
-            float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
+            __m256 mx = _mm256_setzero_ps();
+            for (int i = 0; i < group; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+            const float d = _mm_cvtss_f32(m4) / 127.0f;
+            const __m256 inv = _mm256_set1_ps(d > 0 ? 1.0f / d : 0.0f);
             int8_t *q = xq + (size_t)r * K + (size_t)g * group;
-            int sum = 0;
-            for (int i = 0; i < group; i++) {
-                int at = i; /* 4 bits: evens then odds within each block of `span` columns (see above) */
-                if (bits == 4) at = (i & ~(span - 1)) + ((i & 1) ? span / 2 : 0) + ((i & (span - 1)) >> 1);
-                q[at] = (int8_t)__builtin_lrintf(v[i] * inv);
-                sum += q[at];
+            __m256i sum = _mm256_setzero_si256();
+            for (int block = 0; block < group; block += span) {
+                if (bits == 8) { /* natural order */
+                    for (int i = 0; i < span; i += 32) quantize32(v + block + i, 1, inv, q + block + i, &sum);
+                } else if (span == 64) { /* evens of the block, then odds (see above) */
+                    quantize32(v + block, 2, inv, q + block, &sum);
+                    quantize32(v + block + 1, 2, inv, q + block + 32, &sum);
+                } else { /* groups of 32: the same order over 32 columns, one value at a time */
+                    __m256i one = _mm256_setzero_si256();
+                    int total = 0;
+                    for (int i = 0; i < 32; i++) {
+                        int8_t value = (int8_t)__builtin_lrintf(v[block + i] * _mm256_cvtss_f32(inv));
+                        q[block + (i & 1) * 16 + (i >> 1)] = value;
+                        total += value;
+                    }
+                    sum = _mm256_add_epi32(sum, _mm256_insert_epi32(one, total, 0));
+                }
             }
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
             xs[(size_t)r * groups + g] = d;
-            xsum[(size_t)r * groups + g] = d * (float)sum; /* of the quantized values, so the rounding error
-                                                              meets w = scale * q + bias, not scale * q alone */
+            xsum[(size_t)r * groups + g] = d * (float)_mm_cvtsi128_si32(s4); /* of the quantized values, so the
+                                    rounding error meets w = scale * q + bias, not scale * q alone */
         }
 }
 
@@ -292,6 +371,24 @@ static inline float round_to(float v, int type) {
     return v;
 }
 
+/* v = rms_norm(v) in place with the torch path's roundings (see skulk_rms_norm) */
+static void norm_in_place(float *v, int n, const float *w, float eps, int unit_offset, int type) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(v + i), _mm256_loadu_ps(v + i), acc);
+    float ss = hsum(acc);
+    for (; i < n; i++) ss += v[i] * v[i];
+    const float inv = 1.0f / __builtin_sqrtf(ss / (float)n + eps);
+    const __m256 vinv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(v + i), vinv), wv = _mm256_loadu_ps(w + i);
+        x = unit_offset ? _mm256_mul_ps(x, _mm256_add_ps(one, wv)) : _mm256_mul_ps(wv, round8(x, type));
+        _mm256_storeu_ps(v + i, round8(x, type));
+    }
+    for (; i < n; i++)
+        v[i] = unit_offset ? round_to(v[i] * inv * (1.0f + w[i]), type) : round_to(w[i] * round_to(v[i] * inv, type), type);
+}
+
 /* out = weight * round(x * rsqrt(mean(x^2) + eps)) as transformers' Llama computes it (normalise in f32, round to
  * the activations' dtype, then multiply), or with unit_offset Gemma's round(x * rsqrt(...) * (1 + weight)). */
 void skulk_rms_norm(const void *x, int xtype, int rows, int n, const void *weight, int wtype, float eps,
@@ -301,16 +398,8 @@ void skulk_rms_norm(const void *x, int xtype, int rows, int n, const void *weigh
     row_to_f32(weight, wtype, n, w);
     for (int r = 0; r < rows; r++) {
         row_to_f32((const char *)x + (size_t)r * n * type_size(xtype), xtype, n, buf);
-        __m256 acc = _mm256_setzero_ps();
-        int k = 0;
-        for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(buf + k), _mm256_loadu_ps(buf + k), acc);
-        float ss = hsum(acc);
-        for (; k < n; k++) ss += buf[k] * buf[k];
-        float inv = 1.0f / __builtin_sqrtf(ss / (float)n + eps);
-        for (int i = 0; i < n; i++) {
-            float v = unit_offset ? buf[i] * inv * (1.0f + w[i]) : w[i] * round_to(buf[i] * inv, xtype);
-            store(out, xtype, (size_t)r * n + i, v);
-        }
+        norm_in_place(buf, n, w, eps, unit_offset, xtype);
+        store_row(buf, out, xtype, (size_t)r * n, n);
     }
 }
 
@@ -385,7 +474,8 @@ void skulk_decode_attention(const void *q, const void *keys, const void *values,
                     _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load8(values, type, kv + (size_t)s * D + d), _mm256_loadu_ps(acc + d)));
             }
             const float inv = 1.0f / sum;
-            for (int d = 0; d < D; d++) store(out, type, ((size_t)b * H + h) * D + d, acc[d] * inv);
+            for (int d = 0; d < D; d++) acc[d] *= inv;
+            store_row(acc, out, type, ((size_t)b * H + h) * D, D);
         }
 }
 
@@ -393,16 +483,22 @@ void skulk_decode_attention(const void *q, const void *keys, const void *values,
 /* Each of these does what a handful of torch ops do, with the same roundings to the activations' dtype between
  * steps, so results match the torch path (and transformers) as those ops would compute them. */
 
-static void norm_in_place(float *v, int n, const float *w, float eps, int unit_offset, int type) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) ss += v[i] * v[i];
-    const float inv = 1.0f / __builtin_sqrtf(ss / (float)n + eps);
-    for (int i = 0; i < n; i++)
-        v[i] = unit_offset ? round_to(v[i] * inv * (1.0f + w[i]), type) : round_to(w[i] * round_to(v[i] * inv, type), type);
-}
 
 static void rotate(float *v, int D, const float *cos, const float *sin, int type) {
     /* x * cos + roll(x, D/2) * sin with sin's first half negated (layers._rotate), each product rounded */
+    const int half = D / 2;
+    if (half % 8 == 0) {
+        for (int i = 0; i < half; i += 8) {
+            __m256 lo = _mm256_loadu_ps(v + i), hi = _mm256_loadu_ps(v + half + i);
+            __m256 a = _mm256_add_ps(round8(_mm256_mul_ps(lo, _mm256_loadu_ps(cos + i)), type),
+                                     round8(_mm256_mul_ps(hi, _mm256_loadu_ps(sin + i)), type));
+            __m256 b = _mm256_add_ps(round8(_mm256_mul_ps(hi, _mm256_loadu_ps(cos + half + i)), type),
+                                     round8(_mm256_mul_ps(lo, _mm256_loadu_ps(sin + half + i)), type));
+            _mm256_storeu_ps(v + i, round8(a, type));
+            _mm256_storeu_ps(v + half + i, round8(b, type));
+        }
+        return;
+    }
     float rolled[512];
     for (int i = 0; i < D; i++) rolled[i] = v[i < D / 2 ? i + D / 2 : i - D / 2];
     for (int i = 0; i < D; i++) v[i] = round_to(round_to(v[i] * cos[i], type) + round_to(rolled[i] * sin[i], type), type);
@@ -430,13 +526,11 @@ void skulk_qkv_rope(const void *qkv, int type, int B, int H, int Hkv, int D, con
             if (w) norm_in_place(v, D, w, eps, unit_offset, type);
             rotate(v, D, c, s, type);
         }
-        for (int i = 0; i < H * D; i++) store(q_out, type, (size_t)b * H * D + i, buf[i]);
+        store_row(buf, q_out, type, (size_t)b * H * D, H * D);
         for (int h = 0; h < Hkv; h++) {
             const size_t at = (((size_t)b * Hkv + h) * max_seq + (size_t)positions[b]) * D;
-            for (int i = 0; i < D; i++) {
-                store(kcache, type, at + i, buf[(size_t)(H + h) * D + i]);
-                store(vcache, type, at + i, buf[(size_t)(H + Hkv + h) * D + i]);
-            }
+            store_row(buf + (size_t)(H + h) * D, kcache, type, at, D);
+            store_row(buf + (size_t)(H + Hkv + h) * D, vcache, type, at, D);
         }
     }
 }
@@ -451,12 +545,13 @@ void skulk_add_rms_norm(const void *x, const void *delta, int type, int rows, in
         const size_t at = (size_t)r * n;
         row_to_f32((const char *)x + at * type_size(type), type, n, buf);
         row_to_f32((const char *)delta + at * type_size(type), type, n, d);
-        for (int i = 0; i < n; i++) {
-            buf[i] = round_to(buf[i] + d[i], type);
-            store(h_out, type, at + i, buf[i]);
-        }
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(buf + i, round8(_mm256_add_ps(_mm256_loadu_ps(buf + i), _mm256_loadu_ps(d + i)), type));
+        for (; i < n; i++) buf[i] = round_to(buf[i] + d[i], type);
+        store_row(buf, h_out, type, at, n);
         norm_in_place(buf, n, w, eps, unit_offset, type);
-        for (int i = 0; i < n; i++) store(out, type, at + i, buf[i]);
+        store_row(buf, out, type, at, n);
     }
 }
 
@@ -494,6 +589,72 @@ void skulk_act_mul(const void *gate_up, int type, int rows, int I, int gelu, voi
                 buf[i] = g / (1.0f + e[0]);
             }
         }
-        for (i = 0; i < I; i++) store(out, type, (size_t)r * I + i, round_to(round_to(buf[i], type) * buf[I + i], type));
+        for (i = 0; i + 8 <= I; i += 8)
+            _mm256_storeu_ps(buf + i, _mm256_mul_ps(round8(_mm256_loadu_ps(buf + i), type), _mm256_loadu_ps(buf + I + i)));
+        for (; i < I; i++) buf[i] = round_to(buf[i], type) * buf[I + i];
+        store_row(buf, out, type, (size_t)r * I, I);
+    }
+}
+
+/* ---- a whole decoder layer for a decode step ---------------------------------------------------------------- */
+/* layers.DecoderLayer (Llama, Qwen2/3, Mistral: pre-norm attention then a dense MLP, one tensor-parallel rank) for
+ * B rows of one token each, as one call: the same kernels as the torch path's calls, in the same order, with the
+ * same roundings, but no Python between them. The layer and its matrices are described once (cpu_kernels.py). */
+typedef struct {
+    int kind; /* 0: f16/bf16 weights, 1: our quantized layout */
+    int wtype, bits, group, n, k;
+    const void *w;
+    const uint16_t *scales, *biases;
+    const float *bias;
+} matrix_t;
+
+typedef struct {
+    matrix_t qkv, o, gate_up, down;
+    const void *in_norm, *post_norm, *q_norm, *k_norm; /* q/k norms NULL when the model has none */
+    int norm_type, heads, kv_heads, head_dim, hidden, inter, gelu, unit_offset;
+    float eps, qk_eps, scale;
+} layer_t;
+
+static __thread void *arena_buf;
+static __thread size_t arena_len;
+
+static void mv(const matrix_t *m, const void *x, int type, int R, void *y) {
+    if (m->kind == 0) skulk_half_mv(m->w, m->wtype, m->n, m->k, x, type, R, m->bias, y, type);
+    else skulk_quant_mv(m->w, m->scales, m->biases, m->bits, m->group, m->n, m->k, x, type, R, m->bias, y, type);
+}
+
+/* out = the layer applied to x ([B, hidden] in `type`); keys/values: this layer's cache from the step's first slot
+ * ([B, Hkv, max_seq, D]); cos/sin [B, D]; positions [B]. */
+void skulk_decode_layer(const layer_t *L, const void *x, void *out, int type, int B, const int64_t *positions,
+                        const void *cos, const void *sin, int window, void *keys, void *values, int max_seq) {
+    const size_t es = type_size(type), hidden = (size_t)L->hidden * B * es;
+    const size_t qkv = (size_t)(L->heads + 2 * L->kv_heads) * L->head_dim * B * es;
+    const size_t q = (size_t)L->heads * L->head_dim * B * es, inter = (size_t)L->inter * B * es;
+    const size_t need = hidden * 2 + qkv + 2 * q + 3 * inter + 256;
+    if (need > arena_len) {
+        free(arena_buf);
+        arena_len = (need + 4095) & ~(size_t)4095;
+        arena_buf = aligned_alloc(64, arena_len);
+    }
+    char *normed = arena_buf, *delta = normed + hidden, *qkv_out = delta + hidden, *q_rot = qkv_out + qkv;
+    char *attn = q_rot + q, *gate_up = attn + q, *act = gate_up + 2 * inter;
+    skulk_rms_norm(x, type, B, L->hidden, L->in_norm, L->norm_type, L->eps, L->unit_offset, normed);
+    mv(&L->qkv, normed, type, B, qkv_out);
+    skulk_qkv_rope(qkv_out, type, B, L->heads, L->kv_heads, L->head_dim, cos, sin, L->q_norm, L->k_norm, L->qk_eps,
+                   L->unit_offset, positions, keys, values, max_seq, q_rot);
+    skulk_decode_attention(q_rot, keys, values, type, B, L->heads, L->kv_heads, L->head_dim, max_seq, positions, window,
+                           L->scale, attn);
+    mv(&L->o, attn, type, B, delta);
+    skulk_add_rms_norm(x, delta, type, B, L->hidden, L->post_norm, L->norm_type, L->eps, L->unit_offset, out, normed);
+    mv(&L->gate_up, normed, type, B, gate_up);
+    skulk_act_mul(gate_up, type, B, L->inter, L->gelu, act);
+    mv(&L->down, act, type, B, delta);
+    float *row = scratch((size_t)2 * L->hidden * sizeof(float)), *d = row + L->hidden;
+    for (int r = 0; r < B; r++) { /* h + mlp(h), rounded as torch's add rounds */
+        const size_t at = (size_t)r * L->hidden;
+        row_to_f32((char *)out + at * es, type, L->hidden, row);
+        row_to_f32(delta + at * es, type, L->hidden, d);
+        for (int i = 0; i < L->hidden; i++) row[i] += d[i];
+        store_row(row, out, type, at, L->hidden);
     }
 }

@@ -69,6 +69,25 @@ def _build() -> Path:
 _enabled = True
 
 
+class MatrixDesc(ctypes.Structure):
+    """cpu_kernels.c's matrix_t: a HalfMatrix (kind 0) or QuantMatrix (kind 1) as skulk_decode_layer reads it."""
+
+    _fields_ = [("kind", ctypes.c_int), ("wtype", ctypes.c_int), ("bits", ctypes.c_int), ("group", ctypes.c_int),
+                ("n", ctypes.c_int), ("k", ctypes.c_int), ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("biases", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class LayerDesc(ctypes.Structure):
+    """cpu_kernels.c's layer_t: one decoder layer's matrices, norms and shape."""
+
+    _fields_ = [("qkv", MatrixDesc), ("o", MatrixDesc), ("gate_up", MatrixDesc), ("down", MatrixDesc),
+                ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("norm_type", ctypes.c_int), ("heads", ctypes.c_int),
+                ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("hidden", ctypes.c_int),
+                ("inter", ctypes.c_int), ("gelu", ctypes.c_int), ("unit_offset", ctypes.c_int),
+                ("eps", ctypes.c_float), ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
 def set_enabled(enabled: bool) -> None:
     """Switch the kernels off (torch's ops everywhere) or back on, for models loaded from then on: tests compare
     the two paths with it."""
@@ -107,11 +126,18 @@ def library() -> ctypes.CDLL | None:
     lib.skulk_add_rms_norm.restype = None
     lib.skulk_act_mul.argtypes = [ptr, i32, i32, i32, i32, ptr]
     lib.skulk_act_mul.restype = None
+    lib.skulk_decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ptr, ptr, i32, i32, ptr, ptr, ptr, i32, ptr, ptr, i32]
+    lib.skulk_decode_layer.restype = None
     return lib
 
 
 def available() -> bool:
     return library() is not None
+
+
+def type_code(dtype: torch.dtype) -> int:
+    """cpu_kernels.c's code for a dtype (T_F32, T_F16, T_BF16)."""
+    return _TYPES[dtype]
 
 
 def handles(x: torch.Tensor) -> bool:
@@ -131,6 +157,10 @@ class HalfMatrix:
         self.bias = bias.detach().float().contiguous() if bias is not None else None
         self.n, self.k = self.weight.shape
         self.args = (self.weight.data_ptr(), _TYPES[weight.dtype], self.n, self.k)
+
+    def describe(self) -> MatrixDesc:
+        bias = self.bias.data_ptr() if self.bias is not None else None
+        return MatrixDesc(0, self.args[1], 0, 0, self.n, self.k, self.args[0], None, None, bias)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., K] @ weight.T (+ bias); out in out_dtype (else x's)."""
@@ -156,6 +186,11 @@ class QuantMatrix:
         self.bias = bias.detach().float().contiguous() if bias is not None else None
         scales, biases = self.tensors[1][0], self.tensors[1][1]
         self.args = (self.tensors[0].data_ptr(), scales.data_ptr(), biases.data_ptr(), bits, group, self.n, self.k)
+
+    def describe(self) -> MatrixDesc:
+        weight, scales, biases, bits, group, n, k = self.args
+        bias = self.bias.data_ptr() if self.bias is not None else None
+        return MatrixDesc(1, 0, bits, group, n, k, weight, scales, biases, bias)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         lib = library()
@@ -236,4 +271,19 @@ def act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
     lib.skulk_act_mul(gate_up.data_ptr(), _TYPES[gate_up.dtype], gate_up.numel() // (2 * inter), inter, int(gelu),
                       out.data_ptr())
+    return out
+
+
+def decode_layer(desc: LayerDesc, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 window: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A whole decoder layer for a decode step (x [B, 1, hidden]) in one call; keys/values: the layer's cache from
+    the step's first slot. layers.DecoderLayer builds desc once and decides when this applies."""
+    lib = library()
+    assert lib is not None
+    x, positions = x.contiguous(), positions.to(torch.int64).contiguous()
+    cos, sin = rope[0].contiguous(), rope[1].contiguous()
+    out = torch.empty_like(x)
+    lib.skulk_decode_layer(ctypes.byref(desc), x.data_ptr(), out.data_ptr(), _TYPES[x.dtype], x.shape[0],
+                           positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), window, keys.data_ptr(),
+                           values.data_ptr(), keys.shape[2])
     return out

@@ -223,13 +223,61 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(args, tp_size, all_reduce)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self._native: tuple[cpu_kernels.LayerDesc, torch.dtype] | bool | None = None  # None: not yet decided
 
     def forward(
         self, x: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
     ) -> torch.Tensor:
+        if x.shape[1] == 1 and self._native is not False:
+            native = self._native if self._native is not None else self._describe()
+            if isinstance(native, tuple) and x.dtype == native[1] == cache.keys.dtype:
+                return cpu_kernels.decode_layer(native[0], x, batch.positions, rope, batch.window,
+                                                cache.keys[batch.slots], cache.values[batch.slots])
         h, normed = add_norm(x, self.self_attn(self.input_layernorm(x), batch, rope, cache),
                              self.post_attention_layernorm)
         return h + self.mlp(normed)
+
+    def _describe(self) -> tuple[cpu_kernels.LayerDesc, torch.dtype] | bool:
+        """The layer as skulk_decode_layer reads it (decided once, after loading): the same steps as forward's
+        torch path in one call, so a decode step pays Python once per layer, not ~20 times. False where it does
+        not apply: a tensor-parallel rank (its all-reduces sit between the steps), a MoE block, float32 or
+        CUDA weights, or projections that did not stack."""
+        attn, mlp = self.self_attn, self.mlp
+        matrices = [_kernel_matrix(m) for m in (attn.qkv, attn.o_proj, getattr(mlp, "gate_up", None),
+                                                getattr(mlp, "down_proj", None))]
+        norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+        if attn.q_norm is not None and attn.k_norm is not None:
+            norms += [attn.q_norm.weight, attn.k_norm.weight]
+        usable = (attn.all_reduce is identity and isinstance(mlp, MLP) and not attn.softcap and attn.head_dim % 8 == 0
+                  and attn.head_dim <= 512 and len({w.dtype for w in norms}) == 1 and norms[0].dtype in _KERNEL_DTYPES)
+        if not usable or any(m is None for m in matrices):
+            self._native = False
+            return False
+        qkv, o, gate_up, down = (m.describe() for m in matrices)  # type: ignore[union-attr]
+        q_norm, k_norm = (norms[2].data_ptr(), norms[3].data_ptr()) if len(norms) == 4 else (None, None)
+        desc = cpu_kernels.LayerDesc(
+            qkv, o, gate_up, down, norms[0].data_ptr(), norms[1].data_ptr(), q_norm, k_norm,
+            cpu_kernels.type_code(norms[0].dtype), attn.n_heads, attn.n_kv_heads, attn.head_dim,
+            self.input_layernorm.weight.shape[0], mlp.inter, int(mlp.gelu), 0, self.input_layernorm.eps,
+            attn.q_norm.eps if attn.q_norm is not None else 0.0, attn.scale or attn.head_dim**-0.5)
+        self._native = (desc, norms[0].dtype)
+        return self._native
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _kernel_matrix(module: nn.Module | None) -> cpu_kernels.HalfMatrix | cpu_kernels.QuantMatrix | None:
+    """A projection as the kernels read it, or None when it runs elsewhere (f32 or CUDA weights, torch's
+    quantized layout, a tensor-parallel partial sum)."""
+    if module is None or getattr(module, "out_dtype", None) is not None or not cpu_kernels.available():
+        return None
+    if type(module) is Linear and module.weight.dtype in (torch.float16, torch.bfloat16) \
+            and module.weight.device.type == "cpu":
+        return module._matrix()
+    if isinstance(module, QuantizedLinear) and module.kernel:
+        return module.kernel_matrix()
+    return None
 
 
 def add_norm(x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:

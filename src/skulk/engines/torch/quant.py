@@ -170,11 +170,15 @@ class QuantizedLinear(nn.Module):
     out_dtype: torch.dtype | None = None
     """As matmul.Linear's: float32 partial sums on a tensor-parallel rank's o_proj/down_proj."""
 
+    def kernel_matrix(self) -> cpu_kernels.QuantMatrix:
+        """Our layout's matrix as the kernels read it, resolved on first use."""
+        if self._matrix is None:
+            self._matrix = cpu_kernels.QuantMatrix(self.weight, self.params, self.bits, self.group, self.bias)
+        return self._matrix
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
-            if self._matrix is None:
-                self._matrix = cpu_kernels.QuantMatrix(self.weight, self.params, self.bits, self.group, self.bias)
-            return self._matrix(x, self.out_dtype)
+            return self.kernel_matrix()(x, self.out_dtype)
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         if self.bits == 4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, self.group, self.params)
