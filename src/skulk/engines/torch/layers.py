@@ -250,7 +250,7 @@ class DecoderLayer(nn.Module):
             norms += [attn.q_norm.weight, attn.k_norm.weight]
         usable = (attn.all_reduce is identity and isinstance(mlp, MLP) and not attn.softcap and attn.head_dim % 8 == 0
                   and attn.head_dim <= 512 and len({w.dtype for w in norms}) == 1 and norms[0].dtype in _KERNEL_DTYPES)
-        if not usable or any(m is None for m in matrices):
+        if not usable or not isinstance(mlp, MLP) or any(m is None for m in matrices):
             self._native = False
             return False
         qkv, o, gate_up, down = (m.describe() for m in matrices)  # type: ignore[union-attr]
