@@ -23,6 +23,7 @@ enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2 };
 #define BLOCK_N 32    /* weight rows per unit of parallel work */
 #define HALF_TILE 8   /* activation rows per pass over a weight row, float kernels */
 #define QUANT_TILE 4  /* the same for quantized kernels (two accumulators per row must stay in registers) */
+#define QACC(R) ((R) <= 2 ? 2 : 1)
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 2
 #endif
@@ -280,9 +281,9 @@ static void quantize_rows(const float *xf, int R, int K, int group, int bits, in
             const uint8_t *wr = w + (size_t)n * row_bytes;                                                     \
             for (size_t at = 0; at < row_bytes; at += 64) /* the row PREFETCH_ROWS ahead, to keep DRAM busy */ \
                 _mm_prefetch((const char *)(wr + PREFETCH_ROWS * row_bytes + at), _MM_HINT_T0);                \
-            __m256 acc[R];                                                                                     \
-            float bsum[R];                                                                                     \
-            for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), bsum[r] = 0.0f;                          \
+            __m256 acc[R][QACC(R)]; /* two chains per row when registers allow: an FMA's latency is 4 cycles */ \
+            for (int r = 0; r < R; r++)                                                                        \
+                for (int u = 0; u < QACC(R); u++) acc[r][u] = _mm256_setzero_ps();                            \
             for (int g = 0; g < groups; g++) {                                                                 \
                 __m256i dot[R];                                                                                \
                 for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();                                   \
@@ -315,14 +316,30 @@ static void quantize_rows(const float *xf, int R, int K, int group, int bits, in
                         }                                                                                      \
                     }                                                                                          \
                 }                                                                                              \
-                const float sc = _cvtsh_ss(scales[(size_t)n * groups + g]), bi = _cvtsh_ss(biases[(size_t)n * groups + g]); \
+                const float sc = _cvtsh_ss(scales[(size_t)n * groups + g]);                                    \
                 for (int r = 0; r < R; r++) {                                                                  \
                     __m256i d32 = BITS == 4 ? _mm256_madd_epi16(dot[r], ones) : dot[r];                        \
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_set1_ps(sc * xs[(size_t)r * groups + g]), acc[r]); \
-                    bsum[r] += bi * xsum[(size_t)r * groups + g];                                               \
+                    __m256 *a = &acc[r][g & (QACC(R) - 1)];                                                    \
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_set1_ps(sc * xs[(size_t)r * groups + g]), *a); \
                 }                                                                                              \
             }                                                                                                  \
-            for (int r = 0; r < R; r++) out[(size_t)r * N + n] = hsum(acc[r]) + bsum[r];                       \
+            /* the biases' share, sum over groups of bias * x_scale * sum(x_q), eight groups at a time */     \
+            const uint16_t *br = biases + (size_t)n * groups;                                                  \
+            __m256 bacc[R];                                                                                    \
+            for (int r = 0; r < R; r++) bacc[r] = acc[r][0];                                                   \
+            for (int r = 0; r < R; r++)                                                                        \
+                for (int u = 1; u < QACC(R); u++) bacc[r] = _mm256_add_ps(bacc[r], acc[r][u]);                 \
+            int g = 0;                                                                                         \
+            for (; g + 8 <= groups; g += 8) {                                                                  \
+                __m256 bv = load_f16(br + g);                                                                  \
+                for (int r = 0; r < R; r++)                                                                    \
+                    bacc[r] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xsum + (size_t)r * groups + g), bacc[r]);    \
+            }                                                                                                  \
+            for (int r = 0; r < R; r++) {                                                                      \
+                float total = hsum(bacc[r]);                                                                   \
+                for (int j = g; j < groups; j++) total += _cvtsh_ss(br[j]) * xsum[(size_t)r * groups + j];     \
+                out[(size_t)r * N + n] = total;                                                                \
+            }                                                                                                  \
         }                                                                                                      \
     }
 
