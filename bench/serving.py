@@ -8,7 +8,8 @@ Prints three ratios, each from runs interleaved with its baseline so machine noi
   the routes run back to back in every round, each going first in turn)
   streaming decode tokens/s with logprobs (top 5) ÷ without, the same way
 
-Run: .venv/bin/python bench/serving.py [--tokens 64] [--rounds 3]
+Run: .venv/bin/python bench/serving.py [--tokens 64] [--rounds 3] [--quantization int4|int8]
+     (--quantization: the same model quantized at load, in the node's instance and the bare engine alike)
 """
 
 from __future__ import annotations
@@ -130,10 +131,11 @@ async def api_single_aggregate(url: str, tokens: int) -> float:
     return produced / (time.perf_counter() - start)
 
 
-def start_node(root: Path) -> LocalNode:
+def start_node(root: Path, quantization: str | None) -> LocalNode:
     node = LocalNode(home=root / "node", cluster=f"bench{int(time.time())}").start().wait_ready()
     with node.client(timeout=120) as client:
-        reply = client.post("/place_instance", json={"model_id": BENCH_MODEL_ID})
+        placement = {"model_id": BENCH_MODEL_ID, **({"quantization": quantization} if quantization else {})}
+        reply = client.post("/place_instance", json=placement)
         reply.raise_for_status()
         instance_id = reply.json()["instanceId"]
         deadline = time.monotonic() + 180
@@ -150,14 +152,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quantization", choices=["int4", "int8"], default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model_dir = ensure_builtin_model(BENCH_MODEL_ID, root / "node" / "models")
-        node = start_node(root)
+        node = start_node(root, args.quantization)
         try:
-            engine = TorchEngine(model_dir)
+            engine = TorchEngine(model_dir, quantize=args.quantization)
             engine.warmup()
+            print(f"weights: {args.quantization or 'as the checkpoint ships'}")
             measure(engine, node.url, args.tokens, args.rounds)
         except BaseException:
             print(f"---- node output ----\n{node.log_tail(80)}")
