@@ -1,6 +1,7 @@
-"""Our AVX2 kernels (engines/torch/cpu_kernels.c) against torch's arithmetic for the same inputs: matrix-vector
-products on f16/bf16 and MLX 4/8-bit weights at every row count a tile boundary can split, RMSNorm, decode
-attention; the stacked q/k/v and gate/up projections; and the torch fallback when the kernels are off."""
+"""Our AVX2 kernels (engines/torch/cpu_matmul.c, cpu_step.c) against torch's arithmetic for the same inputs:
+matrix-vector products on f16/bf16 and MLX 4/8-bit weights at every row count a tile boundary can split, RMSNorm,
+decode attention; the stacked q/k/v and gate/up projections; the one-call decode layer; and the torch fallback when
+the kernels are off."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Our AVX2 matrix-vector kernels (cpu_kernels.c), compiled on first use and called through ctypes.
+"""Our AVX2 kernels (cpu_matmul.c, cpu_step.c), compiled on first use and called through ctypes.
 
 torch's CPU matmuls are fast for f16 weights one row at a time only, slow for bf16 weights at any row count
 below a GEMM's, and its weight-only int4/int8 kernels want bf16 activations and reach about a third of the
@@ -6,7 +6,7 @@ memory bandwidth llama.cpp's do (bench/engine.py). Decode is a few rows against 
 bandwidth: these kernels stream each weight byte once per step, widen f16/bf16 or unpack MLX's 4/8-bit groups
 as they go, and handle up to eight rows per pass, so a batched step costs about what a single one does.
 
-The C file needs no torch or Python headers: gcc builds it in about a second into the user's cache directory
+The C files need no torch or Python headers: gcc builds it in about a second into the user's cache directory
 (keyed by the source's hash, written atomically so concurrent processes agree), and it is loaded after torch,
 so it shares torch's OpenMP runtime and thread count. Where there is no AVX2/FMA/F16C CPU or no C compiler,
 available() is False and the engine uses torch's kernels instead: slower, the same results within rounding
@@ -29,7 +29,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_matmul.c", "cpu_step.c"))
+HEADER = Path(__file__).with_name("cpu_kernels.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_GROUP = 256
@@ -50,7 +51,7 @@ def _cpu_ok() -> bool:
 
 
 def _build() -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (HEADER, *SOURCES))
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{digest}.so"
     if target.exists():
@@ -61,7 +62,8 @@ def _build() -> Path:
         raise OSError("no C compiler (gcc or cc) on PATH")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], check=True, capture_output=True,
+                       timeout=120)
         os.replace(built, target)
     return target
 
@@ -70,7 +72,7 @@ _enabled = True
 
 
 class MatrixDesc(ctypes.Structure):
-    """cpu_kernels.c's matrix_t: a HalfMatrix (kind 0) or QuantMatrix (kind 1) as skulk_decode_layer reads it."""
+    """cpu_step.c's matrix_t: a HalfMatrix (kind 0) or QuantMatrix (kind 1) as skulk_decode_layer reads it."""
 
     _fields_ = [("kind", ctypes.c_int), ("wtype", ctypes.c_int), ("bits", ctypes.c_int), ("group", ctypes.c_int),
                 ("n", ctypes.c_int), ("k", ctypes.c_int), ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
@@ -78,7 +80,7 @@ class MatrixDesc(ctypes.Structure):
 
 
 class LayerDesc(ctypes.Structure):
-    """cpu_kernels.c's layer_t: one decoder layer's matrices, norms and shape."""
+    """cpu_step.c's layer_t: one decoder layer's matrices, norms and shape."""
 
     _fields_ = [("qkv", MatrixDesc), ("o", MatrixDesc), ("gate_up", MatrixDesc), ("down", MatrixDesc),
                 ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
@@ -136,7 +138,7 @@ def available() -> bool:
 
 
 def type_code(dtype: torch.dtype) -> int:
-    """cpu_kernels.c's code for a dtype (T_F32, T_F16, T_BF16)."""
+    """cpu_kernels.h's code for a dtype (T_F32, T_F16, T_BF16)."""
     return _TYPES[dtype]
 
 

@@ -1,0 +1,129 @@
+/* Shared by cpu_matmul.c and cpu_step.c (engines/torch/cpu_kernels.py builds both into one library): dtype
+ * codes, per-thread scratch, conversions between f32 and the activations' dtypes, and the public entry points. */
+#ifndef SKULK_CPU_KERNELS_H
+#define SKULK_CPU_KERNELS_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2 };
+
+static __thread void *scratch_buf;
+static __thread size_t scratch_len;
+
+static inline void *scratch(size_t bytes) {
+    if (bytes > scratch_len) {
+        free(scratch_buf);
+        scratch_len = (bytes + 4095) & ~(size_t)4095;
+        scratch_buf = aligned_alloc(64, scratch_len);
+    }
+    return scratch_buf;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline void row_to_f32(const void *x, int type, int n, float *out) {
+    int k = 0;
+    if (type == T_F32) {
+        memcpy(out, x, (size_t)n * 4);
+    } else if (type == T_F16) {
+        const uint16_t *h = x;
+        for (; k + 8 <= n; k += 8) _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + k))));
+        for (; k < n; k++) out[k] = _cvtsh_ss(h[k]);
+    } else {
+        const uint16_t *h = x;
+        for (; k + 8 <= n; k += 8)
+            _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + k))), 16)));
+        for (; k < n; k++) out[k] = bf16_to_f32(h[k]);
+    }
+}
+
+static inline void store(void *y, int type, size_t at, float v) {
+    if (type == T_F32) ((float *)y)[at] = v;
+    else if (type == T_F16) ((uint16_t *)y)[at] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+    else ((uint16_t *)y)[at] = f32_to_bf16(v);
+}
+
+/* 8 floats rounded to the type's precision (bf16: to nearest even, as f32_to_bf16), and stored in it */
+static inline __m256i bf16_bits8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+}
+
+static inline __m256 round8(__m256 v, int type) {
+    if (type == T_F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    if (type == T_BF16) return _mm256_castsi256_ps(_mm256_and_si256(bf16_bits8(v), _mm256_set1_epi32((int)0xffff0000u)));
+    return v;
+}
+
+static inline void store8(void *y, int type, size_t at, __m256 v) {
+    if (type == T_F32) {
+        _mm256_storeu_ps((float *)y + at, v);
+    } else if (type == T_F16) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)y + at), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    } else {
+        __m256i b = _mm256_srli_epi32(bf16_bits8(v), 16);
+        _mm_storeu_si128((__m128i *)((uint16_t *)y + at), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    }
+}
+
+
+/* v[0..n) stored at y[at..] in the type */
+static inline void store_row(const float *v, void *y, int type, size_t at, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) store8(y, type, at + i, _mm256_loadu_ps(v + i));
+    for (; i < n; i++) store(y, type, at + i, v[i]);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+static inline size_t type_size(int type) { return type == T_F32 ? 4 : 2; }
+
+static inline void finish(float *acc, int rows, int n, const float *bias, void *y, int ytype) {
+    for (int r = 0; r < rows; r++) {
+        float *row = acc + (size_t)r * n;
+        if (bias)
+            for (int i = 0; i < n; i++) row[i] += bias[i];
+        store_row(row, y, ytype, (size_t)r * n, n);
+    }
+}
+
+static inline __m256 load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256 load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* R rows of x against weight rows [n0, n1); U independent accumulators per row keep the FMA pipes busy when R is
+ * small. Instantiated per (R, U, dtype) so every loop below unrolls into registers. */
+
+static inline float round_to(float v, int type) {
+    if (type == T_F16) return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+    if (type == T_BF16) return bf16_to_f32(f32_to_bf16(v));
+    return v;
+}
+
+void skulk_half_mv(const uint16_t *w, int wtype, int N, int K, const void *x, int xtype, int R, const float *bias,
+                   void *y, int ytype);
+void skulk_quant_mv(const uint8_t *w, const uint16_t *scales, const uint16_t *biases, int bits, int group, int N, int K,
+                    const void *x, int xtype, int R, const float *bias, void *y, int ytype);
+#endif

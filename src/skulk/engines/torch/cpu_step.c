@@ -1,0 +1,294 @@
+/* The rest of a decode step on the CPU, beside cpu_matmul.c's matrix kernels: RMSNorm, residual add + norm,
+ * act(gate) * up, q/k norms + rope + KV-cache write, decode attention, and a whole dense decoder layer in one call.
+ * Each reproduces the torch path's roundings to the activations' dtype (engines/torch/layers.py). */
+#include "cpu_kernels.h"
+
+/* ---- RMSNorm ------------------------------------------------------------------------------------------------ */
+
+/* v = rms_norm(v) in place with the torch path's roundings (see skulk_rms_norm) */
+static void norm_in_place(float *v, int n, const float *w, float eps, int unit_offset, int type) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(v + i), _mm256_loadu_ps(v + i), acc);
+    float ss = hsum(acc);
+    for (; i < n; i++) ss += v[i] * v[i];
+    const float inv = 1.0f / __builtin_sqrtf(ss / (float)n + eps);
+    const __m256 vinv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(v + i), vinv), wv = _mm256_loadu_ps(w + i);
+        x = unit_offset ? _mm256_mul_ps(x, _mm256_add_ps(one, wv)) : _mm256_mul_ps(wv, round8(x, type));
+        _mm256_storeu_ps(v + i, round8(x, type));
+    }
+    for (; i < n; i++)
+        v[i] = unit_offset ? round_to(v[i] * inv * (1.0f + w[i]), type) : round_to(w[i] * round_to(v[i] * inv, type), type);
+}
+
+/* out = weight * round(x * rsqrt(mean(x^2) + eps)) as transformers' Llama computes it (normalise in f32, round to
+ * the activations' dtype, then multiply), or with unit_offset Gemma's round(x * rsqrt(...) * (1 + weight)). */
+void skulk_rms_norm(const void *x, int xtype, int rows, int n, const void *weight, int wtype, float eps,
+                    int unit_offset, void *out) {
+    float *buf = scratch((size_t)2 * n * sizeof(float));
+    float *w = buf + n;
+    row_to_f32(weight, wtype, n, w);
+    for (int r = 0; r < rows; r++) {
+        row_to_f32((const char *)x + (size_t)r * n * type_size(xtype), xtype, n, buf);
+        norm_in_place(buf, n, w, eps, unit_offset, xtype);
+        store_row(buf, out, xtype, (size_t)r * n, n);
+    }
+}
+
+/* ---- decode attention --------------------------------------------------------------------------------------- */
+/* exp for the softmax, 8 lanes: 2^(x log2 e) split into an integer power (exponent bits) and a degree-6
+ * polynomial of the remainder; relative error about 2e-7 over the range softmax feeds it (x <= 0). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 fi = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, fi);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline __m256 load8(const void *base, int type, size_t at) {
+    if (type == T_F32) return _mm256_loadu_ps((const float *)base + at);
+    if (type == T_F16) return load_f16((const uint16_t *)base + at);
+    return load_bf16((const uint16_t *)base + at);
+}
+
+/* One query per row (a decode step) against the cache: q [B, H, D], keys/values laid out [B, Hkv, max_seq, D]
+ * from the step's first slot, row b attending its positions [positions[b] + 1 - window, positions[b]] (window 0:
+ * all from 0). Grouped-query heads share their kv head (h / (H / Hkv)). Scores, softmax and the weighted sum run
+ * in f32; out [B, H, D] in q's dtype. D must be a multiple of 8. */
+void skulk_decode_attention(const void *q, const void *keys, const void *values, int type, int B, int H, int Hkv,
+                            int D, int max_seq, const int64_t *positions, int window, float scale, void *out) {
+    const int group = H / Hkv;
+#pragma omp parallel for collapse(2) schedule(static) if (B * H >= 8 && positions[0] >= 256)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            const int len = (int)positions[b] + 1, start = window > 0 && len > window ? len - window : 0;
+            const size_t kv = ((size_t)b * Hkv + (size_t)(h / group)) * max_seq * D;
+            float *buf = scratch(((size_t)(len - start) + 2 * (size_t)D + 8) * sizeof(float));
+            float *qf = buf, *acc = buf + D, *scores = buf + 2 * D;
+            row_to_f32((const char *)q + ((size_t)b * H + h) * D * type_size(type), type, D, qf);
+            float best = -3.0e38f;
+            for (int s = start; s < len; s++) {
+                __m256 dot = _mm256_setzero_ps();
+                for (int d = 0; d < D; d += 8)
+                    dot = _mm256_fmadd_ps(_mm256_loadu_ps(qf + d), load8(keys, type, kv + (size_t)s * D + d), dot);
+                float v = hsum(dot) * scale;
+                scores[s - start] = v;
+                best = v > best ? v : best;
+            }
+            const int n = len - start;
+            __m256 total = _mm256_setzero_ps();
+            int i = 0;
+            for (; i + 8 <= n; i += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), _mm256_set1_ps(best)));
+                _mm256_storeu_ps(scores + i, e);
+                total = _mm256_add_ps(total, e);
+            }
+            float sum = hsum(total);
+            for (; i < n; i++) {
+                float e[8] = {scores[i] - best};
+                _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
+                scores[i] = e[0];
+                sum += e[0];
+            }
+            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, _mm256_setzero_ps());
+            for (int s = start; s < len; s++) {
+                __m256 p = _mm256_set1_ps(scores[s - start]);
+                for (int d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load8(values, type, kv + (size_t)s * D + d), _mm256_loadu_ps(acc + d)));
+            }
+            const float inv = 1.0f / sum;
+            for (int d = 0; d < D; d++) acc[d] *= inv;
+            store_row(acc, out, type, ((size_t)b * H + h) * D, D);
+        }
+}
+
+/* ---- fused decode-step elementwise work --------------------------------------------------------------------- */
+/* Each of these does what a handful of torch ops do, with the same roundings to the activations' dtype between
+ * steps, so results match the torch path (and transformers) as those ops would compute them. */
+
+
+static void rotate(float *v, int D, const float *cos, const float *sin, int type) {
+    /* x * cos + roll(x, D/2) * sin with sin's first half negated (layers._rotate), each product rounded */
+    const int half = D / 2;
+    if (half % 8 == 0) {
+        for (int i = 0; i < half; i += 8) {
+            __m256 lo = _mm256_loadu_ps(v + i), hi = _mm256_loadu_ps(v + half + i);
+            __m256 a = _mm256_add_ps(round8(_mm256_mul_ps(lo, _mm256_loadu_ps(cos + i)), type),
+                                     round8(_mm256_mul_ps(hi, _mm256_loadu_ps(sin + i)), type));
+            __m256 b = _mm256_add_ps(round8(_mm256_mul_ps(hi, _mm256_loadu_ps(cos + half + i)), type),
+                                     round8(_mm256_mul_ps(lo, _mm256_loadu_ps(sin + half + i)), type));
+            _mm256_storeu_ps(v + i, round8(a, type));
+            _mm256_storeu_ps(v + half + i, round8(b, type));
+        }
+        return;
+    }
+    float rolled[512];
+    for (int i = 0; i < D; i++) rolled[i] = v[i < D / 2 ? i + D / 2 : i - D / 2];
+    for (int i = 0; i < D; i++) v[i] = round_to(round_to(v[i] * cos[i], type) + round_to(rolled[i] * sin[i], type), type);
+}
+
+/* One decode step's q/k/v for B rows (T = 1): qkv [B, (H + 2 Hkv) D] as the stacked projection wrote it; per head
+ * the optional q/k RMSNorm (weights [D]), then rope with cos/sin [B, D] (sin sign-folded); k and v stored at each
+ * row's position in the cache (laid out [B, Hkv, max_seq, D] from the step's first slot); rotated q out [B, H, D].
+ * D <= 512. */
+void skulk_qkv_rope(const void *qkv, int type, int B, int H, int Hkv, int D, const void *cos, const void *sin,
+                    const void *qnorm, const void *knorm, float eps, int unit_offset, const int64_t *positions,
+                    void *kcache, void *vcache, int max_seq, void *q_out) {
+    const size_t width = (size_t)(H + 2 * Hkv) * D, es = type_size(type);
+    float *buf = scratch((size_t)(width + 4 * D) * sizeof(float));
+    float *c = buf + width, *s = c + D, *qn = s + D, *kn = qn + D;
+    if (qnorm) row_to_f32(qnorm, type, D, qn);
+    if (knorm) row_to_f32(knorm, type, D, kn);
+    for (int b = 0; b < B; b++) {
+        row_to_f32((const char *)qkv + b * width * es, type, (int)width, buf);
+        row_to_f32((const char *)cos + (size_t)b * D * es, type, D, c);
+        row_to_f32((const char *)sin + (size_t)b * D * es, type, D, s);
+        for (int h = 0; h < H + Hkv; h++) {
+            float *v = buf + (size_t)h * D;
+            const float *w = h < H ? (qnorm ? qn : NULL) : (knorm ? kn : NULL);
+            if (w) norm_in_place(v, D, w, eps, unit_offset, type);
+            rotate(v, D, c, s, type);
+        }
+        store_row(buf, q_out, type, (size_t)b * H * D, H * D);
+        for (int h = 0; h < Hkv; h++) {
+            const size_t at = (((size_t)b * Hkv + h) * max_seq + (size_t)positions[b]) * D;
+            store_row(buf + (size_t)(H + h) * D, kcache, type, at, D);
+            store_row(buf + (size_t)(H + Hkv + h) * D, vcache, type, at, D);
+        }
+    }
+}
+
+/* h = x + delta (rounded), out = rms_norm(h) (as skulk_rms_norm): the residual add and the next norm of a layer. */
+void skulk_add_rms_norm(const void *x, const void *delta, int type, int rows, int n, const void *weight, int wtype,
+                        float eps, int unit_offset, void *h_out, void *out) {
+    float *buf = scratch((size_t)3 * n * sizeof(float));
+    float *w = buf + n, *d = w + n;
+    row_to_f32(weight, wtype, n, w);
+    for (int r = 0; r < rows; r++) {
+        const size_t at = (size_t)r * n;
+        row_to_f32((const char *)x + at * type_size(type), type, n, buf);
+        row_to_f32((const char *)delta + at * type_size(type), type, n, d);
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(buf + i, round8(_mm256_add_ps(_mm256_loadu_ps(buf + i), _mm256_loadu_ps(d + i)), type));
+        for (; i < n; i++) buf[i] = round_to(buf[i] + d[i], type);
+        store_row(buf, h_out, type, at, n);
+        norm_in_place(buf, n, w, eps, unit_offset, type);
+        store_row(buf, out, type, at, n);
+    }
+}
+
+/* out = act(gate) * up for gate_up [rows, 2 I] (gate first): act SiLU, or GELU with the tanh approximation (gelu=1),
+ * rounded after the activation and after the product as F.silu(gate) * up rounds them. */
+void skulk_act_mul(const void *gate_up, int type, int rows, int I, int gelu, void *out) {
+    float *buf = scratch((size_t)2 * I * sizeof(float));
+    for (int r = 0; r < rows; r++) {
+        row_to_f32((const char *)gate_up + (size_t)r * 2 * I * type_size(type), type, 2 * I, buf);
+        int i = 0;
+        for (; i + 8 <= I; i += 8) {
+            __m256 g = _mm256_loadu_ps(buf + i), a;
+            if (gelu) { /* 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (1 + exp(2u)), u = sqrt(2/pi) (g + 0.044715 g^3) */
+                __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                         _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
+                __m256 e = exp8(_mm256_min_ps(_mm256_mul_ps(u, _mm256_set1_ps(2.0f)), _mm256_set1_ps(80.0f)));
+                __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+                a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+            } else {
+                __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(80.0f)));
+                a = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            }
+            _mm256_storeu_ps(buf + i, a);
+        }
+        for (; i < I; i++) {
+            float g = buf[i], e[8] = {gelu ? 0.0f : -g};
+            if (gelu) {
+                float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+                e[0] = 2.0f * u < 80.0f ? 2.0f * u : 80.0f;
+                _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
+                buf[i] = 0.5f * g * (2.0f - 2.0f / (1.0f + e[0]));
+            } else {
+                e[0] = e[0] < 80.0f ? e[0] : 80.0f;
+                _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
+                buf[i] = g / (1.0f + e[0]);
+            }
+        }
+        for (i = 0; i + 8 <= I; i += 8)
+            _mm256_storeu_ps(buf + i, _mm256_mul_ps(round8(_mm256_loadu_ps(buf + i), type), _mm256_loadu_ps(buf + I + i)));
+        for (; i < I; i++) buf[i] = round_to(buf[i], type) * buf[I + i];
+        store_row(buf, out, type, (size_t)r * I, I);
+    }
+}
+
+/* ---- a whole decoder layer for a decode step ---------------------------------------------------------------- */
+/* layers.DecoderLayer (Llama, Qwen2/3, Mistral: pre-norm attention then a dense MLP, one tensor-parallel rank) for
+ * B rows of one token each, as one call: the same kernels as the torch path's calls, in the same order, with the
+ * same roundings, but no Python between them. The layer and its matrices are described once (cpu_kernels.py). */
+typedef struct {
+    int kind; /* 0: f16/bf16 weights, 1: our quantized layout */
+    int wtype, bits, group, n, k;
+    const void *w;
+    const uint16_t *scales, *biases;
+    const float *bias;
+} matrix_t;
+
+typedef struct {
+    matrix_t qkv, o, gate_up, down;
+    const void *in_norm, *post_norm, *q_norm, *k_norm; /* q/k norms NULL when the model has none */
+    int norm_type, heads, kv_heads, head_dim, hidden, inter, gelu, unit_offset;
+    float eps, qk_eps, scale;
+} layer_t;
+
+static __thread void *arena_buf;
+static __thread size_t arena_len;
+
+static void mv(const matrix_t *m, const void *x, int type, int R, void *y) {
+    if (m->kind == 0) skulk_half_mv(m->w, m->wtype, m->n, m->k, x, type, R, m->bias, y, type);
+    else skulk_quant_mv(m->w, m->scales, m->biases, m->bits, m->group, m->n, m->k, x, type, R, m->bias, y, type);
+}
+
+/* out = the layer applied to x ([B, hidden] in `type`); keys/values: this layer's cache from the step's first slot
+ * ([B, Hkv, max_seq, D]); cos/sin [B, D]; positions [B]. */
+void skulk_decode_layer(const layer_t *L, const void *x, void *out, int type, int B, const int64_t *positions,
+                        const void *cos, const void *sin, int window, void *keys, void *values, int max_seq) {
+    const size_t es = type_size(type), hidden = (size_t)L->hidden * B * es;
+    const size_t qkv = (size_t)(L->heads + 2 * L->kv_heads) * L->head_dim * B * es;
+    const size_t q = (size_t)L->heads * L->head_dim * B * es, inter = (size_t)L->inter * B * es;
+    const size_t need = hidden * 2 + qkv + 2 * q + 3 * inter + 256;
+    if (need > arena_len) {
+        free(arena_buf);
+        arena_len = (need + 4095) & ~(size_t)4095;
+        arena_buf = aligned_alloc(64, arena_len);
+    }
+    char *normed = arena_buf, *delta = normed + hidden, *qkv_out = delta + hidden, *q_rot = qkv_out + qkv;
+    char *attn = q_rot + q, *gate_up = attn + q, *act = gate_up + 2 * inter;
+    skulk_rms_norm(x, type, B, L->hidden, L->in_norm, L->norm_type, L->eps, L->unit_offset, normed);
+    mv(&L->qkv, normed, type, B, qkv_out);
+    skulk_qkv_rope(qkv_out, type, B, L->heads, L->kv_heads, L->head_dim, cos, sin, L->q_norm, L->k_norm, L->qk_eps,
+                   L->unit_offset, positions, keys, values, max_seq, q_rot);
+    skulk_decode_attention(q_rot, keys, values, type, B, L->heads, L->kv_heads, L->head_dim, max_seq, positions, window,
+                           L->scale, attn);
+    mv(&L->o, attn, type, B, delta);
+    skulk_add_rms_norm(x, delta, type, B, L->hidden, L->post_norm, L->norm_type, L->eps, L->unit_offset, out, normed);
+    mv(&L->gate_up, normed, type, B, gate_up);
+    skulk_act_mul(gate_up, type, B, L->inter, L->gelu, act);
+    mv(&L->down, act, type, B, delta);
+    float *row = scratch((size_t)2 * L->hidden * sizeof(float)), *d = row + L->hidden;
+    for (int r = 0; r < B; r++) { /* h + mlp(h), rounded as torch's add rounds */
+        const size_t at = (size_t)r * L->hidden;
+        row_to_f32((char *)out + at * es, type, L->hidden, row);
+        row_to_f32(delta + at * es, type, L->hidden, d);
+        for (int i = 0; i < L->hidden; i++) row[i] += d[i];
+        store_row(row, out, type, at, L->hidden);
+    }
+}
