@@ -248,8 +248,8 @@ class DecoderLayer(nn.Module):
         norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
         if attn.q_norm is not None and attn.k_norm is not None:
             norms += [attn.q_norm.weight, attn.k_norm.weight]
-        usable = (attn.all_reduce is identity and isinstance(mlp, MLP) and not attn.softcap and attn.head_dim % 8 == 0
-                  and attn.head_dim <= 512 and len({w.dtype for w in norms}) == 1 and norms[0].dtype in _KERNEL_DTYPES)
+        usable = (attn.all_reduce is identity and not attn.softcap and attn.head_dim % 8 == 0 and attn.head_dim <= 512
+                  and len({w.dtype for w in norms}) == 1 and norms[0].dtype in _KERNEL_DTYPES)
         if not usable or not isinstance(mlp, MLP) or any(m is None for m in matrices):
             self._native = False
             return False
