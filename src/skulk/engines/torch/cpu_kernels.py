@@ -6,11 +6,11 @@ memory bandwidth llama.cpp's do (bench/engine.py). Decode is a few rows against 
 bandwidth: these kernels stream each weight byte once per step, widen f16/bf16 or unpack MLX's 4/8-bit groups
 as they go, and handle up to eight rows per pass, so a batched step costs about what a single one does.
 
-The C files need no torch or Python headers: gcc builds it in about a second into the user's cache directory
-(keyed by the source's hash, written atomically so concurrent processes agree), and it is loaded after torch,
-so it shares torch's OpenMP runtime and thread count. Where there is no AVX2/FMA/F16C CPU or no C compiler,
-available() is False and the engine uses torch's kernels instead: slower, the same results within rounding
-(tests/unit/test_cpu_kernels.py compares the two paths).
+The C files need no torch or Python headers: gcc builds them into one library in about two seconds, in the
+user's cache directory (keyed by the sources' hash, written atomically so concurrent processes agree). It is
+loaded after torch, so it shares torch's OpenMP runtime and thread count. Where there is no AVX2/FMA/F16C CPU
+or no C compiler, available() is False and the engine uses torch's kernels instead: slower, the same results
+within rounding (tests/unit/test_cpu_kernels.py compares the two paths).
 """
 
 from __future__ import annotations
@@ -68,9 +68,6 @@ def _build() -> Path:
     return target
 
 
-_enabled = True
-
-
 class MatrixDesc(ctypes.Structure):
     """cpu_step.c's matrix_t: a HalfMatrix (kind 0) or QuantMatrix (kind 1) as skulk_decode_layer reads it."""
 
@@ -88,6 +85,9 @@ class LayerDesc(ctypes.Structure):
                 ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("hidden", ctypes.c_int),
                 ("inter", ctypes.c_int), ("gelu", ctypes.c_int), ("unit_offset", ctypes.c_int),
                 ("eps", ctypes.c_float), ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+_enabled = True
 
 
 def set_enabled(enabled: bool) -> None:
