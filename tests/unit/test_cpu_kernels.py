@@ -197,3 +197,36 @@ def test_one_call_decode_layer_is_the_per_step_calls(checkpoints: dict[str, Path
         layer._native = False  # type: ignore[union-attr]
     for got, expected in zip(native, _logits(model), strict=True):
         assert torch.equal(got, expected)
+
+
+def _batched_logits(model: torch.nn.Module, steps: int = 5) -> list[torch.Tensor]:
+    """Three requests prefilled on their own into slots 1-3 (9, 18 and 21 tokens), then decoded together."""
+    cache = model.make_cache(4, 32)  # type: ignore[operator]
+    lengths, seen, last = (9, 18, 21), [], []
+    with torch.inference_mode():
+        for slot, length in enumerate(lengths, start=1):
+            ids = (torch.arange(length).unsqueeze(0) * (slot + 3)) % 200
+            last.append(model(ids, StepBatch.build(torch.arange(length).unsqueeze(0), slot), cache)[:, -1])
+        ids, pos = torch.cat(last).argmax(-1, keepdim=True), torch.tensor(lengths).unsqueeze(1)
+        for _ in range(steps):
+            logits = model(ids, StepBatch.build(pos, 1), cache)[:, -1]
+            seen.append(logits)
+            ids, pos = logits.argmax(-1, keepdim=True), pos + 1
+    return seen
+
+
+@pytest.mark.parametrize("options", [{"dtype": "bfloat16"}, {"quantize": "int4"}, {"quantize": "int8"}])
+def test_one_call_layer_stack_is_the_per_step_calls(tmp_path: Path, options: dict[str, str]) -> None:
+    """A decode step through every layer in one call (skulk_decode_layers): identical logits to the torch path for
+    rows at different positions in cache slots past the first, through Mistral's sliding window."""
+    model_id = "mistralai/Mistral-7B-v0.1"
+    model = load_model(write_checkpoint(scaled_down(model_id, REAL_CONFIGS[model_id]), tmp_path / "m"), **options)
+    assert model.windowed and model.args.sliding_window is not None and model.args.sliding_window < 18
+    native = _batched_logits(model)
+    assert model._stack is not None and model._stack[2] is not None  # the one-call stack ran
+    for layer in model.layers.values():
+        layer._native = False  # type: ignore[union-attr]
+    per_step = _batched_logits(model)
+    assert model._stack is not None and model._stack[2] is None
+    for got, expected in zip(native, per_step, strict=True):
+        assert torch.equal(got, expected)

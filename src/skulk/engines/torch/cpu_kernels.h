@@ -97,11 +97,24 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+static inline int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
 static inline size_t type_size(int type) { return type == T_F32 ? 4 : 2; }
 
-static inline void finish(float *acc, int rows, int n, const float *bias, void *y, int ytype) {
+static inline void finish(float *acc, int stride, int rows, int n, const float *bias, void *y, int ytype) {
     for (int r = 0; r < rows; r++) {
-        float *row = acc + (size_t)r * n;
+        float *row = acc + (size_t)r * stride;
         if (bias)
             for (int i = 0; i < n; i++) row[i] += bias[i];
         store_row(row, y, ytype, (size_t)r * n, n);

@@ -130,6 +130,9 @@ def library() -> ctypes.CDLL | None:
     lib.skulk_act_mul.restype = None
     lib.skulk_decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ptr, ptr, i32, i32, ptr, ptr, ptr, i32, ptr, ptr, i32]
     lib.skulk_decode_layer.restype = None
+    lib.skulk_decode_layers.argtypes = [ptr, i32, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr,
+                                        ctypes.c_size_t, i32]
+    lib.skulk_decode_layers.restype = None
     return lib
 
 
@@ -176,15 +179,16 @@ class HalfMatrix:
 
 
 class QuantMatrix:
-    """A matrix in our quantized layout (packed bytes [N, K*bits/8], f16 scales and biases [2, N, K/group], for
-    8 bits values stored as q - 128 with the 128 folded into biases), resolved once for skulk_quant_mv."""
+    """A matrix in our quantized layout (quant.interleave8: bytes and f16 scales and biases interleaved in blocks of 8
+    rows, for 8 bits values stored as q - 128 with the 128 folded into biases) with n output rows, resolved once for
+    skulk_quant_mv."""
 
     __slots__ = ("args", "bias", "k", "n", "tensors")
 
     def __init__(self, packed: torch.Tensor, params: torch.Tensor, bits: int, group: int,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, n: int) -> None:
         self.tensors = (packed.contiguous(), params.contiguous())
-        self.n, self.k = packed.shape[0], params.shape[2] * group
+        self.n, self.k = n, params.shape[2] * group
         self.bias = bias.detach().float().contiguous() if bias is not None else None
         scales, biases = self.tensors[1][0], self.tensors[1][1]
         self.args = (self.tensors[0].data_ptr(), scales.data_ptr(), biases.data_ptr(), bits, group, self.n, self.k)
@@ -289,3 +293,34 @@ def decode_layer(desc: LayerDesc, x: torch.Tensor, positions: torch.Tensor, rope
                            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), window, keys.data_ptr(),
                            values.data_ptr(), keys.shape[2])
     return out
+
+
+class LayerStack:
+    """A slice's layers described for skulk_decode_layers, with one cache's per-layer pointers: a decode step through
+    every layer in one call. The pointers are valid while that cache lives: model.ModelSlice keeps one per cache
+    (by weak reference) and builds another for a new cache."""
+
+    __slots__ = ("descs", "keys", "max_seq", "n", "slot_bytes", "values", "windows")
+
+    def __init__(self, descs: list[LayerDesc], windows: list[int], keys: list[torch.Tensor],
+                 values: list[torch.Tensor]) -> None:
+        self.n = len(descs)
+        self.descs = (LayerDesc * self.n)(*descs)
+        self.windows = (ctypes.c_int * self.n)(*windows)
+        self.keys = (ctypes.c_void_p * self.n)(*(k.data_ptr() for k in keys))
+        self.values = (ctypes.c_void_p * self.n)(*(v.data_ptr() for v in values))
+        self.slot_bytes = keys[0].stride(0) * keys[0].element_size()
+        self.max_seq = keys[0].shape[2]
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 first_slot: int) -> torch.Tensor:
+        """x [B, 1, hidden] through every layer for a decode step whose rows sit in slots first_slot.. ."""
+        lib = library()
+        assert lib is not None
+        x, positions = x.contiguous(), positions.to(torch.int64).contiguous()
+        cos, sin = rope[0].contiguous(), rope[1].contiguous()
+        out, tmp = torch.empty_like(x), torch.empty_like(x)
+        lib.skulk_decode_layers(self.descs, self.n, x.data_ptr(), out.data_ptr(), tmp.data_ptr(), _TYPES[x.dtype],
+                                x.shape[0], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), self.windows,
+                                self.keys, self.values, first_slot * self.slot_bytes, self.max_seq)
+        return out

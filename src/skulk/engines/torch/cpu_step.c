@@ -292,3 +292,18 @@ void skulk_decode_layer(const layer_t *L, const void *x, void *out, int type, in
         store_row(row, out, type, at, L->hidden);
     }
 }
+
+/* The decode step through n layers in one call (the model's whole layer stack when every layer is a
+ * skulk_decode_layer one): layer l reads its cache at keys[l] / values[l] + slot_bytes (the step's first slot)
+ * with sliding window windows[l]. x is read, out gets the result; tmp (x's size) holds every other layer's. */
+void skulk_decode_layers(const layer_t *layers, int n, const void *x, void *out, void *tmp, int type, int B,
+                         const int64_t *positions, const void *cos, const void *sin, const int *windows,
+                         char *const *keys, char *const *values, size_t slot_bytes, int max_seq) {
+    const void *in = x;
+    for (int l = 0; l < n; l++) {
+        void *dst = (n - 1 - l) % 2 == 0 ? out : tmp; /* the last layer writes out */
+        skulk_decode_layer(&layers[l], in, dst, type, B, positions, cos, sin, windows[l], keys[l] + slot_bytes,
+                           values[l] + slot_bytes, max_seq);
+        in = dst;
+    }
+}

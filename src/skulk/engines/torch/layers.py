@@ -228,14 +228,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
     ) -> torch.Tensor:
-        if x.shape[1] == 1 and self._native is not False:
-            native = self._native if self._native is not None else self._describe()
-            if isinstance(native, tuple) and x.dtype == native[1] == cache.keys.dtype:
-                return cpu_kernels.decode_layer(native[0], x, batch.positions, rope, batch.window,
-                                                cache.keys[batch.slots], cache.values[batch.slots])
+        if x.shape[1] == 1 and (desc := self.native(x.dtype, cache)) is not None:
+            return cpu_kernels.decode_layer(desc, x, batch.positions, rope, batch.window, cache.keys[batch.slots],
+                                            cache.values[batch.slots])
         h, normed = add_norm(x, self.self_attn(self.input_layernorm(x), batch, rope, cache),
                              self.post_attention_layernorm)
         return h + self.mlp(normed)
+
+    def native(self, dtype: torch.dtype, cache: LayerCache) -> cpu_kernels.LayerDesc | None:
+        """The layer as one skulk_decode_layer call for a decode step on activations of `dtype` and this cache,
+        or None where it runs as separate steps."""
+        native = self._native if self._native is not None else self._describe()
+        return native[0] if isinstance(native, tuple) and dtype == native[1] == cache.keys.dtype else None
 
     def _describe(self) -> tuple[cpu_kernels.LayerDesc, torch.dtype] | bool:
         """The layer as skulk_decode_layer reads it (decided once, after loading): the same steps as forward's

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 
 import torch
 from torch import nn
 
+from . import cpu_kernels
 from .cache import KVCache, StepBatch
 from .config import ModelArgs
 from .gemma import GemmaDecoderLayer, scale_embeddings, softcap_logits
@@ -73,6 +75,7 @@ class ModelSlice(nn.Module):
         local_layers = any(args.is_sliding(i) for i in range(start_layer, end))
         self.windowed = local_layers and args.sliding_window is not None
         self.local_rope = Rope(args, device, local=True) if local_layers and args.rope_local_theta else None
+        self._stack: tuple[weakref.ref[KVCache], torch.dtype, cpu_kernels.LayerStack | None] | None = None
 
     @property
     def n_kv_heads(self) -> int:
@@ -99,13 +102,35 @@ class ModelSlice(nn.Module):
         local = (self._windowed_batch(batch), rope) if self.windowed else (batch, rope)
         if self.local_rope is not None:
             local = (local[0], self.local_rope(batch.positions, h.dtype))
-        for layer, layer_cache in zip(self.layers.values(), cache.layers, strict=True):
-            h = layer(h, *(local if layer.sliding else (batch, rope)), layer_cache)
+        stack = self._layer_stack(h, batch, cache) if h.shape[1] == 1 else None
+        if stack is not None:
+            h = stack(h, batch.positions, rope, batch.slots.start)
+        else:
+            for layer, layer_cache in zip(self.layers.values(), cache.layers, strict=True):
+                h = layer(h, *(local if layer.sliding else (batch, rope)), layer_cache)
         if self.norm is None or self.lm_head is None:
             return h
         if last_only:
             h = h[:, -1:]
         return softcap_logits(self.lm_head(self.norm(h)).float(), self.args)
+
+    def _layer_stack(self, h: torch.Tensor, batch: StepBatch, cache: KVCache) -> cpu_kernels.LayerStack | None:
+        """Every layer of a decode step in one kernel call, when each layer runs as one (layers.DecoderLayer.native)
+        and they share one rope; built once per cache (held by a weak reference: the cache's owner frees it)."""
+        memo = self._stack
+        if memo is not None and memo[0]() is cache and memo[1] == h.dtype:
+            return memo[2]
+        stack = None
+        if self.local_rope is None and batch.window == 0 and cpu_kernels.handles(h):
+            descs = [layer.native(h.dtype, c) if isinstance(layer, DecoderLayer) else None
+                     for layer, c in zip(self.layers.values(), cache.layers, strict=True)]
+            if all(d is not None for d in descs):
+                windows = [(self.args.sliding_window or 0) if self.windowed and layer.sliding else 0
+                           for layer in self.layers.values()]
+                stack = cpu_kernels.LayerStack(descs, windows, [c.keys for c in cache.layers],  # type: ignore[arg-type]
+                                               [c.values for c in cache.layers])
+        self._stack = (weakref.ref(cache), h.dtype, stack)
+        return stack
 
     def _windowed_batch(self, batch: StepBatch) -> StepBatch:
         """The step's batch with keys older than the sliding window masked too: a query at position p sees keys

@@ -4,8 +4,9 @@ quantized at load.
 MLX's affine format stores each quantized matrix as packed `uint32` words (`weight`, 32/bits values per word,
 lowest bits first) with one `scales` and one `biases` entry per group of `group_size` input columns:
 w = scales * q + biases. Matmuls run on weight-only kernels, never on a dequantized matrix:
-- ours (cpu_kernels.py, wherever they load): MLX's groups kept as they ship (the packed bytes, f16 scales and
-  biases; 8-bit values stored as q - 128 with the 128 folded into the biases), any activation dtype;
+- ours (cpu_kernels.py, wherever they load): MLX's groups and values (f16 scales and biases; 8-bit values stored
+  as q - 128 with the 128 folded into the biases), interleaved once at load in blocks of 8 output rows
+  (`interleave8`), so the kernel computes 8 outputs per vector; any activation dtype;
 - else torch's: 4-bit `_weight_int4pack_mm_for_cpu`, which computes w = (q - 8) * scale + zero per group, so
   an MLX group maps onto it exactly with zero = biases + 8 * scales; 8-bit `_weight_int8pack_mm`, which takes
   one symmetric scale per output row (MLX's groups are dequantized once at load and requantized per row, a small
@@ -29,6 +30,11 @@ INT4_ROWS = 16
 INNER_K_TILES = 2
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUPS = (32, 64, 128, 256)
+BLOCK_ROWS = 8
+"""Our kernels read weights in blocks of 8 output rows; a matrix's rows are zero-padded to a multiple of it."""
+_LOW, _HIGH = [0, 1, 4, 5], [2, 3, 6, 7]
+"""The rows of a block whose values share a byte (4 bits: low and high nibble) or a 32-byte half (8 bits); this
+order makes the kernel's final pairwise add (hadd) come out in row order."""
 
 
 @dataclass(frozen=True)
@@ -113,10 +119,30 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, grou
     return (grouped * scales.float()[..., None] + biases.float()[..., None]).reshape(n, k)
 
 
+def interleave8(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+                bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our kernels' layout (cpu_matmul.c) of values q (uint8 [N, K], for 8 bits already q - 128 as int8 bits) and
+    their groups' scales and biases [N, K / group]: rows zero-padded to a multiple of 8, then per block of 8 rows
+    and 8 columns 32 bytes (4 bits: byte 8L + c holds column c of row _LOW[L] in its low nibble and of row
+    _HIGH[L] in its high one) or 64 (8 bits: 8 bytes per row, rows _LOW then rows _HIGH); scales and biases per
+    block as [group][row]. Returns (bytes [N', K * bits / 8], f16 params [2, N', K / group]) for N' = N padded."""
+    n, k = q.shape
+    pad = -n % BLOCK_ROWS
+    if pad:  # zero rows: value 0, scale 0, bias 0
+        q, scales, biases = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales, biases))
+    blocks = q.reshape(-1, BLOCK_ROWS, k // 8, 8)  # [block, row, 8-column chunk, column]
+    low, high = blocks[:, _LOW].transpose(1, 2), blocks[:, _HIGH].transpose(1, 2)  # [block, chunk, 4 rows, 8]
+    packed = low | (high << 4) if bits == 4 else torch.stack([low, high], dim=2)
+    groups = scales.shape[1]
+    params = torch.stack([scales, biases]).to(torch.float16).reshape(2, -1, BLOCK_ROWS, groups).transpose(2, 3)
+    return packed.reshape(n + pad, k * bits // 8).contiguous(), params.reshape(2, n + pad, groups).contiguous()
+
+
 # --- modules ----------------------------------------------------------------------------------------------------
 class QuantizedLinear(nn.Module):
-    """y = x @ w.T (+ bias) on a weight-only kernel. `kernel`: the layout is ours (weight: packed bytes [N, K * bits
-    / 8], params: f16 scales and biases [2, N, K / group], bias f32); else torch's (weight: int4pack or int8 rows,
+    """y = x @ w.T (+ bias) on a weight-only kernel. `kernel`: the layout is ours (weight: interleaved bytes
+    [N rounded up to 8, K * bits / 8], params: f16 scales and biases [2, N rounded up to 8, K / group], bias f32,
+    see interleave8); else torch's (weight: int4pack or int8 rows,
     params: int4 scales and zeros [K/group, N, 2] or int8 row scales [N], bias bf16)."""
 
     def __init__(self, bits: int, group: int, out_features: int, weight: torch.Tensor, params: torch.Tensor,
@@ -138,13 +164,11 @@ class QuantizedLinear(nn.Module):
         """From MLX-style groups (q [N, K] values, scales/biases [N, K/group])."""
         n = q.shape[0]
         if _kernel_fits(group):
-            if bits == 4:
-                packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # MLX's words, byte by byte
-            else:
-                packed = (q.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+            if bits == 8:
+                q = (q.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
                 biases = biases.float() + 128 * scales.float()
-            params = torch.stack([scales.to(torch.float16), biases.to(torch.float16)]).contiguous()
-            return cls(bits, group, n, packed.contiguous(), params, bias, kernel=True)
+            packed, params = interleave8(q, scales, biases, bits)
+            return cls(bits, group, n, packed, params, bias, kernel=True)
         if bits == 8:
             return cls.int8_from_float(dequantize(q, scales, biases, group), group, bias)
         pad = -n % INT4_ROWS
@@ -173,7 +197,8 @@ class QuantizedLinear(nn.Module):
     def kernel_matrix(self) -> cpu_kernels.QuantMatrix:
         """Our layout's matrix as the kernels read it, resolved on first use."""
         if self._matrix is None:
-            self._matrix = cpu_kernels.QuantMatrix(self.weight, self.params, self.bits, self.group, self.bias)
+            self._matrix = cpu_kernels.QuantMatrix(self.weight, self.params, self.bits, self.group, self.bias,
+                                                   self.out_features)
         return self._matrix
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,9 +218,10 @@ class QuantizedLinear(nn.Module):
 def stack_rows(parts: list[QuantizedLinear]) -> QuantizedLinear | None:
     """One linear whose output is the parts' outputs side by side (q/k/v, gate/up), sharing one call; the parts'
     buffers become views of it, so no memory is added. None when the parts are not all in our layout with the
-    same bits and group."""
+    same bits and group, or one has padded rows (its row count is not a multiple of BLOCK_ROWS)."""
     first = parts[0]
-    if not all(p.kernel and (p.bits, p.group) == (first.bits, first.group) for p in parts):
+    if not all(p.kernel and (p.bits, p.group) == (first.bits, first.group) and p.out_features % BLOCK_ROWS == 0
+               for p in parts):
         return None
     if len({p.bias is None for p in parts}) != 1:
         return None
