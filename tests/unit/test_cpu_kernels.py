@@ -34,14 +34,15 @@ def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("wdtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("xdtype", DTYPES)
 def test_half_matrix_matches_f32_linear_for_every_row_count(wdtype: torch.dtype, xdtype: torch.dtype) -> None:
-    weight = (torch.randn(100, 200, generator=_gen(0)) * 0.05).to(wdtype)  # 100 rows: blocks of 32 and a rest
-    bias = torch.randn(100, generator=_gen(1)).to(wdtype)
+    # 101 rows: blocks of 32 and a rest of 5 (pairs of weight rows and a last one); 203 columns: 8s and a rest of 3
+    weight = (torch.randn(101, 203, generator=_gen(0)) * 0.05).to(wdtype)
+    bias = torch.randn(101, generator=_gen(1)).to(wdtype)
     matrix = cpu_kernels.HalfMatrix(weight, bias)
-    for rows in (1, 2, 3, 7, 8, 9, 17):
-        x = torch.randn(rows, 200, generator=_gen(rows)).to(xdtype)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 17):
+        x = torch.randn(rows, 203, generator=_gen(rows)).to(xdtype)
         expected = F.linear(x.float(), weight.float(), bias.float())
         got = matrix(x)
-        assert got.dtype == xdtype and got.shape == (rows, 100)
+        assert got.dtype == xdtype and got.shape == (rows, 101)
         assert relative(got, expected) < {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[xdtype]
         assert torch.allclose(matrix(x, torch.float32), expected, rtol=1e-5, atol=1e-5)
 
