@@ -332,3 +332,22 @@ def test_cards_load_with_positive_numbers() -> None:
     assert quantized is not None and quantized.quantization == "4bit"
     assert get_card(DEMO_MODEL_ID) == demo_card() and get_card("nobody/nothing") is None
     assert model_dir_name("Qwen/Qwen3-0.6B") == "Qwen--Qwen3-0.6B"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_linear_many_rows_is_an_f32_gemm_cast_in_blocks(dtype: torch.dtype) -> None:
+    """A prefill-sized matmul on a half weight larger than one cast block (3 blocks and a rest), with a bias:
+    the f32 GEMM's result rounded once, whatever the blocking."""
+    from skulk.engines.torch import matmul
+
+    torch.manual_seed(0)
+    out_features, in_features = 2 * matmul.CAST_ELEMENTS // 1000 + 7, 1000
+    linear = matmul.Linear(in_features, out_features, bias=True).to(dtype)
+    x = torch.randn(2, 10, in_features).to(dtype)
+    assert matmul.wants_float_gemm(x, linear.weight)
+    with torch.inference_mode():
+        got = linear(x)
+    expected = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float()).to(dtype)
+    assert got.shape == (2, 10, out_features) and got.dtype == dtype
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)  # one rounding step apart at most, element by element
+    assert bool(((got.float() - expected.float()).abs() <= expected.float().abs() * ulp + 1e-6).all())

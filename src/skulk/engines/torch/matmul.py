@@ -6,12 +6,17 @@ generic loop that is 5-10x slower than the f32 GEMM (bench/engine.py: prefill). 
 their dtype (memory is what counts), a decode step of few rows runs them as they are, and a step of
 FLOAT_GEMM_ROWS rows or more (prefill, a large batch) casts activations and weights to f32 for that one
 GEMM: the cast reads the weight once, the GEMM then runs at f32 speed, and the result is rounded back to
-the activations' dtype, as a native half GEMM (f32 accumulation) would round it. Fewer rows (decode) run on
-our AVX2 kernels (cpu_kernels.py) where they load: they stream f16 and bf16 weights at close to the memory's
-bandwidth, while torch's bf16 matrix-vector product reaches under half of it. CUDA and f32 are untouched.
+the activations' dtype, as a native half GEMM (f32 accumulation) would round it. The weight is cast in blocks of
+rows into one reused buffer: a fresh f32 copy of a whole matrix is larger than malloc's mmap threshold, so
+every cast paid for its pages again (a quarter of the cast-and-GEMM time on the bench's gate/up matrix).
+Fewer rows (decode) run on our AVX2 kernels (cpu_kernels.py) where they load: they stream f16 and bf16 weights
+at close to the memory's bandwidth, while torch's bf16 matrix-vector product reaches under half of it. CUDA
+and f32 are untouched.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +30,9 @@ FLOAT_GEMM_ROWS = 16
 streams) the per-step cast of every weight costs more than the half GEMM saves (8 streams ÷ 1: 1.03 with
 the cast, 1.40 without), so fewer rows stay on the native path."""
 _HALF = (torch.float16, torch.bfloat16)
+CAST_ELEMENTS = 1 << 22
+"""f32 values (16 MiB) of weight cast at a time for the f32 GEMM: a buffer kept per thread."""
+_cast = threading.local()
 
 
 def wants_float_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -46,14 +54,32 @@ class Linear(nn.Linear):
                 return self._matrix()(input, self.out_dtype)
             y = F.linear(input, self.weight, self.bias)
             return y if self.out_dtype is None else y.to(self.out_dtype)
-        bias = self.bias.float() if self.bias is not None else None
-        return F.linear(input.float(), self.weight.float(), bias).to(self.out_dtype or input.dtype)
+        return float_linear(input, self.weight, self.bias, self.out_dtype or input.dtype)
 
     def _matrix(self) -> cpu_kernels.HalfMatrix:
         """The weight as the kernel reads it, resolved on first use (weights are assigned after construction)."""
         if self._kernel is None or self._kernel.source is not self.weight:
             self._kernel = cpu_kernels.HalfMatrix(self.weight, self.bias)
         return self._kernel
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x @ weight.T (+ bias) computed in f32 and rounded to dtype, the half weight cast block by block of rows
+    into a reused buffer; each block's GEMM fills its columns of the result."""
+    n, k = weight.shape
+    rows = max(1, min(n, CAST_ELEMENTS // k))
+    buffer: torch.Tensor | None = getattr(_cast, "buffer", None)
+    if buffer is None or buffer.numel() < rows * k:
+        buffer = _cast.buffer = torch.empty(max(rows * k, CAST_ELEMENTS))
+    flat = x.reshape(-1, k).float()
+    out = torch.empty(flat.shape[0], n, dtype=dtype)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        block = buffer[: (stop - start) * k].view(stop - start, k)
+        block.copy_(weight[start:stop])
+        part = torch.mm(flat, block.t()) if bias is None else torch.addmm(bias[start:stop].float(), flat, block.t())
+        out[:, start:stop] = part
+    return out.reshape(*x.shape[:-1], n)
 
 
 def stack_rows(parts: list[Linear]) -> Linear | None:
