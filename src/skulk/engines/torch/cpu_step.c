@@ -62,54 +62,119 @@ static inline __m256 load8(const void *base, int type, size_t at) {
     return load_bf16((const uint16_t *)base + at);
 }
 
+/* Grouped-query heads that share a kv head are computed together, a block of keys at a time, so each key and
+ * value is read from memory once for the whole group (at long contexts attention is bound by reading the cache).
+ *
+ * scores[h][i] = scale * q[h] . key[start + i] for the G query heads of one kv head and n keys, 8 keys at a time:
+ * eight independent dot products (one FMA chain per key would wait on FMA latency) whose lanes a tree of hadds
+ * sums into one vector of 8 scores. */
+static void attention_scores(const float *qf, int G, const void *keys, int type, size_t kv, int start, int n, int D,
+                             float scale, float *scores) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const size_t row = kv + (size_t)(start + i) * D;
+        for (int h = 0; h < G; h++) { /* the 8 keys stay in L1 across the group */
+            const float *qh = qf + (size_t)h * D;
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + d);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, load8(keys, type, row + (size_t)j * D + d), a[j]);
+            }
+            __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+            __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+            __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* keys 0-3, 4-7: half sums */
+            __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+            _mm256_storeu_ps(scores + (size_t)h * n + i, _mm256_mul_ps(sum, sc));
+        }
+    }
+    for (; i < n; i++)
+        for (int h = 0; h < G; h++) {
+            __m256 dot = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8)
+                dot = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (size_t)h * D + d),
+                                      load8(keys, type, kv + (size_t)(start + i) * D + d), dot);
+            scores[(size_t)h * n + i] = hsum(dot) * scale;
+        }
+}
+
+/* scores[0..n) <- exp(score - max), returning their sum */
+static float softmax_numerators(float *scores, int n) {
+    __m256 mx = _mm256_set1_ps(-3.0e38f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(scores + i));
+    float best = hmax(mx);
+    for (; i < n; i++) best = scores[i] > best ? scores[i] : best;
+    __m256 total = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), _mm256_set1_ps(best)));
+        _mm256_storeu_ps(scores + i, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = hsum(total);
+    for (; i < n; i++) {
+        float e[8] = {scores[i] - best};
+        _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
+        scores[i] = e[0];
+        sum += e[0];
+    }
+    return sum;
+}
+
+/* out[d0 .. d0 + 8W) += sum over keys i0..i1 of p[i] * value[start + i], held in W registers */
+#define VALUE_SUM(W)                                                                                             \
+    {                                                                                                          \
+        __m256 acc[W];                                                                                         \
+        for (int j = 0; j < W; j++) acc[j] = _mm256_loadu_ps(out + d0 + 8 * j);                                \
+        for (int i = i0; i < i1; i++) {                                                                        \
+            const __m256 pv = _mm256_set1_ps(p[i]);                                                            \
+            const size_t row = kv + (size_t)(start + i) * D + d0;                                              \
+            for (int j = 0; j < W; j++) acc[j] = _mm256_fmadd_ps(pv, load8(values, type, row + 8 * j), acc[j]); \
+        }                                                                                                      \
+        for (int j = 0; j < W; j++) _mm256_storeu_ps(out + d0 + 8 * j, acc[j]);                                \
+    }
+
+/* out[h] = sum_i p[h][i] * value[start + i] for the G heads, 64 keys at a time (they stay in L1 across heads) */
+static void attention_values(const float *probs, int G, const void *values, int type, size_t kv, int start, int n,
+                             int D, float *outs) {
+    memset(outs, 0, (size_t)G * D * sizeof(float));
+    for (int i0 = 0; i0 < n; i0 += 64) {
+        const int i1 = i0 + 64 < n ? i0 + 64 : n;
+        for (int h = 0; h < G; h++) {
+            const float *p = probs + (size_t)h * n;
+            float *out = outs + (size_t)h * D;
+            int d0 = 0;
+            for (; d0 + 64 <= D; d0 += 64) VALUE_SUM(8)
+            for (; d0 + 32 <= D; d0 += 32) VALUE_SUM(4)
+            for (; d0 < D; d0 += 8) VALUE_SUM(1)
+        }
+    }
+}
+
 /* One query per row (a decode step) against the cache: q [B, H, D], keys/values laid out [B, Hkv, max_seq, D]
  * from the step's first slot, row b attending its positions [positions[b] + 1 - window, positions[b]] (window 0:
  * all from 0). Grouped-query heads share their kv head (h / (H / Hkv)). Scores, softmax and the weighted sum run
  * in f32; out [B, H, D] in q's dtype. D must be a multiple of 8. */
 void skulk_decode_attention(const void *q, const void *keys, const void *values, int type, int B, int H, int Hkv,
                             int D, int max_seq, const int64_t *positions, int window, float scale, void *out) {
-    const int group = H / Hkv;
-#pragma omp parallel for collapse(2) schedule(static) if (B * H >= 8 && positions[0] >= 256)
+    const int G = H / Hkv;
+#pragma omp parallel for collapse(2) schedule(static) if (B * Hkv >= 4 && positions[0] >= 256)
     for (int b = 0; b < B; b++)
-        for (int h = 0; h < H; h++) {
+        for (int g = 0; g < Hkv; g++) {
             const int len = (int)positions[b] + 1, start = window > 0 && len > window ? len - window : 0;
-            const size_t kv = ((size_t)b * Hkv + (size_t)(h / group)) * max_seq * D;
-            float *buf = scratch(((size_t)(len - start) + 2 * (size_t)D + 8) * sizeof(float));
-            float *qf = buf, *acc = buf + D, *scores = buf + 2 * D;
-            row_to_f32((const char *)q + ((size_t)b * H + h) * D * type_size(type), type, D, qf);
-            float best = -3.0e38f;
-            for (int s = start; s < len; s++) {
-                __m256 dot = _mm256_setzero_ps();
-                for (int d = 0; d < D; d += 8)
-                    dot = _mm256_fmadd_ps(_mm256_loadu_ps(qf + d), load8(keys, type, kv + (size_t)s * D + d), dot);
-                float v = hsum(dot) * scale;
-                scores[s - start] = v;
-                best = v > best ? v : best;
-            }
-            const int n = len - start;
-            __m256 total = _mm256_setzero_ps();
-            int i = 0;
-            for (; i + 8 <= n; i += 8) {
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), _mm256_set1_ps(best)));
-                _mm256_storeu_ps(scores + i, e);
-                total = _mm256_add_ps(total, e);
-            }
-            float sum = hsum(total);
-            for (; i < n; i++) {
-                float e[8] = {scores[i] - best};
-                _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
-                scores[i] = e[0];
-                sum += e[0];
-            }
-            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, _mm256_setzero_ps());
-            for (int s = start; s < len; s++) {
-                __m256 p = _mm256_set1_ps(scores[s - start]);
-                for (int d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load8(values, type, kv + (size_t)s * D + d), _mm256_loadu_ps(acc + d)));
-            }
-            const float inv = 1.0f / sum;
-            for (int d = 0; d < D; d++) acc[d] *= inv;
-            store_row(acc, out, type, ((size_t)b * H + h) * D, D);
+            const int n = len - start, h0 = g * G;
+            const size_t kv = ((size_t)b * Hkv + (size_t)g) * max_seq * D;
+            float *qf = scratch(((size_t)G * (2 * (size_t)D + n) + 8) * sizeof(float));
+            float *acc = qf + (size_t)G * D, *scores = acc + (size_t)G * D;
+            for (int h = 0; h < G; h++)
+                row_to_f32((const char *)q + ((size_t)b * H + h0 + h) * D * type_size(type), type, D, qf + (size_t)h * D);
+            attention_scores(qf, G, keys, type, kv, start, n, D, scale, scores);
+            for (int h = 0; h < G; h++) qf[h] = 1.0f / softmax_numerators(scores + (size_t)h * n, n); /* q is done */
+            attention_values(scores, G, values, type, kv, start, n, D, acc);
+            for (int h = 0; h < G; h++)
+                for (int d = 0; d < D; d++) acc[(size_t)h * D + d] *= qf[h];
+            store_row(acc, out, type, ((size_t)b * H + h0) * D, G * D);
         }
 }
 
