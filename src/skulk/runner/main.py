@@ -65,10 +65,12 @@ def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunn
     configure_logging()
     _exit_with_parent()
     if spec.shard.world_size > 1:
-        # ranks of an instance that share a host take turns computing: before torch loads OpenMP, make its idle
-        # workers sleep instead of spinning on the cores the computing rank needs (measured: 0.69 -> 0.91 of one
-        # rank's decode speed for a 2-rank pipeline on 2 cores)
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # ranks of an instance that share a host take turns computing: before torch loads OpenMP, bound how long
+        # its idle workers spin (1000 rounds, tens of microseconds) before they sleep, so a rank waiting on its
+        # peer leaves the cores to the computing one, while a step's back-to-back parallel regions still find
+        # their workers awake. Never spinning (OMP_WAIT_POLICY=PASSIVE) made a 2-thread int4 decode step 34 ms
+        # instead of 20; bench/cluster.py on 2 cores: 2 ranks ÷ 1 rank 0.92, 3 ranks 0.90 (PASSIVE: 0.95, 0.82).
+        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     runner = _new_runner(spec, inbox, outbox)
     try:
         runner.start()
