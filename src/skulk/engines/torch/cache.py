@@ -43,6 +43,21 @@ class StepBatch:
         return cls(slice(slot_start, slot_start + batch), rows, positions, mask, kv_len)
 
 
+@dataclass(frozen=True, slots=True)
+class MixedBatch:
+    """A step whose rows are several batches' tokens side by side in one sequence ([1, rows, hidden]): the running
+    requests' decode rows, then a prefill chunk. Everything but attention treats the rows alike, so the chunk
+    rides on the decode step's one read of the weights; attention splits them back into their batches (in
+    order: a later part's cache writes land after an earlier part's)."""
+
+    parts: tuple[StepBatch, ...]
+
+    @property
+    def sizes(self) -> list[int]:
+        """Token rows per part."""
+        return [part.positions.numel() for part in self.parts]
+
+
 class LayerCache:
     """Keys and values of one layer for every slot."""
 

@@ -3,16 +3,17 @@ prefix reuse.
 
 One step() is one header and exactly the work it names. Rank 0 is the scheduler: it turns queued
 add_request/cancel calls into the header's adds and releases, applies them to its own state, decides the step
-(schedule.py: a prefill chunk or a decode, alternating while both are wanted) and sends it; every other rank
-applies the same header to the same state, so pending queues, running slots and KV-cache slot moves stay
-identical everywhere without further agreement. A single rank (world size 1) is the same core over a
-LocalLink, where sending a header costs nothing and rank 0 is also the sampler.
+(schedule.py: a prefill chunk, a decode, or both in one forward pass while both are wanted) and sends it;
+every other rank applies the same header to the same state, so pending queues, running slots and KV-cache slot
+moves stay identical everywhere without further agreement. A single rank (world size 1) is the same core over
+a LocalLink, where sending a header costs nothing and rank 0 is also the sampler.
 
 Running requests are packed in cache slots [0, n) so a decode reads the cache as a view. A request being
 prefilled holds a slot too; a decode step computes its row but samples nothing from it (the row's key/value
-lands on the position its next chunk overwrites). When a request leaves, its KV stays in the freed slot as a
-retained prefix (the last running request moves into its slot, it into the last), and a new request whose
-prompt starts with the same tokens starts from it instead of position 0.
+lands on the position its next chunk overwrites, in the same step when the chunk rides on it: MIXED). When a
+request leaves, its KV stays in the freed slot as a retained prefix (the last running request moves into its
+slot, it into the last), and a new request whose prompt starts with the same tokens starts from it instead of
+position 0.
 
 Pipeline: rank r owns [start_layer, end_layer); hidden states go rank to rank, the last rank samples and sends
 [token, finished, failed] per row back to rank 0. Tensor: every rank runs all layers on its shard with a real
@@ -36,7 +37,7 @@ from skulk.engines.errors import ContextLengthExceeded
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
 
-from .cache import StepBatch
+from .cache import MixedBatch, StepBatch
 from .links import GroupLink, Link, LocalLink, ShardKind, TokenRows
 from .loader import load_model
 from .requests import FaultHook, Request, accept_each, row_sampling
@@ -112,7 +113,6 @@ class TorchEngine:
         self._emitted: dict[str, list[int]] = {}  # rank 0: tokens sampled per request (for retained prefixes)
         self._events: list[RequestEvent] = []
         self._phase: RunnerPhase = "idle"
-        self._last_kind = StepKind.HEARTBEAT
         self._last_header = 0.0
         self._decode_s = 0.0  # rank 0: running average of a decode step
         self._last_chunk: tuple[int, float] | None = None  # rank 0: (tokens, seconds) of the last prefill chunk
@@ -168,6 +168,8 @@ class TorchEngine:
             started = time.perf_counter()
             if header.kind == StepKind.PREFILL:
                 outs = self._prefill(header)
+            elif header.kind == StepKind.MIXED:
+                outs = self._mixed(header)
             elif header.kind == StepKind.DECODE:
                 outs = self._decode()
             else:
@@ -228,15 +230,14 @@ class TorchEngine:
         prefilling = self._prefilling() is not None
         decoding = any(r.length >= len(r.prompt) for r in self._running)
         can_admit = bool(self._pending) and len(self._running) < self.max_batch and not prefilling
-        kind = next_kind(prefilling=prefilling, can_admit=can_admit, decoding=decoding, last=self._last_kind)
+        kind = next_kind(prefilling=prefilling, can_admit=can_admit, decoding=decoding)
         header = Header(kind, changes.adds, changes.releases)
-        if kind == StepKind.PREFILL:
+        if kind in (StepKind.PREFILL, StepKind.MIXED):
             chunk = chunk_tokens(self.prefill_chunk, decoding=decoding, decode_s=self._decode_s,
                                  last_chunk=self._last_chunk)
             slot, length = (-1, 0) if prefilling else choose_reuse(self._retained.values(), self._pending[0].prompt)
             header = Header(kind, changes.adds, changes.releases, chunk, slot, length)
         self.link.send_header(header)
-        self._last_kind = kind
         self._last_header = time.monotonic()
         return header
 
@@ -339,9 +340,12 @@ class TorchEngine:
                 self.on_phase(phase, event)
 
     def _measure(self, header: Header, seconds: float, tokens: int) -> None:
-        """Rank 0's running average of a decode step and the last prefill chunk's cost (chunk sizing)."""
+        """Rank 0's running average of a decode step and the last prefill chunk's cost (chunk sizing): the time it
+        added to its decode step when it rode on one, else its whole step."""
         if header.kind == StepKind.DECODE:
             self._decode_s += _EMA * (seconds - self._decode_s) if self._decode_s else seconds
+        elif header.kind == StepKind.MIXED:
+            self._last_chunk = (tokens, max(seconds - self._decode_s, 0.0))
         elif tokens:
             self._last_chunk = (tokens, seconds)
 
@@ -367,6 +371,38 @@ class TorchEngine:
         self._share_tokens([req], outs)
         return outs
 
+    def _mixed(self, header: Header) -> list[TokenOut]:
+        """A decode step of every running request and the next chunk of the one being prefilled, in one forward
+        pass (cache.MixedBatch): the chunk rides on the decode step's read of the weights."""
+        self._enter_phase(_PHASES[self.kind, StepKind.DECODE], "decode")
+        req = self._prefilling() or self._admit(header)
+        running = self._running
+        rows = [i for i, r in enumerate(running) if r.length >= len(r.prompt)]
+        start = req.length
+        end = min(len(req.prompt), start + max(1, header.chunk))
+        # the prefilling row decodes too (its token is dropped): its write at `start` is overwritten by the chunk
+        decode = StepBatch.build(torch.tensor([[r.length] for r in running], device=self.device), 0,
+                                 kv_len=max(r.length for r in running) + 1)
+        chunk = StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), running.index(req),
+                                kv_len=end)
+        ids = None
+        if self.needs_ids:
+            ids = torch.tensor([[*(max(r.last_token, 0) for r in running), *req.prompt[start:end]]],
+                               device=self.device)
+        logits = self._forward(ids, MixedBatch((decode, chunk)), (1, len(running) + end - start), last_only=True)
+        decoding = [running[i] for i in rows]
+        for r in decoding:
+            r.length += 1
+        req.length = end
+        self._chunk_done = end - start
+        done = end == len(req.prompt)
+        reqs = [*decoding, req] if done else decoding
+        outs: list[TokenOut] = []
+        if logits is not None:  # rows: one per running request, then the chunk's last token
+            outs = self._accept(logits[0, [*rows, len(running)] if done else rows].unsqueeze(1), reqs)
+        self._share_tokens(reqs, outs)
+        return outs
+
     def _decode(self) -> list[TokenOut]:
         self._enter_phase(_PHASES[self.kind, StepKind.DECODE], "decode")
         running = self._running
@@ -386,7 +422,8 @@ class TorchEngine:
         return outs
 
     def _forward(
-        self, ids: torch.Tensor | None, batch: StepBatch, shape: tuple[int, int], *, last_only: bool = False
+        self, ids: torch.Tensor | None, batch: StepBatch | MixedBatch, shape: tuple[int, int], *,
+        last_only: bool = False
     ) -> torch.Tensor | None:
         """Run this rank's part of the forward pass; the sampler gets logits, everyone else None."""
         if ids is not None:

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels, matmul, quant
-from .cache import LayerCache, StepBatch
+from .cache import LayerCache, MixedBatch, StepBatch
 from .config import ModelArgs
 from .matmul import Linear
 from .quant import QuantizedLinear
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
+Rotation = tuple[torch.Tensor, torch.Tensor]
+"""A step's rope: cos and sign-folded sin for its positions. A MixedBatch step passes one per part."""
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
@@ -119,25 +122,41 @@ class Attention(nn.Module):
         self.qkv: nn.Module | None = None  # q, k and v stacked (fuse_projections), when they can be
         self.sizes = [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim]
 
-    def forward(
-        self, x: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: StepBatch | MixedBatch, rope: Rotation | tuple[Rotation, ...],
+                cache: LayerCache) -> torch.Tensor:
         b, t, _ = x.shape
-        if t == 1 and self._decodes_on_kernels(x, cache):
-            out = self._decode(x, batch, rope, cache)
+        if isinstance(batch, MixedBatch):
+            out = self._attend_mixed(x, batch, cast(tuple[Rotation, ...], rope), cache)
+        elif t == 1 and self._decodes_on_kernels(x, cache):
+            out = self._decode(x, batch, cast(Rotation, rope), cache).transpose(1, 2)
         else:
-            out = self._attend(x, batch, rope, cache)
-        return self.all_reduce(self.o_proj(out.transpose(1, 2).reshape(b, t, -1)))
+            out = self._attend(self._project(x), batch, cast(Rotation, rope), cache).transpose(1, 2)
+        return self.all_reduce(self.o_proj(out.reshape(b, t, -1)))
 
-    def _attend(
-        self, x: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
-    ) -> torch.Tensor:
-        """Any step in torch ops: q, k, v [B, heads, T, D], rope, the cache write, attention under the step's mask."""
-        b, t, _ = x.shape
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is not None:
             q, k, v = self.qkv(x).split(self.sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return q, k, v
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def _attend_mixed(self, x: torch.Tensor, batch: MixedBatch, ropes: tuple[Rotation, ...],
+                      cache: LayerCache) -> torch.Tensor:
+        """A MixedBatch: q/k/v of every row in one projection, then each part's attention on its own rows."""
+        sizes = batch.sizes
+        parts = zip(*(t.split(sizes, dim=1) for t in self._project(x)), batch.parts, ropes, strict=True)
+        outs = []
+        for q, k, v, part, rope in parts:
+            rows, t = part.positions.shape
+            shaped = (q.reshape(rows, t, -1), k.reshape(rows, t, -1), v.reshape(rows, t, -1))
+            outs.append(self._attend(shaped, part, rope, cache).transpose(1, 2).reshape(1, rows * t, -1))
+        return torch.cat(outs, dim=1)
+
+    def _attend(self, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], batch: StepBatch, rope: Rotation,
+                cache: LayerCache) -> torch.Tensor:
+        """Any step in torch ops from its projections: q, k, v [B, heads, T, D], rope, the cache write, attention
+        under the step's mask; returns [B, heads, T, D]."""
+        q, k, v = qkv
+        b, t, _ = q.shape
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -229,12 +248,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self._native: tuple[cpu_kernels.LayerDesc, torch.dtype] | bool | None = None  # None: not yet decided
 
-    def forward(
-        self, x: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
-    ) -> torch.Tensor:
-        if x.shape[1] == 1 and (desc := self.native(x.dtype, cache)) is not None:
-            return cpu_kernels.decode_layer(desc, x, batch.positions, rope, batch.window, cache.keys[batch.slots],
-                                            cache.values[batch.slots])
+    def forward(self, x: torch.Tensor, batch: StepBatch | MixedBatch, rope: Rotation | tuple[Rotation, ...],
+                cache: LayerCache) -> torch.Tensor:
+        if isinstance(batch, StepBatch) and x.shape[1] == 1 and (desc := self.native(x.dtype, cache)) is not None:
+            return cpu_kernels.decode_layer(desc, x, batch.positions, cast(Rotation, rope), batch.window,
+                                            cache.keys[batch.slots], cache.values[batch.slots])
         h, normed = add_norm(x, self.self_attn(self.input_layernorm(x), batch, rope, cache),
                              self.post_attention_layernorm)
         return h + self.mlp(normed)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import re
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import cpu_kernels
-from .cache import KVCache, StepBatch
+from .cache import KVCache, MixedBatch, StepBatch
 from .config import ModelArgs
 from .gemma import GemmaDecoderLayer, scale_embeddings, softcap_logits
 from .layers import MLP, AllReduce, DecoderLayer, RMSNorm, Rope, identity
@@ -90,29 +91,39 @@ class ModelSlice(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, batch: StepBatch, cache: KVCache, *, last_only: bool = False
+        self, x: torch.Tensor, batch: StepBatch | MixedBatch, cache: KVCache, *, last_only: bool = False
     ) -> torch.Tensor:
         """Run the slice: ids [B, T] (first slice) or hidden [B, T, H] in; hidden, or logits (last slice) out.
 
         last_only keeps only the final position before lm_head, which is all sampling needs after a prefill.
-        Logits come back in float32 so sampling is identical whatever dtype the weights are in.
+        A MixedBatch's tokens come as one sequence ([1, rows]); last_only then keeps each of its rows' final
+        position (every row of a decode part, a chunk's last token), in order. Logits come back in float32 so
+        sampling is identical whatever dtype the weights are in.
         """
         h = scale_embeddings(self.embed_tokens(x), self.args) if self.embed_tokens is not None else x
-        rope = self.rope(batch.positions, h.dtype)
-        local = (self._windowed_batch(batch), rope) if self.windowed else (batch, rope)
-        if self.local_rope is not None:
-            local = (local[0], self.local_rope(batch.positions, h.dtype))
-        stack = self._layer_stack(h, batch, cache) if h.shape[1] == 1 else None
+        stack = self._layer_stack(h, batch, cache) if isinstance(batch, StepBatch) and h.shape[1] == 1 else None
         if stack is not None:
-            h = stack(h, batch.positions, rope, batch.slots.start)
+            h = stack(h, batch.positions, self.rope(batch.positions, h.dtype), batch.slots.start)  # type: ignore[union-attr]
         else:
+            full, local = self._contexts(batch, h.dtype)
             for layer, layer_cache in zip(self.layers.values(), cache.layers, strict=True):
-                h = layer(h, *(local if layer.sliding else (batch, rope)), layer_cache)
+                h = layer(h, *(local if layer.sliding else full), layer_cache)
         if self.norm is None or self.lm_head is None:
             return h
         if last_only:
-            h = h[:, -1:]
+            h = h[:, _last_rows(batch)] if isinstance(batch, MixedBatch) else h[:, -1:]
         return softcap_logits(self.lm_head(self.norm(h)).float(), self.args)
+
+    def _contexts(self, batch: StepBatch | MixedBatch, dtype: torch.dtype) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+        """(batch, rope) for full-attention layers and for sliding ones (the windowed batch, the local rope);
+        a MixedBatch gets each part's, as a MixedBatch and a tuple of ropes."""
+        if isinstance(batch, MixedBatch):
+            pairs = [self._contexts(part, dtype) for part in batch.parts]
+            return ((MixedBatch(tuple(p[0][0] for p in pairs)), tuple(p[0][1] for p in pairs)),
+                    (MixedBatch(tuple(p[1][0] for p in pairs)), tuple(p[1][1] for p in pairs)))
+        rope = self.rope(batch.positions, dtype)
+        local_rope = self.local_rope(batch.positions, dtype) if self.local_rope is not None else rope
+        return (batch, rope), (self._windowed_batch(batch) if self.windowed else batch, local_rope)
 
     def _layer_stack(self, h: torch.Tensor, batch: StepBatch, cache: KVCache) -> cpu_kernels.LayerStack | None:
         """Every layer of a decode step in one kernel call, when each layer runs as one (layers.DecoderLayer.native)
@@ -139,6 +150,16 @@ class ModelSlice(nn.Module):
         keys = torch.arange(batch.kv_len, device=batch.positions.device).view(1, 1, 1, -1)
         near = keys > batch.positions.unsqueeze(1).unsqueeze(-1) - window
         return dataclasses.replace(batch, mask=near & batch.mask, window=window)
+
+
+def _last_rows(batch: MixedBatch) -> list[int]:
+    """Where each row of each part ends in a MixedBatch's sequence."""
+    ends, at = [], 0
+    for part in batch.parts:
+        rows, tokens = part.positions.shape
+        ends += [at + (r + 1) * tokens - 1 for r in range(rows)]
+        at += rows * tokens
+    return ends
 
 
 def _rounded(all_reduce: AllReduce, dtype: torch.dtype) -> AllReduce:

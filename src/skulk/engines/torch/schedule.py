@@ -1,8 +1,8 @@
 """Rank 0's decisions for one engine step, as pure functions of the slot state.
 
-Three questions are answered here and nowhere else: what kind of step runs next (a prefill chunk or a decode
-of every running request, alternating while both are wanted so running streams keep flowing during a long
-prefill), how many prompt tokens that chunk takes, and which retained prefix (the KV of a request that has
+Three questions are answered here and nowhere else: what kind of step runs next (a prefill chunk, a decode of
+every running request, or both in one forward pass while both are wanted, so running streams keep flowing
+during a long prefill), how many prompt tokens that chunk takes, and which retained prefix (the KV of a request that has
 left, still sitting in a free cache slot) a new request can start from. The engine applies the answers; the
 other ranks receive them in the step header, so nothing here needs to run anywhere but rank 0.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .wire import StepKind
 
 MIN_CHUNK = 16  # below this a prefill chunk is all overhead; a running stream may wait one such chunk
-CHUNK_STEPS = 1.0  # a chunk beside running streams costs this many of their decode steps: their gap is ~2 steps
+CHUNK_STEPS = 1.0  # a chunk riding on a decode step adds this many decode steps to it: the streams' gap is ~2
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,12 +32,13 @@ class Retained:
     tokens: tuple[int, ...] = ()
 
 
-def next_kind(*, prefilling: bool, can_admit: bool, decoding: bool, last: StepKind) -> StepKind:
-    """Prefill and decode alternate while both are wanted: a long prompt then delays each running stream by
-    one chunk per token, never by the whole prefill."""
+def next_kind(*, prefilling: bool, can_admit: bool, decoding: bool) -> StepKind:
+    """A prompt beside running streams is prefilled in chunks that ride on their decode steps (MIXED: one
+    forward pass over both reads the weights once, and no stream waits for a separate chunk step); a prompt
+    alone goes in PREFILL chunks."""
     wants_prefill = prefilling or can_admit
     if wants_prefill and decoding:
-        return StepKind.DECODE if last == StepKind.PREFILL else StepKind.PREFILL
+        return StepKind.MIXED
     if wants_prefill:
         return StepKind.PREFILL
     return StepKind.DECODE if decoding else StepKind.HEARTBEAT
@@ -48,20 +49,19 @@ def chunk_tokens(
 ) -> int:
     """How many prompt tokens the next prefill chunk takes.
 
-    Alone, a prompt goes in chunks of max_chunk (which bounds the attention scores' memory). Beside running
-    streams, a chunk should cost CHUNK_STEPS of their decode steps, so their gap between tokens stays under
-    three steps. A chunk's cost is not proportional to its tokens (a short one is dominated by reading the
-    weights, a late one by attention over a longer context), so the size is steered by the last chunk's
-    measured time (tokens, seconds) and at most doubles from one step to the next; with nothing measured it
-    starts at the floor.
+    Alone, a prompt goes in chunks of max_chunk (which bounds the attention scores' memory). Riding on running
+    streams' decode step, a chunk should add CHUNK_STEPS of their decode steps to it, so their gap between
+    tokens stays under two steps. A chunk's cost is not proportional to its tokens (attention grows with the
+    context), so the size is steered by the last chunk's measured (tokens, seconds it added) and at most
+    doubles from one step to the next; with nothing measured it starts at the floor.
     """
     if not decoding:
         return max_chunk
     floor = min(MIN_CHUNK, max_chunk)
-    if decode_s <= 0 or last_chunk is None or last_chunk[1] <= 0:
+    if decode_s <= 0 or last_chunk is None:
         return floor
-    tokens, seconds = last_chunk
-    fitted = int(tokens * CHUNK_STEPS * decode_s / seconds)
+    tokens, added = last_chunk
+    fitted = int(tokens * CHUNK_STEPS * decode_s / added) if added > 0 else 2 * tokens
     return max(floor, min(max_chunk, 2 * tokens, fitted))
 
 

@@ -35,6 +35,7 @@ class StepKind(IntEnum):
     PREFILL = 1  # prefill the next chunk of the request being prefilled (admitting the first pending one if none)
     DECODE = 2  # decode one token for every running request past its prefill
     SHUTDOWN = 3  # the scheduler is leaving; everyone leaves after applying the releases
+    MIXED = 4  # DECODE and the next PREFILL chunk in one forward pass (cache.MixedBatch): the chunk rides on it
 
 
 @dataclass(frozen=True, slots=True)
