@@ -101,9 +101,8 @@ class ModelSlice(nn.Module):
         sampling is identical whatever dtype the weights are in.
         """
         h = scale_embeddings(self.embed_tokens(x), self.args) if self.embed_tokens is not None else x
-        stack = self._layer_stack(h, batch, cache) if isinstance(batch, StepBatch) and h.shape[1] == 1 else None
-        if stack is not None:
-            h = stack(h, batch.positions, self.rope(batch.positions, h.dtype), batch.slots.start)  # type: ignore[union-attr]
+        if isinstance(batch, StepBatch) and h.shape[1] == 1 and (stack := self._layer_stack(h, batch, cache)):
+            h = stack(h, batch.positions, self.rope(batch.positions, h.dtype), batch.slots.start)
         else:
             full, local = self._contexts(batch, h.dtype)
             for layer, layer_cache in zip(self.layers.values(), cache.layers, strict=True):
