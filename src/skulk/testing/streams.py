@@ -213,9 +213,12 @@ class StreamLoop:
 
 
 def open_long_stream(url: str, model: str, attempts: int = 3) -> StreamProbe:
-    """A stream well into decode; a random-weights model may stop early, so try again if it already ended."""
+    """A stream well into decode that will not end on its own while a fault is injected: greedy, because sampled
+    at temperature 1 the demo model stops on its end token within 60 tokens about a third of the time (a stream
+    that had ended by itself before a kill landed failed the chaos contract), while its greedy reply runs the
+    whole 1900 tokens; tried again if it has ended anyway."""
     for _ in range(attempts):
-        probe = StreamProbe(url, chat_body(model, 1900), read_timeout=30)
+        probe = StreamProbe(url, chat_body(model, 1900, temperature=0.0), read_timeout=30)
         probe.wait_tokens(5, 30)
         if probe.outcome.ended is None:
             return probe
