@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from skulk.engines.errors import ContextLengthExceeded
+from skulk.engines.torch import matmul
 from skulk.engines.torch.cache import StepBatch
 from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.layers import DecoderLayer
@@ -338,8 +339,6 @@ def test_cards_load_with_positive_numbers() -> None:
 def test_half_linear_many_rows_is_an_f32_gemm_cast_in_blocks(dtype: torch.dtype) -> None:
     """A prefill-sized matmul on a half weight larger than one cast block (3 blocks and a rest), with a bias:
     the f32 GEMM's result rounded once, whatever the blocking."""
-    from skulk.engines.torch import matmul
-
     torch.manual_seed(0)
     out_features, in_features = 2 * matmul.CAST_ELEMENTS // 1000 + 7, 1000
     linear = matmul.Linear(in_features, out_features, bias=True).to(dtype)

@@ -34,7 +34,8 @@ HEADER = Path(__file__).with_name("cpu_kernels.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_GROUP = 256
-"""The largest quantization group the 4-bit kernel takes (its int16 accumulators hold 8 chunks of 32)."""
+"""The largest quantization group the quantized kernel takes (quant.SUPPORTED_GROUPS' largest; its int16 sums
+are widened every 64 columns, so the group size itself is not what bounds it)."""
 
 
 def cache_dir() -> Path:

@@ -377,22 +377,15 @@ class TorchEngine:
         self._enter_phase(_PHASES[self.kind, StepKind.DECODE], "decode")
         req = self._prefilling() or self._admit(header)
         running = self._running
-        rows = [i for i, r in enumerate(running) if r.length >= len(r.prompt)]
         start = req.length
         end = min(len(req.prompt), start + max(1, header.chunk))
         # the prefilling row decodes too (its token is dropped): its write at `start` is overwritten by the chunk
-        decode = StepBatch.build(torch.tensor([[r.length] for r in running], device=self.device), 0,
-                                 kv_len=max(r.length for r in running) + 1)
+        decode, last_tokens, rows = self._decode_rows()
         chunk = StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), running.index(req),
                                 kv_len=end)
-        ids = None
-        if self.needs_ids:
-            ids = torch.tensor([[*(max(r.last_token, 0) for r in running), *req.prompt[start:end]]],
-                               device=self.device)
+        ids = torch.tensor([[*last_tokens, *req.prompt[start:end]]], device=self.device) if self.needs_ids else None
         logits = self._forward(ids, MixedBatch((decode, chunk)), (1, len(running) + end - start), last_only=True)
-        decoding = [running[i] for i in rows]
-        for r in decoding:
-            r.length += 1
+        decoding = self._advance(rows)
         req.length = end
         self._chunk_done = end - start
         done = end == len(req.prompt)
@@ -406,20 +399,31 @@ class TorchEngine:
     def _decode(self) -> list[TokenOut]:
         self._enter_phase(_PHASES[self.kind, StepKind.DECODE], "decode")
         running = self._running
-        positions = torch.tensor([[r.length] for r in running], device=self.device)
-        batch = StepBatch.build(positions, 0, kv_len=max(r.length for r in running) + 1)
-        # a row still being prefilled has no token yet: any id will do, its output is dropped
-        ids = torch.tensor([[max(r.last_token, 0)] for r in running], device=self.device) if self.needs_ids else None
+        batch, last_tokens, rows = self._decode_rows()
+        ids = torch.tensor(last_tokens, device=self.device).unsqueeze(1) if self.needs_ids else None
         logits = self._forward(ids, batch, (len(running), 1))
-        rows = [i for i, r in enumerate(running) if r.length >= len(r.prompt)]
-        decoding = [running[i] for i in rows]
-        for req in decoding:
-            req.length += 1
+        decoding = self._advance(rows)
         if logits is not None and len(rows) < len(running):
             logits = logits[rows]
         outs = self._accept(logits, decoding) if logits is not None else []
         self._share_tokens(decoding, outs)
         return outs
+
+    def _decode_rows(self) -> tuple[StepBatch, list[int], list[int]]:
+        """A decode row per running request: the batch, each row's input token (a row still being prefilled has
+        none yet: any id will do, its output is dropped) and the indices of the rows that sample."""
+        running = self._running
+        batch = StepBatch.build(torch.tensor([[r.length] for r in running], device=self.device), 0,
+                                kv_len=max(r.length for r in running) + 1)
+        rows = [i for i, r in enumerate(running) if r.length >= len(r.prompt)]
+        return batch, [max(r.last_token, 0) for r in running], rows
+
+    def _advance(self, rows: list[int]) -> list[Request]:
+        """The requests of the sampling rows, each one position further along."""
+        decoding = [self._running[i] for i in rows]
+        for req in decoding:
+            req.length += 1
+        return decoding
 
     def _forward(
         self, ids: torch.Tensor | None, batch: StepBatch | MixedBatch, shape: tuple[int, int], *,
