@@ -116,15 +116,15 @@ void skulk_half_mv(const uint16_t *w, int wtype, int N, int K, const void *x, in
 
 /* ---- MLX affine 4- and 8-bit weights ------------------------------------------------------------------------ */
 /* Weights are interleaved in blocks of 8 output rows (quant.py's interleave8 writes this layout once at load), so
- * one pass computes 8 outputs in the 8 lanes of a vector and the per-group scaling is one vector op for 8 rows:
- *   per block and 8 columns, 4 bits: 32 bytes; byte 8L + b holds column b of row LOW[L] (low nibble) and of row
- *     HIGH[L] (high nibble), LOW = {0, 1, 4, 5}, HIGH = {2, 3, 6, 7};
- *   per block and 8 columns, 8 bits: 64 bytes, 8 per row: rows LOW, then rows HIGH (values q - 128);
+ * one pass computes 8 outputs, one per 32-bit lane, in row order, and the per-group scaling is one vector op for 8
+ * rows. Per block and 8 columns c..c+7:
+ *   4 bits: 32 bytes; byte 4n + j holds row n's column c+j in its low nibble and column c+4+j in its high one;
+ *   8 bits: 64 bytes; row n's columns c..c+3 at bytes 4n.., its columns c+4..c+7 at 32 + 4n.. (values q - 128);
  *   scales and biases: per block, [group][8 rows] f16.
- * Multiplying by the 8 activation values broadcast to each 64-bit lane and adding lane pairs (madd) leaves two
- * sums per row; hadd of the LOW and HIGH vectors then gives the 8 rows in order. Each activation row is quantized
- * to int8 per group (symmetric, one f32 scale xs; xsum = xs * the sum of its quantized values), and a group adds
- * scale * xs * dot(q, x_q) + bias * xsum, all 8 rows at once. */
+ * Multiplying either half by its 4 activation values broadcast to every lane (maddubs) and adding lane pairs
+ * (madd) leaves one sum per row. Each activation row is quantized to int8 per group (symmetric, one f32 scale xs;
+ * xsum = xs * the sum of its quantized values), and a group adds scale * xs * dot(q, x_q) + bias * xsum, all 8
+ * rows at once. */
 static void quantize_rows(const float *xf, int R, int K, int group, int8_t *xq, float *xs, float *xsum) {
     const int groups = K / group;
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -152,30 +152,39 @@ static void quantize_rows(const float *xf, int R, int K, int group, int8_t *xq, 
         }
 }
 
-/* dl, dh: int32 sums of the LOW / HIGH rows (two lanes per row) over 8 columns of one activation row */
+/* PIN keeps a running sum in a register at this point: without it gcc reassociates a fully unrolled chain of adds
+ * into all products first, spills them to the stack and adds them up afterwards, which halved the kernels' speed */
+#define PIN(v) __asm__("" : "+x"(v))
+
+/* s: int16 sums (two lanes per row) over 8 columns of one activation row; 4 chunks of 4 bits fit in int16 */
 #define Q4_CHUNK(R)                                                                                              \
     __m256i v = _mm256_loadu_si256((const __m256i *)(wb + col * 4));                                          \
     __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);               \
     for (int r = 0; r < R; r++) {                                                                              \
-        __m256i xb = _mm256_set1_epi64x(*(const int64_t *)(xq + (size_t)r * K + col));                         \
-        sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(lo, xb));                                          \
-        sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(hi, xb));                                          \
+        const int8_t *xr = xq + (size_t)r * K + col;                                                           \
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t *)xr)));       \
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t *)(xr + 4)))); \
+        PIN(s[r]);                                                                                             \
     }
 
+/* 8 bits: maddubs takes one unsigned operand, so it gets |w| and x takes w's sign; its pair sums use all of int16 */
 #define Q8_CHUNK(R)                                                                                              \
     __m256i va = _mm256_loadu_si256((const __m256i *)(wb + col * 8)),                                         \
             vb = _mm256_loadu_si256((const __m256i *)(wb + col * 8 + 32));                                    \
     __m256i aa = _mm256_abs_epi8(va), ab = _mm256_abs_epi8(vb);                                               \
     for (int r = 0; r < R; r++) {                                                                              \
-        __m256i xb = _mm256_set1_epi64x(*(const int64_t *)(xq + (size_t)r * K + col));                         \
-        dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aa, _mm256_sign_epi8(xb, va)), ones)); \
-        dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(xb, vb)), ones)); \
+        const int8_t *xr = xq + (size_t)r * K + col;                                                           \
+        __m256i pa = _mm256_maddubs_epi16(aa, _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)xr), va));  \
+        __m256i pb = _mm256_maddubs_epi16(ab, _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(xr + 4)), vb)); \
+        d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(pa, ones));                                            \
+        d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(pb, ones));                                            \
+        PIN(d[r]);                                                                                             \
     }
 
 #define QUANT_KERNEL(NAME, R, BITS, FIXED)                                                                       \
     static void NAME(const uint8_t *w, const uint16_t *scales, const uint16_t *biases, int group_, int b0, int b1, \
                      int K, int stride, const int8_t *xq, const float *xs, const float *xsum, float *out) {        \
-        const int group = FIXED ? FIXED : group_, groups = K / group;                                                                          \
+        const int group = FIXED ? FIXED : group_, groups = K / group;                                          \
         const size_t block_bytes = (size_t)K * BITS; /* 8 rows of K * BITS / 8 bytes */                        \
         const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);                               \
         (void)low;                                                                                             \
@@ -187,33 +196,27 @@ static void quantize_rows(const float *xf, int R, int K, int group, int8_t *xq, 
             for (int g = 0; g < groups; g++) {                                                                 \
                 for (size_t at = (size_t)g * group * BITS; at < (size_t)(g + 1) * group * BITS; at += 64)      \
                     _mm_prefetch((const char *)(wb + at + PREFETCH_BYTES), _MM_HINT_T0); /* keep DRAM busy */   \
-                __m256i dl[R], dh[R];                                                                          \
-                for (int r = 0; r < R; r++) dl[r] = dh[r] = _mm256_setzero_si256();                           \
-                for (int c0 = 0; c0 < group; c0 += 64) { /* int16 sums hold 8 chunks of 4 bits */              \
-                    const int c1 = c0 + 64 < group ? c0 + 64 : group;                                          \
+                __m256i d[R];                                                                                  \
+                for (int r = 0; r < R; r++) d[r] = _mm256_setzero_si256();                                     \
+                for (int c0 = 0; c0 < group; c0 += 32) {                                                       \
                     if (BITS == 4) {                                                                           \
-                        __m256i sl[R], sh[R];                                                                  \
-                        for (int r = 0; r < R; r++) sl[r] = sh[r] = _mm256_setzero_si256();                   \
-                        for (int c = c0; c < c1; c += 8) {                                                     \
+                        __m256i s[R];                                                                          \
+                        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();                             \
+                        for (int c = c0; c < c0 + 32; c += 8) {                                                \
                             const size_t col = (size_t)g * group + c;                                          \
                             Q4_CHUNK(R)                                                                        \
                         }                                                                                      \
-                        for (int r = 0; r < R; r++) {                                                          \
-                            dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(sl[r], ones));                   \
-                            dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(sh[r], ones));                   \
-                        }                                                                                      \
-                    } else {                                                                                   \
-                        for (int c = c0; c < c1; c += 8) {                                                     \
+                        for (int r = 0; r < R; r++) d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(s[r], ones)); \
+                    } else                                                                                     \
+                        for (int c = c0; c < c0 + 32; c += 8) {                                                \
                             const size_t col = (size_t)g * group + c;                                          \
                             Q8_CHUNK(R)                                                                        \
                         }                                                                                      \
-                    }                                                                                          \
                 }                                                                                              \
                 const __m256 sv = load_f16(sb + (size_t)g * 8), bv = load_f16(bb + (size_t)g * 8);             \
                 for (int r = 0; r < R; r++) {                                                                  \
-                    __m256 dot = _mm256_cvtepi32_ps(_mm256_hadd_epi32(dl[r], dh[r])); /* rows 0..7 */          \
                     __m256 sx = _mm256_mul_ps(sv, _mm256_broadcast_ss(xs + (size_t)r * groups + g));           \
-                    acc[r] = _mm256_fmadd_ps(dot, sx, acc[r]);                                                 \
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), sx, acc[r]);                            \
                     acc[r] = _mm256_fmadd_ps(bv, _mm256_broadcast_ss(xsum + (size_t)r * groups + g), acc[r]);   \
                 }                                                                                              \
             }                                                                                                  \

@@ -32,9 +32,6 @@ SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUPS = (32, 64, 128, 256)
 BLOCK_ROWS = 8
 """Our kernels read weights in blocks of 8 output rows; a matrix's rows are zero-padded to a multiple of it."""
-_LOW, _HIGH = [0, 1, 4, 5], [2, 3, 6, 7]
-"""The rows of a block whose values share a byte (4 bits: low and high nibble) or a 32-byte half (8 bits); this
-order makes the kernel's final pairwise add (hadd) come out in row order."""
 
 
 @dataclass(frozen=True)
@@ -123,16 +120,17 @@ def interleave8(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
                 bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Our kernels' layout (cpu_matmul.c) of values q (uint8 [N, K], for 8 bits already q - 128 as int8 bits) and
     their groups' scales and biases [N, K / group]: rows zero-padded to a multiple of 8, then per block of 8 rows
-    and 8 columns 32 bytes (4 bits: byte 8L + c holds column c of row _LOW[L] in its low nibble and of row
-    _HIGH[L] in its high one) or 64 (8 bits: 8 bytes per row, rows _LOW then rows _HIGH); scales and biases per
-    block as [group][row]. Returns (bytes [N', K * bits / 8], f16 params [2, N', K / group]) for N' = N padded."""
+    and 8 columns c..c+7, 32 bytes (4 bits: byte 4n + j holds row n's column c+j in its low nibble and column
+    c+4+j in its high one) or 64 (8 bits: row n's columns c..c+3 at bytes 4n.., its columns c+4..c+7 at
+    32 + 4n..); scales and biases per block as [group][row]. Returns (bytes [N', K * bits / 8], f16 params
+    [2, N', K / group]) for N' = N padded."""
     n, k = q.shape
     pad = -n % BLOCK_ROWS
     if pad:  # zero rows: value 0, scale 0, bias 0
         q, scales, biases = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales, biases))
-    blocks = q.reshape(-1, BLOCK_ROWS, k // 8, 8)  # [block, row, 8-column chunk, column]
-    low, high = blocks[:, _LOW].transpose(1, 2), blocks[:, _HIGH].transpose(1, 2)  # [block, chunk, 4 rows, 8]
-    packed = low | (high << 4) if bits == 4 else torch.stack([low, high], dim=2)
+    blocks = q.reshape(-1, BLOCK_ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [block, chunk, half, row, 4 columns]
+    first, second = blocks[:, :, 0], blocks[:, :, 1]
+    packed = first | (second << 4) if bits == 4 else blocks
     groups = scales.shape[1]
     params = torch.stack([scales, biases]).to(torch.float16).reshape(2, -1, BLOCK_ROWS, groups).transpose(2, 3)
     return packed.reshape(n + pad, k * bits // 8).contiguous(), params.reshape(2, n + pad, groups).contiguous()
