@@ -112,12 +112,15 @@ static inline int hsum_epi32(__m256i v) {
 
 static inline size_t type_size(int type) { return type == T_F32 ? 4 : 2; }
 
-static inline void finish(float *acc, int stride, int rows, int n, const float *bias, void *y, int ytype) {
+/* Columns n0..n1 of every row's f32 sums (stride floats apart), plus bias, stored to y [rows, n] in ytype. Each
+ * unit of parallel work finishes its own columns, so no serial pass over the outputs follows the kernels. */
+static inline void finish(float *acc, int stride, int rows, int n0, int n1, int n, const float *bias, void *y,
+                          int ytype) {
     for (int r = 0; r < rows; r++) {
         float *row = acc + (size_t)r * stride;
         if (bias)
-            for (int i = 0; i < n; i++) row[i] += bias[i];
-        store_row(row, y, ytype, (size_t)r * n, n);
+            for (int i = n0; i < n1; i++) row[i] += bias[i];
+        store_row(row + n0, y, ytype, (size_t)r * n + n0, n1 - n0);
     }
 }
 

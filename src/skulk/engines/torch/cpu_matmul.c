@@ -96,22 +96,29 @@
 HALF_FAMILY(f16, load_f16)
 HALF_FAMILY(bf16, load_bf16)
 
+/* Rows are widened (and, for quantized weights, quantized) inside the parallel region, a row per thread, and each
+ * unit of work finishes its own outputs: done serially around the region, that work left the other thread idle. */
 void skulk_half_mv(const uint16_t *w, int wtype, int N, int K, const void *x, int xtype, int R, const float *bias,
                    void *y, int ytype) {
     float *xf = scratch(((size_t)R * K + (size_t)R * N) * sizeof(float));
     float *acc = xf + (size_t)R * K;
-    for (int r = 0; r < R; r++) row_to_f32((const char *)x + (size_t)r * K * type_size(xtype), xtype, K, xf + (size_t)r * K);
     void (*const *family)(const uint16_t *, int, int, int, int, const float *, float *) = wtype == T_F16 ? half_f16 : half_bf16;
-    int blocks = (N + BLOCK_N - 1) / BLOCK_N;
-#pragma omp parallel for schedule(static) if ((size_t)N * K >= (1u << 18))
-    for (int b = 0; b < blocks; b++) {
-        int n0 = b * BLOCK_N, n1 = n0 + BLOCK_N < N ? n0 + BLOCK_N : N;
-        for (int r0 = 0; r0 < R; r0 += HALF_TILE) {
-            int rows = R - r0 < HALF_TILE ? R - r0 : HALF_TILE;
-            family[rows](w, n0, n1, K, N, xf + (size_t)r0 * K, acc + (size_t)r0 * N);
+    const int blocks = (N + BLOCK_N - 1) / BLOCK_N;
+#pragma omp parallel if ((size_t)N * K >= (1u << 18))
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < R; r++)
+            row_to_f32((const char *)x + (size_t)r * K * type_size(xtype), xtype, K, xf + (size_t)r * K);
+#pragma omp for schedule(static)
+        for (int b = 0; b < blocks; b++) {
+            int n0 = b * BLOCK_N, n1 = n0 + BLOCK_N < N ? n0 + BLOCK_N : N;
+            for (int r0 = 0; r0 < R; r0 += HALF_TILE) {
+                int rows = R - r0 < HALF_TILE ? R - r0 : HALF_TILE;
+                family[rows](w, n0, n1, K, N, xf + (size_t)r0 * K, acc + (size_t)r0 * N);
+            }
+            finish(acc, N, R, n0, n1, N, bias, y, ytype);
         }
     }
-    finish(acc, N, R, N, bias, y, ytype);
 }
 
 /* ---- MLX affine 4- and 8-bit weights ------------------------------------------------------------------------ */
@@ -246,18 +253,25 @@ void skulk_quant_mv(const uint8_t *w, const uint16_t *scales, const uint16_t *bi
     float *xf = scratch(floats * sizeof(float) + (size_t)R * K + 64);
     float *acc = xf + (size_t)R * K, *xs = acc + (size_t)R * stride, *xsum = xs + (size_t)R * groups;
     int8_t *xq = (int8_t *)(xsum + (size_t)R * groups);
-    for (int r = 0; r < R; r++) row_to_f32((const char *)x + (size_t)r * K * type_size(xtype), xtype, K, xf + (size_t)r * K);
-    quantize_rows(xf, R, K, group, xq, xs, xsum);
     const quant_fn *family = bits == 4 ? (group == 64 ? q4_64 : q4) : (group == 64 ? q8_64 : q8);
     const int per_unit = BLOCK_N / 8, units = (blocks + per_unit - 1) / per_unit;
-#pragma omp parallel for schedule(static) if ((size_t)N * K >= (1u << 18))
-    for (int u = 0; u < units; u++) {
-        int b0 = u * per_unit, b1 = b0 + per_unit < blocks ? b0 + per_unit : blocks;
-        for (int r0 = 0; r0 < R; r0 += QUANT_TILE) {
-            int rows = R - r0 < QUANT_TILE ? R - r0 : QUANT_TILE;
-            family[rows](w, scales, biases, group, b0, b1, K, stride, xq + (size_t)r0 * K, xs + (size_t)r0 * groups,
-                         xsum + (size_t)r0 * groups, acc + (size_t)r0 * stride);
+#pragma omp parallel if ((size_t)N * K >= (1u << 18))
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < R; r++) {
+            row_to_f32((const char *)x + (size_t)r * K * type_size(xtype), xtype, K, xf + (size_t)r * K);
+            quantize_rows(xf + (size_t)r * K, 1, K, group, xq + (size_t)r * K, xs + (size_t)r * groups,
+                          xsum + (size_t)r * groups);
+        }
+#pragma omp for schedule(static)
+        for (int u = 0; u < units; u++) {
+            int b0 = u * per_unit, b1 = b0 + per_unit < blocks ? b0 + per_unit : blocks;
+            for (int r0 = 0; r0 < R; r0 += QUANT_TILE) {
+                int rows = R - r0 < QUANT_TILE ? R - r0 : QUANT_TILE;
+                family[rows](w, scales, biases, group, b0, b1, K, stride, xq + (size_t)r0 * K, xs + (size_t)r0 * groups,
+                             xsum + (size_t)r0 * groups, acc + (size_t)r0 * stride);
+            }
+            finish(acc, stride, R, b0 * 8, b1 * 8 < N ? b1 * 8 : N, N, bias, y, ytype);
         }
     }
-    finish(acc, stride, R, N, bias, y, ytype);
 }

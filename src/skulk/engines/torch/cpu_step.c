@@ -159,7 +159,9 @@ static void attention_values(const float *probs, int G, const void *values, int 
 void skulk_decode_attention(const void *q, const void *keys, const void *values, int type, int B, int H, int Hkv,
                             int D, int max_seq, const int64_t *positions, int window, float scale, void *out) {
     const int G = H / Hkv;
-#pragma omp parallel for collapse(2) schedule(static) if (B * Hkv >= 4 && positions[0] >= 256)
+    size_t keys_read = 0; /* threads pay off from about 128 positions of one row, or 8 rows of 16 */
+    for (int b = 0; b < B; b++) keys_read += (size_t)positions[b] + 1;
+#pragma omp parallel for collapse(2) schedule(static) if (B * Hkv >= 4 && keys_read * H * D >= (1u << 17))
     for (int b = 0; b < B; b++)
         for (int g = 0; g < Hkv; g++) {
             const int len = (int)positions[b] + 1, start = window > 0 && len > window ? len - window : 0;
@@ -257,8 +259,9 @@ void skulk_add_rms_norm(const void *x, const void *delta, int type, int rows, in
 /* out = act(gate) * up for gate_up [rows, 2 I] (gate first): act SiLU, or GELU with the tanh approximation (gelu=1),
  * rounded after the activation and after the product as F.silu(gate) * up rounds them. */
 void skulk_act_mul(const void *gate_up, int type, int rows, int I, int gelu, void *out) {
-    float *buf = scratch((size_t)2 * I * sizeof(float));
+#pragma omp parallel for schedule(static) if (rows >= 2 && (size_t)rows * I >= (1u << 14))
     for (int r = 0; r < rows; r++) {
+        float *buf = scratch((size_t)2 * I * sizeof(float)); /* per thread */
         row_to_f32((const char *)gate_up + (size_t)r * 2 * I * type_size(type), type, 2 * I, buf);
         int i = 0;
         for (; i + 8 <= I; i += 8) {
