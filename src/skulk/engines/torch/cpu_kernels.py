@@ -120,18 +120,20 @@ def library() -> ctypes.CDLL | None:
     lib.skulk_quant_mv.restype = None
     lib.skulk_rms_norm.argtypes = [ptr, i32, i32, i32, ptr, i32, ctypes.c_float, i32, ptr]
     lib.skulk_rms_norm.restype = None
-    lib.skulk_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr, i32, ctypes.c_float, ptr]
+    lib.skulk_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr, ptr, i32, ctypes.c_float,
+                                           ptr]
     lib.skulk_decode_attention.restype = None
     lib.skulk_qkv_rope.argtypes = [ptr, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ctypes.c_float, i32, ptr, ptr, ptr,
-                                   i32, ptr]
+                                   ptr, i32, ptr]
     lib.skulk_qkv_rope.restype = None
     lib.skulk_add_rms_norm.argtypes = [ptr, ptr, i32, i32, i32, ptr, i32, ctypes.c_float, i32, ptr, ptr]
     lib.skulk_add_rms_norm.restype = None
     lib.skulk_act_mul.argtypes = [ptr, i32, i32, i32, i32, ptr]
     lib.skulk_act_mul.restype = None
-    lib.skulk_decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ptr, ptr, i32, i32, ptr, ptr, ptr, i32, ptr, ptr, i32]
+    lib.skulk_decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, ptr,
+                                       i32]
     lib.skulk_decode_layer.restype = None
-    lib.skulk_decode_layers.argtypes = [ptr, i32, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr,
+    lib.skulk_decode_layers.argtypes = [ptr, i32, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
                                         ctypes.c_size_t, i32]
     lib.skulk_decode_layers.restype = None
     return lib
@@ -232,7 +234,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     q, positions = q.contiguous(), positions.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     lib.skulk_decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), _TYPES[q.dtype], b, h, keys.shape[1],
-                               d, keys.shape[2], positions.data_ptr(), window, scale, out.data_ptr())
+                               d, keys.shape[2], positions.data_ptr(), None, window, scale, out.data_ptr())
     return out
 
 
@@ -251,8 +253,8 @@ def qkv_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, rope: 
     q = torch.empty((b, heads, 1, head_dim), dtype=qkv.dtype)
     q_norm, k_norm = (norms[0].data_ptr(), norms[1].data_ptr()) if norms is not None else (None, None)
     lib.skulk_qkv_rope(qkv.data_ptr(), _TYPES[qkv.dtype], b, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-                       q_norm, k_norm, eps, int(unit_offset), positions.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                       keys.shape[2], q.data_ptr())
+                       q_norm, k_norm, eps, int(unit_offset), positions.data_ptr(), None, keys.data_ptr(),
+                       values.data_ptr(), keys.shape[2], q.data_ptr())
     return q
 
 
@@ -291,7 +293,7 @@ def decode_layer(desc: LayerDesc, x: torch.Tensor, positions: torch.Tensor, rope
     cos, sin = rope[0].contiguous(), rope[1].contiguous()
     out = torch.empty_like(x)
     lib.skulk_decode_layer(ctypes.byref(desc), x.data_ptr(), out.data_ptr(), _TYPES[x.dtype], x.shape[0],
-                           positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), window, keys.data_ptr(),
+                           positions.data_ptr(), None, cos.data_ptr(), sin.data_ptr(), window, keys.data_ptr(),
                            values.data_ptr(), keys.shape[2])
     return out
 
@@ -314,14 +316,18 @@ class LayerStack:
         self.max_seq = keys[0].shape[2]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 first_slot: int) -> torch.Tensor:
-        """x [B, 1, hidden] through every layer for a decode step whose rows sit in slots first_slot.. ."""
+                 first_slot: int, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, 1, hidden] through every layer for a step of one token per row: row b sits in slot first_slot + b,
+        or first_slot + slots[b] when slots (int32 [B]) is given, which lets a prefill chunk's tokens be rows of
+        one slot (skulk_decode_layer)."""
         lib = library()
         assert lib is not None
         x, positions = x.contiguous(), positions.to(torch.int64).contiguous()
         cos, sin = rope[0].contiguous(), rope[1].contiguous()
         out, tmp = torch.empty_like(x), torch.empty_like(x)
+        held = slots.to(torch.int32).contiguous() if slots is not None else None  # alive through the call
+        slot_ptr = held.data_ptr() if held is not None else None
         lib.skulk_decode_layers(self.descs, self.n, x.data_ptr(), out.data_ptr(), tmp.data_ptr(), _TYPES[x.dtype],
-                                x.shape[0], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), self.windows,
-                                self.keys, self.values, first_slot * self.slot_bytes, self.max_seq)
+                                x.shape[0], positions.data_ptr(), slot_ptr, cos.data_ptr(), sin.data_ptr(),
+                                self.windows, self.keys, self.values, first_slot * self.slot_bytes, self.max_seq)
         return out

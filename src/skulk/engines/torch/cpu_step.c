@@ -152,12 +152,13 @@ static void attention_values(const float *probs, int G, const void *values, int 
     }
 }
 
-/* One query per row (a decode step) against the cache: q [B, H, D], keys/values laid out [B, Hkv, max_seq, D]
- * from the step's first slot, row b attending its positions [positions[b] + 1 - window, positions[b]] (window 0:
+/* One query per row (a decode step) against the cache: q [B, H, D], keys/values laid out [slot, Hkv, max_seq, D]
+ * from the step's first slot, row b reading slot slots[b] (slots NULL: slot b) and attending its positions [positions[b] + 1 - window, positions[b]] (window 0:
  * all from 0). Grouped-query heads share their kv head (h / (H / Hkv)). Scores, softmax and the weighted sum run
  * in f32; out [B, H, D] in q's dtype. D must be a multiple of 8. */
 void skulk_decode_attention(const void *q, const void *keys, const void *values, int type, int B, int H, int Hkv,
-                            int D, int max_seq, const int64_t *positions, int window, float scale, void *out) {
+                            int D, int max_seq, const int64_t *positions, const int32_t *slots, int window, float scale,
+                            void *out) {
     const int G = H / Hkv;
     size_t keys_read = 0; /* threads pay off from about 128 positions of one row, or 8 rows of 16 */
     for (int b = 0; b < B; b++) keys_read += (size_t)positions[b] + 1;
@@ -166,7 +167,7 @@ void skulk_decode_attention(const void *q, const void *keys, const void *values,
         for (int g = 0; g < Hkv; g++) {
             const int len = (int)positions[b] + 1, start = window > 0 && len > window ? len - window : 0;
             const int n = len - start, h0 = g * G;
-            const size_t kv = ((size_t)b * Hkv + (size_t)g) * max_seq * D;
+            const size_t kv = ((size_t)(slots ? slots[b] : b) * Hkv + (size_t)g) * max_seq * D;
             float *qf = scratch(((size_t)G * (2 * (size_t)D + n) + 8) * sizeof(float));
             float *acc = qf + (size_t)G * D, *scores = acc + (size_t)G * D;
             for (int h = 0; h < G; h++)
@@ -207,11 +208,12 @@ static void rotate(float *v, int D, const float *cos, const float *sin, int type
 
 /* One decode step's q/k/v for B rows (T = 1): qkv [B, (H + 2 Hkv) D] as the stacked projection wrote it; per head
  * the optional q/k RMSNorm (weights [D]), then rope with cos/sin [B, D] (sin sign-folded); k and v stored at each
- * row's position in the cache (laid out [B, Hkv, max_seq, D] from the step's first slot); rotated q out [B, H, D].
- * D <= 512. */
+ * row's position in its slot of the cache (laid out [slot, Hkv, max_seq, D] from the step's first slot; row b in
+ * slot slots[b], or b when slots is NULL), in row order, so a later row's write to the same place wins; rotated q
+ * out [B, H, D]. D <= 512. */
 void skulk_qkv_rope(const void *qkv, int type, int B, int H, int Hkv, int D, const void *cos, const void *sin,
                     const void *qnorm, const void *knorm, float eps, int unit_offset, const int64_t *positions,
-                    void *kcache, void *vcache, int max_seq, void *q_out) {
+                    const int32_t *slots, void *kcache, void *vcache, int max_seq, void *q_out) {
     const size_t width = (size_t)(H + 2 * Hkv) * D, es = type_size(type);
     float *buf = scratch((size_t)(width + 4 * D) * sizeof(float));
     float *c = buf + width, *s = c + D, *qn = s + D, *kn = qn + D;
@@ -229,7 +231,7 @@ void skulk_qkv_rope(const void *qkv, int type, int B, int H, int Hkv, int D, con
         }
         store_row(buf, q_out, type, (size_t)b * H * D, H * D);
         for (int h = 0; h < Hkv; h++) {
-            const size_t at = (((size_t)b * Hkv + h) * max_seq + (size_t)positions[b]) * D;
+            const size_t at = (((size_t)(slots ? slots[b] : b) * Hkv + h) * max_seq + (size_t)positions[b]) * D;
             store_row(buf + (size_t)(H + h) * D, kcache, type, at, D);
             store_row(buf + (size_t)(H + Hkv + h) * D, vcache, type, at, D);
         }
@@ -325,10 +327,13 @@ static void mv(const matrix_t *m, const void *x, int type, int R, void *y) {
     else skulk_quant_mv(m->w, m->scales, m->biases, m->bits, m->group, m->n, m->k, x, type, R, m->bias, y, type);
 }
 
-/* out = the layer applied to x ([B, hidden] in `type`); keys/values: this layer's cache from the step's first slot
- * ([B, Hkv, max_seq, D]); cos/sin [B, D]; positions [B]. */
+/* out = the layer applied to x ([B, hidden] in `type`): B rows of one token, row b at positions[b] in slot slots[b]
+ * (NULL: slot b). Rows of one slot at consecutive positions are a prefill chunk: every row's k/v is stored before
+ * any row attends, so each sees the chunk's earlier tokens. keys/values: this layer's cache from the step's first
+ * slot ([slot, Hkv, max_seq, D]); cos/sin [B, D]. */
 void skulk_decode_layer(const layer_t *L, const void *x, void *out, int type, int B, const int64_t *positions,
-                        const void *cos, const void *sin, int window, void *keys, void *values, int max_seq) {
+                        const int32_t *slots, const void *cos, const void *sin, int window, void *keys, void *values,
+                        int max_seq) {
     const size_t es = type_size(type), hidden = (size_t)L->hidden * B * es;
     const size_t qkv = (size_t)(L->heads + 2 * L->kv_heads) * L->head_dim * B * es;
     const size_t q = (size_t)L->heads * L->head_dim * B * es, inter = (size_t)L->inter * B * es;
@@ -343,9 +348,9 @@ void skulk_decode_layer(const layer_t *L, const void *x, void *out, int type, in
     skulk_rms_norm(x, type, B, L->hidden, L->in_norm, L->norm_type, L->eps, L->unit_offset, normed);
     mv(&L->qkv, normed, type, B, qkv_out);
     skulk_qkv_rope(qkv_out, type, B, L->heads, L->kv_heads, L->head_dim, cos, sin, L->q_norm, L->k_norm, L->qk_eps,
-                   L->unit_offset, positions, keys, values, max_seq, q_rot);
-    skulk_decode_attention(q_rot, keys, values, type, B, L->heads, L->kv_heads, L->head_dim, max_seq, positions, window,
-                           L->scale, attn);
+                   L->unit_offset, positions, slots, keys, values, max_seq, q_rot);
+    skulk_decode_attention(q_rot, keys, values, type, B, L->heads, L->kv_heads, L->head_dim, max_seq, positions, slots,
+                           window, L->scale, attn);
     mv(&L->o, attn, type, B, delta);
     skulk_add_rms_norm(x, delta, type, B, L->hidden, L->post_norm, L->norm_type, L->eps, L->unit_offset, out, normed);
     mv(&L->gate_up, normed, type, B, gate_up);
@@ -365,12 +370,12 @@ void skulk_decode_layer(const layer_t *L, const void *x, void *out, int type, in
  * skulk_decode_layer one): layer l reads its cache at keys[l] / values[l] + slot_bytes (the step's first slot)
  * with sliding window windows[l]. x is read, out gets the result; tmp (x's size) holds every other layer's. */
 void skulk_decode_layers(const layer_t *layers, int n, const void *x, void *out, void *tmp, int type, int B,
-                         const int64_t *positions, const void *cos, const void *sin, const int *windows,
+                         const int64_t *positions, const int32_t *slots, const void *cos, const void *sin, const int *windows,
                          char *const *keys, char *const *values, size_t slot_bytes, int max_seq) {
     const void *in = x;
     for (int l = 0; l < n; l++) {
         void *dst = (n - 1 - l) % 2 == 0 ? out : tmp; /* the last layer writes out */
-        skulk_decode_layer(&layers[l], in, dst, type, B, positions, cos, sin, windows[l], keys[l] + slot_bytes,
+        skulk_decode_layer(&layers[l], in, dst, type, B, positions, slots, cos, sin, windows[l], keys[l] + slot_bytes,
                            values[l] + slot_bytes, max_seq);
         in = dst;
     }

@@ -23,7 +23,7 @@ from .cache import KVCache, MixedBatch, StepBatch
 from .config import ModelArgs
 from .gemma import GemmaDecoderLayer, scale_embeddings, softcap_logits
 from .layers import MLP, AllReduce, DecoderLayer, RMSNorm, Rope, identity
-from .matmul import Linear
+from .matmul import FLOAT_GEMM_ROWS, Linear
 from .moe import SparseMoe
 
 _COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
@@ -103,6 +103,9 @@ class ModelSlice(nn.Module):
         h = scale_embeddings(self.embed_tokens(x), self.args) if self.embed_tokens is not None else x
         if isinstance(batch, StepBatch) and h.shape[1] == 1 and (stack := self._layer_stack(h, batch, cache)):
             h = stack(h, batch.positions, self.rope(batch.positions, h.dtype), batch.slots.start)
+        elif (isinstance(batch, MixedBatch) and h.shape[1] < FLOAT_GEMM_ROWS
+              and (stack := self._layer_stack(h, batch.parts[0], cache))):
+            h = self._mixed_stack(stack, h, batch)
         else:
             full, local = self._contexts(batch, h.dtype)
             for layer, layer_cache in zip(self.layers.values(), cache.layers, strict=True):
@@ -123,6 +126,17 @@ class ModelSlice(nn.Module):
         rope = self.rope(batch.positions, dtype)
         local_rope = self.local_rope(batch.positions, dtype) if self.local_rope is not None else rope
         return (batch, rope), (self._windowed_batch(batch) if self.windowed else batch, local_rope)
+
+    def _mixed_stack(self, stack: cpu_kernels.LayerStack, h: torch.Tensor, batch: MixedBatch) -> torch.Tensor:
+        """A short mixed step through the layer stack: every token a row with its own position and slot (a
+        chunk's tokens share their request's), so decode rows and a small prefill chunk (the last tokens of a
+        prompt whose prefix was reused) take the decode step's one call instead of the per-layer path."""
+        positions = torch.cat([part.positions.reshape(-1) for part in batch.parts]).view(-1, 1)
+        slots = torch.cat([torch.arange(part.slots.start, part.slots.stop).repeat_interleave(part.positions.shape[1])
+                           for part in batch.parts])
+        rows = positions.shape[0]
+        out = stack(h.reshape(rows, 1, -1), positions, self.rope(positions, h.dtype), 0, slots)
+        return out.view(1, rows, -1)
 
     def _layer_stack(self, h: torch.Tensor, batch: StepBatch, cache: KVCache) -> cpu_kernels.LayerStack | None:
         """Every layer of a decode step in one kernel call, when each layer runs as one (layers.DecoderLayer.native)
