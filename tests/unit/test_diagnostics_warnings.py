@@ -33,6 +33,19 @@ def test_rank_disagreement_flags_the_rank_waiting_at_a_barrier() -> None:
     assert "rank 1: decode_barrier" in warning.message
 
 
+def test_rank_disagreement_names_the_lowest_waiting_rank_whatever_order_runners_come_in() -> None:
+    """Two ranks each waiting at a different barrier (a wedged pipeline: rank 0 for the first token, rank 1 at
+    task agreement) give one warning about rank 0, however the timeline happened to list them."""
+    runners = [
+        timeline_runner("n2", 1, "task_agreement", 6.0),
+        timeline_runner("n1", 0, "decode_wait_first_token", 8.0),
+    ]
+    (warning,) = rank_disagreement(cluster_state(), runners, NOW, TH)
+    assert warning.runner_id == "r-n1" and "rank 0 waits at decode_wait_first_token" in warning.message
+    (again,) = rank_disagreement(cluster_state(), runners[::-1], NOW, TH)
+    assert again == warning
+
+
 def test_rank_disagreement_is_quiet_for_short_waits_and_agreeing_ranks() -> None:
     short = [timeline_runner("n1", 0, "decode_stream", 1.0), timeline_runner("n2", 1, "decode_barrier", 1.0)]
     agree = [timeline_runner("n1", 0, "decode_barrier", 50.0), timeline_runner("n2", 1, "decode_barrier", 50)]

@@ -79,10 +79,10 @@ def rank_disagreement(
     for instance_id, ranks in sorted(by_instance.items()):
         if len({r.phase for r in ranks}) < 2:
             continue
+        ranks.sort(key=lambda r: r.device_rank)  # before choosing: runners arrive in any order
         waiting = [r for r in ranks if r.phase in BARRIER_PHASES and r.seconds_in_phase > th.barrier_wait_s]
         if not waiting:
             continue
-        ranks.sort(key=lambda r: r.device_rank)
         layout = ", ".join(f"rank {r.device_rank}: {r.phase} {r.seconds_in_phase:.0f}s" for r in ranks)
         stuck = waiting[0]
         found.append(
