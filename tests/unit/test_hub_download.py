@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -58,12 +59,14 @@ def test_resume_after_the_server_dies_mid_file(hub: RunningHub, tmp_path: Path) 
     partial = target / ".skulk-partial"
 
     def kill_when_half_written() -> None:
+        # the weights' own part file: a smaller file's part may be renamed away between a glob and its stat
+        part = partial / "model.safetensors.part"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            found = list(partial.glob("*.part")) if partial.exists() else []
-            if found and found[0].stat().st_size >= cut:
-                hub.kill()
-                return
+            with contextlib.suppress(FileNotFoundError):  # not started yet
+                if part.stat().st_size >= cut:
+                    hub.kill()
+                    return
             time.sleep(0.02)
 
     killer = threading.Thread(target=kill_when_half_written)
