@@ -19,7 +19,7 @@
 
 #define BLOCK_N 32    /* weight rows per unit of parallel work */
 #define HALF_TILE 4   /* activation rows per pass over the weights, float kernels */
-#define QUANT_TILE 4  /* the same for quantized kernels (three accumulators per row must stay in registers) */
+#define QUANT_TILE 4  /* the same for quantized kernels (an int16 and an int32 sum and a float total per row) */
 #define PREFETCH_ROWS 2      /* float kernels: read the weight row this far ahead */
 #define PREFETCH_BYTES 4096  /* quantized kernels: the same, in bytes of the interleaved blocks */
 
@@ -132,31 +132,31 @@ void skulk_half_mv(const uint16_t *w, int wtype, int N, int K, const void *x, in
  * (madd) leaves one sum per row. Each activation row is quantized to int8 per group (symmetric, one f32 scale xs;
  * xsum = xs * the sum of its quantized values), and a group adds scale * xs * dot(q, x_q) + bias * xsum, all 8
  * rows at once. */
-static void quantize_rows(const float *xf, int R, int K, int group, int8_t *xq, float *xs, float *xsum) {
+/* one activation row xf [K] to int8 xq [K] with a scale xs and xsum per group */
+static void quantize_row(const float *xf, int K, int group, int8_t *xq, float *xs, float *xsum) {
     const int groups = K / group;
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int r = 0; r < R; r++)
-        for (int g = 0; g < groups; g++) {
-            const float *v = xf + (size_t)r * K + (size_t)g * group;
-            __m256 mx = _mm256_setzero_ps();
-            for (int i = 0; i < group; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
-            const float d = hmax(mx) / 127.0f;
-            const __m256 inv = _mm256_set1_ps(d > 0 ? 1.0f / d : 0.0f);
-            int8_t *q = xq + (size_t)r * K + (size_t)g * group;
-            __m256i sum = _mm256_setzero_si256();
-            for (int i = 0; i < group; i += 32) {
-                __m256i v32[4];
-                for (int j = 0; j < 4; j++) {
-                    v32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * j), inv));
-                    sum = _mm256_add_epi32(sum, v32[j]);
-                }
-                __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v32[0], v32[1]), _mm256_packs_epi32(v32[2], v32[3]));
-                _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    for (int g = 0; g < groups; g++) {
+        const float *v = xf + (size_t)g * group;
+        __m256 mx = _mm256_setzero_ps();
+        for (int i = 0; i < group; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+        const float d = hmax(mx) / 127.0f;
+        const __m256 inv = _mm256_set1_ps(d > 0 ? 1.0f / d : 0.0f);
+        int8_t *q = xq + (size_t)g * group;
+        __m256i sum = _mm256_setzero_si256();
+        for (int i = 0; i < group; i += 32) {
+            __m256i v32[4];
+            for (int j = 0; j < 4; j++) {
+                v32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * j), inv));
+                sum = _mm256_add_epi32(sum, v32[j]);
             }
-            xs[(size_t)r * groups + g] = d;
-            xsum[(size_t)r * groups + g] = d * (float)hsum_epi32(sum); /* of the quantized values, so the rounding
-                                                  error meets w = scale * q + bias, not scale * q alone */
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v32[0], v32[1]), _mm256_packs_epi32(v32[2], v32[3]));
+            _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
         }
+        xs[g] = d;
+        xsum[g] = d * (float)hsum_epi32(sum); /* of the quantized values, so the rounding error meets
+                                                 w = scale * q + bias, not scale * q alone */
+    }
 }
 
 /* PIN keeps a running sum in a register at this point: without it gcc reassociates a fully unrolled chain of adds
@@ -260,8 +260,8 @@ void skulk_quant_mv(const uint8_t *w, const uint16_t *scales, const uint16_t *bi
 #pragma omp for schedule(static)
         for (int r = 0; r < R; r++) {
             row_to_f32((const char *)x + (size_t)r * K * type_size(xtype), xtype, K, xf + (size_t)r * K);
-            quantize_rows(xf + (size_t)r * K, 1, K, group, xq + (size_t)r * K, xs + (size_t)r * groups,
-                          xsum + (size_t)r * groups);
+            quantize_row(xf + (size_t)r * K, K, group, xq + (size_t)r * K, xs + (size_t)r * groups,
+                         xsum + (size_t)r * groups);
         }
 #pragma omp for schedule(static)
         for (int u = 0; u < units; u++) {

@@ -153,8 +153,8 @@ static void attention_values(const float *probs, int G, const void *values, int 
 }
 
 /* One query per row (a decode step) against the cache: q [B, H, D], keys/values laid out [slot, Hkv, max_seq, D]
- * from the step's first slot, row b reading slot slots[b] (slots NULL: slot b) and attending its positions [positions[b] + 1 - window, positions[b]] (window 0:
- * all from 0). Grouped-query heads share their kv head (h / (H / Hkv)). Scores, softmax and the weighted sum run
+ * from the step's first slot, row b reading slot slots[b] (slots NULL: slot b) and attending its positions
+ * [positions[b] + 1 - window, positions[b]] (window 0: all from 0). Grouped-query heads share their kv head (h / (H / Hkv)). Scores, softmax and the weighted sum run
  * in f32; out [B, H, D] in q's dtype. D must be a multiple of 8. */
 void skulk_decode_attention(const void *q, const void *keys, const void *values, int type, int B, int H, int Hkv,
                             int D, int max_seq, const int64_t *positions, const int32_t *slots, int window, float scale,
