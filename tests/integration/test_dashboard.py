@@ -271,7 +271,10 @@ def test_a_chat_streams_and_the_stop_button_cancels_it(scenario: Scenario, dash:
         page.get_by_test_id("system-prompt").fill("You are terse.")
         page.get_by_test_id("chat-input").fill(f"tell me a long story {attempt}")
         page.get_by_test_id("chat-input").press("Enter")
-        sync_api.expect(stop).to_be_visible()  # the answer is on its way: Send became Stop
+        try:
+            sync_api.expect(stop).to_be_visible()  # the answer is on its way: Send became Stop
+        except AssertionError:  # it ended (an early end token) before the button could be seen: try again
+            continue
         page.wait_for_function(
             "() => { const m = document.querySelector('[data-streaming=true] .msg-body');"
             " return !m || m.textContent.length > 40; }")
