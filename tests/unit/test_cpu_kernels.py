@@ -31,7 +31,7 @@ def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.float() - expected.float()).norm() / expected.float().norm())
 
 
-@pytest.mark.parametrize("wdtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("wdtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("xdtype", DTYPES)
 def test_half_matrix_matches_f32_linear_for_every_row_count(wdtype: torch.dtype, xdtype: torch.dtype) -> None:
     # 101 rows: blocks of 32 and a rest of 5 (pairs of weight rows and a last one); 203 columns: 8s and a rest of 3
@@ -218,7 +218,8 @@ def _batched_logits(model: torch.nn.Module, steps: int = 5) -> list[torch.Tensor
     return seen
 
 
-@pytest.mark.parametrize("options", [{"dtype": "bfloat16"}, {"quantize": "int4"}, {"quantize": "int8"}])
+@pytest.mark.parametrize("options", [{"dtype": "float32"}, {"dtype": "bfloat16"}, {"quantize": "int4"},
+                                     {"quantize": "int8"}])
 def test_one_call_layer_stack_is_the_per_step_calls(tmp_path: Path, options: dict[str, str]) -> None:
     """A decode step through every layer in one call (skulk_decode_layers): identical logits to the torch path for
     rows at different positions in cache slots past the first, through Mistral's sliding window."""

@@ -138,7 +138,7 @@ static inline float round_to(float v, int type) {
     return v;
 }
 
-void skulk_half_mv(const uint16_t *w, int wtype, int N, int K, const void *x, int xtype, int R, const float *bias,
+void skulk_half_mv(const void *w, int wtype, int N, int K, const void *x, int xtype, int R, const float *bias,
                    void *y, int ytype);
 void skulk_quant_mv(const uint8_t *w, const uint16_t *scales, const uint16_t *biases, int bits, int group, int N, int K,
                     const void *x, int xtype, int R, const float *bias, void *y, int ytype);

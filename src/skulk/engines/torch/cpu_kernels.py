@@ -154,7 +154,7 @@ def handles(x: torch.Tensor) -> bool:
 
 
 class HalfMatrix:
-    """An f16/bf16 weight (and optional bias) resolved once for skulk_half_mv: pointers and sizes, bias as f32. The
+    """An f16/bf16/f32 weight (and optional bias) resolved once for skulk_half_mv: pointers and sizes, bias as f32. The
     module that owns the weight keeps one and rebuilds it if its weight tensor is replaced."""
 
     __slots__ = ("args", "bias", "k", "n", "source", "weight")

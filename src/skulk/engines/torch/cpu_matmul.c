@@ -3,8 +3,8 @@
  * builds in about two seconds).
  *
  * y[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n]) for a few rows r of activations x and a weight matrix w:
- *   skulk_half_mv   w [N, K] in f16 or bf16 as the checkpoint has it, widened to f32 as it streams past and
- *                   multiplied with f32 activations;
+ *   skulk_half_mv   w [N, K] in f16, bf16 or f32 as the checkpoint has it, widened to f32 as it streams past
+ *                   and multiplied with f32 activations;
  *   skulk_quant_mv  w in MLX's affine groups (4 or 8 bits per value, one f16 scale and bias per group of `group`
  *                   columns: w = scale * q + bias), interleaved in blocks of 8 output rows (see below). Each
  *                   activation row is quantized to int8 per group, and the groups' dot products run in integers
@@ -24,11 +24,12 @@
 #define PREFETCH_BYTES 4096  /* quantized kernels: the same, in bytes of the interleaved blocks */
 
 /* ---- f16 / bf16 weights ------------------------------------------------------------------------------------- */
-#define HALF_KERNEL(NAME, LOAD, R, U)                                                                            \
-    static void NAME(const uint16_t *w, int n0, int n1, int K, int N, const float *x, float *out) {             \
+#define HALF_KERNEL(NAME, T, LOAD, SCALAR, R, U)                                                                            \
+    static void NAME(const void *w_, int n0, int n1, int K, int N, const float *x, float *out) {               \
+        const T *w = w_;                                                                                       \
         for (int n = n0; n < n1; n++) {                                                                        \
-            const uint16_t *wr = w + (size_t)n * K;                                                            \
-            for (int at = 0; at < K; at += 32) /* the row PREFETCH_ROWS ahead, to keep DRAM busy */             \
+            const T *wr = w + (size_t)n * K;                                                            \
+            for (int at = 0; at < K; at += 64 / (int)sizeof(T)) /* the row PREFETCH_ROWS ahead, a line at a time */ \
                 _mm_prefetch((const char *)(wr + (size_t)PREFETCH_ROWS * K + at), _MM_HINT_T0);                \
             __m256 acc[R][U];                                                                                  \
             for (int r = 0; r < R; r++)                                                                        \
@@ -48,7 +49,7 @@
             for (int r = 0; r < R; r++) {                                                                      \
                 for (int u = 1; u < U; u++) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][u]);                   \
                 float s = hsum(acc[r][0]);                                                                     \
-                for (int j = k; j < K; j++) s += x[(size_t)r * K + j] * (LOAD == load_f16 ? _cvtsh_ss(wr[j]) : bf16_to_f32(wr[j])); \
+                for (int j = k; j < K; j++) s += x[(size_t)r * K + j] * SCALAR(wr[j]);                         \
                 out[(size_t)r * N + n] = s;                                                                    \
             }                                                                                                  \
         }                                                                                                      \
@@ -56,12 +57,13 @@
 
 /* 4 activation rows x 2 weight rows at a time: 6 loads per 8 FMAs where 8 rows x 1 weight row take 9, which made
  * batched steps load-bound (a tail row goes through the 4 x 1 kernel) */
-#define HALF_PAIR_KERNEL(NAME, LOAD, R)                                                                          \
-    static void NAME(const uint16_t *w, int n0, int n1, int K, int N, const float *x, float *out) {             \
+#define HALF_PAIR_KERNEL(NAME, T, LOAD, SCALAR, R)                                                                          \
+    static void NAME(const void *w_, int n0, int n1, int K, int N, const float *x, float *out) {               \
+        const T *w = w_;                                                                                       \
         int n = n0;                                                                                            \
         for (; n + 2 <= n1; n += 2) {                                                                          \
-            const uint16_t *wr = w + (size_t)n * K;                                                            \
-            for (int at = 0; at < 2 * K; at += 32)                                                             \
+            const T *wr = w + (size_t)n * K;                                                            \
+            for (int at = 0; at < 2 * K; at += 64 / (int)sizeof(T))                                               \
                 _mm_prefetch((const char *)(wr + (size_t)PREFETCH_ROWS * K + at), _MM_HINT_T0);                \
             __m256 acc[R][2];                                                                                  \
             for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                          \
@@ -77,32 +79,36 @@
             for (int r = 0; r < R; r++)                                                                        \
                 for (int u = 0; u < 2; u++) {                                                                  \
                     float s = hsum(acc[r][u]);                                                                 \
-                    for (int j = k; j < K; j++) s += x[(size_t)r * K + j] * (LOAD == load_f16 ? _cvtsh_ss(wr[u * K + j]) : bf16_to_f32(wr[u * K + j])); \
+                    for (int j = k; j < K; j++) s += x[(size_t)r * K + j] * SCALAR(wr[u * K + j]);             \
                     out[(size_t)r * N + n + u] = s;                                                            \
                 }                                                                                              \
         }                                                                                                      \
         if (n < n1) NAME##_tail(w, n, n1, K, N, x, out);                                                       \
     }
 
-#define HALF_FAMILY(T, LOAD)                                                                                     \
-    HALF_KERNEL(half_##T##_1, LOAD, 1, 4)                                                                      \
-    HALF_KERNEL(half_##T##_2, LOAD, 2, 2)                                                                      \
-    HALF_KERNEL(half_##T##_3, LOAD, 3, 2)                                                                      \
-    HALF_KERNEL(half_##T##_4_tail, LOAD, 4, 1)                                                                 \
-    HALF_PAIR_KERNEL(half_##T##_4, LOAD, 4)                                                                    \
-    static void (*const half_##T[HALF_TILE + 1])(const uint16_t *, int, int, int, int, const float *, float *) = { \
-        0, half_##T##_1, half_##T##_2, half_##T##_3, half_##T##_4};
+typedef void (*half_fn)(const void *, int, int, int, int, const float *, float *);
+#define HALF_FAMILY(NAME, T, LOAD, SCALAR)                                                                       \
+    HALF_KERNEL(half_##NAME##_1, T, LOAD, SCALAR, 1, 4)                                                        \
+    HALF_KERNEL(half_##NAME##_2, T, LOAD, SCALAR, 2, 2)                                                        \
+    HALF_KERNEL(half_##NAME##_3, T, LOAD, SCALAR, 3, 2)                                                        \
+    HALF_KERNEL(half_##NAME##_4_tail, T, LOAD, SCALAR, 4, 1)                                                   \
+    HALF_PAIR_KERNEL(half_##NAME##_4, T, LOAD, SCALAR, 4)                                                      \
+    static const half_fn half_##NAME[HALF_TILE + 1] = {0, half_##NAME##_1, half_##NAME##_2, half_##NAME##_3,     \
+                                                       half_##NAME##_4};
 
-HALF_FAMILY(f16, load_f16)
-HALF_FAMILY(bf16, load_bf16)
+static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline float f32_scalar(float v) { return v; }
+HALF_FAMILY(f16, uint16_t, load_f16, _cvtsh_ss)
+HALF_FAMILY(bf16, uint16_t, load_bf16, bf16_to_f32)
+HALF_FAMILY(f32, float, load_f32, f32_scalar)
 
 /* Rows are widened (and, for quantized weights, quantized) inside the parallel region, a row per thread, and each
  * unit of work finishes its own outputs: done serially around the region, that work left the other thread idle. */
-void skulk_half_mv(const uint16_t *w, int wtype, int N, int K, const void *x, int xtype, int R, const float *bias,
+void skulk_half_mv(const void *w, int wtype, int N, int K, const void *x, int xtype, int R, const float *bias,
                    void *y, int ytype) {
     float *xf = scratch(((size_t)R * K + (size_t)R * N) * sizeof(float));
     float *acc = xf + (size_t)R * K;
-    void (*const *family)(const uint16_t *, int, int, int, int, const float *, float *) = wtype == T_F16 ? half_f16 : half_bf16;
+    const half_fn *family = wtype == T_F16 ? half_f16 : wtype == T_BF16 ? half_bf16 : half_f32;
     const int blocks = (N + BLOCK_N - 1) / BLOCK_N;
 #pragma omp parallel if ((size_t)N * K >= (1u << 18))
     {

@@ -305,7 +305,7 @@ void skulk_act_mul(const void *gate_up, int type, int rows, int I, int gelu, voi
  * B rows of one token each, as one call: the same kernels as the torch path's calls, in the same order, with the
  * same roundings, but no Python between them. The layer and its matrices are described once (cpu_kernels.py). */
 typedef struct {
-    int kind; /* 0: f16/bf16 weights, 1: our quantized layout */
+    int kind; /* 0: f16/bf16/f32 weights, 1: our quantized layout */
     int wtype, bits, group, n, k;
     const void *w;
     const uint16_t *scales, *biases;

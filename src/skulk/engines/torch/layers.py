@@ -266,8 +266,8 @@ class DecoderLayer(nn.Module):
     def _describe(self) -> tuple[cpu_kernels.LayerDesc, torch.dtype] | bool:
         """The layer as skulk_decode_layer reads it (decided once, after loading): the same steps as forward's
         torch path in one call, so a decode step pays Python once per layer, not ~20 times. False where it does
-        not apply: a tensor-parallel rank (its all-reduces sit between the steps), a MoE block, float32 or
-        CUDA weights, or projections that did not stack."""
+        not apply: a tensor-parallel rank (its all-reduces sit between the steps), a MoE block, CUDA weights,
+        or projections that did not stack."""
         attn, mlp = self.self_attn, self.mlp
         matrices = [_kernel_matrix(m) for m in (attn.qkv, attn.o_proj, getattr(mlp, "gate_up", None),
                                                 getattr(mlp, "down_proj", None))]
@@ -294,11 +294,11 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _kernel_matrix(module: nn.Module | None) -> cpu_kernels.HalfMatrix | cpu_kernels.QuantMatrix | None:
-    """A projection as the kernels read it, or None when it runs elsewhere (f32 or CUDA weights, torch's
-    quantized layout, a tensor-parallel partial sum)."""
+    """A projection as the kernels read it, or None when it runs elsewhere (CUDA weights, torch's quantized
+    layout, a tensor-parallel partial sum)."""
     if module is None or getattr(module, "out_dtype", None) is not None or not cpu_kernels.available():
         return None
-    if type(module) is Linear and module.weight.dtype in (torch.float16, torch.bfloat16) \
+    if type(module) is Linear and module.weight.dtype in (torch.float16, torch.bfloat16, torch.float32) \
             and module.weight.device.type == "cpu":
         return module._matrix()
     if isinstance(module, QuantizedLinear) and module.kernel:

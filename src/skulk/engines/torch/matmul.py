@@ -30,6 +30,7 @@ FLOAT_GEMM_ROWS = 16
 streams) the per-step cast of every weight costs more than the half GEMM saves (8 streams ÷ 1: 1.03 with
 the cast, 1.40 without), so fewer rows stay on the native path."""
 _HALF = (torch.float16, torch.bfloat16)
+_KERNEL_WEIGHTS = (*_HALF, torch.float32)
 CAST_ELEMENTS = 1 << 22
 """f32 values (16 MiB) of weight cast at a time for the f32 GEMM: a buffer kept per thread."""
 _cast = threading.local()
@@ -38,6 +39,13 @@ _cast = threading.local()
 def wants_float_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when this matmul is faster in f32: half weights on the CPU, FLOAT_GEMM_ROWS rows or more."""
     return weight.dtype in _HALF and weight.device.type == "cpu" and x.numel() >= FLOAT_GEMM_ROWS * x.shape[-1]
+
+
+def uses_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when this matmul runs on skulk_half_mv: f16/bf16 weights below FLOAT_GEMM_ROWS rows, and f32 ones too
+    (torch's f32 GEMM repacks the weight for every call of a few rows: 8 decode rows took 2.5x one)."""
+    return (weight.dtype in _KERNEL_WEIGHTS and weight.device.type == "cpu" and cpu_kernels.handles(x)
+            and x.numel() < FLOAT_GEMM_ROWS * x.shape[-1] and cpu_kernels.available())
 
 
 class Linear(nn.Linear):
@@ -50,7 +58,7 @@ class Linear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not wants_float_gemm(input, self.weight):
-            if self.weight.dtype in _HALF and cpu_kernels.handles(input) and cpu_kernels.available():
+            if uses_kernel(input, self.weight):
                 return self._matrix()(input, self.out_dtype)
             y = F.linear(input, self.weight, self.bias)
             return y if self.out_dtype is None else y.to(self.out_dtype)
