@@ -278,9 +278,10 @@ def test_a_chat_streams_and_the_stop_button_cancels_it(scenario: Scenario, dash:
         page.wait_for_function(
             "() => { const m = document.querySelector('[data-streaming=true] .msg-body');"
             " return !m || m.textContent.length > 40; }")
-        if stop.count() == 0:
+        try:
+            stop.click(timeout=5_000)
+        except sync_api.TimeoutError:  # it ended between the check and the click: Stop is gone
             continue
-        stop.click()
         sync_api.expect(page.get_by_test_id("chat-send")).to_be_visible()
         if "stopped" in stats.inner_text():
             break

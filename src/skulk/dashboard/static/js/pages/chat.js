@@ -171,6 +171,8 @@ export function ChatPage({ state }) {
     return rest.length ? rest : [newConversation()];
   });
 
+  // Stop and Send are keyed so Preact replaces one with the other instead of morphing the same element: a click on
+  // Stop that lands just as the answer ends must not submit a draft typed meanwhile.
   return html`<div class="chat">
     <${Sidebar} list=${list} current=${conv.id} onPick=${setCurrentId} onNew=${fresh} onDelete=${remove} />
     <section class="panel chat-main" aria-label="Chat">
@@ -195,8 +197,8 @@ export function ChatPage({ state }) {
       <form class="composer" onSubmit=${send}>
         <textarea rows="3" value=${draft} placeholder="Message (Enter sends, Shift+Enter for a new line)"
           aria-label="Message" data-testid="chat-input" onInput=${(e) => setDraft(e.target.value)} onKeyDown=${onKey}></textarea>
-        ${live ? html`<button type="button" class="danger" onClick=${stop} data-testid="chat-stop">Stop</button>`
-          : html`<button type="submit" class="primary" disabled=${!chosen || !draft.trim()} data-testid="chat-send">Send</button>`}
+        ${live ? html`<button key="stop" type="button" class="danger" onClick=${stop} data-testid="chat-stop">Stop</button>`
+          : html`<button key="send" type="submit" class="primary" disabled=${!chosen || !draft.trim()} data-testid="chat-send">Send</button>`}
       </form>
     </section>
   </div>`;
