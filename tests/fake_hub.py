@@ -234,3 +234,18 @@ def write_random_model(
     if gated:
         (repo / ".gated").write_text("")
     return repo
+
+
+ALTERNATING_TEMPLATE = (  # Gemma's and Mistral's rule (their templates raise this message), over plain ChatML
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def set_chat_template(repo: Path, template: str) -> None:
+    """Replace a model directory's chat template (tokenizer_config.json's chat_template)."""
+    path = repo / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": template}))

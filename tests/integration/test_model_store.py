@@ -14,7 +14,7 @@ import pytest
 
 from skulk.store.files import files_for_shard
 from skulk.testing.nodes import LocalNode, free_port
-from tests.fake_hub import RunningHub, write_random_model, write_repo
+from tests.fake_hub import ALTERNATING_TEMPLATE, RunningHub, set_chat_template, write_random_model, write_repo
 
 from .harness import Cluster, instance_ready, place, wait_until
 
@@ -168,6 +168,7 @@ def test_hugging_face_download_progress_errors_and_chat(cluster: Cluster, tmp_pa
     root = tmp_path / "hub"
     for repo_id in ("org/dl", "org/placed", "org/cli"):
         write_random_model(root, repo_id, shards=2)
+    set_chat_template(root / "org--placed", ALTERNATING_TEMPLATE)  # Gemma's and Mistral's rule
     write_random_model(root, "org/locked", gated=True)
     write_repo(root, "org/pickles", {"config.json": {"model_type": "llama"}, "pytorch_model.bin": b"x"})
     write_repo(
@@ -202,6 +203,10 @@ def test_hugging_face_download_progress_errors_and_chat(cluster: Cluster, tmp_pa
             {"model": "org/placed", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         )
         assert code == 200, reply
+        twice = {"model": "org/placed", "messages": [{"role": "user", "content": "hi"}] * 2, "max_tokens": 2}
+        code, reply = node.post("/v1/chat/completions", twice)  # the template refuses: the client's to fix
+        assert code == 400 and "roles must alternate" in reply["error"]["message"], reply
+        assert node.post("/v1/chat/completions", {**twice, "messages": twice["messages"][:1]})[0] == 200
 
         done = subprocess.run(
             [sys.executable, "-m", "skulk", "models", "--url", node.url, "download", "org/cli"],

@@ -143,8 +143,13 @@ def test_top_k_above_the_models_vocabulary_is_422_naming_the_vocabulary() -> Non
 
     from .factories import applied, instance
 
-    demo = instance().model_copy(update={"shard_assignments": instance().shard_assignments.model_copy(
-        update={"model_id": ModelId("skulk/tiny-random-llama")})})
+    demo = instance().model_copy(
+        update={
+            "shard_assignments": instance().shard_assignments.model_copy(
+                update={"model_id": ModelId("skulk/tiny-random-llama")}
+            )
+        }
+    )
     node = SimpleNamespace(state=applied(InstanceCreated(instance=demo)))
     app = FastAPI()
     install_error_handlers(app)
@@ -153,3 +158,27 @@ def test_top_k_above_the_models_vocabulary_is_422_naming_the_vocabulary() -> Non
     reply = TestClient(app).post("/v1/chat/completions", json=body)
     assert reply.status_code == 422, reply.text
     assert reply.json()["error"]["message"].startswith("top_k: ") and "0...260" in reply.text
+
+
+def test_a_template_that_refuses_the_messages_is_a_prompt_rejected_with_its_message(
+    demo_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from skulk.engines.errors import PromptRejected
+    from skulk.engines.torch.tokenizer import ChatTokenizer
+    from skulk.types.chat import ChatMessage
+    from tests.fake_hub import ALTERNATING_TEMPLATE, set_chat_template
+
+    strict = tmp_path / "strict"
+    shutil.copytree(demo_dir, strict)
+    set_chat_template(strict, ALTERNATING_TEMPLATE)
+    tokenizer = ChatTokenizer(strict)
+    user = ChatMessage(role="user", content="hi")
+    assert tokenizer.encode_chat([user])  # an alternating conversation renders
+    with pytest.raises(PromptRejected, match="rejected the messages: Conversation roles must alternate"):
+        tokenizer.encode_chat([user, user])
+    set_chat_template(strict, "{% for message in messages %}")  # broken: the model's fault, not the client's
+    with pytest.raises(Exception) as raised:
+        ChatTokenizer(strict).encode_chat([user])
+    assert not isinstance(raised.value, PromptRejected)

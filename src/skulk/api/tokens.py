@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
+from skulk.engines.errors import PromptRejected
 from skulk.models.cards import model_dir_name
 from skulk.types.chat import ChatMessage
 
@@ -45,4 +46,7 @@ async def count_chat_tokens(node: NodeHandle, model_id: str, messages: list[Chat
         raise ApiError(503, f"this node has no copy of {model_id}'s tokenizer; ask a node that serves it "
                        f"({', '.join(holders) or 'none is placed: place the model first'})", code="tokenizer_not_local")
     tokenizer = await asyncio.to_thread(_tokenizer, model_dir)
-    return len(await asyncio.to_thread(tokenizer.encode_chat, messages))
+    try:
+        return len(await asyncio.to_thread(tokenizer.encode_chat, messages))
+    except PromptRejected as refused:
+        raise ApiError(400, str(refused), code="invalid_request") from refused

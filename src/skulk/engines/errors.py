@@ -12,3 +12,9 @@ class ContextLengthExceeded(ValueError):
         )
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
+
+
+class PromptRejected(ValueError):
+    """The model's chat template refused the conversation with its own message (Gemma's and Mistral's templates
+    require alternating user/assistant roles, Mistral's 9-character tool call ids): the client's to fix, so the
+    request ends with a 400 carrying that message, and nothing was computed."""

@@ -12,6 +12,7 @@ from multiprocessing.queues import Queue
 from typing import TYPE_CHECKING, Any
 
 from skulk.engines.base import Engine, TokenOut
+from skulk.engines.errors import PromptRejected
 from skulk.runner.admission import context_refusal
 from skulk.runner.fault import Fault, FaultInjector, engine_hook, fault_from_setting
 from skulk.runner.messages import (
@@ -355,7 +356,12 @@ class Runner:
         assert self.engine is not None
         params = task.task_params  # attached by the worker from the API node's payload; never in state
         assert params is not None, "a task reached the runner without its payload"
-        prompt = self.engine.encode_chat(params.messages, params.tools or None)
+        try:
+            prompt = self.engine.encode_chat(params.messages, params.tools or None)
+        except PromptRejected as refused:
+            self.send_after_step()
+            self._fail(task.task_id, task.command_id, str(refused), code="invalid_request", status=400)
+            return None
         message = context_refusal(len(prompt), params.sampling, self.engine.context_length)
         if message is not None:
             self.send_after_step()

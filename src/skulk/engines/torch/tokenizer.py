@@ -12,8 +12,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from transformers import AutoTokenizer
 
+from skulk.engines.errors import PromptRejected
 from skulk.types.chat import ChatMessage
 
 _REPLACEMENT = "\ufffd"
@@ -29,12 +31,17 @@ class ChatTokenizer:
     def encode_chat(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render the chat template with the generation prompt and the tools offered (templates that know
         tools render them; the others ignore them); tokenize without adding specials twice."""
-        rendered: str = self._tok.apply_chat_template(
-            [template_message(m) for m in messages],
-            tools=tools or None,
-            add_generation_prompt=True,
-            tokenize=False,
-        )
+        try:
+            rendered: str = self._tok.apply_chat_template(
+                [template_message(m) for m in messages],
+                tools=tools or None,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        except TemplateSyntaxError:
+            raise  # the model's template is broken: not the client's to fix
+        except TemplateError as exc:  # the template's own raise_exception, or a message it cannot read
+            raise PromptRejected(f"the model's chat template rejected the messages: {exc}") from exc
         return self.encode(rendered)
 
     def encode(self, text: str) -> list[int]:
