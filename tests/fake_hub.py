@@ -249,3 +249,28 @@ def set_chat_template(repo: Path, template: str) -> None:
     """Replace a model directory's chat template (tokenizer_config.json's chat_template)."""
     path = repo / "tokenizer_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": template}))
+
+
+MISTRAL_TEMPLATE = (  # the tool parts of mistralai/Mistral-7B-Instruct-v0.3's template, its id check included
+    "{%- set last = namespace(user=-1) %}"
+    "{%- for m in messages %}{% if m['role'] == 'user' %}{% set last.user = loop.index0 %}{% endif %}{% endfor %}"
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if tools and loop.index0 == last.user %}[AVAILABLE_TOOLS] {{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST] {{ message['content'] }}[/INST]"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}[TOOL_CALLS] ["
+    "{%- for call in message.tool_calls %}"
+    "{%- if call.id is not defined or call.id|length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    '{"name": {{ call.function.name|tojson }}, "arguments": {{ call.function.arguments|tojson }}, '
+    '"id": "{{ call.id }}"}{% if not loop.last %}, {% endif %}'
+    "{%- endfor %}]{{ eos_token }}"
+    "{%- elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if message.tool_call_id is not defined or message.tool_call_id|length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    '[TOOL_RESULTS] {"content": {{ message["content"]|tojson }}, "call_id": "{{ message.tool_call_id }}"}'
+    "[/TOOL_RESULTS]"
+    "{%- endif %}{%- endfor %}"
+)

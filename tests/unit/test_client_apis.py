@@ -143,6 +143,11 @@ QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}
         ("llama", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}', "", ["a", "b"]),
         ("llama", '{"answer": 42}', '{"answer": 42}', []),
         ("qwen2", '{"name": "get_weather", "parameters": {}}', '{"name": "get_weather", "parameters": {}}', []),
+        ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", ["get_weather"]),
+        ("mistral", ' [{"name": "a", "arguments": {}, "id": "abcdefghi"}, {"name": "b"}]', "", ["a", "b"]),
+        ("mistral", "[1, 2]", "[1, 2]", []),
+        ("mistral", "[TOOL_CALLS] []", "[TOOL_CALLS] []", []),
+        ("mistral", '{"name": "f", "arguments": {}}', '{"name": "f", "arguments": {}}', []),
     ],
 )
 def test_tool_calls_are_parsed_per_family(family: str, text: str, content: str, names: list[str]) -> None:
@@ -164,6 +169,9 @@ def test_tool_calls_are_parsed_per_family(family: str, text: str, content: str, 
         ("qwen2", ["Hi <", "b>bold</b>"], "Hi <b>bold</b>", []),
         ("llama", ["{\"name\": ", "\"f\", \"parameters\": {}}"], "", ["f"]),
         ("llama", ["Sure", ", {x}"], "Sure, {x}", []),
+        ("mistral", ["[TOOL", "_CALLS] [{\"name\": \"f\", ", "\"arguments\": {}}]"], "", ["f"]),
+        ("mistral", [" [{\"name\": \"f\"}", "]"], "", ["f"]),
+        ("mistral", ["See ", "[the docs](x)"], "See [the docs](x)", []),
     ],
 )
 def test_tool_call_stream_holds_back_only_what_may_be_a_call(

@@ -182,3 +182,31 @@ def test_a_template_that_refuses_the_messages_is_a_prompt_rejected_with_its_mess
     with pytest.raises(Exception) as raised:
         ChatTokenizer(strict).encode_chat([user])
     assert not isinstance(raised.value, PromptRejected)
+
+
+def test_tool_call_ids_reach_a_mistral_template_as_nine_alphanumerics(demo_dir: Path, tmp_path: Path) -> None:
+    """Mistral's template refuses any call id but nine alphanumerics; clients send ours (`call_…`), Claude's
+    `toolu_…`, or none at all (Ollama): each renders, a call and its result under the same id."""
+    import shutil
+
+    from skulk.engines.torch.tokenizer import ChatTokenizer, template_call_id, template_messages
+    from skulk.types.chat import ChatMessage, FunctionCall, ToolCall
+    from tests.fake_hub import MISTRAL_TEMPLATE, set_chat_template
+
+    mistral = tmp_path / "mistral"
+    shutil.copytree(demo_dir, mistral)
+    set_chat_template(mistral, MISTRAL_TEMPLATE)
+    calls = [ToolCall(id=i, function=FunctionCall(name="f", arguments='{"x": 1}')) for i in ("call_7_0", "toolu_01AbC")]
+    history = [
+        ChatMessage(role="user", content="go"),
+        ChatMessage(role="assistant", tool_calls=calls),
+        ChatMessage(role="tool", content="one", tool_call_id="call_7_0"),
+        ChatMessage(role="tool", content="two"),  # Ollama: no id, answers the call still open
+        ChatMessage(role="user", content="and?"),
+    ]
+    rendered = template_messages(history)
+    ids = [c["id"] for c in rendered[1]["tool_calls"]]
+    assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 2
+    assert [rendered[2]["tool_call_id"], rendered[3]["tool_call_id"]] == ids
+    assert template_call_id("abcDEF123") == "abcDEF123"  # already the shape: kept
+    assert ChatTokenizer(mistral).encode_chat(history, [{"type": "function", "function": {"name": "f"}}])

@@ -4,6 +4,8 @@
   any number of them, text before the first one is ordinary content.
 - Llama 3: the whole reply is one JSON object `{"name": ..., "parameters": {...}}` (optionally after
   `<|python_tag|>`), or several separated by `;`.
+- Mistral (v3 tokenizers: Mistral 7B v0.3, Mixtral, Nemo): `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`,
+  one JSON list. `[TOOL_CALLS]` is a special token that decoding drops, so the bare list counts too.
 
 Pure functions: the API applies them to the finished text and, while streaming, holds text back only as long as
 it could still be the start of a tool call (`could_be_tool_call`), so plain answers stream as before."""
@@ -18,12 +20,18 @@ from skulk.types.chat import FunctionCall, ToolCall
 
 QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TAG = "[TOOL_CALLS]"
 _QWEN = re.compile(re.escape(QWEN_OPEN) + r"\s*(.*?)\s*" + re.escape(QWEN_CLOSE), re.DOTALL)
 
 
 def uses_json_calls(family: str) -> bool:
-    """Llama 3's templates ask for bare JSON; every other family here uses Qwen/Hermes tags."""
+    """Llama 3's templates ask for bare JSON objects; Qwen and the other ChatML families use Hermes tags."""
     return family.lower().startswith("llama")
+
+
+def uses_list_calls(family: str) -> bool:
+    """Mistral's templates show the model a JSON list of calls after `[TOOL_CALLS]`."""
+    return family.lower().startswith("mistral")
 
 
 def _call(obj: Any, index: int, call_id: str) -> ToolCall | None:
@@ -54,6 +62,11 @@ def parse_tool_calls(family: str, text: str, call_id: str) -> tuple[str, list[To
         calls = [_call(p, i, call_id) for i, p in enumerate(parts)]
         if calls and all(c is not None for c in calls):
             return "", [c for c in calls if c is not None]
+    if uses_list_calls(family):
+        body = _loads(text.strip().removeprefix(MISTRAL_TAG).strip())
+        calls = [_call(p, i, call_id) for i, p in enumerate(body)] if isinstance(body, list) else []
+        if calls and all(c is not None for c in calls):
+            return "", [c for c in calls if c is not None]
     return text, []
 
 
@@ -64,6 +77,8 @@ def could_be_tool_call(family: str, text: str) -> bool:
         return True
     if QWEN_OPEN in head or QWEN_OPEN.startswith(head[: len(QWEN_OPEN)]):
         return True
+    if uses_list_calls(family):
+        return head.startswith("[")  # the list itself, or [TOOL_CALLS] kept by a tokenizer that shows it
     return uses_json_calls(family) and (head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head))
 
 
@@ -82,7 +97,7 @@ class ToolCallStream:
         """hold_all: nothing streams, the whole reply is parsed at the end (a tool call was forced)."""
         self.family = family
         self.held = ""
-        self.started = False  # some content went out: a Llama-style bare JSON call is no longer possible
+        self.started = False  # some content went out: an untagged (Llama, Mistral) call is no longer possible
         self.capturing = hold_all
 
     def push(self, text: str) -> str:

@@ -7,6 +7,7 @@ across tokens, so any tail that could still become a stop string is held back un
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,7 +34,7 @@ class ChatTokenizer:
         tools render them; the others ignore them); tokenize without adding specials twice."""
         try:
             rendered: str = self._tok.apply_chat_template(
-                [template_message(m) for m in messages],
+                template_messages(messages),
                 tools=tools or None,
                 add_generation_prompt=True,
                 tokenize=False,
@@ -51,19 +52,41 @@ class ChatTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
-def template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as Hugging Face chat templates read it: an assistant's tool calls with their arguments as an
-    object (Qwen and Llama 3 templates serialise them with `tojson`), a tool result with its call id."""
-    out: dict[str, Any] = {"role": message.role, "content": message.text}
-    if message.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": _args(c.function.arguments)}}
-            for c in message.tool_calls
-        ]
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as Hugging Face chat templates read them: an assistant's tool calls with their arguments as an
+    object (Qwen and Llama 3 templates serialise them with `tojson`), a tool result with its call id.
+
+    Call ids are rewritten to nine alphanumerics, the same id to the same one, because Mistral's templates
+    refuse any other shape and clients send whatever ids they hold (ours, `toolu_…` from Claude clients, ids
+    from another provider); no other family here renders ids at all. A tool result without an id (Ollama's
+    messages carry none) answers the earliest unanswered call of the assistant turn before it."""
+    out: list[dict[str, Any]] = []
+    unanswered: list[str] = []
+    for message in messages:
+        item: dict[str, Any] = {"role": message.role, "content": message.text}
+        if message.tool_calls:
+            item["tool_calls"] = [
+                {"id": template_call_id(c.id), "type": "function",
+                 "function": {"name": c.function.name, "arguments": _args(c.function.arguments)}}
+                for c in message.tool_calls
+            ]
+            unanswered = [c["id"] for c in item["tool_calls"]]
+        if message.role == "tool":
+            call_id = template_call_id(message.tool_call_id) if message.tool_call_id else None
+            call_id = call_id or (unanswered[0] if unanswered else None)
+            if call_id is not None:
+                item["tool_call_id"] = call_id
+                unanswered = [u for u in unanswered if u != call_id]
+        out.append(item)
     return out
+
+
+def template_call_id(call_id: str) -> str:
+    """A call id as nine alphanumerics: kept when it already is, else the start of its SHA-256 (stable, so a
+    call and its result still match)."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def _args(arguments: str) -> Any:
