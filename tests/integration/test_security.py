@@ -187,6 +187,21 @@ def test_malformed_requests_get_typed_errors(nodes: list[LocalNode]) -> None:
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
     assert error_of(wrong_method)["type"] == "invalid_request_error"
 
+    as_json = {**headers, "Content-Type": "application/json"}
+    deep = b'{"a":' * 5000 + b"1" + b"}" * 5000  # past the interpreter's recursion limit when parsed recursively
+    for route in ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+                  "/v1/embeddings", "/ollama/api/chat", "/ollama/api/generate", "/ollama/api/show"):
+        reply = httpx.post(url + route, content=deep, headers=as_json, timeout=10)
+        assert reply.status_code == 400, (route, reply.text)
+    for route in ("/v1/messages", "/ollama/api/show"):  # a field no length bound covers: it was echoed back
+        reply = httpx.post(url + route, content=b'{"model": "a\\ud800b"}', headers=as_json, timeout=10)
+        assert reply.status_code == 400 and "surrogate" in reply.text, (route, reply.text)
+    count = {"messages": [{"role": "user", "content": "hi"}]}
+    for model, status in (("..", 400), ("m" * 5000, 400)):  # never joined onto the models directory
+        reply = httpx.post(url + "/v1/messages/count_tokens", json={**count, "model": model}, headers=headers,
+                           timeout=10)
+        assert reply.status_code == status and "model" in reply.text, (model[:9], reply.text)
+
 
 def test_a_slowloris_crowd_does_not_stop_a_chat(nodes: list[LocalNode]) -> None:
     """1,100 sockets that never finish their request head; a real client still gets its answer."""

@@ -170,3 +170,12 @@ def test_config_route_never_shows_keys() -> None:
     text = repr(shown)
     assert "'u'" not in text and "'a'" not in text and "'k'" not in text and "'hf'" not in text
     assert shown["has_cluster_key"] and shown["api_key_count"] == 1 and shown["admin_key_count"] == 1
+
+
+def test_an_error_echoing_a_lone_surrogate_still_encodes() -> None:
+    """A message quoting what the client sent (a model name) may hold text no UTF-8 encoder takes; rendering the
+    error then failed and the client saw its connection reset instead of the 4xx."""
+    from skulk.api.errors import ApiError
+
+    error = ApiError(404, "model 'a\ud800' not found")
+    assert error.message.encode("utf-8") == b"model 'a\\ud800' not found"

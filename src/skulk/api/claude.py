@@ -39,13 +39,22 @@ def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(error_payload(exc.status, exc.message), status_code=exc.status)
 
 
+SURROGATE_HINT = " (a \\uD800-\\uDFFF escape is half of a surrogate pair and needs its other half)"
+
+
 async def parse_body(http: Request, model: type[M]) -> M:
-    """The body validated into `model`; a 400 that names each bad field otherwise."""
+    """The body validated into `model` straight from its bytes; a 400 that names each bad field otherwise.
+
+    pydantic's JSON parser refuses two things Python's accepts that a node cannot use: a lone UTF-16 surrogate
+    (`\\ud800`, which no UTF-8 encoder takes, so any reply echoing it failed) and nesting deep enough to exhaust
+    the interpreter's recursion (a 500 before)."""
     try:
-        return model.model_validate(await http.json())
-    except ValueError as exc:
-        if not isinstance(exc, ValidationError):
-            raise ApiError(400, "the body is not valid JSON", code="invalid_request") from exc
+        return model.model_validate_json(await http.body())
+    except ValidationError as exc:
+        unreadable = [e["msg"].removeprefix("Invalid JSON: ") for e in exc.errors() if e["type"] == "json_invalid"]
+        if unreadable:
+            hint = SURROGATE_HINT if "hex escape" in unreadable[0] or "surrogate" in unreadable[0] else ""
+            raise ApiError(400, f"the body is not valid JSON: {unreadable[0]}{hint}", code="invalid_request") from exc
         where = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
         raise ApiError(400, where, code="invalid_request") from exc
 

@@ -20,6 +20,7 @@ class ApiError(Exception):
     def __init__(
         self, status: int, message: str, *, code: str | None = None, kind: str | None = None
     ) -> None:
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a client's lone surrogate, echoed
         super().__init__(message)
         self.status = status
         self.message = message

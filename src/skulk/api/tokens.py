@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 
 def local_model_dir(node: NodeHandle, model_id: str) -> Path | None:
     settings = node.settings
-    name = model_dir_name(model_id)
+    try:
+        name = model_dir_name(model_id)
+    except ValueError as exc:  # "..", an absolute path: never joined onto a directory
+        raise ApiError(400, f"{exc}; GET /models lists the model ids", code="invalid_request") from exc
     staging = settings.staging_for(node.node_id).node_cache_path
     for root in (settings.models_dir, settings.store_path, staging):
         if root is not None and (root / name / "tokenizer_config.json").exists():

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from skulk.types.limits import ModelText
+
 from .chat import ChatMessage, FunctionCall, FunctionSpec, MaxTokens, Seed, Temperature, Tool, ToolCall, TopK, TopP
 
 
@@ -88,7 +90,7 @@ class ClaudeRequest(BaseModel):
     """The body of POST /v1/messages. Unknown fields (metadata, thinking, ...) are accepted and ignored."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
-    model: str = Field(min_length=1)
+    model: ModelText
     messages: list[ClaudeMessage] = Field(min_length=1)
     max_tokens: MaxTokens
     system: str | list[TextBlock] | None = None
@@ -111,6 +113,6 @@ class ClaudeCountRequest(BaseModel):
     """POST /v1/messages/count_tokens: the request without max_tokens."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
-    model: str = Field(min_length=1)
+    model: ModelText
     messages: list[ClaudeMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None

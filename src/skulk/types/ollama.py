@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from skulk.types.limits import ModelText
+
 from .chat import ChatMessage, FunctionCall, MaxTokens, Seed, Temperature, Tool, ToolCall, TopK, TopLogprobs, TopP
 
 
@@ -52,7 +54,7 @@ def _text(arguments: dict[str, Any] | str) -> str:
 
 
 class OllamaChatRequest(_Loose):
-    model: str = Field(min_length=1)
+    model: ModelText
     messages: list[OllamaMessage] = Field(min_length=1)
     stream: bool = True
     options: OllamaOptions = OllamaOptions()
@@ -68,7 +70,7 @@ class OllamaChatRequest(_Loose):
 class OllamaGenerateRequest(_Loose):
     """The prompt goes to the model as one user message through its chat template (`raw` is not supported)."""
 
-    model: str = Field(min_length=1)
+    model: ModelText
     prompt: str = Field(min_length=1)
     system: str | None = None
     stream: bool = True
@@ -83,5 +85,5 @@ class OllamaGenerateRequest(_Loose):
 
 
 class OllamaShowRequest(_Loose):
-    model: str | None = None
-    name: str | None = None
+    model: ModelText | None = None
+    name: ModelText | None = None

@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from skulk.types.limits import ModelText
+
 from .chat import (
     ChatMessage,
     FunctionCall,
@@ -29,7 +31,7 @@ class _Loose(BaseModel):
 
 
 class CompletionRequest(_Loose):
-    model: str = Field(min_length=1)
+    model: ModelText
     prompt: str | list[str]
     max_tokens: MaxTokens = 16
     temperature: Temperature | None = None
@@ -111,7 +113,7 @@ class NamedFunction(_Loose):
 
 
 class ResponsesRequest(_Loose):
-    model: str = Field(min_length=1)
+    model: ModelText
     input: str | list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None
