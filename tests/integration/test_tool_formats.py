@@ -52,6 +52,13 @@ def test_mistral_tool_calls_round_trip_from_openai_and_ollama_clients(cluster: C
         (call,) = choice["message"]["tool_calls"]
         assert call["function"] == {"name": "get_weather", "arguments": '{"city":"Paris"}'}
 
+        body = {"model": MODEL, "messages": ask, "tools": WEATHER, "max_tokens": 200, "stream": True}
+        with node.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as reply:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in reply.iter_lines()
+                      if line.startswith("data: {") and '"choices":[{' in line]
+        assert not "".join(d.get("content") or "" for d in deltas), deltas  # the call's text never streams
+        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls") or []] == ["get_weather"]
+
         for call_id in (call["id"], "call_Zq9xV3kLmN8pR2sT"):  # ours, then an id another provider gave
             follow = [*ask, {"role": "assistant", "content": None, "tool_calls": [{**call, "id": call_id}]},
                       {"role": "tool", "tool_call_id": call_id, "content": "sunny SKULK_SCRIPT<<<It is sunny.>>>"}]
