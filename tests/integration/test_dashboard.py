@@ -263,7 +263,9 @@ def test_a_chat_streams_and_the_stop_button_cancels_it(scenario: Scenario, dash:
     page = dash.open(node, "/chat")
     sync_api.expect(page.get_by_test_id("chat-model")).to_have_value(MODEL)
     page.get_by_test_id("max-tokens").fill("1500")
-    page.get_by_test_id("temperature").fill("1")  # keeps a random-weights model from an early stop
+    # greedy: on these prompts the demo model writes all 1,500 tokens (1.8 s); at temperature 1 it sampled its end
+    # token after 50-311 (0.1-0.4 s), often before the click could land
+    page.get_by_test_id("temperature").fill("0")
     stop = page.get_by_test_id("chat-stop")
     stats = page.get_by_test_id("answer-stats").last
     for attempt in range(3):  # a random-weights model may stop by itself before the button is pressed
@@ -309,10 +311,11 @@ def test_the_timeline_highlights_a_wedged_rank(scenario: Scenario, dash: Dash) -
     page = dash.open(node, "/operator")
     sync_api.expect(page.locator(f'[data-instance-id="{wedge}"] [data-testid=timeline-row]')).to_have_count(2)
     # Two requests at once: the idle instances take one each (least loaded), so the 2-rank one gets one and
-    # wedges; the other ends by itself. Both are sent before either can end (the healthy instance finishes 200
-    # tokens in well under a second now), so the second always finds the first's instance busy.
-    StreamProbe(node.url, chat_body(MODEL, 200))
-    StreamProbe(node.url, chat_body(MODEL, 200))
+    # wedges; the other ends by itself. Greedy, the healthy instance writes all 1,000 tokens (about 1 s), so the
+    # second request always finds the first's instance busy. At temperature 1 it can sample its end token within
+    # 50 tokens, before the second is routed; both then go to the healthy instance and nothing wedges (the likely
+    # cause of one failure under a loaded run: no rank ever showed stuck).
+    probes = [StreamProbe(node.url, chat_body(MODEL, 1000, temperature=0.0)) for _ in range(2)]
     stuck = page.locator(f'[data-instance-id="{wedge}"] [data-testid=timeline-row][data-stuck=true]')
     sync_api.expect(stuck.first).to_be_visible(timeout=30_000)
     sync_api.expect(stuck.first).to_contain_text("STUCK")
@@ -324,6 +327,8 @@ def test_the_timeline_highlights_a_wedged_rank(scenario: Scenario, dash: Dash) -
     sync_api.expect(page.locator("details summary")).to_contain_text("Bundle of")
     sync_api.expect(page.locator("pre.json")).to_contain_text("supervisorRunners")
 
+    # the healthy stream ends first: a request sent while it runs could tie on load and go to the wedged instance
+    wait_until(lambda: any(p.outcome.ended is not None for p in probes), 60, "the healthy instance's stream to end")
     tracing = page.get_by_test_id("tracing")  # on, a request, its per-rank breakdown
     tracing.get_by_role("button", name="Turn on").click()
     sync_api.expect(tracing.get_by_test_id("tracing-state")).to_have_text("on")
