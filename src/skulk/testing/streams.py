@@ -85,7 +85,9 @@ class StreamOutcome:
 
 
 def chat_body(model: str, tokens: int, prompt: str = "tell me a story", temperature: float = 1.0) -> dict[str, Any]:
-    """A streamed request; temperature 1 keeps a random-weights model from settling into an early stop."""
+    """A streamed request. At temperature 1 a random-weights model may sample its end token early (the demo model
+    does after 50-311 tokens on this prompt); where a stream must run to `tokens`, pass temperature=0: greedy, the
+    demo model writes every token asked for."""
     return {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
