@@ -81,7 +81,8 @@ class BodyLimitMiddleware:
             if body_done:
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), self.stall_timeout_s)
+                async with asyncio.timeout(self.stall_timeout_s):  # not wait_for: on 3.11 it can drop a cancel
+                    message = await receive()
             except TimeoutError:
                 raise RequestRefused(408, f"request body stalled for {self.stall_timeout_s:.0f} s",
                                      "request_timeout") from None

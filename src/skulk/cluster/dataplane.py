@@ -54,7 +54,11 @@ class ChunkStream:
         self._queue.put_nowait(chunk)
 
     async def next(self, timeout: float | None = None) -> Chunk:
-        return await asyncio.wait_for(self._queue.get(), timeout)
+        """The next chunk; TimeoutError after `timeout` s. A cancel always raises here, even one that lands as a
+        chunk arrives (Python 3.11's wait_for then returned the chunk and dropped the cancel, so a fast stream's
+        abandoned non-streaming request ran to its last token for nobody); the chunk stays queued."""
+        async with asyncio.timeout(timeout):
+            return await self._queue.get()
 
     def close(self) -> None:
         if self._sub is not None:

@@ -223,7 +223,8 @@ class Elector:
                 self._publish()
                 self._step()
                 try:
-                    await asyncio.wait_for(self._stopping.wait(), HEARTBEAT_S)
+                    async with asyncio.timeout(HEARTBEAT_S):  # not wait_for: on 3.11 it can drop a cancel
+                        await self._stopping.wait()
                 except TimeoutError:
                     pass
         finally:

@@ -91,7 +91,8 @@ async def fetch_peer(
     if url is None:
         return ClusterNodeDiagnostics(node_id=node_id, ok=False, error="no API address known for this node")
     try:
-        response = await asyncio.wait_for(client.get(url + NODE_PATH, timeout=timeout), timeout)
+        async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can drop a cancel
+            response = await client.get(url + NODE_PATH, timeout=timeout)
         if response.status_code != 200:
             return ClusterNodeDiagnostics(
                 node_id=node_id,

@@ -53,7 +53,8 @@ class StateStore:
             if remaining <= 0:
                 return False
             try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                async with asyncio.timeout(remaining):  # not wait_for: on 3.11 it can drop a cancel
+                    await self._changed.wait()
             except TimeoutError:
                 return predicate(self.state)
         return True
