@@ -41,7 +41,7 @@ def _attacker(port: int, marker: Path) -> None:
     """Rank 0 played by an attacker: one honest header, then the fixed header announcing a pickle, then the pickle."""
     import torch
 
-    from skulk.engines.torch.wire import Header, HeaderChannel, NewRequest, StepKind
+    from skulk.engines.torch.wire import FIXED_INTS, Header, HeaderChannel, NewRequest, StepKind
     from skulk.types.chat import SamplingParams
 
     dist = _group(0, port)
@@ -49,7 +49,8 @@ def _attacker(port: int, marker: Path) -> None:
         Header(StepKind.PREFILL, (NewRequest.of("r1", "c1", [1, 2, 3], SamplingParams(max_tokens=4)),))
     )
     payload = pickle.dumps(_Exploit(marker))
-    fixed = torch.tensor([int(StepKind.PREFILL), len(payload), 1, -1, 0], dtype=torch.int64)
+    fixed = torch.zeros(FIXED_INTS, dtype=torch.int64)
+    fixed[:2] = torch.tensor([int(StepKind.PREFILL), len(payload)])
     try:
         dist.broadcast(fixed, src=0)
         dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
@@ -92,3 +93,13 @@ def test_a_pickled_step_header_is_refused_without_running(tmp_path: Path) -> Non
                 p.kill()
                 p.join()
     assert not marker.exists(), "the attacker's pickle ran inside the victim rank"
+
+
+def test_a_header_out_of_bounds_is_refused_before_anything_is_allocated() -> None:
+    from skulk.engines.torch.wire import MAX_ADMITS, MAX_CHANGES_BYTES, StepKind, WireError, decode_fixed
+
+    assert decode_fixed(int(StepKind.MIXED), 10, MAX_ADMITS) == (StepKind.MIXED, 10)
+    for kind, size, admits, why in [(9, 0, 0, "unknown step kind"), (1, MAX_CHANGES_BYTES + 1, 0, "out of bounds"),
+                                    (1, 0, MAX_ADMITS + 1, "admits"), (1, 0, -1, "admits")]:
+        with pytest.raises(WireError, match=why):
+            decode_fixed(kind, size, admits)

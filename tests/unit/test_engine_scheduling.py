@@ -14,8 +14,17 @@ import pytest
 
 from skulk.engines.base import TokenOut
 from skulk.engines.torch.engine import TorchEngine
-from skulk.engines.torch.schedule import Retained, choose_reuse, chunk_tokens, common_prefix, next_kind, spare_slot
-from skulk.engines.torch.wire import Started, StepKind
+from skulk.engines.torch.schedule import (
+    Retained,
+    can_admit,
+    choose_reuse,
+    chunk_tokens,
+    common_prefix,
+    next_kind,
+    share_chunk,
+    spare_slot,
+)
+from skulk.engines.torch.wire import MAX_ADMITS, Started, StepKind
 from skulk.models.demo import ensure_demo_model
 from skulk.types.chat import SamplingParams
 
@@ -70,12 +79,21 @@ def forcing(request_id: str, token: int) -> Any:
 
 
 def test_prefill_rides_on_decode_while_both_are_wanted() -> None:
-    both = dict(prefilling=True, can_admit=False, decoding=True)
-    assert next_kind(**both) == StepKind.MIXED
-    assert next_kind(prefilling=False, can_admit=True, decoding=True) == StepKind.MIXED
-    assert next_kind(prefilling=False, can_admit=True, decoding=False) == StepKind.PREFILL
-    assert next_kind(prefilling=False, can_admit=False, decoding=True) == StepKind.DECODE
-    assert next_kind(prefilling=False, can_admit=False, decoding=False) == StepKind.HEARTBEAT
+    assert next_kind(prefilling=True, decoding=True) == StepKind.MIXED
+    assert next_kind(prefilling=True, decoding=False) == StepKind.PREFILL
+    assert next_kind(prefilling=False, decoding=True) == StepKind.DECODE
+    assert next_kind(prefilling=False, decoding=False) == StepKind.HEARTBEAT
+
+
+def test_a_chunk_is_shared_in_slot_order_and_admits_while_it_lasts() -> None:
+    assert share_chunk([30, 40, 500], 100) == [30, 40, 30]  # the first prompts finish, the last gets the rest
+    assert share_chunk([300, 5], 64) == [64, 0]  # a long prompt ahead is never starved by a later short one
+    assert share_chunk([3], 0) == [1]  # a prefill step always progresses
+    assert can_admit(rests=[30, 40], chunk=100, free_slots=1, admitted=1)
+    assert not can_admit(rests=[60, 40], chunk=100, free_slots=1, admitted=1)  # nothing left for a newcomer
+    assert not can_admit(rests=[], chunk=100, free_slots=0, admitted=0)
+    assert not can_admit(rests=[], chunk=100, free_slots=4, admitted=MAX_ADMITS)
+    assert can_admit(rests=[], chunk=0, free_slots=1, admitted=0)
 
 
 def test_chunks_are_steered_to_one_decode_step_beside_running_streams() -> None:
@@ -151,6 +169,54 @@ def test_running_streams_get_a_token_every_step_during_a_long_prefill(demo_dir: 
     assert long_tokens == cold(demo_dir, long)
 
 
+def first_tokens(engine: TorchEngine, ids: list[str]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Step until every request in ids has its first token: the step at which each got it, and every token so
+    far by request."""
+    first: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while not set(ids) <= set(first):
+        steps += 1
+        for out in engine.step():
+            first.setdefault(out.request_id, steps)
+            tokens.setdefault(out.request_id, []).append(out.token_id)
+    return first, tokens
+
+
+def drain(engine: TorchEngine, tokens: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Step until the engine is idle, adding every token to tokens."""
+    while engine.has_work():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).append(out.token_id)
+    return tokens
+
+
+def test_a_burst_of_short_prompts_is_admitted_in_one_step(demo_dir: Path) -> None:
+    engine = TorchEngine(demo_dir, max_seq=1024)
+    burst = {f"r{i}": prompt(40 + 7 * i, salt=i) for i in range(5)}
+    for rid, ids in burst.items():
+        engine.add_request(rid, ids, GREEDY)
+    first, tokens = first_tokens(engine, list(burst))
+    assert first == dict.fromkeys(burst, 1)  # one prefill step, not one per prompt
+    assert drain(engine, tokens) == {rid: cold(demo_dir, ids) for rid, ids in burst.items()}
+
+
+@pytest.mark.parametrize("length", [4, 5])  # 1 + 3 x 4 rows take the one-call layer stack, 1 + 3 x 5 the layers
+def test_short_prompts_beside_a_stream_join_it_in_one_step(demo_dir: Path, length: int) -> None:
+    engine = TorchEngine(demo_dir, max_seq=1024)
+    engine.fault_hook = forcing("a", 65)
+    engine.add_request("a", prompt(20), SamplingParams(max_tokens=60, temperature=0))
+    while not engine.step():
+        pass
+    burst = {f"s{i}": prompt(length, salt=i + 1) for i in range(3)}  # at most 15 tokens: within the 16-token floor
+    for rid, ids in burst.items():
+        engine.add_request(rid, ids, GREEDY)
+    first, tokens = first_tokens(engine, [*burst, "a"])
+    assert set(first.values()) == {1}  # all three rode on a's next decode step
+    tokens = drain(engine, tokens)
+    assert {rid: tokens[rid] for rid in burst} == {rid: cold(demo_dir, ids) for rid, ids in burst.items()}
+
+
 # --- prefix reuse ------------------------------------------------------------------------------------------
 
 
@@ -186,6 +252,24 @@ def test_two_conversations_keep_their_prefixes_while_taking_turns(demo_dir: Path
     a2 = [*a1, *b"next"]
     assert run(engine, {"a2": a2})["a2"] == cold(demo_dir, a2)
     assert reused(engine)["a2"] == expected_reuse(history, a2) >= len(a1)
+
+
+def test_two_next_turns_admitted_together_each_reuse_their_own_prefix(demo_dir: Path) -> None:
+    """One step admits both: the second admission's choice of prefix sees the slots the first one moved."""
+    engine = TorchEngine(demo_dir, max_seq=1024, max_batch=4)
+    a1, b1 = prompt(150), prompt(150, salt=5)
+    histories = {k: [*v, *run(engine, {k: v})[k]] for k, v in (("a1", a1), ("b1", b1))}
+    reused(engine)  # the first turns' events
+    turns = {"a2": [*a1, *b"next"], "b2": [*b1, *b"again"]}
+    for rid, ids in turns.items():
+        engine.add_request(rid, ids, GREEDY)
+    first, tokens = first_tokens(engine, list(turns))
+    assert first == {"a2": 1, "b2": 1}
+    got = reused(engine)
+    assert got == {"a2": expected_reuse(histories["a1"], turns["a2"]),
+                   "b2": expected_reuse(histories["b1"], turns["b2"])}
+    assert min(got.values()) >= 150
+    assert drain(engine, tokens) == {rid: cold(demo_dir, ids) for rid, ids in turns.items()}
 
 
 def test_a_request_leaving_mid_batch_leaves_its_prefix(demo_dir: Path) -> None:

@@ -41,7 +41,7 @@ from .cache import MixedBatch, StepBatch
 from .links import GroupLink, Link, LocalLink, ShardKind, TokenRows
 from .loader import load_model
 from .requests import FaultHook, Request, accept_each, row_sampling
-from .schedule import Retained, choose_reuse, chunk_tokens, next_kind, spare_slot
+from .schedule import Retained, can_admit, choose_reuse, chunk_tokens, next_kind, share_chunk, spare_slot
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 from .wire import Admitted, Header, NewRequest, Release, Released, RequestEvent, Started, StepKind, WireError
 
@@ -227,16 +227,13 @@ class TorchEngine:
         changes = Header(StepKind.HEARTBEAT, tuple(self._adds), tuple(self._releases))
         self._adds, self._releases = [], []
         self._apply(changes)
-        prefilling = self._prefilling() is not None
         decoding = any(r.length >= len(r.prompt) for r in self._running)
-        can_admit = bool(self._pending) and len(self._running) < self.max_batch and not prefilling
-        kind = next_kind(prefilling=prefilling, can_admit=can_admit, decoding=decoding)
-        header = Header(kind, changes.adds, changes.releases)
-        if kind in (StepKind.PREFILL, StepKind.MIXED):
-            chunk = chunk_tokens(self.prefill_chunk, decoding=decoding, decode_s=self._decode_s,
-                                 last_chunk=self._last_chunk)
-            slot, length = (-1, 0) if prefilling else choose_reuse(self._retained.values(), self._pending[0].prompt)
-            header = Header(kind, changes.adds, changes.releases, chunk, slot, length)
+        chunk = chunk_tokens(self.prefill_chunk, decoding=decoding, decode_s=self._decode_s,
+                             last_chunk=self._last_chunk)
+        admits = self._admit_pending(chunk)
+        kind = next_kind(prefilling=bool(self._rests()), decoding=decoding)
+        prefills = kind in (StepKind.PREFILL, StepKind.MIXED)
+        header = Header(kind, changes.adds, changes.releases, chunk if prefills else 0, admits)
         self.link.send_header(header)
         self._last_header = time.monotonic()
         return header
@@ -244,7 +241,27 @@ class TorchEngine:
     def _follow(self) -> Header:
         header = self.link.receive_header()
         self._apply(header)
+        for source, length in header.admits:
+            self._admit(source, length)
         return header
+
+    def _admit_pending(self, chunk: int) -> tuple[tuple[int, int], ...]:
+        """Rank 0: admit pending requests while this step's chunk outlasts the prompts already being prefilled
+        (schedule.can_admit), each from the retained prefix it shares most with. The header carries each
+        admission's (slot, length) and every other rank repeats them in order, so slots stay identical."""
+        admits: list[tuple[int, int]] = []
+        rests = self._rests()
+        while self._pending and can_admit(rests=rests, chunk=chunk, free_slots=self.max_batch - len(self._running),
+                                          admitted=len(admits)):
+            source, length = choose_reuse(self._retained.values(), self._pending[0].prompt)
+            req = self._admit(source, length)
+            admits.append((source, length))
+            rests.append(len(req.prompt) - length)
+        return tuple(admits)
+
+    def _rests(self) -> list[int]:
+        """Prompt tokens still to prefill, per request being prefilled, in slot order."""
+        return [len(r.prompt) - r.length for r in self._running if r.length < len(r.prompt)]
 
     def _apply(self, header: Header) -> None:
         for release in header.releases:
@@ -307,10 +324,12 @@ class TorchEngine:
             self.cache.move_slot(slot, spare, entry.length)
             self._retained[spare] = Retained(spare, entry.length, entry.stamp, entry.tokens)
 
-    def _admit(self, header: Header) -> Request:
-        """Move the first pending request into the next slot, starting from a retained prefix if named."""
+    def _admit(self, source: int, length: int) -> Request:
+        """Move the first pending request into the next slot, starting from the first `length` positions of
+        retained slot `source` (-1: from nothing)."""
         slot = len(self._running)
-        source, length = header.reuse_slot, header.reuse_length
+        if not self._pending or slot >= self.max_batch:
+            raise WireError(f"header admits a request with {len(self._pending)} pending and slot {slot} next")
         if source == -1 and length:
             raise WireError(f"header reuses {length} positions from no slot")
         if source != -1:
@@ -329,9 +348,6 @@ class TorchEngine:
         if req.request_id != WARMUP_ID:
             self._events.append(Started(req.request_id, req.command_id, length))
         return req
-
-    def _prefilling(self) -> Request | None:
-        return next((r for r in self._running if r.length < len(r.prompt)), None)
 
     def _enter_phase(self, phase: RunnerPhase, event: str) -> None:
         if phase != self._phase:
@@ -352,49 +368,69 @@ class TorchEngine:
     # --- compute -------------------------------------------------------------------------------------------
 
     def _prefill(self, header: Header) -> list[TokenOut]:
+        """The next chunk of every prompt being prefilled (one part each, several short prompts in one pass)."""
         self._enter_phase(_PHASES[self.kind, StepKind.PREFILL], "prefill")
-        req = self._prefilling() or self._admit(header)
-        slot = self._running.index(req)
-        start = req.length
-        end = min(len(req.prompt), start + max(1, header.chunk))
-        positions = torch.arange(start, end, device=self.device).unsqueeze(0)
-        batch = StepBatch.build(positions, slot, kv_len=end)
-        ids = torch.tensor([req.prompt[start:end]], device=self.device) if self.needs_ids else None
-        logits = self._forward(ids, batch, (1, end - start), last_only=True)
-        req.length = end
-        self._chunk_done = end - start
-        if end < len(req.prompt):
+        chunks = self._chunks(header.chunk)
+        parts = [self._chunk_batch(chunk) for chunk in chunks]
+        batch = parts[0] if len(parts) == 1 else MixedBatch(tuple(parts))
+        logits = self._forward(self._ids([], chunks), batch, (1, self._chunk_done), last_only=True)
+        done = self._finish(chunks)
+        if not done:
             return []
-        outs = self._accept(logits, [req]) if logits is not None else []
+        reqs = [chunks[j][1] for j in done]
+        outs = self._accept(logits[0, done].unsqueeze(1), reqs) if logits is not None else []
         if self.is_scheduler and self.kind == "pipeline" and self.world_size > 1:
             self._enter_phase("decode_wait_first_token", "prefill_sent")
-        self._share_tokens([req], outs)
+        self._share_tokens(reqs, outs)
         return outs
 
     def _mixed(self, header: Header) -> list[TokenOut]:
-        """A decode step of every running request and the next chunk of the one being prefilled, in one forward
-        pass (cache.MixedBatch): the chunk rides on the decode step's read of the weights."""
+        """A decode step of every running request and the next chunk of the prompts being prefilled, in one
+        forward pass (cache.MixedBatch): the chunks ride on the decode step's read of the weights."""
         self._enter_phase(_PHASES[self.kind, StepKind.DECODE], "decode")
-        req = self._prefilling() or self._admit(header)
-        running = self._running
-        start = req.length
-        end = min(len(req.prompt), start + max(1, header.chunk))
-        # the prefilling row decodes too (its token is dropped): its write at `start` is overwritten by the chunk
+        chunks = self._chunks(header.chunk)
+        # a row being prefilled decodes too (its token is dropped): its write at its length is overwritten by its
+        # chunk, this step or a later one
         decode, last_tokens, rows = self._decode_rows()
-        chunk = StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), running.index(req),
-                                kv_len=end)
-        ids = torch.tensor([[*last_tokens, *req.prompt[start:end]]], device=self.device) if self.needs_ids else None
-        logits = self._forward(ids, MixedBatch((decode, chunk)), (1, len(running) + end - start), last_only=True)
+        batch = MixedBatch((decode, *(self._chunk_batch(chunk) for chunk in chunks)))
+        n = len(self._running)
+        logits = self._forward(self._ids(last_tokens, chunks), batch, (1, n + self._chunk_done), last_only=True)
         decoding = self._advance(rows)
-        req.length = end
-        self._chunk_done = end - start
-        done = end == len(req.prompt)
-        reqs = [*decoding, req] if done else decoding
+        done = self._finish(chunks)
+        reqs = [*decoding, *(chunks[j][1] for j in done)]
         outs: list[TokenOut] = []
-        if logits is not None:  # rows: one per running request, then the chunk's last token
-            outs = self._accept(logits[0, [*rows, len(running)] if done else rows].unsqueeze(1), reqs)
+        if logits is not None:  # rows: one per running request, then each chunk's last token
+            outs = self._accept(logits[0, [*rows, *(n + j for j in done)]].unsqueeze(1), reqs)
         self._share_tokens(reqs, outs)
         return outs
+
+    def _chunks(self, chunk: int) -> list[tuple[int, Request, int, int]]:
+        """(slot, request, start, end) of each prompt part this step prefills (schedule.share_chunk), and
+        _chunk_done set to their tokens."""
+        slots = [i for i, r in enumerate(self._running) if r.length < len(r.prompt)]
+        shares = share_chunk([len(self._running[i].prompt) - self._running[i].length for i in slots], chunk)
+        chunks = [(i, self._running[i], self._running[i].length, self._running[i].length + take)
+                  for i, take in zip(slots, shares, strict=True) if take]
+        self._chunk_done = sum(shares)
+        return chunks
+
+    def _chunk_batch(self, chunk: tuple[int, Request, int, int]) -> StepBatch:
+        slot, _, start, end = chunk
+        return StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), slot, kv_len=end)
+
+    def _ids(self, last_tokens: list[int], chunks: list[tuple[int, Request, int, int]]) -> torch.Tensor | None:
+        """The step's input ids as one sequence: decode rows' last tokens, then each chunk's prompt tokens."""
+        if not self.needs_ids:
+            return None
+        return torch.tensor([[*last_tokens, *(t for _, req, start, end in chunks for t in req.prompt[start:end])]],
+                            device=self.device)
+
+    @staticmethod
+    def _finish(chunks: list[tuple[int, Request, int, int]]) -> list[int]:
+        """Advance each chunk's request to its end; the indices of the chunks that completed their prompt."""
+        for _, req, _, end in chunks:
+            req.length = end
+        return [j for j, (_, req, _, end) in enumerate(chunks) if end == len(req.prompt)]
 
     def _decode(self) -> list[TokenOut]:
         self._enter_phase(_PHASES[self.kind, StepKind.DECODE], "decode")

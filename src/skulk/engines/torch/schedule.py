@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .wire import StepKind
+from .wire import MAX_ADMITS, StepKind
 
 MIN_CHUNK = 16  # below this a prefill chunk is all overhead; a running stream may wait one such chunk
 CHUNK_STEPS = 1.0  # a chunk riding on a decode step adds this many decode steps to it: the streams' gap is ~2
@@ -32,16 +32,33 @@ class Retained:
     tokens: tuple[int, ...] = ()
 
 
-def next_kind(*, prefilling: bool, can_admit: bool, decoding: bool) -> StepKind:
+def next_kind(*, prefilling: bool, decoding: bool) -> StepKind:
     """A prompt beside running streams is prefilled in chunks that ride on their decode steps (MIXED: one
     forward pass over both reads the weights once, and no stream waits for a separate chunk step); a prompt
-    alone goes in PREFILL chunks."""
-    wants_prefill = prefilling or can_admit
-    if wants_prefill and decoding:
+    alone goes in PREFILL chunks. prefilling counts the requests this step's header admits."""
+    if prefilling and decoding:
         return StepKind.MIXED
-    if wants_prefill:
+    if prefilling:
         return StepKind.PREFILL
     return StepKind.DECODE if decoding else StepKind.HEARTBEAT
+
+
+def share_chunk(rests: Sequence[int], chunk: int) -> list[int]:
+    """Tokens each prompt being prefilled computes this step, given what is left of each (in slot order): the
+    chunk goes to the first until its prompt is done, then to the next, so several short prompts share one step
+    and a long one is never starved by later arrivals. At least one token in all: every prefill step progresses."""
+    shares, left = [], max(1, chunk)
+    for rest in rests:
+        take = min(rest, left)
+        shares.append(take)
+        left -= take
+    return shares
+
+
+def can_admit(*, rests: Sequence[int], chunk: int, free_slots: int, admitted: int) -> bool:
+    """Whether one more pending request joins this step: a slot is free, the header has room, and the chunk
+    outlasts the prompts already being prefilled (so it computes at least the newcomer's first tokens)."""
+    return free_slots > 0 and admitted < MAX_ADMITS and sum(rests) < max(1, chunk)
 
 
 def chunk_tokens(

@@ -1,9 +1,9 @@
 """What rank 0 (the scheduler) tells every other rank before each step, and how it travels.
 
-A step header is one broadcast of five fixed int64s [kind, payload_bytes, chunk, reuse_slot, reuse_length]
-over the control group; only a step that adds or releases requests pays for a second broadcast carrying the
-changes as JSON. A steady
-decode step therefore costs one tiny collective on top of the model's own traffic.
+A step header is one broadcast of fixed int64s [kind, payload_bytes, chunk, admissions, then (reuse_slot,
+reuse_length) per admission up to MAX_ADMITS] over the control group; only a step that adds or releases requests
+pays for a second broadcast carrying the changes as JSON. A steady decode step therefore costs one tiny
+collective on top of the model's own traffic.
 
 The changes are JSON validated into a fixed pydantic model (`StepChanges`), never pickle: any peer that can
 reach the group's sockets could otherwise run code in this rank by sending a crafted header. A header whose
@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from skulk.types.chat import SamplingParams
 
 MAX_CHANGES_BYTES = 256 * 1024 * 1024  # one step's adds, prompts included; a larger size is a forged header
+MAX_ADMITS = 8  # pending requests one step may admit (a burst of short prompts goes in one prefill step)
+FIXED_INTS = 4 + 2 * MAX_ADMITS  # [kind, payload_bytes, chunk, admissions, (reuse_slot, reuse_length) x MAX_ADMITS]
 
 
 class WireError(RuntimeError):
@@ -32,7 +34,7 @@ class WireError(RuntimeError):
 
 class StepKind(IntEnum):
     HEARTBEAT = 0  # nothing to compute: lets idle ranks look at their inbox and notice a dead peer
-    PREFILL = 1  # prefill the next chunk of the request being prefilled (admitting the first pending one if none)
+    PREFILL = 1  # prefill the next chunk of the prompts being prefilled (after the header's admissions)
     DECODE = 2  # decode one token for every running request past its prefill
     SHUTDOWN = 3  # the scheduler is leaving; everyone leaves after applying the releases
     MIXED = 4  # DECODE and the next PREFILL chunk in one forward pass (cache.MixedBatch): the chunk rides on it
@@ -67,16 +69,16 @@ class Release:
 class Header:
     """One step, as every rank applies it: releases, then adds, then the kind's work.
 
-    chunk: the prompt tokens a PREFILL step computes. reuse_slot/reuse_length: a PREFILL step that admits a
-    request starts it from the first reuse_length positions of retained slot reuse_slot (-1: from nothing).
+    admits: pending requests moved into the next slots, in queue order, after the adds: each as (reuse_slot,
+    reuse_length), starting from the first reuse_length positions of retained slot reuse_slot (-1: from nothing).
+    chunk: the prompt tokens a PREFILL or MIXED step computes, shared by the requests being prefilled in slot order.
     """
 
     kind: StepKind
     adds: tuple[NewRequest, ...] = ()
     releases: tuple[Release, ...] = ()
     chunk: int = 0
-    reuse_slot: int = -1
-    reuse_length: int = 0
+    admits: tuple[tuple[int, int], ...] = ()
 
 
 # What the engine tells its runner happened to requests, so non-scheduler ranks can report tasks they never
@@ -152,14 +154,16 @@ def decode_changes(payload: bytes) -> tuple[tuple[NewRequest, ...], tuple[Releas
     return adds, releases
 
 
-def decode_fixed(kind: int, size: int) -> tuple[StepKind, int]:
-    """Check the fixed pair before allocating anything for the payload."""
+def decode_fixed(kind: int, size: int, admits: int = 0) -> tuple[StepKind, int]:
+    """Check the fixed part before allocating anything for the payload."""
     try:
         step = StepKind(kind)
     except ValueError:
         raise WireError(f"unknown step kind {kind}") from None
     if not 0 <= size <= MAX_CHANGES_BYTES:
         raise WireError(f"step header payload size {size} out of bounds (0...{MAX_CHANGES_BYTES})")
+    if not 0 <= admits <= MAX_ADMITS:
+        raise WireError(f"step header admits {admits} requests (0...{MAX_ADMITS})")
     return step, size
 
 
@@ -168,12 +172,13 @@ class HeaderChannel:
     """Broadcasts headers from rank 0 over the control group (gloo, CPU tensors)."""
 
     group: Any
-    _fixed: torch.Tensor = field(default_factory=lambda: torch.zeros(5, dtype=torch.int64))
+    _fixed: torch.Tensor = field(default_factory=lambda: torch.zeros(FIXED_INTS, dtype=torch.int64))
 
     def send(self, header: Header) -> None:
         payload = encode_changes(header.adds, header.releases) if header.adds or header.releases else b""
-        fixed = (int(header.kind), len(payload), header.chunk, header.reuse_slot, header.reuse_length)
-        self._fixed.copy_(torch.tensor(fixed, dtype=torch.int64))
+        pairs = [n for pair in header.admits for n in pair]
+        fixed = [int(header.kind), len(payload), header.chunk, len(header.admits), *pairs]
+        self._fixed.copy_(torch.tensor(fixed + [0] * (FIXED_INTS - len(fixed)), dtype=torch.int64))
         dist.broadcast(self._fixed, src=0, group=self.group)
         if payload:
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -181,12 +186,13 @@ class HeaderChannel:
 
     def receive(self) -> Header:
         dist.broadcast(self._fixed, src=0, group=self.group)
-        raw_kind, size, chunk, reuse_slot, reuse_length = self._fixed.tolist()
-        kind, size = decode_fixed(raw_kind, size)
+        raw_kind, size, chunk, count, *pairs = self._fixed.tolist()
+        kind, size = decode_fixed(raw_kind, size, count)
+        admits = tuple((pairs[2 * i], pairs[2 * i + 1]) for i in range(count))
         adds: tuple[NewRequest, ...] = ()
         releases: tuple[Release, ...] = ()
         if size:
             data = torch.empty(size, dtype=torch.uint8)
             dist.broadcast(data, src=0, group=self.group)
             adds, releases = decode_changes(data.numpy().tobytes())
-        return Header(kind, adds, releases, chunk, reuse_slot, reuse_length)
+        return Header(kind, adds, releases, chunk, admits)
