@@ -6,6 +6,9 @@ Prints, per round and as medians:
     for (a decode step plus the prompt's prefill timed alone on the same engine)
   prefix reuse: the second turn's time to first token ÷ the first turn's, for a 1,000-token history (target
     ≤ 0.3), against the same second turn on an engine that starts cold
+  a burst: 8 chat-sized prompts (64 tokens) arriving together at an idle engine, the time until the last of them
+    has its first token and the steps it took, admitted together (up to wire.MAX_ADMITS per step) ÷ one admission
+    per step (schedule.MAX_ADMITS set to 1 for the comparison)
 
 The running streams are kept going by the engine's test hook (they emit a fixed token instead of sampling, so
 none ends early on an end-of-sequence token of the random model); the measured prompt is sampled normally.
@@ -16,16 +19,19 @@ Run: .venv/bin/python bench/scheduling.py [--rounds 3] [--threads 2]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from skulk.engines.torch import schedule
 from skulk.engines.torch.engine import TorchEngine
 from skulk.models.demo import BENCH_MODEL_ID, ensure_builtin_model
 from skulk.types.chat import SamplingParams
@@ -33,6 +39,7 @@ from skulk.types.chat import SamplingParams
 STREAMS = 4
 LONG_PROMPT = 2000
 HISTORY = 1000
+BURST, BURST_PROMPT = 8, 64
 
 
 def words(n: int, rng: random.Random) -> list[int]:
@@ -108,6 +115,31 @@ def reuse_ratio(model_dir: Path, rng: random.Random) -> tuple[float, float, floa
     return first, second, cold
 
 
+@contextlib.contextmanager
+def admits_per_step(n: int) -> Iterator[None]:
+    saved = schedule.MAX_ADMITS
+    schedule.MAX_ADMITS = n
+    try:
+        yield
+    finally:
+        schedule.MAX_ADMITS = saved
+
+
+def burst(engine: TorchEngine, rng: random.Random) -> tuple[float, int]:
+    """(seconds, steps) until every prompt of a burst arriving at once has its first token."""
+    waiting = {f"b{i}" for i in range(BURST)}
+    for rid in waiting:
+        engine.add_request(rid, words(BURST_PROMPT, rng), SamplingParams(max_tokens=16, temperature=0))
+    started, steps = time.perf_counter(), 0
+    while waiting:
+        waiting -= {o.request_id for o in engine.step()}
+        steps += 1
+    elapsed = time.perf_counter() - started
+    while engine.has_work():
+        engine.step()
+    return elapsed, steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -117,7 +149,9 @@ def main() -> None:
     rng = random.Random(7)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = ensure_builtin_model(BENCH_MODEL_ID, Path(tmp))
-        chunked, typical, whole, reuse, cold = [], [], [], [], []
+        chunked, typical, whole, reuse, cold, bursts = [], [], [], [], [], []
+        engine = TorchEngine(model_dir, max_seq=2048)
+        burst(engine, rng)  # warm
         for round_ in range(args.rounds):
             largest, median, normal = gap_ratio(model_dir, rng)
             alone = whole_prefill(model_dir, rng)
@@ -131,11 +165,19 @@ def main() -> None:
             cold.append(cold_second / first)
             print(f"round {round_} reuse: first turn TTFT {first * 1000:7.1f} ms, second {second * 1000:6.1f} ms "
                   f"(cold {cold_second * 1000:7.1f} ms)")
+            together, steps = burst(engine, rng)
+            with admits_per_step(1):
+                one_by_one, single_steps = burst(engine, rng)
+            bursts.append(together / one_by_one)
+            print(f"round {round_} burst of {BURST}: last first token after {together * 1000:6.1f} ms in {steps} "
+                  f"steps (one admission per step: {one_by_one * 1000:6.1f} ms in {single_steps} steps)")
         print(f"\nlargest gap ÷ normal step during a {LONG_PROMPT}-token prefill beside {STREAMS} streams: "
               f"largest {statistics.median(chunked):.2f} (target < 3), median {statistics.median(typical):.2f}; "
               f"a whole prefill would be {statistics.median(whole):.2f}")
         print(f"second turn TTFT ÷ first for a {HISTORY}-token history: reused {statistics.median(reuse):.2f} "
               f"(target ≤ 0.3), cold {statistics.median(cold):.2f}")
+        print(f"a burst of {BURST} {BURST_PROMPT}-token prompts, time to the last first token: admitted together ÷ "
+              f"one per step {statistics.median(bursts):.2f}")
 
 
 if __name__ == "__main__":
