@@ -236,38 +236,39 @@ def test_one_call_layer_stack_is_the_per_step_calls(tmp_path: Path, options: dic
         assert torch.equal(got, expected)
 
 
-def _mixed_logits(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The engine's mixed step: slots 1 and 2 decode (9 and 18 tokens in) while slot 3, whose first 17 of 21
-    prompt tokens are cached (a reused prefix), prefills the last 4 in the same forward; slot 3's decode row is a
+def _mixed_logits(model: torch.nn.Module, tail: int) -> list[torch.Tensor]:
+    """The engine's mixed step: slots 1 and 2 decode (9 and 18 tokens in) while slot 3, whose first 17 prompt
+    tokens are cached (a reused prefix), prefills its last `tail` in the same forward; slot 3's decode row is a
     placeholder the chunk overwrites, as engine._mixed builds it. Then all three decode one step together, which
     reads the chunk's cache entries."""
-    cache = model.make_cache(4, 32)  # type: ignore[operator]
-    prompts = [(torch.arange(n).unsqueeze(0) * (slot + 3)) % 200 for slot, n in ((1, 9), (2, 18), (3, 21))]
+    cache = model.make_cache(4, 64)  # type: ignore[operator]
+    prompts = [(torch.arange(n).unsqueeze(0) * (slot + 3)) % 200 for slot, n in ((1, 9), (2, 18), (3, 17 + tail))]
     with torch.inference_mode():
         firsts = [model(ids[:, :n], StepBatch.build(torch.arange(n).unsqueeze(0), slot), cache)[:, -1]
                   for slot, ids, n in ((1, prompts[0], 9), (2, prompts[1], 18), (3, prompts[2], 17))]
         decode = StepBatch.build(torch.tensor([[9], [18], [17]]), 1)
-        chunk = StepBatch.build(torch.arange(17, 21).unsqueeze(0), 3)
+        chunk = StepBatch.build(torch.arange(17, 17 + tail).unsqueeze(0), 3)
         ids = torch.cat([torch.cat(firsts[:2]).argmax(-1), torch.zeros(1, dtype=torch.long), prompts[2][0, 17:]])
         mixed = model(ids.unsqueeze(0), MixedBatch((decode, chunk)), cache)[0]
-        following = mixed[[0, 1, 6]].argmax(-1, keepdim=True)
-        after = model(following, StepBatch.build(torch.tensor([[10], [19], [21]]), 1), cache)[:, -1]
-    return [mixed[[0, 1, 3, 4, 5, 6]], after]
+        following = mixed[[0, 1, 2 + tail]].argmax(-1, keepdim=True)
+        after = model(following, StepBatch.build(torch.tensor([[10], [19], [17 + tail]]), 1), cache)[:, -1]
+    return [mixed[[0, 1, *range(3, 3 + tail)]], after]
 
 
+@pytest.mark.parametrize("tail", [4, 40])  # 7 rows, and 43 (past the 16 rows where matmuls turn to the GEMM)
 @pytest.mark.parametrize("options", [{"dtype": "bfloat16"}, {"quantize": "int4"}])
-def test_a_short_mixed_step_runs_through_the_layer_stack(tmp_path: Path, options: dict[str, str]) -> None:
-    """Decode rows and a few-token prefill chunk go through the one-call stack as rows with their own slots
-    (the chunk's tokens share one); logits match the per-layer path's (whose chunk attention is torch's, so
+def test_a_short_mixed_step_runs_through_the_layer_stack(tmp_path: Path, options: dict[str, str], tail: int) -> None:
+    """Decode rows and a prefill chunk under MIXED_STACK_ROWS go through the one-call stack as rows with their own
+    slots (the chunk's tokens share one); logits match the per-layer path's (whose chunk attention is torch's, so
     close rather than equal), and the next step, reading what the chunk wrote, does too."""
     model_id = "Qwen/Qwen3-0.6B"
     model = load_model(write_checkpoint(scaled_down(model_id, REAL_CONFIGS[model_id]), tmp_path / "m"), **options)
-    native = _mixed_logits(model)
+    native = _mixed_logits(model, tail)
     assert model._stack is not None and model._stack[2] is not None
     for layer in model.layers.values():
         layer._native = False  # type: ignore[union-attr]
-    per_layer = _mixed_logits(model)
+    per_layer = _mixed_logits(model, tail)
     assert model._stack is not None and model._stack[2] is None
-    for got, expected in zip(native, per_layer, strict=True):
-        assert relative(got, expected) < 1e-2
+    for got, expected in zip(native, per_layer, strict=True):  # a 40-token chunk's bf16 SDPA drifts further
+        assert relative(got, expected) < (1e-2 if tail < 16 else 2e-2)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))

@@ -13,8 +13,11 @@ from typing import Any
 import pytest
 
 from skulk.engines.base import TokenOut
+from skulk.engines.torch import schedule
 from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.schedule import (
+    CHUNK_STEPS,
+    MIN_CHUNK,
     Retained,
     can_admit,
     choose_reuse,
@@ -96,14 +99,15 @@ def test_a_chunk_is_shared_in_slot_order_and_admits_while_it_lasts() -> None:
     assert can_admit(rests=[], chunk=0, free_slots=1, admitted=0)
 
 
-def test_chunks_are_steered_to_one_decode_step_beside_running_streams() -> None:
+def test_chunks_are_steered_to_most_of_a_decode_step_beside_running_streams() -> None:
+    assert (MIN_CHUNK, CHUNK_STEPS) == (4, 0.8)
     assert chunk_tokens(512, decoding=False, decode_s=0.04, last_chunk=(16, 0.01)) == 512
-    assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=None) == 16  # nothing measured yet
-    assert chunk_tokens(512, decoding=True, decode_s=0.0, last_chunk=(16, 0.01)) == 16
+    assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=None) == 4  # nothing measured yet
+    assert chunk_tokens(512, decoding=True, decode_s=0.0, last_chunk=(16, 0.01)) == 4
     assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=(16, 0.01)) == 32  # at most doubles
-    assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=(100, 0.1)) == 40  # 0.04 s at 1 ms/token
-    assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=(512, 2.0)) == 16  # never below the floor
-    assert chunk_tokens(8, decoding=True, decode_s=0.04, last_chunk=(8, 0.001)) == 8  # nor above the setting
+    assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=(100, 0.1)) == 32  # 0.032 s at 1 ms/token
+    assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=(512, 8.0)) == 4  # never below the floor
+    assert chunk_tokens(2, decoding=True, decode_s=0.04, last_chunk=(2, 0.001)) == 2  # nor above the setting
     assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=(64, 0.0)) == 128  # it added nothing
 
 
@@ -201,14 +205,17 @@ def test_a_burst_of_short_prompts_is_admitted_in_one_step(demo_dir: Path) -> Non
     assert drain(engine, tokens) == {rid: cold(demo_dir, ids) for rid, ids in burst.items()}
 
 
-@pytest.mark.parametrize("length", [4, 5])  # 1 + 3 x 4 rows take the one-call layer stack, 1 + 3 x 5 the layers
-def test_short_prompts_beside_a_stream_join_it_in_one_step(demo_dir: Path, length: int) -> None:
+@pytest.mark.parametrize(("floor", "length"), [(16, 5), (64, 21)])  # 1 + 3 x 5 rows take the one-call layer
+def test_short_prompts_beside_a_stream_join_it_in_one_step(  # stack, 1 + 3 x 21 the per-layer path
+    demo_dir: Path, floor: int, length: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(schedule, "MIN_CHUNK", floor)  # the first riding chunk, before any is measured
     engine = TorchEngine(demo_dir, max_seq=1024)
     engine.fault_hook = forcing("a", 65)
     engine.add_request("a", prompt(20), SamplingParams(max_tokens=60, temperature=0))
     while not engine.step():
         pass
-    burst = {f"s{i}": prompt(length, salt=i + 1) for i in range(3)}  # at most 15 tokens: within the 16-token floor
+    burst = {f"s{i}": prompt(length, salt=i + 1) for i in range(3)}  # 3 x length tokens fit the floor chunk
     for rid, ids in burst.items():
         engine.add_request(rid, ids, GREEDY)
     first, tokens = first_tokens(engine, [*burst, "a"])

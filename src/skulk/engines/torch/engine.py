@@ -356,14 +356,15 @@ class TorchEngine:
                 self.on_phase(phase, event)
 
     def _measure(self, header: Header, seconds: float, tokens: int) -> None:
-        """Rank 0's running average of a decode step and the last prefill chunk's cost (chunk sizing): the time it
-        added to its decode step when it rode on one, else its whole step."""
+        """Rank 0's running average of a decode step and the cost of the last chunk that rode on one (chunk
+        sizing): the time it added to it. A prefill step alone forgets it: its chunk ran alone, on another path and
+        often at another size (a burst's prompts together), so it says little about what a riding chunk adds."""
         if header.kind == StepKind.DECODE:
             self._decode_s += _EMA * (seconds - self._decode_s) if self._decode_s else seconds
         elif header.kind == StepKind.MIXED:
             self._last_chunk = (tokens, max(seconds - self._decode_s, 0.0))
-        elif tokens:
-            self._last_chunk = (tokens, seconds)
+        elif header.kind == StepKind.PREFILL:
+            self._last_chunk = None
 
     # --- compute -------------------------------------------------------------------------------------------
 

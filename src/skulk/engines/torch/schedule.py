@@ -14,8 +14,14 @@ from dataclasses import dataclass
 
 from .wire import MAX_ADMITS, StepKind
 
-MIN_CHUNK = 16  # below this a prefill chunk is all overhead; a running stream may wait one such chunk
-CHUNK_STEPS = 1.0  # a chunk riding on a decode step adds this many decode steps to it: the streams' gap is ~2
+MIN_CHUNK = 4
+"""The smallest chunk riding on running streams' decode step. Below MIXED_STACK_ROWS a chunk token costs about the
+same from 1 token up (model.py), so the floor only bounds the steps a prompt takes; at 16 the floor itself put the
+streams' gap at 4-6 decode steps on the 100M f32 model (bench/scheduling.py)."""
+CHUNK_STEPS = 0.8
+"""A chunk riding on a decode step is sized to add this many decode steps to it: the streams' gap is ~1.8 steps,
+with room for the chunk's cost growing with the context until it is measured again (at 1.0 the largest gap was
+2.8-3.1 steps)."""
 
 
 @dataclass(frozen=True, slots=True)
