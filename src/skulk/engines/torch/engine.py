@@ -50,6 +50,8 @@ DEFAULT_PREFILL_CHUNK = 512
 HEARTBEAT_S = 0.5
 WARMUP_ID = "__skulk_warmup__"
 PhaseHook = Callable[[RunnerPhase, str], None]
+PromptPart = tuple[int, Request, int, int]
+"""(slot, request, start, end): the prompt positions [start, end) one step prefills for the request in slot."""
 
 _PHASES: dict[tuple[str, StepKind], RunnerPhase] = {
     ("pipeline", StepKind.PREFILL): "prefill_pipeline",
@@ -405,21 +407,18 @@ class TorchEngine:
         self._share_tokens(reqs, outs)
         return outs
 
-    def _chunks(self, chunk: int) -> list[tuple[int, Request, int, int]]:
-        """(slot, request, start, end) of each prompt part this step prefills (schedule.share_chunk), and
-        _chunk_done set to their tokens."""
-        slots = [i for i, r in enumerate(self._running) if r.length < len(r.prompt)]
-        shares = share_chunk([len(self._running[i].prompt) - self._running[i].length for i in slots], chunk)
-        chunks = [(i, self._running[i], self._running[i].length, self._running[i].length + take)
-                  for i, take in zip(slots, shares, strict=True) if take]
+    def _chunks(self, chunk: int) -> list[PromptPart]:
+        """The prompt parts this step prefills (schedule.share_chunk), with _chunk_done set to their tokens."""
+        prefilling = [(i, r) for i, r in enumerate(self._running) if r.length < len(r.prompt)]
+        shares = share_chunk([len(r.prompt) - r.length for _, r in prefilling], chunk)
         self._chunk_done = sum(shares)
-        return chunks
+        return [(i, r, r.length, r.length + take) for (i, r), take in zip(prefilling, shares, strict=True) if take]
 
-    def _chunk_batch(self, chunk: tuple[int, Request, int, int]) -> StepBatch:
-        slot, _, start, end = chunk
+    def _chunk_batch(self, part: PromptPart) -> StepBatch:
+        slot, _, start, end = part
         return StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), slot, kv_len=end)
 
-    def _ids(self, last_tokens: list[int], chunks: list[tuple[int, Request, int, int]]) -> torch.Tensor | None:
+    def _ids(self, last_tokens: list[int], chunks: list[PromptPart]) -> torch.Tensor | None:
         """The step's input ids as one sequence: decode rows' last tokens, then each chunk's prompt tokens."""
         if not self.needs_ids:
             return None
@@ -427,7 +426,7 @@ class TorchEngine:
                             device=self.device)
 
     @staticmethod
-    def _finish(chunks: list[tuple[int, Request, int, int]]) -> list[int]:
+    def _finish(chunks: list[PromptPart]) -> list[int]:
         """Advance each chunk's request to its end; the indices of the chunks that completed their prompt."""
         for _, req, _, end in chunks:
             req.length = end
