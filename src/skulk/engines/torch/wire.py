@@ -67,7 +67,7 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    """One step, as every rank applies it: releases, then adds, then the kind's work.
+    """One step, as every rank applies it: releases, then adds, then admissions, then the kind's work.
 
     admits: pending requests moved into the next slots, in queue order, after the adds: each as (reuse_slot,
     reuse_length), starting from the first reuse_length positions of retained slot reuse_slot (-1: from nothing).
