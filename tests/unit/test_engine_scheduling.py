@@ -49,11 +49,15 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 def run(engine: TorchEngine, requests: dict[str, list[int]], sampling: SamplingParams = GREEDY) -> dict[str, list[int]]:
     for rid, ids in requests.items():
         engine.add_request(rid, ids, sampling)
-    outs: dict[str, list[int]] = {rid: [] for rid in requests}
+    return drain(engine, {rid: [] for rid in requests})
+
+
+def drain(engine: TorchEngine, tokens: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Step until the engine is idle, adding every token to tokens."""
     while engine.has_work():
-        for tok in engine.step():
-            outs[tok.request_id].append(tok.token_id)
-    return outs
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).append(out.token_id)
+    return tokens
 
 
 def cold(demo_dir: Path, ids: list[int]) -> list[int]:
@@ -187,14 +191,6 @@ def first_tokens(engine: TorchEngine, ids: list[str]) -> tuple[dict[str, int], d
     return first, tokens
 
 
-def drain(engine: TorchEngine, tokens: dict[str, list[int]]) -> dict[str, list[int]]:
-    """Step until the engine is idle, adding every token to tokens."""
-    while engine.has_work():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).append(out.token_id)
-    return tokens
-
-
 def test_a_burst_of_short_prompts_is_admitted_in_one_step(demo_dir: Path) -> None:
     engine = TorchEngine(demo_dir, max_seq=1024)
     burst = {f"r{i}": prompt(40 + 7 * i, salt=i) for i in range(5)}
@@ -205,10 +201,11 @@ def test_a_burst_of_short_prompts_is_admitted_in_one_step(demo_dir: Path) -> Non
     assert drain(engine, tokens) == {rid: cold(demo_dir, ids) for rid, ids in burst.items()}
 
 
-@pytest.mark.parametrize(("floor", "length"), [(16, 5), (64, 21)])  # 1 + 3 x 5 rows take the one-call layer
-def test_short_prompts_beside_a_stream_join_it_in_one_step(  # stack, 1 + 3 x 21 the per-layer path
+@pytest.mark.parametrize(("floor", "length"), [(16, 5), (64, 21)])
+def test_short_prompts_beside_a_stream_join_it_in_one_step(
     demo_dir: Path, floor: int, length: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """1 + 3 x 5 rows take the one-call layer stack, 1 + 3 x 21 the per-layer path."""
     monkeypatch.setattr(schedule, "MIN_CHUNK", floor)  # the first riding chunk, before any is measured
     engine = TorchEngine(demo_dir, max_seq=1024)
     engine.fault_hook = forcing("a", 65)
