@@ -18,7 +18,7 @@ f16↔f16, bf16↔bf16, int8↔q8_0, int4↔Q4_0 (targets: decode >= 0.9 everywh
 
 Run: .venv/bin/python bench/engine.py [--rounds 3] [--tokens 32] [--threads 2] [--formats f16,int4] [--no-llama]
                                   [--clock wall|cpu]
-     (formats: f32 f16 bf16 int8 int4, and f16-native / bf16-native: see NATIVE)
+     (formats: f32 f16 bf16 int8 int4, f16-native / bf16-native: see NATIVE, int8-avx2 / int4-avx2: see AVX2)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import save_file
 
 import llama_cpp_side
-from skulk.engines.torch import matmul
+from skulk.engines.torch import cpu_kernels, matmul
 from skulk.engines.torch.cache import StepBatch
 from skulk.engines.torch.config import ModelArgs
 from skulk.engines.torch.loader import load_model
@@ -53,6 +53,9 @@ FORMATS = {"f32": {"dtype": "float32"}, "f16": {"dtype": "float16"}, "bf16": {"d
 NATIVE = "-native"
 """A format named f16-native / bf16-native runs every matmul in its own dtype (engines/torch/matmul.py's f32
 GEMM for many rows switched off): the before/after of that path, measured in the same rounds."""
+AVX2 = "-avx2"
+"""A format named int8-avx2 / int4-avx2 runs the quantized kernels built without VNNI on a CPU that has it
+(cpu_kernels.vnni_flags): the AVX2 maddubs path every AVX2 CPU takes, side by side with the vpdpbusd one."""
 PREFILL = 512
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = time.perf_counter
@@ -103,15 +106,23 @@ def prefill_tps(model: ModelSlice, length: int = PREFILL) -> float:
     return length / (clock() - start)
 
 
+def base_format(name: str) -> str:
+    """The FORMATS entry a format name loads (f16 for f16-native, int4 for int4-avx2)."""
+    return name.removesuffix(NATIVE).removesuffix(AVX2)
+
+
 @contextlib.contextmanager
 def matmuls_for(name: str) -> Iterator[None]:
-    """Inside: the matmul paths the format `name` asks for (its own dtype only, for a -native name)."""
+    """Inside: the matmul paths the format `name` asks for (its own dtype only for a -native name, no VNNI for an
+    -avx2 one)."""
     saved = matmul.FLOAT_GEMM_ROWS
     matmul.FLOAT_GEMM_ROWS = sys.maxsize if name.endswith(NATIVE) else saved
+    cpu_kernels.set_enabled(True, vnni=not name.endswith(AVX2))
     try:
         yield
     finally:
         matmul.FLOAT_GEMM_ROWS = saved
+        cpu_kernels.set_enabled(True)
 
 
 def weight_bytes(model: ModelSlice) -> int:
@@ -124,11 +135,11 @@ def weight_bytes(model: ModelSlice) -> int:
 def load_ours(root: Path, formats: list[str]) -> tuple[dict[str, ModelSlice], dict[str, ModelSlice]]:
     """The 500M and the tiny model per format; f16-native shares f16's model (only the matmul path differs)."""
     loaded: dict[str, tuple[ModelSlice, ModelSlice]] = {}
-    for base in dict.fromkeys(f.removesuffix(NATIVE) for f in formats):
+    for base in dict.fromkeys(base_format(f) for f in formats):
         options: dict[str, Any] = FORMATS[base]
         loaded[base] = (load_model(root / "m", **options), load_model(root / "tiny", **options))
-    return ({f: loaded[f.removesuffix(NATIVE)][0] for f in formats},
-            {f: loaded[f.removesuffix(NATIVE)][1] for f in formats})
+    return ({f: loaded[base_format(f)][0] for f in formats},
+            {f: loaded[base_format(f)][1] for f in formats})
 
 
 def load_llama_cpp(root: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], formats: list[str],
@@ -172,13 +183,13 @@ def report(models: dict[str, ModelSlice], theirs: dict[str, llama_cpp_side.Llama
     median = {key: statistics.median(values) for key, values in results.items()}
     print(f"random Llama {SHAPE}, {args.threads} threads, {args.tokens} decode tokens, {PREFILL}-token prefill, "
           f"medians of {args.rounds} interleaved rounds (tok/s by the {args.clock} clock)")
-    print(f"{'ours':6} {'decode':>7} {'8str÷1':>7} {'prefill':>8} {'MB':>6} {'ovh%':>5} | {'llama.cpp':9} "
+    print(f"{'ours':11} {'decode':>7} {'8str÷1':>7} {'prefill':>8} {'MB':>6} {'ovh%':>5} | {'llama.cpp':9} "
           f"{'decode':>7} {'prefill':>8} {'MB':>6} | {'dec÷':>5} {'pre÷':>5}")
     for name, model in models.items():
         one, eight, prefill, tiny = (median[f"{name}/{k}"] for k in ("one", "eight", "prefill", "tiny"))
-        line = (f"{name:6} {one:7.1f} {eight / one:7.2f} {prefill:8.1f} {weight_bytes(model) / 1e6:6.0f} "
+        line = (f"{name:11} {one:7.1f} {eight / one:7.2f} {prefill:8.1f} {weight_bytes(model) / 1e6:6.0f} "
                 f"{100 * one / tiny:5.1f} |")
-        base = name.removesuffix(NATIVE)
+        base = base_format(name)
         kind = llama_cpp_side.PAIRS.get(base, "")
         if f"{base}/their-one" in median:
             their_one, their_prefill = median[f"{base}/their-one"], median[f"{base}/their-prefill"]

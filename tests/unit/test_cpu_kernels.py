@@ -47,17 +47,30 @@ def test_half_matrix_matches_f32_linear_for_every_row_count(wdtype: torch.dtype,
         assert torch.allclose(matrix(x, torch.float32), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=[False, True], ids=["avx2", "vnni"])
+def vnni(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The quantized kernels built without VNNI (every AVX2 CPU's path) and with it, where this CPU has it."""
+    cpu_kernels.set_enabled(True, vnni=request.param)
+    try:
+        if request.param and not cpu_kernels.vnni_flags():
+            pytest.skip("this CPU has no AVX-512 VNNI or AVX-VNNI")
+        yield request.param
+    finally:
+        cpu_kernels.set_enabled(True)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
-def test_quant_matrix_matches_the_dequantized_weights(bits: int, group: int) -> None:
+def test_quant_matrix_matches_the_dequantized_weights(bits: int, group: int, vnni: bool) -> None:
     """Activations are quantized to int8 per group inside the kernel: the error against x @ dequantized.T stays
-    near int8's resolution (at most 0.4 % here; truncating instead of rounding makes it 0.8 %)."""
+    near int8's resolution (at most 0.4 % here; truncating instead of rounding makes it 0.8 %). Row counts cross
+    the tiles of both builds (4 rows without VNNI, 8 with)."""
     weight = torch.randn(70, group * 3, generator=_gen(bits + group)) * 0.02
     q, scales, biases = affine_quantize(weight, bits, group)
     layer = QuantizedLinear.from_affine(q, scales, biases, bits, group, bias=torch.randn(70, generator=_gen(2)))
     assert layer.kernel
     reference = dequantize(q, scales.half(), biases.half(), group)
-    for rows in (1, 4, 5, 11):
+    for rows in (1, 4, 5, 8, 11, 19):
         for dtype in DTYPES:
             x = torch.randn(rows, group * 3, generator=_gen(rows)).to(dtype)
             expected = F.linear(x.float(), reference, layer.bias)
@@ -148,6 +161,19 @@ def test_stacked_projections_compute_what_the_separate_ones_do(qwen: Path, optio
             parts = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)]
             assert torch.equal(attention.qkv(x), torch.cat(parts, dim=-1))
             assert torch.equal(mlp.gate_up(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1))
+
+
+def test_a_compiler_that_rejects_the_vnni_flags_still_builds_the_avx2_kernels(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gcc too old for -mavxvnni (or any flag vnni_flags adds) leaves the AVX2 build, not torch's path."""
+    monkeypatch.setattr(cpu_kernels, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cpu_kernels, "vnni_flags", lambda: ("-mno-such-instruction-set",))
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library() is not None
+        assert len(list(tmp_path.glob("cpu_kernels-*.so"))) == 1
+    finally:
+        cpu_kernels.library.cache_clear()
 
 
 @pytest.fixture

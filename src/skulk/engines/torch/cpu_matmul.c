@@ -8,7 +8,7 @@
  *   skulk_quant_mv  w in MLX's affine groups (4 or 8 bits per value, one f16 scale and bias per group of `group`
  *                   columns: w = scale * q + bias), interleaved in blocks of 8 output rows (see below). Each
  *                   activation row is quantized to int8 per group, and the groups' dot products run in integers
- *                   (maddubs), 8 output rows per vector.
+ *                   (maddubs, or vpdpbusd where the CPU has VNNI), 8 output rows per vector.
  * Activations (xtype) and outputs (ytype) are f32, f16 or bf16, converted at the edges so the caller allocates
  * nothing. Every weight byte is read once per call however many rows there are (rows are tiled inside a
  * block of weight rows), which is what makes a batched decode step cost about what a single one does.
@@ -19,7 +19,11 @@
 
 #define BLOCK_N 32    /* weight rows per unit of parallel work */
 #define HALF_TILE 4   /* activation rows per pass over the weights, float kernels */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QUANT_TILE 8  /* the same for quantized kernels: two int32 sums and a float total per row in 32 registers */
+#else
 #define QUANT_TILE 4  /* the same for quantized kernels (an int16 and an int32 sum and a float total per row) */
+#endif
 #define PREFETCH_ROWS 2      /* float kernels: read the weight row this far ahead */
 #define PREFETCH_BYTES 4096  /* quantized kernels: the same, in bytes of the interleaved blocks */
 
@@ -194,13 +198,80 @@ static void quantize_row(const float *xf, int K, int group, int8_t *xq, float *x
         PIN(d[r]);                                                                                             \
     }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+#ifdef DPBUSD
+/* With VNNI (cpu_kernels.py adds the flags where the CPU has it) one vpdpbusd multiplies 4 unsigned weight bytes by
+ * 4 signed activation bytes and adds them into the row's int32 lane: no int16 sums to widen, half the vector ops of
+ * maddubs + add, which is what bounds a step of several rows. Two sums per row (low and high half) keep the
+ * dependency chains short. 8-bit values are stored q - 128, so flipping the sign bit gives q >= 0 back; the
+ * kernel subtracts the 128 again per group (BIAS below). */
+#define VNNI_ROWS(R, A, B)                                                                                       \
+    for (int r = 0; r < R; r++) {                                                                              \
+        const int8_t *xr = xq + (size_t)r * K + col;                                                           \
+        d[r] = DPBUSD(d[r], A, _mm256_set1_epi32(*(const int32_t *)xr));                                       \
+        e[r] = DPBUSD(e[r], B, _mm256_set1_epi32(*(const int32_t *)(xr + 4)));                                 \
+        PIN(d[r]);                                                                                             \
+        PIN(e[r]);                                                                                             \
+    }
+#define Q4_CHUNK_VNNI(R)                                                                                         \
+    __m256i v = _mm256_loadu_si256((const __m256i *)(wb + col * 4));                                          \
+    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);               \
+    VNNI_ROWS(R, lo, hi)
+#define Q8_CHUNK_VNNI(R)                                                                                         \
+    __m256i ua = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + col * 8)), flip),                 \
+            ub = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + col * 8 + 32)), flip);            \
+    VNNI_ROWS(R, ua, ub)
+#endif
+
+/* d[r]: one group's int32 dot products of activation row r with the block's 8 weight rows, one lane per row */
+#ifdef DPBUSD
+#define GROUP_DOTS(R, BITS)                                                                                      \
+    __m256i d[R], e[R];                                                                                        \
+    for (int r = 0; r < R; r++) d[r] = e[r] = _mm256_setzero_si256();                                         \
+    for (int c = 0; c < group; c += 8) {                                                                       \
+        const size_t col = (size_t)g * group + c;                                                              \
+        if (BITS == 4) {                                                                                       \
+            Q4_CHUNK_VNNI(R)                                                                                   \
+        } else {                                                                                               \
+            Q8_CHUNK_VNNI(R)                                                                                   \
+        }                                                                                                      \
+    }                                                                                                          \
+    for (int r = 0; r < R; r++) d[r] = _mm256_add_epi32(d[r], e[r]);
+/* the 8-bit dot was of q, not of the stored q - 128: take 128 * sum(x) back out through the bias term */
+#define BIAS(bv, sv, BITS) ((BITS) == 8 ? _mm256_fnmadd_ps(sv, _mm256_set1_ps(128.0f), bv) : (bv))
+#else
+#define GROUP_DOTS(R, BITS)                                                                                      \
+    __m256i d[R];                                                                                              \
+    for (int r = 0; r < R; r++) d[r] = _mm256_setzero_si256();                                                 \
+    for (int c0 = 0; c0 < group; c0 += 32) {                                                                   \
+        if (BITS == 4) {                                                                                       \
+            __m256i s[R];                                                                                      \
+            for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();                                         \
+            for (int c = c0; c < c0 + 32; c += 8) {                                                            \
+                const size_t col = (size_t)g * group + c;                                                      \
+                Q4_CHUNK(R)                                                                                    \
+            }                                                                                                  \
+            for (int r = 0; r < R; r++) d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(s[r], ones));         \
+        } else                                                                                                 \
+            for (int c = c0; c < c0 + 32; c += 8) {                                                            \
+                const size_t col = (size_t)g * group + c;                                                      \
+                Q8_CHUNK(R)                                                                                    \
+            }                                                                                                  \
+    }
+#define BIAS(bv, sv, BITS) (bv)
+#endif
+
 #define QUANT_KERNEL(NAME, R, BITS, FIXED)                                                                       \
     static void NAME(const uint8_t *w, const uint16_t *scales, const uint16_t *biases, int group_, int b0, int b1, \
                      int K, int stride, const int8_t *xq, const float *xs, const float *xsum, float *out) {        \
         const int group = FIXED ? FIXED : group_, groups = K / group;                                          \
         const size_t block_bytes = (size_t)K * BITS; /* 8 rows of K * BITS / 8 bytes */                        \
-        const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);                               \
-        (void)low;                                                                                             \
+        const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8(-128); \
+        (void)ones, (void)low, (void)flip;                                                                     \
         for (int b = b0; b < b1; b++) {                                                                        \
             const uint8_t *wb = w + (size_t)b * block_bytes;                                                   \
             const uint16_t *sb = scales + (size_t)b * 8 * groups, *bb = biases + (size_t)b * 8 * groups;       \
@@ -209,24 +280,8 @@ static void quantize_row(const float *xf, int K, int group, int8_t *xq, float *x
             for (int g = 0; g < groups; g++) {                                                                 \
                 for (size_t at = (size_t)g * group * BITS; at < (size_t)(g + 1) * group * BITS; at += 64)      \
                     _mm_prefetch((const char *)(wb + at + PREFETCH_BYTES), _MM_HINT_T0); /* keep DRAM busy */   \
-                __m256i d[R];                                                                                  \
-                for (int r = 0; r < R; r++) d[r] = _mm256_setzero_si256();                                     \
-                for (int c0 = 0; c0 < group; c0 += 32) {                                                       \
-                    if (BITS == 4) {                                                                           \
-                        __m256i s[R];                                                                          \
-                        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();                             \
-                        for (int c = c0; c < c0 + 32; c += 8) {                                                \
-                            const size_t col = (size_t)g * group + c;                                          \
-                            Q4_CHUNK(R)                                                                        \
-                        }                                                                                      \
-                        for (int r = 0; r < R; r++) d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(s[r], ones)); \
-                    } else                                                                                     \
-                        for (int c = c0; c < c0 + 32; c += 8) {                                                \
-                            const size_t col = (size_t)g * group + c;                                          \
-                            Q8_CHUNK(R)                                                                        \
-                        }                                                                                      \
-                }                                                                                              \
-                const __m256 sv = load_f16(sb + (size_t)g * 8), bv = load_f16(bb + (size_t)g * 8);             \
+                GROUP_DOTS(R, BITS)                                                                            \
+                const __m256 sv = load_f16(sb + (size_t)g * 8), bv = BIAS(load_f16(bb + (size_t)g * 8), sv, BITS); \
                 for (int r = 0; r < R; r++) {                                                                  \
                     __m256 sx = _mm256_mul_ps(sv, _mm256_broadcast_ss(xs + (size_t)r * groups + g));           \
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), sx, acc[r]);                            \
@@ -239,12 +294,26 @@ static void quantize_row(const float *xf, int K, int group, int8_t *xq, float *x
 
 typedef void (*quant_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int, int, int, int, int, const int8_t *,
                          const float *, const float *, float *);
+#if QUANT_TILE == 8
+#define QUANT_FAMILY(NAME, BITS, FIXED)                                                                          \
+    QUANT_KERNEL(NAME##_1, 1, BITS, FIXED)                                                                     \
+    QUANT_KERNEL(NAME##_2, 2, BITS, FIXED)                                                                     \
+    QUANT_KERNEL(NAME##_3, 3, BITS, FIXED)                                                                     \
+    QUANT_KERNEL(NAME##_4, 4, BITS, FIXED)                                                                     \
+    QUANT_KERNEL(NAME##_5, 5, BITS, FIXED)                                                                     \
+    QUANT_KERNEL(NAME##_6, 6, BITS, FIXED)                                                                     \
+    QUANT_KERNEL(NAME##_7, 7, BITS, FIXED)                                                                     \
+    QUANT_KERNEL(NAME##_8, 8, BITS, FIXED)                                                                     \
+    static const quant_fn NAME[QUANT_TILE + 1] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, \
+                                                  NAME##_7, NAME##_8};
+#else
 #define QUANT_FAMILY(NAME, BITS, FIXED)                                                                          \
     QUANT_KERNEL(NAME##_1, 1, BITS, FIXED)                                                                     \
     QUANT_KERNEL(NAME##_2, 2, BITS, FIXED)                                                                     \
     QUANT_KERNEL(NAME##_3, 3, BITS, FIXED)                                                                     \
     QUANT_KERNEL(NAME##_4, 4, BITS, FIXED)                                                                     \
     static const quant_fn NAME[QUANT_TILE + 1] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4};
+#endif
 QUANT_FAMILY(q4, 4, 0)
 QUANT_FAMILY(q4_64, 4, 64)
 QUANT_FAMILY(q8, 8, 0)
