@@ -18,7 +18,7 @@ f16↔f16, bf16↔bf16, int8↔q8_0, int4↔Q4_0 (targets: decode >= 0.9 everywh
 
 Run: .venv/bin/python bench/engine.py [--rounds 3] [--tokens 32] [--threads 2] [--formats f16,int4] [--no-llama]
                                   [--clock wall|cpu]
-     (formats: f32 f16 bf16 int8 int4, f16-native / bf16-native: see NATIVE, int8-avx2 / int4-avx2: see AVX2)
+     (formats: f32 f16 bf16 int8 int4, f16-native / bf16-native: see NATIVE, *-avx2: see AVX2)
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ NATIVE = "-native"
 """A format named f16-native / bf16-native runs every matmul in its own dtype (engines/torch/matmul.py's f32
 GEMM for many rows switched off): the before/after of that path, measured in the same rounds."""
 AVX2 = "-avx2"
-"""A format named int8-avx2 / int4-avx2 runs the quantized kernels built without VNNI on a CPU that has it
-(cpu_kernels.vnni_flags): the AVX2 maddubs path every AVX2 CPU takes, side by side with the vpdpbusd one."""
+"""A format named bf16-avx2 / int8-avx2 / int4-avx2 runs what a CPU with AVX2 alone runs, on a CPU that has more:
+the kernels built without extensions (cpu_kernels.extension_flags: VNNI, AVX-512 BF16) and bf16 prefill as an f32
+GEMM (matmul.native_bf16_gemm), side by side with the vpdpbusd / vdpbf16ps / bf16-GEMM paths."""
 PREFILL = 512
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = time.perf_counter
@@ -113,15 +114,17 @@ def base_format(name: str) -> str:
 
 @contextlib.contextmanager
 def matmuls_for(name: str) -> Iterator[None]:
-    """Inside: the matmul paths the format `name` asks for (its own dtype only for a -native name, no VNNI for an
-    -avx2 one)."""
-    saved = matmul.FLOAT_GEMM_ROWS
-    matmul.FLOAT_GEMM_ROWS = sys.maxsize if name.endswith(NATIVE) else saved
-    cpu_kernels.set_enabled(True, vnni=not name.endswith(AVX2))
+    """Inside: the matmul paths the format `name` asks for (its own dtype only for a -native name; for an -avx2
+    one what a CPU with AVX2 alone runs: our kernels without extensions, no bf16 GEMM of torch's)."""
+    saved_rows, saved_bf16 = matmul.FLOAT_GEMM_ROWS, matmul.native_bf16_gemm
+    matmul.FLOAT_GEMM_ROWS = sys.maxsize if name.endswith(NATIVE) else saved_rows
+    if name.endswith(AVX2):
+        matmul.native_bf16_gemm = lambda: False  # type: ignore[assignment]
+    cpu_kernels.set_enabled(True, extensions=not name.endswith(AVX2))
     try:
         yield
     finally:
-        matmul.FLOAT_GEMM_ROWS = saved
+        matmul.FLOAT_GEMM_ROWS, matmul.native_bf16_gemm = saved_rows, saved_bf16
         cpu_kernels.set_enabled(True)
 
 

@@ -33,8 +33,10 @@ def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("wdtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("xdtype", DTYPES)
-def test_half_matrix_matches_f32_linear_for_every_row_count(wdtype: torch.dtype, xdtype: torch.dtype) -> None:
+def test_half_matrix_matches_f32_linear_for_every_row_count(wdtype: torch.dtype, xdtype: torch.dtype,
+                                                            extensions: bool) -> None:
     # 101 rows: blocks of 32 and a rest of 5 (pairs of weight rows and a last one); 203 columns: 8s and a rest of 3
+    # (16s and a rest of 11 for bf16 x bf16 on AVX-512 BF16, in tiles of 8 rows)
     weight = (torch.randn(101, 203, generator=_gen(0)) * 0.05).to(wdtype)
     bias = torch.randn(101, generator=_gen(1)).to(wdtype)
     matrix = cpu_kernels.HalfMatrix(weight, bias)
@@ -47,12 +49,13 @@ def test_half_matrix_matches_f32_linear_for_every_row_count(wdtype: torch.dtype,
         assert torch.allclose(matrix(x, torch.float32), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(params=[False, True], ids=["avx2", "vnni"])
-def vnni(request: pytest.FixtureRequest) -> Iterator[bool]:
-    """The quantized kernels built without VNNI (every AVX2 CPU's path) and with it, where this CPU has it."""
-    cpu_kernels.set_enabled(True, vnni=request.param)
+@pytest.fixture(params=[False, True], ids=["avx2", "extensions"])
+def extensions(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The kernels built for AVX2 alone (every such CPU's path) and with this CPU's extensions beyond it (VNNI,
+    AVX-512 BF16), where it has any."""
+    cpu_kernels.set_enabled(True, extensions=request.param)
     try:
-        if request.param and not cpu_kernels.vnni_flags():
+        if request.param and not cpu_kernels.extension_flags():
             pytest.skip("this CPU has no AVX-512 VNNI or AVX-VNNI")
         yield request.param
     finally:
@@ -61,7 +64,7 @@ def vnni(request: pytest.FixtureRequest) -> Iterator[bool]:
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
-def test_quant_matrix_matches_the_dequantized_weights(bits: int, group: int, vnni: bool) -> None:
+def test_quant_matrix_matches_the_dequantized_weights(bits: int, group: int, extensions: bool) -> None:
     """Activations are quantized to int8 per group inside the kernel: the error against x @ dequantized.T stays
     near int8's resolution (at most 0.4 % here; truncating instead of rounding makes it 0.8 %). Row counts cross
     the tiles of both builds (4 rows without VNNI, 8 with)."""
@@ -163,11 +166,11 @@ def test_stacked_projections_compute_what_the_separate_ones_do(qwen: Path, optio
             assert torch.equal(mlp.gate_up(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1))
 
 
-def test_a_compiler_that_rejects_the_vnni_flags_still_builds_the_avx2_kernels(
+def test_a_compiler_that_rejects_the_extension_flags_still_builds_the_avx2_kernels(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A gcc too old for -mavxvnni (or any flag vnni_flags adds) leaves the AVX2 build, not torch's path."""
+    """A gcc too old for -mavxvnni (or any flag extension_flags adds) leaves the AVX2 build, not torch's path."""
     monkeypatch.setattr(cpu_kernels, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(cpu_kernels, "vnni_flags", lambda: ("-mno-such-instruction-set",))
+    monkeypatch.setattr(cpu_kernels, "extension_flags", lambda: ("-mno-such-instruction-set",))
     cpu_kernels.library.cache_clear()
     try:
         assert cpu_kernels.library() is not None

@@ -335,15 +335,21 @@ def test_cards_load_with_positive_numbers() -> None:
     assert model_dir_name("Qwen/Qwen3-0.6B") == "Qwen--Qwen3-0.6B"
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_linear_many_rows_is_an_f32_gemm_cast_in_blocks(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "native_bf16"), [(torch.float16, False), (torch.bfloat16, False),
+                                                     (torch.bfloat16, True)])
+def test_half_linear_many_rows_is_an_f32_gemm_cast_in_blocks(dtype: torch.dtype, native_bf16: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill-sized matmul on a half weight larger than one cast block (3 blocks and a rest), with a bias:
-    the f32 GEMM's result rounded once, whatever the blocking."""
+    the f32 GEMM's result rounded once, whatever the blocking; and where the CPU has a bf16 GEMM, bf16 takes
+    torch's, within the same one rounding step."""
+    if native_bf16 and not matmul.native_bf16_gemm():
+        pytest.skip("this CPU has no bf16 GEMM (AVX-512 BF16 or AMX)")
+    monkeypatch.setattr(matmul, "native_bf16_gemm", lambda: native_bf16)
     torch.manual_seed(0)
     out_features, in_features = 2 * matmul.CAST_ELEMENTS // 1000 + 7, 1000
     linear = matmul.Linear(in_features, out_features, bias=True).to(dtype)
     x = torch.randn(2, 10, in_features).to(dtype)
-    assert matmul.wants_float_gemm(x, linear.weight)
+    assert matmul.wants_float_gemm(x, linear.weight) == (dtype == torch.float16 or not native_bf16)
     with torch.inference_mode():
         got = linear(x)
     expected = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float()).to(dtype)

@@ -8,7 +8,7 @@ as they go, and handle up to eight rows per pass, so a batched step costs about 
 
 The C files need no torch or Python headers: gcc builds them into one library in about two seconds, in the
 user's cache directory (keyed by the sources' hash and the flags, written atomically so concurrent processes
-agree), with VNNI where the CPU has it (vnni_flags). It is
+agree), with VNNI and AVX-512 BF16 where the CPU has them (extension_flags). It is
 loaded after torch, so it shares torch's OpenMP runtime and thread count. Where there is no AVX2/FMA/F16C CPU
 or no C compiler, available() is False and the engine uses torch's kernels instead: slower, the same results
 within rounding (tests/unit/test_cpu_kernels.py compares the two paths).
@@ -45,7 +45,7 @@ def cache_dir() -> Path:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo names them (empty where there is no such file)."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
@@ -56,18 +56,20 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def _cpu_ok() -> bool:
-    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+    return {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
-def vnni_flags() -> tuple[str, ...]:
-    """gcc flags for VNNI where this CPU has it (AVX-512 VNNI: Zen 4, Ice Lake and later servers; AVX-VNNI: Alder
-    Lake and later): the quantized kernels then multiply-add with vpdpbusd, ~1.5x the integer throughput of AVX2's
-    maddubs + add, which is what bounds a batched step. Empty where it has not, or while switched off."""
-    flags = _cpu_flags()
-    if not _vnni:
+def extension_flags() -> tuple[str, ...]:
+    """gcc flags for what this CPU has beyond AVX2 that the kernels use, empty where it has none or while switched
+    off. VNNI (AVX-512 VNNI with VL: Zen 4, Ice Lake servers and later; AVX-VNNI: Alder Lake and later): the
+    quantized kernels multiply-add with vpdpbusd, half the vector ops of maddubs + add, which bound a batched step.
+    AVX-512 BF16 (Zen 4, Cooper Lake and later): bf16 weights against bf16 activations with vdpbf16ps."""
+    flags = cpu_flags()
+    if not _extensions:
         return ()
     if {"avx512_vnni", "avx512vl"} <= flags:
-        return ("-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256")
+        bf16 = ("-mavx512bf16",) if "avx512_bf16" in flags else ()
+        return ("-mavx512vnni", "-mavx512vl", *bf16, "-mprefer-vector-width=256")
     if "avx_vnni" in flags:
         return ("-mavxvnni",)
     return ()
@@ -112,14 +114,14 @@ class LayerDesc(ctypes.Structure):
 
 
 _enabled = True
-_vnni = True
+_extensions = True
 
 
-def set_enabled(enabled: bool, *, vnni: bool = True) -> None:
+def set_enabled(enabled: bool, *, extensions: bool = True) -> None:
     """Switch the kernels off (torch's ops everywhere) or back on, for models loaded from then on, with or without
-    VNNI where the CPU has it: tests compare the paths with it."""
-    global _enabled, _vnni
-    _enabled, _vnni = enabled, vnni
+    the CPU's extensions beyond AVX2 (extension_flags): tests compare the paths with it."""
+    global _enabled, _extensions
+    _enabled, _extensions = enabled, extensions
     library.cache_clear()
 
 
@@ -132,7 +134,7 @@ def library() -> ctypes.CDLL | None:
         log.info("cpu kernels off: this CPU lacks AVX2, FMA or F16C")
         return None
     lib = None
-    for extra in dict.fromkeys((vnni_flags(), ())):  # a gcc too old for the VNNI flags still builds the AVX2 path
+    for extra in dict.fromkeys((extension_flags(), ())):  # a gcc too old for those builds the AVX2 path
         try:
             lib = ctypes.CDLL(str(_build(extra)))
             break
