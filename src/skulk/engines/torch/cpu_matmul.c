@@ -18,7 +18,11 @@
 #include "cpu_kernels.h"
 
 #define BLOCK_N 32    /* weight rows per unit of parallel work */
+#ifdef __AVX512VL__
+#define HALF_TILE 8   /* activation rows per pass over the weights, float kernels: 16 sums in AVX-512's 32 registers */
+#else
 #define HALF_TILE 4   /* activation rows per pass over the weights, float kernels */
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QUANT_TILE 8  /* the same for quantized kernels: two int32 sums and a float total per row in 32 registers */
 #else
@@ -26,6 +30,12 @@
 #endif
 #define PREFETCH_ROWS 2      /* float kernels: read the weight row this far ahead */
 #define PREFETCH_BYTES 4096  /* quantized kernels: the same, in bytes of the interleaved blocks */
+
+/* PIN keeps a value in a register at this point. A running sum: without it gcc reassociates a fully unrolled chain
+ * of adds into all products first, spills them to the stack and adds them up afterwards, which halved the kernels'
+ * speed. A loaded activation vector: without it gcc folds the load into each FMA that uses it, loading it once per
+ * weight row, and a batched step ran out of load ports before FMA units. */
+#define PIN(v) __asm__("" : "+x"(v))
 
 /* ---- f16 / bf16 weights ------------------------------------------------------------------------------------- */
 #define HALF_KERNEL(NAME, T, LOAD, SCALAR, R, U)                                                                            \
@@ -76,6 +86,7 @@
                 __m256 w0 = LOAD(wr + k), w1 = LOAD(wr + K + k);                                               \
                 for (int r = 0; r < R; r++) {                                                                  \
                     __m256 xv = _mm256_loadu_ps(x + (size_t)r * K + k);                                        \
+                    PIN(xv);                                                                                   \
                     acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);                                            \
                     acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);                                            \
                 }                                                                                              \
@@ -91,14 +102,26 @@
     }
 
 typedef void (*half_fn)(const void *, int, int, int, int, const float *, float *);
+/* R activation rows against pairs of weight rows, a last odd weight row through the R x 1 kernel */
+#define HALF_PAIRED(NAME, T, LOAD, SCALAR, R)                                                                    \
+    HALF_KERNEL(half_##NAME##_##R##_tail, T, LOAD, SCALAR, R, 1) HALF_PAIR_KERNEL(half_##NAME##_##R, T, LOAD, SCALAR, R)
+#if HALF_TILE == 8
+#define HALF_WIDE(NAME, T, LOAD, SCALAR)                                                                         \
+    HALF_PAIRED(NAME, T, LOAD, SCALAR, 5) HALF_PAIRED(NAME, T, LOAD, SCALAR, 6)                                \
+    HALF_PAIRED(NAME, T, LOAD, SCALAR, 7) HALF_PAIRED(NAME, T, LOAD, SCALAR, 8)
+#define HALF_WIDE_FNS(NAME) , half_##NAME##_5, half_##NAME##_6, half_##NAME##_7, half_##NAME##_8
+#else
+#define HALF_WIDE(NAME, T, LOAD, SCALAR)
+#define HALF_WIDE_FNS(NAME)
+#endif
 #define HALF_FAMILY(NAME, T, LOAD, SCALAR)                                                                       \
     HALF_KERNEL(half_##NAME##_1, T, LOAD, SCALAR, 1, 4)                                                        \
     HALF_KERNEL(half_##NAME##_2, T, LOAD, SCALAR, 2, 2)                                                        \
     HALF_KERNEL(half_##NAME##_3, T, LOAD, SCALAR, 3, 2)                                                        \
-    HALF_KERNEL(half_##NAME##_4_tail, T, LOAD, SCALAR, 4, 1)                                                   \
-    HALF_PAIR_KERNEL(half_##NAME##_4, T, LOAD, SCALAR, 4)                                                      \
+    HALF_PAIRED(NAME, T, LOAD, SCALAR, 4)                                                                      \
+    HALF_WIDE(NAME, T, LOAD, SCALAR)                                                                           \
     static const half_fn half_##NAME[HALF_TILE + 1] = {0, half_##NAME##_1, half_##NAME##_2, half_##NAME##_3,     \
-                                                       half_##NAME##_4};
+                                                       half_##NAME##_4 HALF_WIDE_FNS(NAME)};
 
 static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline float f32_scalar(float v) { return v; }
@@ -251,9 +274,6 @@ static void quantize_row(const float *xf, int K, int group, int8_t *xq, float *x
     }
 }
 
-/* PIN keeps a running sum in a register at this point: without it gcc reassociates a fully unrolled chain of adds
- * into all products first, spills them to the stack and adds them up afterwards, which halved the kernels' speed */
-#define PIN(v) __asm__("" : "+x"(v))
 
 /* s: int16 sums (two lanes per row) over 8 columns of one activation row; 4 chunks of 4 bits fit in int16 */
 #define Q4_CHUNK(R)                                                                                              \
