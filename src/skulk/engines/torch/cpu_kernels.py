@@ -6,7 +6,7 @@ memory bandwidth llama.cpp's do (bench/engine.py). Decode is a few rows against 
 bandwidth: these kernels stream each weight byte once per step, widen f16/bf16 or unpack MLX's 4/8-bit groups
 as they go, and handle up to eight rows per pass, so a batched step costs about what a single one does.
 
-The C files need no torch or Python headers: gcc builds them into one library in about two seconds, in the
+The C files need no torch or Python headers: gcc builds them into one library in 3-5 seconds, in the
 user's cache directory (keyed by the sources' hash and the flags, written atomically so concurrent processes
 agree), with VNNI and AVX-512 BF16 where the CPU has them (extension_flags). It is
 loaded after torch, so it shares torch's OpenMP runtime and thread count. Where there is no AVX2/FMA/F16C CPU

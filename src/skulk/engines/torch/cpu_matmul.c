@@ -1,6 +1,6 @@
 /* Matrix-vector kernels for decode steps on x86 CPUs with AVX2, FMA and F16C (engines/torch/cpu_kernels.py
  * compiles this file and cpu_step.c into one library and loads it; plain C with no Python or torch headers, so it
- * builds in about two seconds).
+ * builds in a few seconds).
  *
  * y[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n]) for a few rows r of activations x and a weight matrix w:
  *   skulk_half_mv   w [N, K] in f16, bf16 or f32 as the checkpoint has it, widened to f32 as it streams past
