@@ -181,23 +181,31 @@ def run_rounds(models: dict[str, ModelSlice], tiny: dict[str, ModelSlice], their
     return results
 
 
+def paired(a: list[float], b: list[float]) -> float:
+    """The median of each round's a ÷ b: the two were measured back to back in that round, so a slow spell of the
+    machine moves both, where a ratio of medians can pair a fast round of one with a slow round of the other."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def report(models: dict[str, ModelSlice], theirs: dict[str, llama_cpp_side.LlamaCpp],
            results: dict[str, list[float]], args: argparse.Namespace) -> None:
     median = {key: statistics.median(values) for key, values in results.items()}
     print(f"random Llama {SHAPE}, {args.threads} threads, {args.tokens} decode tokens, {PREFILL}-token prefill, "
-          f"medians of {args.rounds} interleaved rounds (tok/s by the {args.clock} clock)")
+          f"medians of {args.rounds} interleaved rounds (tok/s by the {args.clock} clock; ratios: medians of each "
+          f"round's ratio)")
     print(f"{'ours':11} {'decode':>7} {'8str÷1':>7} {'prefill':>8} {'MB':>6} {'ovh%':>5} | {'llama.cpp':9} "
           f"{'decode':>7} {'prefill':>8} {'MB':>6} | {'dec÷':>5} {'pre÷':>5}")
     for name, model in models.items():
-        one, eight, prefill, tiny = (median[f"{name}/{k}"] for k in ("one", "eight", "prefill", "tiny"))
-        line = (f"{name:11} {one:7.1f} {eight / one:7.2f} {prefill:8.1f} {weight_bytes(model) / 1e6:6.0f} "
-                f"{100 * one / tiny:5.1f} |")
+        one, eight, prefill, tiny = (results[f"{name}/{k}"] for k in ("one", "eight", "prefill", "tiny"))
+        line = (f"{name:11} {median[f'{name}/one']:7.1f} {paired(eight, one):7.2f} {median[f'{name}/prefill']:8.1f} "
+                f"{weight_bytes(model) / 1e6:6.0f} {100 * paired(one, tiny):5.1f} |")
         base = base_format(name)
         kind = llama_cpp_side.PAIRS.get(base, "")
         if f"{base}/their-one" in median:
-            their_one, their_prefill = median[f"{base}/their-one"], median[f"{base}/their-prefill"]
-            line += (f" {kind:9} {their_one:7.1f} {their_prefill:8.1f} {theirs[kind].nbytes / 1e6:6.0f} |"
-                     f" {one / their_one:5.2f} {prefill / their_prefill:5.2f}")
+            their_one, their_prefill = results[f"{base}/their-one"], results[f"{base}/their-prefill"]
+            line += (f" {kind:9} {median[f'{base}/their-one']:7.1f} {median[f'{base}/their-prefill']:8.1f} "
+                     f"{theirs[kind].nbytes / 1e6:6.0f} | {paired(one, their_one):5.2f} "
+                     f"{paired(prefill, their_prefill):5.2f}")
         print(line)
     print("raw:", json.dumps({k: [round(v, 1) for v in vs] for k, vs in results.items()}))
 
