@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from skulk.cluster.dataplane import ChunkStream
+from skulk.cluster.dataplane import ChunkStream, publish_chunk
 from skulk.cluster.transport import Transport, TransportSettings
 from skulk.types.chunks import TokenChunk
 from skulk.types.ids import CommandId
@@ -47,6 +47,24 @@ async def test_a_cancel_that_lands_as_a_chunk_arrives_is_not_dropped(transport: 
 async def test_next_times_out_on_a_silent_stream(transport: Transport) -> None:
     stream = ChunkStream(transport, CommandId("c2"))
     try:
+        with pytest.raises(TimeoutError):
+            await stream.next(0.05)
+    finally:
+        stream.close()
+
+
+async def test_queued_chunks_come_in_order_then_an_empty_stream_times_out(transport: Transport) -> None:
+    """Chunks already queued are taken at once (no timer), in arrival order, whether injected in-process or put
+    on the data plane; once drained the stream waits again and its timeout still fires."""
+    stream = ChunkStream(transport, CommandId("c3"))
+    try:
+        chunks = [TokenChunk(command_id=CommandId("c3"), text=t, token_id=i, completion_tokens=i + 1)
+                  for i, t in enumerate("abc")]
+        stream.inject(chunks[0])
+        stream.inject(chunks[1])
+        assert [await stream.next(0), await stream.next(0)] == chunks[:2]
+        publish_chunk(transport, chunks[2])
+        assert await stream.next(5) == chunks[2]
         with pytest.raises(TimeoutError):
             await stream.next(0.05)
     finally:
