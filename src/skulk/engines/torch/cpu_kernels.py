@@ -64,10 +64,10 @@ def extension_flags() -> tuple[str, ...]:
     off. VNNI (AVX-512 VNNI with VL: Zen 4, Ice Lake servers and later; AVX-VNNI: Alder Lake and later): the
     quantized kernels multiply-add with vpdpbusd, half the vector ops of maddubs + add, which bound a batched step.
     AVX-512 BF16 (Zen 4, Cooper Lake and later): bf16 weights against bf16 activations with vdpbf16ps."""
-    flags = cpu_flags()
     if not _extensions:
         return ()
-    if {"avx512_vnni", "avx512vl"} <= flags:
+    flags = cpu_flags()
+    if {"avx512_vnni", "avx512vl"} <= flags:  # 256-bit vectors still: the kernels' layouts are built for them
         bf16 = ("-mavx512bf16",) if "avx512_bf16" in flags else ()
         return ("-mavx512vnni", "-mavx512vl", *bf16, "-mprefer-vector-width=256")
     if "avx_vnni" in flags:
