@@ -11,6 +11,7 @@ import httpx
 import openai
 import psutil
 import pytest
+import zenoh
 
 from skulk.testing.nodes import LocalNode
 
@@ -257,3 +258,24 @@ def test_kill_9_of_the_node_leaves_no_runner(cluster: Cluster) -> None:
     assert runners
     fresh.kill()
     assert fresh.reap_leftovers(timeout=10) == [], "runners survived a kill -9 of their node"
+
+
+def test_a_single_nodes_tokens_do_not_go_through_zenoh(node: LocalNode) -> None:
+    """The runner's chunks reach this node's own stream directly (Node._publish_chunk): a zenoh peer that hears the
+    node's other traffic hears no data key while a whole completion streams (through zenoh, the node put one per
+    token on data/<command>)."""
+    heard: list[str] = []
+    conf = zenoh.Config()
+    conf.insert_json5("mode", json.dumps("peer"))
+    conf.insert_json5("connect/endpoints", json.dumps([node.endpoint]))
+    conf.insert_json5("scouting/multicast/enabled", "false")
+    session = zenoh.open(conf)
+    try:
+        session.declare_subscriber(f"skulk/{node.cluster}/**", lambda sample: heard.append(str(sample.key_expr)))
+        wait_until(lambda: heard, 15, "the node to route its traffic to this peer")  # its heartbeats
+        reply = httpx.post(node.url + "/v1/chat/completions", timeout=60, json=chat_body(
+            max_tokens=32, temperature=0.0, stream=True, stream_options={"include_usage": True}))
+        assert reply.status_code == 200 and '"completion_tokens":32' in reply.text, reply.text
+    finally:
+        session.close()
+    assert not [key for key in heard if "/data/" in key]
