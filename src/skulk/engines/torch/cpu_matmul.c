@@ -399,25 +399,21 @@ static void quantize_row(const float *xf, int K, int group, int8_t *xq, float *x
 typedef void (*quant_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int, int, int, int, int, const int8_t *,
                          const float *, const float *, float *);
 #if QUANT_TILE == 8
-#define QUANT_FAMILY(NAME, BITS, FIXED)                                                                          \
-    QUANT_KERNEL(NAME##_1, 1, BITS, FIXED)                                                                     \
-    QUANT_KERNEL(NAME##_2, 2, BITS, FIXED)                                                                     \
-    QUANT_KERNEL(NAME##_3, 3, BITS, FIXED)                                                                     \
-    QUANT_KERNEL(NAME##_4, 4, BITS, FIXED)                                                                     \
-    QUANT_KERNEL(NAME##_5, 5, BITS, FIXED)                                                                     \
-    QUANT_KERNEL(NAME##_6, 6, BITS, FIXED)                                                                     \
-    QUANT_KERNEL(NAME##_7, 7, BITS, FIXED)                                                                     \
-    QUANT_KERNEL(NAME##_8, 8, BITS, FIXED)                                                                     \
-    static const quant_fn NAME[QUANT_TILE + 1] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, \
-                                                  NAME##_7, NAME##_8};
+#define QUANT_WIDE(NAME, BITS, FIXED)                                                                            \
+    QUANT_KERNEL(NAME##_5, 5, BITS, FIXED) QUANT_KERNEL(NAME##_6, 6, BITS, FIXED)                              \
+    QUANT_KERNEL(NAME##_7, 7, BITS, FIXED) QUANT_KERNEL(NAME##_8, 8, BITS, FIXED)
+#define QUANT_WIDE_FNS(NAME) , NAME##_5, NAME##_6, NAME##_7, NAME##_8
 #else
+#define QUANT_WIDE(NAME, BITS, FIXED)
+#define QUANT_WIDE_FNS(NAME)
+#endif
 #define QUANT_FAMILY(NAME, BITS, FIXED)                                                                          \
     QUANT_KERNEL(NAME##_1, 1, BITS, FIXED)                                                                     \
     QUANT_KERNEL(NAME##_2, 2, BITS, FIXED)                                                                     \
     QUANT_KERNEL(NAME##_3, 3, BITS, FIXED)                                                                     \
     QUANT_KERNEL(NAME##_4, 4, BITS, FIXED)                                                                     \
-    static const quant_fn NAME[QUANT_TILE + 1] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4};
-#endif
+    QUANT_WIDE(NAME, BITS, FIXED)                                                                              \
+    static const quant_fn NAME[QUANT_TILE + 1] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4 QUANT_WIDE_FNS(NAME)};
 QUANT_FAMILY(q4, 4, 0)
 QUANT_FAMILY(q4_64, 4, 64)
 QUANT_FAMILY(q8, 8, 0)
