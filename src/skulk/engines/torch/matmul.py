@@ -42,7 +42,7 @@ _cast = threading.local()
 @functools.cache
 def native_bf16_gemm() -> bool:
     """True where torch multiplies bf16 matrices in hardware (oneDNN on AVX-512 BF16 or AMX: Zen 4, Cooper Lake,
-    Sapphire Rapids and later). There a bf16 GEMM runs 3-4x faster than the f32 cast (512 x 1024 x 9728 on the
+    Sapphire Rapids and later). There a bf16 GEMM runs 2.5-3x faster than the f32 cast (512 x 1024 x 9728 on the
     2-core Zen 4: 28 ms against 85) and from 8 rows about as fast as our kernel, so bf16 skips the cast."""
     flags = cpu_kernels.cpu_flags()
     return torch.backends.mkldnn.is_available() and ("avx512_bf16" in flags or "amx_bf16" in flags)
