@@ -102,10 +102,13 @@ def test_rms_norm_rounds_where_the_torch_path_does(dtype: torch.dtype, unit_offs
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("dim", [64, 120, 256])
-def test_decode_attention_matches_sdpa_with_the_step_mask(dtype: torch.dtype, window: int, dim: int) -> None:
-    """Three rows at different positions (keys in blocks of 8 and a rest), 8 query heads on 2 kv heads, a cache
-    longer than any row; head dims that the weighted sum covers in 64s, 32s and 8s."""
-    slots, kv_heads, heads, max_seq = 4, 2, 8, 40
+@pytest.mark.parametrize("heads", [2, 6, 8, 16])
+def test_decode_attention_matches_sdpa_with_the_step_mask(dtype: torch.dtype, window: int, dim: int, heads: int,
+                                                          extensions: bool) -> None:
+    """Three rows at different positions (keys in blocks of 4 and a rest), a cache longer than any row; 1, 3, 4 and
+    8 query heads per kv head (a tile of heads, one cut short, several); head dims that the weighted sum covers in
+    32s and 8s (120 also misses bf16's 16s)."""
+    slots, kv_heads, max_seq = 4, 2, 40
     keys = torch.randn(slots, kv_heads, max_seq, dim, generator=_gen(5)).to(dtype)
     values = torch.randn(slots, kv_heads, max_seq, dim, generator=_gen(6)).to(dtype)
     q = torch.randn(3, heads, 1, dim, generator=_gen(7)).to(dtype)

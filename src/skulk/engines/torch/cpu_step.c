@@ -62,31 +62,91 @@ static inline __m256 load8(const void *base, int type, size_t at) {
     return load_bf16((const uint16_t *)base + at);
 }
 
-/* Grouped-query heads that share a kv head are computed together, a block of keys at a time, so each key and
- * value is read from memory once for the whole group (at long contexts attention is bound by reading the cache).
- *
- * scores[h][i] = scale * q[h] . key[start + i] for the G query heads of one kv head and n keys, 8 keys at a time:
- * eight independent dot products (one FMA chain per key would wait on FMA latency) whose lanes a tree of hadds
- * sums into one vector of 8 scores. */
-static void attention_scores(const float *qf, int G, const void *keys, int type, size_t kv, int start, int n, int D,
-                             float scale, float *scores) {
-    const __m256 sc = _mm256_set1_ps(scale);
+/* Grouped-query heads that share a kv head are computed together: each key and value is read from memory and
+ * widened once for the whole group (at long contexts, or many rows, attention is bound by reading the cache), and
+ * multiplied into the heads' sums held in registers, HEAD_TILE heads at a time. Widening a key once per head
+ * instead made 8 rows' attention compute-bound at about half the bandwidth the cache streams at. */
+#ifdef __AVX512VL__
+#define HEAD_TILE 4 /* 4 heads x 4 keys of sums in AVX-512's 32 registers */
+#else
+#define HEAD_TILE 2
+#endif
+#define VALUE_AHEAD 16 /* value rows prefetched this many keys ahead */
+
+/* the 4 dot products in a[0..3] (8 lanes each) summed into one 4-lane vector, times scale */
+static inline __m128 sum4(const __m256 *a, __m128 scale) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)), scale);
+}
+
+/* scores[h][i] = scale * q[h] . key[start + i] for heads h0..h0+g of one kv head and keys i0..i0+4 */
+static inline __attribute__((always_inline)) void scores_block(const float *qf, int h0, int g, const void *keys, int type, size_t row, int D, int n,
+                         int i0, __m128 scale, float *scores) {
+    __m256 a[HEAD_TILE][4];
+    for (int h = 0; h < g; h++)
+        for (int j = 0; j < 4; j++) a[h][j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m256 k[4];
+        for (int j = 0; j < 4; j++) k[j] = load8(keys, type, row + (size_t)j * D + d);
+        for (int h = 0; h < g; h++) {
+            const __m256 qv = _mm256_loadu_ps(qf + (size_t)(h0 + h) * D + d);
+            for (int j = 0; j < 4; j++) a[h][j] = _mm256_fmadd_ps(qv, k[j], a[h][j]);
+        }
+    }
+    for (int h = 0; h < g; h++) _mm_storeu_ps(scores + (size_t)(h0 + h) * n + i0, sum4(a[h], scale));
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+/* the same for bf16 queries and keys with vdpbf16ps, 16 pairs per op and no widening (the products of two bf16
+ * values are exact in f32, as in the bf16 matmul kernel); D a multiple of 16 */
+static inline __attribute__((always_inline)) void scores_block_bf16(const uint16_t *q, int h0, int g, const uint16_t *keys, size_t row, int D, int n, int i0,
+                              __m128 scale, float *scores) {
+    __m256 a[HEAD_TILE][4];
+    for (int h = 0; h < g; h++)
+        for (int j = 0; j < 4; j++) a[h][j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+        __m256bh k[4];
+        for (int j = 0; j < 4; j++) k[j] = (__m256bh)_mm256_loadu_si256((const __m256i *)(keys + row + (size_t)j * D + d));
+        for (int h = 0; h < g; h++) {
+            const __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(q + (size_t)(h0 + h) * D + d));
+            for (int j = 0; j < 4; j++) a[h][j] = _mm256_dpbf16_ps(a[h][j], qv, k[j]);
+        }
+    }
+    for (int h = 0; h < g; h++) _mm_storeu_ps(scores + (size_t)(h0 + h) * n + i0, sum4(a[h], scale));
+}
+#endif
+
+/* scores for the keys i..i+4 and heads h0..h0+g, g a constant where this is inlined */
+static inline __attribute__((always_inline)) void scores_heads(const float *qf, const void *qb, int h0, int g,
+                                                               const void *keys, int type, size_t row, int D, int n,
+                                                               int i, __m128 sc, float *scores) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if (type == T_BF16 && D % 16 == 0) {
+        scores_block_bf16(qb, h0, g, keys, row, D, n, i, sc, scores);
+        return;
+    }
+#endif
+    (void)qb;
+    scores_block(qf, h0, g, keys, type, row, D, n, i, sc, scores);
+}
+
+/* scores [G][n] for the G heads of one kv head against keys start..start+n, 4 keys and HEAD_TILE heads at a time;
+ * qb: the heads' queries as the step has them (qf: widened to f32) */
+static void attention_scores(const float *qf, const void *qb, int G, const void *keys, int type, size_t kv, int start,
+                             int n, int D, float scale, float *scores) {
+    const __m128 sc = _mm_set1_ps(scale);
     int i = 0;
-    for (; i + 8 <= n; i += 8) {
+    for (; i + 4 <= n; i += 4) {
         const size_t row = kv + (size_t)(start + i) * D;
-        for (int h = 0; h < G; h++) { /* the 8 keys stay in L1 across the group */
-            const float *qh = qf + (size_t)h * D;
-            __m256 a[8];
-            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-            for (int d = 0; d < D; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qh + d);
-                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, load8(keys, type, row + (size_t)j * D + d), a[j]);
+        for (int h0 = 0; h0 < G; h0 += HEAD_TILE) {
+            switch (G - h0 < HEAD_TILE ? G - h0 : HEAD_TILE) {
+            case 1: scores_heads(qf, qb, h0, 1, keys, type, row, D, n, i, sc, scores); break;
+            case 2: scores_heads(qf, qb, h0, 2, keys, type, row, D, n, i, sc, scores); break;
+#if HEAD_TILE == 4
+            case 3: scores_heads(qf, qb, h0, 3, keys, type, row, D, n, i, sc, scores); break;
+            case 4: scores_heads(qf, qb, h0, 4, keys, type, row, D, n, i, sc, scores); break;
+#endif
             }
-            __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-            __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-            __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* keys 0-3, 4-7: half sums */
-            __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-            _mm256_storeu_ps(scores + (size_t)h * n + i, _mm256_mul_ps(sum, sc));
         }
     }
     for (; i < n; i++)
@@ -122,32 +182,53 @@ static float softmax_numerators(float *scores, int n) {
     return sum;
 }
 
-/* out[d0 .. d0 + 8W) += sum over keys i0..i1 of p[i] * value[start + i], held in W registers */
-#define VALUE_SUM(W)                                                                                             \
-    {                                                                                                          \
-        __m256 acc[W];                                                                                         \
-        for (int j = 0; j < W; j++) acc[j] = _mm256_loadu_ps(out + d0 + 8 * j);                                \
-        for (int i = i0; i < i1; i++) {                                                                        \
-            const __m256 pv = _mm256_set1_ps(p[i]);                                                            \
-            const size_t row = kv + (size_t)(start + i) * D + d0;                                              \
-            for (int j = 0; j < W; j++) acc[j] = _mm256_fmadd_ps(pv, load8(values, type, row + 8 * j), acc[j]); \
-        }                                                                                                      \
-        for (int j = 0; j < W; j++) _mm256_storeu_ps(out + d0 + 8 * j, acc[j]);                                \
+/* out[h][d0 .. d0 + 8W) = sum over the keys of p[h][i] * value[start + i] for heads h0..h0+g: each value vector
+ * widened once and multiplied into every head's sums. `first`: the first pass over these keys, which reads a part
+ * of each value row, so it fetches whole rows ahead of itself (without, it waited on memory at every row). */
+static inline __attribute__((always_inline)) void value_cols(const float *probs, int h0, int g, const void *values,
+                                                             int type, size_t kv, int start, int n, int D, int d0,
+                                                             int W, int first, float *outs) {
+    const size_t es = type_size(type);
+    __m256 acc[HEAD_TILE][4];
+    for (int h = 0; h < g; h++)
+        for (int j = 0; j < W; j++) acc[h][j] = _mm256_setzero_ps();
+    for (int i = 0; i < n; i++) {
+        const size_t row = kv + (size_t)(start + i) * D;
+        if (first)
+            for (size_t b = 0; b < (size_t)D * es; b += 64)
+                _mm_prefetch((const char *)values + (row + (size_t)VALUE_AHEAD * D) * es + b, _MM_HINT_T0);
+        __m256 pv[HEAD_TILE];
+        for (int h = 0; h < g; h++) pv[h] = _mm256_set1_ps(probs[(size_t)(h0 + h) * n + i]);
+        for (int j = 0; j < W; j++) {
+            const __m256 v = load8(values, type, row + d0 + 8 * j);
+            for (int h = 0; h < g; h++) acc[h][j] = _mm256_fmadd_ps(pv[h], v, acc[h][j]);
+        }
     }
+    for (int h = 0; h < g; h++)
+        for (int j = 0; j < W; j++) _mm256_storeu_ps(outs + (size_t)(h0 + h) * D + d0 + 8 * j, acc[h][j]);
+}
 
-/* out[h] = sum_i p[h][i] * value[start + i] for the G heads, 64 keys at a time (they stay in L1 across heads) */
+/* heads h0..h0+g, every column: 32 at a time (a cache line of bf16 values), then 8 */
+static inline __attribute__((always_inline)) void value_heads(const float *probs, int h0, int g, const void *values,
+                                                              int type, size_t kv, int start, int n, int D,
+                                                              float *outs) {
+    int d0 = 0, first = h0 == 0;
+    for (; d0 + 32 <= D; d0 += 32, first = 0) value_cols(probs, h0, g, values, type, kv, start, n, D, d0, 4, first, outs);
+    for (; d0 < D; d0 += 8, first = 0) value_cols(probs, h0, g, values, type, kv, start, n, D, d0, 1, first, outs);
+}
+
+/* outs[h] = sum_i p[h][i] * value[start + i] for the G heads, HEAD_TILE at a time (each count of heads compiled on
+ * its own, so the sums stay in registers) */
 static void attention_values(const float *probs, int G, const void *values, int type, size_t kv, int start, int n,
                              int D, float *outs) {
-    memset(outs, 0, (size_t)G * D * sizeof(float));
-    for (int i0 = 0; i0 < n; i0 += 64) {
-        const int i1 = i0 + 64 < n ? i0 + 64 : n;
-        for (int h = 0; h < G; h++) {
-            const float *p = probs + (size_t)h * n;
-            float *out = outs + (size_t)h * D;
-            int d0 = 0;
-            for (; d0 + 64 <= D; d0 += 64) VALUE_SUM(8)
-            for (; d0 + 32 <= D; d0 += 32) VALUE_SUM(4)
-            for (; d0 < D; d0 += 8) VALUE_SUM(1)
+    for (int h0 = 0; h0 < G; h0 += HEAD_TILE) {
+        switch (G - h0 < HEAD_TILE ? G - h0 : HEAD_TILE) {
+        case 1: value_heads(probs, h0, 1, values, type, kv, start, n, D, outs); break;
+        case 2: value_heads(probs, h0, 2, values, type, kv, start, n, D, outs); break;
+#if HEAD_TILE == 4
+        case 3: value_heads(probs, h0, 3, values, type, kv, start, n, D, outs); break;
+        case 4: value_heads(probs, h0, 4, values, type, kv, start, n, D, outs); break;
+#endif
         }
     }
 }
@@ -172,7 +253,8 @@ void skulk_decode_attention(const void *q, const void *keys, const void *values,
             float *acc = qf + (size_t)G * D, *scores = acc + (size_t)G * D;
             for (int h = 0; h < G; h++)
                 row_to_f32((const char *)q + ((size_t)b * H + h0 + h) * D * type_size(type), type, D, qf + (size_t)h * D);
-            attention_scores(qf, G, keys, type, kv, start, n, D, scale, scores);
+            attention_scores(qf, (const char *)q + ((size_t)b * H + h0) * D * type_size(type), G, keys, type, kv, start,
+                             n, D, scale, scores);
             for (int h = 0; h < G; h++) qf[h] = 1.0f / softmax_numerators(scores + (size_t)h * n, n); /* q is done */
             attention_values(scores, G, values, type, kv, start, n, D, acc);
             for (int h = 0; h < G; h++)
