@@ -80,8 +80,9 @@ static inline __m128 sum4(const __m256 *a, __m128 scale) {
 }
 
 /* scores[h][i] = scale * q[h] . key[start + i] for heads h0..h0+g of one kv head and keys i0..i0+4 */
-static inline __attribute__((always_inline)) void scores_block(const float *qf, int h0, int g, const void *keys, int type, size_t row, int D, int n,
-                         int i0, __m128 scale, float *scores) {
+static inline __attribute__((always_inline)) void scores_block(const float *qf, int h0, int g, const void *keys,
+                                                               int type, size_t row, int D, int n, int i0,
+                                                               __m128 scale, float *scores) {
     __m256 a[HEAD_TILE][4];
     for (int h = 0; h < g; h++)
         for (int j = 0; j < 4; j++) a[h][j] = _mm256_setzero_ps();
@@ -99,14 +100,16 @@ static inline __attribute__((always_inline)) void scores_block(const float *qf, 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 /* the same for bf16 queries and keys with vdpbf16ps, 16 pairs per op and no widening (the products of two bf16
  * values are exact in f32, as in the bf16 matmul kernel); D a multiple of 16 */
-static inline __attribute__((always_inline)) void scores_block_bf16(const uint16_t *q, int h0, int g, const uint16_t *keys, size_t row, int D, int n, int i0,
-                              __m128 scale, float *scores) {
+static inline __attribute__((always_inline)) void scores_block_bf16(const uint16_t *q, int h0, int g,
+                                                                    const uint16_t *keys, size_t row, int D, int n,
+                                                                    int i0, __m128 scale, float *scores) {
     __m256 a[HEAD_TILE][4];
     for (int h = 0; h < g; h++)
         for (int j = 0; j < 4; j++) a[h][j] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 16) {
         __m256bh k[4];
-        for (int j = 0; j < 4; j++) k[j] = (__m256bh)_mm256_loadu_si256((const __m256i *)(keys + row + (size_t)j * D + d));
+        for (int j = 0; j < 4; j++)
+            k[j] = (__m256bh)_mm256_loadu_si256((const __m256i *)(keys + row + (size_t)j * D + d));
         for (int h = 0; h < g; h++) {
             const __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(q + (size_t)(h0 + h) * D + d));
             for (int j = 0; j < 4; j++) a[h][j] = _mm256_dpbf16_ps(a[h][j], qv, k[j]);
