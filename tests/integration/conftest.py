@@ -1,4 +1,9 @@
-"""Fixtures that start real node processes on loopback and always clean them up."""
+"""Fixtures that start real node processes on loopback and always clean them up.
+
+Every test here carries the `integration` marker (added below, so no module can forget it): `make test-fast`
+leaves them out with `-m "not integration"`. Nothing here is rerun: a test that slips under load is a test to
+fix (wait on an event or a count, not the wall clock), or one that carries its own `flaky` marker with its
+reason written next to it."""
 
 from __future__ import annotations
 
@@ -9,16 +14,13 @@ import pytest
 
 from .harness import Cluster
 
-RERUNS = 1
-"""Integration tests run real node processes on a shared 2-core machine, where a timing can slip now and then;
-each may run once more, with fresh nodes. A test that fails twice fails, and pytest's summary lists every rerun
-(`R`), so a flaky test stays visible instead of being hidden."""
+HERE = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "tests/integration/" in str(item.path) and not item.get_closest_marker("flaky"):
-            item.add_marker(pytest.mark.flaky(reruns=RERUNS))
+        if HERE in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture

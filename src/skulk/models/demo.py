@@ -16,10 +16,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from skulk.models.cards import model_dir_name
@@ -27,6 +25,9 @@ from skulk.models.demo_embed import EMBED_MODEL_ID, EMBED_SEED, EMBED_SHAPE, gen
 from skulk.types.ids import ModelId
 from skulk.types.memory import Memory
 from skulk.types.models import ModelCard
+
+if TYPE_CHECKING:  # torch loads only to generate weights: the node imports this module's ids
+    import torch
 
 DEMO_MODEL_ID = ModelId("skulk/tiny-random-llama")
 DEMO_SEED = 0
@@ -157,6 +158,8 @@ def generate_random_llama(
     _write_json(path / "config.json", config)
     generation = {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]}
     _write_json(path / "generation_config.json", generation)
+    from safetensors.torch import save_file
+
     save_file(_random_weights(config, seed), str(path / "model.safetensors"), metadata={"format": "pt"})
     _write_json(path / "tokenizer.json", json.loads(byte_tokenizer().to_str()))
     _write_json(path / "tokenizer_config.json", _tokenizer_config())
@@ -231,6 +234,8 @@ def _llama_config(
 
 def _random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Weights drawn in a fixed name order from one seeded CPU generator; norms are ones, as at HF init."""
+    import torch
+
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     head_dim = config["head_dim"]
     q_dim, kv_dim = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim

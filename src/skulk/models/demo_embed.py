@@ -16,15 +16,16 @@ import json
 import string
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from skulk.types.ids import ModelId
 from skulk.types.memory import Memory
 from skulk.types.models import ModelCard
+
+if TYPE_CHECKING:  # torch loads only to generate weights: the node imports this module's ids
+    import torch
 
 EMBED_MODEL_ID = ModelId("skulk/tiny-random-embed")
 EMBED_SEED = 2
@@ -65,6 +66,8 @@ def generate_random_bert(path: Path, *, hidden_size: int, n_layers: int, n_heads
     path.mkdir(parents=True, exist_ok=True)
     config = _bert_config(hidden_size, n_layers, n_heads, intermediate_size)
     _write_json(path / "config.json", config)
+    from safetensors.torch import save_file
+
     save_file(_random_weights(config, seed), str(path / "model.safetensors"), metadata={"format": "pt"})
     _write_json(path / "tokenizer.json", json.loads(wordpiece_tokenizer().to_str()))
     _write_json(path / "tokenizer_config.json", {
@@ -159,6 +162,8 @@ def bert_weight_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...
 
 def _random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Drawn in a fixed order from one seeded CPU generator; LayerNorms are ones and zeros, as at HF init."""
+    import torch
+
     gen = torch.Generator(device="cpu").manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
     for name, shape in bert_weight_shapes(config):
