@@ -5,6 +5,8 @@ once as a bf16 checkpoint and loaded as f32, f16, bf16, and quantized at load to
 kernels, bf16 activations). For each format, interleaved over --rounds so noise hits all alike (medians):
   decode tok/s of one greedy stream (a batched forward of one row with the KV cache, as the engine steps)
   decode tok/s of 8 streams together ÷ one stream                                    (target >= 3)
+  8 streams on the paged cache (blocks of PAGE positions, scattered over the pool) ÷ on one contiguous block
+  per stream (the layout before paging)                                              (target >= 0.95)
   prefill tok/s of a 512-token prompt
   weight bytes in memory
   per-step Python overhead: the decode step time of a model with the same structure and tiny weights (hidden 64,
@@ -17,7 +19,7 @@ prompt and token count) and prefill (same 512 tokens) run in the same rounds, wi
 f16↔f16, bf16↔bf16, int8↔q8_0, int4↔Q4_0 (targets: decode >= 0.9 everywhere, prefill >= 0.9 at f16/bf16).
 
 Run: .venv/bin/python bench/engine.py [--rounds 3] [--tokens 32] [--threads 2] [--formats f16,int4] [--no-llama]
-                                  [--clock wall|cpu]
+                                  [--clock wall|cpu] [--context 16]
      (formats: f32 f16 bf16 int8 int4, f16-native / bf16-native: see NATIVE, *-avx2: see AVX2)
 """
 
@@ -58,6 +60,7 @@ AVX2 = "-avx2"
 the kernels built without extensions (cpu_kernels.extension_flags: VNNI, AVX-512 BF16) and bf16 prefill as an f32
 GEMM (matmul.native_bf16_gemm), side by side with the vpdpbusd / vdpbf16ps / bf16-GEMM paths."""
 PREFILL = 512
+PAGE = 32  # engine.DEFAULT_BLOCK_SIZE
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = time.perf_counter
 """--clock cpu times with the process's CPU time instead of the wall clock: with --threads 1 on a shared, loaded
@@ -83,17 +86,26 @@ def write_model(path: Path, shape: dict[str, int]) -> tuple[dict[str, Any], dict
     return config, weights
 
 
-def decode_tps(model: ModelSlice, streams: int, tokens: int) -> float:
-    cache = model.make_cache(streams, 256)
-    prompt = 16
+def decode_tps(model: ModelSlice, streams: int, tokens: int, block: int | None = None, prompt: int = 16) -> float:
+    """Greedy decode of `streams` rows after a `prompt`-token prefill; block: a paged cache of blocks of that many
+    positions, each stream's blocks shuffled over the pool as a long-running server's are (None: one contiguous
+    block per stream)."""
+    size = prompt + tokens
+    if block is None:
+        cache, tables = model.make_cache(streams, size), torch.arange(streams, dtype=torch.int32).view(streams, 1)
+    else:
+        per = -(-size // block)
+        cache = model.make_cache(streams * per, block)
+        order = torch.randperm(streams * per, generator=torch.Generator().manual_seed(1))
+        tables = order.to(torch.int32).view(streams, per)
     with torch.inference_mode():
         ids = torch.randint(0, model.args.vocab_size, (streams, prompt))
-        model(ids, StepBatch.build(torch.arange(prompt).repeat(streams, 1), 0), cache, last_only=True)
+        model(ids, StepBatch.build(torch.arange(prompt).repeat(streams, 1), tables), cache, last_only=True)
         next_ids = torch.zeros(streams, 1, dtype=torch.long)
         start = clock()
         for step in range(tokens):
             positions = torch.full((streams, 1), prompt + step)
-            logits = model(next_ids, StepBatch.build(positions, 0, kv_len=prompt + step + 1), cache)
+            logits = model(next_ids, StepBatch.build(positions, tables, kv_len=prompt + step + 1), cache)
             next_ids = logits[:, -1].argmax(-1, keepdim=True)
     return streams * tokens / (clock() - start)
 
@@ -159,8 +171,10 @@ def load_llama_cpp(root: Path, config: dict[str, Any], weights: dict[str, torch.
     return {kind: llama_cpp_side.LlamaCpp(paths[kind], threads, clock) for kind in sorted(wanted)}
 
 
-def measure_ours(model: ModelSlice, tiny: ModelSlice, tokens: int) -> dict[str, float]:
-    return {"one": decode_tps(model, 1, tokens), "eight": decode_tps(model, 8, tokens),
+def measure_ours(model: ModelSlice, tiny: ModelSlice, tokens: int, context: int) -> dict[str, float]:
+    """context: the prompt before the 8-stream decodes on the contiguous and the paged cache."""
+    return {"one": decode_tps(model, 1, tokens), "eight": decode_tps(model, 8, tokens, prompt=context),
+            "paged": decode_tps(model, 8, tokens, block=PAGE, prompt=context),
             "prefill": prefill_tps(model), "tiny": decode_tps(tiny, 1, tokens)}
 
 
@@ -172,7 +186,7 @@ def run_rounds(models: dict[str, ModelSlice], tiny: dict[str, ModelSlice], their
         print(f"round {round_ + 1} of {args.rounds}", file=sys.stderr, flush=True)
         for name, model in models.items():
             with matmuls_for(name):
-                figures = measure_ours(model, tiny[name], args.tokens)
+                figures = measure_ours(model, tiny[name], args.tokens, args.context)
             their = theirs.get(llama_cpp_side.PAIRS.get(name, ""))
             if their is not None:
                 figures |= {"their-one": their.decode_tps(args.tokens), "their-prefill": their.prefill_tps(PREFILL)}
@@ -193,11 +207,16 @@ def report(models: dict[str, ModelSlice], theirs: dict[str, llama_cpp_side.Llama
     print(f"random Llama {SHAPE}, {args.threads} threads, {args.tokens} decode tokens, {PREFILL}-token prefill, "
           f"medians of {args.rounds} interleaved rounds (tok/s by the {args.clock} clock; ratios: medians of each "
           f"round's ratio)")
-    print(f"{'ours':11} {'decode':>7} {'8str÷1':>7} {'prefill':>8} {'MB':>6} {'ovh%':>5} | {'llama.cpp':9} "
+    print(f"8 streams at {args.context}-{args.context + args.tokens} positions; pg÷ct: paged (blocks of {PAGE}) ÷ "
+          "contiguous")
+    print(f"{'ours':11} {'decode':>7} {'8str÷1':>7} {'pg÷ct':>6} {'prefill':>8} {'MB':>6} {'ovh%':>5} | "
+          f"{'llama.cpp':9} "
           f"{'decode':>7} {'prefill':>8} {'MB':>6} | {'dec÷':>5} {'pre÷':>5}")
     for name, model in models.items():
-        one, eight, prefill, tiny = (results[f"{name}/{k}"] for k in ("one", "eight", "prefill", "tiny"))
-        line = (f"{name:11} {median[f'{name}/one']:7.1f} {paired(eight, one):7.2f} {median[f'{name}/prefill']:8.1f} "
+        keys = ("one", "eight", "paged", "tiny", "prefill")
+        one, eight, paged, tiny, prefill = (results[f"{name}/{k}"] for k in keys)
+        line = (f"{name:11} {median[f'{name}/one']:7.1f} {paired(eight, one):7.2f} {paired(paged, eight):6.3f} "
+                f"{median[f'{name}/prefill']:8.1f} "
                 f"{weight_bytes(model) / 1e6:6.0f} {100 * paired(one, tiny):5.1f} |")
         base = base_format(name)
         kind = llama_cpp_side.PAIRS.get(base, "")
@@ -218,6 +237,7 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--no-llama", action="store_true", help="leave llama.cpp out even when installed")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    parser.add_argument("--context", type=int, default=16, help="prompt positions before the 8-stream decodes")
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]

@@ -33,7 +33,7 @@ from skulk.worker.supervisor import RunnerSupervisor, SupervisorCallbacks
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
 PROMPTS = {"a": [258, *b"hello there", 259, 10], "b": [*b"abc def ghi jkl", 10, 258]}
-PROMPTS["c"] = [*PROMPTS["a"], *b"and more"]  # starts from a's retained KV on every rank
+PROMPTS["c"] = [*PROMPTS["a"], *b"and more"]  # starts from a's cached blocks on every rank
 # each batch runs to completion before the next: a and b alone, then both concurrently, then c
 BATCHES = [["a"], ["b"], ["a", "b"], ["c"]]
 Layers = list[tuple[int, int]]
@@ -44,12 +44,18 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_demo_model(tmp_path_factory.mktemp("models"))
 
 
+CONTEXT = 40
+"""The ranks' cache (rank_main): blocks of 4 positions and the smallest pool (11 blocks: one request of the whole
+context), so a and b together (8 + 9 blocks) cannot both grow: one is preempted and resumed on every rank."""
+
+
 @pytest.fixture(scope="module")
 def single_rank(demo_dir: Path) -> dict[str, list[int]]:
-    """Each prompt on a fresh engine: the cold truth that reused prefixes must reproduce."""
+    """Each prompt alone on a fresh engine whose cache is contiguous (one block of the whole context per request,
+    the layout before paging): the cold truth that paging, shared prefixes and preemption must reproduce."""
     outs: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
     for rid, prompt in PROMPTS.items():
-        engine = TorchEngine(demo_dir, max_batch=8, max_seq=512)
+        engine = TorchEngine(demo_dir, max_batch=8, max_seq=CONTEXT, block_size=CONTEXT)
         engine.add_request(rid, prompt, GREEDY)
         while engine.has_work():
             for tok in engine.step():
@@ -81,7 +87,8 @@ def rank_main(spec: RunnerSpec, results: Any, hang_after_warmup: bool) -> None:
         spec.model_dir, rank=group.rank, world_size=group.world_size,
         kind="tensor" if spec.sharding == Sharding.Tensor else "pipeline",
         start_layer=spec.shard.start_layer, end_layer=spec.shard.end_layer, control_group=group.control,
-        max_seq=512, prefill_chunk=4,  # every prompt spans several chunks, interleaved with decodes in a batch
+        prefill_chunk=4,  # every prompt spans several chunks, interleaved with decodes in a batch
+        max_seq=CONTEXT, block_size=4, kv_cache_bytes=0,
     )
     group.wait_all_loaded(60)
     engine.warmup()
@@ -94,6 +101,7 @@ def rank_main(spec: RunnerSpec, results: Any, hang_after_warmup: bool) -> None:
     outs: dict[str, list[int]] = {}
     if engine.is_scheduler:
         _schedule(engine)
+        results.put(("preemptions", engine.preemptions))
     else:
         while not engine.closed:
             for tok in engine.step():
@@ -151,11 +159,12 @@ def test_greedy_output_equals_single_rank(
 ) -> None:
     procs, results = start_ranks(demo_dir, layers, sharding)
     try:
-        tokens: dict[str, list[int]] | None = None
-        while tokens is None:
+        got: dict[str, Any] = {}
+        while len(got) < 2:
             kind, value = results.get(timeout=120)
-            if kind == "tokens":
-                tokens = value
+            if kind in ("tokens", "preemptions"):
+                got[kind] = value
+        tokens = got["tokens"]
         for proc in procs:
             proc.join(30)
         assert [p.exitcode for p in procs] == [0] * len(procs)
@@ -164,6 +173,7 @@ def test_greedy_output_equals_single_rank(
     expected = {f"{rid}{n}": single_rank[rid] for n, batch in enumerate(BATCHES) for rid in batch}
     assert tokens == expected
     assert all(len(ids) == GREEDY.max_tokens for ids in tokens.values())
+    assert got["preemptions"] >= 1  # a and b did not fit together: one was preempted, and resumed to these tokens
 
 
 @pytest.mark.timeout(120)

@@ -120,9 +120,31 @@ def test_decode_attention_matches_sdpa_with_the_step_mask(dtype: torch.dtype, wi
         mask = mask & near
     expected = F.scaled_dot_product_attention(
         q.float(), keys[1:4, :, :31].float(), values[1:4, :, :31].float(), attn_mask=mask, enable_gqa=True)
-    got = cpu_kernels.decode_attention(q, keys[1:], values[1:], positions, window, dim**-0.5)
+    got = cpu_kernels.decode_attention(q, keys, values, positions, batch.tables, window, dim**-0.5)
     tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert got.dtype == dtype and torch.allclose(got.float(), expected, rtol=tolerance, atol=tolerance)
+    for block in (4, 8, 5):  # the same cache paged: blocks scattered over a pool (5: blocks cut 4-key groups)
+        pool_k, pool_v, tables = paged(keys, values, block)
+        paged_out = cpu_kernels.decode_attention(q, pool_k, pool_v, positions, tables[1:4], window, dim**-0.5)
+        assert torch.allclose(paged_out.float(), got.float(), rtol=tolerance, atol=tolerance)
+
+
+def paged(keys: torch.Tensor, values: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A contiguous cache [slots, Hkv, max_seq, D] as a paged one: each slot's positions in blocks of `block`, the
+    blocks in a shuffled order over a pool with a spare block; returns the pools and each slot's block table."""
+    slots, kv_heads, max_seq, dim = keys.shape
+    per_slot = -(-max_seq // block)
+    order = torch.randperm(slots * per_slot + 1, generator=_gen(9))
+    pool_k = torch.zeros(slots * per_slot + 1, kv_heads, block, dim, dtype=keys.dtype)
+    pool_v = torch.zeros_like(pool_k)
+    tables = order[: slots * per_slot].view(slots, per_slot).to(torch.int32)
+    for s in range(slots):
+        for j in range(per_slot):
+            part = slice(j * block, min((j + 1) * block, max_seq))
+            rows = part.stop - part.start
+            pool_k[tables[s, j], :, :rows] = keys[s, :, part]
+            pool_v[tables[s, j], :, :rows] = values[s, :, part]
+    return pool_k, pool_v, tables
 
 
 FAMILIES = ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen3-0.6B", "google/gemma-3-1b-it")

@@ -1,4 +1,5 @@
-"""The engine's scheduling on the demo model: chunked prefill interleaved with decode, and prefix reuse.
+"""The engine's scheduling on the demo model: chunked prefill interleaved with decode, and prefix reuse through the
+paged cache's shared blocks.
 
 Counted in steps, never in time: a long prompt must not stop running streams for more than one step at a
 time, and a reused prefix must give exactly the tokens a cold engine gives.
@@ -18,14 +19,11 @@ from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.schedule import (
     CHUNK_STEPS,
     MIN_CHUNK,
-    Retained,
     can_admit,
-    choose_reuse,
     chunk_tokens,
     common_prefix,
     next_kind,
     share_chunk,
-    spare_slot,
 )
 from skulk.engines.torch.wire import MAX_ADMITS, Started, StepKind
 from skulk.models.demo import ensure_demo_model
@@ -68,9 +66,9 @@ def reused(engine: TorchEngine) -> dict[str, int]:
     return {e.request_id: e.reused_tokens for e in engine.take_events() if isinstance(e, Started)}
 
 
-def expected_reuse(history: list[int], new: list[int]) -> int:
-    """What a retained history of tokens (its last token has no KV) offers a new prompt."""
-    return min(common_prefix(history[:-1], new), len(new) - 1)
+def expected_reuse(history: list[int], new: list[int], block: int = 32) -> int:
+    """What a cached history of tokens (its last token has no KV) offers a new prompt: its full shared blocks."""
+    return min(common_prefix(history[:-1], new), len(new) - 1) // block * block
 
 
 def forcing(request_id: str, token: int) -> Any:
@@ -113,22 +111,6 @@ def test_chunks_are_steered_to_most_of_a_decode_step_beside_running_streams() ->
     assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=(512, 8.0)) == 4  # never below the floor
     assert chunk_tokens(2, decoding=True, decode_s=0.04, last_chunk=(2, 0.001)) == 2  # nor above the setting
     assert chunk_tokens(512, decoding=True, decode_s=0.04, last_chunk=(64, 0.0)) == 128  # it added nothing
-
-
-def test_reuse_takes_the_longest_shared_prefix_and_leaves_the_last_token() -> None:
-    entries = [Retained(3, 5, 1, (1, 2, 3, 4, 5)), Retained(4, 3, 2, (1, 2, 9))]
-    assert choose_reuse(entries, [1, 2, 3, 4, 5, 6]) == (3, 5)
-    assert choose_reuse(entries, [1, 2, 3]) == (3, 2)  # the prompt's last token is always computed
-    assert choose_reuse(entries, [7, 1, 2]) == (-1, 0)
-    assert choose_reuse(entries, [1, 2, 9, 9]) == (4, 3)
-
-
-def test_a_spare_slot_is_empty_or_the_least_recent() -> None:
-    held = {5: Retained(5, 9, 2), 6: Retained(6, 9, 1), 7: Retained(7, 9, 3)}
-    assert spare_slot(held, 4, 8, keep=set()) == 4
-    assert spare_slot(held, 5, 8, keep=set()) == 6
-    assert spare_slot(held, 5, 8, keep={6}) == 5
-    assert spare_slot(held, 7, 8, keep={7}) is None
 
 
 # --- chunked prefill ---------------------------------------------------------------------------------------
@@ -231,7 +213,8 @@ def test_the_next_turn_starts_from_the_previous_turns_kv(demo_dir: Path) -> None
     assert reused(engine) == {"t1": 0}
     second = [*first, *reply, *b" and then?", 259]
     assert run(engine, {"t2": second})["t2"] == cold(demo_dir, second)
-    assert reused(engine) == {"t2": len(first) + len(reply) - 1}  # the last reply token's KV was never computed
+    # every full block before the last reply token (whose KV was never computed)
+    assert reused(engine) == {"t2": (len(first) + len(reply) - 1) // 32 * 32} == {"t2": 384}
 
 
 def test_reuse_misses_a_different_prompt_and_stops_where_prompts_diverge(demo_dir: Path) -> None:
@@ -243,23 +226,23 @@ def test_reuse_misses_a_different_prompt_and_stops_where_prompts_diverge(demo_di
     assert run(engine, {"other": other})["other"] == cold(demo_dir, other)
     diverged = [*base[:120], *prompt(80, salt=9)[1:]]
     assert run(engine, {"diverged": diverged})["diverged"] == cold(demo_dir, diverged)
-    # other shares only the BOS token; base's prefix survives other taking its slot
-    assert reused(engine) == {"base": 0, "other": 1, "diverged": expected_reuse(history, diverged)}
-    assert expected_reuse(history, diverged) >= 120
+    # other shares only the BOS token, less than a block; base's blocks survive other's run
+    assert reused(engine) == {"base": 0, "other": 0, "diverged": expected_reuse(history, diverged)}
+    assert expected_reuse(history, diverged) == 96
 
 
 def test_two_conversations_keep_their_prefixes_while_taking_turns(demo_dir: Path) -> None:
     engine = TorchEngine(demo_dir, max_seq=1024, max_batch=4)
     a1, b1 = prompt(150), prompt(150, salt=5)
     history = [*a1, *run(engine, {"a1": a1})["a1"]]
-    run(engine, {"b1": b1})  # takes slot 0: a1's prefix is parked in a spare slot, not lost
+    run(engine, {"b1": b1})  # its blocks come from the free ones: a1's cached blocks are not evicted
     a2 = [*a1, *b"next"]
     assert run(engine, {"a2": a2})["a2"] == cold(demo_dir, a2)
-    assert reused(engine)["a2"] == expected_reuse(history, a2) >= len(a1)
+    assert reused(engine)["a2"] == expected_reuse(history, a2) == len(a1) // 32 * 32
 
 
 def test_two_next_turns_admitted_together_each_reuse_their_own_prefix(demo_dir: Path) -> None:
-    """One step admits both: the second admission's choice of prefix sees the slots the first one moved."""
+    """One step admits both, each onto its own cached blocks."""
     engine = TorchEngine(demo_dir, max_seq=1024, max_batch=4)
     a1, b1 = prompt(150), prompt(150, salt=5)
     histories = {k: [*v, *run(engine, {k: v})[k]] for k, v in (("a1", a1), ("b1", b1))}
@@ -272,7 +255,7 @@ def test_two_next_turns_admitted_together_each_reuse_their_own_prefix(demo_dir: 
     got = reused(engine)
     assert got == {"a2": expected_reuse(histories["a1"], turns["a2"]),
                    "b2": expected_reuse(histories["b1"], turns["b2"])}
-    assert min(got.values()) >= 150
+    assert min(got.values()) == 128
     assert drain(engine, tokens) == {rid: cold(demo_dir, ids) for rid, ids in turns.items()}
 
 
@@ -283,8 +266,8 @@ def test_a_request_leaving_mid_batch_leaves_its_prefix(demo_dir: Path) -> None:
     engine.add_request("long", prompt(30), SamplingParams(max_tokens=40, temperature=0))
     engine.add_request("short", short, SamplingParams(max_tokens=3, temperature=0))
     history = list(short)
-    while engine.has_work():  # short leaves first, from the middle of the batch: its KV is swapped out, kept
+    while engine.has_work():  # short leaves first, from the middle of the batch: its full blocks stay cached
         history += [o.token_id for o in engine.step() if o.request_id == "short"]
     again = [*short, *b"!"]
     assert run(engine, {"again": again})["again"] == cold(demo_dir, again)
-    assert reused(engine)["again"] == expected_reuse(history, again) >= len(short)
+    assert reused(engine)["again"] == expected_reuse(history, again) == len(short) // 32 * 32

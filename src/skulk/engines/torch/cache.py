@@ -1,9 +1,12 @@
-"""The KV cache: one preallocated buffer per layer, one row (slot) per request, never reallocated.
+"""The paged KV cache: per layer one pool of fixed-size blocks, [num_blocks, n_kv_heads, block_size, head_dim],
+never reallocated; each request reads and writes through its block table (blocks.BlockAllocator decides which
+blocks; this module only moves tensors).
 
-Layout per layer is [max_slots, n_kv_heads, max_seq, head_dim]. A step works on a contiguous range of slots,
-so the rows it reads are a view of the buffer, not a gather; the engine keeps running requests packed into
-slots [0, n) by moving the last request into a freed slot (one copy per finished request, none per token).
-Stale entries past a request's length are never read: the attention mask stops at each slot's length.
+Position p of a request lives in block table[p // block_size], row p % block_size. A decode step's kernels read
+the blocks in place (cpu_step.c walks each row's table block by block); the torch path (prefill chunks, other
+devices) writes through the same index and gathers a step's blocks into a contiguous view to attend. Stale rows
+past a request's length are never attended: the mask (and the kernels' loop bounds) stop at each row's position.
+A pool of one block per request of the whole context is exactly the old contiguous per-slot layout.
 """
 
 from __future__ import annotations
@@ -17,30 +20,36 @@ import torch
 class StepBatch:
     """Where one forward pass reads and writes: built once per step and shared by every layer.
 
-    positions[b, t] is the absolute position of input token t of batch row b, which is also where its key and
-    value are stored in slot slots.start + b. mask[b, 0, t, s] allows key s for that token (s <= position).
+    positions[b, t] is the absolute position of input token t of batch row b; tables[b] is that row's block table
+    (int32, padded with 0 past the blocks it holds: never read). mask[b, 0, t, s] allows key s for that token.
     """
 
-    slots: slice
-    rows: torch.Tensor  # [B, 1] row index into the slot range, for scatter writes
+    tables: torch.Tensor  # [B, n_blocks] int32
     positions: torch.Tensor  # [B, T]
     mask: torch.Tensor  # [B, 1, T, kv_len] bool
     kv_len: int
     window: int = 0  # a sliding-window layer's batch: each token sees its last `window` keys only (0: all)
 
     @classmethod
-    def build(cls, positions: torch.Tensor, slot_start: int, kv_len: int | None = None) -> StepBatch:
-        """A batch over slots [slot_start, slot_start + B) whose tokens sit at positions ([B, T] long).
+    def build(cls, positions: torch.Tensor, tables: torch.Tensor | int, kv_len: int | None = None) -> StepBatch:
+        """A batch whose row b sits at positions[b] ([B, T] long) through block table tables[b]; an int `first`
+        gives row b the one block first + b (a cache whose blocks hold a whole sequence: one per slot).
 
         kv_len is max(positions) + 1; a caller that knows it passes it to spare a device sync per step.
         """
         batch = positions.shape[0]
+        if isinstance(tables, int):
+            tables = torch.arange(tables, tables + batch, dtype=torch.int32, device=positions.device).view(batch, 1)
         if kv_len is None:
             kv_len = int(positions.max().item()) + 1
         keys = torch.arange(kv_len, device=positions.device)
         mask = keys.view(1, 1, 1, kv_len) <= positions.view(batch, 1, -1, 1)
-        rows = torch.arange(batch, device=positions.device).view(batch, 1)
-        return cls(slice(slot_start, slot_start + batch), rows, positions, mask, kv_len)
+        return cls(tables, positions, mask, kv_len)
+
+    def write_index(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, row) of every input token in a cache of block_size positions a block, [B, T] each."""
+        blocks = self.tables.long().gather(1, torch.div(self.positions, block_size, rounding_mode="floor"))
+        return blocks, self.positions % block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,20 +68,40 @@ class MixedBatch:
 
 
 class LayerCache:
-    """Keys and values of one layer for every slot."""
+    """Keys and values of one layer: a pool of blocks [num_blocks, n_kv_heads, block_size, head_dim]."""
 
     def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> None:
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = _pool(shape, dtype, device)
+        self.values = _pool(shape, dtype, device)
 
     def update(
         self, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the step's keys/values ([B, H, T, D]) in place; return views of each slot's first kv_len."""
-        keys, values = self.keys[batch.slots], self.values[batch.slots]
-        keys[batch.rows, :, batch.positions] = k.transpose(1, 2)
-        values[batch.rows, :, batch.positions] = v.transpose(1, 2)
-        return keys[:, :, : batch.kv_len], values[:, :, : batch.kv_len]
+        """Store the step's keys/values ([B, H, T, D]) through the block tables; return each row's first kv_len
+        positions gathered contiguous ([B, H, kv_len, D])."""
+        blocks, rows = batch.write_index(self.keys.shape[2])
+        self.keys[blocks, :, rows] = k.transpose(1, 2)
+        self.values[blocks, :, rows] = v.transpose(1, 2)
+        return self.gather(batch.tables, batch.kv_len)
+
+    def gather(self, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each table's first `length` positions as contiguous [B, H, length, D] keys and values."""
+        size = self.keys.shape[2]
+        used = tables[:, : -(-length // size)].long()
+        b, n = used.shape
+        keys = self.keys[used].transpose(1, 2).reshape(b, self.keys.shape[1], n * size, -1)
+        values = self.values[used].transpose(1, 2).reshape(b, self.values.shape[1], n * size, -1)
+        return keys[:, :, :length], values[:, :, :length]
+
+
+def _pool(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool. A large one on the CPU comes from fresh pages the kernel maps zeroed on first touch, so memory
+    follows the blocks actually used; a small one (from the heap, maybe dirty) is zeroed: a gathered block's unused
+    rows are masked, but a NaN there would still poison the weighted sum."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    if device.type != "cpu" or tensor.nbytes < (64 << 20):
+        tensor.zero_()
+    return tensor
 
 
 class KVCache:
@@ -81,32 +110,29 @@ class KVCache:
     def __init__(
         self,
         n_layers: int,
-        max_slots: int,
+        num_blocks: int,
         n_kv_heads: int,
-        max_seq: int,
+        block_size: int,
         head_dim: int,
         *,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (max_slots, n_kv_heads, max_seq, head_dim)
-        self.max_slots, self.max_seq = max_slots, max_seq
+        shape = (num_blocks, n_kv_heads, block_size, head_dim)
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.layers = [LayerCache(shape, dtype, torch.device(device)) for _ in range(n_layers)]
 
-    def move_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the first length positions of slot src into slot dst (compaction after a request leaves)."""
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: block dst gets block src's keys and values in every layer."""
         for layer in self.layers:
-            layer.keys[dst, :, :length] = layer.keys[src, :, :length]
-            layer.values[dst, :, :length] = layer.values[src, :, :length]
-
-    def swap_slots(self, a: int, b: int, length: int) -> None:
-        """Exchange the first length positions of two slots (a leaving request and the last running one)."""
-        for layer in self.layers:
-            for buf in (layer.keys, layer.values):
-                held = buf[a, :, :length].clone()
-                buf[a, :, :length] = buf[b, :, :length]
-                buf[b, :, :length] = held
+            layer.keys[dst] = layer.keys[src]
+            layer.values[dst] = layer.values[src]
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self.layers for t in (layer.keys, layer.values))
+
+    @staticmethod
+    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """KV bytes one position costs in a slice: a key and a value per kv head per layer."""
+        return 2 * n_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

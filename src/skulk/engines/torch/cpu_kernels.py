@@ -151,21 +151,20 @@ def library() -> ctypes.CDLL | None:
     lib.skulk_quant_mv.restype = None
     lib.skulk_rms_norm.argtypes = [ptr, i32, i32, i32, ptr, i32, ctypes.c_float, i32, ptr]
     lib.skulk_rms_norm.restype = None
-    lib.skulk_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr, ptr, i32, ctypes.c_float,
-                                           ptr]
+    lib.skulk_decode_attention.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, ptr, ptr, i32, i32, i32,
+                                           ctypes.c_float, ptr]
     lib.skulk_decode_attention.restype = None
-    lib.skulk_qkv_rope.argtypes = [ptr, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ctypes.c_float, i32, ptr, ptr, ptr,
-                                   ptr, i32, ptr]
+    lib.skulk_qkv_rope.argtypes = [ptr, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ctypes.c_float, i32, ptr, ptr, i32,
+                                   i32, ptr, ptr, ptr]
     lib.skulk_qkv_rope.restype = None
     lib.skulk_add_rms_norm.argtypes = [ptr, ptr, i32, i32, i32, ptr, i32, ctypes.c_float, i32, ptr, ptr]
     lib.skulk_add_rms_norm.restype = None
     lib.skulk_act_mul.argtypes = [ptr, i32, i32, i32, i32, ptr]
     lib.skulk_act_mul.restype = None
-    lib.skulk_decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, ptr,
-                                       i32]
+    lib.skulk_decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ptr, ptr, i32, i32, ptr, ptr, i32, i32, ptr, ptr, i32,
+                                       ptr, ptr]
     lib.skulk_decode_layer.restype = None
-    lib.skulk_decode_layers.argtypes = [ptr, i32, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
-                                        ctypes.c_size_t, i32]
+    lib.skulk_decode_layers.argtypes = [ptr, i32, ptr, ptr, ptr, i32, i32, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, ptr]
     lib.skulk_decode_layers.restype = None
     return lib
 
@@ -254,38 +253,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     return out
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, window: int,
-                     scale: float) -> torch.Tensor:
-    """One query per row against its cached keys: q [B, H, 1, D]; keys/values the cache's [slots, Hkv, max_seq, D]
-    from the step's first slot; positions [B, 1] (the query's position: it sees keys up to it, and only the last
-    `window` of them when window > 0). Returns [B, H, 1, D] as scaled_dot_product_attention would."""
+def _tables(tables: torch.Tensor) -> torch.Tensor:
+    """Block tables as the kernels read them: int32, rows contiguous."""
+    return tables if tables.dtype == torch.int32 and tables.is_contiguous() else tables.to(torch.int32).contiguous()
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     tables: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """One query per row against its cached keys: q [B, H, 1, D]; keys/values a layer's paged cache [blocks, Hkv,
+    block_size, D]; positions [B, 1] (the query's position: it sees keys up to it, and only the last `window` of
+    them when window > 0); tables [B, n] each row's block table. Returns [B, H, 1, D] as scaled_dot_product_attention
+    would."""
     lib = library()
     assert lib is not None
     b, h, _, d = q.shape
-    q, positions = q.contiguous(), positions.to(torch.int64).contiguous()
+    q, positions, tables = q.contiguous(), positions.to(torch.int64).contiguous(), _tables(tables)
     out = torch.empty_like(q)
     lib.skulk_decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), _TYPES[q.dtype], b, h, keys.shape[1],
-                               d, keys.shape[2], positions.data_ptr(), None, window, scale, out.data_ptr())
+                               d, positions.data_ptr(), tables.data_ptr(), tables.shape[1], keys.shape[2], window,
+                               scale, out.data_ptr())
     return out
 
 
 def qkv_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, torch.Tensor],
              norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float, unit_offset: bool, positions: torch.Tensor,
-             keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+             tables: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """A decode step's attention inputs in one call: from the stacked projection's output qkv [B, 1, (H + 2 Hkv) D],
     per-head q/k norms (norms: their weights, if the model has them), rope (cos and sign-folded sin [B, 1, 1, D]),
-    k and v stored at each row's position of the cache (keys/values from the step's first slot); returns the
-    rotated q [B, H, 1, D]."""
+    k and v stored at each row's position of the paged cache through its block table; returns the rotated q
+    [B, H, 1, D]."""
     lib = library()
     assert lib is not None
     b = qkv.shape[0]
-    qkv, positions = qkv.contiguous(), positions.to(torch.int64).contiguous()
+    qkv, positions, tables = qkv.contiguous(), positions.to(torch.int64).contiguous(), _tables(tables)
     cos, sin = rope[0].contiguous(), rope[1].contiguous()
     q = torch.empty((b, heads, 1, head_dim), dtype=qkv.dtype)
     q_norm, k_norm = (norms[0].data_ptr(), norms[1].data_ptr()) if norms is not None else (None, None)
     lib.skulk_qkv_rope(qkv.data_ptr(), _TYPES[qkv.dtype], b, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-                       q_norm, k_norm, eps, int(unit_offset), positions.data_ptr(), None, keys.data_ptr(),
-                       values.data_ptr(), keys.shape[2], q.data_ptr())
+                       q_norm, k_norm, eps, int(unit_offset), positions.data_ptr(), tables.data_ptr(), tables.shape[1],
+                       keys.shape[2], keys.data_ptr(), values.data_ptr(), q.data_ptr())
     return q
 
 
@@ -315,17 +321,17 @@ def act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
 
 
 def decode_layer(desc: LayerDesc, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 window: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """A whole decoder layer for a decode step (x [B, 1, hidden]) in one call; keys/values: the layer's cache from
-    the step's first slot. layers.DecoderLayer builds desc once and decides when this applies."""
+                 window: int, tables: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A whole decoder layer for a decode step (x [B, 1, hidden]) in one call; keys/values: the layer's paged cache,
+    tables: each row's block table. layers.DecoderLayer builds desc once and decides when this applies."""
     lib = library()
     assert lib is not None
-    x, positions = x.contiguous(), positions.to(torch.int64).contiguous()
+    x, positions, tables = x.contiguous(), positions.to(torch.int64).contiguous(), _tables(tables)
     cos, sin = rope[0].contiguous(), rope[1].contiguous()
     out = torch.empty_like(x)
     lib.skulk_decode_layer(ctypes.byref(desc), x.data_ptr(), out.data_ptr(), _TYPES[x.dtype], x.shape[0],
-                           positions.data_ptr(), None, cos.data_ptr(), sin.data_ptr(), window, keys.data_ptr(),
-                           values.data_ptr(), keys.shape[2])
+                           positions.data_ptr(), tables.data_ptr(), tables.shape[1], keys.shape[2], cos.data_ptr(),
+                           sin.data_ptr(), window, keys.data_ptr(), values.data_ptr())
     return out
 
 
@@ -334,7 +340,7 @@ class LayerStack:
     every layer in one call. The pointers are valid while that cache lives: model.ModelSlice keeps one per cache
     (by weak reference) and builds another for a new cache."""
 
-    __slots__ = ("descs", "keys", "max_seq", "n", "slot_bytes", "values", "windows")
+    __slots__ = ("block_size", "descs", "keys", "n", "values", "windows")
 
     def __init__(self, descs: list[LayerDesc], windows: list[int], keys: list[torch.Tensor],
                  values: list[torch.Tensor]) -> None:
@@ -343,22 +349,18 @@ class LayerStack:
         self.windows = (ctypes.c_int * self.n)(*windows)
         self.keys = (ctypes.c_void_p * self.n)(*(k.data_ptr() for k in keys))
         self.values = (ctypes.c_void_p * self.n)(*(v.data_ptr() for v in values))
-        self.slot_bytes = keys[0].stride(0) * keys[0].element_size()
-        self.max_seq = keys[0].shape[2]
+        self.block_size = keys[0].shape[2]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 first_slot: int, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, 1, hidden] through every layer for a step of one token per row: row b sits in slot first_slot + b,
-        or first_slot + slots[b] when slots (int32 [B]) is given, which lets a prefill chunk's tokens be rows of
-        one slot (skulk_decode_layer)."""
+                 tables: torch.Tensor) -> torch.Tensor:
+        """x [B, 1, hidden] through every layer for a step of one token per row: row b at positions[b] through block
+        table tables[b] (a prefill chunk's tokens are rows sharing their request's table: skulk_decode_layer)."""
         lib = library()
         assert lib is not None
-        x, positions = x.contiguous(), positions.to(torch.int64).contiguous()
+        x, positions, tables = x.contiguous(), positions.to(torch.int64).contiguous(), _tables(tables)
         cos, sin = rope[0].contiguous(), rope[1].contiguous()
         out, tmp = torch.empty_like(x), torch.empty_like(x)
-        held = slots.to(torch.int32).contiguous() if slots is not None else None  # alive through the call
-        slot_ptr = held.data_ptr() if held is not None else None
         lib.skulk_decode_layers(self.descs, self.n, x.data_ptr(), out.data_ptr(), tmp.data_ptr(), _TYPES[x.dtype],
-                                x.shape[0], positions.data_ptr(), slot_ptr, cos.data_ptr(), sin.data_ptr(),
-                                self.windows, self.keys, self.values, first_slot * self.slot_bytes, self.max_seq)
+                                x.shape[0], positions.data_ptr(), tables.data_ptr(), tables.shape[1], self.block_size,
+                                cos.data_ptr(), sin.data_ptr(), self.windows, self.keys, self.values)
         return out

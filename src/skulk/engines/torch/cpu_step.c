@@ -81,7 +81,7 @@ static inline __m128 sum4(const __m256 *a, __m128 scale) {
 
 /* scores[h][i] = scale * q[h] . key[start + i] for heads h0..h0+g of one kv head and keys i0..i0+4 */
 static inline __attribute__((always_inline)) void scores_block(const float *qf, int h0, int g, const void *keys,
-                                                               int type, size_t row, int D, int n, int i0,
+                                                               int type, size_t row, int D, int ld, int i0,
                                                                __m128 scale, float *scores) {
     __m256 a[HEAD_TILE][4];
     for (int h = 0; h < g; h++)
@@ -94,14 +94,14 @@ static inline __attribute__((always_inline)) void scores_block(const float *qf, 
             for (int j = 0; j < 4; j++) a[h][j] = _mm256_fmadd_ps(qv, k[j], a[h][j]);
         }
     }
-    for (int h = 0; h < g; h++) _mm_storeu_ps(scores + (size_t)(h0 + h) * n + i0, sum4(a[h], scale));
+    for (int h = 0; h < g; h++) _mm_storeu_ps(scores + (size_t)(h0 + h) * ld + i0, sum4(a[h], scale));
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 /* the same for bf16 queries and keys with vdpbf16ps, 16 pairs per op and no widening (the products of two bf16
  * values are exact in f32, as in the bf16 matmul kernel); D a multiple of 16 */
 static inline __attribute__((always_inline)) void scores_block_bf16(const uint16_t *q, int h0, int g,
-                                                                    const uint16_t *keys, size_t row, int D, int n,
+                                                                    const uint16_t *keys, size_t row, int D, int ld,
                                                                     int i0, __m128 scale, float *scores) {
     __m256 a[HEAD_TILE][4];
     for (int h = 0; h < g; h++)
@@ -115,39 +115,39 @@ static inline __attribute__((always_inline)) void scores_block_bf16(const uint16
             for (int j = 0; j < 4; j++) a[h][j] = _mm256_dpbf16_ps(a[h][j], qv, k[j]);
         }
     }
-    for (int h = 0; h < g; h++) _mm_storeu_ps(scores + (size_t)(h0 + h) * n + i0, sum4(a[h], scale));
+    for (int h = 0; h < g; h++) _mm_storeu_ps(scores + (size_t)(h0 + h) * ld + i0, sum4(a[h], scale));
 }
 #endif
 
 /* scores for the keys i..i+4 and heads h0..h0+g, g a constant where this is inlined */
 static inline __attribute__((always_inline)) void scores_heads(const float *qf, const void *qb, int h0, int g,
-                                                               const void *keys, int type, size_t row, int D, int n,
+                                                               const void *keys, int type, size_t row, int D, int ld,
                                                                int i, __m128 sc, float *scores) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
     if (type == T_BF16 && D % 16 == 0) {
-        scores_block_bf16(qb, h0, g, keys, row, D, n, i, sc, scores);
+        scores_block_bf16(qb, h0, g, keys, row, D, ld, i, sc, scores);
         return;
     }
 #endif
     (void)qb;
-    scores_block(qf, h0, g, keys, type, row, D, n, i, sc, scores);
+    scores_block(qf, h0, g, keys, type, row, D, ld, i, sc, scores);
 }
 
-/* scores [G][n] for the G heads of one kv head against keys start..start+n, 4 keys and HEAD_TILE heads at a time;
- * qb: the heads' queries as the step has them (qf: widened to f32) */
+/* scores [G][ld] (columns 0..n) for the G heads of one kv head against keys start..start+n of one block, 4 keys and
+ * HEAD_TILE heads at a time; qb: the heads' queries as the step has them (qf: widened to f32) */
 static void attention_scores(const float *qf, const void *qb, int G, const void *keys, int type, size_t kv, int start,
-                             int n, int D, float scale, float *scores) {
+                             int n, int ld, int D, float scale, float *scores) {
     const __m128 sc = _mm_set1_ps(scale);
     int i = 0;
     for (; i + 4 <= n; i += 4) {
         const size_t row = kv + (size_t)(start + i) * D;
         for (int h0 = 0; h0 < G; h0 += HEAD_TILE) {
             switch (G - h0 < HEAD_TILE ? G - h0 : HEAD_TILE) {
-            case 1: scores_heads(qf, qb, h0, 1, keys, type, row, D, n, i, sc, scores); break;
-            case 2: scores_heads(qf, qb, h0, 2, keys, type, row, D, n, i, sc, scores); break;
+            case 1: scores_heads(qf, qb, h0, 1, keys, type, row, D, ld, i, sc, scores); break;
+            case 2: scores_heads(qf, qb, h0, 2, keys, type, row, D, ld, i, sc, scores); break;
 #if HEAD_TILE == 4
-            case 3: scores_heads(qf, qb, h0, 3, keys, type, row, D, n, i, sc, scores); break;
-            case 4: scores_heads(qf, qb, h0, 4, keys, type, row, D, n, i, sc, scores); break;
+            case 3: scores_heads(qf, qb, h0, 3, keys, type, row, D, ld, i, sc, scores); break;
+            case 4: scores_heads(qf, qb, h0, 4, keys, type, row, D, ld, i, sc, scores); break;
 #endif
             }
         }
@@ -158,7 +158,7 @@ static void attention_scores(const float *qf, const void *qb, int G, const void 
             for (int d = 0; d < D; d += 8)
                 dot = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (size_t)h * D + d),
                                       load8(keys, type, kv + (size_t)(start + i) * D + d), dot);
-            scores[(size_t)h * n + i] = hsum(dot) * scale;
+            scores[(size_t)h * ld + i] = hsum(dot) * scale;
         }
 }
 
@@ -189,19 +189,25 @@ static float softmax_numerators(float *scores, int n) {
  * widened once and multiplied into every head's sums. `first`: the first pass over these keys, which reads a part
  * of each value row, so it fetches whole rows ahead of itself (without, it waited on memory at every row). */
 static inline __attribute__((always_inline)) void value_cols(const float *probs, int h0, int g, const void *values,
-                                                             int type, size_t kv, int start, int n, int D, int d0,
-                                                             int W, int first, float *outs) {
+                                                             int type, size_t kv, int start, int n, int ld, int D,
+                                                             int d0, int W, int first, int add, size_t next,
+                                                             float *outs) {
     const size_t es = type_size(type);
     __m256 acc[HEAD_TILE][4];
     for (int h = 0; h < g; h++)
-        for (int j = 0; j < W; j++) acc[h][j] = _mm256_setzero_ps();
+        for (int j = 0; j < W; j++)
+            acc[h][j] = add ? _mm256_loadu_ps(outs + (size_t)(h0 + h) * D + d0 + 8 * j) : _mm256_setzero_ps();
     for (int i = 0; i < n; i++) {
         const size_t row = kv + (size_t)(start + i) * D;
-        if (first)
-            for (size_t b = 0; b < (size_t)D * es; b += 64)
-                _mm_prefetch((const char *)values + (row + (size_t)VALUE_AHEAD * D) * es + b, _MM_HINT_T0);
+        if (first) { /* the row VALUE_AHEAD keys on: in this block, or the next block's rows (next) */
+            const size_t ahead = i + VALUE_AHEAD < n ? row + (size_t)VALUE_AHEAD * D
+                                 : next + (size_t)(i + VALUE_AHEAD - n) * D;
+            if (i + VALUE_AHEAD < n || next != (size_t)-1)
+                for (size_t b = 0; b < (size_t)D * es; b += 64)
+                    _mm_prefetch((const char *)values + ahead * es + b, _MM_HINT_T0);
+        }
         __m256 pv[HEAD_TILE];
-        for (int h = 0; h < g; h++) pv[h] = _mm256_set1_ps(probs[(size_t)(h0 + h) * n + i]);
+        for (int h = 0; h < g; h++) pv[h] = _mm256_set1_ps(probs[(size_t)(h0 + h) * ld + i]);
         for (int j = 0; j < W; j++) {
             const __m256 v = load8(values, type, row + d0 + 8 * j);
             for (int h = 0; h < g; h++) acc[h][j] = _mm256_fmadd_ps(pv[h], v, acc[h][j]);
@@ -213,36 +219,46 @@ static inline __attribute__((always_inline)) void value_cols(const float *probs,
 
 /* heads h0..h0+g, every column: 32 at a time (a cache line of bf16 values), then 8 */
 static inline __attribute__((always_inline)) void value_heads(const float *probs, int h0, int g, const void *values,
-                                                              int type, size_t kv, int start, int n, int D,
-                                                              float *outs) {
+                                                              int type, size_t kv, int start, int n, int ld, int D,
+                                                              int add, size_t next, float *outs) {
     int d0 = 0, first = h0 == 0;
-    for (; d0 + 32 <= D; d0 += 32, first = 0) value_cols(probs, h0, g, values, type, kv, start, n, D, d0, 4, first, outs);
-    for (; d0 < D; d0 += 8, first = 0) value_cols(probs, h0, g, values, type, kv, start, n, D, d0, 1, first, outs);
+    for (; d0 + 32 <= D; d0 += 32, first = 0)
+        value_cols(probs, h0, g, values, type, kv, start, n, ld, D, d0, 4, first, add, next, outs);
+    for (; d0 < D; d0 += 8, first = 0)
+        value_cols(probs, h0, g, values, type, kv, start, n, ld, D, d0, 1, first, add, next, outs);
 }
 
-/* outs[h] = sum_i p[h][i] * value[start + i] for the G heads, HEAD_TILE at a time (each count of heads compiled on
- * its own, so the sums stay in registers) */
+/* outs[h] (+)= sum_i p[h][i] * value[start + i] over n keys of one block (probs [G][ld]; add: onto the earlier
+ * blocks' sums) for the G heads, HEAD_TILE at a time (each count of heads compiled on its own, so the sums stay in
+ * registers) */
 static void attention_values(const float *probs, int G, const void *values, int type, size_t kv, int start, int n,
-                             int D, float *outs) {
+                             int ld, int D, int add, size_t next, float *outs) {
     for (int h0 = 0; h0 < G; h0 += HEAD_TILE) {
         switch (G - h0 < HEAD_TILE ? G - h0 : HEAD_TILE) {
-        case 1: value_heads(probs, h0, 1, values, type, kv, start, n, D, outs); break;
-        case 2: value_heads(probs, h0, 2, values, type, kv, start, n, D, outs); break;
+        case 1: value_heads(probs, h0, 1, values, type, kv, start, n, ld, D, add, next, outs); break;
+        case 2: value_heads(probs, h0, 2, values, type, kv, start, n, ld, D, add, next, outs); break;
 #if HEAD_TILE == 4
-        case 3: value_heads(probs, h0, 3, values, type, kv, start, n, D, outs); break;
-        case 4: value_heads(probs, h0, 4, values, type, kv, start, n, D, outs); break;
+        case 3: value_heads(probs, h0, 3, values, type, kv, start, n, ld, D, add, next, outs); break;
+        case 4: value_heads(probs, h0, 4, values, type, kv, start, n, ld, D, add, next, outs); break;
 #endif
         }
     }
 }
 
-/* One query per row (a decode step) against the cache: q [B, H, D], keys/values laid out [slot, Hkv, max_seq, D]
- * from the step's first slot, row b reading slot slots[b] (slots NULL: slot b) and attending its positions
- * [positions[b] + 1 - window, positions[b]] (window 0: all from 0). Grouped-query heads share their kv head (h / (H / Hkv)). Scores, softmax and the weighted sum run
- * in f32; out [B, H, D] in q's dtype. D must be a multiple of 8. */
+/* Where position pos of a request sits in a layer's paged cache ([block, Hkv, block_size, D]): kv head h of its
+ * table's block pos / block_size, row pos % block_size; table: the request's block table (int32). */
+static inline size_t paged_row(const int32_t *table, int Hkv, int h, int bs, int64_t pos, int D) {
+    return (((size_t)table[pos / bs] * Hkv + (size_t)h) * bs + (size_t)(pos % bs)) * D;
+}
+
+/* One query per row (a decode step) against the paged cache: q [B, H, D]; keys/values [block, Hkv, bs, D]; row b
+ * reads through its block table tables + b * stride and attends its positions [positions[b] + 1 - window,
+ * positions[b]] (window 0: all from 0), block by block (scores land side by side, one softmax over them all).
+ * Grouped-query heads share their kv head (h / (H / Hkv)). Scores, softmax and the weighted sum run in f32; out
+ * [B, H, D] in q's dtype. D must be a multiple of 8. */
 void skulk_decode_attention(const void *q, const void *keys, const void *values, int type, int B, int H, int Hkv,
-                            int D, int max_seq, const int64_t *positions, const int32_t *slots, int window, float scale,
-                            void *out) {
+                            int D, const int64_t *positions, const int32_t *tables, int stride, int bs, int window,
+                            float scale, void *out) {
     const int G = H / Hkv;
     size_t keys_read = 0; /* threads pay off from about 128 positions of one row, or 8 rows of 16 */
     for (int b = 0; b < B; b++) keys_read += (size_t)positions[b] + 1;
@@ -251,15 +267,26 @@ void skulk_decode_attention(const void *q, const void *keys, const void *values,
         for (int g = 0; g < Hkv; g++) {
             const int len = (int)positions[b] + 1, start = window > 0 && len > window ? len - window : 0;
             const int n = len - start, h0 = g * G;
-            const size_t kv = ((size_t)(slots ? slots[b] : b) * Hkv + (size_t)g) * max_seq * D;
+            const int32_t *table = tables + (size_t)b * stride;
             float *qf = scratch(((size_t)G * (2 * (size_t)D + n) + 8) * sizeof(float));
             float *acc = qf + (size_t)G * D, *scores = acc + (size_t)G * D;
+            const void *qb = (const char *)q + ((size_t)b * H + h0) * D * type_size(type);
             for (int h = 0; h < G; h++)
-                row_to_f32((const char *)q + ((size_t)b * H + h0 + h) * D * type_size(type), type, D, qf + (size_t)h * D);
-            attention_scores(qf, (const char *)q + ((size_t)b * H + h0) * D * type_size(type), G, keys, type, kv, start,
-                             n, D, scale, scores);
+                row_to_f32((const char *)qb + (size_t)h * D * type_size(type), type, D, qf + (size_t)h * D);
+            for (int p = start; p < len;) { /* one block's keys at a time */
+                const int end = (p / bs + 1) * bs < len ? (p / bs + 1) * bs : len;
+                attention_scores(qf, qb, G, keys, type, paged_row(table, Hkv, g, bs, p, D), 0, end - p, n, D, scale,
+                                 scores + (p - start));
+                p = end;
+            }
             for (int h = 0; h < G; h++) qf[h] = 1.0f / softmax_numerators(scores + (size_t)h * n, n); /* q is done */
-            attention_values(scores, G, values, type, kv, start, n, D, acc);
+            for (int p = start; p < len;) {
+                const int end = (p / bs + 1) * bs < len ? (p / bs + 1) * bs : len;
+                const size_t next = end < len ? paged_row(table, Hkv, g, bs, end, D) : (size_t)-1;
+                attention_values(scores + (p - start), G, values, type, paged_row(table, Hkv, g, bs, p, D), 0, end - p,
+                                 n, D, p > start, next, acc);
+                p = end;
+            }
             for (int h = 0; h < G; h++)
                 for (int d = 0; d < D; d++) acc[(size_t)h * D + d] *= qf[h];
             store_row(acc, out, type, ((size_t)b * H + h0) * D, G * D);
@@ -293,12 +320,11 @@ static void rotate(float *v, int D, const float *cos, const float *sin, int type
 
 /* One decode step's q/k/v for B rows (T = 1): qkv [B, (H + 2 Hkv) D] as the stacked projection wrote it; per head
  * the optional q/k RMSNorm (weights [D]), then rope with cos/sin [B, D] (sin sign-folded); k and v stored at each
- * row's position in its slot of the cache (laid out [slot, Hkv, max_seq, D] from the step's first slot; row b in
- * slot slots[b], or b when slots is NULL), in row order, so a later row's write to the same place wins; rotated q
- * out [B, H, D]. D <= 512. */
+ * row's position in the paged cache ([block, Hkv, bs, D], row b through its block table tables + b * stride), in
+ * row order, so a later row's write to the same place wins; rotated q out [B, H, D]. D <= 512. */
 void skulk_qkv_rope(const void *qkv, int type, int B, int H, int Hkv, int D, const void *cos, const void *sin,
                     const void *qnorm, const void *knorm, float eps, int unit_offset, const int64_t *positions,
-                    const int32_t *slots, void *kcache, void *vcache, int max_seq, void *q_out) {
+                    const int32_t *tables, int stride, int bs, void *kcache, void *vcache, void *q_out) {
     const size_t width = (size_t)(H + 2 * Hkv) * D, es = type_size(type);
     float *buf = scratch((size_t)(width + 4 * D) * sizeof(float));
     float *c = buf + width, *s = c + D, *qn = s + D, *kn = qn + D;
@@ -316,7 +342,7 @@ void skulk_qkv_rope(const void *qkv, int type, int B, int H, int Hkv, int D, con
         }
         store_row(buf, q_out, type, (size_t)b * H * D, H * D);
         for (int h = 0; h < Hkv; h++) {
-            const size_t at = (((size_t)(slots ? slots[b] : b) * Hkv + h) * max_seq + (size_t)positions[b]) * D;
+            const size_t at = paged_row(tables + (size_t)b * stride, Hkv, h, bs, positions[b], D);
             store_row(buf + (size_t)(H + h) * D, kcache, type, at, D);
             store_row(buf + (size_t)(H + Hkv + h) * D, vcache, type, at, D);
         }
@@ -412,13 +438,13 @@ static void mv(const matrix_t *m, const void *x, int type, int R, void *y) {
     else skulk_quant_mv(m->w, m->scales, m->biases, m->bits, m->group, m->n, m->k, x, type, R, m->bias, y, type);
 }
 
-/* out = the layer applied to x ([B, hidden] in `type`): B rows of one token, row b at positions[b] in slot slots[b]
- * (NULL: slot b). Rows of one slot at consecutive positions are a prefill chunk: every row's k/v is stored before
- * any row attends, so each sees the chunk's earlier tokens. keys/values: this layer's cache from the step's first
- * slot ([slot, Hkv, max_seq, D]); cos/sin [B, D]. */
+/* out = the layer applied to x ([B, hidden] in `type`): B rows of one token, row b at positions[b] through block
+ * table tables + b * stride. Rows of one request at consecutive positions are a prefill chunk: every row's k/v is
+ * stored before any row attends, so each sees the chunk's earlier tokens. keys/values: this layer's paged cache
+ * ([block, Hkv, bs, D]); cos/sin [B, D]. */
 void skulk_decode_layer(const layer_t *L, const void *x, void *out, int type, int B, const int64_t *positions,
-                        const int32_t *slots, const void *cos, const void *sin, int window, void *keys, void *values,
-                        int max_seq) {
+                        const int32_t *tables, int stride, int bs, const void *cos, const void *sin, int window,
+                        void *keys, void *values) {
     const size_t es = type_size(type), hidden = (size_t)L->hidden * B * es;
     const size_t qkv = (size_t)(L->heads + 2 * L->kv_heads) * L->head_dim * B * es;
     const size_t q = (size_t)L->heads * L->head_dim * B * es, inter = (size_t)L->inter * B * es;
@@ -433,9 +459,9 @@ void skulk_decode_layer(const layer_t *L, const void *x, void *out, int type, in
     skulk_rms_norm(x, type, B, L->hidden, L->in_norm, L->norm_type, L->eps, L->unit_offset, normed);
     mv(&L->qkv, normed, type, B, qkv_out);
     skulk_qkv_rope(qkv_out, type, B, L->heads, L->kv_heads, L->head_dim, cos, sin, L->q_norm, L->k_norm, L->qk_eps,
-                   L->unit_offset, positions, slots, keys, values, max_seq, q_rot);
-    skulk_decode_attention(q_rot, keys, values, type, B, L->heads, L->kv_heads, L->head_dim, max_seq, positions, slots,
-                           window, L->scale, attn);
+                   L->unit_offset, positions, tables, stride, bs, keys, values, q_rot);
+    skulk_decode_attention(q_rot, keys, values, type, B, L->heads, L->kv_heads, L->head_dim, positions, tables, stride,
+                           bs, window, L->scale, attn);
     mv(&L->o, attn, type, B, delta);
     skulk_add_rms_norm(x, delta, type, B, L->hidden, L->post_norm, L->norm_type, L->eps, L->unit_offset, out, normed);
     mv(&L->gate_up, normed, type, B, gate_up);
@@ -452,16 +478,16 @@ void skulk_decode_layer(const layer_t *L, const void *x, void *out, int type, in
 }
 
 /* The decode step through n layers in one call (the model's whole layer stack when every layer is a
- * skulk_decode_layer one): layer l reads its cache at keys[l] / values[l] + slot_bytes (the step's first slot)
+ * skulk_decode_layer one): layer l reads its paged cache at keys[l] / values[l] through the rows' block tables,
  * with sliding window windows[l]. x is read, out gets the result; tmp (x's size) holds every other layer's. */
 void skulk_decode_layers(const layer_t *layers, int n, const void *x, void *out, void *tmp, int type, int B,
-                         const int64_t *positions, const int32_t *slots, const void *cos, const void *sin, const int *windows,
-                         char *const *keys, char *const *values, size_t slot_bytes, int max_seq) {
+                         const int64_t *positions, const int32_t *tables, int stride, int bs, const void *cos,
+                         const void *sin, const int *windows, char *const *keys, char *const *values) {
     const void *in = x;
     for (int l = 0; l < n; l++) {
         void *dst = (n - 1 - l) % 2 == 0 ? out : tmp; /* the last layer writes out */
-        skulk_decode_layer(&layers[l], in, dst, type, B, positions, slots, cos, sin, windows[l], keys[l] + slot_bytes,
-                           values[l] + slot_bytes, max_seq);
+        skulk_decode_layer(&layers[l], in, dst, type, B, positions, tables, stride, bs, cos, sin, windows[l], keys[l],
+                           values[l]);
         in = dst;
     }
 }

@@ -1,19 +1,23 @@
-"""TorchEngine: one slot-batch core for every world size, with continuous batching, chunked prefill and
-prefix reuse.
+"""TorchEngine: one core for every world size, with a paged KV cache, continuous batching, chunked prefill, a
+shared prefix cache and preemption.
 
 One step() is one header and exactly the work it names. Rank 0 is the scheduler: it turns queued
 add_request/cancel calls into the header's adds and releases, applies them to its own state, decides the step
 (schedule.py: a prefill chunk, a decode, or both in one forward pass while both are wanted) and sends it;
-every other rank applies the same header to the same state, so pending queues, running slots and KV-cache slot
-moves stay identical everywhere without further agreement. A single rank (world size 1) is the same core over
-a LocalLink, where sending a header costs nothing and rank 0 is also the sampler.
+every other rank applies the same header to the same state, so pending queues, running rows and block tables
+stay identical everywhere without further agreement. A single rank (world size 1) is the same core over a
+LocalLink, where sending a header costs nothing and rank 0 is also the sampler.
 
-Running requests are packed in cache slots [0, n) so a decode reads the cache as a view. A request being
-prefilled holds a slot too; a decode step computes its row but samples nothing from it (the row's key/value
-lands on the position its next chunk overwrites, in the same step when the chunk rides on it: MIXED). When a
-request leaves, its KV stays in the freed slot as a retained prefix (the last running request moves into its
-slot, it into the last), and a new request whose prompt starts with the same tokens starts from it instead of
-position 0.
+The KV cache is a pool of fixed-size blocks (cache.py); each request holds a block table (blocks.py), gets its
+prompt's blocks when admitted and one more whenever its next position crosses into a new block, and gives them
+back when it leaves. Full blocks stay cached under the chain key of their tokens, so a request whose prompt
+starts with the same tokens (the next turn of a chat, a shared system prompt) shares them by reference instead
+of recomputing them, even while their first owner still runs. When the pool is short, pending requests wait in
+the queue (FIFO), and when a running request cannot grow, the most recently admitted one is preempted: its blocks
+go back (cached, so its resumption usually finds most of them), it goes back to the head of the queue with the
+tokens it generated appended to its prompt, and is recomputed when blocks free up; it never fails. A request
+being prefilled holds its rows too; a decode step computes its row but samples nothing from it (the row's
+key/value lands on the position its next chunk overwrites, in the same step when the chunk rides on it: MIXED).
 
 Pipeline: rank r owns [start_layer, end_layer); hidden states go rank to rank, the last rank samples and sends
 [token, finished, failed] per row back to rank 0. Tensor: every rank runs all layers on its shard with a real
@@ -37,21 +41,34 @@ from skulk.engines.errors import ContextLengthExceeded
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
 
+from .blocks import BlockAllocator, blocks_for, extend_keys
 from .cache import MixedBatch, StepBatch
 from .links import GroupLink, Link, LocalLink, ShardKind, TokenRows
 from .loader import load_model
 from .requests import FaultHook, Request, accept_each, row_sampling
-from .schedule import Retained, can_admit, choose_reuse, chunk_tokens, next_kind, share_chunk, spare_slot
+from .schedule import admission_blocks, can_admit, chunk_tokens, growth_blocks, next_kind, pool_blocks, share_chunk
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
-from .wire import Admitted, Header, NewRequest, Release, Released, RequestEvent, Started, StepKind, WireError
+from .wire import (
+    Admitted,
+    Header,
+    NewRequest,
+    Preempt,
+    Release,
+    Released,
+    RequestEvent,
+    Started,
+    StepKind,
+    WireError,
+)
 
-DEFAULT_MAX_SEQ = 4096  # caps the preallocated cache for long-context models unless max_seq says otherwise
+DEFAULT_MAX_BATCH = 64  # concurrent streams per instance (the pool may hold fewer: the rest queue)
+DEFAULT_BLOCK_SIZE = 32
 DEFAULT_PREFILL_CHUNK = 512
 HEARTBEAT_S = 0.5
 WARMUP_ID = "__skulk_warmup__"
 PhaseHook = Callable[[RunnerPhase, str], None]
 PromptPart = tuple[int, Request, int, int]
-"""(slot, request, start, end): the prompt positions [start, end) one step prefills for the request in slot."""
+"""(row, request, start, end): the prompt positions [start, end) one step prefills for the request in row."""
 
 _PHASES: dict[tuple[str, StepKind], RunnerPhase] = {
     ("pipeline", StepKind.PREFILL): "prefill_pipeline",
@@ -78,15 +95,20 @@ class TorchEngine:
         start_layer: int = 0,
         end_layer: int | None = None,
         control_group: Any = None,
-        max_batch: int = 8,
+        max_batch: int = DEFAULT_MAX_BATCH,
         max_seq: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device = "cpu",
         quantize: str | None = None,
+        kv_cache_bytes: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
-        if max_batch < 1 or prefill_chunk < 1:
-            raise ValueError("max_batch and prefill_chunk must be at least 1")
+        """max_seq: an optional cap on the context below the model's max_position_embeddings (a placement's
+        max_context). kv_cache_bytes: the block pool's size on this rank (None: schedule.pool_blocks' default
+        share of free memory); it always holds at least one request of the whole context."""
+        if max_batch < 1 or prefill_chunk < 1 or block_size < 1:
+            raise ValueError("max_batch, prefill_chunk and block_size must be at least 1")
         self.rank, self.world_size, self.kind = rank, world_size, kind
         self.device = torch.device(device)
         tensor = kind == "tensor" and world_size > 1
@@ -96,9 +118,16 @@ class TorchEngine:
             all_reduce=_tensor_all_reduce if tensor else None, dtype=dtype, device=self.device, quantize=quantize,
         )
         positions = self.model.args.max_position_embeddings
-        self.context_length = min(positions, max_seq if max_seq is not None else DEFAULT_MAX_SEQ)
-        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
-        self.cache = self.model.make_cache(max_batch, self.context_length)
+        self.context_length = min(positions, max_seq) if max_seq is not None else positions
+        self.max_batch, self.prefill_chunk, self.block_size = max_batch, prefill_chunk, block_size
+        per_token = self.model.kv_bytes_per_token()
+        num_blocks = pool_blocks(kv_cache_bytes, per_token, block_size, self.context_length, max_batch)
+        if world_size > 1:  # every rank's allocator must make the same choices: the group takes the smallest pool
+            agreed = torch.tensor([num_blocks], dtype=torch.int64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control_group)
+            num_blocks = int(agreed.item())
+        self.blocks = BlockAllocator(num_blocks, block_size)
+        self.cache = self.model.make_cache(num_blocks, block_size)
         self.tokenizer = ChatTokenizer(model_dir)
         self.is_scheduler, self.is_sampler = rank == 0, rank == world_size - 1
         self.needs_ids = tensor or rank == 0  # who embeds token ids
@@ -107,12 +136,10 @@ class TorchEngine:
         self.closed = False
         self.fault_hook: FaultHook | None = None
         self._pending: deque[Request] = deque()
-        self._running: list[Request] = []  # index == cache slot, identical on every rank
-        self._retained: dict[int, Retained] = {}  # free slot -> the prefix it still holds
-        self._stamp = 0
+        self._running: list[Request] = []  # index == batch row, identical on every rank
         self._adds: list[NewRequest] = []  # rank 0: for the next header
         self._releases: list[Release] = []  # rank 0: for the next header
-        self._emitted: dict[str, list[int]] = {}  # rank 0: tokens sampled per request (for retained prefixes)
+        self.preemptions = 0  # requests preempted (and later resumed) since start
         self._events: list[RequestEvent] = []
         self._phase: RunnerPhase = "idle"
         self._last_header = 0.0
@@ -193,7 +220,6 @@ class TorchEngine:
         while self._warming:
             self.step()
         self._events.clear()
-        self._retained.clear()  # the throwaway prompt is nobody's prefix
 
     # --- extras for the runner -----------------------------------------------------------------------------
 
@@ -205,6 +231,17 @@ class TorchEngine:
     @wait_s.setter
     def wait_s(self, value: float) -> None:
         self.link.wait_s = value
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for rows or blocks (rank 0's view: the queue diagnostics show)."""
+        return len(self._pending) + len(self._adds)
+
+    def kv_usage(self) -> dict[str, int]:
+        """The block pool at a glance: blocks in all, held by requests, cached prefixes, and their size."""
+        return {"blocks": self.blocks.num_blocks, "held": self.blocks.held, "cached": self.blocks.cached,
+                "block_size": self.block_size, "running": len(self._running), "queued": self.queued,
+                "preemptions": self.preemptions}
 
     def take_events(self) -> list[RequestEvent]:
         """Requests admitted and released by the headers since the last call (cheap when nothing happened)."""
@@ -229,13 +266,15 @@ class TorchEngine:
         changes = Header(StepKind.HEARTBEAT, tuple(self._adds), tuple(self._releases))
         self._adds, self._releases = [], []
         self._apply(changes)
+        preempts = self._plan_preemptions()
         decoding = any(r.length >= len(r.prompt) for r in self._running)
         chunk = chunk_tokens(self.prefill_chunk, decoding=decoding, decode_s=self._decode_s,
                              last_chunk=self._last_chunk)
         admits = self._admit_pending(chunk)
+        self._grow()
         kind = next_kind(prefilling=bool(self._rests()), decoding=decoding)
         prefills = kind in (StepKind.PREFILL, StepKind.MIXED)
-        header = Header(kind, changes.adds, changes.releases, chunk if prefills else 0, admits)
+        header = Header(kind, changes.adds, changes.releases, chunk if prefills else 0, admits, preempts)
         self.link.send_header(header)
         self._last_header = time.monotonic()
         return header
@@ -243,26 +282,50 @@ class TorchEngine:
     def _follow(self) -> Header:
         header = self.link.receive_header()
         self._apply(header)
-        for source, length in header.admits:
-            self._admit(source, length)
+        for preempt in header.preempts:
+            self._preempt(preempt)
+        for shared in header.admits:
+            self._admit(shared)
+        self._grow()
         return header
 
-    def _admit_pending(self, chunk: int) -> tuple[tuple[int, int], ...]:
-        """Rank 0: admit pending requests while this step's chunk outlasts the prompts already being prefilled
-        (schedule.can_admit), each from the retained prefix it shares most with. The header carries each
-        admission's (slot, length) and every other rank repeats them in order, so slots stay identical."""
-        admits: list[tuple[int, int]] = []
+    def _plan_preemptions(self) -> tuple[Preempt, ...]:
+        """Rank 0: while the running requests' next positions need more blocks than the pool has, preempt the most
+        recently admitted (its blocks go back; it is recomputed later). The pool holds one whole-context request,
+        so the first running request always fits."""
+        preempts: list[Preempt] = []
+        while len(self._running) > 1 and growth_blocks(self._running, self.block_size) > self.blocks.available:
+            victim = self._running[-1]
+            preempt = Preempt(victim.request_id, tuple(victim.emitted))
+            self._preempt(preempt)
+            preempts.append(preempt)
+        return tuple(preempts)
+
+    def _admit_pending(self, chunk: int) -> tuple[tuple[int, ...], ...]:
+        """Rank 0: admit pending requests in queue order while this step's chunk outlasts the prompts already being
+        prefilled (schedule.can_admit) and the pool has blocks for the whole prompt beside the running requests'
+        growth; each shares the cached blocks of its longest cached prefix. The header carries those blocks per
+        admission and every other rank repeats the admissions in order, so block tables stay identical."""
+        admits: list[tuple[int, ...]] = []
         rests = self._rests()
+        reserve = growth_blocks(self._running, self.block_size)
         while self._pending and can_admit(rests=rests, chunk=chunk, free_slots=self.max_batch - len(self._running),
                                           admitted=len(admits)):
-            source, length = choose_reuse(self._retained.values(), self._pending[0].prompt)
-            req = self._admit(source, length)
-            admits.append((source, length))
-            rests.append(len(req.prompt) - length)
+            head = self._pending[0]
+            limit = (len(head.prompt) - 1) // self.block_size  # the prompt's last token is always computed
+            extend_keys(head.keys, head.prompt, self.block_size, limit)
+            shared = self.blocks.match(head.keys[:limit])
+            revived = sum(1 for b in shared if self.blocks.refcount(b) == 0)  # cached blocks it takes out of the LRU
+            if admission_blocks(len(head.prompt), len(shared), self.block_size) + revived + reserve \
+                    > self.blocks.available:
+                break  # the queue waits for blocks (FIFO: a short prompt behind never starves a long one ahead)
+            req = self._admit(tuple(shared))
+            admits.append(tuple(shared))
+            rests.append(len(req.prompt) - req.length)
         return tuple(admits)
 
     def _rests(self) -> list[int]:
-        """Prompt tokens still to prefill, per request being prefilled, in slot order."""
+        """Prompt tokens still to prefill, per request being prefilled, in row order."""
         return [len(r.prompt) - r.length for r in self._running if r.length < len(r.prompt)]
 
     def _apply(self, header: Header) -> None:
@@ -281,75 +344,78 @@ class TorchEngine:
         return Request(add.request_id, add.prompt, s.max_tokens, row, decoder, stops, command_id=add.command_id)
 
     def _release(self, release: Release) -> None:
-        """Drop a pending request, or free a running one's slot, keeping its KV as a retained prefix."""
+        """Drop a pending request, or a running one and its blocks (its full blocks stay cached for reuse)."""
         found = next((r for r in self._pending if r.request_id == release.request_id), None)
-        slot: int | None = None
         if found is not None:
             self._pending.remove(found)
         else:
-            slot = next((i for i, r in enumerate(self._running) if r.request_id == release.request_id), None)
-            if slot is None:
+            found = next((r for r in self._running if r.request_id == release.request_id), None)
+            if found is None:
                 return
-            found = self._free_slot(slot)
-        emitted = self._emitted.pop(found.request_id, [])
+            self._running.remove(found)
+            self._free_table(found)
         if found.request_id == WARMUP_ID:
             self._warming = False
         else:
             self._events.append(Released(found.request_id, found.command_id, release.cancelled, release.failed))
-        if found.length and slot is not None:
-            self._retain(len(self._running), found, emitted)
 
-    def _free_slot(self, slot: int) -> Request:
-        """Swap the leaving request with the last running one, so slots stay packed and its KV lands in the
-        first free slot, and return it."""
-        found, last = self._running[slot], self._running[-1]
-        end = len(self._running) - 1
-        if slot < end:  # end is a running slot, so no retained prefix is lost by the swap
-            self.cache.swap_slots(slot, end, max(found.length, last.length))
-            self._running[slot] = last
-        self._running.pop()
-        return found
+    def _free_table(self, req: Request) -> None:
+        """Give a leaving (or preempted) request's blocks back; on rank 0 its full blocks are keyed by their tokens
+        first, so a later prompt starting with them finds them."""
+        full = req.length // self.block_size
+        self._publish(req)
+        self.blocks.free_table(req.table, full)
+        req.table = []
 
-    def _retain(self, slot: int, req: Request, emitted: list[int]) -> None:
-        self._stamp += 1
-        tokens = tuple((req.prompt + emitted)[: req.length]) if self.is_scheduler else ()
-        self._retained[slot] = Retained(slot, req.length, self._stamp, tokens)
-
-    def _parked(self, slot: int, keep: int) -> None:
-        """Slot is about to be overwritten: keep its retained prefix by copying it to a spare free slot (never
-        to slot keep, the prefix being reused)."""
-        entry = self._retained.pop(slot, None)
-        if entry is None:
+    def _publish(self, req: Request) -> None:
+        """Rank 0: key the request's full blocks by their tokens, so another prompt starting with them shares them
+        (while this one still runs, too: ten chats with one system prompt hold it once)."""
+        if not self.is_scheduler:
             return
-        spare = spare_slot(self._retained, len(self._running), self.max_batch, {slot, keep})
-        if spare is not None:
-            self.cache.move_slot(slot, spare, entry.length)
-            self._retained[spare] = Retained(spare, entry.length, entry.stamp, entry.tokens)
+        full = req.length // self.block_size
+        extend_keys(req.keys, req.tokens(0, full * self.block_size), self.block_size, full)
+        for block, key in zip(req.table[:full], req.keys[:full], strict=True):
+            self.blocks.cache_full(block, key)
 
-    def _admit(self, source: int, length: int) -> Request:
-        """Move the first pending request into the next slot, starting from the first `length` positions of
-        retained slot `source` (-1: from nothing)."""
-        slot = len(self._running)
-        if not self._pending or slot >= self.max_batch:
-            raise WireError(f"header admits a request with {len(self._pending)} pending and slot {slot} next")
-        if source == -1 and length:
-            raise WireError(f"header reuses {length} positions from no slot")
-        if source != -1:
-            entry = self._retained.get(source)
-            if entry is None or not 0 < length <= entry.length:
-                raise WireError(f"header reuses {length} positions of slot {source}, which does not hold them")
-        here = self._retained.get(slot)
-        if here is not None and not (source == slot and length >= here.length):
-            self._parked(slot, source)  # a prefix used only in part (or not at all) is kept for later turns
-        if source not in (-1, slot):
-            self.cache.move_slot(source, slot, length)
-        self._retained.pop(slot, None)
-        req = self._pending.popleft()
+    def _preempt(self, preempt: Preempt) -> None:
+        """Take a running request out and put it back at the head of the queue, its generated tokens (the header's,
+        so every rank agrees) appended to its prompt: recomputed when it is admitted again."""
+        req = next((r for r in self._running if r.request_id == preempt.request_id), None)
+        if req is None:
+            raise WireError(f"header preempts {preempt.request_id!r}, which is not running")
+        self._running.remove(req)
+        self._free_table(req)
+        req.prompt = [*req.prompt, *preempt.tokens]
+        req.emitted, req.length = [], 0
+        self._pending.appendleft(req)
+        self.preemptions += 1
+
+    def _admit(self, shared: tuple[int, ...]) -> Request:
+        """Move the first pending request into the next row, sharing the cached blocks `shared` for its first
+        positions and taking fresh blocks for the rest of its prompt."""
+        if not self._pending or len(self._running) >= self.max_batch:
+            raise WireError(f"header admits a request with {len(self._pending)} pending, {len(self._running)} running")
+        req = self._pending[0]
+        length = len(shared) * self.block_size
+        if length >= len(req.prompt) and shared:
+            raise WireError(f"header shares {len(shared)} blocks of a {len(req.prompt)}-token prompt")
+        need = blocks_for(len(req.prompt), self.block_size) - len(shared)  # its first decode's: _grow
+        for block in shared:
+            self.blocks.share(block)
+        req.table = [*shared, *(self.blocks.allocate() for _ in range(need))]
+        self._pending.popleft()
         req.length = length
         self._running.append(req)
         if req.request_id != WARMUP_ID:
             self._events.append(Started(req.request_id, req.command_id, length))
         return req
+
+    def _grow(self) -> None:
+        """Every running request gets the block its next position falls in, in row order (so every rank takes
+        the same blocks): rank 0 preempted enough that they exist."""
+        for req in self._running:
+            while len(req.table) < blocks_for(req.length + 1, self.block_size):
+                req.table.append(self.blocks.allocate())
 
     def _enter_phase(self, phase: RunnerPhase, event: str) -> None:
         if phase != self._phase:
@@ -415,8 +481,9 @@ class TorchEngine:
         return [(i, r, r.length, r.length + take) for (i, r), take in zip(prefilling, shares, strict=True) if take]
 
     def _chunk_batch(self, part: PromptPart) -> StepBatch:
-        slot, _, start, end = part
-        return StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), slot, kv_len=end)
+        _, req, start, end = part
+        tables = torch.tensor([req.table], dtype=torch.int32, device=self.device)
+        return StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), tables, kv_len=end)
 
     def _ids(self, last_tokens: list[int], chunks: list[PromptPart]) -> torch.Tensor | None:
         """The step's input ids as one sequence: decode rows' last tokens, then each chunk's prompt tokens."""
@@ -425,11 +492,12 @@ class TorchEngine:
         return torch.tensor([[*last_tokens, *(t for _, req, start, end in chunks for t in req.prompt[start:end])]],
                             device=self.device)
 
-    @staticmethod
-    def _finish(chunks: list[PromptPart]) -> list[int]:
-        """Advance each chunk's request to its end; the indices of the chunks that completed their prompt."""
+    def _finish(self, chunks: list[PromptPart]) -> list[int]:
+        """Advance each chunk's request to its end (publishing its new full blocks); the indices of the chunks
+        that completed their prompt."""
         for _, req, _, end in chunks:
             req.length = end
+            self._publish(req)
         return [j for j, (_, req, _, end) in enumerate(chunks) if end == len(req.prompt)]
 
     def _decode(self) -> list[TokenOut]:
@@ -449,7 +517,10 @@ class TorchEngine:
         """A decode row per running request: the batch, each row's input token (a row still being prefilled has
         none yet: any id will do, its output is dropped) and the indices of the rows that sample."""
         running = self._running
-        batch = StepBatch.build(torch.tensor([[r.length] for r in running], device=self.device), 0,
+        width = max(len(r.table) for r in running)
+        tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in running], dtype=torch.int32,
+                              device=self.device)
+        batch = StepBatch.build(torch.tensor([[r.length] for r in running], device=self.device), tables,
                                 kv_len=max(r.length for r in running) + 1)
         rows = [i for i, r in enumerate(running) if r.length >= len(r.prompt)]
         return batch, [max(r.last_token, 0) for r in running], rows
@@ -488,10 +559,10 @@ class TorchEngine:
             return
         for req, (token, finished, failed) in zip(reqs, shared, strict=True):
             req.last_token = token
+            if not failed:
+                req.emitted.append(token)
             if not self.is_scheduler:
                 continue
-            if not failed:
-                self._emitted.setdefault(req.request_id, []).append(token)
             if finished:
                 req.finished = True
                 self._releases.append(Release(req.request_id, cancelled=False, failed=bool(failed)))

@@ -179,14 +179,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """A decode step (one token per row) on the CPU kernels: the same arithmetic as _attend in three calls
         (stacked projection; norms, rope and cache write; attention) instead of ~30 torch ops."""
-        keys, values = cache.keys[batch.slots], cache.values[batch.slots]
+        keys, values = cache.keys, cache.values
         norms, eps, unit = None, 0.0, False
         if self.q_norm is not None and self.k_norm is not None:
             norms, eps, unit = (self.q_norm.weight, self.k_norm.weight), self.q_norm.eps, self.q_norm.unit_offset
         assert self.qkv is not None
         q = cpu_kernels.qkv_rope(self.qkv(x), self.n_heads, self.n_kv_heads, self.head_dim, rope, norms, eps, unit,
-                                 batch.positions, keys, values)
-        return cpu_kernels.decode_attention(q, keys, values, batch.positions, batch.window,
+                                 batch.positions, batch.tables, keys, values)
+        return cpu_kernels.decode_attention(q, keys, values, batch.positions, batch.tables, batch.window,
                                             self.scale or self.head_dim**-0.5)
 
     def _decodes_on_kernels(self, x: torch.Tensor, cache: LayerCache) -> bool:
@@ -251,8 +251,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: StepBatch | MixedBatch, rope: Rotation | tuple[Rotation, ...],
                 cache: LayerCache) -> torch.Tensor:
         if isinstance(batch, StepBatch) and x.shape[1] == 1 and (desc := self.native(x.dtype, cache)) is not None:
-            return cpu_kernels.decode_layer(desc, x, batch.positions, cast(Rotation, rope), batch.window,
-                                            cache.keys[batch.slots], cache.values[batch.slots])
+            return cpu_kernels.decode_layer(desc, x, batch.positions, cast(Rotation, rope), batch.window, batch.tables,
+                                            cache.keys, cache.values)
         h, normed = add_norm(x, self.self_attn(self.input_layernorm(x), batch, rope, cache),
                              self.post_attention_layernorm)
         return h + self.mlp(normed)

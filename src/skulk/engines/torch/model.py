@@ -90,12 +90,16 @@ class ModelSlice(nn.Module):
         """Key/value heads this shard holds: the cache is sized by it."""
         return self.args.num_key_value_heads // self.tp_size
 
-    def make_cache(self, max_slots: int, max_seq: int, dtype: torch.dtype | None = None) -> KVCache:
-        """A cache for this slice's layers and shard's heads."""
+    def make_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A paged cache of num_blocks blocks for this slice's layers and shard's heads."""
         return KVCache(
-            len(self.layers), max_slots, self.n_kv_heads, max_seq, self.args.head_dim,
+            len(self.layers), num_blocks, self.n_kv_heads, block_size, self.args.head_dim,
             dtype=dtype or self.args.dtype, device=self.rope.inv_freq.device,
         )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """What one position of one request costs in this slice's cache."""
+        return KVCache.bytes_per_token(len(self.layers), self.n_kv_heads, self.args.head_dim, dtype or self.args.dtype)
 
     def forward(
         self, x: torch.Tensor, batch: StepBatch | MixedBatch, cache: KVCache, *, last_only: bool = False
@@ -109,7 +113,7 @@ class ModelSlice(nn.Module):
         """
         h = scale_embeddings(self.embed_tokens(x), self.args) if self.embed_tokens is not None else x
         if isinstance(batch, StepBatch) and h.shape[1] == 1 and (stack := self._layer_stack(h, batch, cache)):
-            h = stack(h, batch.positions, self.rope(batch.positions, h.dtype), batch.slots.start)
+            h = stack(h, batch.positions, self.rope(batch.positions, h.dtype), batch.tables)
         elif (isinstance(batch, MixedBatch) and h.shape[1] < MIXED_STACK_ROWS
               and (stack := self._layer_stack(h, batch.parts[0], cache))):
             h = self._mixed_stack(stack, h, batch)
@@ -135,14 +139,15 @@ class ModelSlice(nn.Module):
         return (batch, rope), (self._windowed_batch(batch) if self.windowed else batch, local_rope)
 
     def _mixed_stack(self, stack: cpu_kernels.LayerStack, h: torch.Tensor, batch: MixedBatch) -> torch.Tensor:
-        """A short mixed step through the layer stack: every token a row with its own position and slot (a
+        """A short mixed step through the layer stack: every token a row with its own position and block table (a
         chunk's tokens share their request's), so decode rows and a small prefill chunk (the last tokens of a
         prompt whose prefix was reused) take the decode step's one call instead of the per-layer path."""
         positions = torch.cat([part.positions.reshape(-1) for part in batch.parts]).view(-1, 1)
-        slots = torch.cat([torch.arange(part.slots.start, part.slots.stop).repeat_interleave(part.positions.shape[1])
-                           for part in batch.parts])
+        width = max(part.tables.shape[1] for part in batch.parts)
+        tables = torch.cat([torch.nn.functional.pad(part.tables, (0, width - part.tables.shape[1]))
+                            .repeat_interleave(part.positions.shape[1], dim=0) for part in batch.parts])
         rows = positions.shape[0]
-        out = stack(h.reshape(rows, 1, -1), positions, self.rope(positions, h.dtype), 0, slots)
+        out = stack(h.reshape(rows, 1, -1), positions, self.rope(positions, h.dtype), tables)
         return out.view(1, rows, -1)
 
     def _layer_stack(self, h: torch.Tensor, batch: StepBatch, cache: KVCache) -> cpu_kernels.LayerStack | None:

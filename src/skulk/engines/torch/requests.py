@@ -7,7 +7,7 @@ that request only, never its batch-mates.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -39,6 +39,17 @@ class Request:
     last_token: int = -1
     finished: bool = False
     command_id: str = ""
+    table: list[int] = field(default_factory=list)  # block table: position p lives in table[p // block_size]
+    emitted: list[int] = field(default_factory=list)  # tokens generated since admission (ranks that embed ids)
+    keys: list[int] = field(default_factory=list)  # rank 0: chain keys of its full blocks known so far
+
+    def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Its token ids [start, end): the prompt's, then the generated ones (position p's KV is token p's)."""
+        n = len(self.prompt)
+        end = n + len(self.emitted) if end is None else end
+        if end <= n:
+            return self.prompt[start:end]
+        return [*self.prompt[start:], *self.emitted[max(start - n, 0) : end - n]]
 
 
 def accept_token(req: Request, token: int, eos_ids: Collection[int], context_length: int) -> TokenOut:

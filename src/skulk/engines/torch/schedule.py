@@ -1,19 +1,25 @@
 """Rank 0's decisions for one engine step, as pure functions of the slot state.
 
-Three questions are answered here and nowhere else: what kind of step runs next (a prefill chunk, a decode of
-every running request, or both in one forward pass while both are wanted, so running streams keep flowing
-during a long prefill), how many prompt tokens that chunk takes, and which retained prefix (the KV of a request that has
-left, still sitting in a free cache slot) a new request can start from. The engine applies the answers; the
-other ranks receive them in the step header, so nothing here needs to run anywhere but rank 0.
+Answered here and nowhere else: what kind of step runs next (a prefill chunk, a decode of every running request,
+or both in one forward pass while both are wanted, so running streams keep flowing during a long prefill), how
+many prompt tokens that chunk takes, how many KV blocks admissions and growth take, and how large the block pool
+is. The engine applies the answers; the other ranks receive them in the step header, so nothing here needs to
+run anywhere but rank 0.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import Protocol
 
+import psutil
+
+from .blocks import blocks_for
 from .wire import MAX_ADMITS, StepKind
 
+DEFAULT_KV_FRACTION = 0.25
+"""The share of the memory available at load that the KV pool takes when the placement sets no kv_cache_gb. The
+pool's pages are committed only as blocks are first used, so a mostly idle pool costs little."""
 MIN_CHUNK = 4
 """The smallest chunk riding on running streams' decode step. Below MIXED_STACK_ROWS a chunk token costs about the
 same from 1 token up (model.py), so the floor only bounds the steps a prompt takes; at 16 the floor itself put the
@@ -22,20 +28,6 @@ CHUNK_STEPS = 0.8
 """A chunk riding on a decode step is sized to add this many decode steps to it: the streams' gap is ~1.8 steps,
 with room for the chunk's cost growing with the context until it is measured again (at 1.0 the largest gap was
 2.8-3.1 steps)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Retained:
-    """The KV of a request that has left, kept in the free slot `slot` for positions [0, length).
-
-    tokens are the ids those positions hold; only the scheduler knows them (it sees every sampled token), so
-    on other ranks they are empty and the header names the slot and length to reuse.
-    """
-
-    slot: int
-    length: int
-    stamp: int  # larger is more recent: the least recent is the first to be overwritten
-    tokens: tuple[int, ...] = ()
 
 
 def next_kind(*, prefilling: bool, decoding: bool) -> StepKind:
@@ -96,26 +88,29 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def choose_reuse(retained: Iterable[Retained], prompt: Sequence[int]) -> tuple[int, int]:
-    """(slot, length) of the retained prefix sharing the most leading tokens with prompt, or (-1, 0).
-
-    At least the prompt's last token is always computed: its logits give the first generated token.
-    """
-    best_slot, best_len = -1, 0
-    for entry in retained:
-        shared = min(common_prefix(entry.tokens, prompt), len(prompt) - 1, entry.length)
-        if shared > best_len:
-            best_slot, best_len = entry.slot, shared
-    return best_slot, best_len
+class _Holder(Protocol):
+    length: int
+    table: list[int]
 
 
-def spare_slot(retained: dict[int, Retained], first_free: int, max_slots: int, keep: set[int]) -> int | None:
-    """A free slot to park a retained prefix in: one holding nothing, else the least recent entry's (never one
-    in keep); None when every free slot is kept."""
-    candidates = [s for s in range(first_free, max_slots) if s not in keep]
-    empty = [s for s in candidates if s not in retained]
-    if empty:
-        return empty[-1]
-    if not candidates:
-        return None
-    return min(candidates, key=lambda s: retained[s].stamp)
+def growth_blocks(running: Iterable[_Holder], block_size: int) -> int:
+    """Blocks the running requests must take before the next step: each needs one for its next position."""
+    return sum(max(0, blocks_for(r.length + 1, block_size) - len(r.table)) for r in running)
+
+
+def admission_blocks(prompt_tokens: int, shared: int, block_size: int) -> int:
+    """Fresh blocks a request admitted with `shared` cached blocks takes: its whole prompt and its first decode."""
+    return blocks_for(prompt_tokens + 1, block_size) - shared
+
+
+def pool_blocks(kv_bytes: int | None, per_token: int, block_size: int, context: int, streams: int,
+                available: int | None = None) -> int:
+    """The block pool's size: kv_bytes' worth (a placement's kv_cache_gb), or by default DEFAULT_KV_FRACTION of the
+    memory available now, but never more than `streams` requests of the whole context; never fewer blocks than
+    one request of the whole context needs, so any admitted prompt can run (alone, if it must)."""
+    block_bytes = max(1, per_token * block_size)
+    least = blocks_for(context + 1, block_size)
+    if kv_bytes is None:
+        free = psutil.virtual_memory().available if available is None else available
+        kv_bytes = min(int(free * DEFAULT_KV_FRACTION), per_token * context * streams)
+    return max(least, kv_bytes // block_bytes)

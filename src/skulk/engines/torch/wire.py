@@ -1,9 +1,9 @@
 """What rank 0 (the scheduler) tells every other rank before each step, and how it travels.
 
-A step header is one broadcast of fixed int64s [kind, payload_bytes, chunk, admissions, then (reuse_slot,
-reuse_length) per admission up to MAX_ADMITS] over the control group; only a step that adds or releases requests
-pays for a second broadcast carrying the changes as JSON. A steady decode step therefore costs one tiny
-collective on top of the model's own traffic.
+A step header is one broadcast of fixed int64s [kind, payload_bytes, chunk, admissions] over the control group;
+only a step that adds, releases or preempts requests, or admits one onto cached prefix blocks, pays for a second
+broadcast carrying the changes as JSON. A steady decode step therefore costs one tiny collective on top of the
+model's own traffic.
 
 The changes are JSON validated into a fixed pydantic model (`StepChanges`), never pickle: any peer that can
 reach the group's sockets could otherwise run code in this rank by sending a crafted header. A header whose
@@ -25,7 +25,7 @@ from skulk.types.chat import SamplingParams
 
 MAX_CHANGES_BYTES = 256 * 1024 * 1024  # one step's adds, prompts included; a larger size is a forged header
 MAX_ADMITS = 8  # pending requests one step may admit (a burst of short prompts goes in one prefill step)
-FIXED_INTS = 4 + 2 * MAX_ADMITS  # [kind, payload_bytes, chunk, admissions, (reuse_slot, reuse_length) x MAX_ADMITS]
+FIXED_INTS = 4  # [kind, payload_bytes, chunk, admissions]
 
 
 class WireError(RuntimeError):
@@ -66,19 +66,30 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
-class Header:
-    """One step, as every rank applies it: releases, then adds, then admissions, then the kind's work.
+class Preempt:
+    """Take a running request back to the head of the queue; tokens: what it generated since admission, appended
+    to its prompt on every rank so its recompute is the same everywhere."""
 
-    admits: pending requests moved into the next slots, in queue order, after the adds: each as (reuse_slot,
-    reuse_length), starting from the first reuse_length positions of retained slot reuse_slot (-1: from nothing).
-    chunk: the prompt tokens a PREFILL or MIXED step computes, shared by the requests being prefilled in slot order.
+    request_id: str
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """One step, as every rank applies it: releases, then adds, then preemptions, then admissions, then every
+    running request's growth by a block where its next position needs one, then the kind's work.
+
+    admits: pending requests moved into the next rows, in queue order: each as the cached blocks it shares for its
+    first positions (empty: it starts from nothing). chunk: the prompt tokens a PREFILL or MIXED step computes,
+    shared by the requests being prefilled in row order.
     """
 
     kind: StepKind
     adds: tuple[NewRequest, ...] = ()
     releases: tuple[Release, ...] = ()
     chunk: int = 0
-    admits: tuple[tuple[int, int], ...] = ()
+    admits: tuple[tuple[int, ...], ...] = ()
+    preempts: tuple[Preempt, ...] = ()
 
 
 # What the engine tells its runner happened to requests, so non-scheduler ranks can report tasks they never
@@ -125,33 +136,53 @@ class _WireRelease(BaseModel):
     failed: bool = False
 
 
+class _WirePreempt(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    request_id: str = Field(max_length=256)
+    tokens: list[int]
+
+
 class StepChanges(BaseModel):
     """The variable part of a step header, exactly as it travels."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     adds: list[_WireAdd] = []
     releases: list[_WireRelease] = []
+    shared: list[list[int]] = Field(default=[], max_length=MAX_ADMITS)  # per admission: the cached blocks it shares
+    preempts: list[_WirePreempt] = []
 
 
-def encode_changes(adds: tuple[NewRequest, ...], releases: tuple[Release, ...]) -> bytes:
+def has_changes(header: Header) -> bool:
+    """Whether the header needs its payload (a steady decode step does not)."""
+    return bool(header.adds or header.releases or header.preempts or any(header.admits))
+
+
+def encode_changes(header: Header) -> bytes:
     changes = StepChanges(
         adds=[_WireAdd(request_id=a.request_id, command_id=a.command_id, prompt=a.prompt,
-                       sampling=a.sampling_params()) for a in adds],
-        releases=[_WireRelease(request_id=r.request_id, cancelled=r.cancelled, failed=r.failed) for r in releases],
+                       sampling=a.sampling_params()) for a in header.adds],
+        releases=[_WireRelease(request_id=r.request_id, cancelled=r.cancelled, failed=r.failed)
+                  for r in header.releases],
+        shared=[list(blocks) for blocks in header.admits] if any(header.admits) else [],
+        preempts=[_WirePreempt(request_id=p.request_id, tokens=list(p.tokens)) for p in header.preempts],
     )
     return changes.model_dump_json(by_alias=True).encode()
 
 
-def decode_changes(payload: bytes) -> tuple[tuple[NewRequest, ...], tuple[Release, ...]]:
-    """Validate a payload into adds and releases; anything else is a WireError (nothing is constructed but
-    these plain records)."""
+def decode_changes(payload: bytes, admissions: int) -> Header:
+    """Validate a payload into a header's changes (kind and chunk left to the caller); anything else is a WireError
+    (nothing is constructed but these plain records)."""
     try:
         changes = StepChanges.model_validate_json(payload)
     except ValidationError as exc:
         raise WireError(f"malformed step header payload ({len(payload)} bytes): {exc.error_count()} errors") from None
+    if changes.shared and len(changes.shared) != admissions:
+        raise WireError(f"step header shares blocks for {len(changes.shared)} of {admissions} admissions")
     adds = tuple(NewRequest.of(a.request_id, a.command_id, a.prompt, a.sampling) for a in changes.adds)
     releases = tuple(Release(r.request_id, r.cancelled, r.failed) for r in changes.releases)
-    return adds, releases
+    admits = tuple(tuple(b) for b in changes.shared) if changes.shared else ((),) * admissions
+    preempts = tuple(Preempt(p.request_id, tuple(p.tokens)) for p in changes.preempts)
+    return Header(StepKind.HEARTBEAT, adds, releases, 0, admits, preempts)
 
 
 def decode_fixed(kind: int, size: int, admits: int = 0) -> tuple[StepKind, int]:
@@ -175,10 +206,9 @@ class HeaderChannel:
     _fixed: torch.Tensor = field(default_factory=lambda: torch.zeros(FIXED_INTS, dtype=torch.int64))
 
     def send(self, header: Header) -> None:
-        payload = encode_changes(header.adds, header.releases) if header.adds or header.releases else b""
-        pairs = [n for pair in header.admits for n in pair]
-        fixed = [int(header.kind), len(payload), header.chunk, len(header.admits), *pairs]
-        self._fixed.copy_(torch.tensor(fixed + [0] * (FIXED_INTS - len(fixed)), dtype=torch.int64))
+        payload = encode_changes(header) if has_changes(header) else b""
+        fixed = [int(header.kind), len(payload), header.chunk, len(header.admits)]
+        self._fixed.copy_(torch.tensor(fixed, dtype=torch.int64))
         dist.broadcast(self._fixed, src=0, group=self.group)
         if payload:
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -186,13 +216,11 @@ class HeaderChannel:
 
     def receive(self) -> Header:
         dist.broadcast(self._fixed, src=0, group=self.group)
-        raw_kind, size, chunk, count, *pairs = self._fixed.tolist()
+        raw_kind, size, chunk, count = self._fixed.tolist()
         kind, size = decode_fixed(raw_kind, size, count)
-        admits = tuple((pairs[2 * i], pairs[2 * i + 1]) for i in range(count))
-        adds: tuple[NewRequest, ...] = ()
-        releases: tuple[Release, ...] = ()
-        if size:
-            data = torch.empty(size, dtype=torch.uint8)
-            dist.broadcast(data, src=0, group=self.group)
-            adds, releases = decode_changes(data.numpy().tobytes())
-        return Header(kind, adds, releases, chunk, admits)
+        if not size:
+            return Header(kind, chunk=chunk, admits=((),) * count)
+        data = torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self.group)
+        changes = decode_changes(data.numpy().tobytes(), count)
+        return Header(kind, changes.adds, changes.releases, chunk, changes.admits, changes.preempts)

@@ -1,0 +1,196 @@
+"""The paged KV cache: the block allocator's rules, and the engine on it (same tokens as the contiguous layout,
+queueing when blocks run out, preemption that resumes to the same tokens, a shared prefix held once).
+
+Counted in blocks and steps, never in time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skulk.engines.torch.blocks import BlockAllocator, OutOfBlocks, block_keys, blocks_for
+from skulk.engines.torch.engine import TorchEngine
+from skulk.engines.torch.schedule import pool_blocks
+from skulk.engines.torch.wire import Started
+from skulk.models.demo import ensure_demo_model
+from skulk.types.chat import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+TEXT = [*b"Paged attention keeps each request's keys and values in blocks of a shared pool. "] * 30
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_demo_model(tmp_path_factory.mktemp("models"))
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [258, *((w + salt) % 250 + 1 for w in TEXT)][:n]
+
+
+def drain(engine: TorchEngine, tokens: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+    tokens = {} if tokens is None else tokens
+    while engine.has_work():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).append(out.token_id)
+    return tokens
+
+
+def run(engine: TorchEngine, requests: dict[str, list[int]], sampling: SamplingParams = GREEDY) -> dict[str, list[int]]:
+    for rid, ids in requests.items():
+        engine.add_request(rid, ids, sampling)
+    return drain(engine)
+
+
+# --- the allocator ------------------------------------------------------------------------------------------
+
+
+def test_allocate_takes_the_lowest_free_block_and_free_gives_it_back() -> None:
+    pool = BlockAllocator(4, 16)
+    assert [pool.allocate() for _ in range(3)] == [0, 1, 2]
+    assert (pool.available, pool.held) == (1, 3)
+    pool.free(1, keep=False)
+    assert pool.allocate() == 1  # freed blocks are reused, lowest first
+    assert pool.allocate() == 3
+    with pytest.raises(OutOfBlocks):
+        pool.allocate()
+    with pytest.raises(ValueError, match="not held"):
+        BlockAllocator(2, 4).free(0, keep=False)
+
+
+def test_a_shared_block_is_freed_only_by_its_last_holder() -> None:
+    pool = BlockAllocator(4, 16)
+    block = pool.allocate()
+    pool.share(block)
+    assert pool.refcount(block) == 2
+    pool.free(block, keep=False)
+    assert (pool.refcount(block), pool.held) == (1, 1)
+    pool.free(block, keep=False)
+    assert (pool.refcount(block), pool.held) == (0, 0)
+    with pytest.raises(ValueError, match="nothing to share"):
+        pool.share(block)  # free, not cached: there is nothing in it
+
+
+def test_copy_on_write_copies_a_shared_block_and_writes_a_lone_one_in_place() -> None:
+    pool = BlockAllocator(4, 16)
+    block = pool.allocate()
+    pool.cache_full(block, 7)
+    assert pool.writable(block) == (block, None)  # held once: written in place, no longer the keyed prefix
+    assert pool.match([7]) == []
+    pool.share(block)
+    copy, source = pool.writable(block)
+    assert source == block and copy != block
+    assert (pool.refcount(block), pool.refcount(copy)) == (1, 1)  # the writer moved to its copy
+
+
+def test_cached_blocks_are_shared_by_key_and_evicted_least_recent_first() -> None:
+    pool = BlockAllocator(4, 2)
+    tokens = [1, 2, 3, 4, 5, 6]
+    keys = block_keys(tokens, 2)
+    assert len(keys) == 3 and block_keys([1, 2, 9, 9], 2)[0] == keys[0] != block_keys([1, 2, 9, 9], 2)[1]
+    table = [pool.allocate() for _ in range(3)]
+    for block, key in zip(table, keys, strict=True):
+        pool.cache_full(block, key)
+    pool.free_table(table, full=3)  # kept, tail first: the LRU order is table[2], table[1], table[0]
+    assert (pool.cached, pool.held, pool.available) == (3, 0, 4)
+    assert pool.match(keys) == table
+    assert pool.match(block_keys([1, 2, 3, 9], 2)) == table[:1]  # stops where the tokens diverge
+    assert pool.allocate() == 3  # a free block before any cached one
+    assert pool.allocate() == table[2]  # then the least recently used: the prefix's tail
+    assert pool.match(keys) == table[:2]  # its key is forgotten, the head still matches
+    pool.share(table[0])  # a hit takes it out of the LRU
+    assert pool.allocate() == table[1]
+    with pytest.raises(OutOfBlocks):
+        pool.allocate()
+
+
+def test_a_pool_holds_at_least_one_whole_context() -> None:
+    assert pool_blocks(0, 100, 16, 1000, 64) == blocks_for(1001, 16)
+    assert pool_blocks(10**6, 100, 16, 100, 64) == 10**6 // 1600
+    assert pool_blocks(None, 100, 16, 100, 4, available=10**12) == 4 * 100 * 100 // 1600  # streams x context
+    assert pool_blocks(None, 100, 16, 100, 64, available=16_000) == blocks_for(101, 16)  # a quarter: 2.5 blocks
+
+
+# --- the engine on it ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_paged_gives_the_tokens_of_the_contiguous_cache(demo_dir: Path, quantize: str | None) -> None:
+    """Blocks of 8 scattered over the pool (requests coming and going in between) against one block of the whole
+    context per request (the old contiguous layout), with decode rows on the kernels and prefill chunks on torch."""
+    requests = {"a": prompt(300), "b": prompt(70, salt=3), "c": prompt(133, salt=5), "d": prompt(9, salt=7)}
+    contiguous = run(TorchEngine(demo_dir, max_seq=512, block_size=512, prefill_chunk=64, quantize=quantize), requests)
+    paged = TorchEngine(demo_dir, max_seq=512, block_size=8, prefill_chunk=64, quantize=quantize)
+    run(paged, {"warm": prompt(50, salt=9)})  # its blocks are cached: the next requests' tables are not in order
+    assert run(paged, requests) == contiguous
+    assert paged.blocks.held == 0
+
+
+def test_out_of_blocks_new_requests_queue_then_are_served(demo_dir: Path) -> None:
+    """A pool of 17 blocks of 16 (one 256-token context): a 200-token prompt takes 13, so a second one waits in
+    the queue, visible in kv_usage, until the first leaves; then it runs and gives its cold tokens."""
+    engine = TorchEngine(demo_dir, max_seq=256, block_size=16, kv_cache_bytes=0)
+    assert engine.blocks.num_blocks == 17
+    first, second = prompt(200), prompt(200, salt=4)
+    engine.add_request("first", first, GREEDY)
+    engine.add_request("second", second, GREEDY)
+    tokens: dict[str, list[int]] = {}
+    started: list[str] = []
+    queued_while_first_ran = 0
+    while engine.has_work():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).append(out.token_id)
+        started += [e.request_id for e in engine.take_events() if isinstance(e, Started)]
+        if started == ["first"] and engine.kv_usage()["queued"] == 1:
+            queued_while_first_ran += 1
+    assert started == ["first", "second"]
+    assert queued_while_first_ran >= GREEDY.max_tokens - 1  # it waited while first decoded
+    assert engine.preemptions == 0
+    cold = TorchEngine(demo_dir, max_seq=256)
+    assert tokens == {"first": run(cold, {"x": first})["x"], "second": run(cold, {"y": second})["y"]}
+
+
+def test_a_request_that_cannot_grow_is_preempted_and_resumes_to_the_same_tokens(demo_dir: Path) -> None:
+    """Four requests admitted together outgrow a pool of 13 blocks of 8 as they decode: the latest admitted are
+    preempted (their generated tokens kept) and recomputed later; every request ends with its cold tokens."""
+    sampling = SamplingParams(max_tokens=40, temperature=0)
+    requests = {f"r{i}": prompt(30 + 3 * i, salt=i) for i in range(4)}
+    engine = TorchEngine(demo_dir, max_seq=100, block_size=8, kv_cache_bytes=0)
+    assert engine.blocks.num_blocks == 13
+    got = run(engine, requests, sampling)
+    assert engine.preemptions >= 1
+    cold = {rid: run(TorchEngine(demo_dir, max_seq=100), {rid: ids}, sampling)[rid] for rid, ids in requests.items()}
+    assert got == cold
+    assert all(len(ids) == 40 for ids in got.values())  # nobody failed or was cut short
+
+
+def test_ten_chats_with_one_system_prompt_hold_it_once(demo_dir: Path) -> None:
+    """Ten concurrent chats whose 2,000-token prompts share their first 1,984 tokens: the first computes them, the
+    other nine share its blocks while it still runs (counted in blocks held), and give their cold tokens."""
+    system = prompt(1984)
+    chats = {f"chat{i}": [*system, *prompt(16, salt=i + 1)[1:], 259] for i in range(10)}
+    engine = TorchEngine(demo_dir, max_seq=2100, block_size=16, prefill_chunk=2048)
+    sampling = SamplingParams(max_tokens=3, temperature=0)
+    engine.add_request("chat0", chats["chat0"], sampling)
+    tokens: dict[str, list[int]] = {}
+    while "chat0" not in tokens:  # its prompt is in the cache, keyed
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).append(out.token_id)
+    for rid, ids in chats.items():
+        if rid != "chat0":
+            engine.add_request(rid, ids, sampling)
+    peak = 0
+    while engine.has_work():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).append(out.token_id)
+        peak = max(peak, engine.blocks.held)
+    reused = [e.reused_tokens for e in engine.take_events() if isinstance(e, Started)]
+    assert reused == [0] + [1984] * 9  # chat0 from nothing, the nine from its blocks
+    one_chat = blocks_for(len(chats["chat0"]) + sampling.max_tokens, 16)  # 126 blocks
+    assert peak <= one_chat + 9 * 2  # the shared 124 blocks once, and each chat's own 2 past them
+    assert peak / one_chat <= 1.5
+    cold = TorchEngine(demo_dir, max_seq=2100)
+    assert tokens == {rid: run(cold, {rid: ids}, sampling)[rid] for rid, ids in chats.items()}
