@@ -194,3 +194,58 @@ def test_ten_chats_with_one_system_prompt_hold_it_once(demo_dir: Path) -> None:
     assert peak / one_chat <= 1.5
     cold = TorchEngine(demo_dir, max_seq=2100)
     assert tokens == {rid: run(cold, {rid: ids}, sampling)[rid] for rid, ids in chats.items()}
+
+
+# --- the model's own context ----------------------------------------------------------------------------------
+
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 576, "intermediate_size": 1536,
+    "max_position_embeddings": 8192, "mlp_bias": False, "model_type": "llama", "num_attention_heads": 9,
+    "num_hidden_layers": 30, "num_key_value_heads": 3, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 100000, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 49152,
+}
+"""HuggingFaceTB/SmolLM2-135M-Instruct's config.json (its 8,192 positions, past the old 4,096-token cap)."""
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> Path:
+    """SmolLM2's layout and widths with random weights, 2 layers and a 512-token vocabulary (its context intact),
+    with the demo model's byte tokenizer."""
+    import shutil
+
+    from tests.unit.test_model_families import write_checkpoint
+
+    path = write_checkpoint({**SMOLLM2, "num_hidden_layers": 2, "vocab_size": 512}, tmp_path_factory.mktemp("smol"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_dir / name, path / name)
+    return path
+
+
+def test_advertised_context_is_admitted_context(smollm2: Path) -> None:
+    """The card every surface reads (/models, /v1/models, Ollama show/ps, the dashboard) says what the engine and
+    the runner's admission take: a prompt of context - 1 tokens is served, one of the whole context refused."""
+    import json
+
+    from skulk.engines.errors import ContextLengthExceeded
+    from skulk.models.catalog import card_from_config
+    from skulk.runner.admission import context_refusal
+
+    card = card_from_config("HuggingFaceTB/SmolLM2-135M-Instruct", json.loads((smollm2 / "config.json").read_text()),
+                            1)
+    engine = TorchEngine(smollm2, kv_cache_bytes=0)
+    assert card.context_length == engine.context_length == 8192
+    assert context_refusal(8191, SamplingParams(), engine.context_length) is None
+    assert context_refusal(8192, SamplingParams(), engine.context_length) is not None
+    with pytest.raises(ContextLengthExceeded):
+        engine.add_request("over", [1] * 8193, GREEDY)
+    capped = TorchEngine(smollm2, max_seq=2048, kv_cache_bytes=0)  # a placement's max_context caps it
+    assert capped.context_length == 2048
+
+
+def test_a_6000_token_prompt_answers(smollm2: Path) -> None:
+    engine = TorchEngine(smollm2, kv_cache_bytes=0)  # the smallest pool: one whole context
+    long = [(7 * i) % 500 + 3 for i in range(6000)]
+    got = run(engine, {"long": long}, SamplingParams(max_tokens=4, temperature=0))
+    assert len(got["long"]) == 4
+    assert engine.blocks.held == 0 and engine.blocks.cached == 6003 // 32

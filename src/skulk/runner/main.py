@@ -474,7 +474,8 @@ class Runner:
                 # reported after the step that took it: the rank is back in the phase it is really in
                 current = self.recorder.phase
                 hit = "prefix_hit" if event.reused_tokens else "prefix_miss"
-                self.recorder.record("kv_cache_lookup", hit, reused_tokens=event.reused_tokens, **ids)
+                usage = getattr(self.engine, "kv_usage", dict)()  # the paged pool: blocks held, cached, queue
+                self.recorder.record("kv_cache_lookup", hit, reused_tokens=event.reused_tokens, **usage, **ids)
                 self.recorder.record(current, "prefill_started", **ids)
                 continue
             if isinstance(event, Admitted):

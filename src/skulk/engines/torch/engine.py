@@ -239,9 +239,9 @@ class TorchEngine:
 
     def kv_usage(self) -> dict[str, int]:
         """The block pool at a glance: blocks in all, held by requests, cached prefixes, and their size."""
-        return {"blocks": self.blocks.num_blocks, "held": self.blocks.held, "cached": self.blocks.cached,
-                "block_size": self.block_size, "running": len(self._running), "queued": self.queued,
-                "preemptions": self.preemptions}
+        return {"kv_blocks": self.blocks.num_blocks, "kv_blocks_held": self.blocks.held,
+                "kv_blocks_cached": self.blocks.cached, "kv_block_size": self.block_size,
+                "running": len(self._running), "queued": self.queued, "preemptions": self.preemptions}
 
     def take_events(self) -> list[RequestEvent]:
         """Requests admitted and released by the headers since the last call (cheap when nothing happened)."""
