@@ -14,8 +14,10 @@ from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.api.previews import skulk_previews
 from skulk.api.security import OWNERS
+from skulk.master.engine_choice import instance_engine_error
 from skulk.master.placement import place
 from skulk.models.cards import get_card, with_quantization
+from skulk.types.backends import EngineChoice
 from skulk.types.chunks import ErrorChunk
 from skulk.types.commands import CancelCommand, Command, CreateInstance, DeleteInstance, PlaceInstance
 from skulk.types.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, new_id
@@ -35,6 +37,9 @@ class PlaceInstanceRequest(BaseModel):
     instance_meta: InstanceMeta = InstanceMeta.MlxRing
     min_nodes: int = Field(default=1, ge=1, le=64)
     excluded_nodes: list[NodeId] = []
+    engine: EngineChoice = "auto"
+    """Which engine runs the ranks: auto (each ring its best: MLX where every node has Metal, else torch),
+    torch or mlx; a node that lacks it is never chosen, and a ring of only such nodes is a 400 naming one."""
     quantization: QuantizeAtLoad | None = None
     """Quantize a float checkpoint's weights while loading (weight-only int4/int8): about 1/3.5 or 1/2 of a
     bf16 model's memory, so it fits where the float one does not."""
@@ -72,6 +77,7 @@ def plan_instance(
         instance_meta=request.instance_meta,
         min_nodes=request.min_nodes,
         excluded_nodes=set(request.excluded_nodes),
+        engine=request.engine,
         instance_id=InstanceId(new_id()),
         new_runner_id=lambda: RunnerId(new_id()),
         rendezvous_port=random.randint(29500, 29999),
@@ -120,6 +126,7 @@ async def place_on_master(
         instance_meta=request.instance_meta,
         min_nodes=request.min_nodes,
         excluded_nodes=request.excluded_nodes,
+        engine=request.engine,
         model_card=card_for(request),
     )
     return await send_and_await_instance(node, command, planned.instance_id)
@@ -177,6 +184,10 @@ def control_router(node: NodeHandle) -> APIRouter:
         if instance.instance_id in node.state.instances:
             raise ApiError(400, f"instance id {instance.instance_id} is already in use; GET /instance/previews for "
                            "a fresh placement", code="invalid_request")
+        lacking = instance_engine_error(card, instance.engine, list(instance.shard_assignments.node_to_runner),
+                                        node.state.node_backends)
+        if lacking is not None:
+            raise ApiError(lacking.http_status, lacking.message, code=type(lacking).__name__)
         command_id = CommandId(new_id())
         await send_and_await_instance(node, CreateInstance(command_id=command_id, instance=instance),
                                       instance.instance_id)
@@ -189,13 +200,14 @@ def control_router(node: NodeHandle) -> APIRouter:
         sharding: Sharding | None = None,
         instance_meta: InstanceMeta | None = None,
         excluded_node_ids: list[NodeId] = Query(default=[]),  # noqa: B008 - FastAPI's query declaration
+        engine: EngineChoice = "auto",
     ) -> dict[str, Any]:
         """Skulk's shape: `{"previews": [{model_id, sharding, instance_meta, instance, memory_delta_by_node,
         error}]}`; `downloads` (each node's copy of the model) rides along for this project's own clients."""
         card = card_or_404(model_id)
         shardings = [sharding] if sharding else list(Sharding)
         metas = [instance_meta] if instance_meta else list(InstanceMeta)
-        found = skulk_previews(node.state, card, shardings, metas, set(excluded_node_ids))
+        found = skulk_previews(node.state, card, shardings, metas, set(excluded_node_ids), engine)
         wanted = ModelId(model_id)
         downloads = {n: d[wanted].model_dump(mode="json") for n, d in node.state.downloads.items() if wanted in d}
         return {"previews": [p.model_dump(mode="json") for p in found], "downloads": downloads}

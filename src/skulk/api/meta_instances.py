@@ -15,6 +15,7 @@ from skulk.api.control import PLACED_WAIT_S, card_or_404
 from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.diagnostics.meta import meta_status
+from skulk.types.backends import EngineChoice
 from skulk.types.commands import CreateMetaInstance, DeleteMetaInstance
 from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId, new_id
 from skulk.types.instances import InstanceMeta, Sharding
@@ -26,6 +27,7 @@ class CreateMetaInstanceRequest(BaseModel):
     model_id: str = Field(min_length=1)
     sharding: Sharding = Sharding.Pipeline
     instance_meta: InstanceMeta = InstanceMeta.MlxRing
+    engine: EngineChoice = "auto"
     min_nodes: int = Field(default=1, ge=1, le=64)
     node_ids: list[NodeId] | None = Field(default=None, min_length=1)
 
@@ -41,6 +43,7 @@ def meta_instances_router(node: NodeHandle) -> APIRouter:
             model_id=ModelId(card.model_id),
             sharding=body.sharding,
             instance_meta=body.instance_meta,
+            engine=body.engine,
             min_nodes=body.min_nodes,
             node_ids=body.node_ids,
         )

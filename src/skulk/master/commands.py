@@ -89,6 +89,7 @@ def place_instance(
         rendezvous_port=ids.port(),
         min_nodes=command.min_nodes,
         excluded_nodes=command.excluded_nodes,
+        engine=command.engine,
     )
     if isinstance(outcome, PlacementError):
         raise Refused(outcome.message, status=outcome.http_status, code=type(outcome).__name__)

@@ -21,6 +21,7 @@ from skulk.master.cycles import (
     rendezvous_host,
     rings_of_size,
 )
+from skulk.master.engine_choice import choose_engine
 from skulk.master.shard_plan import (
     RUNTIME_OVERHEAD_FACTOR,
     NodePlan,
@@ -29,6 +30,7 @@ from skulk.master.shard_plan import (
     layer_ranges,
     plan_ring,
 )
+from skulk.types.backends import EngineChoice, EngineName
 from skulk.types.ids import InstanceId, NodeId, RunnerId
 from skulk.types.instances import (
     InstanceMeta,
@@ -78,6 +80,7 @@ class _Candidate:
     ring: Ring
     plans: tuple[NodePlan, ...] = ()
     error: AnyPlacementError | None = None
+    engine: EngineName = "torch"
 
     @property
     def headroom(self) -> int:
@@ -143,11 +146,18 @@ def _insufficient(state: State, sharding: Sharding, ring: Ring, plan: NodePlan) 
     )
 
 
-def _evaluate(state: State, card: ModelCard, sharding: Sharding, ring: Ring) -> _Candidate:
+def _node_names(state: State) -> dict[NodeId, str]:
+    return {n: i.friendly_name for n, i in state.node_identities.items() if i.friendly_name != "Unknown"}
+
+
+def _evaluate(state: State, card: ModelCard, sharding: Sharding, ring: Ring, engine: EngineChoice) -> _Candidate:
     """Plan one ring; unknown memory is InfoPending, never a false InsufficientMemory."""
     shape = _shape_error(card, sharding, len(ring))
     if shape is not None:
         return _Candidate(ring, error=shape)
+    chosen = choose_engine(card, engine, ring, state.node_backends, _node_names(state))
+    if not isinstance(chosen, str):
+        return _Candidate(ring, error=chosen)
     pending = [n for n in ring if n not in state.node_memory]
     if pending:
         return _Candidate(ring, error=InfoPending(node_ids=pending))
@@ -155,8 +165,8 @@ def _evaluate(state: State, card: ModelCard, sharding: Sharding, ring: Ring) -> 
     short = [p for p in plans if not p.fits]
     if short:
         worst = min(short, key=lambda p: p.left_after)
-        return _Candidate(ring, plans, _insufficient(state, sharding, ring, worst))
-    return _Candidate(ring, plans)
+        return _Candidate(ring, plans, _insufficient(state, sharding, ring, worst), chosen)
+    return _Candidate(ring, plans, engine=chosen)
 
 
 def _best_valid(valid: Sequence[_Candidate]) -> _Candidate:
@@ -201,7 +211,8 @@ def _no_candidate_error(
 
 
 def _choose(
-    state: State, card: ModelCard, sharding: Sharding, nodes: list[NodeId], adj: Adjacency, min_nodes: int
+    state: State, card: ModelCard, sharding: Sharding, nodes: list[NodeId], adj: Adjacency, min_nodes: int,
+    engine: EngineChoice,
 ) -> _Candidate | AnyPlacementError | None:
     """Smallest ring size first; the first size with a valid ring decides (None: no ring at all).
 
@@ -211,7 +222,7 @@ def _choose(
     """
     failed: list[_Candidate] = []
     for size in range(min_nodes, min(len(nodes), MAX_CYCLE_NODES) + 1):
-        candidates = [_evaluate(state, card, sharding, ring) for ring in rings_of_size(nodes, adj, size)]
+        candidates = [_evaluate(state, card, sharding, ring, engine) for ring in rings_of_size(nodes, adj, size)]
         valid = [c for c in candidates if c.error is None]
         if valid:
             return _best_valid(valid)
@@ -254,7 +265,7 @@ def _build_instance(
             model_id=card.model_id, runner_to_shard=runner_to_shard, node_to_runner=node_to_runner
         ),
         sharding=sharding,
-        engine="torch",
+        engine=chosen.engine,
         rendezvous=Rendezvous(
             host=rendezvous_host(state.topology.connections, chosen.ring), port=rendezvous_port
         ),
@@ -272,10 +283,12 @@ def place(
     rendezvous_port: int,
     min_nodes: int = 1,
     excluded_nodes: Iterable[NodeId] = (),
+    engine: EngineChoice = "auto",
 ) -> MlxRingInstance | PlacementError:
     """Place `card` on the smallest ring of at least `min_nodes` nodes where every node fits its shard.
 
-    Among valid rings of that size the one with the most total headroom wins, then the lowest node ids.
+    Among valid rings of that size the one with the most total headroom wins, then the lowest node ids. A ring
+    whose nodes cannot all run the engine (engine_choice.py) is refused with EngineUnavailable.
     Returns the instance to put in a CreateInstance command, or the typed reason it cannot be placed.
     """
     refused = _kind_or_model_error(card, sharding, instance_meta)
@@ -285,7 +298,7 @@ def place(
     excluded = set(excluded_nodes)
     nodes = live_nodes(state.topology, excluded)
     adj = adjacency(state.topology, nodes)
-    chosen = _choose(state, card, sharding, nodes, adj, min_nodes)
+    chosen = _choose(state, card, sharding, nodes, adj, min_nodes, engine)
     if chosen is None:
         return _no_candidate_error(state, nodes, adj, excluded, min_nodes)
     if not isinstance(chosen, _Candidate):
@@ -308,6 +321,7 @@ def _preview(card: ModelCard, sharding: Sharding, meta: InstanceMeta, cand: _Can
             needed=Memory.from_bytes(p.needed),
             free=Memory.from_bytes(p.free),
             left_after=Memory.from_bytes(p.left_after),
+            engine=cand.engine,
         )
         for rank, p in enumerate(cand.plans)
     ]
@@ -327,6 +341,7 @@ def preview_placements(
     sharding: Sharding,
     instance_meta: InstanceMeta,
     excluded_nodes: Iterable[NodeId] = (),
+    engine: EngineChoice = "auto",
 ) -> list[PlacementPreview]:
     """Every ring of every size from one node up, with its per-node plan or its typed refusal.
 
@@ -338,6 +353,6 @@ def preview_placements(
     previews: list[PlacementPreview] = []
     for size in range(1, min(len(nodes), MAX_CYCLE_NODES) + 1):
         for ring in rings_of_size(nodes, adj, size):
-            cand = _Candidate(ring, error=refused) if refused else _evaluate(state, card, sharding, ring)
+            cand = _Candidate(ring, error=refused) if refused else _evaluate(state, card, sharding, ring, engine)
             previews.append(_preview(card, sharding, instance_meta, cand))
     return previews

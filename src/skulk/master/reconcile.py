@@ -56,6 +56,7 @@ def matches(meta: MetaInstance, instance: MlxRingInstance) -> bool:
     return (
         instance.model_id == meta.model_id
         and instance.sharding == meta.sharding
+        and meta.engine in ("auto", instance.engine)
         and instance.world_size >= meta.min_nodes
         and (meta.node_ids is None or nodes_of(instance) <= set(meta.node_ids))
     )
@@ -166,6 +167,7 @@ def place_for(state: State, meta: MetaInstance, card: ModelCard, ids: Ids) -> Ml
         rendezvous_port=ids.port(),
         min_nodes=meta.min_nodes,
         excluded_nodes=excluded,
+        engine=meta.engine,
     )
     if isinstance(outcome, PlacementError):
         return outcome

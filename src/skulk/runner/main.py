@@ -51,6 +51,7 @@ from skulk.types.runners import (
 from skulk.types.tasks import ChatCompletion, TaskStatus, TextEmbedding
 
 if TYPE_CHECKING:
+    from skulk.engines.mlx.engine import MlxEngine
     from skulk.engines.torch.engine import TorchEngine
     from skulk.engines.torch.wire import RequestEvent
     from skulk.runner.group import Group
@@ -151,7 +152,7 @@ class Runner:
         self.inbox = inbox
         self.outbox = outbox
         self.recorder = FlightRecorder(spec.context(os.getpid()), enabled=spec.record)
-        self.engine: TorchEngine | None = None
+        self.engine: TorchEngine | MlxEngine | None = None
         self.active: dict[TaskId, _Active] = {}
         self.status: RunnerStatus | None = None
         self.stopping = False
@@ -196,8 +197,8 @@ class Runner:
 
     def start(self) -> None:
         self.recorder.record("created", "process_started")
-        if self.spec.shard.world_size > 1:
-            self._connect()
+        if self.spec.shard.world_size > 1 and self.spec.engine == "torch":
+            self._connect()  # an MLX rank forms its ring while it builds its engine (engines/mlx/build.py)
         self.set_status(RunnerLoading())
         self.recorder.record("load_model", "load_started", str(self.spec.model_dir))
         self.flush()
@@ -233,13 +234,17 @@ class Runner:
         self.group = connect_group(self.spec, self.recorder)
         self.set_status(RunnerConnected())
 
-    def _build_engine(self) -> TorchEngine:
+    def _build_engine(self) -> TorchEngine | MlxEngine:
         from skulk.engines.torch.engine import TorchEngine
         from skulk.models.demo import BUILTIN_MODELS, ensure_builtin_model
 
         shard = self.spec.shard
         if shard.model_card.model_id in BUILTIN_MODELS:
             ensure_builtin_model(shard.model_card.model_id, self.spec.model_dir.parent)
+        if self.spec.engine == "mlx":
+            from skulk.engines.mlx.build import build_mlx_engine
+
+            return build_mlx_engine(self.spec, self._engine_phase)
         if self.group is not None:
             return self._build_distributed_engine(self.group)
         return TorchEngine(self.spec.model_dir, start_layer=shard.start_layer, end_layer=shard.end_layer,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from skulk.types.diagnostics import RunnerContext
 from skulk.types.ids import InstanceId, NodeId, RunnerId
-from skulk.types.instances import Rendezvous, Sharding
+from skulk.types.instances import EngineKind, Rendezvous, Sharding
 from skulk.types.shards import PipelineShardMetadata, TensorShardMetadata
 
 
@@ -27,6 +27,7 @@ class RunnerSpec:
     record: bool = True
     fault: str | None = None
     attempt: int = 0  # the instance attempt this runner serves (restarts of a multi-rank instance count up)
+    engine: EngineKind = "torch"  # which engine runs this rank (the instance's, chosen at placement)
 
     def context(self, pid: int | None) -> RunnerContext:
         shard = self.shard

@@ -182,6 +182,7 @@ def _node_info(state: State, event: NodeGatheredInfo) -> dict[str, Any]:
         ("node_accelerator", info.accelerator),
         ("node_network", info.network),
         ("node_api_ports", info.api_port),
+        ("node_backends", info.backends),
     ):
         if value is not None:
             changes[field] = {**getattr(state, field), node: value}
@@ -201,6 +202,7 @@ def _forget_node(state: State, node: NodeId) -> dict[str, Any]:
         "node_accelerator",
         "node_network",
         "node_api_ports",
+        "node_backends",
         "downloads",
     )
     changes: dict[str, Any] = {field: _without(getattr(state, field), node) for field in per_node}

@@ -6,6 +6,7 @@ from typing import Annotated
 
 from pydantic import Discriminator, Tag
 
+from .backends import EngineChoice
 from .base import TaggedModel, tag_of
 from .ids import CommandId, InstanceId, MetaInstanceId, ModelId, NodeId
 from .instances import Instance, InstanceMeta, Sharding
@@ -79,6 +80,7 @@ class PlaceInstance(TaggedModel):
     model_id: ModelId
     sharding: Sharding = Sharding.Pipeline
     instance_meta: InstanceMeta = InstanceMeta.MlxRing
+    engine: EngineChoice = "auto"
     min_nodes: int = 1
     excluded_nodes: list[NodeId] = []
     model_card: ModelCard | None = None

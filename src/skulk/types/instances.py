@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Discriminator, Tag
 
+from .backends import EngineName
 from .base import CamelModel, TaggedModel, tag_of
 from .ids import InstanceId, MetaInstanceId, ModelId, NodeId, RunnerId
 from .shards import ShardMetadata
@@ -24,7 +25,8 @@ class InstanceMeta(StrEnum):
     MlxJaccl = "MlxJaccl"
 
 
-EngineKind = Literal["torch", "mlx"]
+EngineKind = EngineName
+"""The engine an instance's ranks run (types/backends.py)."""
 
 
 class ShardAssignments(CamelModel):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from .backends import EngineChoice
 from .base import CamelModel
 from .ids import MetaInstanceId, ModelId, NodeId
 from .instances import InstanceMeta, Sharding
@@ -24,6 +25,7 @@ class MetaInstance(CamelModel):
     model_id: ModelId
     sharding: Sharding = Sharding.Pipeline
     instance_meta: InstanceMeta = InstanceMeta.MlxRing
+    engine: EngineChoice = "auto"
     min_nodes: int = Field(default=1, ge=1, le=64)
     node_ids: list[NodeId] | None = None
     placement_error: str | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from .backends import BackendTag
 from .base import CamelModel
 from .ids import ModelId
 from .memory import Memory
@@ -35,6 +36,10 @@ class ModelCard(CamelModel):
     """Float weights the engine quantizes while loading (weight-only int4/int8); storage_size is then the
     quantized estimate, which placement fits into node memory."""
     builtin: bool = False
+    compatible_backends: list[BackendTag] | None = None
+    """Skulk's hard filter: only nodes advertising one of these tags may run the model (None: any engine)."""
+    backend_preference: list[BackendTag] = []
+    """Skulk's soft order: under engine `auto`, the first of these every node of a ring can run wins."""
     tasks: list[ModelTask] = ["TextGeneration"]
     """Skulk's `tasks` of the card. An embedding model (TextEmbedding) answers only embeddings, runs on one
     node, and a chat model answers no embeddings: the API refuses either mix-up with a 400."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from .backends import BackendTag
 from .base import CamelModel
 from .ids import NodeId
 from .memory import Memory
@@ -77,6 +78,8 @@ class NodeInfo(CamelModel):
     accelerator: AcceleratorInfo | None = None
     network: NetworkInfo | None = None
     api_port: int | None = None
+    backends: list[BackendTag] | None = None
+    """Every backend tag this node can run, the bare engine tags included (types/backends.py)."""
 
 
 class Connection(CamelModel):

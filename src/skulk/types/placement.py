@@ -10,6 +10,7 @@ from typing import Annotated, Literal, Self
 
 from pydantic import Discriminator, Tag, model_validator
 
+from .backends import INSTALL, BackendTag, EngineChoice, EngineName
 from .base import CamelModel, TaggedModel, tag_of
 from .ids import ModelId, NodeId
 from .instances import InstanceMeta, Sharding
@@ -132,8 +133,38 @@ class InstanceKindUnsupported(PlacementError):
 
     def describe(self) -> str:
         return (
-            f"{self.instance_meta.value} instances (RDMA) are not available on this build; "
-            f"use {InstanceMeta.MlxRing.value}."
+            f"{self.instance_meta.value} instances (RDMA over Thunderbolt 5, macOS only) are not available on "
+            f"this build; use {InstanceMeta.MlxRing.value} (TCP ring: MLX's ring backend or torch's group)."
+        )
+
+
+class EngineUnavailable(PlacementError):
+    """A node of the ring cannot run the engine the placement needs (it lacks it, or the model's
+    compatible_backends exclude what it has)."""
+
+    node_id: NodeId
+    node_name: str | None = None
+    engine: EngineName
+    requested: EngineChoice
+    advertised: list[BackendTag]
+    model_id: ModelId
+    compatible_backends: list[BackendTag] | None = None
+
+    def describe(self) -> str:
+        name = f"{self.node_id} ({self.node_name})" if self.node_name else self.node_id
+        have = ", ".join(self.advertised) or "nothing"
+        if self.compatible_backends is not None and not any(
+            t in self.compatible_backends for t in self.advertised if t.split("-", 1)[0] == self.engine
+        ) and any(t.split("-", 1)[0] == self.engine for t in self.advertised):
+            return (
+                f"node {name} runs {have}, but model {self.model_id} is compatible only with "
+                f"{', '.join(self.compatible_backends)}; place it on nodes with one of those backends."
+            )
+        other = "torch" if self.engine == "mlx" else "mlx"
+        return (
+            f"node {name} cannot run the {self.engine} engine for model {self.model_id} (it advertises: {have}; "
+            f"engine requested: {self.requested}). Install it on that node ({INSTALL[self.engine]}) and restart "
+            f"the node, place with engine {other}, or exclude the node."
         )
 
 
@@ -183,6 +214,7 @@ AnyPlacementError = Annotated[
     | Annotated[AllCandidatesExcluded, Tag("AllCandidatesExcluded")]
     | Annotated[TensorNotSupported, Tag("TensorNotSupported")]
     | Annotated[InstanceKindUnsupported, Tag("InstanceKindUnsupported")]
+    | Annotated[EngineUnavailable, Tag("EngineUnavailable")]
     | Annotated[NotEnoughLayers, Tag("NotEnoughLayers")]
     | Annotated[SingleNodeOnly, Tag("SingleNodeOnly")]
     | Annotated[InfoPending, Tag("InfoPending")],
@@ -203,6 +235,8 @@ class PreviewNode(CamelModel):
     needed: Memory
     free: Memory
     left_after: Memory
+    engine: EngineName = "torch"
+    """The engine this rank would run (placement's choice for the ring)."""
 
 
 class PlacementPreview(CamelModel):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from .backends import EngineName
 from .ids import ModelId
 from .instances import Instance, InstanceMeta, Sharding
 
@@ -20,4 +21,6 @@ class SkulkPlacementPreview(BaseModel):
     instance: Instance | None = None
     memory_delta_by_node: dict[str, int] | None = None
     """Bytes each node of the instance would take on: its share of the weights, overhead and KV headroom."""
+    engine_by_node: dict[str, EngineName] | None = None
+    """The engine each node of the instance would run (this project's addition, beside Skulk's fields)."""
     error: str | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from .backends import BackendTag
 from .base import CamelModel
 from .downloads import DownloadProgress
 from .ids import InstanceId, MetaInstanceId, ModelId, NodeId, RunnerId, TaskId
@@ -57,6 +58,8 @@ class State(CamelModel):
     node_accelerator: dict[NodeId, AcceleratorInfo] = {}
     node_network: dict[NodeId, NetworkInfo] = {}
     node_api_ports: dict[NodeId, int] = {}
+    node_backends: dict[NodeId, list[BackendTag]] = {}
+    """Skulk's nodeResources[node].backends: the engines each node runs (none said: torch only)."""
     topology: Topology = Topology()
     master_node_id: NodeId | None = None
     term: int = 0

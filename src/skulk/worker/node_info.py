@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 import socket
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
 import psutil
 
 from skulk import __version__
+from skulk.types.backends import BackendTag
 from skulk.types.memory import Memory
 from skulk.types.node_info import (
     AcceleratorInfo,
@@ -53,11 +56,32 @@ def identity(friendly_name: str | None) -> NodeIdentity:
     )
 
 
+@cache
+def gpu_working_set() -> int | None:
+    """On Apple silicon, the bytes Metal recommends the GPU keep resident (MLX's max_recommended_working_set_size,
+    what Skulk and exo place against): a model larger than this pages on every step even with RAM free."""
+    if sys.platform != "darwin" or platform.machine() != "arm64":
+        return None
+    try:
+        import mlx.core as mx
+
+        if not mx.metal.is_available():
+            return None
+        return int(mx.device_info()["max_recommended_working_set_size"])
+    except Exception:  # no MLX here: the node runs torch on the CPU and RAM is what counts
+        return None
+
+
 def memory() -> MemoryUsage:
+    """RAM, capped on a Mac by the GPU's working set (the memory an MLX rank can really use)."""
     vm, sw = psutil.virtual_memory(), psutil.swap_memory()
+    total, available = vm.total, vm.available
+    working_set = gpu_working_set()
+    if working_set is not None:
+        total, available = min(total, working_set), min(available, working_set)
     return MemoryUsage(
-        ram_total=Memory.from_bytes(vm.total),
-        ram_available=Memory.from_bytes(vm.available),
+        ram_total=Memory.from_bytes(total),
+        ram_available=Memory.from_bytes(available),
         swap_total=Memory.from_bytes(sw.total),
         swap_available=Memory.from_bytes(sw.free),
     )
@@ -115,8 +139,29 @@ def system() -> SystemPerformance:
     return SystemPerformance(pcpu_usage=psutil.cpu_percent(interval=None))
 
 
+@cache
+def backends() -> list[BackendTag]:
+    """The backend tags this node runs, bare engine tags included: torch always (Skulk's own dependency; cuda
+    when the build has it and an NVIDIA GPU is present), MLX when it imports and computes here (engines/mlx)."""
+    from skulk.engines import mlx as mlx_engine
+
+    tags: list[BackendTag] = ["torch", "torch-cpu"]
+    try:
+        cuda_build = "+cpu" not in importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        cuda_build = False
+    if cuda_build and accelerator().vendor == "nvidia":
+        tags.append("torch-cuda")
+    if mlx_engine.available() is None:
+        metal: list[BackendTag] = ["mlx", "mlx-metal"]
+        cpu: list[BackendTag] = ["mlx", "mlx-cpu"]
+        tags += metal if mlx_engine.is_metal() else cpu
+    return tags
+
+
 def gather(*, friendly_name: str | None, home: Path, api_port: int) -> NodeInfo:
     return NodeInfo(
+        backends=backends(),
         identity=identity(friendly_name),
         memory=memory(),
         disk=disk(home),

@@ -191,6 +191,7 @@ class Worker:
             instance_id=instance.instance_id,
             shard=shard,
             sharding=instance.sharding,
+            engine=instance.engine,
             model_dir=self.model_dir_for(instance),
             rendezvous=instance.rendezvous,
             warmup_deadline_s=self.warmup_deadline_s,

@@ -1,0 +1,276 @@
+"""MlxEngine: mlx-lm's model implementations behind the engine contract, with continuous batching and chunked
+prefill.
+
+The model is whatever `mlx_lm.utils.load_model` builds from the directory (every architecture mlx-lm knows,
+float Hugging Face checkpoints and mlx-community quantized ones as they ship); nothing here re-implements a
+layer. What this module adds around it is what the runner needs from any engine: requests that join and leave
+between steps, prompts prefilled in chunks, cancellation, and the sampler's bookkeeping (sampling, logprobs,
+stop strings, finish reasons, per-request failure), which is the torch engine's own (engines/torch/requests.py)
+so both engines answer a request the same way.
+
+One step is: a decode of every running request (one batched forward over mlx-lm's BatchKVCache, rows
+left-padded to a common length), then the next chunk of the one prompt being prefilled in its own KVCache;
+when that prompt completes its first token is sampled and its cache joins the batch (the cache's `merge` and
+`extend`, as mlx-lm's BatchGenerator does). A request that finishes or is cancelled leaves the batch through
+the cache's `filter`.
+
+Distributed (Pipeline over mx.distributed's ring backend) lives in ring.py: the same engine with a `Stage`
+that receives and sends hidden states around its slice of the layers.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import torch
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+
+from skulk.engines.base import TokenOut
+from skulk.engines.errors import ContextLengthExceeded
+from skulk.engines.torch.requests import FaultHook, Request, accept_each, row_sampling
+from skulk.engines.torch.tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
+from skulk.engines.torch.wire import Released, RequestEvent, Started
+from skulk.types.chat import ChatMessage, SamplingParams
+from skulk.types.runners import RunnerPhase
+
+from . import is_metal
+
+DEFAULT_MAX_SEQ = 4096
+DEFAULT_PREFILL_CHUNK = 512
+WARMUP_ID = "__skulk_warmup__"
+QUANT_BITS = {"int4": 4, "int8": 8}
+QUANT_GROUP = 64  # mlx_lm.convert's default group size
+PhaseHook = Callable[[RunnerPhase, str], None]
+Cache = list[Any]
+"""One mlx-lm cache object per layer (KVCache while prefilling, BatchKVCache once running)."""
+
+
+def load(model_dir: Path, quantize: str | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """mlx-lm's model for the directory with its weights evaluated; a float checkpoint can be quantized while
+    loading (`quantize_at_load`), as mlx_lm.convert would, with MLX's affine groups of 64."""
+    model, config = load_model(model_dir, lazy=True)
+    if quantize is not None and "quantization" not in config:
+        nn.quantize(model, group_size=QUANT_GROUP, bits=QUANT_BITS[quantize])
+    mx.eval(model.parameters())
+    return model, config
+
+
+def set_wired_limit(model: nn.Module) -> None:
+    """On Metal, wire the weights in GPU memory as mlx-lm's generate does for large models (a model near the
+    working set would otherwise be paged out between steps); a no-op on MLX's CPU backend."""
+    if not is_metal() or not mx.metal.is_available():
+        return
+    limit = int(mx.device_info()["max_recommended_working_set_size"])
+    mx.set_wired_limit(limit)
+    del model
+
+
+def to_torch(logits: mx.array) -> torch.Tensor:
+    """Logits [B, V] as float32 torch rows for the shared sampler (one row per request: the vocabulary)."""
+    return torch.from_numpy(np.array(logits.astype(mx.float32), copy=False))
+
+
+class MlxEngine:
+    """A single-rank engine over an mlx-lm model (a Stage from ring.py makes it one rank of a pipeline)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        max_batch: int = 8,
+        max_seq: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        quantize: str | None = None,
+    ) -> None:
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be at least 1")
+        self.model, config = load(model_dir, quantize)
+        set_wired_limit(self.model)
+        text = config.get("text_config", config)
+        positions = int(text.get("max_position_embeddings") or DEFAULT_MAX_SEQ)
+        self.context_length = min(positions, max_seq if max_seq is not None else DEFAULT_MAX_SEQ)
+        self.vocab_size = int(text.get("vocab_size") or 0)
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.tokenizer = ChatTokenizer(model_dir)
+        self.on_phase: PhaseHook | None = None
+        self.fault_hook: FaultHook | None = None
+        self.closed = False
+        self.wait_s = 0.0  # a single rank never waits on peers
+        self._pending: deque[Request] = deque()
+        self._prefilling: tuple[Request, Cache] | None = None
+        self._running: list[Request] = []  # row i of the batch cache
+        self._batch: Cache | None = None
+        self._releases: list[tuple[str, bool, bool]] = []  # (request_id, cancelled, failed), at the next step
+        self._events: list[RequestEvent] = []
+        self._warming = False
+        self._phase: RunnerPhase = "idle"
+        self._unseeded = torch.Generator().manual_seed(secrets.randbits(63))
+
+    # --- the Engine protocol -------------------------------------------------------------------------------
+
+    def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.tokenizer.encode_chat(messages, tools)
+
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, command_id: str = ""
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(prompt_ids) > self.context_length:
+            raise ContextLengthExceeded(len(prompt_ids), self.context_length)
+        if any(r.request_id == request_id for r in self._requests()):
+            raise ValueError(f"request {request_id!r} is already running")
+        row = row_sampling(sampling, self.vocab_size or 1 << 30, torch.device("cpu"), self._unseeded)
+        req = Request(request_id, list(prompt_ids), sampling.max_tokens, row,
+                      IncrementalDecoder(self.tokenizer.decode), StopMatcher(sampling.stop), command_id=command_id)
+        if self.fault_hook is not None:
+            self.fault_hook("admit", req)
+        self._pending.append(req)
+
+    def cancel(self, request_id: str) -> None:
+        """Released at the start of the next step; it yields no more tokens."""
+        self._releases.append((request_id, True, False))
+
+    def has_work(self) -> bool:
+        return bool(self._pending or self._prefilling or self._running or self._releases)
+
+    def step(self) -> list[TokenOut]:
+        self._apply_releases()
+        outs = self._decode() if self._running else []
+        if self._prefilling is None and self._pending and len(self._running) < self.max_batch:
+            self._start_prefill(self._pending.popleft())
+        if self._prefilling is not None:
+            outs += self._prefill_chunk()
+        if not self._running and self._prefilling is None:
+            self._enter_phase("idle", "no_work")
+        return outs
+
+    def warmup(self) -> None:
+        """Generate two tokens of a throwaway request, so the first real one pays for no lazy initialisation."""
+        self._warming = True
+        prompt = self.tokenizer.encode("warmup") or [0]
+        self.add_request(WARMUP_ID, prompt[: self.context_length], SamplingParams(max_tokens=2, temperature=0))
+        while self.has_work():
+            self.step()
+        self._warming = False
+        self._events.clear()
+
+    # --- extras for the runner -----------------------------------------------------------------------------
+
+    def take_events(self) -> list[RequestEvent]:
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def close(self) -> None:
+        self.closed = True
+
+    # --- scheduling ----------------------------------------------------------------------------------------
+
+    def _requests(self) -> list[Request]:
+        prefilling = [self._prefilling[0]] if self._prefilling else []
+        return [*self._pending, *prefilling, *self._running]
+
+    def _apply_releases(self) -> None:
+        releases, self._releases = self._releases, []
+        for request_id, cancelled, failed in releases:
+            self._release(request_id, cancelled, failed)
+
+    def _release(self, request_id: str, cancelled: bool, failed: bool = False) -> None:
+        """Drop the request wherever it is: the queue, the prefill, or its row of the batch."""
+        found = next((r for r in self._pending if r.request_id == request_id), None)
+        if found is not None:
+            self._pending.remove(found)
+        elif self._prefilling is not None and self._prefilling[0].request_id == request_id:
+            found, self._prefilling = self._prefilling[0], None
+        else:
+            row = next((i for i, r in enumerate(self._running) if r.request_id == request_id), None)
+            if row is None:
+                return
+            found = self._running.pop(row)
+            self._filter_batch([i for i in range(len(self._running) + 1) if i != row])
+        if found.request_id != WARMUP_ID:
+            self._events.append(Released(found.request_id, found.command_id, cancelled, failed))
+
+    def _filter_batch(self, keep: list[int]) -> None:
+        if self._batch is None:
+            return
+        if not keep:
+            self._batch = None
+            return
+        index = mx.array(keep)
+        for cache in self._batch:
+            cache.filter(index)
+
+    def _start_prefill(self, req: Request) -> None:
+        self._prefilling = (req, make_prompt_cache(self.model))
+        req.length = 0
+        if req.request_id != WARMUP_ID:
+            self._events.append(Started(req.request_id, req.command_id, 0))
+
+    def _enter_phase(self, phase: RunnerPhase, event: str) -> None:
+        if phase != self._phase:
+            self._phase = phase
+            if self.on_phase is not None:
+                self.on_phase(phase, event)
+
+    # --- compute -------------------------------------------------------------------------------------------
+
+    def _prefill_chunk(self) -> list[TokenOut]:
+        """The next chunk of the prompt being prefilled; its first token once the prompt is complete."""
+        assert self._prefilling is not None
+        req, cache = self._prefilling
+        self._enter_phase("prefill_stream", "prefill")
+        start = req.length
+        end = min(len(req.prompt), start + self.prefill_chunk)
+        logits = self.model(mx.array([req.prompt[start:end]]), cache=cache)
+        req.length = end
+        if end < len(req.prompt):
+            mx.eval([c.state for c in cache])
+            return []
+        self._prefilling = None
+        outs = self._accept(logits[:, -1, :], [req])
+        self._join_batch(req, cache)
+        self._finished([req], outs)  # done with its first token: it leaves the batch it just joined
+        return outs
+
+    def _join_batch(self, req: Request, cache: Cache) -> None:
+        merged = [c.merge([c]) for c in cache]
+        if self._batch is None:
+            self._batch = merged
+        else:
+            for mine, theirs in zip(self._batch, merged, strict=True):
+                mine.extend(theirs)
+        self._running.append(req)
+
+    def _decode(self) -> list[TokenOut]:
+        """One token for every running request, in one batched forward pass."""
+        self._enter_phase("decode_stream", "decode")
+        running = list(self._running)
+        ids = mx.array([[r.last_token] for r in running])
+        logits = self.model(ids, cache=self._batch)
+        for req in running:
+            req.length += 1
+        outs = self._accept(logits[:, -1, :], running)
+        self._finished(running, outs)
+        return outs
+
+    def _finished(self, reqs: list[Request], outs: list[TokenOut]) -> None:
+        """Finished rows leave the batch at the start of the next step, as the torch engine's do (its next
+        header): the runner publishes a request's last token before it hears the request was released."""
+        for req, out in zip(reqs, outs, strict=True):
+            if req.finished:
+                self._releases.append((req.request_id, False, out.error is not None))
+
+    def _accept(self, logits: mx.array, reqs: list[Request]) -> list[TokenOut]:
+        """The shared sampler's bookkeeping over these rows (engines/torch/requests.py)."""
+        return accept_each(to_torch(logits), reqs, self.tokenizer.eos_ids, self.context_length, self.fault_hook)

@@ -1,0 +1,32 @@
+"""How a node runs a model, in Skulk 1.3.0's vocabulary: backend tags `<engine>-<compute>`.
+
+A node advertises every tag it can run, the bare engine tag included (`torch`, `torch-cpu`, `mlx`, `mlx-metal`,
+...); a model card may restrict the engines that can run it (`compatible_backends`, a hard filter) and order them
+(`backend_preference`, a soft order); a placement request names an engine or leaves it to `auto`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+EngineName = Literal["torch", "mlx"]
+BackendTag = Literal["torch", "torch-cpu", "torch-cuda", "mlx", "mlx-metal", "mlx-cpu"]
+EngineChoice = Literal["auto", "torch", "mlx"]
+"""`auto`: each placement its best engine (MLX where every node computes on Metal, torch elsewhere)."""
+
+ENGINES: tuple[EngineName, ...] = get_args(EngineName)
+INSTALL: dict[EngineName, str] = {
+    "torch": "pip install torch==2.13.0 (Skulk's own dependency)",
+    "mlx": "pip install mlx mlx-lm on macOS arm64, pip install 'mlx[cpu]' mlx-lm on Linux (x86_64, aarch64)",
+}
+"""What to install on a node that lacks an engine, for the refusal that names it."""
+
+
+def engine_of(tag: str) -> EngineName | None:
+    """The engine a tag names (`mlx-metal` → `mlx`); None for a tag of an engine this build does not know."""
+    head = tag.split("-", 1)[0]
+    return next((e for e in ENGINES if e == head), None)
+
+
+def engines_of(tags: list[BackendTag] | list[str]) -> set[EngineName]:
+    return {e for t in tags if (e := engine_of(t)) is not None}

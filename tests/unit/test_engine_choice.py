@@ -1,0 +1,157 @@
+"""Choosing the engine in Skulk's vocabulary: nodes' backend tags, the card's compatible_backends (hard) and
+backend_preference (soft), an explicit engine, typed refusals naming the node and what to install, previews
+showing the engine per node, MetaInstances honouring it, and a node's own tags."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from skulk.master.engine_choice import choose_engine, instance_engine_error
+from skulk.master.placement import place, preview_placements
+from skulk.master.reconcile import matches
+from skulk.types.backends import BackendTag, EngineChoice, engine_of
+from skulk.types.ids import InstanceId, MetaInstanceId, ModelId, NodeId
+from skulk.types.instances import InstanceMeta, MlxRingInstance, Sharding
+from skulk.types.meta_instances import MetaInstance
+from skulk.types.models import ModelCard
+from skulk.types.node_info import NodeInfo
+from skulk.types.placement import EngineUnavailable, InstanceKindUnsupported, PlacementError
+from skulk.types.state import State
+from tests.unit.test_placement import card, runner_ids, state
+
+MAC: list[BackendTag] = ["torch", "torch-cpu", "mlx", "mlx-metal"]
+LINUX_MLX: list[BackendTag] = ["torch", "torch-cpu", "mlx", "mlx-cpu"]
+LINUX: list[BackendTag] = ["torch", "torch-cpu"]
+BIG = 1 << 34
+
+
+def cluster(**tags: list[BackendTag] | None) -> State:
+    s = state(dict.fromkeys(tags, BIG))
+    return s.model_copy(update={"node_backends": {NodeId(n): t for n, t in tags.items() if t is not None}})
+
+
+def do_place(s: State, engine: EngineChoice = "auto", c: ModelCard | None = None, *, min_nodes: int = 1,
+             meta: InstanceMeta = InstanceMeta.MlxRing) -> MlxRingInstance | PlacementError:
+    return place(s, c or card(), Sharding.Pipeline, meta, instance_id=InstanceId("i"), new_runner_id=runner_ids(),
+                 rendezvous_port=29500, min_nodes=min_nodes, engine=engine)
+
+
+def test_tags_name_their_engine() -> None:
+    assert [engine_of(t) for t in ("torch", "torch-cuda", "mlx", "mlx-metal", "llama_cpp-vulkan")] == [
+        "torch", "torch", "mlx", "mlx", None]
+
+
+@pytest.mark.parametrize(("tags", "engine"), [(MAC, "mlx"), (LINUX_MLX, "torch"), (LINUX, "torch"), (None, "torch")])
+def test_auto_picks_mlx_on_metal_and_torch_elsewhere(tags: list[BackendTag] | None, engine: str) -> None:
+    """None: a node that advertises nothing (an older build) runs torch."""
+    placed = do_place(cluster(a=tags))
+    assert isinstance(placed, MlxRingInstance) and placed.engine == engine
+
+
+def test_a_ring_runs_one_engine_every_node_has() -> None:
+    """A Mac and a Linux box: auto falls back to the engine both run (torch); mlx asks for the one both have."""
+    both = cluster(a=MAC, b=LINUX_MLX)
+    auto = do_place(both, min_nodes=2)
+    assert isinstance(auto, MlxRingInstance) and auto.engine == "torch"
+    mlx = do_place(both, "mlx", min_nodes=2)
+    assert isinstance(mlx, MlxRingInstance) and mlx.engine == "mlx"
+
+
+def test_explicit_mlx_skips_a_node_without_it_and_refuses_when_none_has_it() -> None:
+    placed = do_place(cluster(a=LINUX, b=LINUX_MLX), "mlx")
+    assert isinstance(placed, MlxRingInstance) and list(placed.shard_assignments.node_to_runner) == ["b"]
+    refused = do_place(cluster(a=LINUX), "mlx")
+    assert isinstance(refused, EngineUnavailable) and refused.http_status == 400
+    assert refused.node_id == "a" and refused.advertised == LINUX
+    assert "cannot run the mlx engine" in refused.message and "pip install 'mlx[cpu]' mlx-lm" in refused.message
+
+
+def test_a_ring_of_two_refuses_naming_the_node_that_lacks_the_engine() -> None:
+    refused = do_place(cluster(a=LINUX_MLX, b=LINUX), "mlx", min_nodes=2)
+    assert isinstance(refused, EngineUnavailable) and refused.node_id == "b"
+
+
+def test_compatible_backends_filter_and_preference_order() -> None:
+    metal_only = card(compatible_backends=["mlx-metal"])
+    placed = do_place(cluster(a=LINUX_MLX, b=MAC), c=metal_only)
+    assert isinstance(placed, MlxRingInstance) and placed.engine == "mlx"
+    assert list(placed.shard_assignments.node_to_runner) == ["b"]
+    refused = do_place(cluster(a=LINUX_MLX), c=metal_only)
+    assert isinstance(refused, EngineUnavailable) and "compatible only with mlx-metal" in refused.message
+    prefers_mlx = do_place(cluster(a=LINUX_MLX), c=card(backend_preference=["mlx-cpu", "torch"]))
+    assert isinstance(prefers_mlx, MlxRingInstance) and prefers_mlx.engine == "mlx"
+    torch_only = do_place(cluster(a=MAC), c=card(compatible_backends=["torch", "torch-cpu"]))
+    assert isinstance(torch_only, MlxRingInstance) and torch_only.engine == "torch"
+
+
+def test_previews_show_the_engine_per_node_and_the_refusal_per_ring() -> None:
+    s = cluster(a=MAC, b=LINUX)
+    previews = preview_placements(s, card(), Sharding.Pipeline, InstanceMeta.MlxRing, engine="mlx")
+    by_ring = {tuple(p.node_ids): p for p in previews}
+    assert [n.engine for n in by_ring["a",].nodes] == ["mlx"]
+    assert isinstance(by_ring["b",].error, EngineUnavailable)
+    auto = preview_placements(s, card(), Sharding.Pipeline, InstanceMeta.MlxRing)
+    assert {tuple(p.node_ids): [n.engine for n in p.nodes] for p in auto}["a",] == ["mlx"]
+
+
+def test_jaccl_is_refused_with_a_400_that_says_why() -> None:
+    refused = do_place(cluster(a=MAC), meta=InstanceMeta.MlxJaccl)
+    assert isinstance(refused, InstanceKindUnsupported) and refused.http_status == 400
+    assert "RDMA over Thunderbolt 5, macOS only" in refused.message
+
+
+def test_an_instance_given_whole_is_checked_too() -> None:
+    c = card()
+    assert instance_engine_error(c, "mlx", [NodeId("a")], {NodeId("a"): MAC}) is None
+    error = instance_engine_error(c, "mlx", [NodeId("a")], {NodeId("a"): LINUX})
+    assert error is not None and error.node_id == "a"
+
+
+def test_meta_instances_match_only_their_engine() -> None:
+    placed = do_place(cluster(a=MAC))
+    assert isinstance(placed, MlxRingInstance)
+    meta = MetaInstance(meta_instance_id=MetaInstanceId("m"), model_id=ModelId("test/model"))
+    assert matches(meta, placed)
+    assert matches(meta.model_copy(update={"engine": "mlx"}), placed)
+    assert not matches(meta.model_copy(update={"engine": "torch"}), placed)
+
+
+def test_choose_engine_orders_auto_by_preference_then_metal() -> None:
+    c = card()
+    assert choose_engine(c, "auto", [NodeId("a"), NodeId("b")], {NodeId("a"): MAC, NodeId("b"): MAC}) == "mlx"
+    assert choose_engine(c, "torch", [NodeId("a")], {NodeId("a"): MAC}) == "torch"
+
+
+def test_node_info_carries_backends_into_state() -> None:
+    from datetime import UTC, datetime
+
+    from skulk.state.apply import apply
+    from skulk.types.events import IndexedEvent, NodeGatheredInfo
+
+    event = NodeGatheredInfo(node_id=NodeId("a"), info=NodeInfo(backends=MAC), when=datetime.now(UTC))
+    assert apply(State(), IndexedEvent(idx=0, event=event)).node_backends == {"a": MAC}
+
+
+def test_this_node_advertises_mlx_cpu_when_mlx_computes_here() -> None:
+    from skulk.worker import node_info
+
+    node_info.backends.cache_clear()
+    tags = node_info.backends()
+    assert tags[:2] == ["torch", "torch-cpu"]
+    mlx_ok = pytest.importorskip("skulk.engines.mlx").available() is None
+    assert ("mlx" in tags) is mlx_ok
+    if mlx_ok and sys.platform == "linux":
+        assert "mlx-cpu" in tags and "mlx-metal" not in tags
+
+
+def test_a_mac_reports_the_gpu_working_set_as_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS arm64: what an MLX rank can keep resident is Metal's recommended working set, not all of RAM."""
+    from skulk.worker import node_info
+
+    monkeypatch.setattr(node_info, "gpu_working_set", lambda: 1 << 20)
+    usage = node_info.memory()
+    assert usage.ram_total.in_bytes == 1 << 20 and usage.ram_available.in_bytes <= 1 << 20
+    monkeypatch.setattr(node_info, "gpu_working_set", lambda: None)
+    assert node_info.memory().ram_total.in_bytes > 1 << 20

@@ -1,0 +1,187 @@
+"""The MLX engine (mlx-lm's own models) against the torch engine: greedy tokens on random checkpoints of every
+family the torch engine runs, continuous batching, chunked prefill, cancel, stop strings, logprobs, and
+mlx-community's quantized layout against its dequantized reference."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mlx_lm")  # the engine is absent (not broken) where MLX has no wheels
+
+import mlx.core as mx
+import numpy as np
+
+from skulk.engines.mlx.engine import MlxEngine, load
+from skulk.engines.torch.engine import TorchEngine
+from skulk.models.demo import generate_random_llama
+from skulk.types.chat import SamplingParams
+from tests.unit.test_model_families import REAL_CONFIGS, scaled_down, write_checkpoint
+from tests.unit.test_quantized import write_mlx
+
+pytestmark = pytest.mark.timeout(300)
+
+TOKENS = 40
+PROMPTS = [[1, 5, 9, 33, 2, 7, 100, 42, 11, 3] * 3, [258, 104, 105], [72, 101, 108, 108, 111, 10] * 2]
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0)
+
+
+def run(engine: Any, prompts: list[list[int]], sampling: SamplingParams = GREEDY) -> dict[str, list[Any]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, sampling)
+    outs: dict[str, list[Any]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    return outs
+
+
+def tokens(outs: dict[str, list[Any]]) -> dict[str, list[int]]:
+    return {rid: [o.token_id for o in got] for rid, got in outs.items()}
+
+
+def with_tokenizer(path: Path, demo: Path) -> Path:
+    """A random family checkpoint gets the demo's byte tokenizer (its vocabulary fits every scaled-down one), with
+    no end-of-sequence token: random weights would otherwise end some requests early, and parity wants 40 tokens
+    (the real configs' eos ids lie past the scaled-down vocabulary)."""
+    shutil.copy(demo / "tokenizer.json", path / "tokenizer.json")
+    config = json.loads((demo / "tokenizer_config.json").read_text())
+    config.pop("eos_token", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate_random_llama(tmp_path_factory.mktemp("demo") / "m", hidden_size=64, n_layers=4, n_heads=4,
+                                 n_kv_heads=2, intermediate_size=128, seed=3)
+
+
+SLIDING_IGNORED = "mistralai/Mistral-7B-v0.1"
+"""mlx-lm builds Mistral v0.1 (a 4096-token sliding window, no layer_types) as full attention: past the window
+(16 positions in the scaled-down config) its model is not transformers' one. Strict xfail: it says so, and fails
+the day mlx-lm honours the window."""
+FAMILIES = [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="mlx-lm ignores the v0.1 sliding window"))
+            if m == SLIDING_IGNORED else m for m in sorted(REAL_CONFIGS)]
+
+
+@pytest.mark.parametrize("model_id", FAMILIES)
+def test_greedy_tokens_equal_the_torch_engine(model_id: str, demo: Path, tmp_path: Path) -> None:
+    """Three requests batched together (one prefilled in chunks across decode steps), 40 tokens each, in float32:
+    the same tokens as the torch engine, or the first divergence is a near tie in the torch engine's logits."""
+    config = {**scaled_down(model_id, REAL_CONFIGS[model_id]), "torch_dtype": "float32"}
+    path = with_tokenizer(write_checkpoint(config, tmp_path / "ckpt"), demo)
+    got = run(MlxEngine(path, prefill_chunk=8, max_seq=256), PROMPTS)
+    expected = run(TorchEngine(path, prefill_chunk=8, max_seq=256), PROMPTS)
+    assert set(got) == set(expected) == {"r0", "r1", "r2"}
+    for rid in expected:
+        assert len(got[rid]) == len(expected[rid]) == TOKENS, rid
+        mine, theirs = [o.token_id for o in got[rid]], [o.token_id for o in expected[rid]]
+        if mine != theirs:
+            at = next(i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b)
+            tie = _logit_gap(path, PROMPTS[int(rid[1:])] + theirs[:at], mine[at], theirs[at])
+            assert tie < 1e-3, f"{rid}: diverges at token {at} ({mine[at]} vs {theirs[at]}), logit gap {tie}"
+
+
+def _logit_gap(path: Path, ids: list[int], a: int, b: int) -> float:
+    """How far apart two tokens' logits are after ids, per the MLX model (a tie if ~0)."""
+    model, _ = load(path)
+    logits = model(mx.array([ids]))[0, -1].astype(mx.float32)
+    return abs(float(logits[a]) - float(logits[b]))
+
+
+def test_a_bfloat16_checkpoint_runs_in_its_own_dtype(demo: Path, tmp_path: Path) -> None:
+    """As shipped (bf16): greedy tokens equal the torch engine's, or the first divergence is a bf16 tie (the two
+    candidates' logits within bf16's resolution at their magnitude)."""
+    config = scaled_down("Qwen/Qwen3-0.6B", REAL_CONFIGS["Qwen/Qwen3-0.6B"])
+    path = with_tokenizer(write_checkpoint(config, tmp_path / "qwen3"), demo)
+    _to_bf16(path)
+    engine = MlxEngine(path, max_seq=128)
+    assert engine.model.model.layers[0].self_attn.q_proj.weight.dtype == mx.bfloat16
+    got = tokens(run(engine, PROMPTS[:1]))["r0"]
+    expected = tokens(run(TorchEngine(path, max_seq=128), PROMPTS[:1]))["r0"]
+    if got != expected:
+        at = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
+        model, _ = load(path)
+        logits = model(mx.array([PROMPTS[0] + expected[:at]]))[0, -1].astype(mx.float32)
+        gap = abs(float(logits[got[at]]) - float(logits[expected[at]]))
+        resolution = 2 ** (np.floor(np.log2(abs(float(logits[expected[at]])) + 1e-9)) - 7)
+        assert gap <= 2 * resolution, f"diverges at {at} with gap {gap} (bf16 step {resolution})"
+
+
+def _to_bf16(path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_an_mlx_community_quantized_layout_matches_its_dequantized_reference(bits: int, tmp_path: Path) -> None:
+    """Packed uint32 weights with bf16 scales and biases and config.json's `quantization`, as mlx-community ships
+    them: mlx-lm's QuantizedLinear/QuantizedEmbedding against the same weights dequantized, logit for logit."""
+    config = {**scaled_down("Qwen/Qwen3-8B", REAL_CONFIGS["Qwen/Qwen3-8B"]), "torch_dtype": "float32"}
+    float_dir = write_checkpoint(config, tmp_path / "float")
+    write_mlx(float_dir, bits, tmp_path / "mlx", tmp_path / "reference")
+    quantized, _ = load(tmp_path / "mlx")
+    reference, _ = load(tmp_path / "reference")
+    assert type(quantized.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    ids = mx.array([[1, 5, 9, 33, 2, 7, 100, 42, 11, 3] * 3])
+    got = np.array(quantized(ids).astype(mx.float32))
+    expected = np.array(reference(ids).astype(mx.float32))
+    error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+    assert error < 2e-2, error
+
+
+def test_quantize_at_load_quantizes_a_float_checkpoint(demo: Path) -> None:
+    engine = MlxEngine(demo, quantize="int4")
+    assert type(engine.model.model.layers[0].mlp.down_proj).__name__ == "QuantizedLinear"
+    assert len(tokens(run(engine, PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0)))["r0"]) == 4
+
+
+def test_cancel_frees_the_row_and_batch_mates_go_on(demo: Path) -> None:
+    engine = MlxEngine(demo, max_seq=256)
+    expected = tokens(run(MlxEngine(demo, max_seq=256), PROMPTS[1:2]))["r0"]
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    engine.add_request("b", PROMPTS[1], GREEDY)
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+    while len(seen["a"]) < 3:
+        for out in engine.step():
+            seen[out.request_id].append(out.token_id)
+    engine.cancel("a")
+    cancelled_at = len(seen["a"])
+    while engine.has_work():
+        for out in engine.step():
+            seen[out.request_id].append(out.token_id)
+    assert len(seen["a"]) == cancelled_at
+    assert seen["b"] == expected
+    events = engine.take_events()
+    assert any(type(e).__name__ == "Released" and e.request_id == "a" and e.cancelled for e in events)
+
+
+def test_stop_strings_logprobs_and_max_batch(demo: Path) -> None:
+    """The shared sampler's bookkeeping: logprobs reported, a row past max_batch waits its turn."""
+    engine = MlxEngine(demo, max_batch=1, max_seq=256)
+    outs = run(engine, PROMPTS[:2], SamplingParams(max_tokens=5, temperature=0, logprobs=2))
+    for got in outs.values():
+        assert len(got) == 5 and got[-1].finish_reason == "length"
+        assert all(o.logprobs is not None and len(o.logprobs.top_logprobs) == 2 for o in got)
+        assert all(o.logprobs.top_logprobs[0].logprob >= o.logprobs.top_logprobs[1].logprob for o in got)
+
+
+def test_seeded_sampling_is_reproducible(demo: Path) -> None:
+    sampling = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=11)
+    first = tokens(run(MlxEngine(demo), PROMPTS[:1], sampling))
+    assert first == tokens(run(MlxEngine(demo), PROMPTS[:1], sampling))
+
+
+def test_config_without_weights_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises((FileNotFoundError, ValueError)):
+        MlxEngine(tmp_path)
