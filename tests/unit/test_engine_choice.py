@@ -140,7 +140,7 @@ def test_this_node_advertises_mlx_cpu_when_mlx_computes_here() -> None:
     node_info.backends.cache_clear()
     tags = node_info.backends()
     assert tags[:2] == ["torch", "torch-cpu"]
-    mlx_ok = pytest.importorskip("skulk.engines.mlx").available() is None
+    mlx_ok = pytest.importorskip("skulk.engines.mlx").available() is None  # this process, against the child's
     assert ("mlx" in tags) is mlx_ok
     if mlx_ok and sys.platform == "linux":
         assert "mlx-cpu" in tags and "mlx-metal" not in tags
@@ -155,3 +155,22 @@ def test_a_mac_reports_the_gpu_working_set_as_its_memory(monkeypatch: pytest.Mon
     assert usage.ram_total.in_bytes == 1 << 20 and usage.ram_available.in_bytes <= 1 << 20
     monkeypatch.setattr(node_info, "gpu_working_set", lambda: None)
     assert node_info.memory().ram_total.in_bytes > 1 << 20
+
+
+def test_a_node_without_mlx_says_so_and_reports_only_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No wheels for this platform: absent, not broken (find_spec finds nothing, nothing is imported)."""
+    import importlib.util
+
+    from skulk.engines import mlx as mlx_engine
+    from skulk.worker import node_info
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("mlx") else real(name))
+    mlx_engine.probe.cache_clear()
+    node_info.backends.cache_clear()
+    try:
+        assert mlx_engine.probe() == "mlx and mlx-lm are not installed"
+        assert node_info.backends() == ["torch", "torch-cpu"]
+    finally:
+        mlx_engine.probe.cache_clear()
+        node_info.backends.cache_clear()

@@ -62,13 +62,11 @@ def gpu_working_set() -> int | None:
     what Skulk and exo place against): a model larger than this pages on every step even with RAM free."""
     if sys.platform != "darwin" or platform.machine() != "arm64":
         return None
-    try:
-        import mlx.core as mx
-
-        if not mx.metal.is_available():
-            return None
-        return int(mx.device_info()["max_recommended_working_set_size"])
-    except Exception:  # no MLX here: the node runs torch on the CPU and RAM is what counts
+    code = "import mlx.core as mx; print(int(mx.device_info()['max_recommended_working_set_size']))"
+    try:  # a child interpreter: the node keeps MLX out of its own memory
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+        return int(run.stdout.strip()) if run.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):  # no MLX: torch on the CPU, RAM is what counts
         return None
 
 
@@ -152,7 +150,7 @@ def backends() -> list[BackendTag]:
         cuda_build = False
     if cuda_build and accelerator().vendor == "nvidia":
         tags.append("torch-cuda")
-    if mlx_engine.available() is None:
+    if mlx_engine.probe() is None:
         metal: list[BackendTag] = ["mlx", "mlx-metal"]
         cpu: list[BackendTag] = ["mlx", "mlx-cpu"]
         tags += metal if mlx_engine.is_metal() else cpu

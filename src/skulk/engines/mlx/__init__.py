@@ -1,14 +1,17 @@
 """The MLX engine: mlx-lm's own model implementations behind the runner's engine contract (engines/base.py).
 
-Importing this package never imports MLX; `available()` says whether this machine can run the engine at all
-(macOS arm64 with Metal, or Linux with `mlx[cpu]`), so a node without MLX wheels reports only torch.
+Importing this package never imports MLX; `available()` says whether this process can run the engine (a
+runner), `probe()` asks a child interpreter (the node, which keeps MLX out of its own memory as it keeps torch
+out), so a node without MLX wheels, or with a wheel that cannot compute here, reports only torch.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import platform
+import subprocess
 import sys
 
 log = logging.getLogger("skulk.engines.mlx")
@@ -33,6 +36,28 @@ def available() -> str | None:
                  reason, install_hint())
         return reason
     return None
+
+
+PROBE = "import mlx.core as mx, mlx_lm; mx.eval(mx.array([1.0]) + 1)"
+PROBE_TIMEOUT_S = 60.0
+
+
+@functools.cache
+def probe() -> str | None:
+    """available(), answered by a child interpreter: None when MLX computes here, else why not (logged once)."""
+    if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
+        reason = "mlx and mlx-lm are not installed"
+    else:
+        try:
+            run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                                 timeout=PROBE_TIMEOUT_S, check=False)
+            reason = None if run.returncode == 0 else (run.stderr.strip().splitlines() or ["exit"])[-1][:200]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+    if reason is not None:
+        log.info("the MLX engine is not available on this node (%s); it runs torch only. To add it: %s",
+                 reason, install_hint())
+    return reason
 
 
 def is_metal() -> bool:
