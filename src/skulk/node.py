@@ -52,11 +52,13 @@ from skulk.types.events import (
     NodeGatheredInfo,
     NodeRestartRequested,
     NodeTimedOut,
+    RunnerStatusUpdated,
     TaskFailed,
     TaskStatusUpdated,
 )
 from skulk.types.ids import CommandId, MetaInstanceId, NodeId, RunnerId, new_id
 from skulk.types.meta_instances import MetaInstance
+from skulk.types.runners import RunnerFailed
 from skulk.types.state import State
 from skulk.types.tasks import TaskParams, TaskStatus
 from skulk.worker import node_info, topology
@@ -70,6 +72,9 @@ INFO_HEARTBEAT_S = 10.0
 TOPOLOGY_EVERY_S = 1.0
 DEPARTED_KEPT = timedelta(minutes=10)
 ELECTION_WAIT_S = 10.0
+RESTATE_AFTER_S = 0.5
+"""After a master change, runner statuses are restated this much later: long enough for the new master's intake
+to be subscribed (every node adopts the new term within a heartbeat of the others)."""
 
 
 class Node:
@@ -110,7 +115,7 @@ class Node:
         return self.elector.master_id
 
     def send_command(self, command: Command) -> None:
-        send_command(self.transport, self.node_id, command)
+        send_command(self.transport, self.node_id, command, term=self.elector.term, master=self.elector.master_id)
 
     async def wait_for_state(self, predicate: Any, timeout: float) -> bool:
         return await self.store.wait_until(predicate, timeout)
@@ -274,7 +279,8 @@ class Node:
     def _api_server(self) -> uvicorn.Server:
         app = create_app(self)
         app.include_router(sealing_router(lambda: self.transport.sealer, self.settings.api_host,
-                                          self.settings.zenoh_listen))
+                                          self.settings.zenoh_listen,
+                                          lambda: (self.membership.alive, self.membership.tokens)))
         config = uvicorn.Config(
             app,
             host=self.settings.api_host,
@@ -319,7 +325,8 @@ class Node:
     # -- cluster reactions ------------------------------------------------------------------------
     def emit_local(self, event: Event) -> None:
         self._local_seq += 1
-        send_local_event(self.transport, LocalEvent(origin=self.node_id, seq=self._local_seq, event=event))
+        send_local_event(self.transport, LocalEvent(origin=self.node_id, seq=self._local_seq, event=event,
+                                                    term=self.elector.term, master=self.elector.master_id))
 
     def _on_event(self, indexed: IndexedEvent) -> None:
         if self.event_log is not None:
@@ -360,6 +367,18 @@ class Node:
             self.master.start()
         elif master is not None and master != self.node_id:
             self._spawn(self._resync())
+        if master is not None:
+            asyncio.get_running_loop().call_later(RESTATE_AFTER_S, self._restate_runners, term)
+
+    def _restate_runners(self, term: int) -> None:
+        """Tell a new master where this node's runners are: a status sent to the old term just before the
+        change is refused by the new master (it is addressed to another term), and would otherwise stay lost
+        until the runner's next change. A failure is not restated (it was answered, or its retry counted)."""
+        if self.elector.term != term or self.elector.master_id is None:
+            return
+        for runner_id, supervisor in self.supervisors.items():
+            if not isinstance(supervisor.view.status, RunnerFailed):
+                self.emit_local(RunnerStatusUpdated(runner_id=runner_id, runner_status=supervisor.view.status))
 
     async def _resync(self) -> None:
         try:

@@ -267,8 +267,14 @@ def install_security(app: FastAPI, settings: Settings) -> None:
                            allow_headers=["*"], expose_headers=["*"])
 
 
-def sealing_router(sealer_of: Callable[[], Sealer | None], api_host: str, zenoh_listen: list[str]) -> APIRouter:
-    """GET /v1/diagnostics/security (admin): whether the cluster is sealed, and what was dropped as forged."""
+def sealing_router(
+    sealer_of: Callable[[], Sealer | None],
+    api_host: str,
+    zenoh_listen: list[str],
+    membership: Callable[[], tuple[frozenset[str], frozenset[str]]] = lambda: (frozenset(), frozenset()),
+) -> APIRouter:
+    """GET /v1/diagnostics/security (admin): whether the cluster is sealed, what was dropped as forged or
+    replayed, and who is a member against who merely holds a liveliness token (a phantom shows as unvouched)."""
     router = APIRouter(tags=["diagnostics"])
 
     @router.get("/v1/diagnostics/security")
@@ -279,7 +285,10 @@ def sealing_router(sealer_of: Callable[[], Sealer | None], api_host: str, zenoh_
             warnings.append("no cluster key: any host on this network can read prompts and tokens and send "
                             "commands (run `skulk keygen` and start every node with --cluster-key)")
         stats = sealer.stats if sealer is not None else None
+        members, tokens = membership()
         return {
+            "members": sorted(members),
+            "unvouchedTokens": sorted(tokens - members),
             "sealed": sealer is not None,
             "forgedDropped": stats.forged if stats else 0,
             "replayedDropped": stats.replayed if stats else 0,

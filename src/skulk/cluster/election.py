@@ -220,6 +220,7 @@ class Elector:
         try:
             while not self._stopping.is_set():
                 self._tick(loop.time())
+                self._membership.expire(loop.time())
                 self._publish()
                 self._step()
                 try:
@@ -249,6 +250,7 @@ class Elector:
             self.node_id[:8], gap,
         )
         self._heard.clear()
+        self._membership.forgive(now)
         self._settled = False
         self._rejoining = True
         self._window_start, self._window_s = now, self.rejoin_wait_s
@@ -263,6 +265,7 @@ class Elector:
         if key != ELECTION_PREFIX + candidate.node_id:
             return  # a heartbeat must come from the node it names
         self._heard[candidate.node_id] = candidate
+        self._membership.vouch(candidate.node_id, asyncio.get_running_loop().time())  # it opened: sealed by a peer
         self._step()
 
     def _on_membership(self, node: NodeId, alive: bool) -> None:

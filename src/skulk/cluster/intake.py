@@ -2,6 +2,12 @@
 
 Senders may resend (a master change, a retry), so the master drops LocalEvents it has already seen by
 (origin, seq). Commands carry their own command_id; de-duplicating those is the command handler's business.
+
+Both are addressed to one master in one term, and a master refuses what was addressed to another (issue 27):
+sealing stops a host without the key from forging a message, and each subscription's replay window stops it
+from re-sending one to the master that already took it, but a new master's intake starts with an empty window,
+so a ciphertext captured in term T would be news to the master of term T+1. The binding makes it stale there.
+A master that is re-created on the same node keeps its predecessor's windows (Transport durable windows).
 """
 
 from __future__ import annotations
@@ -29,9 +35,18 @@ def send_local_event(transport: Transport, event: LocalEvent) -> None:
     transport.put(LOCAL_EVENTS_PREFIX + event.origin, event.model_dump_json().encode())
 
 
-def send_command(transport: Transport, origin: NodeId, command: Command) -> None:
-    payload = ForwardedCommand(origin=origin, command=command).model_dump_json().encode()
+def send_command(
+    transport: Transport, origin: NodeId, command: Command, *, term: int = 0, master: NodeId | None = None
+) -> None:
+    """To the master of `term` (the sender's view): no other master will take it."""
+    payload = ForwardedCommand(origin=origin, command=command, term=term, master=master).model_dump_json().encode()
     transport.put(COMMANDS_KEY, payload)
+
+
+def addressed_here(term: int, master: NodeId | None, to_term: int, to_master: NodeId | None) -> bool:
+    """Whether a message addressed to (to_master, to_term) is for the master (master, term) (pure). An intake
+    without an address (master None: tests of the plumbing alone) takes everything."""
+    return master is None or (to_term, to_master) == (term, master)
 
 
 class Deduplicator:
@@ -65,16 +80,23 @@ class Intake:
         transport: Transport,
         on_local_event: Callable[[LocalEvent], None],
         on_command: Callable[[ForwardedCommand], None],
+        *,
+        term: int = 0,
+        master: NodeId | None = None,
     ) -> None:
         self._transport = transport
+        self.term, self.master = term, master
+        self.misaddressed = 0
+        """Messages refused because they were addressed to another master or term: late ones from a failover,
+        or replays."""
         self._on_local_event = on_local_event
         self._on_command = on_command
         self._dedup = Deduplicator()
         self._entities: list[Any] = []
 
     def start(self) -> None:
-        self._entities.append(self._transport.subscribe(LOCAL_EVENTS_PREFIX + "*", self._local_event))
-        self._entities.append(self._transport.subscribe(COMMANDS_KEY, self._command))
+        self._entities.append(self._transport.subscribe(LOCAL_EVENTS_PREFIX + "*", self._local_event, durable=True))
+        self._entities.append(self._transport.subscribe(COMMANDS_KEY, self._command, durable=True))
 
     def stop(self) -> None:
         for entity in self._entities:
@@ -90,6 +112,8 @@ class Intake:
         if key != LOCAL_EVENTS_PREFIX + event.origin:
             log.warning("dropping local event from %s published on %s", event.origin, key)
             return
+        if not self._addressed_here(event.term, event.master, "local event", event.origin):
+            return
         if self._dedup.first_time(event.origin, event.seq):
             self._on_local_event(event)
 
@@ -99,4 +123,15 @@ class Intake:
         except ValidationError:
             log.warning("dropping malformed command on %s", key)
             return
+        if not self._addressed_here(command.term, command.master, "command", command.origin):
+            return
         self._on_command(command)
+
+    def _addressed_here(self, term: int, master: NodeId | None, what: str, origin: str) -> bool:
+        if addressed_here(self.term, self.master, term, master):
+            return True
+        self.misaddressed += 1
+        self._transport.count_replayed()
+        log.info("refused a %s from %s addressed to master %s term %d (this is %s term %d): late or replayed",
+                 what, origin[:8], (master or "none")[:8], term, (self.master or "none")[:8], self.term)
+        return False

@@ -2,7 +2,14 @@
 
 Each node holds the token `alive/<node_id>` for as long as its session lives. zenoh drops a peer's tokens the
 moment its TCP link closes (a `kill -9` is seen in milliseconds) or when the 3 s lease runs out (a hung or
-cut-off peer), so the alive set is the cluster's failure detector: nothing here polls or times out by itself.
+cut-off peer), so the alive set is the cluster's failure detector.
+
+Liveliness tokens are not sealed: any zenoh client can declare `alive/<id>` (ids are visible to anyone on the
+network), and one that declared the id of a master kept that master alive after it died, blocking failover for
+as long as it held the token (issue 27). So with a cluster key a token alone makes nobody a member: a node is
+alive while it holds its token *and* its sealed election heartbeat was heard within the lease (VOUCH_LEASE_S,
+the same 3 s zenoh gives a hung peer). A phantom token then adds no member, and a dead master whose id someone
+else holds leaves when its heartbeats stop, one lease later, as a hung one does.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from .transport import Transport
 log = logging.getLogger(__name__)
 
 ALIVE_PREFIX = "alive/"
+VOUCH_LEASE_S = 3.0
+"""A member whose sealed heartbeat was not heard for this long is gone, whatever tokens say (zenoh's lease)."""
 
 
 def node_of(key: str) -> NodeId | None:
@@ -34,6 +43,10 @@ class Membership:
         self._transport = transport
         self.node_id = node_id
         self._alive: frozenset[NodeId] = frozenset()
+        self._tokens: set[NodeId] = set()
+        self._vouched: dict[NodeId, float] = {}
+        self.needs_vouching = transport.sealer is not None
+        """With a cluster key, membership needs a sealed heartbeat besides the (unsealed) token."""
         self._callbacks: list[Callable[[NodeId, bool], None]] = []
         self._waiters: set[asyncio.Future[None]] = set()
         self._entities: list[object] = []
@@ -42,8 +55,31 @@ class Membership:
     def alive(self) -> frozenset[NodeId]:
         return self._alive
 
+    @property
+    def tokens(self) -> frozenset[NodeId]:
+        """Every id that holds a liveliness token, vouched for or not (diagnostics: a phantom shows here only)."""
+        return frozenset(self._tokens)
+
+    def vouch(self, node: NodeId, now: float) -> None:
+        """A sealed heartbeat of `node` was heard at `now` (loop time): it is a member while its token lives."""
+        self._vouched[node] = now
+        self._update(node)
+
+    def expire(self, now: float) -> None:
+        """Members whose last sealed heartbeat is older than the lease leave (called every heartbeat tick)."""
+        for node in [n for n, heard in self._vouched.items() if now - heard > VOUCH_LEASE_S]:
+            del self._vouched[node]
+            self._update(node)
+
+    def forgive(self, now: float) -> None:
+        """Back from a freeze of this process: every heartbeat looks old only because we did not run; each
+        member gets a fresh lease (its heartbeats resume at once, or it leaves one lease from now)."""
+        for node in self._vouched:
+            self._vouched[node] = now
+
     def start(self) -> None:
         """Declare our own token, then watch everyone's (history included, so peers already up are seen)."""
+        self._tokens.add(self.node_id)
         self._set(self.node_id, True)
         self._entities.append(self._transport.declare_token(ALIVE_PREFIX + self.node_id))
         self._entities.append(self._transport.watch_liveliness(ALIVE_PREFIX + "*", self._on_token))
@@ -78,7 +114,15 @@ class Membership:
         if node == self.node_id and not alive and self._transport.is_open:
             # Our own token only goes away with our session; a stray delete must not make us think we left.
             return
-        self._set(node, alive)
+        if alive:
+            self._tokens.add(node)
+        else:
+            self._tokens.discard(node)
+        self._update(node)
+
+    def _update(self, node: NodeId) -> None:
+        trusted = node == self.node_id or not self.needs_vouching or node in self._vouched
+        self._set(node, (node in self._tokens and trusted) or node == self.node_id)
 
     def _set(self, node: NodeId, alive: bool) -> None:
         if (node in self._alive) == alive:

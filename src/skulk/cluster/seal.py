@@ -123,6 +123,11 @@ class Sealer:
             self.stats.opened += 1
         return plain[8:]
 
+    def count_replayed(self) -> None:
+        """Authentic, but refused by its receiver for its context (addressed to another master or term)."""
+        with self._lock:
+            self.stats.replayed += 1
+
     def _count_forged(self) -> None:
         with self._lock:
             self.stats.forged += 1

@@ -83,6 +83,7 @@ class Transport:
         self._session: zenoh.Session | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._declared: list[Any] = []
+        self._windows: dict[str, ReplayWindow] = {}
         self.sealer = Sealer.from_cluster_key(settings.cluster_key) if settings.cluster_key else None
 
     def _seal(self, key_expr: str, payload: bytes) -> bytes:
@@ -131,11 +132,21 @@ class Transport:
         key = self.key(suffix)
         self.session.put(key, self._seal(key, payload))
 
-    def subscribe(self, suffix: str, on_message: Callable[[str, bytes], None]) -> Any:
-        """on_message(key, payload) runs on the asyncio loop, never on a zenoh thread."""
+    def count_replayed(self) -> None:
+        """A message that opened but was refused for its context (addressed to another master or term)."""
+        if self.sealer is not None:
+            self.sealer.count_replayed()
+
+    def subscribe(self, suffix: str, on_message: Callable[[str, bytes], None], *, durable: bool = False) -> Any:
+        """on_message(key, payload) runs on the asyncio loop, never on a zenoh thread.
+
+        Each subscription has its own replay window (a message matching two subscriptions reaches both); a
+        durable one shares its window with every later durable subscription of the same suffix, so a
+        subscription re-declared on this node (a master re-created in one term) refuses what its predecessor
+        already took."""
         loop = self._require_loop()
         prefix_len = len(self.prefix) + 1
-        window = ReplayWindow()  # its own: a message matching two subscriptions reaches both
+        window = self._windows.setdefault(suffix, ReplayWindow()) if durable else ReplayWindow()
 
         def callback(sample: zenoh.Sample) -> None:
             full = str(sample.key_expr)

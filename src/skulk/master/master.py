@@ -83,7 +83,8 @@ class Master:
             term=term,
             master=node_id,
         )
-        self.intake = Intake(transport, on_local_event=self.on_local_event, on_command=self.on_command)
+        self.intake = Intake(transport, on_local_event=self.on_local_event, on_command=self.on_command, term=term,
+                             master=node_id)
         self._reconciler: asyncio.Task[None] | None = None
 
     def _snapshot(self) -> bytes:

@@ -118,5 +118,10 @@ Command = Annotated[
 
 
 class ForwardedCommand(TaggedModel):
+    """A command on its way to the master. (master, term) is the master it is addressed to: any other master
+    refuses it, so a sealed copy captured before a failover cannot be replayed to the next master (issue 27)."""
+
     origin: NodeId
     command: Command
+    term: int = 0
+    master: NodeId | None = None

@@ -175,8 +175,12 @@ class IndexedEvent(CamelModel):
 
 
 class LocalEvent(CamelModel):
-    """An event a node proposes to the master; (origin, seq) lets the master drop duplicates."""
+    """An event a node proposes to the master; (origin, seq) lets the master drop duplicates, and (master,
+    term) binds it to the master it was sent to: a later master refuses it, so a sealed copy captured in one
+    term cannot be replayed into the next (issue 27)."""
 
     origin: NodeId
     seq: int
     event: Event
+    term: int = 0
+    master: NodeId | None = None
