@@ -9,6 +9,7 @@ import sys
 from skulk import __version__
 from skulk.config import ConfigError, resolve
 from skulk.logs import install_log_limits
+from skulk.redact import install_log_scrub
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     install_log_limits()
+    install_log_scrub()
     try:
         settings = resolve(flags)
     except ConfigError as exc:

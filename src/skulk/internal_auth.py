@@ -33,5 +33,10 @@ def headers() -> dict[str, str]:
     return {HEADER: _token} if _token else {}
 
 
+def required() -> bool:
+    """Whether this cluster has a secret, so that internal endpoints (the store) must demand the token."""
+    return _token is not None
+
+
 def is_internal(value: bytes | None) -> bool:
     return _token is not None and value is not None and hmac.compare_digest(value, _token.encode())

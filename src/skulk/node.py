@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from skulk import internal_auth, structured_log
+from skulk import internal_auth, redact, structured_log
 from skulk.api.app import create_app
 from skulk.api.limits import guarded_protocol, raise_open_file_limit
 from skulk.api.security import sealing_router
@@ -36,6 +36,7 @@ from skulk.models.cards import know_card, load_custom_cards
 from skulk.models.demo import DEMO_MODEL_ID, ensure_demo_model
 from skulk.restart import RestartGate, exec_self
 from skulk.runner.fault import recording_enabled
+from skulk.state.desired import DesiredStateFile
 from skulk.state.store import StateStore
 from skulk.store.server import StoreServer
 from skulk.store.service import ModelFiles
@@ -104,6 +105,7 @@ class Node:
         self._peer_urls: dict[NodeId, str | None] = {}
         self.event_log: EventLog | None = None
         self.restart = RestartGate()
+        self.desired = DesiredStateFile(settings.home)
 
     # -- NodeHandle -------------------------------------------------------------------------------
     @property
@@ -266,6 +268,8 @@ class Node:
         """Before anything listens: enough descriptors for many clients, and the secret of internal calls."""
         soft, _ = raise_open_file_limit()
         internal_auth.configure(self.settings.cluster_key, self.settings.admin_keys)
+        redact.register([self.settings.cluster_key, self.settings.hf_token, *self.settings.api_keys,
+                         *self.settings.admin_keys])
         log.info("open-file limit %d; API keys %s", soft, "on" if self.settings.api_keys or self.settings.admin_keys
                  else "off (anyone who can reach the API may use it)")
         if self.settings.cluster_key is None and reachable_beyond_loopback(self.settings.api_host,
@@ -319,6 +323,7 @@ class Node:
         self.follower.stop()
         self.membership.stop()
         self.transport.close()
+        self.desired.flush()
         if self.event_log is not None:
             self.event_log.close()
 
@@ -363,6 +368,7 @@ class Node:
                 spawn=self._spawn,
                 restart_budget=self.settings.runner_restart_budget,
                 restart_window_s=self.settings.runner_restart_window_seconds,
+                desired=self.desired.saved,
             )
             self.master.start()
         elif master is not None and master != self.node_id:
@@ -414,6 +420,7 @@ class Node:
             self._depart(event.node_id)
 
     def _on_state_change(self, state: State, indexed: IndexedEvent | None) -> None:
+        self.desired.observe(state)
         self._remember_peer(state, indexed.event if indexed is not None else None)
         if indexed is None or isinstance(indexed.event, ModelCardAdded):
             for card in state.model_cards.values():

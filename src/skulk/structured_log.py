@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 
 from skulk.config import LoggingConfig
+from skulk.redact import ScrubFilter
 
 ID_FIELDS = {"instance_id": "instanceId", "runner_id": "runnerId", "task_id": "taskId", "command_id": "commandId"}
 _ids: ContextVar[Mapping[str, str]] = ContextVar("skulk_log_ids", default=MappingProxyType({}))
@@ -62,6 +63,7 @@ def install(config: LoggingConfig, node_id: str) -> logging.Handler | None:
         return None
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(JsonLines(node_id))
+    handler.addFilter(ScrubFilter())  # no secret in a log line (issue 27)
     level = logging.getLevelName(config.level.upper())
     handler.setLevel(level if isinstance(level, int) else logging.INFO)
     logging.getLogger().addHandler(handler)

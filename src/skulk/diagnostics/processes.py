@@ -14,6 +14,7 @@ from collections.abc import Collection
 
 import psutil
 
+from skulk import redact
 from skulk.types.diagnostics_bundle import ProcessDiagnostics, ProcessRole
 from skulk.types.memory import Memory
 
@@ -33,9 +34,9 @@ def _tree(root: int) -> set[int]:
 def _command(info: dict[str, object]) -> str:
     cmdline = info.get("cmdline")
     if isinstance(cmdline, list) and cmdline:
-        text = " ".join(str(part) for part in cmdline)
+        text = " ".join(redact.command_line([str(part) for part in cmdline]))
     else:
-        text = str(info.get("name") or "")
+        text = redact.scrub(str(info.get("name") or ""))
     return text[:COMMAND_CHARS]
 
 

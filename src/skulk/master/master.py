@@ -22,6 +22,7 @@ from skulk.master.decide import (
 )
 from skulk.models.cards import get_card
 from skulk.state.apply import apply
+from skulk.state.desired import DesiredState, restore_events
 from skulk.structured_log import log_context
 from skulk.types.chunks import ErrorChunk
 from skulk.types.commands import (
@@ -40,6 +41,7 @@ from skulk.types.events import (
     LocalEvent,
     MetaInstanceCreated,
     MetaInstancePlacementFailed,
+    ModelCardAdded,
     TaskFailed,
 )
 from skulk.types.ids import ModelId, NodeId, TaskId, new_id
@@ -63,7 +65,10 @@ class Master:
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[Any] | None] | None = None,
         restart_budget: int = RESTART_BUDGET,
         restart_window_s: float = RESTART_WINDOW_S,
+        desired: DesiredState | None = None,
     ) -> None:
+        self.desired = desired
+        """This node's saved desired state: restored if this master starts a cluster afresh (state/desired)."""
         self.restart_budget = restart_budget
         self.restart_window_s = restart_window_s
         self.ids = reconcile.Ids()
@@ -95,11 +100,24 @@ class Master:
         failed = sum(isinstance(e, TaskFailed) for e in session)
         log.info("master %s starts term %d at event %d; failing %d open requests of the old session",
                  self.node_id[:8], self.term, self.sequencer.next_idx, failed)
+        fresh = self.sequencer.next_idx == 0
         self.sequencer.start()
         self.intake.start()
         self.emit(session)
+        if fresh and self.desired is not None:
+            self._restore(self.desired)
         self.reconcile()
         self._reconciler = self._spawn(self._reconcile_forever())
+
+    def _restore(self, desired: DesiredState) -> None:
+        """The first master of a (re)started cluster brings back what an operator created: every node saved it,
+        and nobody had state to hand this one (it was elected with no event applied)."""
+        events = restore_events(self.state, desired)
+        if events:
+            metas = sum(isinstance(e, MetaInstanceCreated) for e in events)
+            log.info("restoring the saved desired state: %d MetaInstances, %d model cards", metas,
+                     sum(isinstance(e, ModelCardAdded) for e in events))
+            self.emit(events)
 
     def stop(self) -> None:
         if self._reconciler is not None:

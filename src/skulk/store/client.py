@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from skulk import internal_auth
 from skulk.store.fetch import Progress, Pump, chunks_pump, fetch_all, fetch_file
 from skulk.store.files import INDEX_FILE
 
@@ -38,7 +39,7 @@ def store_url(host: str, port: int) -> str:
 def store_files(base: str, model_id: str) -> dict[str, int]:
     """The files of the store's complete copy of model_id; NotInStore when it has none."""
     try:
-        response = httpx.get(f"{base}/models/{model_id}/files", timeout=10.0)
+        response = httpx.get(f"{base}/models/{model_id}/files", timeout=10.0, headers=internal_auth.headers())
     except httpx.TransportError as exc:
         raise StoreUnreachable(f"the model store at {base} is unreachable: {exc}") from exc
     if response.status_code == 404:
@@ -68,7 +69,8 @@ def open_store_stream(url: str, start: int) -> Iterator[tuple[int, Pump]]:
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=TIMEOUT_S)
     try:
-        conn.request("GET", parts.path, headers={"Range": f"bytes={start}-"} if start else {})
+        headers = {**internal_auth.headers(), **({"Range": f"bytes={start}-"} if start else {})}
+        conn.request("GET", parts.path, headers=headers)
         response = conn.getresponse()
         if response.status == 404:
             raise NotInStore(response.read().decode(errors="replace"))

@@ -8,6 +8,11 @@ It is the standard library's threaded HTTP server, not the node's FastAPI app, b
 each request gets its own thread and the file goes out with `sendfile` (kernel to socket, no Python copies),
 so a transfer neither waits on the node's event loop nor slows it down. On loopback this stages at about the
 speed of a local file copy, where streaming the file through the event loop reached less than half of it.
+
+With a cluster key (or admin keys) every request must carry the cluster's internal token (internal_auth, the
+header peers' API calls carry): anyone who could reach the port read the registry and every weight file before
+(issue 27). Without either there is no secret to prove, as for the API. It binds the API's host, the one
+interface peers already reach this node on.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
+from skulk import internal_auth
 from skulk.api.errors import ApiError, error_body
 from skulk.models.cards import model_dir_name
 from skulk.store.files import NEEDED_NESTED, is_complete, local_files, read_marker
@@ -110,6 +116,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         try:
+            self._authenticate()
             answer = route(cast(StoreServer, self.server).store_path, self.path)
             if isinstance(answer, Path):
                 self._send_file(answer)
@@ -118,7 +125,22 @@ class _Handler(BaseHTTPRequestHandler):
         except ApiError as exc:
             self._send_json(exc.status, error_body(exc.message, kind=exc.kind, code=exc.code))
 
+    def _authenticate(self) -> None:
+        if not internal_auth.required():
+            return
+        token = self.headers.get(internal_auth.HEADER)
+        if not internal_auth.is_internal(token.encode() if token else None):
+            code = "invalid_internal_token" if token else "missing_internal_token"
+            raise ApiError(401, "the model store serves only nodes of its cluster (the internal token is missing "
+                           "or wrong: start this node with the cluster's --cluster-key)", kind="authentication_error",
+                           code=code)
+
     def _not_allowed(self) -> None:
+        try:
+            self._authenticate()
+        except ApiError as exc:
+            self._send_json(exc.status, error_body(exc.message, kind=exc.kind, code=exc.code))
+            return
         self._send_json(405, error_body(f"{self.command} is not allowed; the store is read-only",
                                         kind="invalid_request_error", code="method_not_allowed"), allow="GET")
 

@@ -72,6 +72,8 @@ class LocalNode:
     extra_env: dict[str, str] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
     """Sent with every get/post/client call (an API key, when the node is started with keys)."""
+    extra_args: list[str] = field(default_factory=list)
+    """Appended to the node's command line (flags a test wants visible there, such as keys)."""
     process: subprocess.Popen[str] | None = None
     node_id: str = ""
     output: deque[str] = field(default_factory=lambda: deque(maxlen=400))
@@ -108,7 +110,7 @@ class LocalNode:
         ]
         for peer in self.peers:
             cmd += ["--bootstrap-peer", peer]
-        return cmd
+        return cmd + self.extra_args
 
     def start(self) -> Self:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}

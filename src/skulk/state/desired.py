@@ -1,0 +1,131 @@
+"""Desired state that outlives the cluster: what an operator created on purpose survives a full restart.
+
+The cluster state lives in memory and is replicated, so a power cut of every node forgot it all, though the
+README calls a MetaInstance "an instance that always exists" (issue 27). Every node therefore writes the part of
+the state an operator asked for (MetaInstances, custom model cards, the tracing switch) to `<home>/desired.json`
+whenever it changes, and the first master of a cluster (one elected with no event applied anywhere: nobody had
+state to hand it) restores its own copy as events, after which the reconciler places the MetaInstances again.
+
+What does not survive: instances placed with /place_instance (they name node ids, and a node id is its zenoh
+session's, new at every start), tasks, runners, downloads and everything measured. A MetaInstance pinned to node
+ids comes back unpinned, for the same reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from skulk.types.base import CamelModel
+from skulk.types.events import Event, MetaInstanceCreated, ModelCardAdded, TracingStateChanged
+from skulk.types.ids import MetaInstanceId, ModelId
+from skulk.types.meta_instances import MetaInstance
+from skulk.types.models import ModelCard
+from skulk.types.state import State
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "desired.json"
+SAVE_DELAY_S = 0.5
+
+
+class DesiredState(CamelModel):
+    """The operator's intent, without anything measured (failure counts, placement errors) or session-bound."""
+
+    meta_instances: dict[MetaInstanceId, MetaInstance] = {}
+    model_cards: dict[ModelId, ModelCard] = {}
+    tracing_enabled: bool | None = None
+
+
+def desired_of(state: State) -> DesiredState:
+    """The part of `state` that a restart must bring back (pure)."""
+    metas = {
+        mid: MetaInstance(meta_instance_id=m.meta_instance_id, model_id=m.model_id, sharding=m.sharding,
+                          instance_meta=m.instance_meta, min_nodes=m.min_nodes, node_ids=m.node_ids)
+        for mid, m in state.meta_instances.items()
+    }
+    return DesiredState(meta_instances=metas, model_cards=dict(state.model_cards),
+                        tracing_enabled=state.tracing_enabled)
+
+
+def restore_events(state: State, desired: DesiredState) -> list[Event]:
+    """Events that bring `desired` into a fresh `state` (pure): what the state already has is left alone. Node
+    pins are dropped: the ids they name belonged to sessions that ended with the restart."""
+    cards: list[Event] = [ModelCardAdded(card=c) for mid, c in sorted(desired.model_cards.items())
+                          if mid not in state.model_cards]
+    metas: list[Event] = [
+        MetaInstanceCreated(meta_instance=m.model_copy(update={"node_ids": None}))
+        for mid, m in sorted(desired.meta_instances.items())
+        if mid not in state.meta_instances
+    ]
+    tracing: list[Event] = []
+    if desired.tracing_enabled is not None and state.tracing_enabled is None:
+        tracing.append(TracingStateChanged(enabled=desired.tracing_enabled))
+    return [*cards, *metas, *tracing]
+
+
+class DesiredStateFile:
+    """`<home>/desired.json`: read once when the node starts (`saved`, what a first master restores), rewritten
+    (atomically, fsynced) when the desired part of the state changed, at most every SAVE_DELAY_S: a restarted
+    cluster's first events (an empty session, then the restore) coalesce into one write, so a follower never
+    leaves its good file empty in between."""
+
+    def __init__(self, home: Path) -> None:
+        self.path = home / FILE_NAME
+        self.saved = self._load()
+        self._last: DesiredState | None = self.saved
+        self._last_seen: tuple[object, object, object] | None = None
+        self._pending: State | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def _load(self) -> DesiredState | None:
+        """What was saved, or None (no file, or one that does not parse: logged, never fatal)."""
+        try:
+            return DesiredState.model_validate_json(self.path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValidationError, ValueError) as exc:
+            log.warning("ignoring %s: %s", self.path, exc)
+            return None
+
+    def observe(self, state: State) -> None:
+        """After each change of state, on the event loop; cheap when nothing desired changed (apply keeps
+        unchanged maps as they were, so identity says it). A state without a master is never saved."""
+        seen = (state.meta_instances, state.model_cards, state.tracing_enabled)
+        if self._last_seen is not None and all(a is b for a, b in zip(seen, self._last_seen, strict=True)):
+            return
+        self._last_seen = seen
+        if state.master_node_id is None:
+            return
+        self._pending = state
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(SAVE_DELAY_S, self.flush)
+
+    def flush(self) -> None:
+        """Write the latest observed state's desired part if it differs from what is on disk."""
+        self._timer = None
+        state, self._pending = self._pending, None
+        if state is None:
+            return
+        desired = desired_of(state)
+        if desired == self._last:
+            return
+        try:
+            self._write(desired)
+            self._last = desired
+        except OSError as exc:
+            log.warning("could not save the desired state to %s: %s", self.path, exc)
+
+    def _write(self, desired: DesiredState) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump(desired.model_dump(mode="json", by_alias=True), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
