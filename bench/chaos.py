@@ -2,7 +2,11 @@
 
 Faults: pause (SIGSTOP of the whole process group) of a worker for 15 s, of the master for 15 s; kill -9 of a
 worker holding a shard; kill -9 of the master; restart of the former master without bootstrap peers (and with
---place-default); a 10 s link cut (veth cable pulled on a bridge, network namespaces: root only).
+--place-default); a 10 s link cut (veth cable pulled on a bridge, network namespaces: root only); kill -9 of the
+master of a sealed cluster while a host without the key holds the liveliness token `alive/<master id>` (a
+phantom master, issue 27); SIGTERM of every node and a start of all three on the same homes (full restart: the
+MetaInstance must come back, re-placed; "chat again" counts from the moment the nodes are started again, their
+start-up included).
 
 For each: two streams are open when the fault hits and more stream back to back until recovery; then
   streams end      seconds from the fault until every stream open at the fault had ended
@@ -26,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import random
 import statistics
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -37,9 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import zenoh
 from rich.console import Console
 from rich.table import Table
 
+from skulk.cluster.seal import generate_key
 from skulk.models.demo import DEMO_MODEL_ID
 from skulk.testing import netns
 from skulk.testing.chaos import instance_ids, pause_for
@@ -74,6 +82,8 @@ class Stage:
     """Run first on each client thread: joins the API node's namespace for the link-cut stage."""
     cut: Callable[[], None] | None = None
     heal: Callable[[], None] | None = None
+    close: list[Callable[[], None]] = field(default_factory=list)
+    """Run when the stage is torn down (the phantom's zenoh session)."""
 
 
 @dataclass
@@ -134,6 +144,45 @@ def stage_kill_worker(cluster: Cluster) -> Stage:
     return Stage(nodes, api, victim, {healthy})
 
 
+def stage_phantom_master(cluster: Cluster) -> Stage:
+    """A sealed cluster as stage_master_victim; a zenoh peer without the key holds `alive/<master id>`."""
+    cluster.extra_env = {**cluster.extra_env, "SKULK_CLUSTER_KEY": generate_key()}
+    stage = stage_master_victim(cluster)
+    conf = zenoh.Config()
+    conf.insert_json5("mode", json.dumps("peer"))
+    conf.insert_json5("connect/endpoints", json.dumps([n.endpoint for n in stage.nodes]))
+    conf.insert_json5("scouting/multicast/enabled", "false")
+    session = zenoh.open(conf)
+    token = session.liveliness().declare_token(f"skulk/{cluster.name}/alive/{stage.victim.node_id}")
+    stage.close += [token.undeclare, session.close]
+    time.sleep(1.0)  # the token reaches every node before the master dies
+    return stage
+
+
+def stage_meta_instance(cluster: Cluster) -> Stage:
+    """A MetaInstance (desired state, which a full restart must keep); no instance id survives a restart."""
+    nodes = cluster.form(3)
+    status, reply = nodes[1].post("/meta_instance", {"model_id": MODEL})
+    assert status == 200, reply
+    wait_until(lambda: chat_failure(nodes[1]) is None, 90, "the MetaInstance to serve")
+    return Stage(nodes, nodes[1], nodes[0], set())
+
+
+def restart_all(stage: Stage) -> tuple[float, list[LocalNode]]:
+    """SIGTERM to every node at once, then start all three on their homes; the fault ends at the start."""
+    stopping = [threading.Thread(target=n.stop) for n in stage.nodes]
+    for thread in stopping:
+        thread.start()
+    for thread in stopping:
+        thread.join()
+    started = time.monotonic()
+    for node in stage.nodes:
+        node.restart()
+    for node in stage.nodes:
+        node.wait_ready()
+    return started, list(stage.nodes)
+
+
 def pause_victim(stage: Stage) -> tuple[float, list[LocalNode]]:
     return pause_for(stage.victim, PAUSE_S), list(stage.nodes)
 
@@ -168,6 +217,8 @@ FAULTS = [
     Fault("kill-master", stage_master_victim, kill_victim, NODE_LOSS_STREAM_END_S),
     Fault("restart-master", stage_master_victim, restart_victim, NODE_LOSS_STREAM_END_S),
     Fault("link-cut", stage_master_victim, cut_victim, needs_root=True),
+    Fault("phantom-master", stage_phantom_master, kill_victim, NODE_LOSS_STREAM_END_S),
+    Fault("full-restart", stage_meta_instance, restart_all, NODE_LOSS_STREAM_END_S),
 ]
 
 
@@ -247,9 +298,13 @@ def measure(fault: Fault, stage: Stage) -> Result:
 @contextmanager
 def loopback(root: Path, setup: Callable[[Cluster], Stage]) -> Iterator[Stage]:
     cluster = Cluster(root, prefix="chaos", extra_env=NODE_ENV)
+    stage: Stage | None = None
     try:
-        yield setup(cluster)
+        stage = setup(cluster)
+        yield stage
     finally:
+        for close in stage.close if stage is not None else []:
+            close()
         leftovers = cluster.stop_all()
         if leftovers:
             print(f"  warning: runner processes outlived their node: {leftovers}")

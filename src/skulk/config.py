@@ -139,6 +139,12 @@ class Settings(BaseModel):
     """A connection that has not sent a complete request head within this long is closed."""
     body_timeout_seconds: float = Field(default=30.0, gt=0)
     """A request body that stalls this long between two reads is refused (408)."""
+    request_timeout_seconds: float = Field(default=60.0, gt=0)
+    """A request body not complete this long after its head is refused (408), however steadily it drips: with
+    header_timeout_seconds, the whole request has a deadline."""
+    max_connections_per_client: int = Field(default=256, ge=1)
+    """Open HTTP connections from one client address beyond this are closed on accept: one host (one key
+    holder) cannot take the whole max_connections."""
     api_keys: list[str] = []
     """SKULK_API_KEYS (comma-separated), --api-key: with any key set, every route but /healthz needs one."""
     admin_keys: list[str] = []

@@ -293,7 +293,8 @@ class Node:
             log_config=None,  # uvicorn's records go to the root handler and its rate limit (skulk.logs)
             lifespan="off",
             timeout_graceful_shutdown=2,
-            http=guarded_protocol(self.settings.max_connections, self.settings.header_timeout_seconds),
+            http=guarded_protocol(self.settings.max_connections, self.settings.header_timeout_seconds,
+                                  self.settings.max_connections_per_client),
         )
         return _ApiServer(config)
 

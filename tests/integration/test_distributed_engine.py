@@ -257,6 +257,15 @@ async def test_runner_path_serves_a_task_across_two_ranks(demo_dir: Path) -> Non
         await wait_for(lambda: any(getattr(c, "finish_reason", None) for c in sampler), 60, "the last token")
         assert seen.chunks["runner0"] == [], "only the sampler publishes tokens"
         assert [c.token_id for c in sampler if isinstance(c, TokenChunk)] == expected
+        last = sampler[-1]
+        assert isinstance(last, TokenChunk) and last.stats is not None
+        stats = last.stats.generation
+        # issue 27: the sampler's prefill clock started after the prefill, reading 420,000-2,225,000 tok/s. A
+        # prefill passes both ranks and the socket between them once, as each decode step does: it cannot take
+        # less than a fraction of one decode step of the same request (it read 1/100 of one before the fix)
+        assert stats.generation_tps > 0, "the demo model's greedy answer to this prompt is more than one token"
+        prefill_s, step_s = stats.prompt_tokens / stats.prompt_tps, 1 / stats.generation_tps
+        assert prefill_s >= step_s / 5, (prefill_s, step_s, stats.prompt_tps)
         await wait_for(lambda: all(not s.view.in_progress for s in supervisors), 10, "tasks to end everywhere")
     finally:
         await asyncio.gather(*(s.stop() for s in supervisors))

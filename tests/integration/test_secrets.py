@@ -67,7 +67,7 @@ def test_no_secret_on_any_surface(tmp_path: Path) -> None:
     try:
         nodes = cluster.form(2, headers=ADMIN, extra_args=flags)
         place_and_wait(nodes[0])
-        assert httpx.post(nodes[0].url + "/v1/tracing", json={"enabled": True}, headers=ADMIN,
+        assert httpx.put(nodes[0].url + "/v1/tracing", json={"enabled": True}, headers=ADMIN,
                           timeout=10).status_code == 200
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         for node in nodes:

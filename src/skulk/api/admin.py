@@ -28,7 +28,11 @@ def admin_router(node: AdminHandle) -> APIRouter:
 
     @router.post("/restart", response_model=None)
     async def restart(node_id: str | None = None) -> dict[str, Any] | JSONResponse:
-        """This node: stop runners and os.execv in place (same pid). Another node: a RestartNode command."""
+        """This node: stop runners and os.execv in place (same pid). Another node: a RestartNode command.
+        An empty or blank node_id is a mistake (a script's unset variable), never this node: 400."""
+        if node_id is not None and not node_id.strip():
+            raise ApiError(400, "node_id is empty; omit it to restart this node, or give a node id from GET /state",
+                           code="invalid_node_id")
         if node_id is not None and node_id != node.node_id:
             if NodeId(node_id) not in known_peers(node.state, node.node_id):
                 raise ApiError(404, f"node {node_id} is not known to this cluster (GET /state lists the node ids)",

@@ -5,6 +5,10 @@ slow connections were never timed out and the process ran out of file descriptor
 it arrives (413 as soon as it passes the limit, or at once from Content-Length), a body that stalls is refused
 (408), a connection that does not finish its request head in time is closed, connections beyond a cap are
 closed on accept, and the soft open-file limit is raised to the hard one at start.
+
+A stall timeout alone did not bound a body that drips (1 byte every 20 s held a connection for ever), and one
+global cap let a single key holder take all 4,096 connections (issue 27): the body now has a deadline of its own
+(head deadline + body deadline = the whole request's), and each client address has its own cap.
 """
 
 from __future__ import annotations
@@ -57,8 +61,10 @@ async def send_error(send: Send, status: int, message: str, code: str, kind: str
 class BodyLimitMiddleware:
     """Counts the bytes of the request body as the app reads them; refuses past `max_bytes` or after a stall."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int, stall_timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int, stall_timeout_s: float,
+                 deadline_s: float | None = None) -> None:
         self.app, self.max_bytes, self.stall_timeout_s = app, max_bytes, stall_timeout_s
+        self.deadline_s = deadline_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -72,6 +78,8 @@ class BodyLimitMiddleware:
         started = False
         seen = 0
         body_done = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deadline_s if self.deadline_s is not None else None
 
         async def counted_receive() -> Message:
             """The stall deadline holds only while the body is arriving: once it is complete, the next message is
@@ -80,12 +88,15 @@ class BodyLimitMiddleware:
             nonlocal seen, body_done
             if body_done:
                 return await receive()
+            left = max(deadline - loop.time(), 0.0) if deadline is not None else self.stall_timeout_s
+            overdue = left < self.stall_timeout_s  # the whole-body deadline comes before the next stall would
             try:
-                async with asyncio.timeout(self.stall_timeout_s):  # not wait_for: on 3.11 it can drop a cancel
+                async with asyncio.timeout(min(left, self.stall_timeout_s)):  # not wait_for: 3.11 can drop a cancel
                     message = await receive()
             except TimeoutError:
-                raise RequestRefused(408, f"request body stalled for {self.stall_timeout_s:.0f} s",
-                                     "request_timeout") from None
+                why = (f"request body not complete within {self.deadline_s:.0f} s" if overdue else
+                       f"request body stalled for {self.stall_timeout_s:.0f} s")
+                raise RequestRefused(408, why, "request_timeout") from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
@@ -105,21 +116,39 @@ class BodyLimitMiddleware:
                 await send_error(send, refused.status, refused.message, refused.code)
 
 
-def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a deadline for the request head and a cap on open connections.
+def client_address(transport: Any) -> str | None:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else None
+
+
+def guarded_protocol(
+    max_connections: int, header_timeout_s: float, max_per_client: int | None = None
+) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline for the request head and caps on open connections: all of them,
+    and those of one client address.
 
     uvicorn times out idle keep-alive connections only after a first response, so a client that opens a
     socket and sends nothing (or one byte a minute) holds it for ever; its `limit_concurrency` answers 503 to
     every new request once enough such sockets are open, which is the outage itself."""
 
+    per_client: dict[str, int] = {}  # one server's connections by client address (one event loop: no lock)
+
     class GuardedH11Protocol(H11Protocol):
         _head_deadline: asyncio.TimerHandle | None = None
+        _client: str | None = None
 
         def connection_made(self, transport: Any) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
             super().connection_made(transport)
             if len(self.connections) > max_connections:
                 transport.abort()
                 return
+            client = client_address(transport)
+            if max_per_client is not None and client is not None:
+                if per_client.get(client, 0) >= max_per_client:
+                    transport.abort()
+                    return
+                per_client[client] = per_client.get(client, 0) + 1
+                self._client = client
             self._head_deadline = self.loop.call_later(header_timeout_s, self._head_overdue)
 
         def handle_events(self) -> None:
@@ -132,6 +161,13 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
             if self._head_deadline is not None:
                 self._head_deadline.cancel()
                 self._head_deadline = None
+            if self._client is not None:
+                left = per_client.get(self._client, 1) - 1
+                if left > 0:
+                    per_client[self._client] = left
+                else:
+                    per_client.pop(self._client, None)
+                self._client = None
             super().connection_lost(exc)
 
         def _head_overdue(self) -> None:

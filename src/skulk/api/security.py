@@ -260,7 +260,7 @@ def install_security(app: FastAPI, settings: Settings) -> None:
     body limit, so an unauthenticated or misdirected request is refused before a byte of its body is read."""
     app.include_router(liveness_router())
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
-                       stall_timeout_s=settings.body_timeout_seconds)
+                       stall_timeout_s=settings.body_timeout_seconds, deadline_s=settings.request_timeout_seconds)
     app.add_middleware(SecurityMiddleware, settings=settings)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],

@@ -139,11 +139,12 @@ def _exit_with_parent() -> None:
 class _Active:
     __slots__ = ("clock", "command_id", "completion_tokens", "prompt_tokens")
 
-    def __init__(self, command_id: CommandId, prompt_tokens: int, in_flight: int = 0) -> None:
+    def __init__(self, command_id: CommandId, prompt_tokens: int, in_flight: int = 0,
+                 admitted_at: float | None = None) -> None:
         self.command_id = command_id
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
-        self.clock = RequestClock(in_flight)
+        self.clock = RequestClock(in_flight, admitted_at)
 
 
 class Runner:
@@ -488,7 +489,9 @@ class Runner:
                     continue
                 self.recorder.record("task_agreement", "task_admitted", prompt_tokens=event.prompt_tokens, **ids)
                 self.send(TaskAccepted(task_id))
-                self.active[task_id] = _Active(CommandId(event.command_id), event.prompt_tokens)
+                # from when the header arrived, not now: the prefill already ran (prompt_tps read 10^6 tok/s)
+                self.active[task_id] = _Active(CommandId(event.command_id), event.prompt_tokens,
+                                               admitted_at=event.at or None)
                 self._new_tasks.append(task_id)
                 self.set_status(RunnerRunning())
                 continue

@@ -334,7 +334,7 @@ class TorchEngine:
         for add in header.adds:
             self._pending.append(self._new_request(add))
             if add.request_id != WARMUP_ID:
-                self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt)))
+                self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt), time.perf_counter()))
 
     def _new_request(self, add: NewRequest) -> Request:
         s = add.sampling_params()

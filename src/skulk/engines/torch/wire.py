@@ -99,6 +99,9 @@ class Admitted:
     request_id: str
     command_id: str
     prompt_tokens: int
+    at: float = 0.0
+    """perf_counter() when this rank applied the header that admitted it: where its prefill clock starts (the
+    runner learns of it only after the step, by when the prefill is done; issue 27's prompt_tps)."""
 
 
 @dataclass(frozen=True, slots=True)
