@@ -33,13 +33,13 @@ def membership(sealed: bool = True) -> Membership:
     return m
 
 
-def test_a_token_without_a_sealed_heartbeat_adds_no_member() -> None:
+async def test_a_token_without_a_sealed_heartbeat_adds_no_member() -> None:
     m = membership()
     m._on_token("alive/ghost", True)
     assert m.alive == {"me"} and m.tokens == {"me", "ghost"}
 
 
-def test_a_member_needs_both_token_and_heartbeat_and_leaves_one_lease_after_its_last_heartbeat() -> None:
+async def test_a_member_needs_both_token_and_heartbeat_and_leaves_one_lease_after_its_last_heartbeat() -> None:
     m = membership()
     changes: list[tuple[str, bool]] = []
     m.on_change(lambda node, alive: changes.append((node, alive)))
@@ -54,7 +54,7 @@ def test_a_member_needs_both_token_and_heartbeat_and_leaves_one_lease_after_its_
     assert changes == [("peer", True), ("peer", False)]
 
 
-def test_a_freeze_of_this_node_gives_every_member_a_fresh_lease() -> None:
+async def test_a_freeze_of_this_node_gives_every_member_a_fresh_lease() -> None:
     m = membership()
     m._on_token("alive/peer", True)
     m.vouch(NodeId("peer"), 100.0)
@@ -63,7 +63,7 @@ def test_a_freeze_of_this_node_gives_every_member_a_fresh_lease() -> None:
     assert "peer" in m.alive
 
 
-def test_a_token_that_goes_away_leaves_at_once_even_if_vouched() -> None:
+async def test_a_token_that_goes_away_leaves_at_once_even_if_vouched() -> None:
     m = membership()
     m._on_token("alive/peer", True)
     m.vouch(NodeId("peer"), 100.0)
@@ -71,7 +71,19 @@ def test_a_token_that_goes_away_leaves_at_once_even_if_vouched() -> None:
     assert m.alive == {"me"}
 
 
-def test_without_a_cluster_key_tokens_alone_decide() -> None:
+async def test_a_starting_node_waits_to_hear_new_tokens_but_not_phantoms() -> None:
+    import asyncio
+
+    m = membership()
+    m._on_token("alive/peer", True)
+    now = asyncio.get_running_loop().time()
+    assert m.unheard(now) == {"peer"}, "its first heartbeat is on its way: an election waits for it"
+    assert m.unheard(now + VOUCH_LEASE_S + 0.1) == frozenset(), "a lease without a heartbeat: a phantom"
+    m.vouch(NodeId("peer"), now)
+    assert m.unheard(now) == frozenset()
+
+
+async def test_without_a_cluster_key_tokens_alone_decide() -> None:
     m = membership(sealed=False)
     m._on_token("alive/peer", True)
     assert m.alive == {"me", "peer"}

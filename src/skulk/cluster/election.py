@@ -281,9 +281,11 @@ class Elector:
         decision = decide([self.me(), *self._heard.values()], alive, self.node_id)
         waiting = self._vacancy_open(decision)
         if not self._settled:
-            elapsed = asyncio.get_running_loop().time() - self._window_start
+            now = asyncio.get_running_loop().time()
+            elapsed = now - self._window_start
             heard = frozenset(self._heard) | {self.node_id}
-            if not ready_to_settle(elapsed, alive, heard, decision.kept, self._window_s):
+            present = alive | self._membership.unheard(now)  # peers whose first sealed heartbeat is on its way
+            if not ready_to_settle(elapsed, present, heard, decision.kept, self._window_s):
                 return
             self._settled, self._rejoining = True, False
             if not decision.kept:  # the rejoin flag kept us out; decide again now that we may stand

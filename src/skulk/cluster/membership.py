@@ -44,6 +44,7 @@ class Membership:
         self.node_id = node_id
         self._alive: frozenset[NodeId] = frozenset()
         self._tokens: set[NodeId] = set()
+        self._token_since: dict[NodeId, float] = {}
         self._vouched: dict[NodeId, float] = {}
         self.needs_vouching = transport.sealer is not None
         """With a cluster key, membership needs a sealed heartbeat besides the (unsealed) token."""
@@ -59,6 +60,15 @@ class Membership:
     def tokens(self) -> frozenset[NodeId]:
         """Every id that holds a liveliness token, vouched for or not (diagnostics: a phantom shows here only)."""
         return frozenset(self._tokens)
+
+    def unheard(self, now: float) -> frozenset[NodeId]:
+        """Token holders not vouched for yet whose token is younger than the lease: peers whose first sealed
+        heartbeat is still on its way. A starting node waits to hear them before it settles an election; a
+        token older than the lease without a heartbeat is a phantom and is not waited for."""
+        if not self.needs_vouching:
+            return frozenset()
+        return frozenset(n for n in self._tokens - self._alive
+                         if now - self._token_since.get(n, now) <= VOUCH_LEASE_S)
 
     def vouch(self, node: NodeId, now: float) -> None:
         """A sealed heartbeat of `node` was heard at `now` (loop time): it is a member while its token lives."""
@@ -116,8 +126,10 @@ class Membership:
             return
         if alive:
             self._tokens.add(node)
+            self._token_since.setdefault(node, asyncio.get_running_loop().time())
         else:
             self._tokens.discard(node)
+            self._token_since.pop(node, None)
         self._update(node)
 
     def _update(self, node: NodeId) -> None:

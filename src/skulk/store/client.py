@@ -8,7 +8,7 @@ import http.client
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -17,9 +17,10 @@ import httpx
 
 from skulk import internal_auth
 from skulk.store.fetch import Progress, Pump, chunks_pump, fetch_all, fetch_file
-from skulk.store.files import INDEX_FILE
+from skulk.store.files import INDEX_FILE, sha256_of
 
 TIMEOUT_S = 30.0
+HASH_TIMEOUT_S = 600.0
 READ_BYTES = 4 * 1024 * 1024
 PIPE_BYTES = 1024 * 1024
 
@@ -36,16 +37,42 @@ def store_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def store_files(base: str, model_id: str) -> dict[str, int]:
-    """The files of the store's complete copy of model_id; NotInStore when it has none."""
+class CorruptCopy(OSError):
+    """A staged file's SHA-256 differs from the store's: it was removed, and staging fails (and is retried)."""
+
+
+def store_listing(base: str, model_id: str) -> tuple[dict[str, int], dict[str, str]]:
+    """The files of the store's complete copy of model_id and their SHA-256; NotInStore when it has none. The
+    first listing of a model makes the store hash it (once), hence the long read timeout."""
     try:
-        response = httpx.get(f"{base}/models/{model_id}/files", timeout=10.0, headers=internal_auth.headers())
+        response = httpx.get(f"{base}/models/{model_id}/files", headers=internal_auth.headers(),
+                             timeout=httpx.Timeout(10.0, read=HASH_TIMEOUT_S))
     except httpx.TransportError as exc:
         raise StoreUnreachable(f"the model store at {base} is unreachable: {exc}") from exc
     if response.status_code == 404:
         raise NotInStore(response.text)
     response.raise_for_status()
-    return {str(k): int(v) for k, v in response.json()["files"].items()}
+    body = response.json()
+    hashes = body.get("sha256") or {}
+    return {str(k): int(v) for k, v in body["files"].items()}, {str(k): str(v) for k, v in hashes.items()}
+
+
+def store_files(base: str, model_id: str) -> dict[str, int]:
+    """The files of the store's complete copy of model_id; NotInStore when it has none."""
+    return store_listing(base, model_id)[0]
+
+
+def verify(target: Path, names: Iterable[str], sha256: Mapping[str, str]) -> None:
+    """Each staged file whose hash the store gave must match it; a file that does not is removed (a corrupt copy
+    or a store that changed under us must not be loaded), and CorruptCopy raised."""
+    for name in names:
+        expected = sha256.get(name)
+        if expected is None:
+            continue
+        path = target / name
+        if sha256_of(path) != expected:
+            path.unlink(missing_ok=True)
+            raise CorruptCopy(f"staged {name} does not match the store's SHA-256; it was removed and is staged again")
 
 
 def fetch_index(base: str, model_id: str, files: dict[str, int], target: Path) -> Path | None:
@@ -122,7 +149,16 @@ def _splice_pump(response: http.client.HTTPResponse, sock: socket.socket, length
     return pump
 
 
-def stage(base: str, model_id: str, files: dict[str, int], target: Path, on_progress: Progress | None) -> None:
-    """The named files from the store into target, resumable, then the completion marker."""
+def stage(
+    base: str,
+    model_id: str,
+    files: dict[str, int],
+    target: Path,
+    on_progress: Progress | None,
+    sha256: Mapping[str, str] | None = None,
+) -> None:
+    """The named files from the store into target, resumable, each checked against the store's SHA-256 (when
+    given) before the completion marker is written."""
     urls = {name: file_url(base, model_id, name) for name in files}
-    fetch_all(urls, files, target, model_id=model_id, on_progress=on_progress, opener=open_store_stream)
+    fetch_all(urls, files, target, model_id=model_id, on_progress=on_progress, opener=open_store_stream,
+              check=lambda: verify(target, files, sha256 or {}))

@@ -133,15 +133,18 @@ def fetch_all(
     model_id: str,
     on_progress: Progress | None,
     opener: Opener,
+    check: Callable[[], None] | None = None,
 ) -> None:
-    """Every file (name → bytes) into model_dir, small ones first, then the completion marker. Refused up front
-    when the volume cannot hold what is missing."""
+    """Every file (name → bytes) into model_dir, small ones first, then `check` (which raises on a bad copy),
+    then the completion marker. Refused up front when the volume cannot hold what is missing."""
     check_disk(model_dir, sum(files.values()) - present_bytes(model_dir, files))
     model_dir.mkdir(parents=True, exist_ok=True)
     meter = Meter(present_bytes(model_dir, files), on_progress)
     for name in sorted(files, key=lambda n: (n.endswith(".safetensors"), n)):
         fetch_file(opener, urls[name], model_dir / name, files[name], on_bytes=meter.add)
         meter.file_done()
+    if check is not None:
+        check()
     write_marker(model_dir, model_id, dict(files))
     meter.report(force=True)
 

@@ -9,8 +9,10 @@ half download.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import re
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from pydantic import BaseModel
 
 INDEX_FILE = "model.safetensors.index.json"
 COMPLETE_MARKER = ".skulk-complete.json"
+HASHES_FILE = ".skulk-sha256.json"
 NEEDED_PATTERNS = (
     "config.json",
     "generation_config.json",
@@ -104,6 +107,40 @@ def write_marker(model_dir: Path, model_id: str, files: dict[str, int]) -> Compl
     tmp.write_text(marker.model_dump_json())
     tmp.replace(model_dir / COMPLETE_MARKER)
     return marker
+
+
+def sha256_of(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_hashes(model_dir: Path, names: Iterable[str]) -> dict[str, str]:
+    """SHA-256 of each named file, cached in HASHES_FILE by (size, mtime): a store host hashes a model once, the
+    first time a stager lists it (about a second per GB), and stagers verify their copies against it."""
+    cache_path = model_dir / HASHES_FILE
+    try:
+        cache: dict[str, list[Any]] = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    hashes: dict[str, str] = {}
+    changed = False
+    for name in names:
+        stat = (model_dir / name).stat()
+        entry = cache.get(name)
+        if isinstance(entry, list) and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
+            hashes[name] = str(entry[2])
+            continue
+        hashes[name] = sha256_of(model_dir / name)
+        cache[name] = [stat.st_size, stat.st_mtime_ns, hashes[name]]
+        changed = True
+    if changed:
+        try:
+            tmp = cache_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(cache))
+            tmp.replace(cache_path)
+        except OSError:
+            pass  # a read-only store hashes again next time
+    return hashes
 
 
 def has_files(model_dir: Path, files: dict[str, int]) -> bool:

@@ -31,7 +31,7 @@ from urllib.parse import unquote, urlsplit
 from skulk import internal_auth
 from skulk.api.errors import ApiError, error_body
 from skulk.models.cards import model_dir_name
-from skulk.store.files import NEEDED_NESTED, is_complete, local_files, read_marker
+from skulk.store.files import NEEDED_NESTED, file_hashes, is_complete, local_files, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,8 @@ def route(store_path: Path, raw_path: str) -> dict[str, Any] | Path:
         if len(parts) == 4:
             if not folder.is_dir() or not is_complete(folder):
                 raise ApiError(404, f"the store has no complete copy of {org}/{name}", code="model_not_in_store")
-            return {"model_id": f"{org}/{name}", "files": local_files(folder)}
+            files = local_files(folder)
+            return {"model_id": f"{org}/{name}", "files": files, "sha256": file_hashes(folder, files)}
         path = folder / (parts[4] if parts[4] in NEEDED_NESTED else safe_part(parts[4], "file name"))
         if not path.is_file() or not is_complete(folder):
             raise ApiError(404, f"the store has no file {parts[4]} of {org}/{name}", code="file_not_in_store")

@@ -161,7 +161,7 @@ class ModelFiles:
         base = self.store_base()
         assert base is not None
         try:
-            files = client.store_files(base, need.model_id)
+            files, sha256 = client.store_listing(base, need.model_id)
         except (client.NotInStore, client.StoreUnreachable) as exc:
             if not self.settings.model_store.download.allow_hf_fallback:
                 status, code = (503, "store_unreachable") if isinstance(exc, client.StoreUnreachable) else (
@@ -173,7 +173,8 @@ class ModelFiles:
         wanted = self._shard_files(files, index, need)
         if not (has_files(target, wanted) and read_marker(target) is not None):
             self._report(need.model_id, DownloadSource.Store, DownloadStatus.Downloading, 0, sum(wanted.values()))
-            client.stage(base, need.model_id, wanted, target, self._meter(need.model_id, DownloadSource.Store, wanted))
+            client.stage(base, need.model_id, wanted, target, self._meter(need.model_id, DownloadSource.Store, wanted),
+                         sha256)
         self._finish(need.model_id, DownloadSource.Store, target, wanted)
         return target
 
