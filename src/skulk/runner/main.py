@@ -237,10 +237,10 @@ class Runner:
 
     def _build_engine(self) -> TorchEngine | MlxEngine:
         from skulk.engines.torch.engine import TorchEngine
-        from skulk.models.demo import BUILTIN_MODELS, ensure_builtin_model
+        from skulk.models.demo import ensure_builtin_model, is_builtin
 
         shard = self.spec.shard
-        if shard.model_card.model_id in BUILTIN_MODELS:
+        if is_builtin(shard.model_card.model_id):
             ensure_builtin_model(shard.model_card.model_id, self.spec.model_dir.parent)
         if self.spec.engine == "mlx":
             from skulk.engines.mlx.build import build_mlx_engine

@@ -35,6 +35,7 @@ NEEDED_PATTERNS = (
     "chat_template.jinja",
     "chat_template.json",
     "*.safetensors",
+    "model.gguf",  # an imported GGUF model (models/gguf_import.py); a hub repo's other GGUF files are not fetched
     INDEX_FILE,
     "modules.json",
     "sentence_bert_config.json",
@@ -52,8 +53,8 @@ class CompleteMarker(BaseModel):
 
 
 def is_needed(name: str) -> bool:
-    """Config, tokenizer files, chat template, safetensors and their index, a sentence encoder's modules and
-    pooling: nothing else is downloaded."""
+    """Config, tokenizer files, chat template, safetensors and their index (or a GGUF file), a sentence
+    encoder's modules and pooling: nothing else is downloaded."""
     return name in NEEDED_NESTED or ("/" not in name and any(fnmatch.fnmatch(name, p) for p in NEEDED_PATTERNS))
 
 
@@ -158,7 +159,7 @@ def is_complete(model_dir: Path) -> bool:
         return True
     return (
         (model_dir / "config.json").is_file()
-        and any(model_dir.glob("*.safetensors"))
+        and (any(model_dir.glob("*.safetensors")) or (model_dir / "model.gguf").is_file())
         and not (model_dir / ".cache").exists()
     )
 

@@ -113,7 +113,9 @@ class LocalNode:
         return cmd + self.extra_args
 
     def start(self) -> Self:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        # the random demo model is the tests' default placement; a test placing the real one asks for it
+        env = {"SKULK_DEFAULT_MODEL": "skulk/tiny-random-llama", **os.environ, "PYTHONUNBUFFERED": "1",
+               **self.extra_env}
         self.home.mkdir(parents=True, exist_ok=True)
         self.node_id = ""
         self.paused = False

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import ModelArgs, parse_dtype
+from .gguf_file import GGUFCheckpoint
 from .layers import AllReduce, fuse_projections
 from .model import ModelSlice, tp_split_dim
 from .quant import (
@@ -28,11 +29,13 @@ from .quant import (
     QuantSpec,
     affine_quantize,
     fitting_group,
+    pack_mlx,
     quant_spec,
     unpack_mlx,
 )
 
 _INDEX_FILE = "model.safetensors.index.json"
+GGUF_SUFFIX = ".gguf"
 
 
 def load_model(
@@ -104,6 +107,8 @@ def _stacked_experts(files: dict[str, Path]) -> dict[str, tuple[str, int]]:
 
 
 def _leading_dim(path: Path, name: str) -> int:
+    if path.suffix == GGUF_SUFFIX:
+        return GGUFCheckpoint(path).shape(name)[0]
     with safe_open(str(path), framework="pt") as f:
         return int(f.get_slice(name).get_shape()[0])
 
@@ -123,6 +128,11 @@ class CheckpointNames:
     def __contains__(self, tensor: str) -> bool:
         return tensor in self.files or tensor in self.stacked
 
+    @property
+    def packed(self) -> bool:
+        """Quantized values come packed in uint32 words (MLX's safetensors), not one per byte (a GGUF file)."""
+        return not any(path.suffix == GGUF_SUFFIX for path in self.files.values())
+
     def read(self, tensor: str, dim: int | None, split: Split) -> torch.Tensor:
         """A whole tensor, or this rank's block along dim; one expert's matrix of a stacked tensor."""
         real, expert = self.stacked.get(tensor, (tensor, None))
@@ -130,7 +140,9 @@ class CheckpointNames:
             raise ValueError(f"checkpoint has no tensor {tensor}")
         path = self.files[real]
         if path not in self.handles:
-            self.handles[path] = self.stack.enter_context(safe_open(str(path), framework="pt"))
+            gguf = path.suffix == GGUF_SUFFIX
+            self.handles[path] = GGUFCheckpoint(path) if gguf else self.stack.enter_context(
+                safe_open(str(path), framework="pt"))
         return _shard(self.handles[path].get_slice(real), dim, split.rank, split.size, expert)
 
     def quant_path(self, base: str) -> str:
@@ -205,6 +217,8 @@ def _packed_embedding(names: CheckpointNames, base: str, quant: QuantSpec, dtype
         return None
     quant = quant.for_module(base)
     q_packed, scales, biases = (names.read(f"{base}.{part}", None, Split(0, 1)) for part in _PARTS)
+    if not names.packed:
+        q_packed = pack_mlx(q_packed, quant.bits)
     return QuantizedEmbedding(q_packed, scales, biases, quant.bits, quant.group_size, dtype)
 
 
@@ -216,7 +230,7 @@ def _packed_linear(names: CheckpointNames, base: str, dim: int | None, split: Sp
         return None  # a layer the checkpoint left in float stays an nn.Linear
     quant = quant.for_module(names.quant_path(base))
     q_packed, scales, biases = (names.read(f"{base}.{part}", dim, split) for part in _PARTS)
-    q = unpack_mlx(q_packed, quant.bits)
+    q = unpack_mlx(q_packed, quant.bits) if names.packed else q_packed
     if q.shape[1] != scales.shape[1] * quant.group_size:
         raise ValueError(f"{base}: its columns do not split across {split.size} tensor-parallel ranks in whole "
                          f"groups of {quant.group_size}; use fewer ranks")
@@ -258,6 +272,9 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
         weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         return {name: model_dir / file for name, file in weight_map.items()}
     files = {}
+    gguf = sorted(model_dir.glob(f"*{GGUF_SUFFIX}"))
+    if gguf and not any(model_dir.glob("*.safetensors")):  # a GGUF model: one file, read natively
+        return dict.fromkeys(GGUFCheckpoint(gguf[0]).names(), gguf[0])
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             files.update(dict.fromkeys(f.keys(), path))

@@ -1,0 +1,132 @@
+"""Turn a GGUF file (llama.cpp's format: Ollama's and LM Studio's downloads) into a model directory the engine
+loads natively, and a card for the catalog.
+
+The directory holds what our loader and tokenizer read, derived once from the file's own metadata by
+transformers' GGUF support (config.json, tokenizer.json, tokenizer_config.json with the file's chat template,
+generation_config.json), next to the GGUF file itself, linked rather than copied where the filesystem allows.
+The weights stay in the file: engines/torch/gguf_file.py reads its quantized blocks as our affine groups at load.
+config.json's `quantization` section lists each quantized module's bits (4, or 8 for the types widened), as an
+MLX checkpoint's does, so placement, cards and the loader treat both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from skulk.engines.torch.gguf_file import GROUP, GGUFCheckpoint, is_gguf
+from skulk.models.cards import model_dir_name
+from skulk.models.catalog import card_from_config
+from skulk.store.files import write_marker
+from skulk.types.models import ModelCard
+
+GGUF_NAME = "model.gguf"
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+
+class NotGGUF(ValueError):
+    """The file is not a GGUF file, or one whose architecture or tokenizer the engine cannot run."""
+
+
+def default_model_id(gguf_path: Path) -> str:
+    """gguf/<file stem>, lower-cased: a local import never collides with a Hugging Face id."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", gguf_path.stem).strip("-.") or "model"
+    return f"gguf/{stem}"
+
+
+def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, *, copy: bool = False) -> ModelCard:
+    """Stage gguf_path as model_id under models_dir (written whole, then renamed) and return its card.
+    The GGUF file is hard-linked when it can be, else symlinked (copy=False) or copied. NotGGUF for a file
+    that is not one, or that the engine cannot run."""
+    if not is_gguf(gguf_path):
+        raise NotGGUF(f"{gguf_path} is not a GGUF file")
+    model_id = model_id or default_model_id(gguf_path)
+    target = models_dir / model_dir_name(model_id)
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-gguf-", dir=models_dir))
+    try:
+        _place_file(gguf_path.resolve(), tmp / GGUF_NAME, copy=copy)
+        config = gguf_config(tmp / GGUF_NAME)
+        _write_json(tmp / "config.json", config)
+        _write_tokenizer(tmp)
+        card = card_from_config(model_id, config, gguf_path.stat().st_size)
+        tmp.chmod(0o755)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    write_marker(target, model_id, {p.name: p.stat().st_size for p in target.iterdir() if p.is_file()})
+    return card
+
+
+def _place_file(source: Path, dest: Path, *, copy: bool) -> None:
+    if copy:
+        shutil.copyfile(source, dest)
+        return
+    try:
+        os.link(source, dest)
+    except OSError:  # another filesystem, or a store we may not link into: point at it instead
+        dest.symlink_to(source)
+
+
+def gguf_config(path: Path) -> dict[str, Any]:
+    """A Hugging Face config.json for the file (transformers' reading of its metadata), in bfloat16, with the
+    quantization section our loader reads."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        config: dict[str, Any] = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise NotGGUF(f"{path.name}: transformers cannot read this GGUF file: {exc}") from exc
+    config.pop("_model_name_or_path", None)
+    model_type = _MODEL_TYPES.get(str(config.get("model_type")), str(config.get("model_type")))
+    config["model_type"] = model_type
+    config["architectures"] = [_ARCHITECTURES.get(model_type, "LlamaForCausalLM")]
+    config["torch_dtype"] = "bfloat16"
+    checkpoint = GGUFCheckpoint(path)
+    if "tie_word_embeddings" not in config:
+        config["tie_word_embeddings"] = "lm_head.weight" not in checkpoint.tensors
+    modules = checkpoint.quantized_modules()
+    if modules:
+        common = Counter(modules.values()).most_common(1)[0][0]
+        section: dict[str, Any] = {"group_size": GROUP, "bits": common}
+        section.update({m: {"bits": b, "group_size": GROUP} for m, b in sorted(modules.items()) if b != common})
+        config["quantization"] = section
+    return config
+
+
+def _write_tokenizer(folder: Path) -> None:
+    """tokenizer.json and tokenizer_config.json (with the file's chat template) from the file's tokenizer
+    metadata, and generation_config.json with its end-of-turn ids."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok: Any = AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_NAME, local_files_only=True)
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise NotGGUF(f"transformers cannot build this GGUF file's tokenizer: {exc}") from exc
+    tok.save_pretrained(str(folder))
+    template = folder / "chat_template.jinja"
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if template.is_file():  # one place for the template, where every reader of tokenizer_config.json looks
+        tok_config["chat_template"] = template.read_text(encoding="utf-8")
+        template.unlink()
+    tok_config["model_max_length"] = min(int(tok_config.get("model_max_length") or 0) or 1 << 20, 1 << 20)
+    _write_json(folder / "tokenizer_config.json", tok_config)
+    eos = {tok.eos_token_id} | {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>",
+                                                                         "<|endoftext|>") if t in tok.get_vocab()}
+    eos.discard(None)
+    generation = {"bos_token_id": tok.bos_token_id, "eos_token_id": sorted(eos)}
+    _write_json(folder / "generation_config.json", generation)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
