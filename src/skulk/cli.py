@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="place the built-in demo model when no instance exists (SKULK_PLACE_DEFAULT, on)",
     )
+    parser.add_argument(
+        "--default-model",
+        help="what --place-default places (SKULK_DEFAULT_MODEL, HuggingFaceTB/SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--node-name", help="friendly name shown to operators (SKULK_NODE_NAME, hostname)")
     parser.add_argument("--cluster", help="cluster namespace; isolates discovery (SKULK_CLUSTER, default)")
     parser.add_argument(

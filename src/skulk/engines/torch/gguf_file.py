@@ -19,15 +19,17 @@ undone on the affine rows here, so the engine sees Hugging Face's layout. Gemma 
 from __future__ import annotations
 
 import functools
+import json
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 GROUP = 32
@@ -98,8 +100,6 @@ def decode_affine(blocks: np.ndarray, qtype: QT) -> Affine:
 
 
 def _block_sizes(qtype: QT) -> tuple[int, int]:
-    from gguf import GGML_QUANT_SIZES
-
     return GGML_QUANT_SIZES[qtype]
 
 
@@ -200,33 +200,65 @@ _DECODERS: dict[QT, Any] = {
 }
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor's bytes are in the file: its block type, row-major shape and absolute offset."""
+
+    name: str
+    qtype: QT
+    shape: tuple[int, ...]
+    offset: int
+
+    def nbytes(self) -> int:
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return int(np.prod(self.shape)) // block * size
+
+    def byte_shape(self) -> tuple[int, ...]:
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return (*self.shape[:-1], self.shape[-1] // block * size)
+
+
+def read_layout(path: Path) -> dict[str, Any]:
+    """What the loader needs of a GGUF file's header (architecture, heads, each tensor's type, shape, offset),
+    read once with the gguf package. Kept in the imported model's config.json ("gguf"), so a runner maps the
+    tensors without parsing the header again (its tokenizer arrays make that seconds)."""
+    reader = GGUFReader(path)
+
+    def scalar(key: str, default: Any) -> Any:
+        field = reader.get_field(key)
+        return field.contents() if field is not None else default
+
+    arch = str(scalar("general.architecture", "llama"))
+    heads = int(scalar(f"{arch}.attention.head_count", 0))
+    return {
+        "arch": arch, "heads": heads, "kv_heads": int(scalar(f"{arch}.attention.head_count_kv", 0)) or heads,
+        "size": path.stat().st_size,
+        "tensors": {t.name: [int(t.tensor_type), [int(d) for d in reversed(t.shape.tolist())], int(t.data_offset)]
+                    for t in reader.tensors},
+    }
+
+
 class GGUFCheckpoint:
     """A GGUF file's tensors under Hugging Face names. A quantized tensor appears as `<base>.weight` (uint8
     values, unpacked), `<base>.scales` and `<base>.biases`; a float one as itself. Blocks are decoded on read,
     for the rows (or the expert) asked for, from the memory-mapped file."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, layout: dict[str, Any] | None = None) -> None:
         self.path = path
-        self.reader = GGUFReader(path)
-        arch = self.reader.get_field("general.architecture")
-        self.arch = str(arch.contents()) if arch is not None else "llama"
-        self.heads = self._int(f"{self.arch}.attention.head_count")
-        self.kv_heads = self._int(f"{self.arch}.attention.head_count_kv") or self.heads
-        self.tensors: dict[str, ReaderTensor] = {}
-        for tensor in self.reader.tensors:
-            name = hf_name(tensor.name, self.arch)
+        layout = layout or read_layout(path)
+        self.arch, self.heads, self.kv_heads = str(layout["arch"]), int(layout["heads"]), int(layout["kv_heads"])
+        self.tensors: dict[str, TensorInfo] = {}
+        for gguf_name, (qtype, shape, offset) in layout["tensors"].items():
+            name = hf_name(gguf_name, self.arch)
             if name is not None:
-                self.tensors[name] = tensor
+                self.tensors[name] = TensorInfo(gguf_name, QT(qtype), tuple(shape), offset)
+        self._lock = threading.Lock()
         self._last: tuple[tuple[str, int | None], dict[str, torch.Tensor]] | None = None
-
-    def _int(self, key: str) -> int:
-        field = self.reader.get_field(key)
-        return int(field.contents()) if field is not None else 0  # type: ignore[arg-type]
 
     def names(self) -> list[str]:
         out: list[str] = []
         for name, tensor in self.tensors.items():
-            if tensor_bits(tensor.tensor_type) is None:
+            if tensor_bits(tensor.qtype) is None:
                 out.append(name)
             else:
                 base = name.removesuffix(".weight")
@@ -236,19 +268,18 @@ class GGUFCheckpoint:
     def quantized_modules(self) -> dict[str, int]:
         """Module path → bits, for every quantized tensor (what config.json's quantization section lists)."""
         return {name.removesuffix(".weight"): bits for name, t in self.tensors.items()
-                if (bits := tensor_bits(t.tensor_type)) is not None}
+                if (bits := tensor_bits(t.qtype)) is not None}
 
     def get_slice(self, name: str) -> _View:
         return _View(self, name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         tensor, part = self._lookup(name)
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         if part in ("scales", "biases"):
-            return (*shape[:-1], shape[-1] // GROUP)
-        return shape
+            return (*tensor.shape[:-1], tensor.shape[-1] // GROUP)
+        return tensor.shape
 
-    def _lookup(self, name: str) -> tuple[ReaderTensor, str]:
+    def _lookup(self, name: str) -> tuple[TensorInfo, str]:
         base, _, part = name.rpartition(".")
         if part in ("scales", "biases"):
             return self.tensors[f"{base}.weight"], part
@@ -259,25 +290,31 @@ class GGUFCheckpoint:
         reading weight, scales and biases in turn decodes its blocks once."""
         tensor, part = self._lookup(name)
         key = (tensor.name, expert)
-        if self._last is None or self._last[0] != key:
-            self._last = (key, self._decode(tensor, expert))
-        parts = self._last[1]
+        with self._lock:
+            if self._last is None or self._last[0] != key:
+                self._last = (key, self._decode(tensor, expert))
+            parts = self._last[1]
         return parts["weight" if part not in parts else part]
 
-    def _decode(self, tensor: ReaderTensor, expert: int | None) -> dict[str, torch.Tensor]:
-        data = tensor.data if expert is None else tensor.data[expert]
-        qtype = tensor.tensor_type
+    def _raw(self, tensor: TensorInfo, expert: int | None) -> np.ndarray:
+        shape = tensor.byte_shape()
+        if expert is not None:
+            per_expert = tensor.nbytes() // shape[0]
+            return np.memmap(self.path, np.uint8, "r", tensor.offset + expert * per_expert, shape[1:])
+        return np.memmap(self.path, np.uint8, "r", tensor.offset, shape)
+
+    def _decode(self, tensor: TensorInfo, expert: int | None) -> dict[str, torch.Tensor]:
+        raw, qtype = self._raw(tensor, expert), tensor.qtype
         if qtype in FLOAT_TYPES:
-            values = torch.from_numpy(np.array(data, dtype=np.float32))
-            return {"weight": self._fix_float(tensor.name, values)}
+            values = np.asarray(raw).view(FLOAT_TYPES[qtype]).astype(np.float32)
+            return {"weight": self._fix_float(tensor.name, torch.from_numpy(values))}
         if qtype == QT.BF16:
-            raw = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16).float()
-            return {"weight": self._fix_float(tensor.name, raw)}
-        affine = decode_affine(np.asarray(data), qtype)
-        parts = {"weight": torch.from_numpy(affine.q), "scales": torch.from_numpy(affine.scales),
-                 "biases": torch.from_numpy(affine.biases)}
-        order = self._row_order(tensor.name, affine.q.shape[-2])
-        return parts if order is None else {k: v[..., order, :] for k, v in parts.items()}
+            values16 = torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16).float()
+            return {"weight": self._fix_float(tensor.name, values16)}
+        order = self._row_order(tensor.name, raw.shape[-2])  # rows of blocks: reorder before decoding
+        affine = decode_affine(np.asarray(raw) if order is None else np.asarray(raw)[order.numpy()], qtype)
+        return {"weight": torch.from_numpy(affine.q), "scales": torch.from_numpy(affine.scales),
+                "biases": torch.from_numpy(affine.biases)}
 
     def _fix_float(self, gguf_name: str, values: torch.Tensor) -> torch.Tensor:
         """Gemma's norms come back to Hugging Face's form (llama.cpp stores weight + 1); q/k biases unpermuted."""
@@ -295,6 +332,21 @@ class GGUFCheckpoint:
         if not heads:
             return None
         return unpermute_order(rows, heads)
+
+
+def open_gguf(path: Path) -> GGUFCheckpoint:
+    """The file as a checkpoint, with the layout its model directory's config.json keeps when it matches the
+    file (else read from the header); one per file and size within a process."""
+    return _open(path.absolute(), path.stat().st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open(path: Path, size: int) -> GGUFCheckpoint:
+    layout: dict[str, Any] | None = None
+    config = path.parent / "config.json"
+    if config.is_file():
+        layout = json.loads(config.read_text(encoding="utf-8")).get("gguf")
+    return GGUFCheckpoint(path, layout if layout and layout.get("size") == size else None)
 
 
 @functools.cache
@@ -318,11 +370,3 @@ class _View:
         rest = index[1:] if expert is not None else index
         return self.file.read(self.name, expert)[rest]
 
-
-def is_gguf(path: Path) -> bool:
-    """A GGUF file starts with the magic bytes GGUF."""
-    try:
-        with path.open("rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False

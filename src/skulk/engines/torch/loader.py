@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import ModelArgs, parse_dtype
-from .gguf_file import GGUFCheckpoint
+from .gguf_file import open_gguf
 from .layers import AllReduce, fuse_projections
 from .model import ModelSlice, tp_split_dim
 from .quant import (
@@ -108,7 +108,7 @@ def _stacked_experts(files: dict[str, Path]) -> dict[str, tuple[str, int]]:
 
 def _leading_dim(path: Path, name: str) -> int:
     if path.suffix == GGUF_SUFFIX:
-        return GGUFCheckpoint(path).shape(name)[0]
+        return open_gguf(path).shape(name)[0]
     with safe_open(str(path), framework="pt") as f:
         return int(f.get_slice(name).get_shape()[0])
 
@@ -141,7 +141,7 @@ class CheckpointNames:
         path = self.files[real]
         if path not in self.handles:
             gguf = path.suffix == GGUF_SUFFIX
-            self.handles[path] = GGUFCheckpoint(path) if gguf else self.stack.enter_context(
+            self.handles[path] = open_gguf(path) if gguf else self.stack.enter_context(
                 safe_open(str(path), framework="pt"))
         return _shard(self.handles[path].get_slice(real), dim, split.rank, split.size, expert)
 
@@ -274,7 +274,7 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     files = {}
     gguf = sorted(model_dir.glob(f"*{GGUF_SUFFIX}"))
     if gguf and not any(model_dir.glob("*.safetensors")):  # a GGUF model: one file, read natively
-        return dict.fromkeys(GGUFCheckpoint(gguf[0]).names(), gguf[0])
+        return dict.fromkeys(open_gguf(gguf[0]).names(), gguf[0])
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             files.update(dict.fromkeys(f.keys(), path))
