@@ -26,6 +26,7 @@ all_reduce; the last rank samples and broadcasts. Only the sampler's step() retu
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections import deque
@@ -45,8 +46,10 @@ from .blocks import BlockAllocator, blocks_for, extend_keys
 from .cache import MixedBatch, StepBatch
 from .links import GroupLink, Link, LocalLink, ShardKind, TokenRows
 from .loader import load_model
+from .model import MIXED_STACK_ROWS
 from .requests import FaultHook, Request, accept_each, row_sampling
 from .schedule import admission_blocks, can_admit, chunk_tokens, growth_blocks, next_kind, pool_blocks, share_chunk
+from .speculate import MAX_DRAFT, PromptLookup, accepted_prefix
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 from .wire import (
     Admitted,
@@ -77,6 +80,7 @@ _PHASES: dict[tuple[str, StepKind], RunnerPhase] = {
     ("tensor", StepKind.DECODE): "decode_barrier",
 }
 _EMA = 0.3  # weight of the newest step in the scheduler's running cost averages
+log = logging.getLogger(__name__)
 
 
 def _tensor_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -103,10 +107,12 @@ class TorchEngine:
         quantize: str | None = None,
         kv_cache_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        speculate: bool = True,
     ) -> None:
         """max_seq: an optional cap on the context below the model's max_position_embeddings (a placement's
         max_context). kv_cache_bytes: the block pool's size on this rank (None: schedule.pool_blocks' default
-        share of free memory); it always holds at least one request of the whole context."""
+        share of free memory); it always holds at least one request of the whole context. speculate: prompt-lookup
+        drafting (speculate.py) for greedy requests on a single rank."""
         if max_batch < 1 or prefill_chunk < 1 or block_size < 1:
             raise ValueError("max_batch, prefill_chunk and block_size must be at least 1")
         self.rank, self.world_size, self.kind = rank, world_size, kind
@@ -127,6 +133,7 @@ class TorchEngine:
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control_group)
             num_blocks = int(agreed.item())
         self.blocks = BlockAllocator(num_blocks, block_size)
+        self.speculate = speculate and world_size == 1
         self.cache = self.model.make_cache(num_blocks, block_size)
         self.tokenizer = ChatTokenizer(model_dir)
         self.is_scheduler, self.is_sampler = rank == 0, rank == world_size - 1
@@ -200,7 +207,8 @@ class TorchEngine:
             elif header.kind == StepKind.MIXED:
                 outs = self._mixed(header)
             elif header.kind == StepKind.DECODE:
-                outs = self._decode()
+                drafts = self._drafts() if self.speculate and self.fault_hook is None else None
+                outs = self._speculate(drafts) if drafts else self._decode()
             else:
                 if header.kind == StepKind.SHUTDOWN:
                     self.closed = True
@@ -354,6 +362,10 @@ class TorchEngine:
                 return
             self._running.remove(found)
             self._free_table(found)
+            if found.lookup is not None and found.lookup.drafted:
+                lookup = found.lookup
+                log.info("MTP acceptance %.0f %% for %s: %d of %d prompt-lookup draft tokens accepted",
+                         100 * lookup.accepted / lookup.drafted, found.request_id, lookup.accepted, lookup.drafted)
         if found.request_id == WARMUP_ID:
             self._warming = False
         else:
@@ -511,6 +523,61 @@ class TorchEngine:
             logits = logits[rows]
         outs = self._accept(logits, decoding) if logits is not None else []
         self._share_tokens(decoding, outs)
+        return outs
+
+    def _drafts(self) -> list[list[int]] | None:
+        """A prompt-lookup draft per running request (some empty), when every one decodes greedily without
+        log-probabilities and at least one has a draft; None for a plain decode step. Drafts stop short of a
+        request's max_tokens and context, fit the free blocks, and keep the step under MIXED_STACK_ROWS rows."""
+        running = self._running
+        if any(r.sampling.temperature > 0 or r.sampling.logprobs is not None for r in running):
+            return None
+        room, free = max(0, MIXED_STACK_ROWS // len(running) - 1), self.blocks.available
+        drafts: list[list[int]] = []
+        for req in running:
+            if req.lookup is None:
+                req.lookup = PromptLookup()
+            limit = min(MAX_DRAFT, room, req.max_tokens - req.generated - 1, self.context_length - req.length - 1,
+                        (len(req.table) + free) * self.block_size - req.length - 1)
+            draft = req.lookup.propose(req.tokens(), limit)
+            free -= max(0, blocks_for(req.length + 1 + len(draft), self.block_size) - len(req.table))
+            drafts.append(draft)
+        return drafts if any(drafts) else None
+
+    def _speculate(self, drafts: list[list[int]]) -> list[TokenOut]:
+        """A decode step that also verifies each request's draft: its last token and draft as one chunk (a MixedBatch
+        part per request), then per request the draft's prefix greedy decoding confirms and the model's next token,
+        each accepted as a decode step would accept it (speculate.py). Single rank only: nothing is shared."""
+        self._enter_phase(_PHASES[self.kind, StepKind.DECODE], "decode")
+        parts, ids = [], []
+        for req, draft in zip(self._running, drafts, strict=True):
+            tokens = [req.last_token, *draft]
+            while len(req.table) < blocks_for(req.length + len(tokens), self.block_size):
+                req.table.append(self.blocks.allocate())
+            ids += tokens
+            table = torch.tensor([req.table], dtype=torch.int32, device=self.device)
+            positions = torch.arange(req.length, req.length + len(tokens), device=self.device).unsqueeze(0)
+            parts.append(StepBatch.build(positions, table, kv_len=req.length + len(tokens)))
+        logits = self._forward(torch.tensor([ids], device=self.device), MixedBatch(tuple(parts)), (1, len(ids)))
+        assert logits is not None
+        greedy = logits[0].argmax(-1).tolist()
+        outs: list[TokenOut] = []
+        at = 0
+        for req, draft in zip(list(self._running), drafts, strict=True):
+            picks = greedy[at : at + len(draft) + 1]
+            keep = accepted_prefix(draft, picks)
+            if req.lookup is not None:
+                req.lookup.record(len(draft), keep)
+            for j in range(keep + 1):
+                req.length += 1
+                out = self._accept(logits[0, at + j : at + j + 1].unsqueeze(1), [req])[0]
+                outs.append(out)
+                if not out.error:
+                    req.emitted.append(out.token_id)
+                if out.finish_reason is not None or out.error:
+                    self._releases.append(Release(req.request_id, cancelled=False, failed=bool(out.error)))
+                    break
+            at += len(draft) + 1
         return outs
 
     def _decode_rows(self) -> tuple[StepBatch, list[int], list[int]]:

@@ -16,6 +16,7 @@ from skulk.types.chat import SamplingParams
 from skulk.types.chunks import TokenLogprob, TopLogprob
 
 from .sampling import RowSampling, sample, token_logprobs
+from .speculate import PromptLookup
 from .tokenizer import IncrementalDecoder, StopMatcher
 
 FaultHook = Callable[[str, "Request"], int | None]
@@ -42,6 +43,7 @@ class Request:
     table: list[int] = field(default_factory=list)  # block table: position p lives in table[p // block_size]
     emitted: list[int] = field(default_factory=list)  # tokens generated since admission (ranks that embed ids)
     keys: list[int] = field(default_factory=list)  # rank 0: chain keys of its full blocks known so far
+    lookup: PromptLookup | None = None  # its prompt-lookup drafts' index and acceptance (speculate.py)
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
         """Its token ids [start, end): the prompt's, then the generated ones (position p's KV is token p's)."""
