@@ -293,3 +293,34 @@ def test_speculative_decoding_gives_the_tokens_of_plain_decoding(demo_dir: Path,
             tokens.setdefault(out.request_id, []).append(out.token_id)
     assert tokens == plain
     assert steps < 48  # drafts were accepted: fewer steps than tokens
+
+
+# --- sliding windows ------------------------------------------------------------------------------------------
+
+
+def test_sliding_window_layers_keep_only_their_windows_blocks(tmp_path: Path, demo_dir: Path) -> None:
+    """Mistral v0.1's layout (every layer slides; the window scaled to 16): blocks of 4 wholly behind the window go
+    back as the request grows, so it holds about window / 4 blocks whatever its length, and its tokens are those
+    of the contiguous cache (one block of the whole context, nothing freed)."""
+    import shutil
+
+    from tests.unit.test_model_families import REAL_CONFIGS, WINDOW, scaled_down, write_checkpoint
+
+    model_id = "mistralai/Mistral-7B-v0.1"
+    path = write_checkpoint(scaled_down(model_id, REAL_CONFIGS[model_id]), tmp_path / "mistral")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_dir / name, path / name)
+    ids = [(11 * i) % 400 + 3 for i in range(40)]
+    sampling = SamplingParams(max_tokens=40, temperature=0)
+    contiguous = run(TorchEngine(path, max_seq=128, block_size=128, prefill_chunk=8), {"r": ids}, sampling)
+    engine = TorchEngine(path, max_seq=128, block_size=4, prefill_chunk=8)
+    assert engine.window == WINDOW
+    engine.add_request("r", ids, sampling)
+    tokens: list[int] = []
+    peak_after_prompt = 0
+    while engine.has_work():
+        tokens += [o.token_id for o in engine.step()]
+        if tokens:
+            peak_after_prompt = max(peak_after_prompt, engine.blocks.held)
+    assert tokens == contiguous["r"]
+    assert peak_after_prompt <= WINDOW // 4 + 2  # not the 20 blocks of its 80 positions

@@ -66,6 +66,7 @@ from .wire import (
 
 DEFAULT_MAX_BATCH = 64  # concurrent streams per instance (the pool may hold fewer: the rest queue)
 DEFAULT_BLOCK_SIZE = 32
+NO_BLOCK = -1  # a table entry whose block went back (behind a sliding window): never read unmasked
 DEFAULT_PREFILL_CHUNK = 512
 HEARTBEAT_S = 0.5
 WARMUP_ID = "__skulk_warmup__"
@@ -133,6 +134,9 @@ class TorchEngine:
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control_group)
             num_blocks = int(agreed.item())
         self.blocks = BlockAllocator(num_blocks, block_size)
+        args = self.model.args
+        every_layer_slides = all(args.is_sliding(i) for i in range(args.num_hidden_layers))
+        self.window = (args.sliding_window or 0) if every_layer_slides else 0  # blocks behind it are freed
         self.speculate = speculate and world_size == 1
         self.cache = self.model.make_cache(num_blocks, block_size)
         self.tokenizer = ChatTokenizer(model_dir)
@@ -376,8 +380,19 @@ class TorchEngine:
         first, so a later prompt starting with them finds them."""
         full = req.length // self.block_size
         self._publish(req)
-        self.blocks.free_table(req.table, full)
+        held = [b for b in req.table if b != NO_BLOCK]
+        self.blocks.free_table(held, full - (len(req.table) - len(held)))
         req.table = []
+
+    def _drop_behind_window(self, req: Request) -> None:
+        """Free the blocks no query of the request can see again: every position in them is at least `window`
+        behind its next one (its next chunk starts there too). Their table entries become NO_BLOCK: the kernels
+        start at the window and the torch path's gather reads them masked."""
+        behind = (req.length + 1 - self.window) // self.block_size
+        for i in range(min(behind, len(req.table))):
+            if req.table[i] != NO_BLOCK:
+                self.blocks.free(req.table[i], keep=False)
+                req.table[i] = NO_BLOCK
 
     def _publish(self, req: Request) -> None:
         """Rank 0: key the request's full blocks by their tokens, so another prompt starting with them shares them
@@ -387,7 +402,8 @@ class TorchEngine:
         full = req.length // self.block_size
         extend_keys(req.keys, req.tokens(0, full * self.block_size), self.block_size, full)
         for block, key in zip(req.table[:full], req.keys[:full], strict=True):
-            self.blocks.cache_full(block, key)
+            if block != NO_BLOCK:
+                self.blocks.cache_full(block, key)
 
     def _preempt(self, preempt: Preempt) -> None:
         """Take a running request out and put it back at the head of the queue, its generated tokens (the header's,
@@ -424,8 +440,11 @@ class TorchEngine:
 
     def _grow(self) -> None:
         """Every running request gets the block its next position falls in, in row order (so every rank takes
-        the same blocks): rank 0 preempted enough that they exist."""
+        the same blocks): rank 0 preempted enough that they exist. Where every layer slides, blocks wholly
+        before the window go back first."""
         for req in self._running:
+            if self.window:
+                self._drop_behind_window(req)
             while len(req.table) < blocks_for(req.length + 1, self.block_size):
                 req.table.append(self.blocks.allocate())
 
