@@ -15,6 +15,15 @@ nodes (--min-nodes 3), so the new instance waits for it (issue 27's slow re-plac
 
 Target: chat again ≤ 10 s for the demo model. Run alone: other processes skew every figure.
 
+Issue 27 asked why a re-placed instance sat in RunnerConnecting for 12 s and more after a master pause. Measured
+(--pause 5 and --pause 15, 2 rounds each, demo model, loaded 2-core machine): place → connect took 6.9-7.1 s,
+and the same 7.7 s at the cluster's very first placement, so the pause is not the cause. The rendezvous itself is
+0.3-0.6 s (RunnerConnecting → RunnerLoading in /state); the rest is each rank's process importing torch before it
+can say anything (`runner.group` imports it ahead of the Connecting status: 2.3 s for one process alone, about
+6 s for three ranks at once on two cores). A single-rank runner reports Loading 0.3 s after its spawn and pays
+the same import inside its load phase. What a pause adds is the lease (detect, 3.5 s) and the paused node's
+rejoin before a 3-node instance fits again (place).
+
 Run: .venv/bin/python bench/recovery.py [--rounds 3] [--models skulk/tiny-random-llama,skulk/bench-random-100m]
 """
 

@@ -38,7 +38,7 @@ from skulk.restart import RestartGate, exec_self
 from skulk.runner.fault import recording_enabled
 from skulk.state.desired import DesiredStateFile
 from skulk.state.store import StateStore
-from skulk.store.server import StoreServer
+from skulk.store.server import StoreServer, bind_address
 from skulk.store.service import ModelFiles
 from skulk.store.staging import startable
 from skulk.tracing.service import NodeTracing
@@ -73,6 +73,8 @@ INFO_HEARTBEAT_S = 10.0
 TOPOLOGY_EVERY_S = 1.0
 DEPARTED_KEPT = timedelta(minutes=10)
 ELECTION_WAIT_S = 10.0
+STREAM_GRACE_S = 1.5
+"""At shutdown, streams get this long to finish before they end with a retryable error (uvicorn cuts at 2 s)."""
 RESTATE_AFTER_S = 0.5
 """After a master change, runner statuses are restated this much later: long enough for the new master's intake
 to be subscribed (every node adopts the new term within a heartbeat of the others)."""
@@ -237,10 +239,10 @@ class Node:
         if self.settings.is_store_host:
             self._spawn(self._serve_store())
         server = self._api_server()
-        self.restart.arm(lambda: setattr(server, "should_exit", True))
+        self.restart.arm(lambda: self._stop_serving(server))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, setattr, server, "should_exit", True)
+            loop.add_signal_handler(sig, self._stop_serving, server)
         serving = self._spawn(server.serve())
         assert serving is not None, "the node's TaskGroup is open while it serves"
         if self.settings.place_default and self.elector.is_master:
@@ -249,6 +251,19 @@ class Node:
         self._spawn(self._gather_info_forever())
         self._spawn(self._probe_topology_forever())
         await serving
+
+    def _stop_serving(self, server: uvicorn.Server) -> None:
+        """SIGTERM, SIGINT or a restart: the API stops taking requests; a stream still open STREAM_GRACE_S later
+        ends with one retryable error event, before uvicorn's graceful shutdown (2 s) would cut its connection
+        and leave its client reading a broken stream."""
+        server.should_exit = True
+        asyncio.get_running_loop().call_later(STREAM_GRACE_S, self._end_streams)
+
+    def _end_streams(self) -> None:
+        for stream in list(self.streams.values()):
+            stream.inject(ErrorChunk(command_id=stream.command_id, message="this node is shutting down; retry the "
+                                     "request (another node, or this one once it is back)", code="node_shutting_down",
+                                     status=503))
 
     async def _join(self) -> None:
         """Wait for a master and, as a follower, its snapshot; a slow cluster delays the start, never kills it."""
@@ -483,7 +498,8 @@ class Node:
     async def _serve_store(self) -> None:
         """The store host serves store_path to the LAN (store.server) on its own threads until the node stops."""
         store = self.settings.model_store
-        server = StoreServer(self.settings.store_path, self.settings.api_host, store.store_port).start()
+        host = bind_address(self.settings.api_host, store.store_address or store.store_host, local_addresses())
+        server = StoreServer(self.settings.store_path, host, store.store_port).start()
         log.info("model store serving %s on port %d", self.settings.store_path, server.server_address[1])
         try:
             await asyncio.Event().wait()

@@ -10,8 +10,9 @@ import httpx
 import pytest
 
 from skulk.testing.nodes import LocalNode
+from skulk.testing.streams import StreamProbe, chat_body
 
-from .harness import Cluster, wait_until
+from .harness import Cluster, place_and_wait, wait_until
 
 MODEL = "skulk/tiny-random-llama"
 SERVING_AGAIN_S = 60.0
@@ -62,3 +63,23 @@ def test_a_meta_instance_serves_again_after_every_node_restarts(cluster: Cluster
     assert took < SERVING_AGAIN_S
     assert list(metas(nodes[0])) == [meta_id], "the same MetaInstance, restored once"
     print(f"full restart -> serving again: {took:.1f} s")
+
+
+def test_a_stream_open_at_sigterm_ends_with_a_retryable_error(cluster: Cluster) -> None:
+    """The runner stalls in decode (SKULK_FAULT), so the stream is open when the node gets SIGTERM: it must end
+    retryably (before: uvicorn's graceful shutdown cancelled it at 2 s into a 500 Internal Server Error)."""
+    node = cluster.start(1, extra_env={"SKULK_FAULT": "stall:decode_stream"})[0]
+    place_and_wait(node)
+    probe = StreamProbe(node.url, chat_body(MODEL, 64, temperature=0.0), read_timeout=120)
+
+    def open_task() -> bool:
+        tasks = (node.get("/state", timeout=10) or {}).get("tasks", {})
+        return any(next(iter(t.values())).get("taskStatus") in ("Pending", "Running") for t in tasks.values())
+
+    wait_until(open_task, 60, "the request to reach its runner (which stalls in decode)")
+    time.sleep(1.0)  # into the stall: the runner has taken it (nothing to wait on: a stalled runner says nothing)
+    assert probe.outcome.ended is None
+    node.stop()
+    ended = probe.wait(30)
+    assert ended.retryable_error, ended.describe()  # an error event, or a 503 before the stream's first byte
+    assert ended.error is not None and ended.error.get("code") == "node_shutting_down", ended.error

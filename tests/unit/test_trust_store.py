@@ -36,3 +36,11 @@ def test_a_staged_copy_that_does_not_match_the_store_is_removed_and_staged_again
         assert (target / "model.safetensors").read_bytes() == payload
     finally:
         server.close()
+
+
+def test_the_store_binds_the_address_peers_dial_when_it_is_ours() -> None:
+    from skulk.store.server import bind_address
+
+    assert bind_address("0.0.0.0", "10.0.0.5", {"127.0.0.1", "10.0.0.5"}) == "10.0.0.5"
+    assert bind_address("0.0.0.0", "studio", {"127.0.0.1", "10.0.0.5"}) == "0.0.0.0"
+    assert bind_address("127.0.0.1", None, {"127.0.0.1"}) == "127.0.0.1"

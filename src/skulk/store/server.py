@@ -11,8 +11,8 @@ speed of a local file copy, where streaming the file through the event loop reac
 
 With a cluster key (or admin keys) every request must carry the cluster's internal token (internal_auth, the
 header peers' API calls carry): anyone who could reach the port read the registry and every weight file before
-(issue 27). Without either there is no secret to prove, as for the API. It binds the API's host, the one
-interface peers already reach this node on.
+(issue 27). Without either there is no secret to prove, as for the API. It binds the address peers are told
+to dial (store_address) when that is one of this host's own, else the API's host (bind_address).
 """
 
 from __future__ import annotations
@@ -109,6 +109,12 @@ def route(store_path: Path, raw_path: str) -> dict[str, Any] | Path:
             raise ApiError(404, f"the store has no file {parts[4]} of {org}/{name}", code="file_not_in_store")
         return path
     raise ApiError(404, f"no such store route {raw_path!r}", code="not_found")
+
+
+def bind_address(api_host: str, dialed: str | None, own: set[str]) -> str:
+    """Where the store listens (pure): the address peers dial when it is this host's (one interface, not all of
+    them), else the API's host."""
+    return dialed if dialed is not None and dialed in own else api_host
 
 
 class _Handler(BaseHTTPRequestHandler):
