@@ -2,9 +2,11 @@
 when asked for properly, JSON output asked for in the prompt, the tool choice, and whether the reply is parsed for
 tool calls (and how: the model family's format).
 
-Nothing here constrains decoding: `response_format` and a forced `tool_choice` become a system line (and, for a
-named function, the only tool the template sees); a forced tool choice is then checked on the reply
-(`unmet_tool_choice`), and a reply that breaks it is answered with an error rather than passed off as a call."""
+`response_format` and a forced `tool_choice` become a system line (and, for a named function, the only tool the
+template sees), and the request's sampling carries them as an OutputConstraint that the engine enforces on every
+token (engines/constrained.py): the JSON always parses and validates, a forced call is always a well-formed call to
+an offered tool. The reply is still checked (`unmet_tool_choice`): only a reply cut short by max_tokens can break
+it now, answered with a non-retryable 422, since the same request would be cut short again."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from skulk.models.cards import get_card
 from skulk.types.chat import ChatCompletionRequest, ChatMessage, ToolCall
 from skulk.types.ids import ModelId
 
+UNMET_STATUS = 422
+"""A forced tool choice the reply does not keep: not retryable (SDKs retry 5xx; the same request fails the same)."""
 JSON_INSTRUCTION = "Respond with one valid JSON object and nothing else."
 ANY_TOOL_INSTRUCTION = "You must answer by calling one of the tools offered, not with text."
 
@@ -87,11 +91,11 @@ def unmet_tool_choice(forced: str | None, calls: list[ToolCall]) -> str | None:
     if forced is None:
         return None
     if not calls:
-        return ("tool_choice: the model answered in text, not with a tool call (decoding is not constrained "
-                "here, the choice is asked for in the prompt); retry, or use tool_choice auto")
+        return ("tool_choice: the reply holds no complete tool call (the call is constrained, so max_tokens ended "
+                "it first, or the model answered in text on an engine without constraints); raise max_tokens")
     wrong = sorted({c.function.name for c in calls} - {forced}) if forced else []
     if wrong:
-        return f"tool_choice: the model called {', '.join(wrong)}, not {forced}; retry, or use tool_choice auto"
+        return f"tool_choice: the model called {', '.join(wrong)}, not {forced}"
     return None
 
 

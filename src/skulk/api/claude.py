@@ -14,7 +14,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from skulk.api.chat_options import check_supported, forced_tool, prepared, tool_family, unmet_tool_choice
+from skulk.api.chat_options import (
+    UNMET_STATUS,
+    check_supported,
+    forced_tool,
+    prepared,
+    tool_family,
+    unmet_tool_choice,
+)
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import ApiError
@@ -133,7 +140,7 @@ async def _events(
     tail, calls = held.finish(session.command_id) if held is not None else ("", [])
     unmet = unmet_tool_choice(forced, calls)
     if unmet is not None:
-        yield _sse("error", {"error": error_payload(500, unmet)["error"]})
+        yield _sse("error", {"error": error_payload(UNMET_STATUS, unmet)["error"]})
         return
     if tail:
         yield _sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": tail}})
@@ -162,7 +169,7 @@ async def _complete(node: NodeHandle, body: ClaudeRequest) -> JSONResponse:
     text, calls = parse_tool_calls(family, done.text, session.command_id) if family is not None else (done.text, [])
     unmet = unmet_tool_choice(forced_tool(chat), calls)
     if unmet is not None:
-        return JSONResponse(error_payload(500, unmet), status_code=500)
+        return JSONResponse(error_payload(UNMET_STATUS, unmet), status_code=UNMET_STATUS)
     content = ([{"type": "text", "text": text}] if text or not calls else []) + tool_use_blocks(calls)
     stop = "tool_use" if calls else STOP_REASONS.get(done.finish_reason, "end_turn")
     return JSONResponse(_message(f"msg_{session.command_id}", body.model, content, stop, usage))

@@ -24,7 +24,7 @@ from skulk.api.generation import Finished, GenerationFailed, collect, deltas
 from skulk.api.handle import NodeHandle
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.models.cards import all_cards, get_card
-from skulk.types.chat import ChatCompletionRequest, ToolCall
+from skulk.types.chat import ChatCompletionRequest, ResponseFormat, ToolCall
 from skulk.types.chunks import RequestStats, TokenLogprob
 from skulk.types.ids import ModelId
 from skulk.types.models import ModelCard
@@ -52,7 +52,20 @@ def to_chat_request(body: Body, stream: bool) -> ChatCompletionRequest:
         model=body.model, messages=body.chat_messages(), max_tokens=o.num_predict, temperature=o.temperature,
         top_p=o.top_p, top_k=o.top_k, seed=o.seed, stop=o.stop or None, stream=stream, tools=tools,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs if body.logprobs else None,
+        response_format=_response_format(body.format),
     )
+
+
+def _response_format(fmt: str | dict[str, Any] | None) -> ResponseFormat | None:
+    """Ollama's `format`: "json" for any JSON, or a JSON schema; both constrain decoding as OpenAI's do."""
+    if fmt == "json":
+        return ResponseFormat(type="json_object")
+    if isinstance(fmt, dict):
+        try:
+            return ResponseFormat(type="json_schema", json_schema={"name": "ollama_format", "schema": fmt})
+        except ValueError as exc:
+            raise ApiError(400, f"format: {exc}", code="invalid_request") from exc
+    return None
 
 
 def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:

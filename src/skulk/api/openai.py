@@ -11,7 +11,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
-from skulk.api.chat_options import check_supported, forced_tool, prepared, tool_family, unmet_tool_choice
+from skulk.api.chat_options import (
+    UNMET_STATUS,
+    check_supported,
+    forced_tool,
+    prepared,
+    tool_family,
+    unmet_tool_choice,
+)
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import ApiError, error_body
@@ -49,7 +56,7 @@ def _logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def _tool_choice_error(why: str) -> dict[str, Any]:
-    return error_body(why, kind="server_error", code="tool_choice_unmet", retryable=True)
+    return error_body(why, kind="invalid_request_error", code="tool_choice_unmet", retryable=False)
 
 
 async def _stream_events(
@@ -142,7 +149,7 @@ async def _complete(
     try:
         message, finish = _message(done.text, done.finish_reason, family, session.command_id, forced_tool(request))
     except ValueError as unmet:
-        return JSONResponse(_tool_choice_error(str(unmet)), status_code=500)
+        return JSONResponse(_tool_choice_error(str(unmet)), status_code=UNMET_STATUS)
     return JSONResponse(
         {
             **(_bench_fields(done.stats) if bench else {}),

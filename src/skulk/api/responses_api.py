@@ -13,7 +13,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from skulk.api.chat_options import check_supported, forced_tool, prepared, tool_family, unmet_tool_choice
+from skulk.api.chat_options import (
+    UNMET_STATUS,
+    check_supported,
+    forced_tool,
+    prepared,
+    tool_family,
+    unmet_tool_choice,
+)
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.errors import ApiError
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
@@ -192,7 +199,7 @@ async def respond(node: NodeHandle, body: ResponsesRequest) -> dict[str, Any]:
         text, calls = parse_tool_calls(r.family, done.text, session.command_id)
     unmet = unmet_tool_choice(r.forced, calls)
     if unmet is not None:
-        raise ApiError(500, unmet, code="tool_choice_unmet")
+        raise ApiError(UNMET_STATUS, unmet, code="tool_choice_unmet")
     return r.obj("completed", done, r.items(text, calls, done.logprobs))
 
 

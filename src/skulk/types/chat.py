@@ -194,7 +194,34 @@ class ChatCompletionRequest(BaseModel):
             seed=self.seed,
             stop=stops,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            constraint=self.output_constraint(),
         )
+
+    def output_constraint(self) -> OutputConstraint | None:
+        """A forced tool choice (required, or a named function) constrains the reply to a call; else a JSON
+        response_format to JSON (valid against its schema, if it has one)."""
+        choice = self.tool_choice
+        if self.tools and choice is not None and choice not in ("auto", "none"):
+            name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+            tools = [{"name": t.function.name, "parameters": t.function.parameters or {"type": "object"}}
+                     for t in self.tools]
+            return OutputConstraint(kind="tool_call", tools=tools, tool_name=name if isinstance(name, str) else None)
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        schema = (fmt.json_schema or {}).get("schema") if fmt.type == "json_schema" else None
+        return OutputConstraint(kind="json", json_schema=schema)
+
+
+class OutputConstraint(CamelModel):
+    """What decoding is held to (engines/constrained.py): JSON (any object, or valid against json_schema), or one
+    call to an offered tool (tool_name: that one; None: any of tools) with arguments valid against its schema."""
+
+    kind: Literal["json", "tool_call"]
+    json_schema: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] = []
+    """Offered tools as {"name", "parameters"}: the calls a tool_call constraint may write."""
+    tool_name: str | None = None
 
 
 class SamplingParams(CamelModel):
@@ -211,3 +238,5 @@ class SamplingParams(CamelModel):
     stop: list[str] = []
     logprobs: TopLogprobs | None = None
     """None: none reported; n: each token's log-probability and its n most likely alternatives."""
+    constraint: OutputConstraint | None = None
+    """JSON output or a forced tool call, enforced on every sampled token (None: free text)."""

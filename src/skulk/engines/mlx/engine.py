@@ -34,7 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from skulk.engines.base import TokenOut
-from skulk.engines.errors import ContextLengthExceeded
+from skulk.engines.errors import ContextLengthExceeded, PromptRejected
 from skulk.engines.torch.requests import FaultHook, Request, accept_each, row_sampling
 from skulk.engines.torch.tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 from skulk.engines.torch.wire import Released, RequestEvent, Started
@@ -128,6 +128,9 @@ class MlxEngine:
             raise ContextLengthExceeded(len(prompt_ids), self.context_length)
         if any(r.request_id == request_id for r in self._requests()):
             raise ValueError(f"request {request_id!r} is already running")
+        if sampling.constraint is not None:  # never an unconstrained reply to a request that asked for one
+            raise PromptRejected("JSON output and forced tool calls are constrained on the torch engine only; "
+                                 "place this model with the torch engine for them")
         row = row_sampling(sampling, self.vocab_size or 1 << 30, torch.device("cpu"), self._unseeded)
         req = Request(request_id, list(prompt_ids), sampling.max_tokens, row,
                       IncrementalDecoder(self.tokenizer.decode), StopMatcher(sampling.stop), command_id=command_id)

@@ -26,6 +26,7 @@ all_reduce; the last rank samples and broadcasts. Only the sampler's step() retu
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from skulk.engines.base import TokenOut
+from skulk.engines.constrained import Grammars, tool_call_style
 from skulk.engines.errors import ContextLengthExceeded
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
@@ -353,7 +355,18 @@ class TorchEngine:
         row = row_sampling(s, self.model.args.vocab_size, self.device, self._unseeded)
         decoder = IncrementalDecoder(self.tokenizer.decode)
         stops = StopMatcher(s.stop)
-        return Request(add.request_id, add.prompt, s.max_tokens, row, decoder, stops, command_id=add.command_id)
+        constraint = None
+        if s.constraint is not None and (self.is_sampler or self.is_scheduler):  # rank 0 checks it compiles
+            constraint = self.grammars.matcher(s.constraint)
+        return Request(add.request_id, add.prompt, s.max_tokens, row, decoder, stops, command_id=add.command_id,
+                       constraint=constraint)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The compiler of constrained requests' grammars for this model's vocabulary, built on first use."""
+        style = tool_call_style(self.model.args.model_type, self.tokenizer.renders_tools,
+                                str(getattr(self.tokenizer.hf, "chat_template", None) or ""))
+        return Grammars(self.tokenizer.hf, self.model.args.vocab_size, self.tokenizer.eos_ids, style)
 
     def _release(self, release: Release) -> None:
         """Drop a pending request, or a running one and its blocks (its full blocks stay cached for reuse)."""
@@ -549,7 +562,8 @@ class TorchEngine:
         log-probabilities and at least one has a draft; None for a plain decode step. Drafts stop short of a
         request's max_tokens and context, fit the free blocks, and keep the step under MIXED_STACK_ROWS rows."""
         running = self._running
-        if any(r.sampling.temperature > 0 or r.sampling.logprobs is not None for r in running):
+        if any(r.sampling.temperature > 0 or r.sampling.logprobs is not None or r.constraint is not None
+               for r in running):  # a constrained row's token is its grammar's, not the raw argmax drafts check
             return None
         room, free = max(0, MIXED_STACK_ROWS // len(running) - 1), self.blocks.available
         drafts: list[list[int]] = []

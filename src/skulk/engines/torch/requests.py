@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from skulk.engines.base import FinishReason, TokenOut
+from skulk.engines.constrained import Matcher, mask_rows
 from skulk.types.chat import SamplingParams
 from skulk.types.chunks import TokenLogprob, TopLogprob
 
@@ -44,6 +45,7 @@ class Request:
     emitted: list[int] = field(default_factory=list)  # tokens generated since admission (ranks that embed ids)
     keys: list[int] = field(default_factory=list)  # rank 0: chain keys of its full blocks known so far
     lookup: PromptLookup | None = None  # its prompt-lookup drafts' index and acceptance (speculate.py)
+    constraint: Matcher | None = None  # the sampler: its grammar (JSON, a forced tool call), engines/constrained.py
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
         """Its token ids [start, end): the prompt's, then the generated ones (position p's KV is token p's)."""
@@ -124,7 +126,7 @@ def accept_each(
 ) -> list[TokenOut]:
     """Sample and detokenise every row, each in isolation: an exception ends only its own request."""
     outs: list[TokenOut] = []
-    tokens = sample_each(logits, reqs, hook)
+    tokens = sample_each(mask_rows(logits, [r.constraint for r in reqs]), reqs, hook)
     logprobs = logprobs_each(logits, reqs, tokens)
     for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
         if isinstance(token, Exception):
@@ -133,6 +135,8 @@ def accept_each(
         try:
             if hook is not None:
                 hook("detokenize", req)
+            if req.constraint is not None and not req.constraint.advance(token):
+                req.constraint = None  # a token the grammar refused (only a test's scripted one): free from here
             out = accept_token(req, token, eos_ids, context_length)
             reported = logprobs.get(i)
             if isinstance(reported, Exception):

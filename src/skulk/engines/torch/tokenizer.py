@@ -7,6 +7,7 @@ across tokens, so any tail that could still become a stop string is held back un
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from transformers import AutoTokenizer
 
 from skulk.engines.errors import PromptRejected
+from skulk.engines.tool_prompt import PROBE_TOOL, inline_tools
 from skulk.types.chat import ChatMessage
 
 _REPLACEMENT = "\ufffd"
@@ -29,12 +31,33 @@ class ChatTokenizer:
         self._tok: Any = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self.eos_ids = frozenset(_eos_ids(model_dir, self._tok.eos_token_id))
 
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer itself (the grammar compiler reads its vocabulary)."""
+        return self._tok
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template has a tools section: a probe tool changes what it renders."""
+        probe = [{"role": "user", "content": "hi"}]
+        try:
+            plain = self._tok.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+            with_tool = self._tok.apply_chat_template(probe, tools=[PROBE_TOOL], add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception:  # a template that fails on the probe cannot be trusted with tools either
+            return False
+        return bool(plain != with_tool)
+
     def encode_chat(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Render the chat template with the generation prompt and the tools offered (templates that know
-        tools render them; the others ignore them); tokenize without adding specials twice."""
+        """Render the chat template with the generation prompt and the tools offered; a template without a tools
+        section gets them in the system message (engines/tool_prompt.py), never silently dropped. Tokenized
+        without adding specials twice."""
+        items = template_messages(messages)
+        if tools and not self.renders_tools:
+            items, tools = inline_tools(items, tools), None
         try:
             rendered: str = self._tok.apply_chat_template(
-                template_messages(messages),
+                items,
                 tools=tools or None,
                 add_generation_prompt=True,
                 tokenize=False,
