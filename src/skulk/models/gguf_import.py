@@ -105,6 +105,8 @@ def gguf_config(path: Path) -> dict[str, Any]:
     config["architectures"] = [_ARCHITECTURES.get(model_type, "LlamaForCausalLM")]
     config["torch_dtype"] = "bfloat16"
     layout = read_layout(path)
+    for key, value in layout["config"].items():  # what transformers' mapping of this architecture left out
+        config.setdefault(key, value)
     config["gguf"] = layout
     checkpoint = GGUFCheckpoint(path, layout)
     if "tie_word_embeddings" not in config:

@@ -218,6 +218,13 @@ class TensorInfo:
         return (*self.shape[:-1], self.shape[-1] // block * size)
 
 
+_HF_FIELDS = {
+    "head_dim": "attention.key_length", "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length", "sliding_window": "attention.sliding_window",
+}
+"""Metadata a Hugging Face config needs that transformers' GGUF reading leaves out for some architectures."""
+
+
 def read_layout(path: Path) -> dict[str, Any]:
     """What the loader needs of a GGUF file's header (architecture, heads, each tensor's type, shape, offset),
     read once with the gguf package. Kept in the imported model's config.json ("gguf"), so a runner maps the
@@ -230,9 +237,10 @@ def read_layout(path: Path) -> dict[str, Any]:
 
     arch = str(scalar("general.architecture", "llama"))
     heads = int(scalar(f"{arch}.attention.head_count", 0))
+    extra = {key: scalar(f"{arch}.{field}", None) for key, field in _HF_FIELDS.items()}
     return {
         "arch": arch, "heads": heads, "kv_heads": int(scalar(f"{arch}.attention.head_count_kv", 0)) or heads,
-        "size": path.stat().st_size,
+        "size": path.stat().st_size, "config": {k: v for k, v in extra.items() if v is not None},
         "tensors": {t.name: [int(t.tensor_type), [int(d) for d in reversed(t.shape.tolist())], int(t.data_offset)]
                     for t in reader.tensors},
     }
