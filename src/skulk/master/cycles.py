@@ -99,6 +99,19 @@ def largest_ring_size(nodes: Sequence[NodeId], adj: Adjacency, below: int) -> in
     return 0
 
 
+def ring_hosts(connections: Sequence[Connection], ranks: Sequence[NodeId], port: int) -> list[str]:
+    """MLX's ring hostfile: where each rank listens (rank r on port + r), at the address its predecessor uses
+    for it, else its successor's; every rank on loopback for a single node."""
+    if len(ranks) == 1:
+        return [f"{LOOPBACK}:{port}"]
+    hosts = []
+    for r, node in enumerate(ranks):
+        before, after = ranks[r - 1], ranks[(r + 1) % len(ranks)]
+        host = _sink_address(connections, before, node) or _sink_address(connections, after, node) or LOOPBACK
+        hosts.append(f"{host}:{port + r}")
+    return hosts
+
+
 def _sink_address(connections: Sequence[Connection], source: NodeId, sink: NodeId) -> str | None:
     """First listed address at which `source` reaches `sink` (state order is the same on every node)."""
     return next((c.sink_address for c in connections if c.source == source and c.sink == sink), None)

@@ -81,18 +81,18 @@ def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunn
         runner.recorder.record("error", "runner_crashed", repr(exc)[:200])
         runner.flush()
         log.exception("runner %s crashed", spec.runner_id)
-        sys.exit(1)
+        _leave(outbox, 1)
     _leave(outbox)
 
 
-def _leave(outbox: Queue[FromRunner]) -> None:
-    """A clean stop skips the interpreter's teardown, which spends seconds collecting torch's objects on a
-    loaded machine (past the supervisor's stop grace): once the queue's feeder has written everything the
-    supervisor is owed, the process ends."""
+def _leave(outbox: Queue[FromRunner], code: int = 0) -> None:
+    """A stop skips the interpreter's teardown, which spends seconds collecting torch's objects on a loaded
+    machine (past the supervisor's stop grace) and can wait forever on MLX's ring threads after a peer died:
+    once the queue's feeder has written everything the supervisor is owed, the process ends."""
     outbox.close()
     outbox.join_thread()
     logging.shutdown()
-    os._exit(0)
+    os._exit(code)
 
 
 def _new_runner(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunner]) -> Runner:
@@ -297,10 +297,11 @@ class Runner:
                 self._publish(outs)
             self.send_after_step()
             self.flush()
-        if self.group is not None:
+        if self.spec.shard.world_size > 1:  # a torch group or an MLX ring
             engine.close()
             self._follow_requests(engine.take_events())
-            self.group.destroy()
+            if self.group is not None:
+                self.group.destroy()
         self.recorder.record("shutdown_cleanup", "shutdown")
         self.set_status(RunnerShutdown())
         self.flush()

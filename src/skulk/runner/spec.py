@@ -28,6 +28,7 @@ class RunnerSpec:
     fault: str | None = None
     attempt: int = 0  # the instance attempt this runner serves (restarts of a multi-rank instance count up)
     engine: EngineKind = "torch"  # which engine runs this rank (the instance's, chosen at placement)
+    ring_hosts: tuple[str, ...] = ()  # MLX ranks: host:port where each rank listens (MLX's ring hostfile)
 
     def context(self, pid: int | None) -> RunnerContext:
         shard = self.shard

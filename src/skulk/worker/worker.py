@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from skulk.config import Settings
+from skulk.master.cycles import ring_hosts
 from skulk.runner.messages import TaskEnded
 from skulk.runner.spec import RunnerSpec
 from skulk.structured_log import log_context
@@ -157,6 +158,15 @@ class Worker:
             return
         supervisor.send_task(task.model_copy(update={"task_params": params}))
 
+    def _ring_hosts(self, instance: MlxRingInstance) -> tuple[str, ...]:
+        """An MLX instance of several ranks meets over MLX's ring backend, at ports from the rendezvous range."""
+        if instance.engine != "mlx" or instance.world_size == 1 or instance.rendezvous is None:
+            return ()
+        a = instance.shard_assignments
+        node_of = {r: n for n, r in a.node_to_runner.items()}
+        ranks = [node_of[r] for r, s in sorted(a.runner_to_shard.items(), key=lambda kv: kv[1].device_rank)]
+        return tuple(ring_hosts(self._state.topology.connections, ranks, instance.rendezvous.port))
+
     def _log_retry(self, state: State, instance: MlxRingInstance, runner_id: RunnerId, why: str) -> None:
         retries = state.instance_retries.get(instance.instance_id)
         recent = retries.recent if retries is not None else []
@@ -192,6 +202,7 @@ class Worker:
             shard=shard,
             sharding=instance.sharding,
             engine=instance.engine,
+            ring_hosts=self._ring_hosts(instance),
             model_dir=self.model_dir_for(instance),
             rendezvous=instance.rendezvous,
             warmup_deadline_s=self.warmup_deadline_s,

@@ -20,7 +20,9 @@ that receives and sends hidden states around its slice of the layers.
 
 from __future__ import annotations
 
+import functools
 import secrets
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -37,14 +39,22 @@ from skulk.engines.base import TokenOut
 from skulk.engines.errors import ContextLengthExceeded, PromptRejected
 from skulk.engines.torch.requests import FaultHook, Request, accept_each, row_sampling
 from skulk.engines.torch.tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
-from skulk.engines.torch.wire import Released, RequestEvent, Started
+from skulk.engines.torch.wire import Admitted, Released, RequestEvent, Started
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
 
 from . import is_metal
+from .ring import Header, NewRequest, RingLink, inner_model, shard_tensor, slice_pipeline
 
 DEFAULT_MAX_SEQ = 4096
 DEFAULT_PREFILL_CHUNK = 512
+_PHASES: dict[tuple[str, bool], tuple[RunnerPhase, RunnerPhase]] = {
+    ("pipeline", False): ("prefill_stream", "decode_stream"),
+    ("pipeline", True): ("prefill_pipeline", "decode_stream"),
+    ("tensor", True): ("prefill_barrier", "decode_barrier"),
+}
+"""(prefill, decode) phases by (kind, over a ring), as the torch engine names them."""
+HEARTBEAT_S = 0.5  # rank 0 of a ring steps at least this often, so idle ranks look at their inbox
 WARMUP_ID = "__skulk_warmup__"
 QUANT_BITS = {"int4": 4, "int8": 8}
 QUANT_GROUP = 64  # mlx_lm.convert's default group size
@@ -53,10 +63,15 @@ Cache = list[Any]
 """One mlx-lm cache object per layer (KVCache while prefilling, BatchKVCache once running)."""
 
 
-def load(model_dir: Path, quantize: str | None = None) -> tuple[nn.Module, dict[str, Any]]:
+def load(
+    model_dir: Path, quantize: str | None = None, shape: Callable[[nn.Module], None] | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
     """mlx-lm's model for the directory with its weights evaluated; a float checkpoint can be quantized while
-    loading (`quantize_at_load`), as mlx_lm.convert would, with MLX's affine groups of 64."""
+    loading (`quantize_at_load`), as mlx_lm.convert would, with MLX's affine groups of 64. `shape` (a pipeline
+    rank's slice) runs before evaluation, so weights it drops are never read."""
     model, config = load_model(model_dir, lazy=True)
+    if shape is not None:
+        shape(model)
     if quantize is not None and "quantization" not in config:
         nn.quantize(model, group_size=QUANT_GROUP, bits=QUANT_BITS[quantize])
     mx.eval(model.parameters())
@@ -79,7 +94,7 @@ def to_torch(logits: mx.array) -> torch.Tensor:
 
 
 class MlxEngine:
-    """A single-rank engine over an mlx-lm model (a Stage from ring.py makes it one rank of a pipeline)."""
+    """One rank of an MLX instance: the whole model alone, or a Pipeline slice over a RingLink (ring.py)."""
 
     def __init__(
         self,
@@ -89,10 +104,21 @@ class MlxEngine:
         max_seq: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         quantize: str | None = None,
+        link: RingLink | None = None,
+        layers: tuple[int, int] | None = None,
+        tensor: bool = False,
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be at least 1")
-        self.model, config = load(model_dir, quantize)
+        self.link = link
+        self.rank, self.world_size = (link.rank, link.world_size) if link is not None else (0, 1)
+        shape = None
+        if link is not None and tensor:
+            shape = functools.partial(shard_tensor, link=link)
+        elif link is not None and layers is not None:
+            shape = functools.partial(_slice, link=link, layers=layers)
+        self.kind = "tensor" if tensor and link is not None else "pipeline"
+        self.model, config = load(model_dir, quantize, shape)
         set_wired_limit(self.model)
         text = config.get("text_config", config)
         positions = int(text.get("max_position_embeddings") or DEFAULT_MAX_SEQ)
@@ -100,10 +126,12 @@ class MlxEngine:
         self.vocab_size = int(text.get("vocab_size") or 0)
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.tokenizer = ChatTokenizer(model_dir)
+        self.is_scheduler, self.is_sampler = self.rank == 0, self.rank == self.world_size - 1
         self.on_phase: PhaseHook | None = None
         self.fault_hook: FaultHook | None = None
         self.closed = False
-        self.wait_s = 0.0  # a single rank never waits on peers
+        self._adds: list[NewRequest] = []  # rank 0: for the next header
+        self._cancels: list[str] = []  # rank 0: for the next header
         self._pending: deque[Request] = deque()
         self._prefilling: tuple[Request, Cache] | None = None
         self._running: list[Request] = []  # row i of the batch cache
@@ -111,6 +139,7 @@ class MlxEngine:
         self._releases: list[tuple[str, bool, bool]] = []  # (request_id, cancelled, failed), at the next step
         self._events: list[RequestEvent] = []
         self._warming = False
+        self._last_header = 0.0
         self._phase: RunnerPhase = "idle"
         self._unseeded = torch.Generator().manual_seed(secrets.randbits(63))
 
@@ -122,30 +151,44 @@ class MlxEngine:
     def add_request(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, command_id: str = ""
     ) -> None:
+        """Rank 0 queues the request for the next step (every rank builds it from the header); elsewhere a no-op."""
+        if not self.is_scheduler:
+            return
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")
         if len(prompt_ids) > self.context_length:
             raise ContextLengthExceeded(len(prompt_ids), self.context_length)
-        if any(r.request_id == request_id for r in self._requests()):
+        known = {r.request_id for r in self._requests()} | {a.request_id for a in self._adds}
+        if request_id in known:
             raise ValueError(f"request {request_id!r} is already running")
         if sampling.constraint is not None:  # never an unconstrained reply to a request that asked for one
             raise PromptRejected("JSON output and forced tool calls are constrained on the torch engine only; "
                                  "place this model with the torch engine for them")
-        row = row_sampling(sampling, self.vocab_size or 1 << 30, torch.device("cpu"), self._unseeded)
-        req = Request(request_id, list(prompt_ids), sampling.max_tokens, row,
-                      IncrementalDecoder(self.tokenizer.decode), StopMatcher(sampling.stop), command_id=command_id)
+        add = NewRequest(request_id=request_id, command_id=command_id, prompt=list(prompt_ids), sampling=sampling)
+        req = self._new_request(add)  # what every rank will build from the header: if it raises, it does here
         if self.fault_hook is not None:
             self.fault_hook("admit", req)
-        self._pending.append(req)
+        self._adds.append(add)
 
     def cancel(self, request_id: str) -> None:
-        """Released at the start of the next step; it yields no more tokens."""
-        self._releases.append((request_id, True, False))
+        """Released at the start of the next step (on every rank); it yields no more tokens."""
+        if self.is_scheduler:
+            self._cancels.append(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._pending or self._prefilling or self._running or self._releases)
+        """Rank 0: something to compute or announce, or (over a ring) a heartbeat is due. Others: always, until
+        shutdown, since they must be inside step() whenever rank 0 steps."""
+        if not self.is_scheduler:
+            return not self.closed
+        if self._adds or self._cancels or self._pending or self._prefilling or self._running or self._releases:
+            return True
+        return self.link is not None and time.monotonic() - self._last_header >= HEARTBEAT_S
 
     def step(self) -> list[TokenOut]:
+        header = self._exchange_header()
+        if header.shutdown:
+            self.closed = True
+            return []
         self._apply_releases()
         outs = self._decode() if self._running else []
         if self._prefilling is None and self._pending and len(self._running) < self.max_batch:
@@ -157,16 +200,26 @@ class MlxEngine:
         return outs
 
     def warmup(self) -> None:
-        """Generate two tokens of a throwaway request, so the first real one pays for no lazy initialisation."""
+        """Generate two tokens of a throwaway request (on every rank of a ring: each runs its layers and the ring
+        its sends), so the first real one pays for no lazy initialisation."""
         self._warming = True
         prompt = self.tokenizer.encode("warmup") or [0]
         self.add_request(WARMUP_ID, prompt[: self.context_length], SamplingParams(max_tokens=2, temperature=0))
-        while self.has_work():
+        while self._warming:
             self.step()
-        self._warming = False
         self._events.clear()
 
     # --- extras for the runner -----------------------------------------------------------------------------
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds spent waiting on peers (headers, token shares) since the runner last took it."""
+        return self.link.wait_s if self.link is not None else 0.0
+
+    @wait_s.setter
+    def wait_s(self, value: float) -> None:
+        if self.link is not None:
+            self.link.wait_s = value
 
     def take_events(self) -> list[RequestEvent]:
         if not self._events:
@@ -175,9 +228,36 @@ class MlxEngine:
         return events
 
     def close(self) -> None:
+        """Rank 0 tells every rank to leave; a dead peer no longer matters here."""
+        if self.is_scheduler and self.link is not None and not self.closed:
+            self.closed = True
+            try:
+                self.link.exchange_header(Header(shutdown=True))
+            except RuntimeError:
+                pass
         self.closed = True
 
     # --- scheduling ----------------------------------------------------------------------------------------
+
+    def _exchange_header(self) -> Header:
+        """Rank 0's adds and cancels, applied on every rank in the same order (alone: applied in place)."""
+        mine = Header(adds=self._adds, cancels=self._cancels) if self.is_scheduler else None
+        self._adds, self._cancels = [], []
+        header = self.link.exchange_header(mine) if self.link is not None else (mine or Header())
+        self._last_header = time.monotonic()
+        for request_id in header.cancels:
+            self._releases.append((request_id, True, False))
+        for add in header.adds:
+            self._pending.append(self._new_request(add))
+            if add.request_id != WARMUP_ID:
+                self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt)))
+        return header
+
+    def _new_request(self, add: NewRequest) -> Request:
+        s = add.sampling
+        row = row_sampling(s, self.vocab_size or 1 << 30, torch.device("cpu"), self._unseeded)
+        return Request(add.request_id, list(add.prompt), s.max_tokens, row, IncrementalDecoder(self.tokenizer.decode),
+                       StopMatcher(s.stop), command_id=add.command_id)
 
     def _requests(self) -> list[Request]:
         prefilling = [self._prefilling[0]] if self._prefilling else []
@@ -201,7 +281,9 @@ class MlxEngine:
                 return
             found = self._running.pop(row)
             self._filter_batch([i for i in range(len(self._running) + 1) if i != row])
-        if found.request_id != WARMUP_ID:
+        if found.request_id == WARMUP_ID:
+            self._warming = False
+        else:
             self._events.append(Released(found.request_id, found.command_id, cancelled, failed))
 
     def _filter_batch(self, keep: list[int]) -> None:
@@ -232,19 +314,17 @@ class MlxEngine:
         """The next chunk of the prompt being prefilled; its first token once the prompt is complete."""
         assert self._prefilling is not None
         req, cache = self._prefilling
-        self._enter_phase("prefill_stream", "prefill")
+        self._enter_phase(_PHASES[self.kind, self.link is not None][0], "prefill")
         start = req.length
         end = min(len(req.prompt), start + self.prefill_chunk)
-        logits = self.model(mx.array([req.prompt[start:end]]), cache=cache)
+        logits = self._forward(mx.array([req.prompt[start:end]]), cache)
         req.length = end
-        if end < len(req.prompt):
-            mx.eval([c.state for c in cache])
+        if end < len(req.prompt):  # the output too: a tensor rank's last all_sum is not under the cache
+            mx.eval([c.state for c in cache], *([] if logits is None else [logits]))
             return []
         self._prefilling = None
-        outs = self._accept(logits[:, -1, :], [req])
         self._join_batch(req, cache)
-        self._finished([req], outs)  # done with its first token: it leaves the batch it just joined
-        return outs
+        return self._accept(logits, [req])  # done with its first token: it leaves the batch it just joined
 
     def _join_batch(self, req: Request, cache: Cache) -> None:
         merged = [c.merge([c]) for c in cache]
@@ -257,23 +337,41 @@ class MlxEngine:
 
     def _decode(self) -> list[TokenOut]:
         """One token for every running request, in one batched forward pass."""
-        self._enter_phase("decode_stream", "decode")
+        self._enter_phase(_PHASES[self.kind, self.link is not None][1], "decode")
         running = list(self._running)
-        ids = mx.array([[r.last_token] for r in running])
-        logits = self.model(ids, cache=self._batch)
+        ids = mx.array([[max(r.last_token, 0)] for r in running])
+        logits = self._forward(ids, self._batch)
         for req in running:
             req.length += 1
-        outs = self._accept(logits[:, -1, :], running)
-        self._finished(running, outs)
+        return self._accept(logits, running)
+
+    def _forward(self, ids: mx.array, cache: Cache | None) -> mx.array | None:
+        """This rank's part of the forward pass: the last position's logits on the sampler, None elsewhere (a
+        pipeline rank before the last evaluates its slice, which sends the hidden state on; a tensor rank its
+        shard of every layer, whose all_sums meet the others', and skips the head)."""
+        if self.is_sampler:
+            return self.model(ids, cache=cache)[:, -1, :]
+        mx.eval(inner_model(self.model)(ids, cache=cache))
+        return None
+
+    def _accept(self, logits: mx.array | None, reqs: list[Request]) -> list[TokenOut]:
+        """The sampler's bookkeeping over these rows (engines/torch/requests.py: the torch engine's own), then
+        [token, finished, failed] per row on every rank. Finished rows leave the batch at the start of the next
+        step, as the torch engine's do: the runner publishes a request's last token before hearing it released."""
+        outs: list[TokenOut] = []
+        rows: list[list[int]] | None = None
+        if logits is not None:
+            outs = accept_each(to_torch(logits), reqs, self.tokenizer.eos_ids, self.context_length, self.fault_hook)
+            rows = [[0, 1, 1] if o.error else [o.token_id, int(o.finish_reason is not None), 0] for o in outs]
+        if self.link is not None:
+            rows = self.link.share_tokens(rows, len(reqs))
+        for req, (token, finished, failed) in zip(reqs, rows or [], strict=True):
+            req.last_token = token
+            if finished:
+                req.finished = True
+                self._releases.append((req.request_id, False, bool(failed)))
         return outs
 
-    def _finished(self, reqs: list[Request], outs: list[TokenOut]) -> None:
-        """Finished rows leave the batch at the start of the next step, as the torch engine's do (its next
-        header): the runner publishes a request's last token before it hears the request was released."""
-        for req, out in zip(reqs, outs, strict=True):
-            if req.finished:
-                self._releases.append((req.request_id, False, out.error is not None))
 
-    def _accept(self, logits: mx.array, reqs: list[Request]) -> list[TokenOut]:
-        """The shared sampler's bookkeeping over these rows (engines/torch/requests.py)."""
-        return accept_each(to_torch(logits), reqs, self.tokenizer.eos_ids, self.context_length, self.fault_hook)
+def _slice(model: nn.Module, *, link: RingLink, layers: tuple[int, int]) -> None:
+    slice_pipeline(model, link, *layers)
