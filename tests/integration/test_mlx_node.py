@@ -184,3 +184,33 @@ def test_a_killed_mlx_runner_fails_the_stream_retryably_and_the_meta_instance_re
     reply = httpx.post(f"{node.url}/v1/chat/completions", timeout=60,
                        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.timeout(300)
+def test_an_mlx_pipeline_over_two_nodes_serves_and_a_killed_rank_fails_the_stream_retryably(
+    cluster: Cluster,
+) -> None:
+    """Two nodes, one MLX Pipeline instance over MLX's ring backend (hostfile and ports from placement): a chat
+    answers, and kill -9 of the rank on the other node ends an open stream with a retryable error; the instance
+    restarts as a whole and gives the same greedy reply again."""
+    api, other = cluster.form(2)
+    body = {"model_id": MODEL, "engine": "mlx", "min_nodes": 2}
+    reply = httpx.post(f"{api.url}/place_instance", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    instance = reply.json()["instance"]["MlxRingInstance"]
+    assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
+    wait_until(lambda: serving(api, instance["instanceId"]) or None, 120, "the MLX pipeline to be ready")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 0}
+    first = httpx.post(f"{api.url}/v1/chat/completions", json=chat, timeout=60)
+    assert first.status_code == 200, first.text
+    assert first.json()["usage"]["completion_tokens"] >= 1
+    victim = wait_until(lambda: next(iter(other.runner_pids()), None), 30, "the other node's runner")
+    probe = open_long_stream(api.url, MODEL)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    outcome = probe.wait(60)
+    assert outcome.retryable_error, outcome.describe()
+    assert outcome.ended is not None and outcome.ended - killed < 15, f"heard after {outcome.ended - killed:.1f} s"
+    wait_until(lambda: serving(api, instance["instanceId"]) or None, 120, "the instance restarted as a whole")
+    again = httpx.post(f"{api.url}/v1/chat/completions", json=chat, timeout=60)
+    assert again.status_code == 200 and again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
