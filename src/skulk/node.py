@@ -45,6 +45,7 @@ from skulk.tracing.service import NodeTracing
 from skulk.tracing.store import TraceStore
 from skulk.types.chunks import Chunk, ErrorChunk
 from skulk.types.commands import Command, CreateMetaInstance
+from skulk.types.errors import ErrorCode
 from skulk.types.events import (
     Event,
     IndexedEvent,
@@ -262,8 +263,8 @@ class Node:
     def _end_streams(self) -> None:
         for stream in list(self.streams.values()):
             stream.inject(ErrorChunk(command_id=stream.command_id, message="this node is shutting down; retry the "
-                                     "request (another node, or this one once it is back)", code="node_shutting_down",
-                                     status=503))
+                                     "request (another node, or this one once it is back)",
+                                     code=ErrorCode.node_shutting_down))
 
     async def _join(self) -> None:
         """Wait for a master and, as a follower, its snapshot; a slow cluster delays the start, never kills it."""
@@ -366,8 +367,7 @@ class Node:
                 ErrorChunk(
                     command_id=stream.command_id,
                     message=session_changed_message(master or NodeId("none"), term),
-                    code="session_changed",
-                    status=503,
+                    code=ErrorCode.session_changed,
                 )
             )
         self.follower.follow(master, term)
@@ -460,15 +460,15 @@ class Node:
     def _fail_streams_of(self, state: State, event: Event) -> None:
         """Infrastructure failures (lost node, new session) reach open streams through state, not tokens."""
         if isinstance(event, TaskFailed) and event.retryable:
-            reason, code = event.error_message, "task_failed"
+            reason, code = event.error_message, ErrorCode.task_failed
         elif isinstance(event, TaskStatusUpdated) and event.task_status == TaskStatus.Cancelled:
-            reason, code = "the request was cancelled", "cancelled"
+            reason, code = "the request was cancelled", ErrorCode.cancelled
         else:
             return
         task = state.tasks.get(event.task_id)
         stream = self.streams.get(task.command_id) if task else None
         if stream is not None:
-            stream.inject(ErrorChunk(command_id=stream.command_id, message=reason, code=code, status=500))
+            stream.inject(ErrorChunk(command_id=stream.command_id, message=reason, code=code))
 
     # -- this node's facts ------------------------------------------------------------------------
     async def _gather_info_forever(self) -> None:

@@ -175,7 +175,7 @@ def test_config_route_never_shows_keys() -> None:
 def test_an_error_echoing_a_lone_surrogate_still_encodes() -> None:
     """A message quoting what the client sent (a model name) may hold text no UTF-8 encoder takes; rendering the
     error then failed and the client saw its connection reset instead of the 4xx."""
-    from skulk.api.errors import ApiError
+    from skulk.api.errors import ApiError, ErrorCode
 
-    error = ApiError(404, "model 'a\ud800' not found")
+    error = ApiError(ErrorCode.model_not_found, "model 'a\ud800' not found")
     assert error.message.encode("utf-8") == b"model 'a\\ud800' not found"

@@ -11,11 +11,11 @@ from typing import Any, Protocol
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.diagnostics.cluster import known_peers
 from skulk.restart import RestartGate
 from skulk.types.commands import RestartNode
+from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, NodeId, new_id
 
 
@@ -31,12 +31,12 @@ def admin_router(node: AdminHandle) -> APIRouter:
         """This node: stop runners and os.execv in place (same pid). Another node: a RestartNode command.
         An empty or blank node_id is a mistake (a script's unset variable), never this node: 400."""
         if node_id is not None and not node_id.strip():
-            raise ApiError(400, "node_id is empty; omit it to restart this node, or give a node id from GET /state",
-                           code="invalid_node_id")
+            raise ApiError(ErrorCode.invalid_node_id,
+                           "node_id is empty; omit it to restart this node, or give a node id from GET /state")
         if node_id is not None and node_id != node.node_id:
             if NodeId(node_id) not in known_peers(node.state, node.node_id):
-                raise ApiError(404, f"node {node_id} is not known to this cluster (GET /state lists the node ids)",
-                               code="node_not_found")
+                raise ApiError(ErrorCode.node_not_found,
+                               f"node {node_id} is not known to this cluster (GET /state lists the node ids)")
             node.send_command(RestartNode(command_id=CommandId(new_id()), node_id=NodeId(node_id)))
             return {"status": "restart_sent", "nodeId": node_id}
         if not node.restart.request("POST /admin/restart"):

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 
-from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.models.cards import get_card
 from skulk.types.chat import ChatCompletionRequest, ChatMessage, ToolCall
+from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import ModelId
 
-UNMET_STATUS = 422
+UNMET_STATUS = ErrorCode.tool_choice_unmet.status
 """A forced tool choice the reply does not keep: not retryable (SDKs retry 5xx; the same request fails the same)."""
 JSON_INSTRUCTION = "Respond with one valid JSON object and nothing else."
 ANY_TOOL_INSTRUCTION = "You must answer by calling one of the tools offered, not with text."
@@ -26,11 +26,13 @@ ANY_TOOL_INSTRUCTION = "You must answer by calling one of the tools offered, not
 
 def check_supported(request: ChatCompletionRequest) -> None:
     if request.n is not None and request.n != 1:
-        raise ApiError(400, f"n: only n=1 is supported (one choice per request), got {request.n}; "
-                       "send n separate requests instead", code="invalid_request")
+        raise ApiError(ErrorCode.invalid_request,
+                       f"n: only n=1 is supported (one choice per request), got {request.n}; "
+                       "send n separate requests instead")
     if request.top_logprobs is not None and not request.logprobs:
-        raise ApiError(400, "top_logprobs: set logprobs to true as well (top_logprobs says how many alternatives "
-                       "each token's logprobs list)", code="invalid_request")
+        raise ApiError(ErrorCode.invalid_request,
+                       "top_logprobs: set logprobs to true as well (top_logprobs says how many alternatives "
+                       "each token's logprobs list)")
     forced_tool(request)
 
 
@@ -41,17 +43,18 @@ def forced_tool(request: ChatCompletionRequest) -> str | None:
     if choice is None or choice in ("auto", "none"):
         return None
     if not request.tools:
-        raise ApiError(400, "tool_choice: forcing a tool call needs tools; send tools or drop tool_choice",
-                       code="invalid_request")
+        raise ApiError(ErrorCode.invalid_request,
+                       "tool_choice: forcing a tool call needs tools; send tools or drop tool_choice")
     if choice == "required":
         return ""
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
-        raise ApiError(400, 'tool_choice: "none", "auto", "required" or {"type": "function", "function": '
-                       '{"name": ...}}', code="invalid_request")
+        raise ApiError(ErrorCode.invalid_request,
+                       'tool_choice: "none", "auto", "required" or {"type": "function", "function": '
+                       '{"name": ...}}')
     if name not in {t.function.name for t in request.tools}:
-        raise ApiError(400, f"tool_choice: function {name!r} is not among the tools sent", code="invalid_request")
+        raise ApiError(ErrorCode.invalid_request, f"tool_choice: function {name!r} is not among the tools sent")
     return name
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.api.model_kinds import refuse_embedding_model
 from skulk.api.security import OWNERS
@@ -14,6 +13,7 @@ from skulk.models.cards import get_card
 from skulk.types.chat import ChatCompletionRequest
 from skulk.types.chunks import Chunk, EmbeddingChunk, ErrorChunk, TokenChunk
 from skulk.types.commands import CancelCommand, StartChatCompletion
+from skulk.types.errors import VALIDATION_STATUS, ApiError, ErrorCode
 from skulk.types.ids import CommandId, ModelId, new_id
 from skulk.types.tasks import ChatCompletionTaskParams
 
@@ -47,8 +47,7 @@ class ChatSession:
                     chunk = ErrorChunk(
                         command_id=self.command_id,
                         message=f"no token for {NEXT_CHUNK_TIMEOUT_S:.0f} s; retry the request",
-                        code="timeout",
-                        status=504,
+                        code=ErrorCode.timeout,
                     )
         finally:
             self.close()
@@ -66,7 +65,7 @@ def text_chunk(chunk: Chunk) -> TokenChunk | ErrorChunk:
     """A chat reads text: vectors on its key (a runner that embedded instead) end it as an error."""
     if isinstance(chunk, EmbeddingChunk):
         return ErrorChunk(command_id=chunk.command_id, message="the instance answered with embeddings, not text",
-                          code="internal_error", status=500)
+                          code=ErrorCode.internal_error)
     return chunk
 
 
@@ -76,12 +75,12 @@ def require_instance(node: NodeHandle, model: str) -> None:
     state = node.state
     instances = [i for i in state.instances.values() if i.model_id == model]
     if not instances:
-        raise ApiError(404, f"No instance found for model {model}", code="model_not_found")
+        raise ApiError(ErrorCode.model_not_found, f"No instance found for model {model}")
     failed = [(i.instance_id, failed_for_good(state, i.instance_id)) for i in instances]
     if all(why is not None for _, why in failed):
         instance_id, why = failed[0]
         assert why is not None
-        raise ApiError(503, instance_failed_message(instance_id, why), code="instance_failed")
+        raise ApiError(ErrorCode.instance_failed, instance_failed_message(instance_id, why))
 
 
 def check_top_k(node: NodeHandle, request: ChatCompletionRequest) -> None:
@@ -89,12 +88,9 @@ def check_top_k(node: NodeHandle, request: ChatCompletionRequest) -> None:
     card = get_card(request.model) or node.state.model_cards.get(ModelId(request.model))
     vocab = card.vocab_size if card is not None else None
     if vocab is not None and request.top_k is not None and request.top_k > vocab:
-        raise ApiError(
-            422,
-            f"top_k: top_k must be an integer in 0...{vocab} (the vocabulary of {request.model}; 0 = off), "
-            f"got {request.top_k}",
-            code="invalid_request",
-        )
+        raise ApiError(ErrorCode.invalid_request,
+                       f"top_k: top_k must be an integer in 0...{vocab} (the vocabulary of {request.model}; 0 = off), "
+                       f"got {request.top_k}", status=VALIDATION_STATUS)
 
 
 async def start_chat(node: NodeHandle, request: ChatCompletionRequest) -> ChatSession:
@@ -117,15 +113,14 @@ async def start_chat(node: NodeHandle, request: ChatCompletionRequest) -> ChatSe
             command_id=command_id,
             message=f"the instance for {request.model} produced nothing in {FIRST_CHUNK_TIMEOUT_S:.0f} s; "
             "it may still be loading, retry shortly",
-            code="instance_not_ready",
-            status=503,
+            code=ErrorCode.instance_not_ready,
         )
     except BaseException:
         _abandon(node, stream)
         raise
     if isinstance(first, ErrorChunk):
         _abandon(node, stream)
-        raise ApiError(first.status, first.message, code=first.code)
+        raise ApiError(first.code, first.message, status=first.status)
     return ChatSession(node, stream, first)
 
 

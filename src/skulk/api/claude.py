@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
+from skulk.api import sse
 from skulk.api.chat_options import (
     UNMET_STATUS,
     check_supported,
@@ -24,26 +25,17 @@ from skulk.api.chat_options import (
 )
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
-from skulk.api.errors import ApiError
+from skulk.api.errors import claude_error, claude_error_body
 from skulk.api.generation import GenerationFailed, collect, deltas
 from skulk.api.handle import NodeHandle
 from skulk.api.tokens import count_chat_tokens
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.types.chat import ChatCompletionRequest, ToolCall
 from skulk.types.claude import ClaudeCountRequest, ClaudeRequest
+from skulk.types.errors import ApiError, ErrorCode
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 M = TypeVar("M", bound=BaseModel)
-
-
-def error_payload(status: int, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": _TYPES.get(status, "api_error"), "message": message}}
-
-
-def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(error_payload(exc.status, exc.message), status_code=exc.status)
 
 
 SURROGATE_HINT = " (a \\uD800-\\uDFFF escape is half of a surrogate pair and needs its other half)"
@@ -61,9 +53,9 @@ async def parse_body(http: Request, model: type[M]) -> M:
         unreadable = [e["msg"].removeprefix("Invalid JSON: ") for e in exc.errors() if e["type"] == "json_invalid"]
         if unreadable:
             hint = SURROGATE_HINT if "hex escape" in unreadable[0] or "surrogate" in unreadable[0] else ""
-            raise ApiError(400, f"the body is not valid JSON: {unreadable[0]}{hint}", code="invalid_request") from exc
+            raise ApiError(ErrorCode.invalid_request, f"the body is not valid JSON: {unreadable[0]}{hint}") from exc
         where = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
-        raise ApiError(400, where, code="invalid_request") from exc
+        raise ApiError(ErrorCode.invalid_request, where) from exc
 
 
 def _chat_tool_choice(body: ClaudeRequest) -> Literal["auto", "none", "required"] | dict[str, Any] | None:
@@ -76,7 +68,7 @@ def _chat_tool_choice(body: ClaudeRequest) -> Literal["auto", "none", "required"
     if choice.type == "any":
         return "required"
     if not choice.name:
-        raise ApiError(400, 'tool_choice: {"type": "tool"} needs the tool\'s "name"', code="invalid_request")
+        raise ApiError(ErrorCode.invalid_request, 'tool_choice: {"type": "tool"} needs the tool\'s "name"')
     return {"type": "function", "function": {"name": choice.name}}
 
 
@@ -104,7 +96,7 @@ def _input(call: ToolCall) -> Any:
 
 
 def _sse(event: str, data: dict[str, Any]) -> str:
-    return f"event: {event}\ndata: {json.dumps({'type': event, **data}, separators=(',', ':'))}\n\n"
+    return sse.frame(sse.compact({"type": event, **data}), event=event)
 
 
 def _message(msg_id: str, model: str, content: list[dict[str, Any]], stop: str | None, usage: dict[str, int]) -> dict[
@@ -135,12 +127,12 @@ async def _events(
                 usage["output_tokens"] = chunk.completion_tokens
                 stop = STOP_REASONS.get(chunk.finish_reason, "end_turn")
     except GenerationFailed as failed:
-        yield _sse("error", {"error": error_payload(failed.chunk.status, failed.chunk.message)["error"]})
+        yield _sse("error", {"error": claude_error_body(failed.chunk.status, failed.chunk.message)["error"]})
         return
     tail, calls = held.finish(session.command_id) if held is not None else ("", [])
     unmet = unmet_tool_choice(forced, calls)
     if unmet is not None:
-        yield _sse("error", {"error": error_payload(UNMET_STATUS, unmet)["error"]})
+        yield _sse("error", {"error": claude_error_body(UNMET_STATUS, unmet)["error"]})
         return
     if tail:
         yield _sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": tail}})
@@ -163,13 +155,13 @@ async def _complete(node: NodeHandle, body: ClaudeRequest) -> JSONResponse:
         done = await collect(session)
     except GenerationFailed as failed:
         status = failed.chunk.status if failed.chunk.status >= 500 else 500
-        return JSONResponse(error_payload(status, failed.chunk.message), status_code=status)
+        return JSONResponse(claude_error_body(status, failed.chunk.message), status_code=status)
     usage = {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens}
     family = tool_family(node, chat)
     text, calls = parse_tool_calls(family, done.text, session.command_id) if family is not None else (done.text, [])
     unmet = unmet_tool_choice(forced_tool(chat), calls)
     if unmet is not None:
-        return JSONResponse(error_payload(UNMET_STATUS, unmet), status_code=UNMET_STATUS)
+        return JSONResponse(claude_error_body(UNMET_STATUS, unmet), status_code=UNMET_STATUS)
     content = ([{"type": "text", "text": text}] if text or not calls else []) + tool_use_blocks(calls)
     stop = "tool_use" if calls else STOP_REASONS.get(done.finish_reason, "end_turn")
     return JSONResponse(_message(f"msg_{session.command_id}", body.model, content, stop, usage))
@@ -187,7 +179,7 @@ def claude_router(node: NodeHandle) -> APIRouter:
             chat = to_chat_request(body)
             session = await start_chat(node, chat)
         except ApiError as exc:
-            return _error(exc)
+            return claude_error(exc)
         return StreamingResponse(_events(session, body.model, tool_family(node, chat), forced_tool(chat)),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -200,6 +192,6 @@ def claude_router(node: NodeHandle) -> APIRouter:
             messages = ClaudeRequest.model_validate(chat).chat_messages()
             return JSONResponse({"input_tokens": await count_chat_tokens(node, body.model, messages)})
         except ApiError as exc:
-            return _error(exc)
+            return claude_error(exc)
 
     return router

@@ -12,9 +12,9 @@ from typing import Any
 from fastapi import APIRouter, Body
 from pydantic import ValidationError
 
-from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.config import ConfigError, Settings, describe_error, yaml_values
+from skulk.types.errors import ApiError, ErrorCode
 
 SECRET_KEYS = frozenset({"hf_token", "api_keys", "admin_keys", "cluster_key"})
 LIVE_KEYS: frozenset[str] = frozenset()
@@ -46,7 +46,7 @@ def _current_file(settings: Settings) -> dict[str, Any]:
     try:
         return yaml_values(settings.config)
     except ConfigError as exc:  # edited by hand since the node started: say so rather than 500
-        raise ApiError(409, f"{exc}; fix skulk.yaml by hand", code="config_unreadable") from exc
+        raise ApiError(ErrorCode.config_unreadable, f"{exc}; fix skulk.yaml by hand") from exc
 
 
 def config_router(node: NodeHandle) -> APIRouter:
@@ -71,16 +71,13 @@ def config_router(node: NodeHandle) -> APIRouter:
         try:
             Settings.model_validate(wanted)
         except ValidationError as exc:
-            raise ApiError(422, describe_error("config", exc).replace("\n", "; "), code="invalid_config") from exc
+            raise ApiError(ErrorCode.invalid_config, describe_error("config", exc).replace("\n", "; ")) from exc
         changed = changed_keys(current, wanted)
         needs_restart = [k for k in changed if k not in LIVE_KEYS]
         if needs_restart:
-            raise ApiError(
-                400,
-                f"these settings take effect only when the node starts: {', '.join(needs_restart)}. skulk.yaml "
-                f"was not changed; edit {node.settings.config} and restart the node",
-                code="restart_required",
-            )
+            raise ApiError(ErrorCode.restart_required,
+                           f"these settings take effect only when the node starts: {', '.join(needs_restart)}. "
+                           f"skulk.yaml was not changed; edit {node.settings.config} and restart the node")
         return {"message": "no change" if not changed else "applied", "changed": changed,
                 "effective": effective(node.settings)}
 

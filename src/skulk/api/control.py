@@ -10,7 +10,6 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.api.previews import skulk_previews
 from skulk.api.security import OWNERS
@@ -20,6 +19,7 @@ from skulk.models.cards import get_card, with_quantization
 from skulk.types.backends import EngineChoice
 from skulk.types.chunks import ErrorChunk
 from skulk.types.commands import CancelCommand, Command, CreateInstance, DeleteInstance, PlaceInstance
+from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, new_id
 from skulk.types.instances import Instance, InstanceMeta, MlxRingInstance, Sharding
 from skulk.types.models import ModelCard, QuantizeAtLoad
@@ -55,7 +55,8 @@ class CreateInstanceRequest(BaseModel):
 def card_or_404(model_id: str) -> ModelCard:
     card = get_card(model_id)
     if card is None:
-        raise ApiError(404, f"unknown model {model_id}; GET /models lists the models this cluster knows")
+        raise ApiError(ErrorCode.model_not_found,
+                       f"unknown model {model_id}; GET /models lists the models this cluster knows")
     return card
 
 
@@ -64,7 +65,7 @@ def card_for(request: PlaceInstanceRequest) -> ModelCard:
     try:
         return with_quantization(card_or_404(request.model_id), request.quantization)
     except ValueError as exc:
-        raise ApiError(400, str(exc), code="invalid_quantization") from exc
+        raise ApiError(ErrorCode.invalid_quantization, str(exc)) from exc
 
 
 def plan_instance(
@@ -109,7 +110,7 @@ async def place_with_grace(node: NodeHandle, request: PlaceInstanceRequest) -> M
         if node.node_id not in node.state.node_memory:
             outcome = InfoPending(node_ids=[node.node_id])
     if isinstance(outcome, PlacementError):
-        raise ApiError(outcome.http_status, outcome.message, code=type(outcome).__name__)
+        raise ApiError(outcome.code, outcome.message)
     return outcome
 
 
@@ -152,8 +153,9 @@ async def send_and_await_instance(node: NodeHandle, command: Command, instance_i
     if refused in done and not refused.cancelled() and refused.exception() is None:
         chunk = refused.result()
         if isinstance(chunk, ErrorChunk):
-            raise ApiError(chunk.status, chunk.message, code=chunk.code)
-    raise ApiError(503, "the master did not confirm the placement in time; GET /state, then retry", code="timeout")
+            raise ApiError(chunk.code, chunk.message, status=chunk.status)
+    raise ApiError(ErrorCode.placement_timeout,
+                   "the master did not confirm the placement in time; GET /state, then retry")
 
 
 def control_router(node: NodeHandle) -> APIRouter:
@@ -179,15 +181,17 @@ def control_router(node: NodeHandle) -> APIRouter:
         card = card_or_404(instance.model_id)
         unknown = sorted(set(instance.shard_assignments.node_to_runner) - set(node.state.topology.nodes))
         if unknown or not instance.shard_assignments.node_to_runner:
-            raise ApiError(400, f"instance.shardAssignments.nodeToRunner names nodes not in this cluster: {unknown}; "
-                           "GET /instance/previews for placements on the current nodes", code="invalid_request")
+            raise ApiError(ErrorCode.invalid_request,
+                           f"instance.shardAssignments.nodeToRunner names nodes not in this cluster: {unknown}; "
+                           "GET /instance/previews for placements on the current nodes")
         if instance.instance_id in node.state.instances:
-            raise ApiError(400, f"instance id {instance.instance_id} is already in use; GET /instance/previews for "
-                           "a fresh placement", code="invalid_request")
+            raise ApiError(ErrorCode.invalid_request,
+                           f"instance id {instance.instance_id} is already in use; GET /instance/previews for "
+                           "a fresh placement")
         lacking = instance_engine_error(card, instance.engine, list(instance.shard_assignments.node_to_runner),
                                         node.state.node_backends)
         if lacking is not None:
-            raise ApiError(lacking.http_status, lacking.message, code=type(lacking).__name__)
+            raise ApiError(lacking.code, lacking.message)
         command_id = CommandId(new_id())
         await send_and_await_instance(node, CreateInstance(command_id=command_id, instance=instance),
                                       instance.instance_id)
@@ -216,13 +220,13 @@ def control_router(node: NodeHandle) -> APIRouter:
     async def get_instance(instance_id: str) -> dict[str, Any]:
         instance = node.state.instances.get(InstanceId(instance_id))
         if instance is None:
-            raise ApiError(404, f"no instance {instance_id}; GET /state lists the instances")
+            raise ApiError(ErrorCode.not_found, f"no instance {instance_id}; GET /state lists the instances")
         return instance.model_dump(mode="json")
 
     @router.delete("/instance/{instance_id}")
     async def delete_instance(instance_id: str) -> dict[str, Any]:
         if InstanceId(instance_id) not in node.state.instances:
-            raise ApiError(404, f"no instance {instance_id}; GET /state lists the instances")
+            raise ApiError(ErrorCode.not_found, f"no instance {instance_id}; GET /state lists the instances")
         command_id = CommandId(new_id())
         node.send_command(DeleteInstance(command_id=command_id, instance_id=InstanceId(instance_id)))
         await node.wait_for_state(lambda s: instance_id not in s.instances, PLACED_WAIT_S)
@@ -231,7 +235,7 @@ def control_router(node: NodeHandle) -> APIRouter:
     @router.post("/v1/cancel/{command_id}")
     async def cancel(command_id: str) -> dict[str, Any]:
         if not any(t.command_id == command_id and t.task_status.is_open for t in node.state.tasks.values()):
-            raise ApiError(404, f"no running request with command id {command_id}")
+            raise ApiError(ErrorCode.not_found, f"no running request with command id {command_id}")
         OWNERS.check_cancel(command_id)
         node.send_command(
             CancelCommand(command_id=CommandId(new_id()), target_command_id=CommandId(command_id))

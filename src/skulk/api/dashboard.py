@@ -18,8 +18,8 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from skulk.api.errors import ApiError
 from skulk.dashboard import STATIC_DIR
+from skulk.types.errors import ApiError, ErrorCode
 
 ASSETS_PREFIX = "/assets"
 PAGE_PATHS = ("/cluster", "/catalog", "/placing", "/chat", "/operator")
@@ -87,7 +87,7 @@ def dashboard_router() -> APIRouter:
     async def asset(version: str, relative: str) -> Response:
         path = asset_path(relative)
         if path is None or version != assets_version():
-            raise ApiError(404, f"no dashboard asset {relative} in this release; reload the page", code="not_found")
+            raise ApiError(ErrorCode.not_found, f"no dashboard asset {relative} in this release; reload the page")
         media = MEDIA_TYPES.get(path.suffix, "application/octet-stream")
         return FileResponse(path, media_type=media, headers={"Cache-Control": IMMUTABLE})
 

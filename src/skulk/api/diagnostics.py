@@ -10,7 +10,6 @@ from typing import Any, Protocol
 
 from fastapi import APIRouter
 
-from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.diagnostics.clock import utc_now
 from skulk.diagnostics.cluster import (
@@ -24,6 +23,7 @@ from skulk.diagnostics.node_bundle import collect_node_bundle
 from skulk.diagnostics.supervisor_view import SupervisorLike
 from skulk.diagnostics.timeline import merge_timeline
 from skulk.types.diagnostics_bundle import ClusterDiagnostics
+from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import NodeId, RunnerId
 
 
@@ -70,7 +70,7 @@ def diagnostics_router(node: DiagnosticsHandle, peer_timeout_s: float = DEFAULT_
             return {"nodeId": node_id, "url": None, "ok": True, "diagnostics": local.model_dump(mode="json")}
         peer = NodeId(node_id)
         if peer not in known_peers(node.state, node.node_id):
-            raise ApiError(404, f"node {node_id} is not known to this cluster", code="node_not_found")
+            raise ApiError(ErrorCode.node_not_found, f"node {node_id} is not known to this cluster")
         (result,) = await fetch_peers(node.state, node.node_id, [peer], peer_timeout_s)
         return result.model_dump(mode="json")
 
@@ -79,7 +79,7 @@ def diagnostics_router(node: DiagnosticsHandle, peer_timeout_s: float = DEFAULT_
         """Cooperative: the runner observes the cancel between steps and ends the task as Cancelled."""
         supervisor = node.supervisors.get(RunnerId(runner_id))
         if supervisor is None:
-            raise ApiError(404, f"runner {runner_id} does not run on this node", code="runner_not_found")
+            raise ApiError(ErrorCode.runner_not_found, f"runner {runner_id} does not run on this node")
         view = supervisor.view
         task_ids = [*view.in_progress, *(t for t in view.pending if t not in view.in_progress)]
         for task_id in task_ids:

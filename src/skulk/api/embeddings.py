@@ -25,13 +25,13 @@ from starlette.responses import Response
 from skulk.api.chat_session import FIRST_CHUNK_TIMEOUT_S, require_instance
 from skulk.api.claude import parse_body
 from skulk.api.disconnect import unless_disconnected
-from skulk.api.errors import ApiError, error_body
 from skulk.api.handle import NodeHandle
 from skulk.api.model_kinds import check_dimensions, embedding_card
 from skulk.api.security import OWNERS
 from skulk.types.chunks import EmbeddingChunk, ErrorChunk
 from skulk.types.commands import CancelCommand, StartEmbedding
 from skulk.types.embeddings import EmbeddingRequest, OllamaEmbedRequest
+from skulk.types.errors import ApiError, ErrorCode, error_body
 from skulk.types.ids import CommandId, ModelId, new_id
 from skulk.types.tasks import EmbeddingTaskParams
 
@@ -59,13 +59,14 @@ async def embed(node: NodeHandle, model: str, inputs: list[str] | list[list[int]
         try:
             chunk = await stream.next(FIRST_CHUNK_TIMEOUT_S)
         except TimeoutError:
-            raise ApiError(503, f"the instance for {model} answered nothing in {FIRST_CHUNK_TIMEOUT_S:.0f} s; it "
-                           "may still be loading, retry shortly", code="instance_not_ready") from None
+            raise ApiError(ErrorCode.instance_not_ready,
+                           f"the instance for {model} answered nothing in {FIRST_CHUNK_TIMEOUT_S:.0f} s; it "
+                           "may still be loading, retry shortly") from None
         answered = True
         if isinstance(chunk, ErrorChunk):
-            raise ApiError(chunk.status, chunk.message, code=chunk.code)
+            raise ApiError(chunk.code, chunk.message, status=chunk.status)
         if not isinstance(chunk, EmbeddingChunk):
-            raise ApiError(500, f"the instance for {model} answered with text, not vectors", code="internal_error")
+            raise ApiError(ErrorCode.internal_error, f"the instance for {model} answered with text, not vectors")
         return Embedded(unpack_vectors(chunk), chunk.prompt_tokens, asyncio.get_running_loop().time() - started)
     finally:
         if not answered:  # timed out or the client went away: the task must not run on for nobody
@@ -76,8 +77,8 @@ async def embed(node: NodeHandle, model: str, inputs: list[str] | list[list[int]
 def unpack_vectors(chunk: EmbeddingChunk) -> np.ndarray[Any, np.dtype[np.float32]]:
     raw = base64.b64decode(chunk.vectors)
     if len(raw) != chunk.count * chunk.dimension * 4:
-        raise ApiError(500, "the runner sent a malformed embedding (size does not match its shape)",
-                       code="internal_error")
+        raise ApiError(ErrorCode.internal_error,
+                       "the runner sent a malformed embedding (size does not match its shape)")
     return np.frombuffer(raw, dtype="<f4").reshape(chunk.count, chunk.dimension)
 
 

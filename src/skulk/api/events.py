@@ -11,8 +11,8 @@ from typing import Annotated, Any, Protocol
 
 from fastapi import APIRouter, Query
 
-from skulk.api.errors import ApiError
 from skulk.eventlog import EventLog
+from skulk.types.errors import ApiError, ErrorCode
 
 MAX_LIMIT = 10_000
 
@@ -31,8 +31,8 @@ def events_router(node: EventLogSource) -> APIRouter:
     ) -> dict[str, Any]:
         event_log = node.event_log
         if event_log is None:
-            raise ApiError(404, "the event log is off on this node (event_log.enabled: false in skulk.yaml)",
-                           code="event_log_disabled")
+            raise ApiError(ErrorCode.event_log_disabled,
+                           "the event log is off on this node (event_log.enabled: false in skulk.yaml)")
         found = await asyncio.to_thread(event_log.read, since, limit)
         return {
             "events": found,

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from skulk.api.errors import error_body
+from skulk.types.errors import ErrorCode, error_body
 
 
 class RequestRefused(HTTPException):
@@ -30,14 +30,15 @@ class RequestRefused(HTTPException):
     through to the error handlers (any other exception there becomes a generic 400); the middleware answers it
     itself when it escapes a route that reads the body on its own."""
 
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(status, message, headers={"Connection": "close"})
-        self.status, self.message, self.code = status, message, code
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(code.status, message, headers={"Connection": "close"})
+        self.status, self.message, self.code = code.status, message, code
 
 
 def too_large(limit: int) -> RequestRefused:
-    return RequestRefused(413, f"request body exceeds the limit of {limit} bytes ({limit / 1048576:.1f} MiB); "
-                          "send a smaller request or raise SKULK_MAX_BODY_BYTES", "request_too_large")
+    return RequestRefused(ErrorCode.request_too_large,
+                          f"request body exceeds the limit of {limit} bytes ({limit / 1048576:.1f} MiB); "
+                          "send a smaller request or raise SKULK_MAX_BODY_BYTES")
 
 
 def declared_length(scope: Scope) -> int | None:
@@ -96,7 +97,7 @@ class BodyLimitMiddleware:
             except TimeoutError:
                 why = (f"request body not complete within {self.deadline_s:.0f} s" if overdue else
                        f"request body stalled for {self.stall_timeout_s:.0f} s")
-                raise RequestRefused(408, why, "request_timeout") from None
+                raise RequestRefused(ErrorCode.request_timeout, why) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:

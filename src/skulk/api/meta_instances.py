@@ -12,11 +12,11 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from skulk.api.control import PLACED_WAIT_S, card_or_404
-from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.diagnostics.meta import meta_status
 from skulk.types.backends import EngineChoice
 from skulk.types.commands import CreateMetaInstance, DeleteMetaInstance
+from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId, new_id
 from skulk.types.instances import InstanceMeta, Sharding
 from skulk.types.meta_instances import MetaInstance
@@ -56,7 +56,7 @@ def meta_instances_router(node: NodeHandle) -> APIRouter:
     async def delete(meta_instance_id: str) -> dict[str, Any]:
         mid = MetaInstanceId(meta_instance_id)
         if mid not in node.state.meta_instances:
-            raise ApiError(404, "MetaInstance not found", code="not_found")
+            raise ApiError(ErrorCode.not_found, "MetaInstance not found")
         command_id = CommandId(new_id())
         node.send_command(DeleteMetaInstance(command_id=command_id, meta_instance_id=mid))
         await node.wait_for_state(lambda s: mid not in s.meta_instances, PLACED_WAIT_S)

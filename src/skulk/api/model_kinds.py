@@ -6,9 +6,9 @@ that can do what was asked (placed ones first, as they answer now) instead of a 
 
 from __future__ import annotations
 
-from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.models.cards import all_cards, get_card
+from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import ModelId
 from skulk.types.models import ModelCard
 
@@ -35,11 +35,12 @@ def embedding_card(node: NodeHandle, model: str) -> ModelCard:
     """The card of an embedding model; 404 for an unknown model, 400 for one that generates text."""
     card = _card(node, model)
     if card is None:
-        raise ApiError(404, f"model {model} is unknown; models that embed: {_who_can(node, embeds=True)}",
-                       code="model_not_found")
+        raise ApiError(ErrorCode.model_not_found,
+                       f"model {model} is unknown; models that embed: {_who_can(node, embeds=True)}")
     if not card.embeds:
-        raise ApiError(400, f"{model} is a text-generation model and cannot embed; models that embed: "
-                       f"{_who_can(node, embeds=True)}", code="model_not_embedding")
+        raise ApiError(ErrorCode.model_not_embedding,
+                       f"{model} is a text-generation model and cannot embed; models that embed: "
+                       f"{_who_can(node, embeds=True)}")
     return card
 
 
@@ -47,13 +48,13 @@ def refuse_embedding_model(node: NodeHandle, model: str) -> None:
     """For every text API: an embedding model cannot chat (400 naming the models that can)."""
     card = _card(node, model)
     if card is not None and card.embeds:
-        raise ApiError(400, f"{model} is an embedding model and cannot generate text; send it to POST "
-                       f"/v1/embeddings. Models that generate text: {_who_can(node, embeds=False)}",
-                       code="model_not_chat")
+        raise ApiError(ErrorCode.model_not_chat,
+                       f"{model} is an embedding model and cannot generate text; send it to POST "
+                       f"/v1/embeddings. Models that generate text: {_who_can(node, embeds=False)}")
 
 
 def check_dimensions(card: ModelCard, dimensions: int | None) -> None:
     if dimensions is not None and dimensions != card.hidden_size:
-        raise ApiError(400, f"dimensions: {card.model_id} gives {card.hidden_size}-dimensional vectors and is not "
-                       f"trained to be cut shorter; omit dimensions or send {card.hidden_size}",
-                       code="invalid_request")
+        raise ApiError(ErrorCode.invalid_request,
+                       f"dimensions: {card.model_id} gives {card.hidden_size}-dimensional vectors and is not "
+                       f"trained to be cut shorter; omit dimensions or send {card.hidden_size}")

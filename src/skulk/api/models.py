@@ -14,7 +14,6 @@ from huggingface_hub.utils import build_hf_headers
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.api.store import valid_model_id
 from skulk.models.cards import add_custom_card, all_cards, get_card, is_custom, model_dir_name
@@ -23,6 +22,7 @@ from skulk.store.files import INDEX_FILE, is_complete, local_files
 from skulk.store.hub import Hub, HubError, list_files
 from skulk.store.service import ModelFiles
 from skulk.types.commands import AddModelCard
+from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, new_id
 from skulk.types.models import ModelCard
 
@@ -55,12 +55,12 @@ def models_router(node: NodeHandle, files: ModelFiles | None) -> APIRouter:
             try:
                 known = await asyncio.to_thread(build_card, hub, body.model_id, local)
             except HubError as exc:
-                raise ApiError(exc.status, exc.message, code=exc.code) from exc
+                raise ApiError(exc.code, exc.message, status=exc.status) from exc
             except UnsupportedArchitecture as exc:
-                raise ApiError(400, str(exc), code="unsupported_architecture") from exc
+                raise ApiError(ErrorCode.unsupported_architecture, str(exc)) from exc
             except Exception as exc:
-                raise ApiError(502, f"the model hub could not be reached for {body.model_id}: {exc}",
-                               code="hub_unreachable") from exc
+                raise ApiError(ErrorCode.hub_unreachable,
+                               f"the model hub could not be reached for {body.model_id}: {exc}") from exc
             add_custom_card(node.settings.home / "cards", known)
             node.send_command(AddModelCard(command_id=CommandId(new_id()), card=known))
         return list_entry(known, created=0, where=_where(files, known))
@@ -72,13 +72,16 @@ def models_router(node: NodeHandle, files: ModelFiles | None) -> APIRouter:
         from skulk.models.gguf_import import import_source
 
         if body.model_id is not None and get_card(body.model_id) is not None and not is_custom(body.model_id):
-            raise ApiError(409, f"{body.model_id} is a catalog model; import under another id", code="model_exists")
+            raise ApiError(ErrorCode.model_exists,
+                           f"{body.model_id} is a catalog model; import under another id")
         try:
             card = await asyncio.to_thread(import_source, body.source, node.settings.store_path, body.model_id)
         except UnsupportedArchitecture as exc:
-            raise ApiError(400, str(exc), code="unsupported_architecture") from exc
+            raise ApiError(ErrorCode.unsupported_architecture,
+                           str(exc)) from exc
         except ValueError as exc:
-            raise ApiError(400, str(exc), code="invalid_model_file") from exc
+            raise ApiError(ErrorCode.invalid_model_file,
+                           str(exc)) from exc
         add_custom_card(node.settings.home / "cards", card)
         node.send_command(AddModelCard(command_id=CommandId(new_id()), card=card))
         return list_entry(card, created=0, where=_where(files, card))
@@ -95,7 +98,7 @@ def build_card(hub: Hub, model_id: str, local: Path | None) -> ModelCard:
         return card_from_config(model_id, config, weight_bytes(local_files(local), index))
     repo = list_files(hub, model_id)
     if "config.json" not in repo.files:
-        raise HubError(400, f"model {model_id} has no config.json", "no_config")
+        raise HubError(ErrorCode.no_config, f"model {model_id} has no config.json")
     config = _fetch_json(hub, model_id, repo.commit, "config.json")
     index = _fetch_json(hub, model_id, repo.commit, INDEX_FILE) if INDEX_FILE in repo.files else None
     return card_from_config(model_id, config, weight_bytes(repo.files, index))
@@ -105,9 +108,9 @@ def _fetch_json(hub: Hub, model_id: str, commit: str, name: str) -> dict[str, An
     url = hf_hub_url(model_id, name, revision=commit, endpoint=hub.endpoint)
     response = httpx.get(url, headers=build_hf_headers(token=hub.token or False), follow_redirects=True, timeout=30)
     if response.status_code in (401, 403):
-        raise HubError(401, f"model {model_id} is gated; set hf_token in skulk.yaml (or HF_TOKEN)", "gated_model")
+        raise HubError(ErrorCode.gated_model, f"model {model_id} is gated; set hf_token in skulk.yaml (or HF_TOKEN)")
     if response.status_code != 200:
-        raise HubError(502, f"fetching {name} of {model_id}: HTTP {response.status_code}", "hub_error")
+        raise HubError(ErrorCode.hub_error, f"fetching {name} of {model_id}: HTTP {response.status_code}")
     return response.json()
 
 

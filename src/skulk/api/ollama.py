@@ -19,13 +19,14 @@ from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.claude import parse_body
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.embeddings import embed_for_ollama
-from skulk.api.errors import ApiError
+from skulk.api.errors import ollama_error
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
 from skulk.api.handle import NodeHandle
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.models.cards import all_cards, get_card
 from skulk.types.chat import ChatCompletionRequest, ResponseFormat, ToolCall
 from skulk.types.chunks import RequestStats, TokenLogprob
+from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import ModelId
 from skulk.types.models import ModelCard
 from skulk.types.ollama import OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
@@ -35,10 +36,6 @@ NEVER = "9999-12-31T23:59:59Z"
 Body = OllamaChatRequest | OllamaGenerateRequest
 Shape = Callable[[str], dict[str, Any]]
 """Puts a piece of text where the endpoint carries it: chat's `message`, generate's `response`."""
-
-
-def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse({"error": exc.message}, status_code=exc.status)
 
 
 def _now() -> str:
@@ -64,7 +61,8 @@ def _response_format(fmt: str | dict[str, Any] | None) -> ResponseFormat | None:
         try:
             return ResponseFormat(type="json_schema", json_schema={"name": "ollama_format", "schema": fmt})
         except ValueError as exc:
-            raise ApiError(400, f"format: {exc}", code="invalid_request") from exc
+            raise ApiError(ErrorCode.invalid_request,
+                           f"format: {exc}") from exc
     return None
 
 
@@ -157,7 +155,7 @@ async def _generate(node: NodeHandle, http: Request, kind: type[Body], shape: Sh
         chat = to_chat_request(body, True)
         session = await start_chat(node, chat)
     except ApiError as exc:
-        return _error(exc)
+        return ollama_error(exc)
     return StreamingResponse(_ndjson(session, body.model, shape, tool_family(node, chat)),
                              media_type="application/x-ndjson")
 
@@ -206,12 +204,14 @@ def ollama_router(node: NodeHandle) -> APIRouter:
             body = await parse_body(http, OllamaShowRequest)
             name = body.model or body.name
             if not name:
-                raise ApiError(400, "model is required (the model id, as GET /ollama/api/tags lists it)")
+                raise ApiError(ErrorCode.invalid_request,
+                               "model is required (the model id, as GET /ollama/api/tags lists it)")
             card = get_card(name) or node.state.model_cards.get(ModelId(name))
             if card is None:
-                raise ApiError(404, f"model '{name}' not found; GET /ollama/api/tags lists the models")
+                raise ApiError(ErrorCode.model_not_found,
+                               f"model '{name}' not found; GET /ollama/api/tags lists the models")
         except ApiError as exc:
-            return _error(exc)
+            return ollama_error(exc)
         info = {"general.architecture": card.family, "general.parameter_count": 0,
                 f"{card.family}.context_length": card.context_length, f"{card.family}.block_count": card.n_layers,
                 f"{card.family}.embedding_length": card.hidden_size}

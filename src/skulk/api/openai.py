@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
+from skulk.api import sse
 from skulk.api.chat_options import (
     UNMET_STATUS,
     check_supported,
@@ -21,26 +21,22 @@ from skulk.api.chat_options import (
 )
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
-from skulk.api.errors import ApiError, error_body
 from skulk.api.generation import GenerationFailed, collect, deltas
 from skulk.api.handle import NodeHandle
 from skulk.api.tool_calls import ToolCallStream, openai_tool_calls, parse_tool_calls
 from skulk.models.cards import all_cards
 from skulk.types.chat import ChatCompletionRequest
 from skulk.types.chunks import RequestStats, TokenChunk, TokenLogprob
+from skulk.types.errors import ApiError, ErrorCode, error_body
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
 def generation_stats_comment(stats: RequestStats | None) -> str:
     """Skulk's `: generation_stats {...}` SSE comment (clients that do not know it skip comments)."""
-    return "" if stats is None else f": generation_stats {stats.generation.model_dump_json()}\n\n"
+    return "" if stats is None else sse.comment(f"generation_stats {stats.generation.model_dump_json()}")
 
 
 def _prepared(node: NodeHandle, request: ChatCompletionRequest) -> tuple[ChatCompletionRequest, str | None]:
@@ -82,12 +78,12 @@ async def _stream_events(
             if not role_sent:
                 delta["role"], role_sent = "assistant", True
             logprobs = None if chunk.logprobs is None else _logprobs([chunk.logprobs])
-            yield _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+            yield sse.data({**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                              "finish_reason": None}]})
     except GenerationFailed as failed:
         c = failed.chunk
-        yield _sse(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable))
-        yield "data: [DONE]\n\n"
+        yield sse.data(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable))
+        yield sse.DONE
         return
     assert last is not None and last.finish_reason is not None
     finish = last.finish_reason
@@ -95,20 +91,20 @@ async def _stream_events(
         tail, calls = held.finish(session.command_id)
         unmet = unmet_tool_choice(forced, calls)
         if unmet is not None:
-            yield _sse(_tool_choice_error(unmet))
-            yield "data: [DONE]\n\n"
+            yield sse.data(_tool_choice_error(unmet))
+            yield sse.DONE
             return
         delta = {"tool_calls": openai_tool_calls(calls)} if calls else {"content": tail}
         if calls and tail:
-            yield _sse({**head, "choices": [{"index": 0, "delta": {"content": tail}, "finish_reason": None}]})
+            yield sse.data({**head, "choices": [{"index": 0, "delta": {"content": tail}, "finish_reason": None}]})
         if calls or tail:
-            yield _sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+            yield sse.data({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
         finish = "tool_calls" if calls else finish
-    yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    yield sse.data({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
     if request.stream_options is not None and request.stream_options.include_usage:
-        yield _sse({**head, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens)})
+        yield sse.data({**head, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens)})
     yield generation_stats_comment(last.stats)
-    yield "data: [DONE]\n\n"
+    yield sse.DONE
 
 
 def _bench_fields(stats: RequestStats | None) -> dict[str, Any]:
@@ -219,6 +215,6 @@ def openai_router(node: NodeHandle) -> APIRouter:
                     "created": 0,
                     "owned_by": model_id.split("/")[0],
                 }
-        raise ApiError(404, f"model {model_id} is not known; GET /v1/models lists the known ones")
+        raise ApiError(ErrorCode.model_not_found, f"model {model_id} is not known; GET /v1/models lists the known ones")
 
     return router

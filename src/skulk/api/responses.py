@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,21 +11,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
+from skulk.api import sse
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
-from skulk.api.errors import ApiError, error_body
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
 from skulk.api.handle import NodeHandle
 from skulk.api.responses_api import respond, start_response_stream
 from skulk.types.chat import ChatCompletionRequest, ChatMessage
 from skulk.types.chunks import TokenLogprob
+from skulk.types.errors import ApiError, ErrorCode, error_body
 from skulk.types.responses import CompletionRequest, ResponsesRequest
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -38,10 +34,11 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 def completion_to_chat(body: CompletionRequest) -> ChatCompletionRequest:
     if isinstance(body.prompt, list) and len(body.prompt) != 1:
-        raise ApiError(400, "prompt: one prompt per request (a list of exactly one string); send the others "
-                       "as separate requests", code="invalid_request")
+        raise ApiError(ErrorCode.invalid_request,
+                       "prompt: one prompt per request (a list of exactly one string); send the others "
+                       "as separate requests")
     if body.echo or (body.n is not None and body.n != 1):
-        raise ApiError(400, "echo and n other than 1 are not supported; drop them", code="invalid_request")
+        raise ApiError(ErrorCode.invalid_request, "echo and n other than 1 are not supported; drop them")
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
     return ChatCompletionRequest(
         model=body.model, messages=[ChatMessage(role="user", content=prompt)], max_tokens=body.max_tokens,
@@ -76,13 +73,13 @@ async def _completion_events(session: ChatSession, body: CompletionRequest) -> A
             if chunk.logprobs is not None:
                 logprobs = legacy_logprobs([chunk.logprobs], offset)
                 offset += len(chunk.logprobs.token)
-            yield _data({**head, "choices": [_text_choice(chunk.text, chunk.finish_reason, logprobs)]})
+            yield sse.data({**head, "choices": [_text_choice(chunk.text, chunk.finish_reason, logprobs)]})
             if chunk.finish_reason is not None and body.stream_options and body.stream_options.include_usage:
-                yield _data({**head, "choices": [], "usage": _usage(chunk.prompt_tokens, chunk.completion_tokens)})
+                yield sse.data({**head, "choices": [], "usage": _usage(chunk.prompt_tokens, chunk.completion_tokens)})
     except GenerationFailed as failed:
         c = failed.chunk
-        yield _data(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable))
-    yield "data: [DONE]\n\n"
+        yield sse.data(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable))
+    yield sse.DONE
 
 
 async def _completion(node: NodeHandle, body: CompletionRequest) -> JSONResponse:
@@ -99,7 +96,7 @@ async def _collect_or_raise(session: ChatSession) -> Finished:
     try:
         return await collect(session)
     except GenerationFailed as failed:
-        raise ApiError(max(failed.chunk.status, 500), failed.chunk.message, code=failed.chunk.code) from failed
+        raise ApiError(failed.chunk.code, failed.chunk.message, status=max(failed.chunk.status, 500)) from failed
 
 
 async def _response(node: NodeHandle, body: ResponsesRequest) -> JSONResponse:

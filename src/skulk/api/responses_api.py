@@ -13,8 +13,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from skulk.api import sse
 from skulk.api.chat_options import (
-    UNMET_STATUS,
     check_supported,
     forced_tool,
     prepared,
@@ -22,12 +22,12 @@ from skulk.api.chat_options import (
     unmet_tool_choice,
 )
 from skulk.api.chat_session import ChatSession, start_chat
-from skulk.api.errors import ApiError
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
 from skulk.api.handle import NodeHandle
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.types.chat import ChatCompletionRequest, Tool, ToolCall
 from skulk.types.chunks import TokenLogprob
+from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.responses import FunctionTool, ResponsesRequest
 
 
@@ -36,8 +36,8 @@ def function_tools(body: ResponsesRequest) -> list[Tool] | None:
     tools: list[Tool] = []
     for i, spec in enumerate(body.tools or []):
         if spec.get("type") != "function":
-            raise ApiError(400, f"tools[{i}]: only function tools are served here, not {spec.get('type')!r}",
-                           code="invalid_request")
+            raise ApiError(ErrorCode.invalid_request,
+                           f"tools[{i}]: only function tools are served here, not {spec.get('type')!r}")
         tools.append(FunctionTool.model_validate(spec).to_chat())
     return tools or None
 
@@ -105,7 +105,7 @@ class ResponseBuilder:
 
     def event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq, **fields})}\n\n"
+        return sse.frame(json.dumps({"type": kind, "sequence_number": self.seq, **fields}), event=kind)
 
     # ---- streaming: the events of one message item and of one function call item
 
@@ -193,13 +193,13 @@ async def respond(node: NodeHandle, body: ResponsesRequest) -> dict[str, Any]:
     try:
         done = await collect(session)
     except GenerationFailed as failed:
-        raise ApiError(max(failed.chunk.status, 500), failed.chunk.message, code=failed.chunk.code) from failed
+        raise ApiError(failed.chunk.code, failed.chunk.message, status=max(failed.chunk.status, 500)) from failed
     text, calls = done.text, []
     if r.family is not None:
         text, calls = parse_tool_calls(r.family, done.text, session.command_id)
     unmet = unmet_tool_choice(r.forced, calls)
     if unmet is not None:
-        raise ApiError(UNMET_STATUS, unmet, code="tool_choice_unmet")
+        raise ApiError(ErrorCode.tool_choice_unmet, unmet)
     return r.obj("completed", done, r.items(text, calls, done.logprobs))
 
 

@@ -35,10 +35,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from skulk import internal_auth
 from skulk.api.dashboard import is_dashboard_path
-from skulk.api.errors import ApiError
 from skulk.api.limits import BodyLimitMiddleware, send_error
 from skulk.cluster.seal import Sealer, reachable_beyond_loopback
 from skulk.config import Settings
+from skulk.types.errors import ApiError, ErrorCode
 
 
 class Access(IntEnum):
@@ -176,8 +176,9 @@ class Owners:
         if principal.access >= Access.ADMIN:
             return
         if self._by_command.get(command_id) != principal.key_id:
-            raise ApiError(403, f"request {command_id} was not started with this API key; only the key that "
-                           "started it (or an admin key) may cancel it", code="forbidden", kind="permission_error")
+            raise ApiError(ErrorCode.forbidden,
+                           f"request {command_id} was not started with this API key; only the key that "
+                           "started it (or an admin key) may cancel it")
 
 
 OWNERS = Owners()

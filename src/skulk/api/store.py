@@ -18,13 +18,13 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
 from skulk import internal_auth
-from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
 from skulk.store.files import is_complete
 from skulk.store.hub import HubError, preflight
 from skulk.store.service import ModelFiles
 from skulk.store.staging import in_use
+from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import ModelId
 
 PEER_TIMEOUT_S = 10.0
@@ -34,7 +34,7 @@ _MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def valid_model_id(model_id: str) -> str:
     """org/name, nothing that could address a path outside the store or staging root."""
     if not _MODEL_ID.fullmatch(model_id) or ".." in model_id:
-        raise ApiError(400, f"invalid model id {model_id!r}; expected org/name", code="invalid_model_id")
+        raise ApiError(ErrorCode.invalid_model_id, f"invalid model id {model_id!r}; expected org/name")
     return model_id
 
 
@@ -68,10 +68,11 @@ def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
     async def registry() -> dict[str, Any]:
         base = files.store_base()
         if base is None:
-            raise ApiError(503, "store not configured: set model_store.enabled and store_host in skulk.yaml")
+            raise ApiError(ErrorCode.store_unreachable,
+                           "store not configured: set model_store.enabled and store_host in skulk.yaml")
         body = await _get_json(base + "/registry")
         if body is None:
-            raise ApiError(503, f"the model store at {base} is unreachable", code="store_unreachable")
+            raise ApiError(ErrorCode.store_unreachable, f"the model store at {base} is unreachable")
         return body
 
     @router.get("/store/downloads")
@@ -88,7 +89,7 @@ def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
         try:
             await asyncio.to_thread(preflight, files.hub, model_id, files.store_dir(model_id))
         except HubError as exc:
-            raise ApiError(exc.status, exc.message, code=exc.code) from exc
+            raise ApiError(exc.code, exc.message, status=exc.status) from exc
         progress = files.progress.get(ModelId(model_id))
         if progress is None or progress.status in ("Failed", "Completed"):
             _keep(asyncio.get_running_loop().create_task(files.download(model_id)))
@@ -107,17 +108,19 @@ def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
         if progress is None:
             if is_complete(files.store_dir(model_id)):
                 return {"model_id": model_id, "status": "Completed", "source": "local"}
-            raise ApiError(404, f"no download of {model_id} on this node; POST /store/models/{model_id}/download")
+            raise ApiError(ErrorCode.not_found,
+                           f"no download of {model_id} on this node; POST /store/models/{model_id}/download")
         return progress.model_dump(mode="json")
 
     @router.delete("/store/models/{model_id:path}")
     async def delete_model(model_id: str) -> dict[str, Any]:
         valid_model_id(model_id)
         if model_id in in_use(node.state, node.node_id):
-            raise ApiError(409, f"{model_id} is in use by an instance on this node; delete the instance first")
+            raise ApiError(ErrorCode.conflict,
+                           f"{model_id} is in use by an instance on this node; delete the instance first")
         removed = await asyncio.to_thread(files.delete, model_id)
         if not removed:
-            raise ApiError(404, f"this node holds no copy of {model_id}")
+            raise ApiError(ErrorCode.not_found, f"this node holds no copy of {model_id}")
         return {"model_id": model_id, "removed": removed}
 
     @router.get("/store/storage")
@@ -153,15 +156,13 @@ async def _at_store_host(node: NodeHandle, method: str, path: str) -> JSONRespon
     host = next((n for n, i in node.state.node_identities.items() if i.friendly_name == store.store_host), None)
     url = peer_url(node.state, node.node_id, host, local_addresses()) if host is not None else None
     if url is None:
-        raise ApiError(503, f"the store host {store.store_host} is not in the cluster", code="store_unreachable")
+        raise ApiError(ErrorCode.store_unreachable, f"the store host {store.store_host} is not in the cluster")
     try:
         async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S * 6, headers=internal_auth.headers()) as client:
             response = await client.request(method, url + path)
         return JSONResponse(response.json(), status_code=response.status_code)
     except (httpx.HTTPError, ValueError) as exc:
-        raise ApiError(
-            503, f"the store host {store.store_host} did not answer: {exc}", code="store_unreachable"
-        ) from exc
+        raise ApiError(ErrorCode.store_unreachable, f"the store host {store.store_host} did not answer: {exc}") from exc
 
 
 _background: set[asyncio.Task[None]] = set()

@@ -11,11 +11,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.engines.errors import PromptRejected
 from skulk.models.cards import model_dir_name
 from skulk.types.chat import ChatMessage
+from skulk.types.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
     from skulk.engines.torch.tokenizer import ChatTokenizer
@@ -26,7 +26,7 @@ def local_model_dir(node: NodeHandle, model_id: str) -> Path | None:
     try:
         name = model_dir_name(model_id)
     except ValueError as exc:  # "..", an absolute path: never joined onto a directory
-        raise ApiError(400, f"{exc}; GET /models lists the model ids", code="invalid_request") from exc
+        raise ApiError(ErrorCode.invalid_request, f"{exc}; GET /models lists the model ids") from exc
     staging = settings.staging_for(node.node_id).node_cache_path
     for root in (settings.models_dir, settings.store_path, staging):
         if root is not None and (root / name / "tokenizer_config.json").exists():
@@ -46,10 +46,11 @@ async def count_chat_tokens(node: NodeHandle, model_id: str, messages: list[Chat
     if model_dir is None:
         holders = sorted({n for i in node.state.instances.values() if i.model_id == model_id
                           for n in i.shard_assignments.node_to_runner})
-        raise ApiError(503, f"this node has no copy of {model_id}'s tokenizer; ask a node that serves it "
-                       f"({', '.join(holders) or 'none is placed: place the model first'})", code="tokenizer_not_local")
+        raise ApiError(ErrorCode.tokenizer_not_local,
+                       f"this node has no copy of {model_id}'s tokenizer; ask a node that serves it "
+                       f"({', '.join(holders) or 'none is placed: place the model first'})")
     tokenizer = await asyncio.to_thread(_tokenizer, model_dir)
     try:
         return len(await asyncio.to_thread(tokenizer.encode_chat, messages))
     except PromptRejected as refused:
-        raise ApiError(400, str(refused), code="invalid_request") from refused
+        raise ApiError(ErrorCode.invalid_request, str(refused)) from refused

@@ -15,11 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from skulk import internal_auth
-from skulk.api.errors import ApiError
 from skulk.api.handle import NodeHandle
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
 from skulk.tracing.store import TraceStore, chrome_trace, merge_spans, stats, valid_task_id
 from skulk.types.commands import SetTracingEnabled
+from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, new_id
 from skulk.types.tracing import TraceSpan
 
@@ -125,14 +125,14 @@ def tracing_router(node: TracingHandle) -> APIRouter:
 
 def _valid(task_id: str) -> str:
     if not valid_task_id(task_id):
-        raise ApiError(400, f"invalid task id {task_id!r}: letters, digits, '-' and '_' only", code="invalid_task_id")
+        raise ApiError(ErrorCode.invalid_task_id, f"invalid task id {task_id!r}: letters, digits, '-' and '_' only")
     return task_id
 
 
 def _found(task_id: str, spans: list[TraceSpan]) -> list[TraceSpan]:
     if not spans:
-        raise ApiError(404, f"no trace of task {task_id}; GET /v1/traces lists the traces saved here",
-                       code="trace_not_found")
+        raise ApiError(ErrorCode.trace_not_found,
+                       f"no trace of task {task_id}; GET /v1/traces lists the traces saved here")
     return spans
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from skulk.master.placement import place
 from skulk.master.reconcile import Ids, backing, with_committed
 from skulk.types.commands import CreateInstance, DeleteMetaInstance, PlaceInstance
+from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.events import (
     Event,
     InstanceCreated,
@@ -33,12 +34,8 @@ from skulk.types.state import State
 from skulk.types.tasks import TaskStatus
 
 
-class Refused(Exception):
+class Refused(ApiError):
     """A command the master will not carry out; the message says why (and what to do)."""
-
-    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.message, self.status, self.code = message, status, code
 
 
 def delete_meta_instance(state: State, command: DeleteMetaInstance) -> list[Event]:
@@ -61,11 +58,11 @@ def create_instance(state: State, command: CreateInstance) -> list[Event]:
     """An instance planned elsewhere: refused if its id or any runner id is already taken."""
     instance = command.instance
     if instance.instance_id in state.instances:
-        raise Refused(f"instance id {instance.instance_id} is already in use")
+        raise Refused(ErrorCode.invalid_request, f"instance id {instance.instance_id} is already in use")
     taken = {r for i in state.instances.values() for r in i.shard_assignments.runner_to_shard}
     clash = taken & set(instance.shard_assignments.runner_to_shard)
     if clash:
-        raise Refused(f"runner ids already in use: {sorted(clash)}")
+        raise Refused(ErrorCode.invalid_request, f"runner ids already in use: {sorted(clash)}")
     return [InstanceCreated(instance=instance)]
 
 
@@ -78,7 +75,7 @@ def place_instance(
         return []
     card = card_of(command.model_id)
     if card is None:
-        raise Refused(f"unknown model {command.model_id}; GET /models lists the models", status=404)
+        raise Refused(ErrorCode.model_not_found, f"unknown model {command.model_id}; GET /models lists the models")
     outcome = place(
         with_committed(state),
         card,
@@ -92,7 +89,7 @@ def place_instance(
         engine=command.engine,
     )
     if isinstance(outcome, PlacementError):
-        raise Refused(outcome.message, status=outcome.http_status, code=type(outcome).__name__)
+        raise Refused(outcome.code, outcome.message)
     return [InstanceCreated(instance=outcome)]
 
 

@@ -17,6 +17,7 @@ from skulk.engines.torch.embedding import EmbeddingEngine, EmbeddingRefused
 from skulk.runner.main import Runner
 from skulk.runner.messages import CancelTask, RunTask, Shutdown, TaskAccepted, TaskEnded, Tokens, ToRunner
 from skulk.types.chunks import EmbeddingChunk
+from skulk.types.errors import ErrorCode
 from skulk.types.runners import (
     RunnerLoaded,
     RunnerLoading,
@@ -74,7 +75,7 @@ class EmbeddingRunner(Runner):
                 self._embed(task)
             case RunTask(task=ChatCompletion() as task):
                 self._fail(task.task_id, task.command_id, f"{task.model} is an embedding model: it cannot chat; "
-                           "send its requests to POST /v1/embeddings", code="model_not_chat", status=400)
+                           "send its requests to POST /v1/embeddings", code=ErrorCode.model_not_chat)
             case CancelTask(task_id=task_id):
                 # a request is answered whole inside the call that took it: by now it is over
                 self.recorder.record("cancel_requested", "cancel_after_completion", task_id=task_id)
@@ -94,7 +95,7 @@ class EmbeddingRunner(Runner):
         try:
             vectors, tokens = self.embedder.embed(params.inputs, truncate=params.truncate)
         except EmbeddingRefused as refused:
-            self._fail(task.task_id, task.command_id, str(refused), code="invalid_request", status=400)
+            self._fail(task.task_id, task.command_id, str(refused), code=ErrorCode.invalid_request)
         except Exception as exc:  # this request alone fails; the runner goes on
             self._fail_in_engine(task.task_id, task.command_id, exc)
         else:

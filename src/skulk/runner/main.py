@@ -35,6 +35,7 @@ from skulk.runner.spans import SpanBook
 from skulk.runner.spec import RunnerSpec
 from skulk.runner.stats import RequestClock
 from skulk.types.chunks import ErrorChunk, TokenChunk
+from skulk.types.errors import ErrorCode
 from skulk.types.ids import CommandId, TaskId
 from skulk.types.runners import (
     RunnerConnected,
@@ -322,7 +323,7 @@ class Runner:
         match message:
             case RunTask(task=TextEmbedding() as task) if self.schedules:
                 self._fail(task.task_id, task.command_id, f"{task.model} generates text and cannot embed; send "
-                           "embeddings to an embedding model", code="model_not_embedding", status=400)
+                           "embeddings to an embedding model", code=ErrorCode.model_not_embedding)
             case RunTask(task=ChatCompletion() as task) if self.schedules:
                 self._accept(task)
             case RunTask(task=task) if task.traced:  # a following rank: its spans of this task are kept
@@ -367,12 +368,12 @@ class Runner:
             prompt = self.engine.encode_chat(params.messages, params.tools or None)
         except PromptRejected as refused:
             self.send_after_step()
-            self._fail(task.task_id, task.command_id, str(refused), code="invalid_request", status=400)
+            self._fail(task.task_id, task.command_id, str(refused), code=ErrorCode.invalid_request)
             return None
         message = context_refusal(len(prompt), params.sampling, self.engine.context_length)
         if message is not None:
             self.send_after_step()
-            self._fail(task.task_id, task.command_id, message, code="context_length_exceeded", status=400)
+            self._fail(task.task_id, task.command_id, message, code=ErrorCode.context_length_exceeded)
             return None
         self.engine.add_request(task.task_id, prompt, params.sampling, command_id=task.command_id)
         return prompt
@@ -382,10 +383,10 @@ class Runner:
         reason = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
         log.info("task %s failed by a fault in the engine: %s", task_id, reason)
         message = f"the request failed inside the engine ({reason}); the other requests were not affected"
-        self._fail(task_id, command_id, message, code="internal_error", status=500)
+        self._fail(task_id, command_id, message, code=ErrorCode.internal_error)
 
-    def _fail(self, task_id: TaskId, command_id: CommandId, message: str, *, code: str, status: int) -> None:
-        chunk = ErrorChunk(command_id=command_id, message=message, code=code, status=status, retryable=False)
+    def _fail(self, task_id: TaskId, command_id: CommandId, message: str, *, code: ErrorCode) -> None:
+        chunk = ErrorChunk(command_id=command_id, message=message, code=code, status=code.status, retryable=False)
         self.send(Tokens([chunk]))
         self.send(TaskEnded(task_id, command_id, TaskStatus.Failed, message, retryable=False))
         self.recorder.record("error", code, message[:120], task_id=task_id, command_id=command_id)

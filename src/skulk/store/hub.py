@@ -25,14 +25,11 @@ from huggingface_hub.utils import build_hf_headers
 
 from skulk.store.fetch import InsufficientDisk, Progress, check_disk, fetch_all, httpx_opener, present_bytes
 from skulk.store.files import is_needed
+from skulk.types.errors import ApiError, ErrorCode
 
 
-class HubError(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
+class HubError(ApiError):
+    """A download or a model lookup refused by the hub (or by this node's disk): an ApiError a route re-raises."""
 
 
 @dataclass(frozen=True)
@@ -64,16 +61,14 @@ def list_files(hub: Hub, model_id: str) -> RepoFiles:
     except GatedRepoError as exc:
         raise gated_error(model_id) from exc
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
-        raise HubError(404, f"model {model_id} was not found on Hugging Face; check the id", "model_not_found") from exc
+        raise HubError(ErrorCode.model_not_found,
+                       f"model {model_id} was not found on Hugging Face; check the id") from exc
     except HfHubHTTPError as exc:
-        raise HubError(502, f"Hugging Face answered for {model_id}: {exc}", "hub_error") from exc
+        raise HubError(ErrorCode.hub_error, f"Hugging Face answered for {model_id}: {exc}") from exc
     files = {s.rfilename: int(s.size or 0) for s in info.siblings or [] if is_needed(s.rfilename)}
     if not any(name.endswith(".safetensors") for name in files):
-        raise HubError(
-            400,
-            f"model {model_id} has no safetensors weights; Skulk loads only safetensors checkpoints",
-            "no_safetensors",
-        )
+        raise HubError(ErrorCode.no_safetensors,
+                       f"model {model_id} has no safetensors weights; Skulk loads only safetensors checkpoints")
     return RepoFiles(model_id=model_id, commit=info.sha or "main", files=files, gated=bool(info.gated))
 
 
@@ -86,17 +81,14 @@ def preflight(hub: Hub, model_id: str, model_dir: Path) -> RepoFiles:
     try:
         check_disk(model_dir, repo.total_bytes - present_bytes(model_dir, repo.files))
     except InsufficientDisk as exc:
-        raise HubError(507, f"{model_id}: {exc}", "insufficient_disk") from exc
+        raise HubError(ErrorCode.insufficient_disk, f"{model_id}: {exc}") from exc
     return repo
 
 
 def gated_error(model_id: str) -> HubError:
-    return HubError(
-        401,
-        f"model {model_id} is gated on Hugging Face: accept its license on huggingface.co and set hf_token in "
-        "skulk.yaml (or HF_TOKEN) to a token with access",
-        "gated_model",
-    )
+    return HubError(ErrorCode.gated_model,
+                    f"model {model_id} is gated on Hugging Face: accept its license on huggingface.co and set "
+                    "hf_token in skulk.yaml (or HF_TOKEN) to a token with access")
 
 
 def download(hub: Hub, repo: RepoFiles, model_dir: Path, on_progress: Progress | None = None) -> None:
@@ -111,13 +103,10 @@ def download(hub: Hub, repo: RepoFiles, model_dir: Path, on_progress: Progress |
             opener = httpx_opener(client, lambda r: _check(repo.model_id, r), headers)
             fetch_all(urls, repo.files, model_dir, model_id=repo.model_id, on_progress=on_progress, opener=opener)
     except InsufficientDisk as exc:
-        raise HubError(507, f"{repo.model_id}: {exc}", "insufficient_disk") from exc
+        raise HubError(ErrorCode.insufficient_disk, f"{repo.model_id}: {exc}") from exc
     except (httpx.TransportError, OSError) as exc:
-        raise HubError(
-            502,
-            f"downloading {repo.model_id} failed ({exc}); retry and it resumes where it stopped",
-            "download_interrupted",
-        ) from exc
+        raise HubError(ErrorCode.download_interrupted,
+                       f"downloading {repo.model_id} failed ({exc}); retry and it resumes where it stopped") from exc
 
 
 def _check(model_id: str, response: httpx.Response) -> None:
@@ -126,4 +115,5 @@ def _check(model_id: str, response: httpx.Response) -> None:
     if code == "GatedRepo" or response.status_code in (401, 403):
         raise gated_error(model_id)
     if code == "RepoNotFound" or response.status_code == 404:
-        raise HubError(404, f"model {model_id} (or one of its files) was not found on Hugging Face", "model_not_found")
+        raise HubError(ErrorCode.model_not_found,
+                       f"model {model_id} (or one of its files) was not found on Hugging Face")

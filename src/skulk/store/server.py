@@ -29,9 +29,9 @@ from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 from skulk import internal_auth
-from skulk.api.errors import ApiError, error_body
 from skulk.models.cards import model_dir_name
 from skulk.store.files import NEEDED_NESTED, file_hashes, is_complete, local_files, read_marker
+from skulk.types.errors import ApiError, ErrorCode, error_body
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +45,20 @@ _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 def safe_part(part: str, what: str) -> str:
     """One path component that cannot climb out of its directory."""
     if not _PART.fullmatch(part) or ".." in part:
-        raise ApiError(400, f"invalid {what} {part!r}", code="invalid_path")
+        raise ApiError(ErrorCode.invalid_path,
+                       f"invalid {what} {part!r}")
     return part
 
 
 def model_path(store_path: Path, model_id: str) -> Path:
     org, _, name = model_id.partition("/")
     if not name:
-        raise ApiError(400, f"invalid model id {model_id!r}; expected org/name", code="invalid_path")
+        raise ApiError(ErrorCode.invalid_path,
+                       f"invalid model id {model_id!r}; expected org/name")
     path = store_path / model_dir_name(f"{safe_part(org, 'model id')}/{safe_part(name, 'model id')}")
     if store_path.resolve() not in path.resolve().parents:
-        raise ApiError(400, f"invalid model id {model_id!r}", code="invalid_path")
+        raise ApiError(ErrorCode.invalid_path,
+                       f"invalid model id {model_id!r}")
     return path
 
 
@@ -85,7 +88,8 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
     first = int(match.group(1))
     last = min(int(match.group(2)), size - 1) if match.group(2) else size - 1
     if first >= size or last < first:
-        raise ApiError(416, f"range {header} lies outside the file's {size} bytes", code="range_not_satisfiable")
+        raise ApiError(ErrorCode.range_not_satisfiable,
+                       f"range {header} lies outside the file's {size} bytes")
     return first, last
 
 
@@ -101,14 +105,17 @@ def route(store_path: Path, raw_path: str) -> dict[str, Any] | Path:
         folder = model_path(store_path, f"{org}/{name}")
         if len(parts) == 4:
             if not folder.is_dir() or not is_complete(folder):
-                raise ApiError(404, f"the store has no complete copy of {org}/{name}", code="model_not_in_store")
+                raise ApiError(ErrorCode.model_not_in_store,
+                               f"the store has no complete copy of {org}/{name}")
             files = local_files(folder)
             return {"model_id": f"{org}/{name}", "files": files, "sha256": file_hashes(folder, files)}
         path = folder / (parts[4] if parts[4] in NEEDED_NESTED else safe_part(parts[4], "file name"))
         if not path.is_file() or not is_complete(folder):
-            raise ApiError(404, f"the store has no file {parts[4]} of {org}/{name}", code="file_not_in_store")
+            raise ApiError(ErrorCode.file_not_in_store,
+                           f"the store has no file {parts[4]} of {org}/{name}")
         return path
-    raise ApiError(404, f"no such store route {raw_path!r}", code="not_found")
+    raise ApiError(ErrorCode.not_found,
+                   f"no such store route {raw_path!r}")
 
 
 def bind_address(api_host: str, dialed: str | None, own: set[str]) -> str:
@@ -137,10 +144,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         token = self.headers.get(internal_auth.HEADER)
         if not internal_auth.is_internal(token.encode() if token else None):
-            code = "invalid_internal_token" if token else "missing_internal_token"
-            raise ApiError(401, "the model store serves only nodes of its cluster (the internal token is missing "
-                           "or wrong: start this node with the cluster's --cluster-key)", kind="authentication_error",
-                           code=code)
+            code = ErrorCode.invalid_internal_token if token else ErrorCode.missing_internal_token
+            raise ApiError(code, "the model store serves only nodes of its cluster (the internal token is missing "
+                           "or wrong: start this node with the cluster's --cluster-key)")
 
     def _not_allowed(self) -> None:
         try:

@@ -27,6 +27,7 @@ from skulk.store.files import INDEX_FILE, files_for_shard, has_files, is_complet
 from skulk.store.hub import Hub, HubError, RepoFiles, download, list_files
 from skulk.store.staging import Need, Route, in_use, my_needs, route
 from skulk.types.downloads import DownloadProgress, DownloadSource, DownloadStatus
+from skulk.types.errors import ErrorCode
 from skulk.types.events import Event, NodeDownloadProgress
 from skulk.types.ids import ModelId, NodeId
 from skulk.types.instances import MlxRingInstance
@@ -164,9 +165,9 @@ class ModelFiles:
             files, sha256 = client.store_listing(base, need.model_id)
         except (client.NotInStore, client.StoreUnreachable) as exc:
             if not self.settings.model_store.download.allow_hf_fallback:
-                status, code = (503, "store_unreachable") if isinstance(exc, client.StoreUnreachable) else (
-                    404, "model_not_in_store")
-                raise HubError(status, f"{exc}; download.allow_hf_fallback is off", code) from exc
+                code = ErrorCode.store_unreachable if isinstance(exc, client.StoreUnreachable) else (
+                    ErrorCode.model_not_in_store)
+                raise HubError(code, f"{exc}; download.allow_hf_fallback is off") from exc
             log.info("%s: %s; falling back to Hugging Face", need.model_id, exc)
             return self._stage_from_hub(need, target)
         index = client.fetch_index(base, need.model_id, files, target)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Tag
+from pydantic import Discriminator, Tag, model_validator
 
 from .base import CamelModel, TaggedModel, tag_of
+from .errors import ErrorCode
 from .ids import CommandId
 from .memory import Memory
 
@@ -69,9 +70,17 @@ class ErrorChunk(TaggedModel):
 
     command_id: CommandId
     message: str
-    code: str = "internal_error"
+    code: ErrorCode = ErrorCode.internal_error
     status: int = 500
+    """The code's own status unless the sender chose another."""
     retryable: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _status_of_code(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "code" in data and "status" not in data:
+            return {**data, "status": ErrorCode(data["code"]).status}
+        return data
 
 
 class EmbeddingChunk(TaggedModel):

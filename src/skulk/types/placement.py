@@ -12,6 +12,7 @@ from pydantic import Discriminator, Tag, model_validator
 
 from .backends import INSTALL, BackendTag, EngineChoice, EngineName
 from .base import CamelModel, TaggedModel, tag_of
+from .errors import ErrorCode
 from .ids import ModelId, NodeId
 from .instances import InstanceMeta, Sharding
 from .memory import GB, Memory
@@ -41,6 +42,11 @@ class PlacementError(TaggedModel):
 
     def describe(self) -> str:
         raise NotImplementedError
+
+    @property
+    def code(self) -> ErrorCode:
+        """The refusal's code: its class name (ErrorCode keeps `http_status` and the code's status equal)."""
+        return ErrorCode(type(self).__name__)
 
 
 class InsufficientMemory(PlacementError):
