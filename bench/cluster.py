@@ -15,7 +15,8 @@ used, so machine noise hits all alike. Formation also shows when all three proce
 The kill figures are measured once each: master first, then the killed node is restarted so the worker kill
 happens in a full three-node cluster again. Other processes on the machine skew every figure: run it alone.
 
-Run: .venv/bin/python bench/cluster.py [--tokens 64] [--rounds 3]
+Run: .venv/bin/python bench/cluster.py [--tokens 64] [--rounds 3] [--engine torch|mlx]
+     (--engine mlx: the same figures with MLX ranks, Pipeline over MLX's ring backend on loopback)
 """
 
 from __future__ import annotations
@@ -102,12 +103,17 @@ def instance_ready(api: LocalNode, instance_id: str, runners: set[str]) -> bool:
     return all("RunnerReady" in state["runners"].get(r, {}) for r in runners)
 
 
+ENGINE = ["torch"]
+"""The engine every placement of this run asks for (--engine)."""
+
+
 def place_on(api: LocalNode, members: list[LocalNode], everyone: list[LocalNode]) -> tuple[str, set[str]]:
     """Place a Pipeline instance on exactly `members` (the rest excluded); check the reply says so."""
     body = {
         "model_id": BENCH_MODEL_ID,
         "sharding": "Pipeline",
         "min_nodes": len(members),
+        "engine": ENGINE[0],
         "excluded_nodes": [n.node_id for n in everyone if n not in members],
     }
     with api.client(timeout=120) as client:
@@ -273,14 +279,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per measured stream")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of 1/2/3-rank placements")
+    parser.add_argument("--engine", choices=["torch", "mlx"], default="torch", help="the engine of every rank")
     args = parser.parse_args()
+    ENGINE[0] = args.engine
     with tempfile.TemporaryDirectory() as tmp:
         fleet = Fleet(Path(tmp))
         try:
             figures = run(fleet, args.tokens, args.rounds)
         finally:
             fleet.stop_all()
-    print(f"\nmodel {BENCH_MODEL_ID}, {args.tokens} tokens, median of {args.rounds} interleaved rounds")
+    print(f"\nmodel {BENCH_MODEL_ID}, engine {args.engine}, {args.tokens} tokens, median of {args.rounds} "
+          "interleaved rounds")
     print_table(figures)
 
 

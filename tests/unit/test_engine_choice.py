@@ -174,3 +174,32 @@ def test_a_node_without_mlx_says_so_and_reports_only_torch(monkeypatch: pytest.M
     finally:
         mlx_engine.probe.cache_clear()
         node_info.backends.cache_clear()
+
+
+def test_gguf_models_run_on_torch_even_on_a_mac() -> None:
+    """The packaged default (SmolLM2 as a GGUF file) and any imported GGUF: only the torch engine reads them."""
+    from skulk.models.cards import get_card
+    from skulk.models.gguf_import import GGUF_BACKENDS
+
+    smol = get_card("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert smol is not None and smol.compatible_backends == GGUF_BACKENDS
+    placed = do_place(cluster(a=MAC), c=smol)
+    assert isinstance(placed, MlxRingInstance) and placed.engine == "torch"
+    refused = do_place(cluster(a=MAC), "mlx", c=smol)
+    assert isinstance(refused, EngineUnavailable)
+
+
+def test_mlx_is_not_chosen_for_a_split_mlx_lm_cannot_run() -> None:
+    """Gemma 3 (window layers indexed by position) is no Pipeline slice for mlx-lm and has no shard(): over two
+    Macs auto runs it on torch, and engine mlx is a 400 that says how to place it instead; Llama splits either way."""
+    macs = cluster(a=MAC, b=MAC)
+    gemma = card(family="gemma3_text")
+    auto = do_place(macs, c=gemma, min_nodes=2)
+    assert isinstance(auto, MlxRingInstance) and auto.engine == "torch"
+    refused = do_place(macs, "mlx", c=gemma, min_nodes=2)
+    assert isinstance(refused, EngineUnavailable) and "cannot split" in refused.message
+    alone = do_place(macs, "mlx", c=gemma)
+    assert isinstance(alone, MlxRingInstance) and alone.engine == "mlx"
+    llama = place(macs, card(), Sharding.Tensor, InstanceMeta.MlxRing, instance_id=InstanceId("i"),
+                  new_runner_id=runner_ids(), rendezvous_port=29500, min_nodes=2, engine="mlx")
+    assert isinstance(llama, MlxRingInstance) and llama.engine == "mlx"

@@ -189,7 +189,7 @@ def control_router(node: NodeHandle) -> APIRouter:
                            f"instance id {instance.instance_id} is already in use; GET /instance/previews for "
                            "a fresh placement")
         lacking = instance_engine_error(card, instance.engine, list(instance.shard_assignments.node_to_runner),
-                                        node.state.node_backends)
+                                        node.state.node_backends, sharding=instance.sharding)
         if lacking is not None:
             raise ApiError(lacking.code, lacking.message)
         command_id = CommandId(new_id())

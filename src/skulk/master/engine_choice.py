@@ -13,11 +13,25 @@ from collections.abc import Mapping, Sequence
 
 from skulk.types.backends import ENGINES, BackendTag, EngineChoice, EngineName, engine_of
 from skulk.types.ids import NodeId
+from skulk.types.instances import Sharding
 from skulk.types.models import ModelCard
 from skulk.types.placement import EngineUnavailable
 
 LEGACY_TAGS: list[BackendTag] = ["torch", "torch-cpu"]
 """What a node that advertises nothing runs: an older build, torch only."""
+MLX_TENSOR_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
+"""Families whose mlx-lm model has `shard()` (Tensor over MLX ranks), among those the catalog cards."""
+MLX_UNSLICEABLE = frozenset({"gemma3", "gemma3_text"})
+"""mlx-lm indexes Gemma 3's alternating window layers by position: a Pipeline slice of it would mis-mask."""
+
+
+def mlx_splits(card: ModelCard, sharding: Sharding | None, ranks: int) -> bool:
+    """mlx-lm can run the card's family over this many ranks with this sharding."""
+    if ranks == 1 or sharding is None:
+        return True
+    if sharding == Sharding.Tensor:
+        return card.family in MLX_TENSOR_FAMILIES
+    return card.family not in MLX_UNSLICEABLE
 
 
 def node_tags(backends: Mapping[NodeId, list[BackendTag]], node: NodeId) -> list[BackendTag]:
@@ -50,26 +64,34 @@ def choose_engine(
     ring: Sequence[NodeId],
     backends: Mapping[NodeId, list[BackendTag]],
     names: Mapping[NodeId, str] | None = None,
+    sharding: Sharding | None = None,
 ) -> EngineName | EngineUnavailable:
     """The engine every node of the ring runs the model with, or the refusal naming the first node that
     lacks the wanted engine (auto: the first engine in order)."""
     tags = [node_tags(backends, n) for n in ring]
     order = _order(card, choice, tags)
+    splits = mlx_splits(card, sharding, len(ring))
     for engine in order:
-        if all(runs(card, t, engine) for t in tags):
+        if all(runs(card, t, engine) for t in tags) and (engine != "mlx" or splits):
             return engine
     wanted = order[0]
-    node, have = next((n, t) for n, t in zip(ring, tags, strict=True) if not runs(card, t, wanted))
+    node, have = next(((n, t) for n, t in zip(ring, tags, strict=True) if not runs(card, t, wanted)),
+                      (ring[0], tags[0]))
+    detail = None
+    if all(runs(card, t, wanted) for t in tags):
+        how = "Tensor" if sharding == Sharding.Tensor else "Pipeline"
+        detail = (f"mlx-lm cannot split model {card.model_id} ({card.family}) {how} over {len(ring)} ranks; place it "
+                  "on one node, with the other sharding, or with engine torch.")
     return EngineUnavailable(
         node_id=node, node_name=(names or {}).get(node), engine=wanted, requested=choice, advertised=list(have),
-        model_id=card.model_id, compatible_backends=card.compatible_backends,
+        model_id=card.model_id, compatible_backends=card.compatible_backends, detail=detail,
     )
 
 
 def instance_engine_error(
     card: ModelCard, engine: EngineName, nodes: Sequence[NodeId], backends: Mapping[NodeId, list[BackendTag]],
-    names: Mapping[NodeId, str] | None = None,
+    names: Mapping[NodeId, str] | None = None, sharding: Sharding | None = None,
 ) -> EngineUnavailable | None:
     """An instance given whole (POST /instance) still never puts a rank on a node that lacks its engine."""
-    chosen = choose_engine(card, engine, nodes, backends, names)
+    chosen = choose_engine(card, engine, nodes, backends, names, sharding)
     return chosen if isinstance(chosen, EngineUnavailable) else None

@@ -155,7 +155,7 @@ def _evaluate(state: State, card: ModelCard, sharding: Sharding, ring: Ring, eng
     shape = _shape_error(card, sharding, len(ring))
     if shape is not None:
         return _Candidate(ring, error=shape)
-    chosen = choose_engine(card, engine, ring, state.node_backends, _node_names(state))
+    chosen = choose_engine(card, engine, ring, state.node_backends, _node_names(state), sharding)
     if not isinstance(chosen, str):
         return _Candidate(ring, error=chosen)
     pending = [n for n in ring if n not in state.node_memory]

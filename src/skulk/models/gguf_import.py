@@ -23,9 +23,12 @@ from typing import Any
 from skulk.models.cards import model_dir_name
 from skulk.models.catalog import card_from_config
 from skulk.store.files import write_marker
+from skulk.types.backends import BackendTag
 from skulk.types.models import ModelCard
 
 GGUF_NAME = "model.gguf"
+GGUF_BACKENDS: list[BackendTag] = ["torch", "torch-cpu", "torch-cuda"]
+"""Only the torch engine reads GGUF blocks (engines/torch/gguf_file.py); mlx-lm loads safetensors."""
 GROUP = 32
 """Every GGUF block type maps onto affine groups of 32 columns (engines/torch/gguf_file.py)."""
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -59,6 +62,7 @@ def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, 
         _write_json(tmp / "config.json", config)
         _write_tokenizer(tmp)
         card = card_from_config(model_id, config, gguf_path.stat().st_size)
+        card = card.model_copy(update={"compatible_backends": GGUF_BACKENDS})
         tmp.chmod(0o755)
         if target.exists():
             shutil.rmtree(target)

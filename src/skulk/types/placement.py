@@ -155,8 +155,12 @@ class EngineUnavailable(PlacementError):
     advertised: list[BackendTag]
     model_id: ModelId
     compatible_backends: list[BackendTag] | None = None
+    detail: str | None = None
+    """Every node has the engine, but it cannot split this model over the ring (say how instead)."""
 
     def describe(self) -> str:
+        if self.detail is not None:
+            return self.detail
         name = f"{self.node_id} ({self.node_name})" if self.node_name else self.node_id
         have = ", ".join(self.advertised) or "nothing"
         if self.compatible_backends is not None and not any(
