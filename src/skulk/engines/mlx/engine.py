@@ -136,6 +136,7 @@ class MlxEngine:
         self._prefilling: tuple[Request, Cache] | None = None
         self._running: list[Request] = []  # row i of the batch cache
         self._batch: Cache | None = None
+        self._batched = False  # _batch is mlx-lm's BatchKVCache (else one request's own KVCache)
         self._releases: list[tuple[str, bool, bool]] = []  # (request_id, cancelled, failed), at the next step
         self._events: list[RequestEvent] = []
         self._warming = False
@@ -289,8 +290,8 @@ class MlxEngine:
     def _filter_batch(self, keep: list[int]) -> None:
         if self._batch is None:
             return
-        if not keep:
-            self._batch = None
+        if not keep or not self._batched:  # a lone request's own cache holds no other row
+            self._batch = None if not keep else self._batch
             return
         index = mx.array(keep)
         for cache in self._batch:
@@ -327,11 +328,14 @@ class MlxEngine:
         return self._accept(logits, [req])  # done with its first token: it leaves the batch it just joined
 
     def _join_batch(self, req: Request, cache: Cache) -> None:
-        merged = [c.merge([c]) for c in cache]
+        """A lone request decodes on its own KVCache (no padding mask: mlx-lm's single-stream path); a second
+        one turns the batch into a BatchKVCache and joins it."""
         if self._batch is None:
-            self._batch = merged
+            self._batch, self._batched = cache, False
         else:
-            for mine, theirs in zip(self._batch, merged, strict=True):
+            if not self._batched:
+                self._batch, self._batched = [c.merge([c]) for c in self._batch], True
+            for mine, theirs in zip(self._batch, [c.merge([c]) for c in cache], strict=True):
                 mine.extend(theirs)
         self._running.append(req)
 
