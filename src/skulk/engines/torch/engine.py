@@ -131,10 +131,7 @@ class TorchEngine:
         self.max_batch, self.prefill_chunk, self.block_size = max_batch, prefill_chunk, block_size
         per_token = self.model.kv_bytes_per_token()
         num_blocks = pool_blocks(kv_cache_bytes, per_token, block_size, self.context_length, max_batch)
-        if world_size > 1:  # every rank's allocator must make the same choices: the group takes the smallest pool
-            agreed = torch.tensor([num_blocks], dtype=torch.int64)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control_group)
-            num_blocks = int(agreed.item())
+        self._agree = world_size > 1  # a group agrees on one pool size at its first step (_agree_pool)
         self.blocks = BlockAllocator(num_blocks, block_size)
         args = self.model.args
         every_layer_slides = all(args.is_sliding(i) for i in range(args.num_hidden_layers))
@@ -205,6 +202,8 @@ class TorchEngine:
         return self.world_size > 1 and time.monotonic() - self._last_header >= HEARTBEAT_S
 
     def step(self) -> list[TokenOut]:
+        if self._agree:
+            self._agree_pool()
         with torch.inference_mode():
             header = self._lead() if self.is_scheduler else self._follow()
             started = time.perf_counter()
@@ -223,6 +222,18 @@ class TorchEngine:
             if self.is_scheduler:
                 self._measure(header, time.perf_counter() - started, self._chunk_done)
             return outs
+
+    def _agree_pool(self) -> None:
+        """Every rank's allocator must make the same choices, so a group takes its smallest pool. Done at the
+        first step, which every rank enters together (a collective while the ranks still load could outlast the
+        group timeout), before any block is used; the cache's pages were never touched, so remaking it is free."""
+        self._agree = False
+        control = self.link.control_group if isinstance(self.link, GroupLink) else None
+        agreed = torch.tensor([self.blocks.num_blocks], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
+        if int(agreed.item()) != self.blocks.num_blocks:
+            self.blocks = BlockAllocator(int(agreed.item()), self.block_size)
+            self.cache = self.model.make_cache(self.blocks.num_blocks, self.block_size)
 
     def warmup(self) -> None:
         """Rank 0 generates two tokens of a throwaway request and every rank steps until the header releases
@@ -269,6 +280,8 @@ class TorchEngine:
         if self.is_scheduler and not self.closed:
             self.closed = True
             try:
+                if self._agree:  # the others wait for the agreement before any header
+                    self._agree_pool()
                 self.link.send_header(Header(StepKind.SHUTDOWN, (), tuple(self._releases)))
             except RuntimeError:
                 pass
