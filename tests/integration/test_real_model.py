@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,17 @@ def test_the_default_model_answers_other_factual_questions(node: LocalNode) -> N
         status, reply = node.post("/v1/chat/completions", body, timeout=120)
         assert status == 200, reply
         assert answer in reply["choices"][0]["message"]["content"], (question, reply)
+
+
+def test_post_models_import_adds_a_gguf_file_to_the_catalog(node: LocalNode, tmp_path: Path) -> None:
+    gguf = fetch_gguf(SMOLLM2, shared_cache())
+    status, reply = node.post("/models/import", {"source": str(gguf), "model_id": "gguf/smollm2-copy"}, timeout=300)
+    assert status == 200, reply
+    assert reply["id"] == "gguf/smollm2-copy" and reply["family"] == "llama" and reply["downloaded"] is True
+    listed = {m["id"] for m in (node.get("/models", timeout=10) or {}).get("data", [])}
+    assert "gguf/smollm2-copy" in listed
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"not a gguf file")
+    for source in (str(bogus), "relative.gguf", "ollama:../../etc:passwd"):
+        status, reply = node.post("/models/import", {"source": source}, timeout=60)
+        assert status == 400 and reply["error"]["code"] in ("invalid_model_file", "invalid_request"), reply
