@@ -68,7 +68,7 @@ def test_a_meta_instance_serves_again_after_every_node_restarts(cluster: Cluster
 def test_a_stream_open_at_sigterm_ends_with_a_retryable_error(cluster: Cluster) -> None:
     """The runner stalls in decode (SKULK_FAULT), so the stream is open when the node gets SIGTERM: it must end
     retryably (before: uvicorn's graceful shutdown cancelled it at 2 s into a 500 Internal Server Error)."""
-    node = cluster.start(1, extra_env={"SKULK_FAULT": "stall:decode_stream"})[0]
+    node = cluster.form(1, extra_env={"SKULK_FAULT": "stall:decode_stream"})[0]  # formed: its memory is known
     place_and_wait(node)
     probe = StreamProbe(node.url, chat_body(MODEL, 64, temperature=0.0), read_timeout=120)
 

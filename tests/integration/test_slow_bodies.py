@@ -77,7 +77,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
            "SKULK_BODY_TIMEOUT_SECONDS": "3"}
     cluster = Cluster(tmp_path_factory.mktemp("slow"), extra_env=env)
     try:
-        started = cluster.start(1, headers={"Authorization": f"Bearer {ADMIN}"})[0]
+        started = cluster.form(1, headers={"Authorization": f"Bearer {ADMIN}"})[0]  # formed: its memory is known
         place_and_wait(started)
         yield started
     finally:

@@ -35,7 +35,7 @@ def test_the_store_serves_only_its_cluster(cluster: Cluster, tmp_path: Path) -> 
     env = {"SKULK_CLUSTER_KEY": generate_key(), "HF_ENDPOINT": "http://127.0.0.1:9"}
     host = cluster.start(1, extra_env={"SKULK_NODE_NAME": "store", **env})[0]
     worker = cluster.start(1, extra_env={"SKULK_NODE_NAME": "worker", **env})[0]
-    wait_until(lambda: len((host.get("/state") or {}).get("nodeIdentities", {})) == 2, 30, "two nodes")
+    wait_until(lambda: len((host.get("/state") or {}).get("nodeMemory", {})) == 2, 30, "two nodes' memory")
     status, added = host.post("/models/add", {"model_id": MODEL})
     assert status == 200, added
 

@@ -78,6 +78,9 @@ class Membership:
     def expire(self, now: float) -> None:
         """Members whose last sealed heartbeat is older than the lease leave (called every heartbeat tick)."""
         for node in [n for n, heard in self._vouched.items() if now - heard > VOUCH_LEASE_S]:
+            if node in self._tokens:
+                log.warning("node %s still has a liveliness token but sent no sealed heartbeat for %.1f s: gone (hung, "
+                            "or the token is not its own)", node[:8], now - self._vouched[node])
             del self._vouched[node]
             self._update(node)
 
