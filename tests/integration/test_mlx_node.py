@@ -211,6 +211,8 @@ def test_an_mlx_pipeline_over_two_nodes_serves_and_a_killed_rank_fails_the_strea
     outcome = probe.wait(60)
     assert outcome.retryable_error, outcome.describe()
     assert outcome.ended is not None and outcome.ended - killed < 15, f"heard after {outcome.ended - killed:.1f} s"
+    print(f"MLX pipeline: the client heard a retryable error {outcome.ended - killed:.2f} s after kill -9 of a rank "
+          f"({outcome.describe()})")
     wait_until(lambda: serving(api, instance["instanceId"]) or None, 120, "the instance restarted as a whole")
     again = httpx.post(f"{api.url}/v1/chat/completions", json=chat, timeout=60)
     assert again.status_code == 200 and again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
