@@ -5,6 +5,7 @@ worker. Prints, from one run:
   staging throughput: the worker's staging code (skulk.store.client.stage) pulling every file from the store
       host's file server ÷ a plain local copy (shutil.copyfile) of the same bytes, best of --rounds each,
       interleaved                                                                     (target >= 0.8)
+      and the same with each staged file checked against the store's SHA-256, as a worker stages (issue 27)
   time from POST /place_instance to a ready 2-node Pipeline instance: model not yet staged on the worker
       (purged first) vs already staged (deleted and placed again; the grace budget kept the copy), medians
 
@@ -45,11 +46,12 @@ def _node(root: Path, name: str, cluster: str, config: str, peers: list[str]) ->
     return LocalNode(home=home, cluster=cluster, peers=peers, extra_env={"SKULK_NODE_NAME": name}).start()
 
 
-def throughput(base: str, source: Path, scratch: Path, rounds: int) -> tuple[float, float, int]:
-    """(store MB/s, local copy MB/s, bytes): best of rounds, the two interleaved so noise hits both."""
-    files = client.store_files(base, MODEL)
+def throughput(base: str, source: Path, scratch: Path, rounds: int) -> tuple[float, float, float, int]:
+    """(store MB/s, store MB/s with each file checked against the store's SHA-256, local copy MB/s, bytes): best
+    of rounds, the three interleaved so noise hits all."""
+    files, sha256 = client.store_listing(base, MODEL)  # the store hashes the model here, once
     total = sum(files.values())
-    best_stage = best_copy = 0.0
+    best_stage = best_copy = best_verified = 0.0
     for i in range(rounds):
         target = scratch / f"copy{i}"
         target.mkdir()
@@ -63,7 +65,11 @@ def throughput(base: str, source: Path, scratch: Path, rounds: int) -> tuple[flo
         client.stage(base, MODEL, files, staged, None)
         best_stage = max(best_stage, total / (time.perf_counter() - start))
         shutil.rmtree(staged)
-    return best_stage / 1e6, best_copy / 1e6, total
+        start = time.perf_counter()
+        client.stage(base, MODEL, files, staged, None, sha256)
+        best_verified = max(best_verified, total / (time.perf_counter() - start))
+        shutil.rmtree(staged)
+    return best_stage / 1e6, best_verified / 1e6, best_copy / 1e6, total
 
 
 def time_to_ready(host: LocalNode) -> float:
@@ -94,11 +100,14 @@ def main() -> None:
         wait_until(lambda: len((host.get("/state") or {}).get("nodeIdentities", {})) == 2, 60, "two nodes")
         status, reply = host.post("/models/add", {"model_id": MODEL})
         assert status == 200, reply
-        stage_mb_s, copy_mb_s, total = throughput(client.store_url("127.0.0.1", port), model_dir, root, args.rounds)
+        stage_mb_s, verified_mb_s, copy_mb_s, total = throughput(client.store_url("127.0.0.1", port), model_dir,
+                                                                 root, args.rounds)
         print(f"model: {MODEL}, {total / 1e6:.0f} MB")
         print(f"staging from the store host over loopback: {stage_mb_s:8.1f} MB/s")
         print(f"plain local file copy of the same bytes:   {copy_mb_s:8.1f} MB/s")
         print(f"ratio staging / local copy: {stage_mb_s / copy_mb_s:.2f}   (target >= 0.8)")
+        print(f"staging with SHA-256 checks (what a worker does): {verified_mb_s:8.1f} MB/s, "
+              f"{verified_mb_s / stage_mb_s:.2f} of unchecked, {verified_mb_s / copy_mb_s:.2f} of a local copy")
         staged = worker.home / "staging" / MODEL.replace("/", "--")
         cold: list[float] = []
         warm: list[float] = []
