@@ -119,14 +119,12 @@ class Matcher:
     """One request's grammar state."""
 
     def __init__(self, matcher: Any, vocab: int) -> None:
-        import xgrammar as xgr
-
         self._m = matcher
-        self._mask = xgr.allocate_token_bitmask(1, vocab)
+        self.vocab = vocab
 
-    def fill(self) -> torch.Tensor:
-        self._m.fill_next_token_bitmask(self._mask, 0)
-        return self._mask
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """This request's allowed next tokens into row `row` of a batch bitmask."""
+        self._m.fill_next_token_bitmask(bitmask, row)
 
     def advance(self, token: int) -> bool:
         """Take the sampled token; False when the grammar did not allow it (a scripted token in the tests)."""
@@ -134,16 +132,18 @@ class Matcher:
 
 
 def mask_rows(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> torch.Tensor:
-    """logits [B, V] with each constrained row's disallowed tokens at -inf (a copy; the same tensor when no row
-    is constrained)."""
+    """logits [B, V] with each constrained row's disallowed tokens at -inf: a copy (the raw logits still give
+    reported log-probabilities), masked in one call for all its rows; the same tensor when no row is constrained."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return logits
     import xgrammar as xgr
 
-    masked = logits.float().clone()  # contiguous [B, V]: each row a contiguous view
+    masked = logits.float().clone()
+    bitmask = xgr.allocate_token_bitmask(masked.shape[0], masked.shape[-1])
     for i in rows:
         matcher = matchers[i]
         if matcher is not None:
-            xgr.apply_token_bitmask_inplace(masked[i : i + 1], matcher.fill())
+            matcher.fill(bitmask, i)
+    xgr.apply_token_bitmask_inplace(masked, bitmask, indices=rows)
     return masked
