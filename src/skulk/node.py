@@ -7,8 +7,9 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Iterator, Mapping
-from datetime import UTC, datetime, timedelta
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -17,8 +18,8 @@ import uvicorn
 from skulk import internal_auth, redact, structured_log
 from skulk.api.app import create_app
 from skulk.api.limits import guarded_protocol, raise_open_file_limit
-from skulk.api.security import sealing_router
-from skulk.cluster.dataplane import ChunkStream, publish_chunk
+from skulk.api.requests import MasterChanged, Requests, ShuttingDown
+from skulk.api.services import ApiServices
 from skulk.cluster.election import Elector
 from skulk.cluster.intake import send_command, send_local_event
 from skulk.cluster.membership import Membership
@@ -27,10 +28,10 @@ from skulk.cluster.seal import reachable_beyond_loopback
 from skulk.cluster.sync import EventFollower
 from skulk.cluster.transport import Transport, TransportSettings
 from skulk.config import Settings
-from skulk.diagnostics.cluster import DepartedPeer, local_addresses, peer_url
+from skulk.diagnostics.cluster import local_addresses
+from skulk.diagnostics.peers import PeerBook
 from skulk.eventlog import EventLog, open_for
 from skulk.loops import Loops
-from skulk.master.decide import session_changed_message
 from skulk.master.master import Master
 from skulk.models.cards import know_card, load_custom_cards
 from skulk.models.demo import ensure_builtin_model, is_builtin
@@ -42,10 +43,7 @@ from skulk.store.server import StoreServer, bind_address
 from skulk.store.service import ModelFiles
 from skulk.store.staging import startable
 from skulk.tracing.service import NodeTracing
-from skulk.tracing.store import TraceStore
-from skulk.types.chunks import Chunk, ErrorChunk
 from skulk.types.commands import Command, CreateMetaInstance
-from skulk.types.errors import ErrorCode
 from skulk.types.events import (
     Event,
     IndexedEvent,
@@ -53,18 +51,13 @@ from skulk.types.events import (
     ModelCardAdded,
     NodeGatheredInfo,
     NodeRestartRequested,
-    NodeTimedOut,
     RunnerStatusUpdated,
-    TaskFailed,
-    TaskStatusUpdated,
 )
-from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId, RunnerId, new_id
+from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId, new_id
 from skulk.types.meta_instances import MetaInstance
 from skulk.types.runners import RunnerFailed
 from skulk.types.state import State
-from skulk.types.tasks import TaskParams, TaskStatus
 from skulk.worker import node_info, topology
-from skulk.worker.supervisor import RunnerSupervisor
 from skulk.worker.worker import Worker
 
 log = logging.getLogger("skulk.node")
@@ -72,7 +65,6 @@ log = logging.getLogger("skulk.node")
 INFO_EVERY_S = 2.0
 INFO_HEARTBEAT_S = 10.0
 TOPOLOGY_EVERY_S = 1.0
-DEPARTED_KEPT = timedelta(minutes=10)
 ELECTION_WAIT_S = 10.0
 STREAM_GRACE_S = 1.5
 """At shutdown, streams get this long to finish before they end with a retryable error (uvicorn cuts at 2 s)."""
@@ -81,154 +73,121 @@ RESTATE_AFTER_S = 0.5
 to be subscribed (every node adopts the new term within a heartbeat of the others)."""
 
 
+class LocalEvents:
+    """This node's own events (facts only it can observe) to the master, numbered so the master applies each once,
+    and addressed to the term they were observed in."""
+
+    def __init__(self, transport: Transport, node_id: NodeId, elector: Elector) -> None:
+        self._transport, self._node_id, self._elector, self._seq = transport, node_id, elector, 0
+
+    def emit(self, event: Event) -> None:
+        self._seq += 1
+        send_local_event(self._transport, LocalEvent(origin=self._node_id, seq=self._seq, event=event,
+                                                     term=self._elector.term, master=self._elector.master_id))
+
+
+@dataclass(eq=False, kw_only=True)
 class Node:
-    """Implements the API's NodeHandle."""
+    """One node: every component built before anything runs (Node.open), then run under one set of Loops."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.transport = Transport(
-            TransportSettings(
-                cluster=settings.cluster,
-                listen=settings.zenoh_listen,
-                bootstrap_peers=settings.bootstrap_peers,
-                multicast=settings.multicast,
-                multicast_interface=settings.multicast_interface,
-                cluster_key=settings.cluster_key,
-            )
+    settings: Settings
+    node_id: NodeId
+    transport: Transport
+    store: StateStore
+    desired: DesiredStateFile
+    event_log: EventLog | None
+    local: LocalEvents
+    payloads: PayloadBook
+    tracing: NodeTracing
+    membership: Membership
+    follower: EventFollower
+    elector: Elector
+    files: ModelFiles
+    requests: Requests
+    worker: Worker
+    peers: PeerBook
+    loops: Loops = field(default_factory=lambda: Loops("node"))
+    restart: RestartGate = field(default_factory=RestartGate)
+    master: Master | None = None
+    """This node's master role, while the election gives it one."""
+    api_port: int = 0
+    _reconcile_pending: bool = False
+
+    @classmethod
+    async def open(cls, settings: Settings) -> Node:
+        """Build every component, in the order each needs the others (the zenoh session gives the node its id),
+        then wire their reactions; no loop runs until `run`."""
+        _harden(settings)
+        event_log = open_for(settings)
+        transport = Transport(TransportSettings(
+            cluster=settings.cluster, listen=settings.zenoh_listen, bootstrap_peers=settings.bootstrap_peers,
+            multicast=settings.multicast, multicast_interface=settings.multicast_interface,
+            cluster_key=settings.cluster_key))
+        transport.open()
+        node_id = NodeId(transport.zenoh_id())
+        structured_log.install(settings.logging, node_id)
+        log.info("node %s starting (cluster %r)", node_id, settings.cluster)
+        store = StateStore()
+        payloads = PayloadBook(transport, node_id)
+        tracing = NodeTracing(settings.home, node_id, lambda: store.state, settings.tracing.retention_days)
+        membership = Membership(transport, node_id)
+        elector = Elector(transport, membership, node_id, joined_at=time.time(),
+                          rejoin_wait_s=settings.rejoin_wait_seconds,
+                          applied_idx=lambda: store.state.last_event_applied_idx)
+        local = LocalEvents(transport, node_id, elector)
+        files = ModelFiles(settings, local.emit)
+        load_custom_cards(settings.home / "cards")
+        requests = Requests(transport, payloads, lambda c: _send(transport, node_id, elector, c),
+                            tap=event_log.append if event_log is not None else None,
+                            on_open=tracing.stream_opened, on_close=tracing.stream_closed)
+        node = cls(
+            settings=settings, node_id=node_id, transport=transport, store=store,
+            desired=DesiredStateFile(settings.home), event_log=event_log, local=local, payloads=payloads,
+            tracing=tracing, membership=membership, elector=elector, files=files, requests=requests,
+            peers=PeerBook(node_id), api_port=settings.api_port,
+            follower=EventFollower(transport, next_idx=0, on_event=lambda e: _record(event_log, store, e),
+                                   on_snapshot=store.replace),
+            worker=_worker(settings, node_id, local, requests, files, tracing, transport),
         )
-        self.node_id = NodeId("")
-        self.store = StateStore()
-        self.master: Master | None = None
-        self.streams: dict[CommandId, ChunkStream] = {}
-        self._local_seq = 0
-        self._loops = Loops("node")
-        self._reconcile_pending = False
-        self.api_port = settings.api_port
-        self._departed: dict[NodeId, DepartedPeer] = {}
-        self._peer_urls: dict[NodeId, str | None] = {}
-        self.event_log: EventLog | None = None
-        self.restart = RestartGate()
-        self.desired = DesiredStateFile(settings.home)
+        node._start()
+        return node
 
-    # -- NodeHandle -------------------------------------------------------------------------------
+    def _start(self) -> None:
+        """Subscriptions and reactions, in the order the old two-phase start had them."""
+        self.payloads.start()
+        self.follower.start()
+        self.membership.start()
+        self.elector.on_master_changed(self._on_master_changed)
+        self.membership.on_change(self._on_membership_change)
+        self.store.listen(self._on_state_change)
+
     @property
     def state(self) -> State:
         return self.store.state
 
-    @property
-    def master_id(self) -> NodeId | None:
-        return self.elector.master_id
-
     def send_command(self, command: Command) -> None:
-        send_command(self.transport, self.node_id, command, term=self.elector.term, master=self.elector.master_id)
+        _send(self.transport, self.node_id, self.elector, command)
 
-    async def wait_for_state(self, predicate: Any, timeout: float) -> bool:
-        return await self.store.wait_until(predicate, timeout)
-
-    def open_stream(self, command_id: CommandId) -> ChunkStream:
-        tap = self.event_log.append if self.event_log is not None else None
-        stream = ChunkStream(self.transport, command_id, tap)
-        self.streams[command_id] = stream
-        self.tracing.stream_opened(command_id)
-        return stream
-
-    def _publish_chunk(self, chunk: Chunk) -> None:
-        """A runner's chunk to its command's API node: straight into the stream when that is this node (a put and
-        a subscription on our own zenoh session cost ~40 % of a single node's CPU per token, which it took from
-        the runner on a 2-core machine), else over the data plane."""
-        stream = self.streams.get(chunk.command_id)
-        if stream is not None:
-            stream.inject(chunk)
-        else:
-            publish_chunk(self.transport, chunk)
-
-    def offer_payload(self, command_id: CommandId, params: TaskParams) -> None:
-        """Keep a request's prompt here, for the nodes that run it to fetch (never in state)."""
-        self.payloads.offer(command_id, params)
-
-    def close_stream(self, stream: ChunkStream) -> None:
-        self.payloads.withdraw(stream.command_id)
-        self.streams.pop(stream.command_id, None)
-        stream.close()
-        self.tracing.stream_closed(stream.command_id)
-
-    # -- DiagnosticsHandle ------------------------------------------------------------------------
-    @property
-    def supervisors(self) -> Mapping[RunnerId, RunnerSupervisor]:
-        worker = getattr(self, "worker", None)
-        return worker.supervisors if worker is not None else {}
-
-    @property
-    def tracing_enabled(self) -> bool:
-        return self.store.state.tracing_enabled is True
-
-    @property
-    def traces(self) -> TraceStore:
-        return self.tracing.store
-
-    @property
-    def departed_peers(self) -> Mapping[NodeId, DepartedPeer]:
-        cutoff = datetime.now(UTC) - DEPARTED_KEPT
-        return {n: d for n, d in self._departed.items() if d.left_at > cutoff}
+    def services(self) -> ApiServices:
+        """What the API reaches on this node."""
+        return ApiServices(
+            node_id=self.node_id, settings=self.settings, store=self.store, commands=self.send_command,
+            requests=self.requests, files=self.files, traces=self.tracing.store, event_log=self.event_log,
+            restart=self.restart, master=lambda: self.elector.master_id, runners=lambda: self.worker.supervisors,
+            departed=self.peers.departed, sealer=lambda: self.transport.sealer,
+            members=lambda: (self.membership.alive, self.membership.tokens),
+        )
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def run(self) -> None:
         """Run until SIGTERM/SIGINT. Every long-running loop lives in one TaskGroup: if any of them raises,
         the node logs it and exits non-zero rather than answering HTTP half-alive."""
-        self._open()
         try:
-            failed = await self._loops.run(self._serve)
+            failed = await self.loops.run(self._serve)
         finally:
             await self.shutdown()
         if failed:
             raise SystemExit(1)
-
-    def _open(self) -> None:
-        self._harden()
-        self.event_log = open_for(self.settings)
-        self.transport.open()
-        self.node_id = NodeId(self.transport.zenoh_id())
-        self.payloads = PayloadBook(self.transport, self.node_id)
-        self.payloads.start()
-        structured_log.install(self.settings.logging, self.node_id)
-        self.tracing = NodeTracing(self.settings.home, self.node_id, lambda: self.store.state,
-                                   self.settings.tracing.retention_days)
-        log.info("node %s starting (cluster %r)", self.node_id, self.settings.cluster)
-        self.membership = Membership(self.transport, self.node_id)
-        self.follower = EventFollower(
-            self.transport, next_idx=0, on_event=self._on_event, on_snapshot=self.store.replace
-        )
-        self.follower.start()
-        self.membership.start()
-        self.elector = Elector(
-            self.transport,
-            self.membership,
-            self.node_id,
-            joined_at=time.time(),
-            rejoin_wait_s=self.settings.rejoin_wait_seconds,
-            applied_idx=lambda: self.store.state.last_event_applied_idx,
-        )
-        self.elector.on_master_changed(self._on_master_changed)
-        self.membership.on_change(self._on_membership_change)
-        self.files = ModelFiles(self.settings, self.emit_local)
-        load_custom_cards(self.settings.home / "cards")
-        self.worker = Worker(
-            self.node_id,
-            emit=self.emit_local,
-            publish=self._publish_chunk,
-            model_dir_for=self.files.model_dir_for,
-            warmup_deadline_s=self.settings.warmup_deadline_seconds,
-            group_timeout_s=self.settings.group_timeout_seconds,
-            prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
-            fault=self.settings.fault,
-            record=recording_enabled(self.settings.flight_recorder),
-            runner_restart_budget=self.settings.runner_restart_budget,
-            runner_restart_window_s=self.settings.runner_restart_window_seconds,
-            runner_hung_s=self.settings.runner_hung_seconds,
-            on_spans=self.tracing.on_spans,
-            payloads=PayloadFetcher(self.transport),
-        )
-        self.store.listen(self._on_state_change)
 
     async def _serve(self) -> None:
         self._spawn(self.elector.run())
@@ -258,13 +217,7 @@ class Node:
         ends with one retryable error event, before uvicorn's graceful shutdown (2 s) would cut its connection
         and leave its client reading a broken stream."""
         server.should_exit = True
-        asyncio.get_running_loop().call_later(STREAM_GRACE_S, self._end_streams)
-
-    def _end_streams(self) -> None:
-        for stream in list(self.streams.values()):
-            stream.inject(ErrorChunk(command_id=stream.command_id, message="this node is shutting down; retry the "
-                                     "request (another node, or this one once it is back)",
-                                     code=ErrorCode.node_shutting_down))
+        asyncio.get_running_loop().call_later(STREAM_GRACE_S, self.requests.react, self.store.state, ShuttingDown())
 
     async def _join(self) -> None:
         """Wait for a master and, as a follower, its snapshot; a slow cluster delays the start, never kills it."""
@@ -280,29 +233,12 @@ class Node:
             except Exception as exc:  # a master change mid-catch-up: the resync that follows repairs it
                 log.warning("catching up with the master failed (%s); following its events from here", exc)
 
-    def _harden(self) -> None:
-        """Before anything listens: enough descriptors for many clients, and the secret of internal calls."""
-        soft, _ = raise_open_file_limit()
-        internal_auth.configure(self.settings.cluster_key, self.settings.admin_keys)
-        redact.register([self.settings.cluster_key, self.settings.hf_token, *self.settings.api_keys,
-                         *self.settings.admin_keys])
-        log.info("open-file limit %d; API keys %s", soft, "on" if self.settings.api_keys or self.settings.admin_keys
-                 else "off (anyone who can reach the API may use it)")
-        if self.settings.cluster_key is None and reachable_beyond_loopback(self.settings.api_host,
-                                                                           self.settings.zenoh_listen):
-            log.warning("no cluster key: any host on this network can read prompts and tokens and send commands; "
-                        "run `skulk keygen` and start every node with its --cluster-key")
-
     def _spawn(self, coro: Any) -> asyncio.Task[Any] | None:
-        return self._loops.spawn(coro)
+        return self.loops.spawn(coro)
 
     def _api_server(self) -> uvicorn.Server:
-        app = create_app(self)
-        app.include_router(sealing_router(lambda: self.transport.sealer, self.settings.api_host,
-                                          self.settings.zenoh_listen,
-                                          lambda: (self.membership.alive, self.membership.tokens)))
         config = uvicorn.Config(
-            app,
+            create_app(self.services()),
             host=self.settings.api_host,
             port=self.settings.api_port,
             log_level="warning",
@@ -335,8 +271,8 @@ class Node:
         await self.files.stop()
         if self.master is not None:
             self.master.stop()
-        self._loops.cancel_all()
-        await self._loops.wait_cancelled()
+        self.loops.cancel_all()
+        await self.loops.wait_cancelled()
         self.elector.stop()
         self.follower.stop()
         self.membership.stop()
@@ -346,30 +282,13 @@ class Node:
             self.event_log.close()
 
     # -- cluster reactions ------------------------------------------------------------------------
-    def emit_local(self, event: Event) -> None:
-        self._local_seq += 1
-        send_local_event(self.transport, LocalEvent(origin=self.node_id, seq=self._local_seq, event=event,
-                                                    term=self.elector.term, master=self.elector.master_id))
-
-    def _on_event(self, indexed: IndexedEvent) -> None:
-        if self.event_log is not None:
-            self.event_log.append(indexed)
-        self.store.apply(indexed)
-
     def _on_master_changed(self, master: NodeId | None, term: int) -> None:
         """A new (master, term), or None when this node stepped down after a freeze: the old session's
         streams end with a retryable error, and this node follows only the new master's events from here,
         rebuilding from its snapshot (never a mix of two masters' events)."""
         if master is None:
             log.warning("node %s has no master while it rejoins the cluster", self.node_id[:8])
-        for stream in list(self.streams.values()):
-            stream.inject(
-                ErrorChunk(
-                    command_id=stream.command_id,
-                    message=session_changed_message(master or NodeId("none"), term),
-                    code=ErrorCode.session_changed,
-                )
-            )
+        self.requests.react(self.store.state, MasterChanged(master, term))
         self.follower.follow(master, term)
         if self.master is not None and (master != self.node_id or term != self.master.term):
             self.master.stop()
@@ -399,9 +318,9 @@ class Node:
         until the runner's next change. A failure is not restated (it was answered, or its retry counted)."""
         if self.elector.term != term or self.elector.master_id is None:
             return
-        for runner_id, supervisor in self.supervisors.items():
+        for runner_id, supervisor in self.worker.supervisors.items():
             if not isinstance(supervisor.view.status, RunnerFailed):
-                self.emit_local(RunnerStatusUpdated(runner_id=runner_id, runner_status=supervisor.view.status))
+                self.local.emit(RunnerStatusUpdated(runner_id=runner_id, runner_status=supervisor.view.status))
 
     async def _resync(self) -> None:
         try:
@@ -412,38 +331,18 @@ class Node:
     def _on_membership_change(self, node: NodeId, alive: bool) -> None:
         if node != self.node_id:
             log.info("node %s %s", node[:8], "joined" if alive else "left (liveliness token gone or lease expired)")
-        if alive:
-            self._departed.pop(node, None)
-        else:
-            self._depart(node)
+        self.peers.membership_changed(node, alive)
         if not alive and self.master is not None:
             self.master.on_node_lost(node)
 
-    def _depart(self, node: NodeId) -> None:
-        """Diagnostics keep listing a peer that left (ok: false, since when) at the address it last had: the
-        master's NodeTimedOut may remove it from state before this node's own lease on it runs out."""
-        if node in self._peer_urls and node not in self._departed:
-            self._departed[node] = DepartedPeer(url=self._peer_urls[node], left_at=datetime.now(UTC))
-
-    def _remember_peer(self, state: State, event: Event | None) -> None:
-        if event is None:  # a snapshot: every peer it knows
-            ours = local_addresses()
-            for node in state.node_api_ports:
-                if node != self.node_id:
-                    self._peer_urls[node] = peer_url(state, self.node_id, node, ours)
-        elif isinstance(event, NodeGatheredInfo) and event.node_id != self.node_id:
-            self._peer_urls[event.node_id] = peer_url(state, self.node_id, event.node_id, local_addresses())
-        elif isinstance(event, NodeTimedOut):
-            self._depart(event.node_id)
-
     def _on_state_change(self, state: State, indexed: IndexedEvent | None) -> None:
         self.desired.observe(state)
-        self._remember_peer(state, indexed.event if indexed is not None else None)
+        self.peers.remember(state, indexed.event if indexed is not None else None)
         if indexed is None or isinstance(indexed.event, ModelCardAdded):
             for card in state.model_cards.values():
                 know_card(card)
         if indexed is not None:
-            self._fail_streams_of(state, indexed.event)
+            self.requests.react(state, indexed.event)
             if isinstance(indexed.event, NodeRestartRequested) and indexed.event.node_id == self.node_id:
                 self.restart.request("RestartNode command")
         if not self._reconcile_pending:
@@ -457,19 +356,6 @@ class Node:
             self.files.reconcile(self.store.state)
         self.worker.reconcile(startable(self.store.state))
 
-    def _fail_streams_of(self, state: State, event: Event) -> None:
-        """Infrastructure failures (lost node, new session) reach open streams through state, not tokens."""
-        if isinstance(event, TaskFailed) and event.retryable:
-            reason, code = event.error_message, ErrorCode.task_failed
-        elif isinstance(event, TaskStatusUpdated) and event.task_status == TaskStatus.Cancelled:
-            reason, code = "the request was cancelled", ErrorCode.cancelled
-        else:
-            return
-        task = state.tasks.get(event.task_id)
-        stream = self.streams.get(task.command_id) if task else None
-        if stream is not None:
-            stream.inject(ErrorChunk(command_id=stream.command_id, message=reason, code=code))
-
     # -- this node's facts ------------------------------------------------------------------------
     async def _gather_info_forever(self) -> None:
         last: node_info.NodeInfo | None = None
@@ -482,7 +368,7 @@ class Node:
                 api_port=self.api_port,
             )
             if node_info.differs(last, info) or time.monotonic() - last_sent > INFO_HEARTBEAT_S:
-                self.emit_local(NodeGatheredInfo(node_id=self.node_id, info=info, when=datetime.now(UTC)))
+                self.local.emit(NodeGatheredInfo(node_id=self.node_id, info=info, when=datetime.now(UTC)))
                 last, last_sent = info, time.monotonic()
             await asyncio.sleep(INFO_EVERY_S)
 
@@ -492,7 +378,7 @@ class Node:
                 state = self.store.state
                 reachable = await topology.probe(client, state, self.node_id)
                 for event in topology.edge_events(self.store.state, self.node_id, reachable):
-                    self.emit_local(event)
+                    self.local.emit(event)
                 await asyncio.sleep(TOPOLOGY_EVERY_S)
 
     async def _serve_store(self) -> None:
@@ -536,8 +422,57 @@ class _ApiServer(uvicorn.Server):
         yield
 
 
+def _send(transport: Transport, node_id: NodeId, elector: Elector, command: Command) -> None:
+    """A command to the master of the term this node is in."""
+    send_command(transport, node_id, command, term=elector.term, master=elector.master_id)
+
+
+def _record(event_log: EventLog | None, store: StateStore, indexed: IndexedEvent) -> None:
+    """A master's event: into this node's event log, then applied."""
+    if event_log is not None:
+        event_log.append(indexed)
+    store.apply(indexed)
+
+
+def _worker(settings: Settings, node_id: NodeId, local: LocalEvents, requests: Requests, files: ModelFiles,
+            tracing: NodeTracing, transport: Transport) -> Worker:
+    return Worker(
+        node_id,
+        emit=local.emit,
+        publish=requests.deliver,
+        model_dir_for=files.model_dir_for,
+        warmup_deadline_s=settings.warmup_deadline_seconds,
+        group_timeout_s=settings.group_timeout_seconds,
+        prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        fault=settings.fault,
+        record=recording_enabled(settings.flight_recorder),
+        runner_restart_budget=settings.runner_restart_budget,
+        runner_restart_window_s=settings.runner_restart_window_seconds,
+        runner_hung_s=settings.runner_hung_seconds,
+        on_spans=tracing.on_spans,
+        payloads=PayloadFetcher(transport),
+    )
+
+
+def _harden(settings: Settings) -> None:
+    """Before anything listens: enough descriptors for many clients, and the secret of internal calls."""
+    soft, _ = raise_open_file_limit()
+    internal_auth.configure(settings.cluster_key, settings.admin_keys)
+    redact.register([settings.cluster_key, settings.hf_token, *settings.api_keys, *settings.admin_keys])
+    log.info("open-file limit %d; API keys %s", soft, "on" if settings.api_keys or settings.admin_keys
+             else "off (anyone who can reach the API may use it)")
+    if settings.cluster_key is None and reachable_beyond_loopback(settings.api_host, settings.zenoh_listen):
+        log.warning("no cluster key: any host on this network can read prompts and tokens and send commands; "
+                    "run `skulk keygen` and start every node with its --cluster-key")
+
+
+async def _open_and_run(settings: Settings) -> Node:
+    node = await Node.open(settings)
+    await node.run()
+    return node
+
+
 def run_node(settings: Settings) -> None:
-    node = Node(settings)
-    asyncio.run(node.run())
+    node = asyncio.run(_open_and_run(settings))
     if node.restart.pending:  # POST /admin/restart: everything is stopped; the same pid runs afresh
         exec_self()

@@ -15,20 +15,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import pytest
 import uvicorn
 
 from skulk.api.app import create_app
-from skulk.api.diagnostics import DiagnosticsHandle
 from skulk.config import Settings
 from skulk.testing.nodes import LocalNode, free_port
 from skulk.testing.streams import StreamProbe, chat_body
 from skulk.types.ids import NodeId
 
-from ..unit.diagnostics_fakes import FakeNode, cluster_state
+from ..unit.diagnostics_fakes import cluster_state
+from ..unit.factories import api_services
 from .harness import Cluster, instance_ready, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -376,9 +376,8 @@ def api_with_keys(tmp_path: Path) -> Iterator[str]:
     """A node's real app (security middleware included) with an inference key, over a fake two-node state."""
     settings = Settings(config=tmp_path / "skulk.yaml", home=tmp_path, api_keys=["user-key"], admin_keys=["root"])
     master = NodeId("n1")
-    node = FakeNode(node_id=master, state=cluster_state(("n1", "n2"), master=master), master_id=master,
-                    settings=settings)
-    app = create_app(cast(DiagnosticsHandle, node))  # the fake has what the routes read
+    app = create_app(api_services(cluster_state(("n1", "n2"), master=master), node_id=master, master=master,
+                                  settings=settings, home=tmp_path))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, name="keyed-api", daemon=True)
     thread.start()

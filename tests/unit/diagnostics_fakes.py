@@ -119,7 +119,7 @@ def cluster_state(nodes: tuple[str, ...] = ("n1", "n2"), master: str = "n1") -> 
 
 @dataclass
 class FakeNode:
-    """Satisfies DiagnosticsHandle for the parts the diagnostics code touches."""
+    """Satisfies diagnostics.node_bundle.BundleSource for the parts the diagnostics code touches."""
 
     node_id: NodeId
     state: State

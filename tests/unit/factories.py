@@ -1,8 +1,23 @@
-"""Small builders for states and instances used across unit tests."""
+"""Small builders for states, instances and the API's services used across unit tests."""
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+from skulk.api.requests import Requests
+from skulk.api.services import ApiServices
+from skulk.cluster.payloads import PayloadBook
+from skulk.cluster.transport import Transport
+from skulk.config import Settings
+from skulk.restart import RestartGate
 from skulk.state.apply import apply
+from skulk.state.store import StateStore
+from skulk.store.service import ModelFiles
+from skulk.tracing.store import TraceStore
+from skulk.types.commands import Command
 from skulk.types.events import Event, IndexedEvent
 from skulk.types.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance, ShardAssignments
@@ -61,3 +76,54 @@ def applied(*events: Event, state: State | None = None) -> State:
     for event in events:
         state = apply(state, IndexedEvent(idx=state.last_event_applied_idx + 1, event=event))
     return state
+
+
+class QuietTransport:
+    """A transport for an API built in-process: subscriptions that hear nothing, puts and queries that reach no
+    one. A stream over it times out like one whose runner never answers."""
+
+    sealer = None
+
+    def __init__(self) -> None:
+        self.puts: list[tuple[str, bytes]] = []
+
+    def subscribe(self, key: str, callback: Callable[[str, bytes], None]) -> object:
+        return object()
+
+    def undeclare(self, subscription: object) -> None:
+        pass
+
+    def put(self, key: str, payload: bytes) -> None:
+        self.puts.append((key, payload))
+
+    def serve(self, key: str, answer: Callable[[str, str], bytes | None]) -> None:
+        pass
+
+
+def api_services(
+    state: State | None = None,
+    *,
+    node_id: str = "n1",
+    master: str | None = "n1",
+    settings: Settings | None = None,
+    commands: Callable[[Command], None] | None = None,
+    runners: Mapping[RunnerId, Any] | None = None,
+    departed: Mapping[NodeId, Any] | None = None,
+    home: Path | None = None,
+) -> ApiServices:
+    """The ApiServices a node builds, over a fixed state and in-process components: what create_app and every
+    router take in tests too."""
+    home = home or Path(tempfile.mkdtemp(prefix="skulk-api-"))
+    settings = settings or Settings(config=home / "skulk.yaml", home=home)
+    store = StateStore(state or State())
+    sent: list[Command] = []
+    send = commands or sent.append
+    transport = cast(Transport, QuietTransport())
+    payloads = PayloadBook(transport, NodeId(node_id))
+    return ApiServices(
+        node_id=NodeId(node_id), settings=settings, store=store, commands=send,
+        requests=Requests(transport, payloads, send), files=ModelFiles(settings, lambda _: None),
+        traces=TraceStore(home / "traces", node_id), event_log=None, restart=RestartGate(),
+        master=lambda: NodeId(master) if master else None, runners=lambda: runners or {},
+        departed=lambda: departed or {}, sealer=lambda: None, members=lambda: (frozenset(), frozenset()),
+    )

@@ -9,12 +9,13 @@ from fastapi.testclient import TestClient
 
 from skulk.api.diagnostics import diagnostics_router
 from skulk.api.errors import install_error_handlers
+from skulk.api.services import ApiServices
 from skulk.types.ids import NodeId, RunnerId
 from skulk.types.node_info import Connection, Topology
 
 from . import seed_fields as seeds
-from .diagnostics_fakes import FakeNode, busy_supervisor, cluster_state
-from .factories import instance
+from .diagnostics_fakes import busy_supervisor, cluster_state
+from .factories import api_services, instance
 
 
 def _closed_port() -> int:
@@ -23,7 +24,7 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def _client() -> tuple[TestClient, FakeNode]:
+def _client() -> tuple[TestClient, ApiServices]:
     state = cluster_state()
     edge = Connection(source=NodeId("n1"), sink=NodeId("n2"), sink_address="127.0.0.1")
     ports = {NodeId("n1"): 52415, NodeId("n2"): _closed_port()}
@@ -34,10 +35,10 @@ def _client() -> tuple[TestClient, FakeNode]:
         }
     )
     sup = busy_supervisor(instance("inst", ("n1", "n2")), "n1", "decode_stream", 2.0)
-    node = FakeNode(NodeId("n1"), state, NodeId("n1"), {sup.spec.runner_id: sup})
+    node = api_services(state, node_id="n1", master="n1", runners={sup.spec.runner_id: sup})
     app = FastAPI()
     install_error_handlers(app)
-    app.include_router(diagnostics_router(node, peer_timeout_s=1.0))  # type: ignore[arg-type]
+    app.include_router(diagnostics_router(node, peer_timeout_s=1.0))
     return TestClient(app), node
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from datetime import UTC, datetime
 
 import pytest
@@ -12,11 +10,9 @@ from fastapi.testclient import TestClient
 
 from skulk.api import control
 from skulk.api.errors import install_error_handlers
-from skulk.config import Settings
 from skulk.master import commands
 from skulk.master.reconcile import Ids
 from skulk.models.cards import get_card
-from skulk.state.store import StateStore
 from skulk.types.commands import Command, PlaceInstance
 from skulk.types.events import IndexedEvent, NodeGatheredInfo, TopologyEdgeCreated
 from skulk.types.ids import NodeId
@@ -24,49 +20,24 @@ from skulk.types.memory import Memory
 from skulk.types.node_info import Connection, MemoryUsage, NodeInfo
 from skulk.types.state import State
 
-from .factories import applied
+from .factories import api_services, applied
 
 ME, PEER = NodeId("me"), NodeId("peer")
 
 
 class FakeNode:
+    """A one-node cluster's API: the master's own decision on a placement is applied at once."""
+
     def __init__(self, state: State) -> None:
-        self.node_id = ME
-        self.settings = Settings()
-        self.store = StateStore(state)
         self.sent: list[Command] = []
+        self.services = api_services(state, node_id=ME, master=ME, commands=self._send)
 
-    @property
-    def state(self) -> State:
-        return self.store.state
-
-    @property
-    def master_id(self) -> NodeId:
-        return ME
-
-    def send_command(self, command: Command) -> None:
-        """The master's own decision, applied at once, as a one-node cluster would."""
+    def _send(self, command: Command) -> None:
         self.sent.append(command)
         if isinstance(command, PlaceInstance):
-            for event in commands.place_instance(self.state, command, get_card, Ids()):
-                self.store.apply(IndexedEvent(idx=self.store.next_idx, event=event))
-
-    async def wait_for_state(self, predicate: Callable[[State], bool], timeout: float) -> bool:
-        return await self.store.wait_until(predicate, timeout)
-
-    def open_stream(self, command_id: str) -> SilentStream:
-        return SilentStream()
-
-    def close_stream(self, stream: object) -> None:
-        pass
-
-
-class SilentStream:
-    """A data key on which the master never refuses anything."""
-
-    async def next(self, timeout: float | None = None) -> None:
-        await asyncio.sleep(timeout or 0)
-        raise TimeoutError
+            store = self.services.store
+            for event in commands.place_instance(store.state, command, get_card, Ids()):
+                store.apply(IndexedEvent(idx=store.next_idx, event=event))
 
 
 def _info(node: NodeId, memory: bool) -> NodeGatheredInfo:
@@ -77,7 +48,7 @@ def _info(node: NodeId, memory: bool) -> NodeGatheredInfo:
 def _client(node: FakeNode) -> TestClient:
     app = FastAPI()
     install_error_handlers(app)
-    app.include_router(control.control_router(node))  # type: ignore[arg-type]
+    app.include_router(control.control_router(node.services))
     return TestClient(app)
 
 

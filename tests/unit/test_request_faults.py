@@ -18,6 +18,8 @@ from skulk.models.demo import ensure_demo_model
 from skulk.runner.fault import CrashFault, InjectedFault, PoisonHook, RaiseFault, parse_fault
 from skulk.types.chat import SamplingParams
 
+from .factories import api_services
+
 pytestmark = pytest.mark.timeout(120)
 
 GOOD = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -27,7 +29,7 @@ GOOD = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 def api() -> TestClient:
     app = FastAPI()
     install_error_handlers(app)
-    app.include_router(openai_router(object()))  # type: ignore[arg-type]  # validation answers before the node
+    app.include_router(openai_router(api_services()))  # validation answers before the node is asked anything
     return TestClient(app)
 
 
@@ -136,7 +138,6 @@ def test_crash_fault_exits_the_process_on_a_poisoned_request(monkeypatch: pytest
 
 
 def test_top_k_above_the_models_vocabulary_is_422_naming_the_vocabulary() -> None:
-    from types import SimpleNamespace
 
     from skulk.types.events import InstanceCreated
     from skulk.types.ids import ModelId
@@ -150,10 +151,10 @@ def test_top_k_above_the_models_vocabulary_is_422_naming_the_vocabulary() -> Non
             )
         }
     )
-    node = SimpleNamespace(state=applied(InstanceCreated(instance=demo)))
+    node = api_services(applied(InstanceCreated(instance=demo)))
     app = FastAPI()
     install_error_handlers(app)
-    app.include_router(openai_router(node))  # type: ignore[arg-type]
+    app.include_router(openai_router(node))
     body = {**GOOD, "model": "skulk/tiny-random-llama", "top_k": 261}
     reply = TestClient(app).post("/v1/chat/completions", json=body)
     assert reply.status_code == 422, reply.text

@@ -1,1 +1,1 @@
-"""HTTP API: one router per concern, all talking to the node through NodeHandle."""
+"""HTTP API: one router per concern, all talking to the node through ApiServices."""

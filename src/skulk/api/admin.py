@@ -6,24 +6,19 @@ Admin scope: with API keys configured, every route outside the inference list ne
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.diagnostics.cluster import known_peers
-from skulk.restart import RestartGate
 from skulk.types.commands import RestartNode
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, NodeId, new_id
 
 
-class AdminHandle(NodeHandle, Protocol):
-    restart: RestartGate
-
-
-def admin_router(node: AdminHandle) -> APIRouter:
+def admin_router(node: ApiServices) -> APIRouter:
     router = APIRouter(prefix="/admin", tags=["admin"])
 
     @router.post("/restart", response_model=None)

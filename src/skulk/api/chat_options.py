@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.models.cards import get_card
 from skulk.types.chat import ChatCompletionRequest, ChatMessage, ToolCall
 from skulk.types.errors import ApiError, ErrorCode
@@ -102,7 +102,7 @@ def unmet_tool_choice(forced: str | None, calls: list[ToolCall]) -> str | None:
     return None
 
 
-def tool_family(node: NodeHandle, request: ChatCompletionRequest) -> str | None:
+def tool_family(node: ApiServices, request: ChatCompletionRequest) -> str | None:
     """The model family whose tool-call format the reply is parsed with; None when no tools are offered."""
     if not request.tools or request.tool_choice == "none":
         return None

@@ -1,31 +1,30 @@
-"""One chat request's life on the API node: send the command, read its chunks, cancel if abandoned."""
+"""One chat request on the API node: vet it, start it through Requests, read its text, cancel it if abandoned."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from skulk.api.handle import NodeHandle
 from skulk.api.model_kinds import refuse_embedding_model
+from skulk.api.requests import FIRST_CHUNK_TIMEOUT_S, NEXT_CHUNK_TIMEOUT_S, Silent, WrongKind, stream_error
 from skulk.api.security import OWNERS
+from skulk.api.services import ApiServices
 from skulk.cluster.dataplane import ChunkStream
 from skulk.master.decide import failed_for_good, instance_failed_message
 from skulk.models.cards import get_card
 from skulk.types.chat import ChatCompletionRequest
-from skulk.types.chunks import Chunk, EmbeddingChunk, ErrorChunk, TokenChunk
-from skulk.types.commands import CancelCommand, StartChatCompletion
+from skulk.types.chunks import EmbeddingChunk, ErrorChunk, TokenChunk
+from skulk.types.commands import StartChatCompletion
 from skulk.types.errors import VALIDATION_STATUS, ApiError, ErrorCode
 from skulk.types.ids import CommandId, ModelId, new_id
 from skulk.types.tasks import ChatCompletionTaskParams
 
-FIRST_CHUNK_TIMEOUT_S = 120.0
-NEXT_CHUNK_TIMEOUT_S = 300.0
-
 
 class ChatSession:
-    def __init__(self, node: NodeHandle, stream: ChunkStream, first: TokenChunk) -> None:
+    def __init__(self, node: ApiServices, stream: ChunkStream, first: TokenChunk, model: str) -> None:
         self.node = node
         self.stream = stream
         self.first = first
+        self.model = model
         self.finished = False
 
     @property
@@ -41,35 +40,37 @@ class ChatSession:
                 if isinstance(chunk, ErrorChunk) or chunk.finish_reason is not None:
                     self.finished = True
                     return
-                try:
-                    chunk = text_chunk(await self.stream.next(NEXT_CHUNK_TIMEOUT_S))
-                except TimeoutError:
-                    chunk = ErrorChunk(
-                        command_id=self.command_id,
-                        message=f"no token for {NEXT_CHUNK_TIMEOUT_S:.0f} s; retry the request",
-                        code=ErrorCode.timeout,
-                    )
+                chunk = await next_text(self.node, self.stream, self.model, first=False)
         finally:
             self.close()
 
     def close(self) -> None:
-        if not self.finished:
+        if self.finished:
+            self.node.requests.close(self.stream)
+        else:
             self.finished = True
-            self.node.send_command(
-                CancelCommand(command_id=CommandId(new_id()), target_command_id=self.command_id)
-            )
-        self.node.close_stream(self.stream)
+            self.node.requests.cancel(self.stream)
 
 
-def text_chunk(chunk: Chunk) -> TokenChunk | ErrorChunk:
-    """A chat reads text: vectors on its key (a runner that embedded instead) end it as an error."""
+async def next_text(node: ApiServices, stream: ChunkStream, model: str, *, first: bool) -> TokenChunk | ErrorChunk:
+    """The stream's next chunk as a chat reads it: text, or the error a silence or a chunk of vectors means."""
+    waited = FIRST_CHUNK_TIMEOUT_S if first else NEXT_CHUNK_TIMEOUT_S
+    try:
+        chunk = await stream.next(waited)
+    except TimeoutError:
+        return _error(node, stream, Silent(model=model, first=first, waited_s=waited))
     if isinstance(chunk, EmbeddingChunk):
-        return ErrorChunk(command_id=chunk.command_id, message="the instance answered with embeddings, not text",
-                          code=ErrorCode.internal_error)
+        return _error(node, stream, WrongKind(wanted="text"))
     return chunk
 
 
-def require_instance(node: NodeHandle, model: str) -> None:
+def _error(node: ApiServices, stream: ChunkStream, happening: Silent | WrongKind) -> ErrorChunk:
+    error = stream_error(node.state, happening, stream.command_id)
+    assert error is not None, "a silence or a wrong chunk always ends the stream"
+    return error.chunk(stream.command_id)
+
+
+def require_instance(node: ApiServices, model: str) -> None:
     """404 without an instance; 503 at once when every instance of the model failed for good (it would
     otherwise wait FIRST_CHUNK_TIMEOUT_S for a runner that is not coming back)."""
     state = node.state
@@ -83,7 +84,7 @@ def require_instance(node: NodeHandle, model: str) -> None:
         raise ApiError(ErrorCode.instance_failed, instance_failed_message(instance_id, why))
 
 
-def check_top_k(node: NodeHandle, request: ChatCompletionRequest) -> None:
+def check_top_k(node: ApiServices, request: ChatCompletionRequest) -> None:
     """top_k is bounded by the model's vocabulary where its card knows it (422, like every other bound)."""
     card = get_card(request.model) or node.state.model_cards.get(ModelId(request.model))
     vocab = card.vocab_size if card is not None else None
@@ -93,37 +94,24 @@ def check_top_k(node: NodeHandle, request: ChatCompletionRequest) -> None:
                        f"got {request.top_k}", status=VALIDATION_STATUS)
 
 
-async def start_chat(node: NodeHandle, request: ChatCompletionRequest) -> ChatSession:
+async def start_chat(node: ApiServices, request: ChatCompletionRequest) -> ChatSession:
     """Raises ApiError with the runner's status (e.g. 400 context_length_exceeded) before anything streams."""
     refuse_embedding_model(node, request.model)
     require_instance(node, request.model)
     check_top_k(node, request)
     command_id = CommandId(new_id())
     OWNERS.claim(command_id)  # only this key (or an admin) may cancel it by id
-    stream = node.open_stream(command_id)
     params = ChatCompletionTaskParams(model=ModelId(request.model), messages=request.messages,
                                       sampling=request.sampling(), tools=request.tool_specs())
-    node.offer_payload(command_id, params)  # the prompt stays here; runners fetch it point to point
+    stream = node.requests.open(command_id, params)  # the prompt stays here; runners fetch it point to point
     node.send_command(StartChatCompletion(command_id=command_id, model=ModelId(request.model),
                                           origin_node_id=node.node_id))
     try:
-        first = text_chunk(await stream.next(FIRST_CHUNK_TIMEOUT_S))
-    except TimeoutError:
-        first = ErrorChunk(
-            command_id=command_id,
-            message=f"the instance for {request.model} produced nothing in {FIRST_CHUNK_TIMEOUT_S:.0f} s; "
-            "it may still be loading, retry shortly",
-            code=ErrorCode.instance_not_ready,
-        )
+        first = await next_text(node, stream, request.model, first=True)
     except BaseException:
-        _abandon(node, stream)
+        node.requests.cancel(stream)
         raise
     if isinstance(first, ErrorChunk):
-        _abandon(node, stream)
+        node.requests.cancel(stream)
         raise ApiError(first.code, first.message, status=first.status)
-    return ChatSession(node, stream, first)
-
-
-def _abandon(node: NodeHandle, stream: ChunkStream) -> None:
-    node.send_command(CancelCommand(command_id=CommandId(new_id()), target_command_id=stream.command_id))
-    node.close_stream(stream)
+    return ChatSession(node, stream, first, request.model)

@@ -27,7 +27,7 @@ from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import claude_error, claude_error_body
 from skulk.api.generation import GenerationFailed, collect, deltas
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.api.tokens import count_chat_tokens
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.types.chat import ChatCompletionRequest, ToolCall
@@ -148,7 +148,7 @@ async def _events(
     yield _sse("message_stop", {})
 
 
-async def _complete(node: NodeHandle, body: ClaudeRequest) -> JSONResponse:
+async def _complete(node: ApiServices, body: ClaudeRequest) -> JSONResponse:
     chat = to_chat_request(body)
     session = await start_chat(node, chat)
     try:
@@ -167,7 +167,7 @@ async def _complete(node: NodeHandle, body: ClaudeRequest) -> JSONResponse:
     return JSONResponse(_message(f"msg_{session.command_id}", body.model, content, stop, usage))
 
 
-def claude_router(node: NodeHandle) -> APIRouter:
+def claude_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["claude"])
 
     @router.post("/v1/messages", response_model=None)

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Body
 from pydantic import ValidationError
 
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.config import ConfigError, Settings, describe_error, yaml_values
 from skulk.types.errors import ApiError, ErrorCode
 
@@ -49,7 +49,7 @@ def _current_file(settings: Settings) -> dict[str, Any]:
         raise ApiError(ErrorCode.config_unreadable, f"{exc}; fix skulk.yaml by hand") from exc
 
 
-def config_router(node: NodeHandle) -> APIRouter:
+def config_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["config"])
 
     @router.get("/config")

@@ -10,9 +10,9 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from skulk.api.handle import NodeHandle
 from skulk.api.previews import skulk_previews
 from skulk.api.security import OWNERS
+from skulk.api.services import ApiServices
 from skulk.master.engine_choice import instance_engine_error
 from skulk.master.placement import place
 from skulk.models.cards import get_card, with_quantization
@@ -98,7 +98,7 @@ def _still_arriving(state: State, me: NodeId, outcome: MlxRingInstance | Placeme
     return isinstance(outcome, InfoPending) or (isinstance(outcome, NoConnectedCycle) and edges_pending(state))
 
 
-async def place_with_grace(node: NodeHandle, request: PlaceInstanceRequest) -> MlxRingInstance:
+async def place_with_grace(node: ApiServices, request: PlaceInstanceRequest) -> MlxRingInstance:
     """Right after formation node info and edges are still arriving: wait for them rather than refuse falsely."""
     card = card_for(request)
     outcome = plan_instance(node.state, request, card)
@@ -115,7 +115,7 @@ async def place_with_grace(node: NodeHandle, request: PlaceInstanceRequest) -> M
 
 
 async def place_on_master(
-    node: NodeHandle, request: PlaceInstanceRequest, planned: MlxRingInstance, command_id: CommandId
+    node: ApiServices, request: PlaceInstanceRequest, planned: MlxRingInstance, command_id: CommandId
 ) -> MlxRingInstance:
     """The API's own plan only vets the request (typed errors, the info grace); the master decides, against
     the instances it already committed, and answers with the instance in state or a refusal on our data key."""
@@ -133,9 +133,9 @@ async def place_on_master(
     return await send_and_await_instance(node, command, planned.instance_id)
 
 
-async def send_and_await_instance(node: NodeHandle, command: Command, instance_id: InstanceId) -> MlxRingInstance:
+async def send_and_await_instance(node: ApiServices, command: Command, instance_id: InstanceId) -> MlxRingInstance:
     """Send a placing command; the instance once it is in state, or the master's refusal as an ApiError."""
-    stream = node.open_stream(command.command_id)
+    stream = node.requests.open(command.command_id)
     try:
         node.send_command(command)
         placed = asyncio.ensure_future(
@@ -146,7 +146,7 @@ async def send_and_await_instance(node: NodeHandle, command: Command, instance_i
         for task in pending:
             task.cancel()
     finally:
-        node.close_stream(stream)
+        node.requests.close(stream)
     instance = node.state.instances.get(instance_id)
     if instance is not None:
         return instance
@@ -158,7 +158,7 @@ async def send_and_await_instance(node: NodeHandle, command: Command, instance_i
                    "the master did not confirm the placement in time; GET /state, then retry")
 
 
-def control_router(node: NodeHandle) -> APIRouter:
+def control_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["control"])
 
     @router.post("/place_instance")

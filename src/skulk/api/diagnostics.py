@@ -5,42 +5,26 @@ Read-only except for cancel, which only asks a local runner to stop its task; th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import APIRouter
 
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.diagnostics.clock import utc_now
 from skulk.diagnostics.cluster import (
     DEFAULT_PEER_TIMEOUT_S,
-    DepartedPeer,
     collect_cluster,
     fetch_peers,
     known_peers,
 )
 from skulk.diagnostics.node_bundle import collect_node_bundle
-from skulk.diagnostics.supervisor_view import SupervisorLike
 from skulk.diagnostics.timeline import merge_timeline
 from skulk.types.diagnostics_bundle import ClusterDiagnostics
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import NodeId, RunnerId
 
 
-class DiagnosticsHandle(NodeHandle, Protocol):
-    """NodeHandle plus the node-local, never-gossiped facts that diagnostics expose."""
-
-    @property
-    def supervisors(self) -> Mapping[RunnerId, SupervisorLike]: ...
-
-    @property
-    def tracing_enabled(self) -> bool: ...
-
-    @property
-    def departed_peers(self) -> Mapping[NodeId, DepartedPeer]: ...
-
-
-def diagnostics_router(node: DiagnosticsHandle, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S) -> APIRouter:
+def diagnostics_router(node: ApiServices, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S) -> APIRouter:
     router = APIRouter(prefix="/v1/diagnostics", tags=["diagnostics"])
 
     async def cluster() -> ClusterDiagnostics:

@@ -22,14 +22,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from skulk.api.chat_session import FIRST_CHUNK_TIMEOUT_S, require_instance
+from skulk.api.chat_session import require_instance
 from skulk.api.claude import parse_body
 from skulk.api.disconnect import unless_disconnected
-from skulk.api.handle import NodeHandle
 from skulk.api.model_kinds import check_dimensions, embedding_card
+from skulk.api.requests import FIRST_CHUNK_TIMEOUT_S, Silent, WrongKind, stream_error
 from skulk.api.security import OWNERS
-from skulk.types.chunks import EmbeddingChunk, ErrorChunk
-from skulk.types.commands import CancelCommand, StartEmbedding
+from skulk.api.services import ApiServices
+from skulk.cluster.dataplane import ChunkStream
+from skulk.types.chunks import EmbeddingChunk, ErrorChunk, TokenChunk
+from skulk.types.commands import StartEmbedding
 from skulk.types.embeddings import EmbeddingRequest, OllamaEmbedRequest
 from skulk.types.errors import ApiError, ErrorCode, error_body
 from skulk.types.ids import CommandId, ModelId, new_id
@@ -44,34 +46,42 @@ class Embedded:
     seconds: float
 
 
-async def embed(node: NodeHandle, model: str, inputs: list[str] | list[list[int]], *,
+async def embed(node: ApiServices, model: str, inputs: list[str] | list[list[int]], *,
                 truncate: bool = False) -> Embedded:
     """Run one embedding request on an instance of the model; ApiError with the runner's status otherwise."""
     require_instance(node, model)
     started = asyncio.get_running_loop().time()
     command_id = CommandId(new_id())
     OWNERS.claim(command_id)  # only this key (or an admin) may cancel it by id
-    stream = node.open_stream(command_id)
+    payload = EmbeddingTaskParams(model=ModelId(model), inputs=inputs, truncate=truncate)
+    stream = node.requests.open(command_id, payload)
     answered = False
     try:
-        node.offer_payload(command_id, EmbeddingTaskParams(model=ModelId(model), inputs=inputs, truncate=truncate))
         node.send_command(StartEmbedding(command_id=command_id, model=ModelId(model), origin_node_id=node.node_id))
-        try:
-            chunk = await stream.next(FIRST_CHUNK_TIMEOUT_S)
-        except TimeoutError:
-            raise ApiError(ErrorCode.instance_not_ready,
-                           f"the instance for {model} answered nothing in {FIRST_CHUNK_TIMEOUT_S:.0f} s; it "
-                           "may still be loading, retry shortly") from None
+        chunk = await _first(node, stream, model)
         answered = True
         if isinstance(chunk, ErrorChunk):
             raise ApiError(chunk.code, chunk.message, status=chunk.status)
-        if not isinstance(chunk, EmbeddingChunk):
-            raise ApiError(ErrorCode.internal_error, f"the instance for {model} answered with text, not vectors")
         return Embedded(unpack_vectors(chunk), chunk.prompt_tokens, asyncio.get_running_loop().time() - started)
     finally:
-        if not answered:  # timed out or the client went away: the task must not run on for nobody
-            node.send_command(CancelCommand(command_id=CommandId(new_id()), target_command_id=command_id))
-        node.close_stream(stream)
+        if answered:
+            node.requests.close(stream)
+        else:  # timed out or the client went away: the task must not run on for nobody
+            node.requests.cancel(stream)
+
+
+async def _first(node: ApiServices, stream: ChunkStream, model: str) -> EmbeddingChunk | ErrorChunk:
+    try:
+        chunk = await stream.next(FIRST_CHUNK_TIMEOUT_S)
+    except TimeoutError:
+        happening: Silent | WrongKind = Silent(model=model, first=True, waited_s=FIRST_CHUNK_TIMEOUT_S)
+    else:
+        if not isinstance(chunk, TokenChunk):
+            return chunk
+        happening = WrongKind(wanted="vectors")
+    error = stream_error(node.state, happening, stream.command_id)
+    assert error is not None
+    raise ApiError(error.code, error.message)
 
 
 def unpack_vectors(chunk: EmbeddingChunk) -> np.ndarray[Any, np.dtype[np.float32]]:
@@ -93,12 +103,12 @@ def _openai_body(request: EmbeddingRequest, done: Embedded) -> dict[str, Any]:
             "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}}
 
 
-async def _openai(node: NodeHandle, request: EmbeddingRequest) -> dict[str, Any]:
+async def _openai(node: ApiServices, request: EmbeddingRequest) -> dict[str, Any]:
     check_dimensions(embedding_card(node, request.model), request.dimensions)
     return _openai_body(request, await embed(node, request.model, request.inputs()))
 
 
-async def _ollama(node: NodeHandle, body: OllamaEmbedRequest) -> Response:
+async def _ollama(node: ApiServices, body: OllamaEmbedRequest) -> Response:
     check_dimensions(embedding_card(node, body.model), body.dimensions)
     done = await embed(node, body.model, body.inputs(), truncate=body.truncate)
     return JSONResponse({"model": body.model, "embeddings": done.vectors.tolist(),
@@ -106,7 +116,7 @@ async def _ollama(node: NodeHandle, body: OllamaEmbedRequest) -> Response:
                          "prompt_eval_count": done.prompt_tokens})
 
 
-async def embed_for_ollama(node: NodeHandle, http: Request) -> Response:
+async def embed_for_ollama(node: ApiServices, http: Request) -> Response:
     """Ollama's /api/embed: `{"model", "embeddings", "total_duration", "load_duration", "prompt_eval_count"}`,
     errors as Ollama's `{"error": "..."}`."""
     try:
@@ -116,7 +126,7 @@ async def embed_for_ollama(node: NodeHandle, http: Request) -> Response:
         return JSONResponse({"error": exc.message}, status_code=exc.status)
 
 
-def embeddings_router(node: NodeHandle) -> APIRouter:
+def embeddings_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["openai"])
 
     @router.post("/v1/embeddings", response_model=None)

@@ -7,21 +7,19 @@ continue (`nextSince`) and whether the log is writing or only counting (then his
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from skulk.eventlog import EventLog
+from skulk.api.services import ApiServices
 from skulk.types.errors import ApiError, ErrorCode
 
 MAX_LIMIT = 10_000
 
 
-class EventLogSource(Protocol):
-    event_log: EventLog | None
 
 
-def events_router(node: EventLogSource) -> APIRouter:
+def events_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["events"])
 
     @router.get("/events")

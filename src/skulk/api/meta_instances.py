@@ -12,7 +12,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from skulk.api.control import PLACED_WAIT_S, card_or_404
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.diagnostics.meta import meta_status
 from skulk.types.backends import EngineChoice
 from skulk.types.commands import CreateMetaInstance, DeleteMetaInstance
@@ -32,7 +32,7 @@ class CreateMetaInstanceRequest(BaseModel):
     node_ids: list[NodeId] | None = Field(default=None, min_length=1)
 
 
-def meta_instances_router(node: NodeHandle) -> APIRouter:
+def meta_instances_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["meta_instances"])
 
     @router.post("/meta_instance")

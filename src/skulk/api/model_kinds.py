@@ -6,22 +6,22 @@ that can do what was asked (placed ones first, as they answer now) instead of a 
 
 from __future__ import annotations
 
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.models.cards import all_cards, get_card
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import ModelId
 from skulk.types.models import ModelCard
 
 
-def _card(node: NodeHandle, model: str) -> ModelCard | None:
+def _card(node: ApiServices, model: str) -> ModelCard | None:
     return get_card(model) or node.state.model_cards.get(ModelId(model))
 
 
-def _cards(node: NodeHandle) -> list[ModelCard]:
+def _cards(node: ApiServices) -> list[ModelCard]:
     return list({c.model_id: c for c in [*all_cards(), *node.state.model_cards.values()]}.values())
 
 
-def _who_can(node: NodeHandle, *, embeds: bool) -> str:
+def _who_can(node: ApiServices, *, embeds: bool) -> str:
     """The models that can do it: placed ones first (they answer now), then the others the catalog knows."""
     placed = {i.model_id for i in node.state.instances.values()}
     able = sorted(c.model_id for c in _cards(node) if c.embeds == embeds)
@@ -31,7 +31,7 @@ def _who_can(node: NodeHandle, *, embeds: bool) -> str:
     return "; ".join(p for p in parts if p)
 
 
-def embedding_card(node: NodeHandle, model: str) -> ModelCard:
+def embedding_card(node: ApiServices, model: str) -> ModelCard:
     """The card of an embedding model; 404 for an unknown model, 400 for one that generates text."""
     card = _card(node, model)
     if card is None:
@@ -44,7 +44,7 @@ def embedding_card(node: NodeHandle, model: str) -> ModelCard:
     return card
 
 
-def refuse_embedding_model(node: NodeHandle, model: str) -> None:
+def refuse_embedding_model(node: ApiServices, model: str) -> None:
     """For every text API: an embedding model cannot chat (400 naming the models that can)."""
     card = _card(node, model)
     if card is not None and card.embeds:

@@ -14,7 +14,7 @@ from huggingface_hub.utils import build_hf_headers
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.api.store import valid_model_id
 from skulk.models.cards import add_custom_card, all_cards, get_card, is_custom, model_dir_name
 from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry, weight_bytes
@@ -39,7 +39,8 @@ class ImportModelRequest(BaseModel):
     model_id: str | None = Field(default=None, min_length=3, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def models_router(node: NodeHandle, files: ModelFiles | None) -> APIRouter:
+def models_router(node: ApiServices) -> APIRouter:
+    files = node.files
     router = APIRouter(tags=["models"])
 
     @router.get("/models")

@@ -21,7 +21,7 @@ from skulk.api.disconnect import unless_disconnected
 from skulk.api.embeddings import embed_for_ollama
 from skulk.api.errors import ollama_error
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.models.cards import all_cards, get_card
 from skulk.types.chat import ChatCompletionRequest, ResponseFormat, ToolCall
@@ -133,7 +133,7 @@ async def _ndjson(session: ChatSession, model: str, shape: Shape, family: str | 
         yield json.dumps({"error": failed.chunk.message}) + "\n"
 
 
-async def _complete(node: NodeHandle, body: Body, shape: Shape) -> JSONResponse:
+async def _complete(node: ApiServices, body: Body, shape: Shape) -> JSONResponse:
     chat = to_chat_request(body, False)
     session = await start_chat(node, chat)
     family = tool_family(node, chat)
@@ -147,7 +147,7 @@ async def _complete(node: NodeHandle, body: Body, shape: Shape) -> JSONResponse:
         return JSONResponse({"error": failed.chunk.message}, status_code=max(failed.chunk.status, 500))
 
 
-async def _generate(node: NodeHandle, http: Request, kind: type[Body], shape: Shape) -> Response:
+async def _generate(node: ApiServices, http: Request, kind: type[Body], shape: Shape) -> Response:
     try:
         body = await parse_body(http, kind)
         if not body.stream:
@@ -170,7 +170,7 @@ def _tag(card: ModelCard) -> dict[str, Any]:
             "digest": "", "details": _details(card)}
 
 
-def _available(node: NodeHandle) -> list[ModelCard]:
+def _available(node: ApiServices) -> list[ModelCard]:
     """Models this cluster can answer for now or has on disk: placed ones, and completed downloads."""
     state = node.state
     wanted = {i.model_id for i in state.instances.values()}
@@ -179,7 +179,7 @@ def _available(node: NodeHandle) -> list[ModelCard]:
     return [cards[m] for m in sorted(wanted) if m in cards]
 
 
-def ollama_router(node: NodeHandle) -> APIRouter:
+def ollama_router(node: ApiServices) -> APIRouter:
     router = APIRouter(prefix="/ollama", tags=["ollama"])
 
     @router.post("/api/chat", response_model=None)

@@ -22,7 +22,7 @@ from skulk.api.chat_options import (
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.generation import GenerationFailed, collect, deltas
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, openai_tool_calls, parse_tool_calls
 from skulk.models.cards import all_cards
 from skulk.types.chat import ChatCompletionRequest
@@ -39,7 +39,7 @@ def generation_stats_comment(stats: RequestStats | None) -> str:
     return "" if stats is None else sse.comment(f"generation_stats {stats.generation.model_dump_json()}")
 
 
-def _prepared(node: NodeHandle, request: ChatCompletionRequest) -> tuple[ChatCompletionRequest, str | None]:
+def _prepared(node: ApiServices, request: ChatCompletionRequest) -> tuple[ChatCompletionRequest, str | None]:
     """The request as sent (refusals first, JSON and tool-choice instructions added) and the tool-call format to
     parse, if any."""
     check_supported(request)
@@ -166,7 +166,7 @@ async def _complete(
     )
 
 
-def openai_router(node: NodeHandle) -> APIRouter:
+def openai_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["openai"])
 
     @router.post("/v1/chat/completions", response_model=None)

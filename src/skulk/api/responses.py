@@ -15,8 +15,8 @@ from skulk.api import sse
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
-from skulk.api.handle import NodeHandle
 from skulk.api.responses_api import respond, start_response_stream
+from skulk.api.services import ApiServices
 from skulk.types.chat import ChatCompletionRequest, ChatMessage
 from skulk.types.chunks import TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode, error_body
@@ -82,7 +82,7 @@ async def _completion_events(session: ChatSession, body: CompletionRequest) -> A
     yield sse.DONE
 
 
-async def _completion(node: NodeHandle, body: CompletionRequest) -> JSONResponse:
+async def _completion(node: ApiServices, body: CompletionRequest) -> JSONResponse:
     session = await start_chat(node, completion_to_chat(body))
     done = await _collect_or_raise(session)
     return JSONResponse({"id": f"cmpl-{session.command_id}", "object": "text_completion", "created": int(time.time()),
@@ -99,11 +99,11 @@ async def _collect_or_raise(session: ChatSession) -> Finished:
         raise ApiError(failed.chunk.code, failed.chunk.message, status=max(failed.chunk.status, 500)) from failed
 
 
-async def _response(node: NodeHandle, body: ResponsesRequest) -> JSONResponse:
+async def _response(node: ApiServices, body: ResponsesRequest) -> JSONResponse:
     return JSONResponse(await respond(node, body))
 
 
-def responses_router(node: NodeHandle) -> APIRouter:
+def responses_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["openai"])
 
     @router.post("/v1/completions", response_model=None)

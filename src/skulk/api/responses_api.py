@@ -23,7 +23,7 @@ from skulk.api.chat_options import (
 )
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.types.chat import ChatCompletionRequest, Tool, ToolCall
 from skulk.types.chunks import TokenLogprob
@@ -186,7 +186,7 @@ async def response_events(session: ChatSession, r: ResponseBuilder) -> AsyncIter
     yield r.event("response.completed", response=r.obj("completed", done, r.items(text, calls, logprobs)))
 
 
-async def respond(node: NodeHandle, body: ResponsesRequest) -> dict[str, Any]:
+async def respond(node: ApiServices, body: ResponsesRequest) -> dict[str, Any]:
     chat = responses_to_chat(body)
     session = await start_chat(node, chat)
     r = ResponseBuilder(session, body, tool_family(node, chat), forced_tool(chat))
@@ -203,7 +203,7 @@ async def respond(node: NodeHandle, body: ResponsesRequest) -> dict[str, Any]:
     return r.obj("completed", done, r.items(text, calls, done.logprobs))
 
 
-async def start_response_stream(node: NodeHandle, body: ResponsesRequest) -> AsyncIterator[str]:
+async def start_response_stream(node: ApiServices, body: ResponsesRequest) -> AsyncIterator[str]:
     """Starts the request (errors before the first token raise ApiError) and returns its event stream."""
     chat = responses_to_chat(body)
     session = await start_chat(node, chat)

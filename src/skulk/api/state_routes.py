@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.diagnostics.health import cluster_health, event_log_reason
 from skulk.types.state import State
 
@@ -33,7 +33,7 @@ def node_system_and_resources(state: State) -> dict[str, dict[str, Any]]:
     return {"nodeSystem": system, "nodeResources": resources}
 
 
-def state_router(node: NodeHandle) -> APIRouter:
+def state_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["state"])
 
     @router.get("/state")

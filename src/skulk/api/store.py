@@ -18,11 +18,10 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
 from skulk import internal_auth
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
 from skulk.store.files import is_complete
 from skulk.store.hub import HubError, preflight
-from skulk.store.service import ModelFiles
 from skulk.store.staging import in_use
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import ModelId
@@ -45,7 +44,8 @@ class PurgeRequest(BaseModel):
     model_id: str | None = None
 
 
-def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
+def store_router(node: ApiServices) -> APIRouter:
+    files = node.files
     router = APIRouter(tags=["store"])
 
     @router.get("/store/health")
@@ -147,7 +147,7 @@ def store_router(node: NodeHandle, files: ModelFiles) -> APIRouter:
     return router
 
 
-async def _at_store_host(node: NodeHandle, method: str, path: str) -> JSONResponse | None:
+async def _at_store_host(node: ApiServices, method: str, path: str) -> JSONResponse | None:
     """With a store host configured, downloads fill the store: a node that is not the store host asks it (None:
     this node is the store, or there is none)."""
     store = node.settings.model_store

@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.engines.errors import PromptRejected
 from skulk.models.cards import model_dir_name
 from skulk.types.chat import ChatMessage
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from skulk.engines.torch.tokenizer import ChatTokenizer
 
 
-def local_model_dir(node: NodeHandle, model_id: str) -> Path | None:
+def local_model_dir(node: ApiServices, model_id: str) -> Path | None:
     settings = node.settings
     try:
         name = model_dir_name(model_id)
@@ -41,7 +41,7 @@ def _tokenizer(model_dir: Path) -> ChatTokenizer:
     return ChatTokenizer(model_dir)
 
 
-async def count_chat_tokens(node: NodeHandle, model_id: str, messages: list[ChatMessage]) -> int:
+async def count_chat_tokens(node: ApiServices, model_id: str, messages: list[ChatMessage]) -> int:
     model_dir = local_model_dir(node, model_id)
     if model_dir is None:
         holders = sorted({n for i in node.state.instances.values() if i.model_id == model_id

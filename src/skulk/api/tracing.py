@@ -7,7 +7,7 @@ files; `/v1/traces/cluster*` ask every reachable peer too and merge by task id (
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 from fastapi import APIRouter
@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from skulk import internal_auth
-from skulk.api.handle import NodeHandle
+from skulk.api.services import ApiServices
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
-from skulk.tracing.store import TraceStore, chrome_trace, merge_spans, stats, valid_task_id
+from skulk.tracing.store import chrome_trace, merge_spans, stats, valid_task_id
 from skulk.types.commands import SetTracingEnabled
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, new_id
@@ -27,8 +27,6 @@ FLIP_WAIT_S = 2.0
 PEER_TIMEOUT_S = 5.0
 
 
-class TracingHandle(NodeHandle, Protocol):
-    traces: TraceStore
 
 
 class TracingRequest(BaseModel):
@@ -46,7 +44,7 @@ def peer_headers() -> dict[str, str]:
     return internal_auth.headers()
 
 
-def tracing_router(node: TracingHandle) -> APIRouter:
+def tracing_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["tracing"])
 
     @router.get("/v1/tracing")
