@@ -168,10 +168,6 @@ class Settings(BaseModel):
         return self.home / "models"
 
     @property
-    def logs_dir(self) -> Path:
-        return self.home / "logs"
-
-    @property
     def config_exists(self) -> bool:
         return self.config.exists()
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from datetime import datetime
 
 from skulk.config import Settings
+from skulk.state.queries import is_serving
 from skulk.types.commands import (
     AddModelCard,
     CancelCommand,
     Command,
-    CreateInstance,
     DeleteInstance,
     RestartNode,
     SetTracingEnabled,
@@ -18,7 +18,6 @@ from skulk.types.commands import (
 )
 from skulk.types.events import (
     Event,
-    InstanceCreated,
     InstanceDeleted,
     InstanceFailed,
     InstanceRetrying,
@@ -33,22 +32,19 @@ from skulk.types.events import (
 )
 from skulk.types.ids import InstanceId, ModelId, NodeId, TaskId
 from skulk.types.instances import MlxRingInstance
-from skulk.types.runners import RunnerFailed, RunnerReady, RunnerRunning
+from skulk.types.runners import RunnerFailed
 from skulk.types.state import InstanceRetries, State
 from skulk.types.tasks import ChatCompletion, TaskStatus, TextEmbedding
 
-SERVING = (RunnerReady, RunnerRunning)
 _DEFAULTS = Settings()
 RESTART_BUDGET = _DEFAULTS.runner_restart_budget
 RESTART_WINDOW_S = _DEFAULTS.runner_restart_window_seconds
 
 
 def events_for_command(state: State, command: Command, new_task_id: TaskId) -> list[Event]:
+    """The commands decided against state alone (creating and placing instances, with their checks, are
+    master/commands.py's: the master routes them there first)."""
     match command:
-        case CreateInstance(instance=instance):
-            if instance.instance_id in state.instances:
-                return []
-            return [InstanceCreated(instance=instance)]
         case DeleteInstance(instance_id=instance_id):
             if instance_id not in state.instances:
                 return []
@@ -106,11 +102,6 @@ def instance_failed_message(instance_id: InstanceId, why: str) -> str:
         f"instance {instance_id} failed and is not restarted again ({why}). Delete it "
         f"(DELETE /instance/{instance_id}) and place it again (POST /place_instance)"
     )
-
-
-def is_serving(state: State, instance: MlxRingInstance) -> bool:
-    runners = instance.shard_assignments.runner_to_shard
-    return all(isinstance(state.runners.get(r), SERVING) for r in runners)
 
 
 def pick_instance(state: State, model: ModelId) -> InstanceId | None:

@@ -59,20 +59,6 @@ class RunnerFailed(TaggedModel):
     attempt: int = 0
 
 
-_STATUSES = (
-    RunnerIdle,
-    RunnerConnecting,
-    RunnerConnected,
-    RunnerLoading,
-    RunnerLoaded,
-    RunnerWarmingUp,
-    RunnerReady,
-    RunnerRunning,
-    RunnerShuttingDown,
-    RunnerShutdown,
-    RunnerFailed,
-)
-
 RunnerStatus = Annotated[
     Annotated[RunnerIdle, Tag("RunnerIdle")]
     | Annotated[RunnerConnecting, Tag("RunnerConnecting")]

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from skulk.state.queries import is_serving
 from skulk.types.ids import NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance
-from skulk.types.runners import RunnerReady, RunnerRunning
 from skulk.types.state import State
 from skulk.types.tasks import Task
 
@@ -82,10 +82,7 @@ def plan(state: State, node_id: NodeId, local: Mapping[RunnerId, LocalRunner]) -
 
 def _task_actions(state: State, instance: MlxRingInstance, runner: LocalRunner) -> list[Action]:
     """Open tasks go to every rank once the whole instance serves; closed ones are cancelled where running."""
-    serving = all(
-        isinstance(state.runners.get(r), RunnerReady | RunnerRunning)
-        for r in instance.shard_assignments.runner_to_shard
-    )
+    serving = is_serving(state, instance)
     actions: list[Action] = []
     for task in state.tasks.values():
         if task.instance_id != instance.instance_id:
