@@ -1,9 +1,11 @@
-"""The node process's imports: torch stays in runner processes (the node never runs a model)."""
+"""Layering: torch stays in runner processes (the node never runs a model), and dependencies point down."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,3 +24,35 @@ def test_the_node_process_does_not_import_torch() -> None:
     assert "skulk.node" in loaded
     assert "torch" not in loaded
     assert not any(m.startswith("skulk.engines.torch") for m in loaded)
+
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "skulk"
+
+FORBIDDEN = {
+    # package: packages it must not import (dependencies point down)
+    "types": ("skulk.api", "skulk.node", "skulk.master", "skulk.worker", "skulk.runner", "skulk.store",
+              "skulk.cluster", "skulk.models", "skulk.engines"),
+    "store": ("skulk.api", "skulk.node", "skulk.models"),
+    "cluster": ("skulk.api", "skulk.node"),
+    "master": ("skulk.api", "skulk.node"),
+    "state": ("skulk.api", "skulk.node", "skulk.master", "skulk.worker"),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_upward_import(package: str) -> None:
+    bad = [f"{path.relative_to(SRC)} imports {name}"
+           for path in sorted((SRC / package).rglob("*.py"))
+           for name in sorted(_imports(path))
+           if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package])]
+    assert bad == []

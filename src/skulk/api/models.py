@@ -16,9 +16,9 @@ from pydantic.alias_generators import to_camel
 
 from skulk.api.services import ApiServices
 from skulk.api.store import valid_model_id
-from skulk.models.cards import add_custom_card, all_cards, get_card, is_custom, model_dir_name
+from skulk.models.cards import add_custom_card, all_cards, get_card, is_custom
 from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry, weight_bytes
-from skulk.store.files import INDEX_FILE, is_complete, local_files
+from skulk.store.files import INDEX_FILE, is_complete, local_files, model_dir_name
 from skulk.store.hub import Hub, HubError, list_files
 from skulk.store.service import ModelFiles
 from skulk.types.commands import AddModelCard

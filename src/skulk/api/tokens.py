@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from skulk.api.services import ApiServices
 from skulk.engines.errors import PromptRejected
-from skulk.models.cards import model_dir_name
+from skulk.store.files import model_dir_name
 from skulk.types.chat import ChatMessage
 from skulk.types.errors import ApiError, ErrorCode
 

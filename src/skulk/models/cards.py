@@ -12,6 +12,7 @@ import logging
 from importlib import resources
 from pathlib import Path
 
+from skulk.store.files import model_dir_name
 from skulk.types.memory import Memory
 from skulk.types.models import ModelCard, QuantizeAtLoad
 
@@ -19,13 +20,6 @@ log = logging.getLogger("skulk.models")
 
 _CARDS_PACKAGE = "skulk.models"
 _CARDS_DIR = "cards"
-
-
-def model_dir_name(model_id: str) -> str:
-    """The directory a model is staged in: "org/name" → "org--name" (the Hugging Face cache convention)."""
-    if not model_id or model_id.startswith("/") or ".." in model_id.split("/"):
-        raise ValueError(f"not a model id: {model_id!r}")
-    return model_id.replace("/", "--")
 
 
 _custom: dict[str, ModelCard] = {}

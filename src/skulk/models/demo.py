@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from skulk.models.cards import model_dir_name
 from skulk.models.demo_embed import EMBED_MODEL_ID, EMBED_SEED, EMBED_SHAPE, generate_random_bert
 from skulk.models.packaged import PACKAGED, ensure_packaged_model
+from skulk.store.files import model_dir_name
 from skulk.types.ids import ModelId
 from skulk.types.memory import Memory
 from skulk.types.models import ModelCard

@@ -20,9 +20,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from skulk.models.cards import model_dir_name
 from skulk.models.catalog import card_from_config
-from skulk.store.files import write_marker
+from skulk.store.files import model_dir_name, write_marker
 from skulk.types.backends import BackendTag
 from skulk.types.models import ModelCard
 

@@ -22,8 +22,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from skulk.models.cards import model_dir_name
-from skulk.store.files import is_complete
+from skulk.store.files import is_complete, model_dir_name
 from skulk.types.ids import ModelId
 
 CACHE_ENV = "SKULK_MODEL_CACHE"

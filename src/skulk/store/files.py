@@ -52,6 +52,13 @@ class CompleteMarker(BaseModel):
     files: list[str]
 
 
+def model_dir_name(model_id: str) -> str:
+    """The directory a model is staged in: "org/name" → "org--name" (the Hugging Face cache convention)."""
+    if not model_id or model_id.startswith("/") or ".." in model_id.split("/"):
+        raise ValueError(f"not a model id: {model_id!r}")
+    return model_id.replace("/", "--")
+
+
 def is_needed(name: str) -> bool:
     """Config, tokenizer files, chat template, safetensors and their index (or a GGUF file), a sentence
     encoder's modules and pooling: nothing else is downloaded."""

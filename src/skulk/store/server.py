@@ -29,8 +29,7 @@ from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 from skulk import internal_auth
-from skulk.models.cards import model_dir_name
-from skulk.store.files import NEEDED_NESTED, file_hashes, is_complete, local_files, read_marker
+from skulk.store.files import NEEDED_NESTED, file_hashes, is_complete, local_files, model_dir_name, read_marker
 from skulk.types.errors import ApiError, ErrorCode, error_body
 
 log = logging.getLogger(__name__)

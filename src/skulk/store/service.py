@@ -21,9 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from skulk.config import Settings
-from skulk.models.cards import model_dir_name
 from skulk.store import client, eviction
-from skulk.store.files import INDEX_FILE, files_for_shard, has_files, is_complete, read_marker, tree_bytes
+from skulk.store.files import (
+    INDEX_FILE,
+    files_for_shard,
+    has_files,
+    is_complete,
+    model_dir_name,
+    read_marker,
+    tree_bytes,
+)
 from skulk.store.hub import Hub, HubError, RepoFiles, download, list_files
 from skulk.store.staging import Need, Route, in_use, my_needs, route
 from skulk.types.downloads import DownloadProgress, DownloadSource, DownloadStatus
