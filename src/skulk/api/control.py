@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
 from typing import Any
 
 from fastapi import APIRouter, Query
@@ -14,7 +13,7 @@ from skulk.api.previews import skulk_previews
 from skulk.api.security import OWNERS
 from skulk.api.services import ApiServices
 from skulk.master.engine_choice import instance_engine_error
-from skulk.master.placement import place
+from skulk.master.placement import new_rendezvous_port, place
 from skulk.models.cards import get_card, with_quantization
 from skulk.types.backends import EngineChoice
 from skulk.types.chunks import ErrorChunk
@@ -81,7 +80,7 @@ def plan_instance(
         engine=request.engine,
         instance_id=InstanceId(new_id()),
         new_runner_id=lambda: RunnerId(new_id()),
-        rendezvous_port=random.randint(29500, 29999),
+        rendezvous_port=new_rendezvous_port(),
     )
 
 

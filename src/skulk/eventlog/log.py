@@ -22,11 +22,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skulk.config import Settings
+from skulk.config import EventLogConfig, Settings
 from skulk.eventlog import records
 
 log = logging.getLogger("skulk.eventlog")
@@ -38,14 +37,8 @@ PENDING_LIMIT = 1_000_000
 """Items waiting for the writer beyond this are dropped (and counted): a stuck disk must not eat the RAM."""
 
 
-@dataclass(frozen=True)
-class Limits:
-    max_bytes: int = 256 * MiB
-    keep_events: int = 20_000
-    archive_max_bytes: int = 1 * GiB
-    max_archives: int = 16
-    free_space_floor_bytes: int = 2 * GiB
-    check_every: int = 1024
+Limits = EventLogConfig
+"""The log's limits are skulk.yaml's `event_log` section itself (one definition of the numbers and defaults)."""
 
 
 def free_bytes(path: Path) -> int:
@@ -297,14 +290,6 @@ def open_for(settings: Settings) -> EventLog | None:
     config = settings.event_log
     if not config.enabled:
         return None
-    limits = Limits(
-        max_bytes=config.max_bytes,
-        keep_events=config.keep_events,
-        archive_max_bytes=config.archive_max_bytes,
-        max_archives=config.max_archives,
-        free_space_floor_bytes=config.free_space_floor_bytes,
-        check_every=config.check_every,
-    )
-    event_log = EventLog(settings.home / "eventlog", limits)
+    event_log = EventLog(settings.home / "eventlog", config)
     event_log.open()
     return event_log

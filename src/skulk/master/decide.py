@@ -36,9 +36,9 @@ from skulk.types.runners import RunnerFailed
 from skulk.types.state import InstanceRetries, State
 from skulk.types.tasks import ChatCompletion, TaskStatus, TextEmbedding
 
-_DEFAULTS = Settings()
-RESTART_BUDGET = _DEFAULTS.runner_restart_budget
-RESTART_WINDOW_S = _DEFAULTS.runner_restart_window_seconds
+RESTART_BUDGET: int = Settings.model_fields["runner_restart_budget"].default
+"""The defaults are Settings' own (not a Settings built at import, which would read the environment)."""
+RESTART_WINDOW_S: float = Settings.model_fields["runner_restart_window_seconds"].default
 
 
 def events_for_command(state: State, command: Command, new_task_id: TaskId) -> list[Event]:

@@ -8,6 +8,7 @@ not fit, which is what actually happens at load time.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -68,6 +69,15 @@ __all__ = [
     "preview_placements",
 ]
 """Re-exported so callers need only this module; the error and preview types live in skulk.types.placement."""
+
+
+RENDEZVOUS_PORTS = range(29500, 30000)
+"""Where a group's rendezvous listens: torch.distributed's customary range (one home for the API's vetting plan
+and the master's placements)."""
+
+
+def new_rendezvous_port() -> int:
+    return random.choice(RENDEZVOUS_PORTS)
 
 
 # ------------------------------------------------------------------------------------------- candidates

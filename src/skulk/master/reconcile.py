@@ -7,12 +7,11 @@ then lost nodes, then placement of unsatisfied MetaInstances.
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from skulk.master.decide import fail_open_tasks
-from skulk.master.placement import place
+from skulk.master.placement import new_rendezvous_port, place
 from skulk.types.events import (
     Event,
     InstanceCreated,
@@ -41,7 +40,7 @@ class Ids:
 
     instance: Callable[[], InstanceId] = lambda: InstanceId(new_id())
     runner: Callable[[], RunnerId] = lambda: RunnerId(new_id())
-    port: Callable[[], int] = lambda: random.randint(29500, 29999)
+    port: Callable[[], int] = new_rendezvous_port
 
 
 # ------------------------------------------------------------------------------------------ matching
