@@ -13,6 +13,11 @@ def iso(moment: datetime) -> str:
     return moment.astimezone(UTC).isoformat()
 
 
+def now_iso() -> str:
+    """This moment as the wire writes it (what runners and supervisors stamp their milestones with)."""
+    return iso(utc_now())
+
+
 def parse_iso(text: str | None) -> datetime | None:
     """Lenient: a malformed timestamp from a peer must not break a diagnostics response."""
     if not text:

@@ -9,19 +9,15 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from datetime import UTC, datetime
 
 import psutil
 
+from skulk.diagnostics.clock import now_iso
 from skulk.types.diagnostics import AttrValue, FlightRecorderEntry, MlxMemorySnapshot, RunnerContext
 from skulk.types.memory import Memory
 from skulk.types.runners import RunnerPhase
 
 PENDING_LIMIT = 256
-
-
-def utc_now() -> str:
-    return datetime.now(UTC).isoformat()
 
 
 def memory_snapshot() -> MlxMemorySnapshot:
@@ -31,7 +27,7 @@ def memory_snapshot() -> MlxMemorySnapshot:
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             return MlxMemorySnapshot(
-                generated_at=utc_now(),
+                generated_at=now_iso(),
                 active=Memory.from_bytes(torch.cuda.memory_allocated()),
                 cache=Memory.from_bytes(torch.cuda.memory_reserved()),
                 peak=Memory.from_bytes(torch.cuda.max_memory_allocated()),
@@ -40,7 +36,7 @@ def memory_snapshot() -> MlxMemorySnapshot:
     except ImportError:
         pass
     rss = psutil.Process(os.getpid()).memory_info().rss
-    return MlxMemorySnapshot(generated_at=utc_now(), active=Memory.from_bytes(rss), source="psutil")
+    return MlxMemorySnapshot(generated_at=now_iso(), active=Memory.from_bytes(rss), source="psutil")
 
 
 class FlightRecorder:
@@ -84,7 +80,7 @@ class FlightRecorder:
     ) -> None:
         self._pending.append(
             FlightRecorderEntry(
-                at=utc_now(),
+                at=now_iso(),
                 phase=phase,
                 event=event,
                 detail=detail,

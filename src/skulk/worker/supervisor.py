@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from skulk.diagnostics.clock import now_iso
 from skulk.runner.messages import (
     CancelTask,
     FromRunner,
@@ -37,7 +38,6 @@ from skulk.runner.messages import (
     TaskEnded,
     Tokens,
 )
-from skulk.runner.recorder import utc_now
 from skulk.runner.spec import RunnerSpec
 from skulk.types.chunks import Chunk, ErrorChunk
 from skulk.types.diagnostics import FlightRecorderEntry, Milestone
@@ -73,9 +73,9 @@ class SupervisorView:
     """Local, live facts about the runner for diagnostics."""
 
     status: RunnerStatus = field(default_factory=RunnerIdle)
-    status_since: str = field(default_factory=utc_now)
+    status_since: str = field(default_factory=now_iso)
     phase: RunnerPhase = "created"
-    phase_started_at: str = field(default_factory=utc_now)
+    phase_started_at: str = field(default_factory=now_iso)
     phase_detail: str | None = None
     last_progress_at: str | None = None
     flight_recorder: deque[FlightRecorderEntry] = field(
@@ -158,7 +158,7 @@ class RunnerSupervisor:
         return self._process is not None and self._process.is_alive()
 
     def milestone(self, name: str, detail: str | None = None) -> None:
-        self.view.milestones.append(Milestone(at=utc_now(), name=name, detail=detail))
+        self.view.milestones.append(Milestone(at=now_iso(), name=name, detail=detail))
 
     def start(self) -> None:
         """Spawn the runner. Call from the event loop thread."""
@@ -213,7 +213,7 @@ class RunnerSupervisor:
     def send_task(self, task: Task) -> None:
         self.view.sent.add(task.task_id)
         self.view.pending[task.task_id] = task
-        self.view.last_task_sent_at = utc_now()
+        self.view.last_task_sent_at = now_iso()
         self._inbox.put(RunTask(task))
 
     def forget_finished(self, state: State) -> None:
@@ -237,13 +237,13 @@ class RunnerSupervisor:
         if self.stopping and isinstance(message, StatusChanged):
             return  # a runner being stopped no longer speaks for its runner id: a restart may reuse it
         view = self.view
-        view.last_event_received_at = utc_now()
+        view.last_event_received_at = now_iso()
         view.last_event_type = type(message).__name__
         match message:
             case Tokens(chunks=chunks):
                 self.callbacks.on_chunks(chunks)
             case StatusChanged(status=status):
-                view.status, view.status_since = status, utc_now()
+                view.status, view.status_since = status, now_iso()
                 self.milestone(type(status).__name__)
                 self.callbacks.on_status(status)
             case TaskAccepted(task_id=task_id):
@@ -298,7 +298,7 @@ class RunnerSupervisor:
                            f"over the budget of {self.restart_budget} restarts: not restarted again")
         self._fail_open_tasks(reason + ("; it is being restarted" if delay is not None else ""))
         failed = RunnerFailed(error_message=gave_up or reason, at=datetime.now(UTC), attempt=self.spec.attempt)
-        self.view.status, self.view.status_since = failed, utc_now()
+        self.view.status, self.view.status_since = failed, now_iso()
         self.callbacks.on_status(failed)
         if delay is not None:
             self._schedule_restart(delay, reason)
