@@ -11,13 +11,16 @@ from .runners import RunnerPhase
 AttrValue = str | int | float | bool | list[str]
 
 
-class _Diag(BaseModel):
+class DiagModel(BaseModel):
+    """The diagnostics wire conventions: camelCase out, either spelling in, frozen; unknown keys tolerated (a
+    bundle read from a peer of another version must not fail the whole answer)."""
+
     model_config = ConfigDict(
         alias_generator=to_camel, populate_by_name=True, frozen=True, serialize_by_alias=True
     )
 
 
-class MlxMemorySnapshot(_Diag):
+class MlxMemorySnapshot(DiagModel):
     """Named for Skulk's wire schema; filled by whichever runtime runs the shard, which `source` names."""
 
     generated_at: str
@@ -28,7 +31,7 @@ class MlxMemorySnapshot(_Diag):
     source: str
 
 
-class RunnerContext(_Diag):
+class RunnerContext(DiagModel):
     node_id: str
     runner_id: str
     pid: int | None = None
@@ -41,7 +44,7 @@ class RunnerContext(_Diag):
     n_layers: int
 
 
-class FlightRecorderEntry(_Diag):
+class FlightRecorderEntry(DiagModel):
     at: str
     phase: RunnerPhase
     event: str
@@ -53,7 +56,7 @@ class FlightRecorderEntry(_Diag):
     mlx_memory: MlxMemorySnapshot | None = None
 
 
-class Milestone(_Diag):
+class Milestone(DiagModel):
     at: str
     name: str
     detail: str | None = None

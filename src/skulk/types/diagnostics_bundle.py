@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import AliasChoices, Field
 
-from .diagnostics import FlightRecorderEntry, Milestone, MlxMemorySnapshot
+from .diagnostics import DiagModel, FlightRecorderEntry, Milestone, MlxMemorySnapshot
 from .memory import Memory
 from .node_info import (
     AcceleratorInfo,
@@ -24,15 +23,6 @@ from .node_info import (
     SystemPerformance,
 )
 from .runners import RunnerPhase
-
-
-class DiagModel(BaseModel):
-    """Same wire conventions as `types.diagnostics._Diag`: camelCase out, either spelling in, frozen."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, frozen=True, serialize_by_alias=True
-    )
-
 
 # -- seed 001: one runner as its supervisor sees it -------------------------------------------------------
 
