@@ -22,10 +22,12 @@ from .transport import Transport
 log = logging.getLogger(__name__)
 
 ELECTION_PREFIX = "election/"
-HEARTBEAT_S = 0.25
+ELECTION_HEARTBEAT_S = 0.25
+"""How often every node publishes its candidate record under `election/` (peers hold it as alive while it keeps
+coming) and re-decides who is master."""
 SCOUT_S = 0.5
 """How long a starting node listens for peers before it may elect itself: long enough for heartbeats of
-already-connected peers to arrive (they come every HEARTBEAT_S), short enough to keep a cluster start fast."""
+already-connected peers to arrive (they come every ELECTION_HEARTBEAT_S), short enough to keep a cluster start fast."""
 VACANCY_S = 0.5
 """With no live master, wait this long (two heartbeats) before electing: the last events of the old master are
 still arriving, and every candidate's applied index must reach the others before the up-to-date rule can pick
@@ -224,7 +226,7 @@ class Elector:
                 self._publish()
                 self._step()
                 try:
-                    async with asyncio.timeout(HEARTBEAT_S):  # not wait_for: on 3.11 it can drop a cancel
+                    async with asyncio.timeout(ELECTION_HEARTBEAT_S):  # not wait_for: on 3.11 it can drop a cancel
                         await self._stopping.wait()
                 except TimeoutError:
                     pass

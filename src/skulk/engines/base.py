@@ -10,6 +10,11 @@ from skulk.types.chunks import TokenLogprob
 
 FinishReason = Literal["stop", "length"]
 
+GROUP_STEP_HEARTBEAT_S = 0.5
+"""In a group of ranks (world_size > 1), rank 0 sends a step header at least this often even with nothing to
+compute: the other ranks sit inside step() waiting for headers, and an empty one is when they look at their inbox
+(a shutdown, a cancel). Both engines (torch, MLX) use it."""
+
 
 @dataclass(frozen=True, slots=True)
 class TokenOut:

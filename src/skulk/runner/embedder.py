@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from skulk.engines.torch.embedding import EmbeddingEngine, EmbeddingRefused
-from skulk.runner.main import Runner
+from skulk.runner.core import Runner
 from skulk.runner.messages import CancelTask, RunTask, Shutdown, TaskAccepted, TaskEnded, Tokens, ToRunner
 from skulk.types.chunks import EmbeddingChunk
 from skulk.types.errors import ErrorCode

@@ -64,7 +64,7 @@ class Records:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """Sent every HEARTBEAT_S by a thread of the runner's own: silence means the whole process is frozen or
+    """Sent every RUNNER_HEARTBEAT_S by a thread of the runner's own: silence means the whole process is frozen or
     gone (a long prefill on the main thread does not stop it)."""
 
 
@@ -75,6 +75,8 @@ class Spans:
     spans: list[TraceSpan] = field(default_factory=list)
 
 
-HEARTBEAT_S = 1.0
+RUNNER_HEARTBEAT_S = 1.0
+"""How often a runner process tells its supervisor it is alive (`Heartbeat`): the supervisor declares it hung only
+after `hung_s` (15 s) of silence, many beats, so one late beat on a loaded machine is no fault."""
 
 FromRunner = StatusChanged | Tokens | TaskAccepted | TaskEnded | Records | Heartbeat | Spans

@@ -35,7 +35,7 @@ import torch
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from skulk.engines.base import TokenOut
+from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
 from skulk.engines.errors import ContextLengthExceeded, PromptRejected
 from skulk.engines.torch.requests import FaultHook, Request, accept_each, row_sampling
 from skulk.engines.torch.tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
@@ -54,7 +54,6 @@ _PHASES: dict[tuple[str, bool], tuple[RunnerPhase, RunnerPhase]] = {
     ("tensor", True): ("prefill_barrier", "decode_barrier"),
 }
 """(prefill, decode) phases by (kind, over a ring), as the torch engine names them."""
-HEARTBEAT_S = 0.5  # rank 0 of a ring steps at least this often, so idle ranks look at their inbox
 WARMUP_ID = "__skulk_warmup__"
 QUANT_BITS = {"int4": 4, "int8": 8}
 QUANT_GROUP = 64  # mlx_lm.convert's default group size
@@ -183,7 +182,7 @@ class MlxEngine:
             return not self.closed
         if self._adds or self._cancels or self._pending or self._prefilling or self._running or self._releases:
             return True
-        return self.link is not None and time.monotonic() - self._last_header >= HEARTBEAT_S
+        return self.link is not None and time.monotonic() - self._last_header >= GROUP_STEP_HEARTBEAT_S
 
     def step(self) -> list[TokenOut]:
         header = self._exchange_header()

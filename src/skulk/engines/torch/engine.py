@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from skulk.engines.base import TokenOut
+from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
 from skulk.engines.constrained import Grammars, tool_call_style
 from skulk.engines.errors import ContextLengthExceeded
 from skulk.types.chat import ChatMessage, SamplingParams
@@ -70,7 +70,6 @@ DEFAULT_MAX_BATCH = 64  # concurrent streams per instance (the pool may hold few
 DEFAULT_BLOCK_SIZE = 32
 NO_BLOCK = -1  # a table entry whose block went back (behind a sliding window): never read unmasked
 DEFAULT_PREFILL_CHUNK = 512
-HEARTBEAT_S = 0.5
 WARMUP_ID = "__skulk_warmup__"
 PhaseHook = Callable[[RunnerPhase, str], None]
 PromptPart = tuple[int, Request, int, int]
@@ -199,7 +198,7 @@ class TorchEngine:
             return not self.closed
         if self._pending or self._running or self._adds or self._releases:
             return True
-        return self.world_size > 1 and time.monotonic() - self._last_header >= HEARTBEAT_S
+        return self.world_size > 1 and time.monotonic() - self._last_header >= GROUP_STEP_HEARTBEAT_S
 
     def step(self) -> list[TokenOut]:
         if self._agree:
