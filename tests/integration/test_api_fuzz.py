@@ -1,5 +1,6 @@
 """A schemathesis run over a real node's /openapi.json: a bounded number of generated requests per operation,
-none of which may get a 5xx or a response outside its schema. Operations that would stop or reconfigure the node
+none of which may get a 5xx, a status the operation does not declare, or a body outside the schema declared for
+the status it got (every route declares its success body and its error statuses: skulk.api.openapi). Operations that would stop or reconfigure the node
 under test (restart, config writes) are left out; everything else, placement and deletes included, is fair game."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
-from schemathesis.specs.openapi.checks import response_schema_conformance
+from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
 
 from skulk.testing.nodes import LocalNode
 
@@ -60,7 +61,7 @@ def test_no_5xx_and_no_schema_violation(node: LocalNode) -> None:
                                 f"{response.text[:200]}")
                 return
             try:
-                case.validate_response(response, checks=[response_schema_conformance])
+                case.validate_response(response, checks=[status_code_conformance, response_schema_conformance])
             except Exception as exc:  # a schema violation: collected, so one run reports them all
                 failures.append(f"{case.method} {case.formatted_path}: {str(exc)[:300]}")
 

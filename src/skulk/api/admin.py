@@ -11,8 +11,10 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.diagnostics.cluster import known_peers
+from skulk.types.answers import RestartAnswer
 from skulk.types.commands import RestartNode
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, NodeId, new_id
@@ -21,7 +23,9 @@ from skulk.types.ids import CommandId, NodeId, new_id
 def admin_router(node: ApiServices) -> APIRouter:
     router = APIRouter(prefix="/admin", tags=["admin"])
 
-    @router.post("/restart", response_model=None)
+    pending = {409: {"model": RestartAnswer, "description": "A restart is already pending"}}
+
+    @router.post("/restart", response_model=None, responses={**documented(RestartAnswer, 400, 404), **pending})
     async def restart(node_id: str | None = None) -> dict[str, Any] | JSONResponse:
         """This node: stop runners and os.execv in place (same pid). Another node: a RestartNode command.
         An empty or blank node_id is a mistake (a script's unset variable), never this node: 400."""

@@ -18,6 +18,7 @@ from skulk.api.meta_instances import meta_instances_router
 from skulk.api.models import models_router
 from skulk.api.ollama import ollama_router
 from skulk.api.openai import openai_router
+from skulk.api.openapi import declare_common_errors
 from skulk.api.responses import responses_router
 from skulk.api.security import install_security, sealing_router
 from skulk.api.services import ApiServices
@@ -40,5 +41,5 @@ def create_app(services: ApiServices) -> FastAPI:
                    embeddings_router(services), events_router(services), tracing_router(services),
                    admin_router(services), models_router(services), store_router(services),
                    sealing_router(services.sealer, settings.api_host, settings.zenoh_listen, services.members)):
-        app.include_router(router)
+        app.include_router(declare_common_errors(router))
     return app

@@ -27,9 +27,11 @@ from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import claude_error, claude_error_body
 from skulk.api.generation import GenerationFailed, collect, deltas
+from skulk.api.openapi import Family, documented
 from skulk.api.services import ApiServices
 from skulk.api.tokens import count_chat_tokens
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
+from skulk.types.answers import ClaudeMessage, TokenCount
 from skulk.types.chat import ChatCompletionRequest, ToolCall
 from skulk.types.claude import ClaudeCountRequest, ClaudeRequest
 from skulk.types.errors import ApiError, ErrorCode
@@ -170,7 +172,8 @@ async def _complete(node: ApiServices, body: ClaudeRequest) -> JSONResponse:
 def claude_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["claude"])
 
-    @router.post("/v1/messages", response_model=None)
+    @router.post("/v1/messages", response_model=None,
+                 responses=documented(ClaudeMessage, 400, 404, 422, 500, 503, 504, family=Family.claude, stream="sse"))
     async def messages(http: Request) -> Response:
         try:
             body = await parse_body(http, ClaudeRequest)
@@ -184,7 +187,8 @@ def claude_router(node: ApiServices) -> APIRouter:
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @router.post("/v1/messages/count_tokens")
+    @router.post("/v1/messages/count_tokens", response_model=None,
+                 responses=documented(TokenCount, 400, 404, 422, 503, family=Family.claude))
     async def count_tokens(http: Request) -> Response:
         try:
             body = await parse_body(http, ClaudeCountRequest)

@@ -12,8 +12,10 @@ from typing import Any
 from fastapi import APIRouter, Body
 from pydantic import ValidationError
 
+from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.config import ConfigError, Settings, describe_error, yaml_values
+from skulk.types.answers import ConfigApplied, ConfigView
 from skulk.types.errors import ApiError, ErrorCode
 
 SECRET_KEYS = frozenset({"hf_token", "api_keys", "admin_keys", "cluster_key"})
@@ -52,7 +54,7 @@ def _current_file(settings: Settings) -> dict[str, Any]:
 def config_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["config"])
 
-    @router.get("/config")
+    @router.get("/config", response_model=None, responses=documented(ConfigView, 409))
     async def get_config() -> dict[str, Any]:
         path = node.settings.config
         return {
@@ -62,7 +64,7 @@ def config_router(node: ApiServices) -> APIRouter:
             "effective": effective(node.settings),
         }
 
-    @router.put("/config")
+    @router.put("/config", response_model=None, responses=documented(ConfigApplied, 400, 409, 422))
     async def put_config(body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008 - FastAPI's declaration
         """Body: the new skulk.yaml as JSON, bare or under "config" (as Skulk accepts it)."""
         wanted = body["config"] if isinstance(body.get("config"), dict) else body

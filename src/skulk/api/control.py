@@ -9,12 +9,21 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from skulk.api.openapi import documented
 from skulk.api.previews import skulk_previews
 from skulk.api.security import OWNERS
 from skulk.api.services import ApiServices
 from skulk.master.engine_choice import instance_engine_error
 from skulk.master.placement import new_rendezvous_port, place
 from skulk.models.cards import get_card, with_quantization
+from skulk.types.answers import (
+    CancelRequested,
+    CreatedInstance,
+    DeletedInstance,
+    InstanceView,
+    PlacedInstance,
+    Previews,
+)
 from skulk.types.backends import EngineChoice
 from skulk.types.chunks import ErrorChunk
 from skulk.types.commands import CancelCommand, Command, CreateInstance, DeleteInstance, PlaceInstance
@@ -160,7 +169,7 @@ async def send_and_await_instance(node: ApiServices, command: Command, instance_
 def control_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["control"])
 
-    @router.post("/place_instance")
+    @router.post("/place_instance", response_model=None, responses=documented(PlacedInstance, 400, 404, 503))
     async def place_instance(body: PlaceInstanceRequest) -> dict[str, Any]:
         planned = await place_with_grace(node, body)
         command_id = CommandId(new_id())
@@ -173,7 +182,7 @@ def control_router(node: ApiServices) -> APIRouter:
             "instance": instance.model_dump(mode="json"),
         }
 
-    @router.post("/instance")
+    @router.post("/instance", response_model=None, responses=documented(CreatedInstance, 400, 404, 503))
     async def create_instance(body: CreateInstanceRequest) -> dict[str, Any]:
         """Place exactly this instance (a preview's `instance`): the master refuses taken ids."""
         instance = body.instance
@@ -197,7 +206,7 @@ def control_router(node: ApiServices) -> APIRouter:
         return {"message": "Command received.", "command_id": command_id,
                 "model_card": card.model_dump(mode="json")}
 
-    @router.get("/instance/previews")
+    @router.get("/instance/previews", response_model=None, responses=documented(Previews, 404))
     async def previews(
         model_id: str = Query(min_length=1),
         sharding: Sharding | None = None,
@@ -215,14 +224,14 @@ def control_router(node: ApiServices) -> APIRouter:
         downloads = {n: d[wanted].model_dump(mode="json") for n, d in node.state.downloads.items() if wanted in d}
         return {"previews": [p.model_dump(mode="json") for p in found], "downloads": downloads}
 
-    @router.get("/instance/{instance_id}")
+    @router.get("/instance/{instance_id}", response_model=None, responses=documented(InstanceView, 404))
     async def get_instance(instance_id: str) -> dict[str, Any]:
         instance = node.state.instances.get(InstanceId(instance_id))
         if instance is None:
             raise ApiError(ErrorCode.not_found, f"no instance {instance_id}; GET /state lists the instances")
         return instance.model_dump(mode="json")
 
-    @router.delete("/instance/{instance_id}")
+    @router.delete("/instance/{instance_id}", response_model=None, responses=documented(DeletedInstance, 404))
     async def delete_instance(instance_id: str) -> dict[str, Any]:
         if InstanceId(instance_id) not in node.state.instances:
             raise ApiError(ErrorCode.not_found, f"no instance {instance_id}; GET /state lists the instances")
@@ -231,7 +240,7 @@ def control_router(node: ApiServices) -> APIRouter:
         await node.wait_for_state(lambda s: instance_id not in s.instances, PLACED_WAIT_S)
         return {"message": "Command received.", "commandId": command_id, "instanceId": instance_id}
 
-    @router.post("/v1/cancel/{command_id}")
+    @router.post("/v1/cancel/{command_id}", response_model=None, responses=documented(CancelRequested, 404))
     async def cancel(command_id: str) -> dict[str, Any]:
         if not any(t.command_id == command_id and t.task_status.is_open for t in node.state.tasks.values()):
             raise ApiError(ErrorCode.not_found, f"no running request with command id {command_id}")

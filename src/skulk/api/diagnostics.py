@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.diagnostics.clock import utc_now
 from skulk.diagnostics.cluster import (
@@ -19,7 +20,8 @@ from skulk.diagnostics.cluster import (
 )
 from skulk.diagnostics.node_bundle import collect_node_bundle
 from skulk.diagnostics.timeline import merge_timeline
-from skulk.types.diagnostics_bundle import ClusterDiagnostics
+from skulk.types.answers import PeerDiagnostics, RunnerCancel
+from skulk.types.diagnostics_bundle import ClusterDiagnostics, ClusterTimeline, NodeDiagnostics
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import NodeId, RunnerId
 
@@ -33,20 +35,20 @@ def diagnostics_router(node: ApiServices, peer_timeout_s: float = DEFAULT_PEER_T
             local, node.state, node.node_id, node.master_id, peer_timeout_s, departed=node.departed_peers
         )
 
-    @router.get("/node")
+    @router.get("/node", response_model=None, responses=documented(NodeDiagnostics))
     async def node_diagnostics() -> dict[str, Any]:
         return (await collect_node_bundle(node)).model_dump(mode="json")
 
-    @router.get("/cluster")
+    @router.get("/cluster", response_model=None, responses=documented(ClusterDiagnostics))
     async def cluster_diagnostics() -> dict[str, Any]:
         return (await cluster()).model_dump(mode="json")
 
-    @router.get("/cluster/timeline")
+    @router.get("/cluster/timeline", response_model=None, responses=documented(ClusterTimeline))
     async def cluster_timeline() -> dict[str, Any]:
         bundle = await cluster()
         return merge_timeline(bundle, utc_now(), node.state).model_dump(mode="json")
 
-    @router.get("/cluster/{node_id}")
+    @router.get("/cluster/{node_id}", response_model=None, responses=documented(PeerDiagnostics, 404))
     async def peer_diagnostics(node_id: str) -> dict[str, Any]:
         """One node's bundle through any node: the answer is a ClusterDiagnostics node entry."""
         if node_id == node.node_id:
@@ -58,7 +60,7 @@ def diagnostics_router(node: ApiServices, peer_timeout_s: float = DEFAULT_PEER_T
         (result,) = await fetch_peers(node.state, node.node_id, [peer], peer_timeout_s)
         return result.model_dump(mode="json")
 
-    @router.post("/node/runners/{runner_id}/cancel")
+    @router.post("/node/runners/{runner_id}/cancel", response_model=None, responses=documented(RunnerCancel, 404))
     async def cancel_runner_task(runner_id: str) -> dict[str, Any]:
         """Cooperative: the runner observes the cancel between steps and ends the task as Cancelled."""
         supervisor = node.supervisors.get(RunnerId(runner_id))

@@ -26,10 +26,12 @@ from skulk.api.chat_session import require_instance
 from skulk.api.claude import parse_body
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.model_kinds import check_dimensions, embedding_card
+from skulk.api.openapi import documented
 from skulk.api.requests import FIRST_CHUNK_TIMEOUT_S, Silent, WrongKind, stream_error
 from skulk.api.security import OWNERS
 from skulk.api.services import ApiServices
 from skulk.cluster.dataplane import ChunkStream
+from skulk.types.answers import EmbeddingList
 from skulk.types.chunks import EmbeddingChunk, ErrorChunk, TokenChunk
 from skulk.types.commands import StartEmbedding
 from skulk.types.embeddings import EmbeddingRequest, OllamaEmbedRequest
@@ -129,7 +131,8 @@ async def embed_for_ollama(node: ApiServices, http: Request) -> Response:
 def embeddings_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["openai"])
 
-    @router.post("/v1/embeddings", response_model=None)
+    @router.post("/v1/embeddings", response_model=None,
+                 responses=documented(EmbeddingList, 400, 404, 422, 500, 503, 504))
     async def embeddings(http: Request) -> Response | dict[str, Any]:
         try:
             request = await parse_body(http, EmbeddingRequest)  # the whole body first: then only a disconnect

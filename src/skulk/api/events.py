@@ -11,7 +11,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
+from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
+from skulk.types.answers import EventsPage
 from skulk.types.errors import ApiError, ErrorCode
 
 MAX_LIMIT = 10_000
@@ -22,7 +24,7 @@ MAX_LIMIT = 10_000
 def events_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["events"])
 
-    @router.get("/events")
+    @router.get("/events", response_model=None, responses=documented(EventsPage, 404))
     async def events(
         since: Annotated[int, Query(ge=0, description="return records with seq greater than this")] = 0,
         limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="at most this many records")] = 1000,

@@ -12,8 +12,10 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from skulk.api.control import PLACED_WAIT_S, card_or_404
+from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.diagnostics.meta import meta_status
+from skulk.types.answers import MetaInstanceCommand, MetaInstances
 from skulk.types.backends import EngineChoice
 from skulk.types.commands import CreateMetaInstance, DeleteMetaInstance
 from skulk.types.errors import ApiError, ErrorCode
@@ -35,7 +37,7 @@ class CreateMetaInstanceRequest(BaseModel):
 def meta_instances_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["meta_instances"])
 
-    @router.post("/meta_instance")
+    @router.post("/meta_instance", response_model=None, responses=documented(MetaInstanceCommand, 404))
     async def create(body: CreateMetaInstanceRequest) -> dict[str, Any]:
         card = card_or_404(body.model_id)
         meta = MetaInstance(
@@ -52,7 +54,8 @@ def meta_instances_router(node: ApiServices) -> APIRouter:
         await node.wait_for_state(lambda s: meta.meta_instance_id in s.meta_instances, PLACED_WAIT_S)
         return {"message": "Command received.", "command_id": command_id, "meta_instance_id": meta.meta_instance_id}
 
-    @router.delete("/meta_instance/{meta_instance_id}")
+    @router.delete("/meta_instance/{meta_instance_id}", response_model=None,
+                   responses=documented(MetaInstanceCommand, 404))
     async def delete(meta_instance_id: str) -> dict[str, Any]:
         mid = MetaInstanceId(meta_instance_id)
         if mid not in node.state.meta_instances:
@@ -62,7 +65,7 @@ def meta_instances_router(node: ApiServices) -> APIRouter:
         await node.wait_for_state(lambda s: mid not in s.meta_instances, PLACED_WAIT_S)
         return {"message": "Command received.", "command_id": command_id, "meta_instance_id": mid}
 
-    @router.get("/meta_instances")
+    @router.get("/meta_instances", response_model=None, responses=documented(MetaInstances))
     async def listing() -> dict[str, Any]:
         state = node.state
         return {

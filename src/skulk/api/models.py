@@ -14,6 +14,7 @@ from huggingface_hub.utils import build_hf_headers
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.api.store import valid_model_id
 from skulk.models.cards import add_custom_card, all_cards, get_card, is_custom
@@ -21,6 +22,7 @@ from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list
 from skulk.store.files import INDEX_FILE, is_complete, local_files, model_dir_name
 from skulk.store.hub import Hub, HubError, list_files
 from skulk.store.service import ModelFiles
+from skulk.types.answers import Catalog, CatalogEntry
 from skulk.types.commands import AddModelCard
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, new_id
@@ -43,11 +45,11 @@ def models_router(node: ApiServices) -> APIRouter:
     files = node.files
     router = APIRouter(tags=["models"])
 
-    @router.get("/models")
+    @router.get("/models", response_model=None, responses=documented(Catalog))
     async def get_models() -> dict[str, Any]:
         return {"data": [list_entry(card, created=0, where=_where(files, card)) for card in all_cards()]}
 
-    @router.post("/models/add")
+    @router.post("/models/add", response_model=None, responses=documented(CatalogEntry, 400, 401, 404, 502))
     async def add_model(body: AddModelRequest) -> dict[str, Any]:
         known = get_card(valid_model_id(body.model_id))
         if known is None:
@@ -66,7 +68,7 @@ def models_router(node: ApiServices) -> APIRouter:
             node.send_command(AddModelCard(command_id=CommandId(new_id()), card=known))
         return list_entry(known, created=0, where=_where(files, known))
 
-    @router.post("/models/import")
+    @router.post("/models/import", response_model=None, responses=documented(CatalogEntry, 400, 409))
     async def import_model(body: ImportModelRequest) -> dict[str, Any]:
         """A GGUF file (or an Ollama model) into this node's store and the catalog; the store stages it to
         other nodes like any model. 400 for a source that is not a GGUF file the engine runs."""

@@ -21,9 +21,11 @@ from skulk.api.disconnect import unless_disconnected
 from skulk.api.embeddings import embed_for_ollama
 from skulk.api.errors import ollama_error
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
+from skulk.api.openapi import Family, documented
 from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.models.cards import all_cards, get_card
+from skulk.types.answers import OllamaEmbeddings, OllamaReply, OllamaShow, OllamaTags, OllamaVersion
 from skulk.types.chat import ChatCompletionRequest, ResponseFormat, ToolCall
 from skulk.types.chunks import RequestStats, TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode
@@ -182,23 +184,27 @@ def _available(node: ApiServices) -> list[ModelCard]:
 def ollama_router(node: ApiServices) -> APIRouter:
     router = APIRouter(prefix="/ollama", tags=["ollama"])
 
-    @router.post("/api/chat", response_model=None)
+    @router.post("/api/chat", response_model=None,
+                 responses=documented(OllamaReply, 400, 404, 422, 500, 503, 504, family=Family.ollama, stream="ndjson"))
     async def chat(http: Request) -> Response:
         return await _generate(node, http, OllamaChatRequest, _chat_shape)
 
-    @router.post("/api/generate", response_model=None)
+    @router.post("/api/generate", response_model=None,
+                 responses=documented(OllamaReply, 400, 404, 422, 500, 503, 504, family=Family.ollama, stream="ndjson"))
     async def generate(http: Request) -> Response:
         return await _generate(node, http, OllamaGenerateRequest, _generate_shape)
 
-    @router.post("/api/embed", response_model=None)
+    @router.post("/api/embed", response_model=None,
+                 responses=documented(OllamaEmbeddings, 400, 404, 422, 500, 503, 504, family=Family.ollama))
     async def embed(http: Request) -> Response:
         return await embed_for_ollama(node, http)
 
-    @router.get("/api/tags")
+    @router.get("/api/tags", response_model=None, responses=documented(OllamaTags))
     async def tags() -> dict[str, Any]:
         return {"models": [_tag(card) for card in _available(node)]}
 
-    @router.post("/api/show", response_model=None)
+    @router.post("/api/show", response_model=None,
+                 responses=documented(OllamaShow, 400, 404, 422, family=Family.ollama))
     async def show(http: Request) -> Response:
         try:
             body = await parse_body(http, OllamaShowRequest)
@@ -220,13 +226,13 @@ def ollama_router(node: ApiServices) -> APIRouter:
                              "capabilities": ["embedding"] if card.embeds else ["completion"],
                              "modified_at": _now()})
 
-    @router.get("/api/ps")
+    @router.get("/api/ps", response_model=None, responses=documented(OllamaTags))
     async def ps() -> dict[str, Any]:
         placed = {i.model_id for i in node.state.instances.values()}
         return {"models": [{**_tag(c), "expires_at": NEVER, "size_vram": 0} for c in _available(node)
                            if c.model_id in placed]}
 
-    @router.get("/api/version")
+    @router.get("/api/version", response_model=None, responses=documented(OllamaVersion))
     async def version() -> dict[str, str]:
         return {"version": __version__}
 

@@ -22,9 +22,11 @@ from skulk.api.chat_options import (
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.generation import GenerationFailed, collect, deltas
+from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, openai_tool_calls, parse_tool_calls
 from skulk.models.cards import all_cards
+from skulk.types.answers import ChatCompletionAnswer, OpenAIModel, OpenAIModelList
 from skulk.types.chat import ChatCompletionRequest
 from skulk.types.chunks import RequestStats, TokenChunk, TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode, error_body
@@ -169,7 +171,8 @@ async def _complete(
 def openai_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["openai"])
 
-    @router.post("/v1/chat/completions", response_model=None)
+    @router.post("/v1/chat/completions", response_model=None,
+                 responses=documented(ChatCompletionAnswer, 400, 404, 422, 500, 503, 504, stream="sse"))
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         body, family = _prepared(node, body)
         if body.stream:
@@ -181,7 +184,8 @@ def openai_router(node: ApiServices) -> APIRouter:
             )
         return await unless_disconnected(http, _start_and_complete(body, family))
 
-    @router.post("/bench/chat/completions", response_model=None)
+    @router.post("/bench/chat/completions", response_model=None,
+                 responses=documented(ChatCompletionAnswer, 400, 404, 422, 500, 503, 504))
     async def bench_chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         """Skulk's benchmarking route: never streamed; the reply carries the runner's generation_stats."""
         body, family = _prepared(node, body.model_copy(update={"stream": False}))
@@ -190,7 +194,7 @@ def openai_router(node: ApiServices) -> APIRouter:
     async def _start_and_complete(body: ChatCompletionRequest, family: str | None, bench: bool = False) -> JSONResponse:
         return await _complete(await start_chat(node, body), body, family, bench=bench)
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", response_model=None, responses=documented(OpenAIModelList))
     async def list_models() -> dict[str, Any]:
         return {
             "object": "list",
@@ -205,7 +209,7 @@ def openai_router(node: ApiServices) -> APIRouter:
             ],
         }
 
-    @router.get("/v1/models/{model_id:path}")
+    @router.get("/v1/models/{model_id:path}", response_model=None, responses=documented(OpenAIModel, 404))
     async def get_model(model_id: str) -> dict[str, Any]:
         for card in all_cards():
             if card.model_id == model_id:

@@ -15,8 +15,10 @@ from skulk.api import sse
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
+from skulk.api.openapi import documented
 from skulk.api.responses_api import respond, start_response_stream
 from skulk.api.services import ApiServices
+from skulk.types.answers import ResponseAnswer, TextCompletionAnswer
 from skulk.types.chat import ChatCompletionRequest, ChatMessage
 from skulk.types.chunks import TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode, error_body
@@ -106,7 +108,8 @@ async def _response(node: ApiServices, body: ResponsesRequest) -> JSONResponse:
 def responses_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["openai"])
 
-    @router.post("/v1/completions", response_model=None)
+    @router.post("/v1/completions", response_model=None,
+                 responses=documented(TextCompletionAnswer, 400, 404, 422, 500, 503, 504, stream="sse"))
     async def completions(body: CompletionRequest, http: Request) -> Response:
         if not body.stream:
             return await unless_disconnected(http, _completion(node, body))
@@ -114,7 +117,8 @@ def responses_router(node: ApiServices) -> APIRouter:
         return StreamingResponse(_completion_events(session, body), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
-    @router.post("/v1/responses", response_model=None)
+    @router.post("/v1/responses", response_model=None,
+                 responses=documented(ResponseAnswer, 400, 404, 422, 500, 503, 504, stream="sse"))
     async def responses(body: ResponsesRequest, http: Request) -> Response:
         if not body.stream:
             return await unless_disconnected(http, _response(node, body))

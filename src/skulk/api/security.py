@@ -36,8 +36,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from skulk import internal_auth
 from skulk.api.dashboard import is_dashboard_path
 from skulk.api.limits import BodyLimitMiddleware, send_error
+from skulk.api.openapi import declare_common_errors, documented
 from skulk.cluster.seal import Sealer, reachable_beyond_loopback
 from skulk.config import Settings
+from skulk.types.answers import Health, SecurityView
 from skulk.types.errors import ApiError, ErrorCode
 
 
@@ -248,7 +250,7 @@ class SecurityMiddleware:
 def liveness_router() -> APIRouter:
     router = APIRouter(tags=["liveness"])
 
-    @router.get("/healthz")
+    @router.get("/healthz", response_model=None, responses=documented(Health))
     async def healthz() -> dict[str, str]:
         """Liveness: answers without a key, says nothing about the cluster."""
         return {"status": "ok"}
@@ -259,7 +261,7 @@ def liveness_router() -> APIRouter:
 def install_security(app: FastAPI, settings: Settings) -> None:
     """Outermost first: CORS (only with --cors-origin) answers preflights, then Host/Origin/key checks, then the
     body limit, so an unauthenticated or misdirected request is refused before a byte of its body is read."""
-    app.include_router(liveness_router())
+    app.include_router(declare_common_errors(liveness_router()))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        stall_timeout_s=settings.body_timeout_seconds, deadline_s=settings.request_timeout_seconds)
     app.add_middleware(SecurityMiddleware, settings=settings)
@@ -278,7 +280,7 @@ def sealing_router(
     replayed, and who is a member against who merely holds a liveliness token (a phantom shows as unvouched)."""
     router = APIRouter(tags=["diagnostics"])
 
-    @router.get("/v1/diagnostics/security")
+    @router.get("/v1/diagnostics/security", response_model=None, responses=documented(SecurityView))
     async def security() -> dict[str, Any]:
         sealer = sealer_of()
         warnings = []

@@ -7,8 +7,10 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.diagnostics.health import cluster_health, event_log_reason
+from skulk.types.answers import StateView
 from skulk.types.state import State
 
 DATA_TRANSPORT = "zenoh"
@@ -36,7 +38,7 @@ def node_system_and_resources(state: State) -> dict[str, dict[str, Any]]:
 def state_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["state"])
 
-    @router.get("/state")
+    @router.get("/state", response_model=None, responses=documented(StateView))
     async def get_state() -> dict[str, Any]:
         body = node.state.model_dump(mode="json")
         event_log = getattr(node, "event_log", None)  # counting-only is this node's own fact, not state's
@@ -46,7 +48,7 @@ def state_router(node: ApiServices) -> APIRouter:
         body.update(node_system_and_resources(node.state))
         return body
 
-    @router.get("/node_id")
+    @router.get("/node_id", response_model=None, responses=documented(str))
     async def get_node_id() -> str:
         return node.node_id
 

@@ -18,11 +18,23 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
 from skulk import internal_auth
+from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
 from skulk.store.files import is_complete
 from skulk.store.hub import HubError, preflight
 from skulk.store.staging import in_use
+from skulk.types.answers import (
+    DownloadStarted,
+    DownloadState,
+    ModelRemoved,
+    Purged,
+    PurgedLocal,
+    StorageView,
+    StoreDownloads,
+    StoreHealth,
+    StoreRegistry,
+)
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import ModelId
 
@@ -48,7 +60,7 @@ def store_router(node: ApiServices) -> APIRouter:
     files = node.files
     router = APIRouter(tags=["store"])
 
-    @router.get("/store/health")
+    @router.get("/store/health", response_model=None, responses=documented(StoreHealth))
     async def health() -> dict[str, Any]:
         base = files.store_base()
         reachable = await _get_json(base + "/registry") is not None if base else None
@@ -64,7 +76,7 @@ def store_router(node: ApiServices) -> APIRouter:
             "staging_root": str(files.staging_root),
         }
 
-    @router.get("/store/registry")
+    @router.get("/store/registry", response_model=None, responses=documented(StoreRegistry, 503))
     async def registry() -> dict[str, Any]:
         base = files.store_base()
         if base is None:
@@ -75,13 +87,14 @@ def store_router(node: ApiServices) -> APIRouter:
             raise ApiError(ErrorCode.store_unreachable, f"the model store at {base} is unreachable")
         return body
 
-    @router.get("/store/downloads")
+    @router.get("/store/downloads", response_model=None, responses=documented(StoreDownloads))
     async def downloads() -> dict[str, Any]:
         mine = [p.model_dump(mode="json") for p in files.progress.values()]
         cluster = {n: {m: p.model_dump(mode="json") for m, p in d.items()} for n, d in node.state.downloads.items()}
         return {"node_id": node.node_id, "downloads": mine, "cluster": cluster}
 
-    @router.post("/store/models/{model_id:path}/download", status_code=202, response_model=None)
+    @router.post("/store/models/{model_id:path}/download", status_code=202, response_model=None,
+                 responses=documented(DownloadStarted, 400, 401, 404, 502, 503, 507, status=202))
     async def start_download(model_id: str) -> dict[str, Any] | JSONResponse:
         valid_model_id(model_id)
         if (forwarded := await _at_store_host(node, "POST", f"/store/models/{model_id}/download")) is not None:
@@ -99,7 +112,8 @@ def store_router(node: ApiServices) -> APIRouter:
             "status_url": f"/store/models/{model_id}/download/status",
         }
 
-    @router.get("/store/models/{model_id:path}/download/status", response_model=None)
+    @router.get("/store/models/{model_id:path}/download/status", response_model=None,
+                responses=documented(DownloadState, 400, 404, 503))
     async def download_status(model_id: str) -> dict[str, Any] | JSONResponse:
         valid_model_id(model_id)
         if (forwarded := await _at_store_host(node, "GET", f"/store/models/{model_id}/download/status")) is not None:
@@ -112,7 +126,8 @@ def store_router(node: ApiServices) -> APIRouter:
                            f"no download of {model_id} on this node; POST /store/models/{model_id}/download")
         return progress.model_dump(mode="json")
 
-    @router.delete("/store/models/{model_id:path}")
+    @router.delete("/store/models/{model_id:path}", response_model=None,
+                   responses=documented(ModelRemoved, 400, 404, 409))
     async def delete_model(model_id: str) -> dict[str, Any]:
         valid_model_id(model_id)
         if model_id in in_use(node.state, node.node_id):
@@ -123,18 +138,18 @@ def store_router(node: ApiServices) -> APIRouter:
             raise ApiError(ErrorCode.not_found, f"this node holds no copy of {model_id}")
         return {"model_id": model_id, "removed": removed}
 
-    @router.get("/store/storage")
+    @router.get("/store/storage", response_model=None, responses=documented(StorageView))
     async def storage() -> dict[str, Any]:
         event_log = getattr(node, "event_log", None)  # the node's EventLog, None when it is off
         used = event_log.bytes_on_disk if event_log is not None else 0
         return await asyncio.to_thread(files.storage, node.state, used)
 
-    @router.post("/store/purge-staging/local")
+    @router.post("/store/purge-staging/local", response_model=None, responses=documented(PurgedLocal))
     async def purge_local(body: PurgeRequest) -> dict[str, Any]:
         removed = await asyncio.to_thread(files.purge, node.state, body.model_id)
         return {"node_id": node.node_id, "removed": removed}
 
-    @router.post("/store/purge-staging")
+    @router.post("/store/purge-staging", response_model=None, responses=documented(Purged))
     async def purge(body: PurgeRequest) -> dict[str, Any]:
         mine = await asyncio.to_thread(files.purge, node.state, body.model_id)
         results: dict[str, Any] = {node.node_id: {"ok": True, "removed": mine}}

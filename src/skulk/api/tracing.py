@@ -15,9 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from skulk import internal_auth
+from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
 from skulk.tracing.store import chrome_trace, merge_spans, stats, valid_task_id
+from skulk.types.answers import ChromeTrace, TraceBody, TraceList, TracesDeleted, TraceStats, TracingSwitch
 from skulk.types.commands import SetTracingEnabled
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, new_id
@@ -47,11 +49,11 @@ def peer_headers() -> dict[str, str]:
 def tracing_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["tracing"])
 
-    @router.get("/v1/tracing")
+    @router.get("/v1/tracing", response_model=None, responses=documented(TracingSwitch))
     async def get_tracing() -> dict[str, bool]:
         return {"enabled": node.state.tracing_enabled is True}
 
-    @router.put("/v1/tracing")
+    @router.put("/v1/tracing", response_model=None, responses=documented(TracingSwitch))
     async def put_tracing(body: TracingRequest) -> dict[str, bool]:
         """Waits up to 2 s for the state to flip; answers what the state says then."""
         node.send_command(SetTracingEnabled(command_id=CommandId(new_id()), enabled=body.enabled))
@@ -73,7 +75,7 @@ def tracing_router(node: ApiServices) -> APIRouter:
         groups = [[TraceSpan.model_validate(s) for s in a.get("spans", [])] for a in answers if a is not None]
         return merge_spans([local_spans(task_id), *groups])
 
-    @router.get("/v1/traces/cluster")
+    @router.get("/v1/traces/cluster", response_model=None, responses=documented(TraceList))
     async def cluster_list() -> dict[str, Any]:
         merged: dict[str, dict[str, Any]] = {t["taskId"]: t for t in await asyncio.to_thread(node.traces.summaries)}
         for answer in await peers_get("/v1/traces"):
@@ -85,36 +87,36 @@ def tracing_router(node: ApiServices) -> APIRouter:
                     mine["spanCount"] += trace["spanCount"]
         return {"traces": sorted(merged.values(), key=lambda t: t["createdAt"], reverse=True)}
 
-    @router.get("/v1/traces/cluster/{task_id}")
+    @router.get("/v1/traces/cluster/{task_id}", response_model=None, responses=documented(TraceBody, 400, 404))
     async def cluster_trace(task_id: str) -> dict[str, Any]:
         spans = _found(task_id, await cluster_spans(_valid(task_id)))
         return _trace_body(task_id, spans)
 
-    @router.get("/v1/traces/cluster/{task_id}/stats")
+    @router.get("/v1/traces/cluster/{task_id}/stats", response_model=None, responses=documented(TraceStats, 400, 404))
     async def cluster_stats(task_id: str) -> dict[str, Any]:
         return stats(task_id, _found(task_id, await cluster_spans(_valid(task_id))))
 
-    @router.get("/v1/traces/cluster/{task_id}/raw")
+    @router.get("/v1/traces/cluster/{task_id}/raw", response_model=None, responses=documented(ChromeTrace, 400, 404))
     async def cluster_raw(task_id: str) -> dict[str, Any]:
         return chrome_trace(task_id, _found(task_id, await cluster_spans(_valid(task_id))))
 
-    @router.get("/v1/traces")
+    @router.get("/v1/traces", response_model=None, responses=documented(TraceList))
     async def list_traces() -> dict[str, Any]:
         return {"traces": await asyncio.to_thread(node.traces.summaries)}
 
-    @router.post("/v1/traces/delete")
+    @router.post("/v1/traces/delete", response_model=None, responses=documented(TracesDeleted))
     async def delete_traces(body: DeleteTracesRequest) -> dict[str, Any]:
         return {"deleted": await asyncio.to_thread(node.traces.delete, body.task_ids)}
 
-    @router.get("/v1/traces/{task_id}")
+    @router.get("/v1/traces/{task_id}", response_model=None, responses=documented(TraceBody, 400, 404))
     async def get_trace(task_id: str) -> dict[str, Any]:
         return _trace_body(task_id, _found(task_id, local_spans(_valid(task_id))))
 
-    @router.get("/v1/traces/{task_id}/stats")
+    @router.get("/v1/traces/{task_id}/stats", response_model=None, responses=documented(TraceStats, 400, 404))
     async def get_stats(task_id: str) -> dict[str, Any]:
         return stats(task_id, _found(task_id, local_spans(_valid(task_id))))
 
-    @router.get("/v1/traces/{task_id}/raw")
+    @router.get("/v1/traces/{task_id}/raw", response_model=None, responses=documented(ChromeTrace, 400, 404))
     async def get_raw(task_id: str) -> dict[str, Any]:
         return chrome_trace(task_id, _found(task_id, local_spans(_valid(task_id))))
 

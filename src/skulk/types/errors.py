@@ -11,7 +11,9 @@ The string values are the codes clients already see: the placement refusals keep
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
 
 
 class ErrorCode(StrEnum):
@@ -160,3 +162,36 @@ for _status, _codes in {
     507: "insufficient_disk",
 }.items():
     HTTP_STATUS.update({ErrorCode[name]: _status for name in _codes.split()})
+
+
+class ErrorDetail(BaseModel):
+    """The inside of Skulk's native (OpenAI) error body; extra keys (a placement's details) may ride along."""
+
+    model_config = ConfigDict(extra="allow")
+    message: str
+    type: str
+    code: str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    """`error_body`'s shape, declared for the OpenAPI document: {"error": {"message", "type", "code"}}."""
+
+    error: ErrorDetail
+
+
+class ClaudeErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class ClaudeErrorBody(BaseModel):
+    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
+
+    type: Literal["error"]
+    error: ClaudeErrorDetail
+
+
+class OllamaErrorBody(BaseModel):
+    """Ollama's error shape: {"error": "..."}."""
+
+    error: str
