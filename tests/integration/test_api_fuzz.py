@@ -1,7 +1,8 @@
 """A schemathesis run over a real node's /openapi.json: a bounded number of generated requests per operation,
 none of which may get a 5xx, a status the operation does not declare, or a body outside the schema declared for
-the status it got (every route declares its success body and its error statuses: skulk.api.openapi). Operations that would stop or reconfigure the node
-under test (restart, config writes) are left out; everything else, placement and deletes included, is fair game."""
+the status it got (every route declares its success body and its error statuses: skulk.api.openapi). Operations
+that would stop or reconfigure the node under test (restart, config writes) are left out; everything else,
+placement and deletes included, is fair game."""
 
 from __future__ import annotations
 
