@@ -17,9 +17,10 @@ run: $(STAMP)
 test: $(STAMP) chromium
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile $(PYTEST_ARGS)
 
-# The fast lane: pure and unit tests, no node processes (under a minute on one core). `make test` runs everything.
+# The fast lane: pure and unit tests, no node processes and no `slow` model compute (under a minute on one core).
+# `make test` runs everything.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n 0 -m "not integration" tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n 0 -m "not integration and not slow" tests/unit $(PYTEST_ARGS)
 
 # The dashboard tests drive Debian's chromium (Playwright with executable_path; never `playwright install`).
 # Installed here when missing and apt-get may run (root); otherwise those tests skip and name the command.

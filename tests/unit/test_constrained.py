@@ -98,6 +98,7 @@ def _chat(content: str, **extra: Any) -> ChatCompletionRequest:
         "model": "m", "messages": [{"role": "user", "content": content}], "temperature": 1, "max_tokens": 300, **extra})
 
 
+@pytest.mark.slow  # loads and samples the real model
 def test_twenty_json_schemas_at_temperature_1_are_always_valid(engine: TorchEngine) -> None:
     requests = {str(i): _chat("Describe something as JSON.", seed=i, response_format={
         "type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}) for i, schema in enumerate(SCHEMAS)}
@@ -108,6 +109,7 @@ def test_twenty_json_schemas_at_temperature_1_are_always_valid(engine: TorchEngi
         jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.slow  # loads and samples the real model
 def test_json_object_is_one_json_object(engine: TorchEngine) -> None:
     results = _run(engine, {str(i): _chat("Give me a JSON object.", seed=i, response_format={"type": "json_object"})
                             for i in range(4)})
@@ -115,6 +117,7 @@ def test_json_object_is_one_json_object(engine: TorchEngine) -> None:
         assert finish == "stop" and isinstance(json.loads(text), dict), text
 
 
+@pytest.mark.slow  # loads and samples the real model
 def test_tools_reach_a_template_without_a_tools_section(engine: TorchEngine) -> None:
     assert not engine.tokenizer.renders_tools  # SmolLM2's template ignores `tools`
     messages = [ChatMessage(role="user", content="What is the weather in Paris?")]
@@ -123,6 +126,7 @@ def test_tools_reach_a_template_without_a_tools_section(engine: TorchEngine) -> 
     assert len(engine.encode_chat(messages, [WEATHER])) > len(engine.encode_chat(messages, None)) + 40
 
 
+@pytest.mark.slow  # loads and samples the real model
 def test_forced_tool_calls_are_well_formed_calls_with_valid_arguments(engine: TorchEngine) -> None:
     required = {f"r{i}": _chat("What is the weather in Paris?", seed=i, tools=[WEATHER, TIME],
                                tool_choice="required") for i in range(4)}

@@ -19,7 +19,10 @@ from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.quant import QuantizedLinear, affine_quantize, dequantize
 from tests.unit.test_model_families import REAL_CONFIGS, scaled_down, write_checkpoint
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an AVX2/FMA/F16C CPU and a C compiler")
+pytestmark = [
+    pytest.mark.slow,  # compiles kernels and runs real model compute: `make test`, not `make test-fast`
+    pytest.mark.skipif(not cpu_kernels.available(), reason="needs an AVX2/FMA/F16C CPU and a C compiler"),
+]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

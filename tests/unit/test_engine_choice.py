@@ -134,6 +134,7 @@ def test_node_info_carries_backends_into_state() -> None:
     assert apply(State(), IndexedEvent(idx=0, event=event)).node_backends == {"a": MAC}
 
 
+@pytest.mark.slow  # probes MLX in a child interpreter (seconds)
 def test_this_node_advertises_mlx_cpu_when_mlx_computes_here() -> None:
     from skulk.worker import node_info
 

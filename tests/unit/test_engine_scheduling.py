@@ -29,7 +29,7 @@ from skulk.engines.torch.wire import MAX_ADMITS, Started, StepKind
 from skulk.models.demo import ensure_demo_model
 from skulk.types.chat import SamplingParams
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # runs real model compute: `make test`, not `make test-fast`
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 TEXT = [*b"The quick brown fox jumps over the lazy dog, and then it runs away into the woods. "] * 8

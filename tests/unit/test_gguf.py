@@ -26,7 +26,7 @@ from skulk.models.packaged import SMOLLM2, ensure_packaged_model, fetch_gguf, sh
 
 from .test_torch_engine import ThreadAllReduce
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # runs real model compute: `make test`, not `make test-fast`
 
 QUANT_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K]
 _F16_FIELDS = {  # byte offsets of each block's f16 scale fields

@@ -28,7 +28,7 @@ from skulk.models.gguf_import import import_gguf
 
 from .test_model_families import REAL_CONFIGS, scaled_down, write_checkpoint
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # runs real model compute: `make test`, not `make test-fast`
 
 FAMILIES = {  # model id -> llama.cpp's architecture name
     "meta-llama/Llama-3.2-1B-Instruct": "llama", "mistralai/Mistral-7B-Instruct-v0.3": "llama",

@@ -23,7 +23,7 @@ from skulk.types.chat import SamplingParams
 from tests.unit.test_model_families import REAL_CONFIGS, scaled_down, write_checkpoint
 from tests.unit.test_quantized import write_mlx
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # runs real model compute: `make test`, not `make test-fast`
 
 TOKENS = 40
 PROMPTS = [[1, 5, 9, 33, 2, 7, 100, 42, 11, 3] * 3, [258, 104, 105], [72, 101, 108, 108, 111, 10] * 2]

@@ -21,7 +21,7 @@ from skulk.engines.torch.loader import load_model
 from skulk.models.catalog import card_from_config
 from skulk.types.chat import SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # runs real model compute: `make test`, not `make test-fast`
 
 _LLAMA3_ROPE = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}

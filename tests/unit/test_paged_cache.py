@@ -16,7 +16,7 @@ from skulk.engines.torch.wire import Admitted, Started
 from skulk.models.demo import ensure_demo_model
 from skulk.types.chat import SamplingParams
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # runs real model compute: `make test`, not `make test-fast`
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 TEXT = [*b"Paged attention keeps each request's keys and values in blocks of a shared pool. "] * 30

@@ -31,7 +31,7 @@ from skulk.types.models import ModelCard
 from tests.unit.test_model_families import REAL_CONFIGS, scaled_down, write_checkpoint
 from tests.unit.test_torch_engine import ThreadAllReduce
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # runs real model compute: `make test`, not `make test-fast`
 
 GROUP = 32
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 42, 11, 3] * 3])
