@@ -122,6 +122,39 @@ def client_address(transport: Any) -> str | None:
     return str(peer[0]) if isinstance(peer, tuple) and peer else None
 
 
+class _OpenConnections:
+    """The connections a server has admitted, in all and by client address.
+
+    Counted here, not read from uvicorn's `connections` set: a connection refused on accept stays in that set
+    until its `connection_lost` runs on a later turn of the loop, so a burst accepted in one turn (a flood
+    from one address, then a legitimate client in the same batch) would count the refused ones against the
+    global cap and refuse the legitimate client too."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.by_client: dict[str, int] = {}
+
+    def admit(self, client: str | None, max_connections: int, max_per_client: int | None) -> bool:
+        if self.total >= max_connections:
+            return False
+        if client is not None and max_per_client is not None and self.by_client.get(client, 0) >= max_per_client:
+            return False
+        self.total += 1
+        if client is not None:
+            self.by_client[client] = self.by_client.get(client, 0) + 1
+        return True
+
+    def release(self, client: str | None) -> None:
+        self.total -= 1
+        if client is None:
+            return
+        left = self.by_client.get(client, 1) - 1
+        if left > 0:
+            self.by_client[client] = left
+        else:
+            self.by_client.pop(client, None)
+
+
 def guarded_protocol(
     max_connections: int, header_timeout_s: float, max_per_client: int | None = None
 ) -> type[H11Protocol]:
@@ -132,24 +165,21 @@ def guarded_protocol(
     socket and sends nothing (or one byte a minute) holds it for ever; its `limit_concurrency` answers 503 to
     every new request once enough such sockets are open, which is the outage itself."""
 
-    per_client: dict[str, int] = {}  # one server's connections by client address (one event loop: no lock)
+    counts = _OpenConnections()  # one server's admitted connections (one event loop: no lock)
 
     class GuardedH11Protocol(H11Protocol):
         _head_deadline: asyncio.TimerHandle | None = None
+        _admitted: bool = False
         _client: str | None = None
 
         def connection_made(self, transport: Any) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
+            client = client_address(transport)
+            if not counts.admit(client, max_connections, max_per_client):
                 transport.abort()
                 return
-            client = client_address(transport)
-            if max_per_client is not None and client is not None:
-                if per_client.get(client, 0) >= max_per_client:
-                    transport.abort()
-                    return
-                per_client[client] = per_client.get(client, 0) + 1
-                self._client = client
+            self._admitted = True
+            self._client = client
             self._head_deadline = self.loop.call_later(header_timeout_s, self._head_overdue)
 
         def handle_events(self) -> None:
@@ -162,13 +192,9 @@ def guarded_protocol(
             if self._head_deadline is not None:
                 self._head_deadline.cancel()
                 self._head_deadline = None
-            if self._client is not None:
-                left = per_client.get(self._client, 1) - 1
-                if left > 0:
-                    per_client[self._client] = left
-                else:
-                    per_client.pop(self._client, None)
-                self._client = None
+            if self._admitted:
+                counts.release(self._client)
+                self._admitted = False
             super().connection_lost(exc)
 
         def _head_overdue(self) -> None:
