@@ -7,9 +7,19 @@ import logging
 import sys
 
 from skulk import __version__
-from skulk.config import ConfigError, resolve
+from skulk.config import ConfigError, Settings, resolve
 from skulk.logs import install_log_limits
 from skulk.redact import install_log_scrub
+
+
+def _default(name: str) -> str:
+    """A setting's default as --help shows it, read from `Settings`: defaults are written in one place."""
+    value = Settings.model_fields[name].default
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value) or "none"
+    return str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,26 +27,30 @@ def build_parser() -> argparse.ArgumentParser:
         prog="skulk",
         description="Run a Skulk node: pool this machine's memory with the other nodes of the cluster and "
         "serve OpenAI-compatible APIs. Precedence: flag > environment > skulk.yaml > default.",
+        epilog="other commands: `skulk models --help` (the catalog, downloads, imports), `skulk diag --help` "
+        "(a cluster's diagnostics), `skulk keygen` (a new cluster key)",
     )
     parser.add_argument("--version", action="version", version=f"skulk {__version__}")
-    parser.add_argument("--api-port", type=int, help="HTTP API port (SKULK_API_PORT, default 52415)")
-    parser.add_argument("--api-host", help="HTTP API bind address (SKULK_API_HOST, default 0.0.0.0)")
+    parser.add_argument("--api-port", type=int, help=f"HTTP API port (SKULK_API_PORT, default {_default('api_port')})")
+    parser.add_argument("--api-host", help=f"HTTP API bind address (SKULK_API_HOST, default {_default('api_host')})")
     parser.add_argument(
-        "--home", help="state directory: config, models, staging, logs (SKULK_HOME, ~/.skulk)"
+        "--home", help=f"state directory: config, models, staging, logs (SKULK_HOME, {_default('home')})"
     )
-    parser.add_argument("--config", help="config file, resolved and reported (SKULK_CONFIG, skulk.yaml)")
+    parser.add_argument("--config", help=f"config file, resolved and reported (SKULK_CONFIG, {_default('config')})")
     parser.add_argument(
         "--place-default",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="place the built-in demo model when no instance exists (SKULK_PLACE_DEFAULT, on)",
+        help=f"place the default model when no instance exists (SKULK_PLACE_DEFAULT, {_default('place_default')})",
     )
     parser.add_argument(
         "--default-model",
-        help="what --place-default places (SKULK_DEFAULT_MODEL, HuggingFaceTB/SmolLM2-135M-Instruct)",
+        help=f"what --place-default places (SKULK_DEFAULT_MODEL, {_default('default_model')})",
     )
     parser.add_argument("--node-name", help="friendly name shown to operators (SKULK_NODE_NAME, hostname)")
-    parser.add_argument("--cluster", help="cluster namespace; isolates discovery (SKULK_CLUSTER, default)")
+    parser.add_argument(
+        "--cluster", help=f"cluster namespace; isolates discovery (SKULK_CLUSTER, {_default('cluster')})"
+    )
     parser.add_argument(
         "--bootstrap-peer",
         dest="bootstrap_peers",
@@ -47,13 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--zenoh-listen",
         dest="zenoh_listen",
         action="append",
-        help="zenoh listen endpoint, repeatable (SKULK_ZENOH_LISTEN, default tcp/0.0.0.0:0)",
+        help=f"zenoh listen endpoint, repeatable (SKULK_ZENOH_LISTEN, default {_default('zenoh_listen')})",
     )
     parser.add_argument(
         "--multicast",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="discover peers by multicast scouting (SKULK_MULTICAST, on)",
+        help=f"discover peers by multicast scouting (SKULK_MULTICAST, {_default('multicast')})",
     )
     parser.add_argument(
         "--multicast-interface",
@@ -77,9 +91,11 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cors-origin", dest="cors_origins", action="append",
                         help="browser origin allowed to call the API, repeatable (SKULK_CORS_ORIGINS, none)")
     parser.add_argument("--max-body-bytes", type=int,
-                        help="largest request body read, in bytes (SKULK_MAX_BODY_BYTES, 8 MiB)")
+                        help="largest request body read, in bytes "
+                        f"(SKULK_MAX_BODY_BYTES, {_default('max_body_bytes')})")
     parser.add_argument("--max-connections", type=int,
-                        help="open HTTP connections accepted at once (SKULK_MAX_CONNECTIONS, 4096)")
+                        help="open HTTP connections accepted at once "
+                        f"(SKULK_MAX_CONNECTIONS, {_default('max_connections')})")
     parser.add_argument("--cluster-key",
                         help="shared secret that seals every message between nodes; `skulk keygen` makes one "
                         "(SKULK_CLUSTER_KEY, cluster_key in skulk.yaml; none = open cluster)")
