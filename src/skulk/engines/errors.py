@@ -18,3 +18,11 @@ class PromptRejected(ValueError):
     """The model's chat template refused the conversation with its own message (Gemma's and Mistral's templates
     require alternating user/assistant roles, Mistral's 9-character tool call ids): the client's to fix, so the
     request ends with a 400 carrying that message, and nothing was computed."""
+
+
+def check_prompt(prompt_ids: list[int], context_length: int) -> None:
+    """What every engine refuses before queueing a prompt: an empty one, or one longer than its context."""
+    if not prompt_ids:
+        raise ValueError("prompt must contain at least one token")
+    if len(prompt_ids) > context_length:
+        raise ContextLengthExceeded(len(prompt_ids), context_length)

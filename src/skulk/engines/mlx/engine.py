@@ -36,7 +36,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
-from skulk.engines.errors import ContextLengthExceeded, PromptRejected
+from skulk.engines.errors import PromptRejected, check_prompt
 from skulk.engines.torch.requests import FaultHook, Request, accept_each, row_sampling
 from skulk.engines.torch.tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 from skulk.engines.torch.wire import Admitted, Released, RequestEvent, Started
@@ -154,10 +154,7 @@ class MlxEngine:
         """Rank 0 queues the request for the next step (every rank builds it from the header); elsewhere a no-op."""
         if not self.is_scheduler:
             return
-        if not prompt_ids:
-            raise ValueError("prompt must contain at least one token")
-        if len(prompt_ids) > self.context_length:
-            raise ContextLengthExceeded(len(prompt_ids), self.context_length)
+        check_prompt(prompt_ids, self.context_length)
         known = {r.request_id for r in self._requests()} | {a.request_id for a in self._adds}
         if request_id in known:
             raise ValueError(f"request {request_id!r} is already running")

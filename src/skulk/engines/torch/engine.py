@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
 from skulk.engines.constrained import Grammars, tool_call_style
-from skulk.engines.errors import ContextLengthExceeded
+from skulk.engines.errors import check_prompt
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
 
@@ -169,10 +169,7 @@ class TorchEngine:
         """Rank 0 queues the request for the next header; on other ranks this is a no-op."""
         if not self.is_scheduler:
             return
-        if not prompt_ids:
-            raise ValueError("prompt must contain at least one token")
-        if len(prompt_ids) > self.context_length:
-            raise ContextLengthExceeded(len(prompt_ids), self.context_length)
+        check_prompt(prompt_ids, self.context_length)
         known = {r.request_id for r in (*self._pending, *self._running)} | {a.request_id for a in self._adds}
         if request_id in known:
             raise ValueError(f"request {request_id!r} is already running")
