@@ -46,3 +46,17 @@ def test_cancelled_task_in_progress_is_cancelled_on_the_runner() -> None:
         RunnerId("r-n1"): LocalRunner(RunnerId("r-n1"), frozenset({TaskId("t1")}), frozenset({TaskId("t1")}))
     }
     assert plan(state, NodeId("n1"), local) == [CancelRunnerTask(RunnerId("r-n1"), TaskId("t1"))]
+
+
+def test_a_task_another_rank_completed_is_not_cancelled_here() -> None:
+    """The sampling rank reports Complete before rank 0 lets go of the task at its next step header; a cancel
+    in between made rank 0 record the finished request as cancelled."""
+    state = applied(
+        InstanceCreated(instance=instance()),
+        TaskCreated(task=chat_task()),
+        TaskStatusUpdated(task_id=TaskId("t1"), task_status=TaskStatus.Complete),
+    )
+    local = {
+        RunnerId("r-n1"): LocalRunner(RunnerId("r-n1"), frozenset({TaskId("t1")}), frozenset({TaskId("t1")}))
+    }
+    assert plan(state, NodeId("n1"), local) == []

@@ -9,7 +9,7 @@ from skulk.state.queries import is_serving
 from skulk.types.ids import NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance
 from skulk.types.state import State
-from skulk.types.tasks import Task
+from skulk.types.tasks import Task, TaskStatus
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,10 @@ def plan(state: State, node_id: NodeId, local: Mapping[RunnerId, LocalRunner]) -
 
 
 def _task_actions(state: State, instance: MlxRingInstance, runner: LocalRunner) -> list[Action]:
-    """Open tasks go to every rank once the whole instance serves; closed ones are cancelled where running."""
+    """Open tasks go to every rank once the whole instance serves; cancelled or failed ones are cancelled
+    where running. A complete one is not: the sampling rank finished it, and every other rank lets go of it
+    at the next step header; a cancel racing that release made rank 0 record a finished request as
+    cancelled (its flight recorder ended in `cancel_received`, `cancelled`)."""
     serving = is_serving(state, instance)
     actions: list[Action] = []
     for task in state.tasks.values():
@@ -90,6 +93,6 @@ def _task_actions(state: State, instance: MlxRingInstance, runner: LocalRunner) 
         if task.task_status.is_open:
             if serving and task.task_id not in runner.sent:
                 actions.append(SendTask(runner.runner_id, task))
-        elif task.task_id in runner.in_progress:
+        elif task.task_status is not TaskStatus.Complete and task.task_id in runner.in_progress:
             actions.append(CancelRunnerTask(runner.runner_id, task.task_id))
     return actions
