@@ -10,6 +10,7 @@ name, permutation or norm would not be close at all."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
 from gguf.quants import quantize
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 from skulk.engines.torch.cache import StepBatch
 from skulk.engines.torch.loader import load_model
@@ -75,7 +77,28 @@ def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def write_gguf(config: dict[str, Any], hf_dir: Path, arch: str, out: Path) -> Path:
+def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's converter (LlamaModel.generate_extra_tensors): Llama 3 rope scaling as one divisor per rotary
+    pair, written as the tensor rope_freqs.weight; the file's metadata says nothing else about the scaling."""
+    rope = config["rope_scaling"]
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / (config["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_gguf(config: dict[str, Any], hf_dir: Path, arch: str, out: Path, *, quantized: bool = True) -> Path:
+    """The checkpoint as llama.cpp's converter writes it; projections in Q8_0 (quantized) or F32."""
     writer = GGUFWriter(str(out), arch)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -104,6 +127,8 @@ def write_gguf(config: dict[str, Any], hf_dir: Path, arch: str, out: Path) -> Pa
     writer.add_bos_token_id(256)
     writer.add_eos_token_id(257)
     writer.add_chat_template(CHATML_TEMPLATE)
+    if (config.get("rope_scaling") or {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
     for name, tensor in hf_tensors(hf_dir).items():
         if name.endswith("norm.weight") and arch == "gemma3":
             tensor = tensor + 1
@@ -115,7 +140,7 @@ def write_gguf(config: dict[str, Any], hf_dir: Path, arch: str, out: Path) -> Pa
             target = target.replace("ffn_gate.", "ffn_gate_exps.").replace("ffn_up.", "ffn_up_exps.").replace(
                 "ffn_down.", "ffn_down_exps.")
         data = tensor.numpy().astype(np.float32)
-        if data.ndim >= 2 and data.shape[-1] % 32 == 0 and "ffn_gate_inp" not in target:
+        if quantized and data.ndim >= 2 and data.shape[-1] % 32 == 0 and "ffn_gate_inp" not in target:
             writer.add_tensor(target, quantize(data, QT.Q8_0), raw_dtype=QT.Q8_0)
         else:
             writer.add_tensor(target, data)
@@ -146,3 +171,45 @@ def test_each_family_from_gguf_computes_what_its_checkpoint_does(model_id: str, 
     error = ((got - expected).norm() / expected.norm()).item()
     assert error < 0.05, error
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+LLAMA3_LONG = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+"""Llama 3 rope scaling with an original context of 64 (the real one is 8,192), so that 160 positions reach
+far enough along the scaled, slow frequencies for a wrong rope to show in the logits."""
+
+
+def test_llama3_rope_freqs_from_gguf_match_the_hugging_face_checkpoint(tmp_path: Path) -> None:
+    """A Llama 3.2 checkpoint with rope scaling, converted as llama.cpp does (rope_freqs.weight holds the scaling),
+    imported and run: its logits over 160 positions are transformers' on the safetensors, and the same file
+    without its factors is not (the test can fail). F32 weights, so nothing but the rope separates them."""
+    model_id = "meta-llama/Llama-3.2-1B-Instruct"
+    config = scaled_down(model_id, {**REAL_CONFIGS[model_id], "rope_scaling": LLAMA3_LONG}, vocab=320)
+    hf_dir = write_checkpoint(config, tmp_path / "hf")
+    gguf = write_gguf(config, hf_dir, "llama", tmp_path / "model.gguf", quantized=False)
+    import_gguf(gguf, tmp_path / "models", "t/llama3")
+    gguf_dir = tmp_path / "models" / "t--llama3"
+    imported = json.loads((gguf_dir / "config.json").read_text())
+    np.testing.assert_allclose(imported["rope_freq_factors"], llama3_rope_factors(config))
+    assert 1.0 in imported["rope_freq_factors"] and 8.0 in imported["rope_freq_factors"]
+
+    ids = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 42, 11, 3, 250, 17, 64, 8, 90, 31] * 10])
+    reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(ids).logits[0]
+    got = _logits(gguf_dir, ids)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+    (gguf_dir / "config.json").write_text(json.dumps({k: v for k, v in imported.items() if k != "rope_freq_factors"}))
+    unscaled = _logits(gguf_dir, ids)
+    late = slice(64, None)  # past the original context, where the scaled frequencies have turned far enough
+    wrong = ((unscaled[late] - expected[late]).norm() / expected[late].norm()).item()
+    right = ((got[late] - expected[late]).norm() / expected[late].norm()).item()
+    assert wrong > 100 * right, (wrong, right)
+
+
+def _logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = load_model(model_dir, dtype=torch.float32)
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    with torch.inference_mode():
+        return model(ids, StepBatch.build(positions, 0), model.make_cache(1, 192))[0].float()

@@ -96,7 +96,7 @@ def gguf_config(path: Path) -> dict[str, Any]:
     quantization section our loader reads."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from skulk.engines.torch.gguf_file import GGUFCheckpoint, read_layout
+    from skulk.engines.torch.gguf_file import GGUFCheckpoint, read_layout, rope_freq_factors
 
     try:
         config: dict[str, Any] = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
@@ -111,6 +111,9 @@ def gguf_config(path: Path) -> dict[str, Any]:
     for key, value in layout["config"].items():  # what transformers' mapping of this architecture left out
         config.setdefault(key, value)
     config["gguf"] = layout
+    factors = rope_freq_factors(path, layout)
+    if factors is not None:  # Llama 3 rope scaling, as llama.cpp's converter writes it
+        config["rope_freq_factors"] = factors
     checkpoint = GGUFCheckpoint(path, layout)
     if "tie_word_embeddings" not in config:
         config["tie_word_embeddings"] = "lm_head.weight" not in checkpoint.tensors

@@ -74,6 +74,9 @@ class ModelArgs:
     sliding_window when it is set, and on Gemma rotates with rope_local_theta."""
     rope_local_theta: float | None = None
     """Gemma 3: the rope base of its sliding (local) layers, which take no rope scaling."""
+    rope_freq_factors: tuple[float, ...] | None = None
+    """Per rotary pair, the divisor of its frequency (global layers): a GGUF file's `rope_freqs` tensor, which is
+    how llama.cpp's converter writes Llama 3 rope scaling (models/gguf_import.py copies it into config.json)."""
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
@@ -116,6 +119,7 @@ class ModelArgs:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
             rope_scaling=scaling,
+            rope_freq_factors=tuple(map(float, cfg["rope_freq_factors"])) if cfg.get("rope_freq_factors") else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),

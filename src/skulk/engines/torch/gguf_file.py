@@ -246,6 +246,20 @@ def read_layout(path: Path) -> dict[str, Any]:
     }
 
 
+def rope_freq_factors(path: Path, layout: dict[str, Any]) -> list[float] | None:
+    """The file's `rope_freqs` tensor (F32, one factor per rotary pair), if it has one: llama.cpp's converter
+    writes Llama 3 rope scaling as these factors, not as metadata; the engine divides each frequency by its
+    factor, as llama.cpp does (engines/torch/config.py's rope_freq_factors)."""
+    entry = layout["tensors"].get("rope_freqs.weight")
+    if entry is None:
+        return None
+    qtype, shape, offset = entry
+    if QT(qtype) != QT.F32:
+        raise ValueError(f"rope_freqs.weight is {QT(qtype).name}; llama.cpp writes it as F32")
+    values = np.memmap(path, np.float32, "r", offset, (int(np.prod(shape)),))
+    return [float(v) for v in values]
+
+
 class GGUFCheckpoint:
     """A GGUF file's tensors under Hugging Face names. A quantized tensor appears as `<base>.weight` (uint8
     values, unpacked), `<base>.scales` and `<base>.biases`; a float one as itself. Blocks are decoded on read,

@@ -51,7 +51,8 @@ class RMSNorm(nn.Module):
 
 
 class Rope(nn.Module):
-    """Rotary position embedding (half-split layout, Llama 3 or linear frequency scaling when the config asks).
+    """Rotary position embedding (half-split layout, Llama 3 or linear frequency scaling when the config asks, or
+    a GGUF file's per-pair frequency factors).
 
     local: Gemma 3's sliding layers, which rotate with their own base and no scaling."""
 
@@ -63,6 +64,8 @@ class Rope(nn.Module):
         inv_freq = 1.0 / (theta**exponents)
         if args.rope_scaling is not None and not local:
             inv_freq = _scale_frequencies(inv_freq, args.rope_scaling)
+        if args.rope_freq_factors is not None and not local:  # llama.cpp's rope_freqs: theta_i / factor_i
+            inv_freq = inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32, device=device)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
