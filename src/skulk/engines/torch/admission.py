@@ -1,0 +1,211 @@
+"""Rank 0's scheduling and every rank's copy of its state: headers, admission, preemption, release, and the
+block tables.
+
+Rank 0 (_lead) turns queued adds and releases into a header, plans preemptions and admissions against the pool
+and sends it; every other rank (_follow) applies the same header to the same state, in the same order, so queues,
+rows and block tables stay identical without further agreement.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+from skulk.engines.constrained import Grammars, tool_call_style
+
+from .blocks import blocks_for, extend_keys
+from .core import NO_BLOCK, WARMUP_ID, EngineCore
+from .requests import Request, row_sampling
+from .schedule import admission_blocks, can_admit, chunk_tokens, growth_blocks, next_kind
+from .tokenizer import IncrementalDecoder, StopMatcher
+from .wire import Admitted, Header, NewRequest, Preempt, Release, Released, Started, StepKind, WireError
+
+log = logging.getLogger(__name__)
+
+
+class Admission(EngineCore):
+    def _lead(self) -> Header:
+        changes = Header(StepKind.HEARTBEAT, tuple(self._adds), tuple(self._releases))
+        self._adds, self._releases = [], []
+        self._apply(changes)
+        preempts = self._plan_preemptions()
+        decoding = any(r.length >= len(r.prompt) for r in self._running)
+        chunk = chunk_tokens(self.prefill_chunk, decoding=decoding, decode_s=self._decode_s,
+                             last_chunk=self._last_chunk)
+        admits = self._admit_pending(chunk)
+        self._grow()
+        kind = next_kind(prefilling=bool(self._rests()), decoding=decoding)
+        prefills = kind in (StepKind.PREFILL, StepKind.MIXED)
+        header = Header(kind, changes.adds, changes.releases, chunk if prefills else 0, admits, preempts)
+        self.link.send_header(header)
+        self._last_header = time.monotonic()
+        return header
+
+    def _follow(self) -> Header:
+        header = self.link.receive_header()
+        self._apply(header)
+        for preempt in header.preempts:
+            self._preempt(preempt)
+        for shared in header.admits:
+            self._admit(shared)
+        self._grow()
+        return header
+
+    def _plan_preemptions(self) -> tuple[Preempt, ...]:
+        """Rank 0: while the running requests' next positions need more blocks than the pool has, preempt the most
+        recently admitted (its blocks go back; it is recomputed later). The pool holds one whole-context request,
+        so the first running request always fits."""
+        preempts: list[Preempt] = []
+        while len(self._running) > 1 and growth_blocks(self._running, self.block_size) > self.blocks.available:
+            victim = self._running[-1]
+            preempt = Preempt(victim.request_id, tuple(victim.emitted))
+            self._preempt(preempt)
+            preempts.append(preempt)
+        return tuple(preempts)
+
+    def _admit_pending(self, chunk: int) -> tuple[tuple[int, ...], ...]:
+        """Rank 0: admit pending requests in queue order while this step's chunk outlasts the prompts already being
+        prefilled (schedule.can_admit) and the pool has blocks for the whole prompt beside the running requests'
+        growth; each shares the cached blocks of its longest cached prefix. The header carries those blocks per
+        admission and every other rank repeats the admissions in order, so block tables stay identical."""
+        admits: list[tuple[int, ...]] = []
+        rests = self._rests()
+        reserve = growth_blocks(self._running, self.block_size)
+        while self._pending and can_admit(rests=rests, chunk=chunk, free_slots=self.max_batch - len(self._running),
+                                          admitted=len(admits)):
+            head = self._pending[0]
+            limit = (len(head.prompt) - 1) // self.block_size  # the prompt's last token is always computed
+            extend_keys(head.keys, head.prompt, self.block_size, limit)
+            shared = self.blocks.match(head.keys[:limit])
+            revived = sum(1 for b in shared if self.blocks.refcount(b) == 0)  # cached blocks it takes out of the LRU
+            if admission_blocks(len(head.prompt), len(shared), self.block_size) + revived + reserve \
+                    > self.blocks.available:
+                break  # the queue waits for blocks (FIFO: a short prompt behind never starves a long one ahead)
+            req = self._admit(tuple(shared))
+            admits.append(tuple(shared))
+            rests.append(len(req.prompt) - req.length)
+        return tuple(admits)
+
+    def _rests(self) -> list[int]:
+        """Prompt tokens still to prefill, per request being prefilled, in row order."""
+        return [len(r.prompt) - r.length for r in self._running if r.length < len(r.prompt)]
+
+    def _apply(self, header: Header) -> None:
+        for release in header.releases:
+            self._release(release)
+        for add in header.adds:
+            self._pending.append(self._new_request(add))
+            if add.request_id != WARMUP_ID:
+                self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt), time.perf_counter()))
+
+    def _new_request(self, add: NewRequest) -> Request:
+        s = add.sampling_params()
+        row = row_sampling(s, self.model.args.vocab_size, self.device, self._unseeded)
+        decoder = IncrementalDecoder(self.tokenizer.decode)
+        stops = StopMatcher(s.stop)
+        constraint = None
+        if s.constraint is not None and (self.is_sampler or self.is_scheduler):  # rank 0 checks it compiles
+            constraint = self.grammars.matcher(s.constraint)
+        return Request(add.request_id, add.prompt, s.max_tokens, row, decoder, stops, command_id=add.command_id,
+                       constraint=constraint)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The compiler of constrained requests' grammars for this model's vocabulary, built on first use."""
+        style = tool_call_style(self.model.args.model_type, self.tokenizer.renders_tools,
+                                str(getattr(self.tokenizer.hf, "chat_template", None) or ""))
+        return Grammars(self.tokenizer.hf, self.model.args.vocab_size, self.tokenizer.eos_ids, style)
+
+    def _release(self, release: Release) -> None:
+        """Drop a pending request, or a running one and its blocks (its full blocks stay cached for reuse)."""
+        found = next((r for r in self._pending if r.request_id == release.request_id), None)
+        if found is not None:
+            self._pending.remove(found)
+        else:
+            found = next((r for r in self._running if r.request_id == release.request_id), None)
+            if found is None:
+                return
+            self._running.remove(found)
+            self._free_table(found)
+            if found.lookup is not None and found.lookup.drafted:
+                lookup = found.lookup
+                log.info("MTP acceptance %.0f %% for %s: %d of %d prompt-lookup draft tokens accepted",
+                         100 * lookup.accepted / lookup.drafted, found.request_id, lookup.accepted, lookup.drafted)
+        if found.request_id == WARMUP_ID:
+            self._warming = False
+        else:
+            self._events.append(Released(found.request_id, found.command_id, release.cancelled, release.failed))
+
+    def _free_table(self, req: Request) -> None:
+        """Give a leaving (or preempted) request's blocks back; on rank 0 its full blocks are keyed by their tokens
+        first, so a later prompt starting with them finds them."""
+        full = req.length // self.block_size
+        self._publish(req)
+        held = [b for b in req.table if b != NO_BLOCK]
+        self.blocks.free_table(held, full - (len(req.table) - len(held)))
+        req.table = []
+
+    def _drop_behind_window(self, req: Request) -> None:
+        """Free the blocks no query of the request can see again: every position in them is at least `window`
+        behind its next one (its next chunk starts there too). Their table entries become NO_BLOCK: the kernels
+        start at the window and the torch path's gather reads them masked."""
+        behind = (req.length + 1 - self.window) // self.block_size
+        for i in range(min(behind, len(req.table))):
+            if req.table[i] != NO_BLOCK:
+                self.blocks.free(req.table[i], keep=False)
+                req.table[i] = NO_BLOCK
+
+    def _publish(self, req: Request) -> None:
+        """Rank 0: key the request's full blocks by their tokens, so another prompt starting with them shares them
+        (while this one still runs, too: ten chats with one system prompt hold it once)."""
+        if not self.is_scheduler:
+            return
+        full = req.length // self.block_size
+        extend_keys(req.keys, req.tokens(0, full * self.block_size), self.block_size, full)
+        for block, key in zip(req.table[:full], req.keys[:full], strict=True):
+            if block != NO_BLOCK:
+                self.blocks.cache_full(block, key)
+
+    def _preempt(self, preempt: Preempt) -> None:
+        """Take a running request out and put it back at the head of the queue, its generated tokens (the header's,
+        so every rank agrees) appended to its prompt: recomputed when it is admitted again."""
+        req = next((r for r in self._running if r.request_id == preempt.request_id), None)
+        if req is None:
+            raise WireError(f"header preempts {preempt.request_id!r}, which is not running")
+        self._running.remove(req)
+        self._free_table(req)
+        req.prompt = [*req.prompt, *preempt.tokens]
+        req.emitted, req.length = [], 0
+        self._pending.appendleft(req)
+        self.preemptions += 1
+
+    def _admit(self, shared: tuple[int, ...]) -> Request:
+        """Move the first pending request into the next row, sharing the cached blocks `shared` for its first
+        positions and taking fresh blocks for the rest of its prompt."""
+        if not self._pending or len(self._running) >= self.max_batch:
+            raise WireError(f"header admits a request with {len(self._pending)} pending, {len(self._running)} running")
+        req = self._pending[0]
+        length = len(shared) * self.block_size
+        if length >= len(req.prompt) and shared:
+            raise WireError(f"header shares {len(shared)} blocks of a {len(req.prompt)}-token prompt")
+        need = blocks_for(len(req.prompt), self.block_size) - len(shared)  # its first decode's: _grow
+        for block in shared:
+            self.blocks.share(block)
+        req.table = [*shared, *(self.blocks.allocate() for _ in range(need))]
+        self._pending.popleft()
+        req.length = length
+        self._running.append(req)
+        if req.request_id != WARMUP_ID:
+            self._events.append(Started(req.request_id, req.command_id, length))
+        return req
+
+    def _grow(self) -> None:
+        """Every running request gets the block its next position falls in, in row order (so every rank takes
+        the same blocks): rank 0 preempted enough that they exist. Where every layer slides, blocks wholly
+        before the window go back first."""
+        for req in self._running:
+            if self.window:
+                self._drop_behind_window(req)
+            while len(req.table) < blocks_for(req.length + 1, self.block_size):
+                req.table.append(self.blocks.allocate())

@@ -1,0 +1,73 @@
+"""Steps only a single rank takes: a decode step that also verifies each request's prompt-lookup draft
+(speculate.py holds the pure parts)."""
+
+from __future__ import annotations
+
+import torch
+
+from skulk.engines.base import TokenOut
+
+from .blocks import blocks_for
+from .cache import MixedBatch, StepBatch
+from .model import MIXED_STACK_ROWS
+from .speculate import MAX_DRAFT, PromptLookup, accepted_prefix
+from .step import PHASES, Step
+from .wire import Release, StepKind
+
+
+class LocalStep(Step):
+    def _drafts(self) -> list[list[int]] | None:
+        """A prompt-lookup draft per running request (some empty), when every one decodes greedily without
+        log-probabilities and at least one has a draft; None for a plain decode step. Drafts stop short of a
+        request's max_tokens and context, fit the free blocks, and keep the step under MIXED_STACK_ROWS rows."""
+        running = self._running
+        if any(r.sampling.temperature > 0 or r.sampling.logprobs is not None or r.constraint is not None
+               for r in running):  # a constrained row's token is its grammar's, not the raw argmax drafts check
+            return None
+        room, free = max(0, MIXED_STACK_ROWS // len(running) - 1), self.blocks.available
+        drafts: list[list[int]] = []
+        for req in running:
+            if req.lookup is None:
+                req.lookup = PromptLookup()
+            limit = min(MAX_DRAFT, room, req.max_tokens - req.generated - 1, self.context_length - req.length - 1,
+                        (len(req.table) + free) * self.block_size - req.length - 1)
+            draft = req.lookup.propose(req.tokens(), limit)
+            free -= max(0, blocks_for(req.length + 1 + len(draft), self.block_size) - len(req.table))
+            drafts.append(draft)
+        return drafts if any(drafts) else None
+
+    def _speculate(self, drafts: list[list[int]]) -> list[TokenOut]:
+        """A decode step that also verifies each request's draft: its last token and draft as one chunk (a MixedBatch
+        part per request), then per request the draft's prefix greedy decoding confirms and the model's next token,
+        each accepted as a decode step would accept it (speculate.py). Single rank only: nothing is shared."""
+        self._enter_phase(PHASES[self.kind, StepKind.DECODE], "decode")
+        parts, ids = [], []
+        for req, draft in zip(self._running, drafts, strict=True):
+            tokens = [req.last_token, *draft]
+            while len(req.table) < blocks_for(req.length + len(tokens), self.block_size):
+                req.table.append(self.blocks.allocate())
+            ids += tokens
+            table = torch.tensor([req.table], dtype=torch.int32, device=self.device)
+            positions = torch.arange(req.length, req.length + len(tokens), device=self.device).unsqueeze(0)
+            parts.append(StepBatch.build(positions, table, kv_len=req.length + len(tokens)))
+        logits = self._forward(torch.tensor([ids], device=self.device), MixedBatch(tuple(parts)), (1, len(ids)))
+        assert logits is not None
+        greedy = logits[0].argmax(-1).tolist()
+        outs: list[TokenOut] = []
+        at = 0
+        for req, draft in zip(list(self._running), drafts, strict=True):
+            picks = greedy[at : at + len(draft) + 1]
+            keep = accepted_prefix(draft, picks)
+            if req.lookup is not None:
+                req.lookup.record(len(draft), keep)
+            for j in range(keep + 1):
+                req.length += 1
+                out = self._accept(logits[0, at + j : at + j + 1].unsqueeze(1), [req])[0]
+                outs.append(out)
+                if not out.error:
+                    req.emitted.append(out.token_id)
+                if out.finish_reason is not None or out.error:
+                    self._releases.append(Release(req.request_id, cancelled=False, failed=bool(out.error)))
+                    break
+            at += len(draft) + 1
+        return outs
