@@ -257,3 +257,51 @@ def test_a_download_survives_kill_9_and_a_hub_that_is_down(cluster: Cluster, tmp
         assert _progress(node, "org/resume")["status"] == "Completed"
     finally:
         hub.kill()
+
+
+GGUF_MODEL = "org/tiny-gguf"
+
+
+def test_an_imported_gguf_model_is_staged_to_a_worker_like_safetensors(cluster: Cluster, tmp_path: Path) -> None:
+    """A GGUF file (a scaled-down Llama 3.2, Q8_0, rope scaling as rope_freqs) imported on the store host with
+    POST /models/import, placed over two nodes: the worker stages model.gguf, config and tokenizer from the store
+    (nothing else, the file byte for byte), its runner loads the stage from it, the chat answers on the worker,
+    and deactivation evicts the staged copy while the store's import stays."""
+    from skulk.store.files import sha256_of
+    from tests.unit.test_gguf_families import REAL_CONFIGS, scaled_down, write_checkpoint, write_gguf
+
+    llama = "meta-llama/Llama-3.2-1B-Instruct"
+    config = scaled_down(llama, REAL_CONFIGS[llama], layers=4, vocab=320)
+    source = write_gguf(config, write_checkpoint(config, tmp_path / "hf"), "llama", tmp_path / "tiny.gguf")
+    store_path, port = tmp_path / "store", free_port()
+    _yaml(cluster.root / "node0", _store_yaml(store_path, port, keep_gb=0))
+    _yaml(cluster.root / "node1", _store_yaml(tmp_path / "worker-store", port, keep_gb=0))
+    offline = {"HF_ENDPOINT": "http://127.0.0.1:9"}
+    host = cluster.start(1, extra_env={"SKULK_NODE_NAME": "store", **offline})[0]
+    worker = cluster.start(1, extra_env={"SKULK_NODE_NAME": "worker", **offline})[0]
+    wait_until(lambda: len((host.get("/state") or {}).get("nodeIdentities", {})) == 2, 30, "two nodes")
+
+    status, imported = host.post("/models/import", {"source": str(source), "model_id": GGUF_MODEL})
+    assert status == 200, imported
+    assert imported["id"] == GGUF_MODEL and imported["downloaded"]
+    instance_id = place(host, GGUF_MODEL, min_nodes=2)["instanceId"]
+    wait_until(lambda: instance_ready(host, instance_id), 90, "the GGUF instance to be ready", worker.log_tail)
+    state = host.get("/state")
+    shard = _my_shard(state, instance_id, worker.node_id)
+    assert 0 < shard["endLayer"] - shard["startLayer"] < config["num_hidden_layers"], "a pipeline stage"
+    progress = state["downloads"][worker.node_id][GGUF_MODEL]
+    assert (progress["status"], progress["source"]) == ("Completed", "store")
+
+    staged = worker.home / "staging" / "org--tiny-gguf"
+    names = {p.name for p in staged.iterdir() if not p.name.startswith(".")}
+    assert names == {"model.gguf", "config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    assert sha256_of(staged / "model.gguf") == sha256_of(source)
+    assert json.loads((staged / "config.json").read_text())["rope_freq_factors"], "the import's config, staged"
+    assert not (host.home / "staging" / "org--tiny-gguf").exists(), "the store host loads its import in place"
+    status, reply = worker.post("/v1/chat/completions", {
+        "model": GGUF_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert status == 200 and reply["usage"]["completion_tokens"] >= 1, reply
+
+    assert host.client().delete(f"/instance/{instance_id}").status_code == 200
+    wait_until(lambda: not staged.exists(), 30, "deactivation to evict the staged GGUF (budget 0)")
+    assert (store_path / "org--tiny-gguf" / "model.gguf").is_file(), "the store's import is never touched"
