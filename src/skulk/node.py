@@ -149,6 +149,9 @@ class Node:
                                    on_snapshot=store.replace),
             worker=_worker(settings, node_id, local, requests, files, tracing, transport),
         )
+        files.live_models = node.worker.live_models  # eviction asks the supervisors, not the state
+        node.worker.on_runner_gone = files.runner_gone
+        files.on_ready = node._schedule_reconcile
         node._start()
         return node
 
@@ -345,16 +348,20 @@ class Node:
             self.requests.react(state, indexed.event)
             if isinstance(indexed.event, NodeRestartRequested) and indexed.event.node_id == self.node_id:
                 self.restart.request("RestartNode command")
+        self._schedule_reconcile()
+
+    def _schedule_reconcile(self) -> None:
         if not self._reconcile_pending:
             self._reconcile_pending = True
             asyncio.get_running_loop().call_soon(self._reconcile)
 
     def _reconcile(self) -> None:
-        """Model files first: the worker sees an instance only once every node of it has its files."""
+        """Model files first: the worker sees an instance only once every node of it has its files, and this
+        node has prepared its own in this session (a Completed in the state may be an earlier instance's)."""
         self._reconcile_pending = False
         if self.files.node_id:
             self.files.reconcile(self.store.state)
-        self.worker.reconcile(startable(self.store.state))
+        self.worker.reconcile(startable(self.store.state, lambda i: self.files.ready(i) or self.worker.runs(i)))
 
     # -- this node's facts ------------------------------------------------------------------------
     async def _gather_info_forever(self) -> None:

@@ -114,6 +114,12 @@ def test_a_runner_that_keeps_crashing_retries_three_times_then_is_placed_anew(tm
         placed_and_serving(node, meta_id)
         meta = state_of(node)["metaInstances"][meta_id]
         assert meta["consecutiveFailures"] == 0 and meta["lastFailureError"], meta
+        name = state_of(node)["nodeIdentities"][node.node_id]["friendlyName"]
+        name = node.node_id[:8] if name == "Unknown" else name
+        # the failure names the node and its cause (seed 003), the status says the instance was re-created
+        assert meta["lastFailureError"] == f"{name}: runner process exited with code 70", meta
+        listed = httpx.get(f"{node.url}/meta_instances", timeout=10).json()["meta_instances"][meta_id]
+        assert listed["status"] == "healthy (instance re-created due to failure)", listed
         assert first not in state_of(node)["instances"] and replacement
         assert chat(node).status_code == 200
         logs = "\n".join(node.output)

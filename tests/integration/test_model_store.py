@@ -305,3 +305,41 @@ def test_an_imported_gguf_model_is_staged_to_a_worker_like_safetensors(cluster: 
     assert host.client().delete(f"/instance/{instance_id}").status_code == 200
     wait_until(lambda: not staged.exists(), 30, "deactivation to evict the staged GGUF (budget 0)")
     assert (store_path / "org--tiny-gguf" / "model.gguf").is_file(), "the store's import is never touched"
+
+
+def test_deleting_an_instance_while_its_runner_loads_never_evicts_its_files(cluster: Cluster, tmp_path: Path) -> None:
+    """Seed 004: eviction can never pull weights out from under a live runner. The worker's runner stalls in
+    load_model (alive, reading its files); the instance is deleted: eviction asks the supervisors, defers, and
+    removes the staged copy only after the runner process is gone."""
+    store_path = tmp_path / "store"
+    write_random_model(store_path, MODEL, shards=2, layers=4)
+    port = free_port()
+    _yaml(cluster.root / "node0", _store_yaml(store_path, port, keep_gb=0))
+    _yaml(cluster.root / "node1", _store_yaml(tmp_path / "worker-store", port, keep_gb=0))
+    offline = {"HF_ENDPOINT": "http://127.0.0.1:9"}
+    host = cluster.start(1, extra_env={"SKULK_NODE_NAME": "store", **offline}, place_default=False)[0]
+    worker = cluster.start(1, extra_env={"SKULK_NODE_NAME": "worker", "SKULK_FAULT": "stall:load_model", **offline},
+                           place_default=False)[0]
+    wait_until(lambda: len((host.get("/state") or {}).get("nodeIdentities", {})) == 2, 30, "two nodes")
+    assert host.post("/models/add", {"model_id": MODEL})[0] == 200
+    instance_id = place(host, MODEL, min_nodes=2)["instanceId"]
+    staged = worker.home / "staging" / "org--tiny-store"
+
+    def loading() -> bool:
+        state = host.get("/state") or {}
+        runner = next(iter(state.get("instances", {}).get(instance_id, {}).values()), {})
+        rid = runner.get("shardAssignments", {}).get("nodeToRunner", {}).get(worker.node_id)
+        return rid is not None and "RunnerLoading" in state["runners"].get(rid, {})
+
+    wait_until(loading, 90, "the worker's runner to be loading", worker.log_tail)
+    assert (staged / "config.json").exists()
+    assert host.client().delete(f"/instance/{instance_id}").status_code == 200
+    wait_until(lambda: any("evicted staged org/tiny-store" in x for x in worker.output), 60, "the eviction",
+               worker.log_tail)
+    lines = list(worker.output)
+    deferred = next(i for i, x in enumerate(lines) if "eviction of org/tiny-store deferred" in x)
+    stopped = next(i for i, x in enumerate(lines) if "runner " in x and " stopped (exit code" in x)
+    evicted = next(i for i, x in enumerate(lines) if "evicted staged org/tiny-store" in x)
+    assert deferred < stopped < evicted, "\n".join(lines[deferred:])
+    assert not staged.exists()
+    assert not any("Traceback" in x for x in lines), worker.log_tail()

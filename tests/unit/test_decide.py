@@ -98,4 +98,5 @@ def test_failed_rank_retries_the_multi_rank_instance_only() -> None:
         RunnerStatusUpdated(runner_id=RunnerId("r-n2"), runner_status=RunnerFailed(error_message="x")),
         RunnerStatusUpdated(runner_id=RunnerId("r-n3"), runner_status=RunnerFailed(error_message="x")),
     )
-    assert events_for_unhealthy_instances(state) == [InstanceRetrying(instance_id=InstanceId("a"), failure_error="x")]
+    retry = InstanceRetrying(instance_id=InstanceId("a"), failure_error="n2: x")  # named by its node
+    assert events_for_unhealthy_instances(state) == [retry]

@@ -57,7 +57,7 @@ def test_a_failed_rank_retries_the_instance_and_fails_its_open_tasks() -> None:
     state, events = crash_and_decide(state, T0)
     assert [type(e) for e in events] == [TaskFailed, InstanceRetrying]
     assert isinstance(events[0], TaskFailed) and events[0].retryable and "restarting" in events[0].error_message
-    assert events[1] == InstanceRetrying(instance_id=A, failure_error="rank died", at=T0)
+    assert events[1] == InstanceRetrying(instance_id=A, failure_error="n2: rank died", at=T0)
     assert "a" in state.instances and state.runners == {}, "the instance stays, its runners go"
     assert state.instance_retries[A].attempt == 1 and state.instance_retries[A].recent == [T0]
     assert events_for_unhealthy_instances(state) == [], "answered once: no runner is failed any more"
@@ -113,7 +113,7 @@ def test_workers_restart_every_rank_of_a_retried_instance() -> None:
     for node in ("n1", "n2"):
         runner = RunnerId(f"r-{node}")
         actions = plan(state, NodeId(node), {runner: LocalRunner(runner, attempt=0)})
-        assert actions == [RestartRunner(state.instances[A], runner, 1, "rank died")]
+        assert actions == [RestartRunner(state.instances[A], runner, 1, "n2: rank died")]
         assert plan(state, NodeId(node), {runner: LocalRunner(runner, attempt=1)}) == []
     assert plan(state, NodeId("n1"), {}) == [StartRunner(state.instances[A], RunnerId("r-n1"), 1)]
 

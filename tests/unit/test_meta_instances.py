@@ -197,7 +197,7 @@ def test_runner_states_still_starting_failed_and_shut_down() -> None:
                     state=state)
     assert reconcile.runners_failed(state, state.instances[InstanceId("i")]) is None  # n2 has not ended
     state = applied(RunnerStatusUpdated(runner_id=RunnerId("r-n2"), runner_status=RunnerShutdown()), state=state)
-    assert reconcile.runners_failed(state, state.instances[InstanceId("i")]) == "oom"
+    assert reconcile.runners_failed(state, state.instances[InstanceId("i")]) == "n1: oom"
 
 
 def _failing(failures: int) -> State:
@@ -212,7 +212,7 @@ def test_failed_instance_is_retried_until_the_limit_then_deleted() -> None:
     events = reconcile.instance_health(_failing(2))
     assert [type(e).__name__ for e in events] == ["TaskFailed", "InstanceRetrying"]
     events = reconcile.instance_health(_failing(3))
-    assert events[-1] == InstanceDeleted(instance_id=InstanceId("inst"), failure_error="boom")
+    assert events[-1] == InstanceDeleted(instance_id=InstanceId("inst"), failure_error="n1: boom")
 
 
 def test_max_retries_then_deletion_then_a_new_placement() -> None:

@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,8 @@ from skulk.store.eviction import StagedModel, to_evict, to_purge
 from skulk.store.fetch import fetch_file, partial_path
 from skulk.store.files import files_for_shard, shard_files
 from skulk.store.server import StoreServer
+from skulk.types.ids import NodeId
+from skulk.types.state import State
 
 pytestmark = pytest.mark.timeout(30)
 MB = 10**6
@@ -230,3 +233,94 @@ def test_a_frozen_store_times_out_and_keeps_the_partial(tmp_path: Path, monkeypa
         thread.join(5)
         listener.close()
     assert not dest.exists() and partial_path(dest).stat().st_size == 300_000
+
+
+def _files_with_a_staged_copy(tmp_path: Path, model_id: str) -> tuple[Any, Path]:
+    from skulk.config import resolve
+    from skulk.store.files import write_marker
+    from skulk.store.service import ModelFiles
+
+    (tmp_path / "skulk.yaml").write_text("model_store:\n  staging: {staging_keep_recent_gb: 0}\n")
+    settings = resolve({"config": str(tmp_path / "skulk.yaml"), "home": str(tmp_path)}, {})
+    files = ModelFiles(settings, lambda _event: None)
+    files.node_id = NodeId("n1")
+    files.staging = settings.staging_for("n1")
+    staged = files.staging_root / model_id.replace("/", "--")
+    staged.mkdir(parents=True)
+    (staged / "config.json").write_text("{}")
+    write_marker(staged, model_id, {"config.json": 2})
+    return files, staged
+
+
+def test_eviction_asks_the_supervisors_and_waits_for_the_runner_to_go(tmp_path: Path) -> None:
+    """The state no longer names the model (its instance was deleted) but a runner still loads it: deferred,
+    then evicted once the runner is gone (seed 004: never from under a live runner)."""
+    files, staged = _files_with_a_staged_copy(tmp_path, "org/a")
+    live = {"org/a"}
+    files.live_models = lambda: set(live)
+    assert files.evict(set(), "instance deactivation") == []
+    assert staged.is_dir()
+    assert files.purge(State(), None) == [] and staged.is_dir(), "an operator purge spares it too"
+    live.clear()
+    files.runner_gone()
+    assert not staged.exists()
+
+
+def test_an_eviction_nothing_deferred_does_not_run_again_on_a_runner_exit(tmp_path: Path) -> None:
+    files, staged = _files_with_a_staged_copy(tmp_path, "org/a")
+    assert files.evict({"org/a"}, "instance deactivation") == []  # in use by the state: kept, not deferred
+    files.runner_gone()
+    assert staged.is_dir()
+
+
+def test_a_stale_completed_from_an_earlier_instance_does_not_start_a_runner(tmp_path: Path) -> None:
+    """The race behind "FileNotFoundError …/config.json while staging": an instance of the model was deleted
+    here, its Completed progress stayed in the state, and a new instance of it started its runner at once,
+    before this node had prepared its files (and with the directory forgotten, from the wrong path). Now a
+    deactivated model's progress is withdrawn and this node's own word (ModelFiles.ready) gates the start."""
+    import asyncio
+
+    from skulk.store.staging import startable
+    from skulk.types.downloads import DownloadProgress, DownloadSource, DownloadStatus
+    from skulk.types.events import InstanceCreated, InstanceDeleted, NodeDownloadProgress
+
+    from .factories import applied, instance
+
+    files, _ = _files_with_a_staged_copy(tmp_path, "test/model")
+    published: list[Any] = []
+    files.emit = published.append
+    one = instance("one", ("n1",))
+    done = DownloadProgress(model_id=one.model_id, status=DownloadStatus.Completed, source=DownloadSource.Store)
+    state = applied(InstanceCreated(instance=one),
+                    NodeDownloadProgress(node_id=NodeId("n1"), model_id=one.model_id, progress=done))
+
+    async def scenario() -> None:
+        files._loop = asyncio.get_running_loop()
+        gate = asyncio.Event()
+
+        async def prepare(need: Any) -> None:  # a staging that takes until the test says so
+            await gate.wait()
+            files._dirs[need.model_id] = files.staging_root / "test--model"
+
+        files._prepare = prepare  # type: ignore[method-assign]
+        files.reconcile(state)
+        gate.set()
+        await asyncio.sleep(0)
+        await asyncio.wait(list(files._tasks.values()))
+        assert files.ready(one)
+        gate.clear()
+        gone = applied(InstanceDeleted(instance_id=one.instance_id), state=state)
+        files.reconcile(gone)
+        await asyncio.sleep(0)
+        withdrawn = [e for e in published if e.progress is None]
+        assert withdrawn and withdrawn[-1].model_id == one.model_id, "the old Completed is withdrawn"
+        two = instance("two", ("n1",))
+        again = applied(InstanceCreated(instance=two), state=gone)
+        assert list(startable(again).instances) == ["two"], "the stale Completed alone would start it"
+        files.reconcile(again)
+        assert not files.ready(two) and startable(again, files.ready).instances == {}
+        gate.set()
+        await asyncio.wait(list(files._tasks.values()))
+        assert files.ready(two) and list(startable(again, files.ready).instances) == ["two"]
+
+    asyncio.run(scenario())

@@ -156,6 +156,27 @@ def events_for_new_session(state: State, master: NodeId, term: int) -> list[Even
     return [SessionStarted(master_node_id=master, term=term), *failed]
 
 
+def node_name(state: State, node: NodeId) -> str:
+    """What operators call a node: its friendly name, else the start of its id."""
+    identity = state.node_identities.get(node)
+    if identity is not None and identity.friendly_name and identity.friendly_name != "Unknown":
+        return identity.friendly_name
+    return node[:8]
+
+
+def named_failures(state: State, instance: MlxRingInstance) -> list[str]:
+    """Each failed runner's error prefixed with its node's name, in rank order ("MacBook Pro: OOM"), so a
+    joined message shows which node the root cause is on (seed 003)."""
+    a = instance.shard_assignments
+    node_of = {r: n for n, r in a.node_to_runner.items()}
+    named = []
+    for runner in sorted(a.runner_to_shard, key=lambda r: a.runner_to_shard[r].device_rank):
+        status = state.runners.get(runner)
+        if isinstance(status, RunnerFailed):
+            named.append(f"{node_name(state, node_of[runner])}: {status.error_message or 'runner failed'}")
+    return named
+
+
 def events_for_unhealthy_instances(
     state: State,
     *,
@@ -196,7 +217,7 @@ def _retry_or_fail(
     now: datetime | None,
 ) -> list[Event]:
     iid = instance.instance_id
-    error = next((f.error_message for f in failures if f.error_message), None) or "a rank of the instance failed"
+    error = "; ".join(named_failures(state, instance)) or "a rank of the instance failed"
     at = now or max((f.at for f in failures if f.at is not None), default=None)
     recent = len(retries.within(at, window_s))
     if recent >= budget:

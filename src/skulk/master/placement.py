@@ -23,6 +23,7 @@ from skulk.master.cycles import (
     rings_of_size,
 )
 from skulk.master.engine_choice import choose_engine
+from skulk.master.memory_pool import usable_bytes
 from skulk.master.shard_plan import (
     RUNTIME_OVERHEAD_FACTOR,
     NodePlan,
@@ -171,7 +172,7 @@ def _evaluate(state: State, card: ModelCard, sharding: Sharding, ring: Ring, eng
     pending = [n for n in ring if n not in state.node_memory]
     if pending:
         return _Candidate(ring, error=InfoPending(node_ids=pending))
-    plans = plan_ring(card, sharding, ring, [state.node_memory[n].ram_available.in_bytes for n in ring])
+    plans = plan_ring(card, sharding, ring, [usable_bytes(state, n) for n in ring])  # GTT on UMA nodes
     short = [p for p in plans if not p.fits]
     if short:
         worst = min(short, key=lambda p: p.left_after)

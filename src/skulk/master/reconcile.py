@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from skulk.master.decide import fail_open_tasks
+from skulk.master.decide import fail_open_tasks, named_failures
 from skulk.master.placement import new_rendezvous_port, place
 from skulk.types.events import (
     Event,
@@ -62,8 +62,8 @@ def matches(meta: MetaInstance, instance: MlxRingInstance) -> bool:
 
 
 def connections_healthy(state: State, instance: MlxRingInstance) -> bool:
-    """Every node of the instance is in the topology and each pair of neighbouring ranks is still linked (in
-    either direction: one failed probe removes one direction only)."""
+    """Every node of the instance is in the topology, each pair of neighbouring ranks is still linked (in
+    either direction: one failed probe removes one direction only), and the rendezvous IP edge still exists."""
     alive = set(state.topology.nodes)
     ranks = sorted(instance.shard_assignments.node_to_runner.items(),
                    key=lambda item: instance.shard_assignments.runner_to_shard[item[1]].device_rank)
@@ -71,17 +71,27 @@ def connections_healthy(state: State, instance: MlxRingInstance) -> bool:
     if not set(nodes) <= alive:
         return False
     links = {(c.source, c.sink) for c in state.topology.connections}
-    return all((a, b) in links or (b, a) in links for a, b in itertools.pairwise(nodes))
+    linked = all((a, b) in links or (b, a) in links for a, b in itertools.pairwise(nodes))
+    return linked and rendezvous_edge_alive(state, instance, nodes)
+
+
+def rendezvous_edge_alive(state: State, instance: MlxRingInstance, ranks: list[NodeId]) -> bool:
+    """Health is per IP edge, not per node pair (seed 003): the address the ranks were told to meet rank 0 at
+    must still be an edge into rank 0. When cables are swapped or an interface changes, the pair stays linked
+    over another address, but the ranks would dial the dead one; the instance is re-created on the new edge."""
+    if len(ranks) < 2 or instance.rendezvous is None:
+        return True
+    host = instance.rendezvous.host
+    return any(c.sink == ranks[0] and c.sink_address == host for c in state.topology.connections)
 
 
 def runners_failed(state: State, instance: MlxRingInstance) -> str | None:
-    """The joined errors when every runner is terminal and at least one failed; None otherwise (a runner with
-    no status yet is still starting)."""
+    """The joined, node-named errors when every runner is terminal and at least one failed; None otherwise (a
+    runner with no status yet is still starting)."""
     statuses = [state.runners.get(r) for r in instance.shard_assignments.runner_to_shard]
     if any(s is None or not isinstance(s, RunnerFailed | RunnerShutdown) for s in statuses):
         return None
-    errors = [s.error_message or "runner failed" for s in statuses if isinstance(s, RunnerFailed)]
-    return "; ".join(errors) if errors else None
+    return "; ".join(named_failures(state, instance)) or None
 
 
 def backing(state: State, meta: MetaInstance) -> list[MlxRingInstance]:

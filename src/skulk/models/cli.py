@@ -23,16 +23,34 @@ POLL_S = 0.3
 console = Console(stderr=True)
 
 
+DEFAULT_URL = "http://localhost:52415"
+
+
+def _common(suppress: bool) -> argparse.ArgumentParser:
+    """--url and --home, accepted before or after the command (`skulk models add --url … x` as well as
+    `skulk models --url … add x`); on the commands they default to nothing so the first position's value
+    stands."""
+    common = argparse.ArgumentParser(add_help=False)
+    default: dict[str, object] = {"default": argparse.SUPPRESS} if suppress else {}
+    common.add_argument("--url", help=f"a node's API (default {DEFAULT_URL})",
+                        **(default or {"default": DEFAULT_URL}))  # type: ignore[arg-type]
+    common.add_argument("--home", help="the state directory used when no node answers (as `skulk --home`)",
+                        **(default or {"default": None}))  # type: ignore[arg-type]
+    return common
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="skulk models", description="The model catalog and downloads.")
-    parser.add_argument("--url", default="http://localhost:52415", help="a node's API (default %(default)s)")
+    parser = argparse.ArgumentParser(prog="skulk models", description="The model catalog and downloads.",
+                                     parents=[_common(suppress=False)])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="the catalog, and where each model is on this node")
-    add = sub.add_parser("add", help="add a Hugging Face model to the catalog from its config.json")
+    after = [_common(suppress=True)]
+    sub.add_parser("list", help="the catalog, and where each model is on this node", parents=after)
+    add = sub.add_parser("add", help="add a Hugging Face model to the catalog from its config.json", parents=after)
     add.add_argument("model_id")
-    download = sub.add_parser("download", help="download a model, with a progress bar")
+    download = sub.add_parser("download", help="download a model, with a progress bar", parents=after)
     download.add_argument("model_id")
-    imp = sub.add_parser("import", help="add a GGUF file (or ollama:<name>[:tag] from the local Ollama store)")
+    imp = sub.add_parser("import", help="add a GGUF file (or ollama:<name>[:tag] from the local Ollama store)",
+                         parents=after)
     imp.add_argument("source", help="path to a .gguf file, or ollama:<name>[:tag]")
     imp.add_argument("--model-id", help="the catalog id to give it (default gguf/<file name> or ollama/<name>-<tag>)")
     return parser
@@ -40,23 +58,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
+    if args.home and args.url == DEFAULT_URL:  # the node of that home, at the API port its skulk.yaml gives
+        args.url = f"http://localhost:{_settings(args.home).api_port}"
     try:
         if args.command == "list":
             _list(args.url)
         elif args.command == "import":
             _import(args.url, args.source, args.model_id)
         elif args.command == "add":
-            _show(httpx.post(f"{args.url}/models/add", json={"model_id": args.model_id}, timeout=120))
+            _added(_check(httpx.post(f"{args.url}/models/add", json={"model_id": args.model_id}, timeout=120)))
         else:
             _download(args.url, args.model_id)
     except httpx.ConnectError:
         if args.command == "import":
-            _import_here(args.source, args.model_id)
+            _import_here(args.source, args.model_id, args.home)
             return
         if args.command != "download":
             console.print(f"[red]no node answers at {args.url}; start one with `skulk`")
             raise SystemExit(1) from None
-        _download_here(args.model_id)
+        _download_here(args.model_id, args.home)
+
+
+def _settings(home: str | None) -> Any:
+    return resolve({"home": home} if home else {})
+
+
+def added_lines(card: dict[str, Any], verb: str = "added") -> list[str]:
+    """What `skulk models add` (and import) says, in words: the id, kind, size and context, and whether this
+    node has its files."""
+    facts = [card.get("description"), f"context {card['context_length']}" if card.get("context_length") else None]
+    where = "downloaded on this node" if card.get("downloaded") else (
+        f"not downloaded yet: `skulk models download {card.get('id')}`")
+    return [f"{verb} {card.get('id')}: {', '.join(f for f in facts if f)}", where]
+
+
+def _added(card: dict[str, Any], verb: str = "added") -> None:
+    first, *rest = added_lines(card, verb)
+    console.print(f"[green]{first}")
+    for line in rest:
+        console.print(line)
 
 
 def _list(url: str) -> None:
@@ -71,13 +111,6 @@ def _list(url: str) -> None:
             str(model.get("staged", "")),
         )
     Console().print(table)
-
-
-def _show(reply: httpx.Response) -> None:
-    if reply.status_code >= 400:
-        console.print(f"[red]{reply.json()['error']['message']}")
-        raise SystemExit(1)
-    console.print(reply.json())
 
 
 def _bar() -> Progress:
@@ -122,16 +155,16 @@ def _source(source: str) -> str:
 
 def _import(url: str, source: str, model_id: str | None) -> None:
     body = {"source": _source(source), **({"model_id": model_id} if model_id else {})}
-    console.print(_check(httpx.post(f"{url}/models/import", json=body, timeout=600)))
+    _added(_check(httpx.post(f"{url}/models/import", json=body, timeout=600)), "imported")
 
 
-def _import_here(source: str, model_id: str | None) -> None:
+def _import_here(source: str, model_id: str | None, home: str | None = None) -> None:
     """No node running: into this machine's store_path, as the node would; its next start lists it."""
     from skulk.models.cards import add_custom_card
     from skulk.models.gguf_import import import_source
 
     try:
-        settings = resolve({})
+        settings = _settings(home)
         card = import_source(_source(source), settings.store_path, model_id)
     except (ConfigError, ValueError) as exc:
         console.print(f"[red]{exc}")
@@ -140,12 +173,12 @@ def _import_here(source: str, model_id: str | None) -> None:
     console.print(f"[green]{card.model_id} imported into {settings.store_path}")
 
 
-def _download_here(model_id: str) -> None:
+def _download_here(model_id: str, home: str | None = None) -> None:
     """No node running: straight into store_path, the same code path a node uses."""
     from skulk.store.hub import Hub, HubError, download, list_files
 
     try:
-        settings = resolve({})
+        settings = _settings(home)
     except ConfigError as exc:
         console.print(f"[red]{exc}")
         raise SystemExit(2) from exc

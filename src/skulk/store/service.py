@@ -16,6 +16,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -65,11 +66,18 @@ class ModelFiles:
         self.hub = Hub(settings.model_store.download.hf_endpoint, settings.hf_token)
         self.progress: dict[ModelId, DownloadProgress] = {}
         self._tasks: dict[ModelId, asyncio.Task[None]] = {}
+        self._task_needs: dict[ModelId, Need] = {}
         self._dirs: dict[ModelId, Path] = {}
         self._needed: set[ModelId] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self.live_models: Callable[[], set[str]] = set
+        """The models this node's runner processes use now (the worker's supervisors): never evicted."""
+        self.on_ready: Callable[[], None] = lambda: None
+        """Called when a model's files are prepared and its directory known (the worker may start its runners)."""
+        self._state = State()
+        self._evict_deferred: str | None = None
 
     # -- paths ----------------------------------------------------------------------------------------------
     @property
@@ -100,23 +108,45 @@ class ModelFiles:
         self._loop = asyncio.get_running_loop()
         self.evict(set(), "node startup")
 
+    def ready(self, instance: MlxRingInstance) -> bool:
+        """This node's files for the instance are prepared in this session (built-in models need none). The
+        state's progress can be stale: a Completed left by an earlier instance of the same model."""
+        card = next(iter(instance.shard_assignments.runner_to_shard.values())).model_card
+        if card.builtin or self.node_id not in instance.shard_assignments.node_to_runner:
+            return True
+        task = self._tasks.get(instance.model_id)
+        return instance.model_id in self._dirs and task is not None and task.done()
+
     def reconcile(self, state: State) -> None:
-        """Prepare what local shards need; a model no longer needed is deactivated (eviction trigger 1)."""
+        """Prepare what local shards need; a model no longer needed is deactivated (eviction trigger 1): its
+        progress is withdrawn (a later instance of it must report its own files complete, see ready())."""
+        self._state = state
         needs = my_needs(state, self.node_id)
         for model_id, need in needs.items():
-            if model_id not in self._tasks:
+            if self._task_needs.get(model_id) != need:  # new, or another layer range than the one prepared
+                if (old := self._tasks.pop(model_id, None)) is not None:
+                    old.cancel()
+                self._dirs.pop(model_id, None)
+                self._task_needs[model_id] = need
                 self._tasks[model_id] = asyncio.get_running_loop().create_task(self._prepare(need))
         gone = self._needed - set(needs)
         self._needed = set(needs)
         for model_id in gone:
             task = self._tasks.pop(model_id, None)
+            self._task_needs.pop(model_id, None)
             if task is not None:
                 task.cancel()
             path = self._dirs.pop(model_id, None)
             if path is not None:
                 eviction.touch(path)
-        if gone:
+            self._publish(model_id, None)
+        if gone or self._evict_deferred:
             self.evict(in_use(state, self.node_id), "instance deactivation")
+
+    def runner_gone(self) -> None:
+        """A runner process ended: an eviction deferred because it still used its model's files runs now."""
+        if self._evict_deferred is not None and self.node_id:
+            self.evict(in_use(self._state, self.node_id), self._evict_deferred)
 
     async def stop(self) -> None:
         for task in self._tasks.values():
@@ -132,6 +162,7 @@ class ModelFiles:
         for attempt in itertools.count():
             try:
                 self._dirs[need.model_id] = await asyncio.to_thread(self._prepare_sync, need)
+                self.on_ready()
                 return
             except Exception as exc:  # a worker thread's failure is reported, never allowed to stop the node
                 status, message = (exc.status, exc.message) if isinstance(exc, HubError) else (502, str(exc))
@@ -311,11 +342,21 @@ class ModelFiles:
         return self.staging_root.resolve() != self.settings.store_path.resolve()
 
     def evict(self, using: set[str], why: str) -> list[str]:
-        """Triggers 1 and 2: keep not-in-use copies newest-first up to the budget, delete the rest."""
+        """Triggers 1 and 2: keep not-in-use copies newest-first up to the budget, delete the rest. In use means
+        an instance of the state names it or a runner process of this node still uses it (the supervisors: a
+        deleted instance's runner may still be loading or stopping); a copy held only by such a runner is
+        evicted when that runner is gone (runner_gone)."""
         if not (self.staging.cleanup_on_deactivate and self._evictable_root()):
             return []
+        live = self.live_models()
         budget = int(self.staging.staging_keep_recent_gb * eviction.GIB)
-        removed = eviction.remove(eviction.to_evict(eviction.scan(self.staging_root, using), budget), why)
+        staged = eviction.scan(self.staging_root, using)
+        held = {s.model_id for s in eviction.to_evict(staged, budget)} & live
+        chosen = eviction.to_evict([replace(s, in_use=s.in_use or s.model_id in live) for s in staged], budget)
+        self._evict_deferred = why if held else None
+        if held:
+            log.info("eviction of %s deferred: a runner of this node still uses it", ", ".join(sorted(held)))
+        removed = eviction.remove(chosen, why)
         self._forget(removed)
         return removed
 
@@ -323,7 +364,7 @@ class ModelFiles:
         """Trigger 3, this node's part of a cluster-wide purge; the store copy is never touched."""
         if not self._evictable_root():
             return []
-        staged = eviction.scan(self.staging_root, in_use(state, self.node_id))
+        staged = eviction.scan(self.staging_root, in_use(state, self.node_id) | self.live_models())
         removed = eviction.remove(eviction.to_purge(staged, model_id), "operator purge")
         self._forget(removed)
         return removed

@@ -3,6 +3,7 @@ instances may start (every node of an instance has its files)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -77,10 +78,11 @@ def files_ready(state: State, instance: MlxRingInstance) -> bool:
     return True
 
 
-def startable(state: State) -> State:
+def startable(state: State, ready_here: Callable[[MlxRingInstance], bool] = lambda _: True) -> State:
     """The state the worker plans from: instances whose files are not everywhere yet are held back, so no rank
-    starts (and waits at the group rendezvous) before every rank can load."""
-    held = [iid for iid, inst in state.instances.items() if not files_ready(state, inst)]
+    starts (and waits at the group rendezvous) before every rank can load; ready_here is this node's own word
+    on its files (ModelFiles.ready)."""
+    held = [iid for iid, inst in state.instances.items() if not (files_ready(state, inst) and ready_here(inst))]
     if not held:
         return state
     return state.model_copy(update={"instances": {k: v for k, v in state.instances.items() if k not in held}})

@@ -113,8 +113,46 @@ def network() -> NetworkInfo:
     return NetworkInfo(interfaces=interfaces)
 
 
+AMD_VENDOR = "0x1002"
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def amd_accelerator(sys_root: Path = Path("/sys")) -> AcceleratorInfo | None:
+    """An AMD GPU through amdgpu's sysfs files (/sys/class/drm/card*/device/mem_info_*): VRAM, and the GTT an
+    APU maps system RAM through (seed 002: gttTotalBytes, which placement counts on unified-memory nodes). The
+    card with the most GTT+VRAM wins; None without an amdgpu card."""
+    best: tuple[int, AcceleratorInfo] | None = None
+    for device in sorted((sys_root / "class" / "drm").glob("card*/device")):
+        vendor = (device / "vendor").read_text().strip() if (device / "vendor").is_file() else ""
+        vram, gtt = _read_int(device / "mem_info_vram_total"), _read_int(device / "mem_info_gtt_total")
+        if vendor != AMD_VENDOR or (vram is None and gtt is None):
+            continue
+        busy = _read_int(device / "gpu_busy_percent")
+        info = AcceleratorInfo(
+            vendor="amd",
+            name=(device / "product_name").read_text().strip() if (device / "product_name").is_file() else "AMD GPU",
+            utilization_ratio=busy / 100.0 if busy is not None else None,
+            vram_total_bytes=vram,
+            vram_used_bytes=_read_int(device / "mem_info_vram_used"),
+            gtt_total_bytes=gtt,
+        )
+        size = (vram or 0) + (gtt or 0)
+        if best is None or size > best[0]:
+            best = (size, info)
+    return best[1] if best is not None else None
+
+
 def accelerator() -> AcceleratorInfo:
-    """NVIDIA through NVML when it is installed; otherwise the CPU."""
+    """NVIDIA through NVML when it is installed; AMD through amdgpu's sysfs files; otherwise the CPU."""
+    amd = amd_accelerator()
+    if amd is not None:
+        return amd
     try:
         import pynvml  # type: ignore[import-not-found]
 

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import time
 from collections import deque
@@ -54,6 +55,21 @@ MILESTONES_KEPT = 32
 RESTART_BACKOFF_S = 0.5  # doubled for each restart already inside the window
 STOP_GRACE_S = 5.0
 TERMINATE_GRACE_S = 2.0
+
+
+def exit_cause(code: int | None, crash: str | None = None) -> str:
+    """Why a runner process ended, in an operator's words: the exception it reported before exiting, or what
+    its exit code means (the kernel's OOM killer sends SIGKILL, so -9 is most often out of memory)."""
+    if crash:
+        if "MemoryError" in crash or "OutOfMemory" in crash:
+            return f"OOM ({crash})"
+        return f"runner crashed: {crash}"
+    if code == -signal.SIGKILL:
+        return "killed by SIGKILL (likely OOM: the kernel's out-of-memory killer sends it)"
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+        return f"runner process killed by {name}"
+    return f"runner process exited with code {code}"
 
 
 @dataclass
@@ -287,7 +303,8 @@ class RunnerSupervisor:
         self.milestone("exited", f"code {code}")
         if self.stopping:
             return
-        reason = self._hung or f"runner process exited with code {code}"
+        crash = next((e.detail for e in reversed(self.view.flight_recorder) if e.event == "runner_crashed"), None)
+        reason = self._hung or exit_cause(code, crash)
         log.warning("runner %s: %s", self.runner_id[:8], reason, extra=self._log_ids)
         delay, gave_up = None, None
         if self.spec.shard.world_size == 1 and self.restarts_locally:

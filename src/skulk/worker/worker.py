@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from skulk.config import Settings
 from skulk.master.cycles import ring_hosts
+from skulk.master.decide import node_name
 from skulk.runner.messages import TaskEnded
 from skulk.runner.spec import RunnerSpec
 from skulk.structured_log import log_context
@@ -83,6 +84,10 @@ class Worker:
         self.fault = fault
         self.record = record
         self.supervisors: dict[RunnerId, RunnerSupervisor] = {}
+        self._retiring: dict[RunnerId, RunnerSupervisor] = {}
+        """Runners being stopped: their processes may still read their model's files until they are gone."""
+        self.on_runner_gone: Callable[[], None] = lambda: None
+        """Called when a stopped runner's process is gone (a deferred eviction may run now)."""
         self._stopping: set[asyncio.Task[None]] = set()
         self._failed_logged: set[InstanceId] = set()
         self._closed = False
@@ -177,11 +182,30 @@ class Worker:
             instance.shard_assignments.runner_to_shard[runner_id].device_rank, why,
         )
 
+    def runs(self, instance: MlxRingInstance) -> bool:
+        """A runner of the instance is started here (whatever its files say now, it is not stopped for that)."""
+        return any(r in self.supervisors for r in instance.shard_assignments.runner_to_shard)
+
+    def live_models(self) -> set[str]:
+        """The models this node's runner processes use right now, starting, loading, serving or stopping: what
+        eviction must never pull files from under (the supervisors know, the state only says what should run)."""
+        live = [*self.supervisors.values(), *self._retiring.values()]
+        return {s.spec.shard.model_card.model_id for s in live}
+
     def _stop_runner(self, runner_id: RunnerId) -> asyncio.Task[None]:
         supervisor = self.supervisors.pop(runner_id)
+        self._retiring[runner_id] = supervisor
         task = asyncio.get_running_loop().create_task(supervisor.stop())
         self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
+
+        def gone(done: asyncio.Task[None]) -> None:
+            self._stopping.discard(done)
+            if self._retiring.get(runner_id) is supervisor:
+                del self._retiring[runner_id]
+            log.info("runner %s stopped (exit code %s)", runner_id[:8], supervisor.view.exit_code)
+            self.on_runner_gone()
+
+        task.add_done_callback(gone)
         return task
 
     def _start_runner(
@@ -258,7 +282,8 @@ class Worker:
                 self.emit(TaskStatusUpdated(task_id=ended.task_id, task_status=ended.status))
 
         def on_gave_up(why: str) -> None:
-            self.emit(InstanceFailed(instance_id=instance_id, failure_error=why))
+            name = node_name(self._state, self.node_id)
+            self.emit(InstanceFailed(instance_id=instance_id, failure_error=f"{name}: {why}"))
 
         return SupervisorCallbacks(on_status, on_chunks, on_task_started, on_task_ended, on_gave_up, self.on_spans)
 

@@ -153,7 +153,9 @@ function MetaRow({ state, meta, onDeleted }) {
   const remove = () => run(() => request(`/meta_instance/${encodeURIComponent(meta.metaInstanceId)}`,
     { method: 'DELETE', timeout: 30000 })).then(onDeleted);
   let note = null;
-  if (meta.status.startsWith('healthy') && meta.lastFailureError) note = 'Instance re-created due to failure';
+  // the server's status says whether the instance was re-created or recovered in place (diagnostics/meta.py)
+  const healthyNote = /^healthy \((.*)\)$/.exec(meta.status || '');
+  if (healthyNote) note = healthyNote[1][0].toUpperCase() + healthyNote[1].slice(1);
   else if (meta.placementError) note = `Cannot place: ${meta.placementError}`;
   else if (meta.lastFailureError) note = `Retrying after error: ${meta.lastFailureError}`;
   return html`<tr data-testid="meta-row" data-meta-id=${meta.metaInstanceId} data-status=${label}>
