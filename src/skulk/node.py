@@ -55,9 +55,11 @@ from skulk.types.events import (
 )
 from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId, new_id
 from skulk.types.meta_instances import MetaInstance
+from skulk.types.node_info import Connection
 from skulk.types.runners import RunnerFailed
 from skulk.types.state import State
-from skulk.worker import node_info, topology
+from skulk.worker import links, node_info, topology
+from skulk.worker.links import LinkMeter
 from skulk.worker.worker import Worker
 
 log = logging.getLogger("skulk.node")
@@ -108,6 +110,8 @@ class Node:
     peers: PeerBook
     loops: Loops = field(default_factory=lambda: Loops("node"))
     restart: RestartGate = field(default_factory=RestartGate)
+    links: LinkMeter = field(default_factory=LinkMeter)
+    """Round trip and bandwidth to each peer, sampled by the topology probes (node info reports them)."""
     master: Master | None = None
     """This node's master role, while the election gives it one."""
     api_port: int = 0
@@ -374,19 +378,54 @@ class Node:
                 home=self.settings.home,
                 api_port=self.api_port,
             )
-            if node_info.differs(last, info) or time.monotonic() - last_sent > INFO_HEARTBEAT_S:
+            info = info.model_copy(update={"links": self.links.snapshot(), "compute": self.worker.compute.snapshot()})
+            if self._info_worth_sending(last, info) or time.monotonic() - last_sent > INFO_HEARTBEAT_S:
                 self.local.emit(NodeGatheredInfo(node_id=self.node_id, info=info, when=datetime.now(UTC)))
                 last, last_sent = info, time.monotonic()
             await asyncio.sleep(INFO_EVERY_S)
+
+    @staticmethod
+    def _info_worth_sending(last: node_info.NodeInfo | None, info: node_info.NodeInfo) -> bool:
+        """Links and compute jitter every probe: they count only when they moved (links.worth_reporting)."""
+        if last is None or links.worth_reporting(last.links, info.links) or (last.compute != info.compute and (
+                last.compute is None or info.compute is None
+                or set(last.compute.step_s_per_gb) != set(info.compute.step_s_per_gb))):
+            return True
+        strip = {"links": None, "compute": None}
+        return node_info.differs(last.model_copy(update=strip), info.model_copy(update=strip))
 
     async def _probe_topology_forever(self) -> None:
         async with httpx.AsyncClient(headers=internal_auth.headers()) as client:
             while True:
                 state = self.store.state
-                reachable = await topology.probe(client, state, self.node_id)
+                reachable = await topology.probe(client, state, self.node_id, self.links)
                 for event in topology.edge_events(self.store.state, self.node_id, reachable):
                     self.local.emit(event)
+                self.links.forget_except({n for n, c in reachable.items() if c is not None})
+                if reachable and (own := await links.time_self(client, self._own_host(), self.api_port,
+                                                               self.node_id)) is not None:
+                    self.links.add_self_rtt(own)
+                await self._read_bandwidths(client, reachable)
                 await asyncio.sleep(TOPOLOGY_EVERY_S)
+
+    def _own_host(self) -> str:
+        host = self.settings.api_host
+        if host in ("0.0.0.0", "", "::"):
+            return "127.0.0.1"
+        return f"[{host}]" if ":" in host else host
+
+    async def _read_bandwidths(self, client: httpx.AsyncClient, reachable: dict[NodeId, Connection | None]) -> None:
+        """The peers whose bulk read is due, one at a time (reads in parallel would share the node's link)."""
+        now = time.time()
+        for peer, connection in reachable.items():
+            rtt = self.links.median_rtt_s(peer)
+            port = self.store.state.node_api_ports.get(peer)
+            if connection is None or rtt is None or port is None or not self.links.bandwidth_due(peer, now):
+                continue
+            self.links.bandwidth_tried(peer, now)  # a peer that cannot answer is asked again only when due
+            mbps = await links.read_bandwidth(client, connection.sink_address, port, rtt)
+            if mbps is not None:
+                self.links.add_bandwidth(peer, mbps)
 
     async def _serve_store(self) -> None:
         """The store host serves store_path to the LAN (store.server) on its own threads until the node stops."""

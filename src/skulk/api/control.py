@@ -206,17 +206,24 @@ def control_router(node: ApiServices) -> APIRouter:
         return {"message": "Command received.", "command_id": command_id,
                 "model_card": card.model_dump(mode="json")}
 
-    @router.get("/instance/previews", response_model=None, responses=documented(Previews, 404))
+    @router.get("/instance/previews", response_model=None, responses=documented(Previews, 400, 404))
     async def previews(
         model_id: str = Query(min_length=1),
         sharding: Sharding | None = None,
         instance_meta: InstanceMeta | None = None,
         excluded_node_ids: list[NodeId] = Query(default=[]),  # noqa: B008 - FastAPI's query declaration
         engine: EngineChoice = "auto",
+        quantization: QuantizeAtLoad | None = None,
     ) -> dict[str, Any]:
         """Skulk's shape: `{"previews": [{model_id, sharding, instance_meta, instance, memory_delta_by_node,
-        error}]}`; `downloads` (each node's copy of the model) rides along for this project's own clients."""
+        error}]}`; `downloads` (each node's copy of the model) rides along for this project's own clients.
+        `quantization`: the placements of the model quantized at load, as POST /place_instance would run it."""
         card = card_or_404(model_id)
+        if quantization is not None:
+            try:
+                card = with_quantization(card, quantization)
+            except ValueError as exc:
+                raise ApiError(ErrorCode.invalid_quantization, str(exc)) from exc
         shardings = [sharding] if sharding else list(Sharding)
         metas = [instance_meta] if instance_meta else list(InstanceMeta)
         found = skulk_previews(node.state, card, shardings, metas, set(excluded_node_ids), engine)

@@ -6,6 +6,7 @@ import random
 from collections.abc import Iterable
 
 from skulk.master.placement import place, preview_placements
+from skulk.master.speed import RankShare, SpeedPrediction, predict_speed
 from skulk.types.backends import EngineChoice
 from skulk.types.ids import InstanceId, NodeId, RunnerId, new_id
 from skulk.types.instances import InstanceMeta, MlxRingInstance, Sharding
@@ -29,11 +30,18 @@ def _instance_on_ring(
     return placed if isinstance(placed, MlxRingInstance) else None
 
 
+def _prediction(state: State, card: ModelCard, preview: PlacementPreview) -> SpeedPrediction | None:
+    ordered = sorted(preview.nodes, key=lambda n: n.device_rank)
+    ranks = [RankShare(n.node_id, n.end_layer - n.start_layer) for n in ordered]
+    return predict_speed(card, preview.sharding, ranks, state.node_compute, state.node_links)
+
+
 def _to_skulk(state: State, card: ModelCard, preview: PlacementPreview, engine: EngineChoice) -> SkulkPlacementPreview:
     instance = _instance_on_ring(state, card, preview, engine) if preview.error is None else None
     error = preview.error.message if preview.error is not None else None
     if preview.error is None and instance is None:
         error = "the ring could not be planned again; GET /instance/previews once more"
+    speed = _prediction(state, card, preview) if instance is not None else None
     return SkulkPlacementPreview(
         model_id=card.model_id,
         sharding=preview.sharding,
@@ -41,8 +49,32 @@ def _to_skulk(state: State, card: ModelCard, preview: PlacementPreview, engine: 
         instance=instance,
         memory_delta_by_node={n.node_id: n.needed.in_bytes for n in preview.nodes} if instance else None,
         engine_by_node={n.node_id: n.engine for n in preview.nodes} if instance else None,
+        predicted_decode_tps=round(speed.decode_tps, 2) if speed else None,
+        predicted_aggregate_tps=round(speed.aggregate_tps, 2) if speed and speed.aggregate_tps else None,
+        predicted_batch=speed.batch if speed else None,
         error=error,
     )
+
+
+def _node_count(preview: SkulkPlacementPreview) -> int:
+    return len(preview.memory_delta_by_node or {})
+
+
+def with_split_warnings(previews: list[SkulkPlacementPreview]) -> list[SkulkPlacementPreview]:
+    """Mark each split predicted to decode one stream slower than the fastest placement on fewer nodes."""
+    warned: list[SkulkPlacementPreview] = []
+    for preview in previews:
+        rate, nodes = preview.predicted_decode_tps, _node_count(preview)
+        fewer = [p for p in previews if p.predicted_decode_tps is not None and 0 < _node_count(p) < nodes]
+        best = max(fewer, key=lambda p: p.predicted_decode_tps or 0.0, default=None)
+        if rate is not None and best is not None and best.predicted_decode_tps is not None \
+                and best.predicted_decode_tps > rate:
+            warning = (f"slower than fewer nodes: {nodes} nodes ({preview.sharding}) are predicted to decode "
+                       f"{rate:.1f} tok/s, {_node_count(best)} node(s) ({best.sharding}) "
+                       f"{best.predicted_decode_tps:.1f} tok/s")
+            preview = preview.model_copy(update={"predicted_warning": warning})
+        warned.append(preview)
+    return warned
 
 
 def skulk_previews(
@@ -66,4 +98,4 @@ def skulk_previews(
                         continue
                     refusals.add(key)
                 found.append(entry)
-    return found
+    return with_split_warnings(found)

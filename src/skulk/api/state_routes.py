@@ -5,12 +5,13 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query, Response
 
 from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.diagnostics.health import cluster_health, event_log_reason
 from skulk.types.answers import StateView
+from skulk.types.links import LINK_PROBE_MAX_BYTES
 from skulk.types.state import State
 
 DATA_TRANSPORT = "zenoh"
@@ -51,5 +52,10 @@ def state_router(node: ApiServices) -> APIRouter:
     @router.get("/node_id", response_model=None, responses=documented(str))
     async def get_node_id() -> str:
         return node.node_id
+
+    @router.get("/node/link_probe", response_model=None, include_in_schema=False)  # node to node, not a client's
+    async def link_probe(size: int = Query(alias="bytes", ge=1, le=LINK_PROBE_MAX_BYTES)) -> Response:
+        """`bytes` zero bytes: what a peer reads to measure its bandwidth to this node (worker/links.py)."""
+        return Response(content=bytes(size), media_type="application/octet-stream")
 
     return router

@@ -183,6 +183,8 @@ def _node_info(state: State, event: NodeGatheredInfo) -> dict[str, Any]:
         ("node_network", info.network),
         ("node_api_ports", info.api_port),
         ("node_backends", info.backends),
+        ("node_links", info.links),
+        ("node_compute", info.compute),
     ):
         if value is not None:
             changes[field] = {**getattr(state, field), node: value}
@@ -203,9 +205,14 @@ def _forget_node(state: State, node: NodeId) -> dict[str, Any]:
         "node_network",
         "node_api_ports",
         "node_backends",
+        "node_compute",
         "downloads",
     )
     changes: dict[str, Any] = {field: _without(getattr(state, field), node) for field in per_node}
+    changes["node_links"] = {
+        source: {sink: link for sink, link in links.items() if sink != node}
+        for source, links in state.node_links.items() if source != node
+    }
     topo = state.topology
     changes["topology"] = Topology(
         nodes=[n for n in topo.nodes if n != node],

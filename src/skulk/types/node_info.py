@@ -7,6 +7,7 @@ from typing import Literal
 from .backends import BackendTag
 from .base import CamelModel
 from .ids import NodeId
+from .links import DecodeCompute, LinkMeasurement
 from .memory import Memory
 
 
@@ -80,6 +81,10 @@ class NodeInfo(CamelModel):
     api_port: int | None = None
     backends: list[BackendTag] | None = None
     """Every backend tag this node can run, the bare engine tags included (types/backends.py)."""
+    links: dict[NodeId, LinkMeasurement] | None = None
+    """Round trip and bandwidth this node measured to each peer it reaches (worker/links.py)."""
+    compute: DecodeCompute | None = None
+    """This node's decode speed, learned from the requests it served (worker/compute.py); None until it served."""
 
 
 class Connection(CamelModel):

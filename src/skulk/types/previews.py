@@ -23,4 +23,12 @@ class SkulkPlacementPreview(BaseModel):
     """Bytes each node of the instance would take on: its share of the weights, overhead and KV headroom."""
     engine_by_node: dict[str, EngineName] | None = None
     """The engine each node of the instance would run (this project's addition, beside Skulk's fields)."""
+    predicted_decode_tps: float | None = None
+    """One stream's decode tok/s this placement is predicted to reach (master/speed.py), from the nodes' learned
+    compute and measured links; None until some node has served a request and the ring's links were measured."""
+    predicted_aggregate_tps: float | None = None
+    """All `predicted_batch` streams together, tok/s (None as above, or when no node has served a batch near it)."""
+    predicted_batch: int | None = None
+    predicted_warning: str | None = None
+    """Set when this split is predicted to decode one stream slower than a placement on fewer nodes."""
     error: str | None = None

@@ -9,6 +9,7 @@ from .base import CamelModel
 from .downloads import DownloadProgress
 from .ids import InstanceId, MetaInstanceId, ModelId, NodeId, RunnerId, TaskId
 from .instances import Instance
+from .links import DecodeCompute, LinkMeasurement
 from .meta_instances import MetaInstance
 from .models import ModelCard
 from .node_info import (
@@ -61,6 +62,10 @@ class State(CamelModel):
     node_backends: dict[NodeId, list[BackendTag]] = {}
     """Skulk's nodeResources[node].backends: the engines each node runs (none said: torch only)."""
     topology: Topology = Topology()
+    node_links: dict[NodeId, dict[NodeId, LinkMeasurement]] = {}
+    """The topology's measured links: node_links[source][sink] is what source measured to sink (node info)."""
+    node_compute: dict[NodeId, DecodeCompute] = {}
+    """Each node's learned decode speed (node info): with node_links, what previews predict tok/s from."""
     master_node_id: NodeId | None = None
     term: int = 0
     last_event_applied_idx: int = -1

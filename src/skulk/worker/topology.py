@@ -8,6 +8,7 @@ for the peer.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable
 
 import httpx
@@ -16,6 +17,7 @@ from skulk.types.events import Event, TopologyEdgeCreated, TopologyEdgeDeleted
 from skulk.types.ids import NodeId
 from skulk.types.node_info import Connection
 from skulk.types.state import State
+from skulk.worker.links import LinkMeter
 
 PROBE_TIMEOUT_S = 1.0
 
@@ -50,26 +52,37 @@ def edge_events(state: State, me: NodeId, reachable: dict[NodeId, Connection | N
     return events
 
 
-async def _reaches(client: httpx.AsyncClient, address: str, port: int, node: NodeId) -> bool:
+async def _reaches(client: httpx.AsyncClient, address: str, port: int, node: NodeId) -> float | None:
+    """Seconds the peer took to name itself at this address (the round-trip sample), None if it did not."""
     try:
+        started = time.perf_counter()
         reply = await client.get(f"http://{address}:{port}/node_id", timeout=PROBE_TIMEOUT_S)
-        return reply.status_code == 200 and reply.json() == node
+        elapsed = time.perf_counter() - started
+        return elapsed if reply.status_code == 200 and reply.json() == node else None
     except (httpx.HTTPError, ValueError):
-        return False
+        return None
 
 
 async def _first_reachable(
-    client: httpx.AsyncClient, me: NodeId, node: NodeId, port: int, candidates: Iterable[tuple[str, str | None]]
+    client: httpx.AsyncClient, me: NodeId, node: NodeId, port: int, candidates: Iterable[tuple[str, str | None]],
+    meter: LinkMeter | None,
 ) -> Connection | None:
     for address, interface in candidates:
-        if await _reaches(client, address, port, node):
+        rtt = await _reaches(client, address, port, node)
+        if rtt is not None:
+            if meter is not None:
+                meter.add_rtt(node, rtt)
             return Connection(source=me, sink=node, sink_address=address, interface=interface)
     return None
 
 
-async def probe(client: httpx.AsyncClient, state: State, me: NodeId) -> dict[NodeId, Connection | None]:
+async def probe(
+    client: httpx.AsyncClient, state: State, me: NodeId, meter: LinkMeter | None = None
+) -> dict[NodeId, Connection | None]:
+    """Which peers answer, and at which address; each answer's time is a round-trip sample for `meter`."""
     targets = probe_targets(state, me)
     found = await asyncio.gather(
-        *(_first_reachable(client, me, node, state.node_api_ports[node], addrs) for node, addrs in targets.items())
+        *(_first_reachable(client, me, node, state.node_api_ports[node], addrs, meter)
+          for node, addrs in targets.items())
     )
     return dict(zip(targets, found, strict=True))

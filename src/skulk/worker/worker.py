@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,7 +15,7 @@ from skulk.master.decide import node_name
 from skulk.runner.messages import TaskEnded
 from skulk.runner.spec import RunnerSpec
 from skulk.structured_log import log_context
-from skulk.types.chunks import Chunk
+from skulk.types.chunks import Chunk, TokenChunk
 from skulk.types.events import Event, InstanceFailed, RunnerStatusUpdated, TaskFailed, TaskStatusUpdated
 from skulk.types.ids import InstanceId, NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance
@@ -22,6 +23,7 @@ from skulk.types.runners import RunnerStatus
 from skulk.types.state import State
 from skulk.types.tasks import Task, TaskStatus
 from skulk.types.tracing import TraceSpan
+from skulk.worker.compute import ComputeLearner
 from skulk.worker.plan import (
     Action,
     CancelRunnerTask,
@@ -65,6 +67,8 @@ class Worker:
         payloads: PayloadFetcher | None = None,
     ) -> None:
         self.payloads = payloads
+        self.compute = ComputeLearner()
+        """This node's decode speed, learned from its single-rank runners' steps (node info reports it)."""
         """Where a task's prompt comes from (its API node, point to point); None: tasks carry it already."""
         self._fetching: set[tuple[RunnerId, TaskId]] = set()
         self._deliveries: set[asyncio.Task[None]] = set()
@@ -241,7 +245,8 @@ class Worker:
                      shard.device_rank, shard.world_size, shard.start_layer, shard.end_layer)
         supervisor = RunnerSupervisor(
             spec,
-            self._callbacks(runner_id, instance.instance_id, is_sampler=shard.is_last),
+            self._callbacks(runner_id, instance.instance_id, is_sampler=shard.is_last,
+                            learn_bytes=shard.model_card.storage_size.in_bytes if shard.world_size == 1 else 0),
             restart_budget=self.restart_budget,
             restart_window_s=self.restart_window_s,
             hung_s=self.hung_s,
@@ -260,11 +265,17 @@ class Worker:
         if not self._closed and self.supervisors.get(supervisor.spec.runner_id) is supervisor:
             supervisor.start()
 
-    def _callbacks(self, runner_id: RunnerId, instance_id: InstanceId, *, is_sampler: bool) -> SupervisorCallbacks:
+    def _callbacks(self, runner_id: RunnerId, instance_id: InstanceId, *, is_sampler: bool,
+                   learn_bytes: int = 0) -> SupervisorCallbacks:
+        """`learn_bytes`: the model's weight bytes when this runner's steps teach the node its compute (a
+        single-rank runner), else 0."""
         def on_status(status: RunnerStatus) -> None:
             self.emit(RunnerStatusUpdated(runner_id=runner_id, runner_status=status))
 
         def on_chunks(chunks: Sequence[Chunk]) -> None:
+            if learn_bytes:  # one Tokens message per engine step: a clock read and a count, not per token
+                tokens = sum(isinstance(c, TokenChunk) for c in chunks)
+                self.compute.on_step(runner_id, tokens, learn_bytes, time.perf_counter())
             for chunk in chunks:
                 self.publish(chunk)
 

@@ -1,0 +1,380 @@
+"""What splitting a model costs and gains when the ranks are separate machines: each rank a real node process in
+its own network namespace, on its own core, over links of set latency and bandwidth.
+
+Each node runs in a network namespace (`ip netns`), joined to one bridge in the root namespace by a veth pair,
+pinned to one core (`taskset`) with one compute thread (OMP_NUM_THREADS=1, so torch runs one thread), and its
+links shaped with `tc`: `netem delay` (a quarter of the RTT on each of the four egress points of a path, so a
+round trip between two nodes crosses the whole RTT) with its `rate`, as
+  lan10g  0.1 ms RTT / 10 Gbit,  lan1g  0.5 ms / 1 Gbit,  wifi  2 ms / 300 Mbit.
+Where the kernel has no netem (the qdisc is unknown), the bench says so and shapes the rate alone with `tbf`:
+its latency rows then carry the veth's own (~0.05 ms), and the table says "latency NOT shaped".
+
+For each model (the built-in ~100M `skulk/bench-random-100m` quantized to int4 at load, and SmolLM2-135M, the
+default model, fetched as `make run` fetches it) it places one rank on one core, then Pipeline 2 and Tensor 2
+(one core each), and under each link measures: single-stream decode tok/s (median of --streams), TTFT (median),
+and the 8-stream aggregate (tokens of all 8 over the time from the first first-token to the last token). Every
+row prints its ratio to one rank measured under the same link in the same run, and the previews' predicted
+tok/s for that placement (GET /instance/previews, read under that link before measuring) beside the measured.
+
+Needs root (network namespaces, tc); without it, or where `ip netns add` fails, it says why and exits 0.
+Run: sudo .venv/bin/python bench/split.py [--models bench,smollm2] [--links lan10g,lan1g,wifi] [--tokens 48]
+     [--streams 3] [--cores 0,1]   (--cores: the core of each node; one rank per core)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from skulk.models.demo import BENCH_MODEL_ID
+from skulk.models.packaged import DEFAULT_MODEL_ID, shared_cache
+from skulk.testing.convergence import formed, state_of
+from skulk.testing.nodes import LocalNode
+from skulk.testing.waiting import wait_until
+
+SUBNET = "10.28.0"
+BRIDGE = "skbr28"
+PROMPT = "Write a short story about a fox who learns to split a model across two machines."
+STREAMS_AGGREGATE = 8
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    name: str
+    rtt_ms: float
+    rate: str  # tc's notation
+    rate_mbit: float
+
+
+PROFILES = {
+    "lan10g": LinkProfile("lan10g", 0.1, "10gbit", 10_000),
+    "lan1g": LinkProfile("lan1g", 0.5, "1gbit", 1_000),
+    "wifi": LinkProfile("wifi", 2.0, "300mbit", 300),
+}
+MODELS = {"bench": (str(BENCH_MODEL_ID), "int4"), "smollm2": (str(DEFAULT_MODEL_ID), None)}
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(cmd), capture_output=True, text=True, check=check)
+
+
+class Namespaces:
+    """One namespace per node on one bridge; links shaped on every veth end (both directions)."""
+
+    def __init__(self, count: int) -> None:
+        self.tag = uuid.uuid4().hex[:4]
+        self.names = [f"sk{self.tag}n{i}" for i in range(count)]
+        self.addresses = [f"{SUBNET}.{10 + i}" for i in range(count)]
+        self.ends: list[tuple[str, str | None]] = []  # (device, namespace or None for root)
+        self.netem: str | None = None  # why netem is unusable, None when it works
+
+    def up(self) -> None:
+        sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
+        sh("ip", "link", "set", BRIDGE, "up")
+        for i, (ns, address) in enumerate(zip(self.names, self.addresses, strict=True)):
+            outside, inside = f"sk{self.tag}o{i}", f"sk{self.tag}i{i}"
+            sh("ip", "netns", "add", ns)
+            sh("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
+            sh("ip", "link", "set", inside, "netns", ns)
+            sh("ip", "link", "set", outside, "master", BRIDGE)
+            sh("ip", "link", "set", outside, "up")
+            sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", inside)
+            sh("ip", "-n", ns, "link", "set", inside, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            self.ends += [(outside, None), (inside, ns)]
+
+    def shape(self, profile: LinkProfile) -> None:
+        """A quarter of the RTT on each egress: node→bridge and bridge→node, both ways round a path."""
+        for dev, ns in self.ends:
+            prefix = ["ip", "netns", "exec", ns] if ns else []
+            if self.netem is None:
+                qdisc = ["netem", "delay", f"{profile.rtt_ms / 4:.3f}ms", "rate", profile.rate, "limit", "100000"]
+                done = sh(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", *qdisc, check=False)
+                if done.returncode == 0:
+                    continue
+                self.netem = done.stderr.strip() or f"tc exited {done.returncode}"
+            burst = max(int(profile.rate_mbit * 1e6 / 8 / 250), 64 * 1024)  # a 4 ms bucket, at least 64 KiB
+            sh(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", profile.rate,
+               "burst", str(burst), "latency", "50ms")
+
+    def down(self) -> None:
+        for ns in self.names:
+            sh("ip", "netns", "del", ns, check=False)
+        sh("ip", "link", "del", BRIDGE, check=False)
+
+
+def namespaces_refused() -> str | None:
+    """Why this machine cannot run the bench (None when it can): root, ip, tc, taskset and a namespace."""
+    if os.geteuid() != 0:
+        return "needs root for network namespaces and tc (run it with sudo)"
+    for tool in ("ip", "tc", "taskset"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed"
+    probe = f"sk{uuid.uuid4().hex[:4]}probe"
+    made = sh("ip", "netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    sh("ip", "netns", "del", probe, check=False)
+    return None
+
+
+@dataclass
+class NsNode(LocalNode):
+    """A node whose every process lives in one namespace, on one core, with one compute thread."""
+
+    address: str = "127.0.0.1"
+    netns: str = ""
+    core: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}:{self.api_port}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp/{self.address}:{self.zenoh_port}"
+
+    def command(self) -> list[str]:
+        cmd = super().command()
+        cmd[cmd.index("--api-host") + 1] = self.address
+        return ["ip", "netns", "exec", self.netns, "taskset", "-c", str(self.core), *cmd]
+
+
+NODE_ENV = {
+    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+    "CUDA_VISIBLE_DEVICES": "",  # the CPU engine on every rank, also on a machine with a GPU
+    "NO_PROXY": "*", "no_proxy": "*",
+}
+
+
+@dataclass
+class Row:
+    model: str
+    link: str
+    placement: str  # "1 rank", "Pipeline 2", "Tensor 2"
+    decode: float
+    ttft_ms: float
+    aggregate: float
+    predicted: tuple[float | None, float | None] = (None, None)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def one_stream(client: httpx.AsyncClient, model: str, tokens: int, seed: int) -> tuple[float, float, float, int]:
+    """(sent, first token, last token, tokens) of one greedy streamed completion."""
+    body = {"model": model, "messages": [{"role": "user", "content": f"{PROMPT} ({seed})"}], "max_tokens": tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    first = last = 0.0
+    produced = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            payload = json.loads(line[6:])
+            if "error" in payload:
+                raise RuntimeError(f"stream failed: {payload['error']}")
+            if payload.get("choices") == [] and "usage" in payload:
+                produced = payload["usage"]["completion_tokens"]
+                continue
+            last = time.perf_counter()
+            first = first or last
+    if produced < 2:
+        raise RuntimeError(f"too few tokens streamed ({produced})")
+    return sent, first, last, produced
+
+
+async def measure(url: str, model: str, tokens: int, streams: int) -> tuple[float, float, float]:
+    """(single-stream decode tok/s, TTFT ms, 8-stream aggregate tok/s), medians of `streams` single streams."""
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+        await one_stream(client, model, 8, 0)  # warm-up
+        singles = [await one_stream(client, model, tokens, i) for i in range(streams)]
+        many = await asyncio.gather(*(one_stream(client, model, tokens, 100 + i) for i in range(STREAMS_AGGREGATE)))
+    decode = statistics.median((n - 1) / (last - first) for _, first, last, n in singles)
+    ttft = statistics.median(first - sent for sent, first, _, _ in singles) * 1000
+    aggregate = sum(n for *_, n in many) / (max(m[2] for m in many) - min(m[1] for m in many))
+    return decode, ttft, aggregate
+
+
+def place(api: NsNode, members: list[NsNode], everyone: list[NsNode], model: str, quant: str | None,
+          sharding: str) -> tuple[str, set[str]]:
+    body: dict[str, Any] = {"model_id": model, "sharding": sharding, "min_nodes": len(members), "engine": "torch",
+                            "excluded_nodes": [n.node_id for n in everyone if n not in members]}
+    if quant:
+        body["quantization"] = quant
+    with api.client(timeout=300) as client:
+        reply = client.post("/place_instance", json=body)
+    if reply.status_code != 200:
+        raise RuntimeError(f"placement {sharding} on {len(members)} refused: {reply.text}")
+    assignments = reply.json()["instance"]["MlxRingInstance"]["shardAssignments"]
+    runners, node_ids = set(assignments["runnerToShard"]), set(assignments["nodeToRunner"])
+    if node_ids != {n.node_id for n in members}:
+        raise RuntimeError(f"asked for {[n.node_id for n in members]}, got {node_ids}")
+    instance_id = reply.json()["instanceId"]
+
+    def ready() -> bool:
+        state = state_of(api)
+        return state is not None and all("RunnerReady" in state["runners"].get(r, {}) for r in runners)
+
+    wait_until(ready, 600, f"{sharding} on {len(members)} to be ready", poll=0.5)
+    return instance_id, runners
+
+
+def delete(api: NsNode, instance_id: str, runners: set[str]) -> None:
+    with api.client(timeout=60) as client:
+        client.delete(f"/instance/{instance_id}").raise_for_status()
+
+    def gone() -> bool:
+        state = state_of(api)
+        return state is not None and instance_id not in state["instances"] and not runners & set(state["runners"])
+
+    wait_until(gone, 120, "the instance and its runners to go", poll=0.2)
+
+
+def links_settled(api: NsNode, nodes: list[NsNode], profile: LinkProfile, since: float) -> bool:
+    """Every node has measured every peer since the link changed (rtt within reach of the profile's)."""
+    state = state_of(api)
+    if state is None:
+        return False
+    for node in nodes:
+        links = state.get("nodeLinks", {}).get(node.node_id, {})
+        for peer in nodes:
+            if peer is node:
+                continue
+            link = links.get(peer.node_id)
+            if link is None or link.get("measuredAtS", 0) < since:
+                return False
+    return True
+
+
+def predictions(api: NsNode, model: str, quant: str | None, members: list[NsNode], sharding: str
+                ) -> tuple[float | None, float | None]:
+    params: dict[str, Any] = {"model_id": model, "sharding": sharding, **({"quantization": quant} if quant else {})}
+    with api.client(timeout=60) as client:
+        previews = client.get("/instance/previews", params=params).json().get("previews", [])
+    wanted = {n.node_id for n in members}
+    for preview in previews:
+        nodes = set((preview.get("memory_delta_by_node") or {}).keys())
+        if nodes == wanted and preview.get("error") is None:
+            return preview.get("predicted_decode_tps"), preview.get("predicted_aggregate_tps")
+    return None, None
+
+
+def shape_and_settle(ns: Namespaces, nodes: list[NsNode], profile: LinkProfile) -> None:
+    ns.shape(profile)
+    since = time.time()
+    wait_until(lambda: links_settled(nodes[0], nodes, profile, since + 0.5), 120,
+               f"link measurements under {profile.name}", poll=0.5)
+
+
+def run_model(ns: Namespaces, nodes: list[NsNode], key: str, profiles: list[LinkProfile], tokens: int,
+              streams: int) -> list[Row]:
+    model, quant = MODELS[key]
+    api, rows = nodes[0], []
+    for label, members, sharding in (("1 rank", nodes[:1], "Pipeline"), ("Pipeline 2", nodes, "Pipeline"),
+                                     ("Tensor 2", nodes, "Tensor")):
+        instance_id, runners = place(api, members, nodes, model, quant, sharding)
+        try:
+            if label == "1 rank":  # served requests teach the node its compute before anything is predicted
+                asyncio.run(measure(api.url, model, tokens, 1))
+            for profile in profiles:
+                shape_and_settle(ns, nodes, profile)
+                predicted = predictions(api, model, quant, members, sharding)
+                decode, ttft, aggregate = asyncio.run(measure(api.url, model, tokens, streams))
+                rows.append(Row(key, profile.name, label, decode, ttft, aggregate, predicted))
+                print(f"  {key:8} {profile.name:7} {label:10} decode {decode:7.1f}  ttft {ttft:7.1f} ms  "
+                      f"8-stream {aggregate:7.1f}  predicted {predicted}", flush=True)
+        finally:
+            delete(api, instance_id, runners)
+    return rows
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def ratio(value: float | None, base: float) -> str:
+    return "-" if value is None or not base else f"{value / base:.2f}"
+
+
+def print_table(rows: list[Row]) -> None:
+    base = {(r.model, r.link): r for r in rows if r.placement == "1 rank"}
+    print(f"\n{'model':8} {'link':7} {'placement':10} | {'decode':>7} {'÷1':>5} {'pred':>6} {'p÷m':>5} | "
+          f"{'ttft ms':>7} {'÷1':>5} | {'8-str':>7} {'÷1':>5} {'pred':>6} {'p÷m':>5}")
+    for r in rows:
+        one = base[(r.model, r.link)]
+        pd, pa = r.predicted
+        print(f"{r.model:8} {r.link:7} {r.placement:10} | {r.decode:7.1f} {ratio(r.decode, one.decode):>5} "
+              f"{fmt(pd):>6} {ratio(pd, r.decode):>5} | {r.ttft_ms:7.1f} {ratio(r.ttft_ms, one.ttft_ms):>5} | "
+              f"{r.aggregate:7.1f} {ratio(r.aggregate, one.aggregate):>5} {fmt(pa):>6} {ratio(pa, r.aggregate):>5}")
+
+
+def start_nodes(ns: Namespaces, root: Path, cores: list[int]) -> list[NsNode]:
+    cluster = f"split{uuid.uuid4().hex[:6]}"
+    env = {**NODE_ENV, "SKULK_MODEL_CACHE": str(shared_cache())}
+    nodes: list[NsNode] = []
+    for i, (name, address) in enumerate(zip(ns.names, ns.addresses, strict=True)):
+        node = NsNode(home=root / f"node{i}", cluster=cluster, peers=[n.endpoint for n in nodes], extra_env=env,
+                      address=address, netns=name, core=cores[i])
+        nodes.append(node.start())
+    for node in nodes:
+        node.wait_ready(120)
+    wait_until(lambda: formed(nodes), 120, "the nodes to form one cluster", poll=0.2)
+    return nodes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="bench,smollm2")
+    parser.add_argument("--links", default="lan10g,lan1g,wifi")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--streams", type=int, default=3)
+    parser.add_argument("--cores", default="0,1", help="one core per node (two nodes)")
+    args = parser.parse_args()
+    refused = namespaces_refused()
+    if refused is not None:
+        print(f"bench/split.py: {refused}; nothing measured.")
+        return
+    cores = [int(c) for c in args.cores.split(",")]
+    profiles = [PROFILES[name] for name in args.links.split(",")]
+    ns = Namespaces(2)
+    nodes: list[NsNode] = []
+    rows: list[Row] = []
+    try:
+        ns.up()
+        ns.shape(profiles[0])
+        print(f"links: {'netem' if ns.netem is None else 'tbf rate only, latency NOT shaped: netem ' + ns.netem}",
+              flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            nodes = start_nodes(ns, Path(tmp), cores)
+            try:
+                for key in args.models.split(","):
+                    rows += run_model(ns, nodes, key, profiles, args.tokens, args.streams)
+            finally:
+                for node in nodes:
+                    node.stop()
+                for node in nodes:
+                    node.reap_leftovers()
+    finally:
+        ns.down()
+    shaping = "netem delay+rate" if ns.netem is None else f"tbf rate only (latency NOT shaped; netem: {ns.netem})"
+    print(f"\n{args.tokens} tokens, median of {args.streams} single streams, {STREAMS_AGGREGATE}-stream aggregate; "
+          f"one core and one thread per node (cores {cores}); links: {shaping}")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

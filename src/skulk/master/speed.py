@@ -1,0 +1,200 @@
+"""How fast a placement will decode, predicted before it is placed: pure, from measured compute and links.
+
+Inputs are what nodes measured (types/links.py): each node's seconds per decode step per GB of weights at the
+batches it has served (worker/compute.py) and each link's round trip and bandwidth (worker/links.py). The model:
+
+- A rank's step at batch b costs its node's `step_s_per_gb(b)` times the weight GB it holds: a Pipeline rank its
+  layers' share of the model, a Tensor rank 1/world of every layer. Decode streams every weight once per step,
+  so the time follows the bytes (the lm_head is counted as a layer's share: a small error for models whose
+  vocabulary is large against their layers, which only moves how the work splits between Pipeline stages).
+- A hop costs one way of its link: half the measured round trip, the message's bytes over the bandwidth, and
+  HOP_SOFTWARE_S of the engine's own work per message.
+- Pipeline, one stream: every rank's step in turn, a hidden-state hop between consecutive ranks and the sampled
+  token's hop back to rank 0. At batch B without micro-batches the same, at B. With PIPELINE_MICRO_BATCHES
+  (one micro-batch per rank in flight) a round lets every rank work on every micro-batch once: it lasts the
+  longer of the busiest rank's work and one micro-batch's trip round the ring.
+- Tensor: every rank's share in parallel (the slowest sets the pace), two all-reduces per layer (after
+  attention and after the MLP; a ring all-reduce over W ranks is 2(W-1) one-way steps), and the sampled tokens'
+  broadcast.
+A node that has not served yet borrows the median figure of the nodes that have (a cluster of like machines is
+the common case); with no figure anywhere, or a link never measured, there is no prediction (None).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+from skulk.types.ids import NodeId
+from skulk.types.instances import Sharding
+from skulk.types.links import DecodeCompute, LinkMeasurement
+from skulk.types.models import ModelCard
+
+PREDICTED_BATCH = 8
+"""The batch `predicted_aggregate_tps` is for: 8 concurrent streams, the figure bench/split.py measures."""
+HOP_SOFTWARE_S = 0.0002
+"""The engine's own cost per message between ranks (torch.distributed's send and receive, a header): 0.2 ms."""
+PIPELINE_MICRO_BATCHES = False
+"""Whether the torch engine keeps one micro-batch per Pipeline rank in flight (issue 28's pipelined schedule):
+without it a batch crosses the ranks as one, and only one rank computes at a time."""
+TOKEN_ROW_BYTES = 24
+"""One sampled-token row on the wire: [token, finished, failed] as int64."""
+
+
+@dataclass(frozen=True)
+class RankShare:
+    node_id: NodeId
+    layers: int
+
+
+@dataclass(frozen=True)
+class SpeedPrediction:
+    decode_tps: float
+    """One stream."""
+    aggregate_tps: float | None
+    """All streams together at `batch`; None when no node has served a batch that large or near it."""
+    batch: int
+    borrowed: tuple[NodeId, ...] = ()
+    """Nodes that had not served yet and were given the measured nodes' figure."""
+
+
+def step_s_per_gb(compute: DecodeCompute, batch: int) -> float | None:
+    """The node's figure at `batch`: measured, else linear between the batches around it (below the smallest
+    measured, the smallest's; above the largest, extended from the two largest; from one batch alone, only
+    batch 1 down)."""
+    points = sorted(compute.step_s_per_gb.items())
+    if not points:
+        return None
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, s0), (b1, s1) in pairwise(points):
+        if b0 <= batch <= b1:
+            return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
+    if len(points) < 2:
+        return None
+    (b0, s0), (b1, s1) = points[-2], points[-1]
+    return max(s1, s1 + (s1 - s0) * (batch - b1) / (b1 - b0))
+
+
+def _figures(nodes: Sequence[NodeId], compute: Mapping[NodeId, DecodeCompute], batch: int
+             ) -> tuple[dict[NodeId, float], tuple[NodeId, ...]] | None:
+    """Each node's seconds per GB at `batch`, the measured median for nodes without their own."""
+    measured = {n: f for n, c in compute.items() if (f := step_s_per_gb(c, batch)) is not None}
+    if not measured:
+        return None
+    fallback = statistics.median(measured.values())
+    borrowed = tuple(n for n in nodes if n not in measured)
+    return {n: measured.get(n, fallback) for n in nodes}, borrowed
+
+
+def one_way_s(links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]], a: NodeId, b: NodeId,
+              message_bytes: float) -> float | None:
+    """One message from a to b: half the round trip, the bytes over the bandwidth, the engine's own cost. The
+    link as a measured it, else as b measured it (links are symmetric enough for this)."""
+    link = links.get(a, {}).get(b) or links.get(b, {}).get(a)
+    if link is None:
+        return None
+    wire = message_bytes * 8 / (link.bandwidth_mbps * 1e6) if link.bandwidth_mbps else 0.0
+    return link.rtt_ms / 2000 + wire + HOP_SOFTWARE_S
+
+
+def _pipeline_step_s(card: ModelCard, ranks: Sequence[RankShare], per_gb: Mapping[NodeId, float], rows: int,
+                     links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]]) -> tuple[list[float], float] | None:
+    """(each rank's compute seconds, the hops' seconds) for one pass of `rows` rows through the ring."""
+    gb = card.storage_size.in_bytes / 1e9
+    compute = [per_gb[r.node_id] * gb * r.layers / card.n_layers for r in ranks]
+    hidden = card.hidden_size * rows * (4 if card.dtype == "float32" else 2)
+    hops = 0.0
+    for here, there in pairwise(ranks):
+        cost = one_way_s(links, here.node_id, there.node_id, hidden)
+        if cost is None:
+            return None
+        hops += cost
+    if len(ranks) > 1:
+        back = one_way_s(links, ranks[-1].node_id, ranks[0].node_id, TOKEN_ROW_BYTES * rows)
+        if back is None:
+            return None
+        hops += back
+    return compute, hops
+
+
+def _pipeline_tps(card: ModelCard, ranks: Sequence[RankShare], per_gb: Mapping[NodeId, float], batch: int,
+                  links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]],
+                  micro_per_gb: Mapping[NodeId, float] | None) -> float | None:
+    """`micro_per_gb`: the figures at a micro-batch's rows when the engine pipelines micro-batches, else None."""
+    if micro_per_gb is not None:
+        rows = math.ceil(batch / len(ranks))
+        step = _pipeline_step_s(card, ranks, micro_per_gb, rows, links)
+        if step is None:
+            return None
+        compute, hops = step
+        round_s = max(len(ranks) * max(compute), sum(compute) + hops)
+        return batch / round_s
+    step = _pipeline_step_s(card, ranks, per_gb, batch, links)
+    return None if step is None else batch / (sum(step[0]) + step[1])
+
+
+def _tensor_tps(card: ModelCard, ranks: Sequence[RankShare], per_gb: Mapping[NodeId, float], batch: int,
+                links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]]) -> float | None:
+    world = len(ranks)
+    gb = card.storage_size.in_bytes / 1e9
+    compute = max(per_gb[r.node_id] * gb / world for r in ranks)
+    if world == 1:
+        return batch / compute
+    partial = card.hidden_size * batch * 4
+    steps = [one_way_s(links, a.node_id, b.node_id, partial / world) for a, b in zip(ranks, [*ranks[1:], ranks[0]],
+                                                                                   strict=True)]
+    sampler = ranks[-1].node_id
+    broadcast = [one_way_s(links, sampler, r.node_id, TOKEN_ROW_BYTES * batch) for r in ranks[:-1]]
+    if any(s is None for s in steps) or any(b is None for b in broadcast):
+        return None
+    ring_step = max(s for s in steps if s is not None)
+    all_reduce = 2 * (world - 1) * ring_step
+    collectives = 2 * card.n_layers * all_reduce + max(b for b in broadcast if b is not None)
+    return batch / (compute + collectives)
+
+
+def _tps(card: ModelCard, sharding: Sharding, ranks: Sequence[RankShare], compute: Mapping[NodeId, DecodeCompute],
+         batch: int, links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]], micro_batches: bool
+         ) -> tuple[float | None, tuple[NodeId, ...]] | None:
+    """(tok/s at `batch`, the nodes that borrowed a figure); None when no node has a figure for the batch."""
+    nodes = [r.node_id for r in ranks]
+    figures = _figures(nodes, compute, batch)
+    if figures is None:
+        return None
+    per_gb, borrowed = figures
+    if sharding == Sharding.Tensor:
+        return _tensor_tps(card, ranks, per_gb, batch, links), borrowed
+    micro = None
+    if micro_batches and len(ranks) > 1 and batch >= len(ranks):
+        at_rows = _figures(nodes, compute, math.ceil(batch / len(ranks)))
+        if at_rows is None:
+            return None
+        micro = at_rows[0]
+    return _pipeline_tps(card, ranks, per_gb, batch, links, micro), borrowed
+
+
+def predict_speed(
+    card: ModelCard,
+    sharding: Sharding,
+    ranks: Sequence[RankShare],
+    compute: Mapping[NodeId, DecodeCompute],
+    links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]],
+    *,
+    batch: int = PREDICTED_BATCH,
+    micro_batches: bool = PIPELINE_MICRO_BATCHES,
+) -> SpeedPrediction | None:
+    """One stream's and `batch` streams' decode tok/s for `ranks` (in rank order), or None when the cluster has
+    not measured enough to say (no node has served, or a link of the ring was never measured)."""
+    if not ranks or card.n_layers < 1:
+        return None
+    single = _tps(card, sharding, ranks, compute, 1, links, micro_batches)
+    if single is None or single[0] is None:
+        return None
+    many = _tps(card, sharding, ranks, compute, batch, links, micro_batches)
+    borrowed = tuple(dict.fromkeys(single[1] + (many[1] if many is not None else ())))
+    aggregate = many[0] if many is not None else None
+    return SpeedPrediction(decode_tps=single[0], aggregate_tps=aggregate, batch=batch, borrowed=borrowed)

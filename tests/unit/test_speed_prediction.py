@@ -1,0 +1,119 @@
+"""The speed prediction (master/speed.py) is a pure function of measured compute and links: these pin its
+arithmetic, the borrowing of a figure for a node that has not served, and when it declines to predict."""
+
+from __future__ import annotations
+
+import pytest
+
+from skulk.master.speed import HOP_SOFTWARE_S, RankShare, predict_speed, step_s_per_gb
+from skulk.types.ids import NodeId
+from skulk.types.instances import Sharding
+from skulk.types.links import DecodeCompute, LinkMeasurement
+from skulk.types.memory import Memory
+from skulk.types.models import ModelCard
+
+pytestmark = pytest.mark.timeout(10)
+
+A, B, C = NodeId("a"), NodeId("b"), NodeId("c")
+CARD = ModelCard(model_id="m", family="llama", n_layers=12, hidden_size=768, num_attention_heads=12,  # type: ignore[arg-type]
+                 num_key_value_heads=4, storage_size=Memory.from_bytes(100_000_000))
+ONE_GB = 0.1  # CARD is 0.1 GB
+
+
+def compute(single: float, eight: float | None = None) -> DecodeCompute:
+    """single/eight: seconds per step of the whole CARD at batch 1 / 8."""
+    figures = {1: single / ONE_GB} | ({8: eight / ONE_GB} if eight is not None else {})
+    return DecodeCompute(step_s_per_gb=figures, steps=10)
+
+
+def link(rtt_ms: float, mbps: float | None = 1000.0) -> LinkMeasurement:
+    return LinkMeasurement(rtt_ms=rtt_ms, probe_rtt_ms=rtt_ms + 1, bandwidth_mbps=mbps, measured_at_s=1.0)
+
+
+def test_one_rank_is_its_own_measured_step() -> None:
+    got = predict_speed(CARD, Sharding.Pipeline, [RankShare(A, 12)], {A: compute(0.010, 0.020)}, {})
+    assert got is not None
+    assert got.decode_tps == pytest.approx(100.0)
+    assert got.aggregate_tps == pytest.approx(8 / 0.020)
+    assert got.borrowed == ()
+
+
+def test_pipeline_single_stream_adds_one_hop_per_rank_and_the_token_back() -> None:
+    links = {A: {B: link(0.5, None)}, B: {A: link(0.5, None)}}
+    got = predict_speed(CARD, Sharding.Pipeline, [RankShare(A, 6), RankShare(B, 6)], {A: compute(0.010)}, links)
+    assert got is not None
+    hop = 0.00025 + HOP_SOFTWARE_S
+    assert got.decode_tps == pytest.approx(1 / (0.005 + 0.005 + 2 * hop))
+    assert got.borrowed == (B,)  # b never served: it borrowed a's figure
+    assert got.aggregate_tps is None  # nobody served 8 streams
+
+
+def test_bandwidth_prices_the_hidden_state_message() -> None:
+    slow = {A: {B: link(0.0, 1.0)}}  # 1 Mbit/s: a 768-wide bf16 row is 12.3 ms
+    got = predict_speed(CARD, Sharding.Pipeline, [RankShare(A, 6), RankShare(B, 6)], {A: compute(0.010)}, slow)
+    assert got is not None
+    expected = 0.010 + 768 * 2 * 8 / 1e6 + 24 * 8 / 1e6 + 2 * HOP_SOFTWARE_S
+    assert got.decode_tps == pytest.approx(1 / expected)
+
+
+def test_uneven_layers_and_nodes_weigh_each_rank_by_its_share() -> None:
+    figures = {A: compute(0.010), B: compute(0.020)}
+    links = {A: {B: link(0.1)}}
+    got = predict_speed(CARD, Sharding.Pipeline, [RankShare(A, 9), RankShare(B, 3)], figures, links)
+    assert got is not None
+    compute_s = 0.010 * 9 / 12 + 0.020 * 3 / 12
+    assert 1 / got.decode_tps == pytest.approx(compute_s, abs=0.0012)
+    assert 1 / got.decode_tps > compute_s
+
+
+def test_pipelined_micro_batches_overlap_the_ranks() -> None:
+    links = {A: {B: link(0.0, None)}}
+    figures = {A: compute(0.010, 0.016), B: compute(0.010, 0.016)}
+    ranks = [RankShare(A, 6), RankShare(B, 6)]
+    plain = predict_speed(CARD, Sharding.Pipeline, ranks, figures, links, micro_batches=False)
+    piped = predict_speed(CARD, Sharding.Pipeline, ranks, figures, links, micro_batches=True)
+    assert plain is not None and piped is not None and plain.aggregate_tps and piped.aggregate_tps
+    one_rank = 8 / 0.016
+    assert plain.aggregate_tps == pytest.approx(8 / (0.016 + 2 * HOP_SOFTWARE_S))  # one rank computes at a time
+    # four rows per micro-batch (between the batch-1 and batch-8 figures), half the model per rank; a round is
+    # both micro-batches through the busier rank, or one micro-batch's trip round the ring if that is longer
+    four_rows = (0.010 + 0.006 * 3 / 7) / 2
+    assert piped.aggregate_tps == pytest.approx(8 / max(2 * four_rows, 2 * four_rows + 2 * HOP_SOFTWARE_S))
+    assert piped.aggregate_tps > 1.2 * one_rank
+
+
+def test_tensor_pays_two_all_reduces_per_layer_and_loses_to_pipeline_on_slow_links() -> None:
+    ranks = [RankShare(A, 12), RankShare(B, 12)]
+    figures = {A: compute(0.010), B: compute(0.010)}
+    fast = predict_speed(CARD, Sharding.Tensor, ranks, figures, {A: {B: link(0.02)}})
+    wifi = predict_speed(CARD, Sharding.Tensor, ranks, figures, {A: {B: link(2.0)}})
+    pipe = predict_speed(CARD, Sharding.Pipeline, [RankShare(A, 6), RankShare(B, 6)], figures, {A: {B: link(2.0)}})
+    assert fast is not None and wifi is not None and pipe is not None
+    assert wifi.decode_tps < fast.decode_tps and wifi.decode_tps < pipe.decode_tps
+    one_way = 0.001 + HOP_SOFTWARE_S + 768 * 4 / 2 * 8 / 1e9
+    assert 1 / wifi.decode_tps == pytest.approx(0.005 + 2 * 12 * 2 * one_way + 0.001 + HOP_SOFTWARE_S + 24 * 8 / 1e9,
+                                                rel=1e-6)
+
+
+def test_no_prediction_without_any_compute_or_with_an_unmeasured_link() -> None:
+    ranks = [RankShare(A, 6), RankShare(B, 6)]
+    assert predict_speed(CARD, Sharding.Pipeline, ranks, {}, {A: {B: link(0.1)}}) is None
+    assert predict_speed(CARD, Sharding.Pipeline, ranks, {A: compute(0.01)}, {A: {C: link(0.1)}}) is None
+    assert predict_speed(CARD, Sharding.Pipeline, [], {A: compute(0.01)}, {}) is None
+
+
+def test_the_link_as_either_end_measured_it() -> None:
+    ranks = [RankShare(A, 6), RankShare(B, 6)]
+    one = predict_speed(CARD, Sharding.Pipeline, ranks, {A: compute(0.01)}, {A: {B: link(1.0)}})
+    other = predict_speed(CARD, Sharding.Pipeline, ranks, {A: compute(0.01)}, {B: {A: link(1.0)}})
+    assert one is not None and other is not None and one.decode_tps == pytest.approx(other.decode_tps)
+
+
+def test_step_figures_between_and_beyond_the_measured_batches() -> None:
+    figures = DecodeCompute(step_s_per_gb={1: 1.0, 8: 2.4})
+    assert step_s_per_gb(figures, 1) == 1.0
+    assert step_s_per_gb(figures, 4) == pytest.approx(1.6)
+    assert step_s_per_gb(figures, 15) == pytest.approx(3.8)
+    assert step_s_per_gb(DecodeCompute(step_s_per_gb={1: 1.0}), 8) is None  # one batch alone says nothing of 8
+    assert step_s_per_gb(DecodeCompute(step_s_per_gb={4: 1.0}), 1) == 1.0
+    assert step_s_per_gb(DecodeCompute(), 1) is None
