@@ -18,7 +18,7 @@ tok/s for that placement (GET /instance/previews, read under that link before me
 
 Needs root (network namespaces, tc); without it, or where `ip netns add` fails, it says why and exits 0.
 Run: sudo .venv/bin/python bench/split.py [--models bench,smollm2] [--links lan10g,lan1g,wifi] [--tokens 48]
-     [--streams 3] [--cores 0,1]   (--cores: the core of each node; one rank per core)
+     [--streams 3] [--cores 0/1]   (--cores: each node's cores, taskset lists separated by '/')
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from skulk.testing.nodes import LocalNode
 from skulk.testing.waiting import wait_until
 
 SUBNET = "10.28.0"
-BRIDGE = "skbr28"
 PROMPT = "Write a short story about a fox who learns to split a model across two machines."
 STREAMS_AGGREGATE = 8
 
@@ -80,17 +79,18 @@ class Namespaces:
         self.addresses = [f"{SUBNET}.{10 + i}" for i in range(count)]
         self.ends: list[tuple[str, str | None]] = []  # (device, namespace or None for root)
         self.netem: str | None = None  # why netem is unusable, None when it works
+        self.bridge = f"skbr{self.tag}"
 
     def up(self) -> None:
-        sh("ip", "link", "add", BRIDGE, "type", "bridge")
-        sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
-        sh("ip", "link", "set", BRIDGE, "up")
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
+        sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", self.bridge)
+        sh("ip", "link", "set", self.bridge, "up")
         for i, (ns, address) in enumerate(zip(self.names, self.addresses, strict=True)):
             outside, inside = f"sk{self.tag}o{i}", f"sk{self.tag}i{i}"
             sh("ip", "netns", "add", ns)
             sh("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
             sh("ip", "link", "set", inside, "netns", ns)
-            sh("ip", "link", "set", outside, "master", BRIDGE)
+            sh("ip", "link", "set", outside, "master", self.bridge)
             sh("ip", "link", "set", outside, "up")
             sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", inside)
             sh("ip", "-n", ns, "link", "set", inside, "up")
@@ -114,7 +114,27 @@ class Namespaces:
     def down(self) -> None:
         for ns in self.names:
             sh("ip", "netns", "del", ns, check=False)
-        sh("ip", "link", "del", BRIDGE, check=False)
+        sh("ip", "link", "del", self.bridge, check=False)
+
+
+class Loopback(Namespaces):
+    """The fallback where namespaces are refused (--loopback-fallback): every node on 127.0.0.1, still each on
+    its own cores with one compute thread, links not shaped (the one profile is named `loopback`)."""
+
+    def __init__(self, count: int, why: str) -> None:
+        super().__init__(count)
+        self.names = [""] * count
+        self.addresses = ["127.0.0.1"] * count
+        self.netem = f"no namespaces ({why}): loopback, links not shaped"
+
+    def up(self) -> None:
+        pass
+
+    def shape(self, profile: LinkProfile) -> None:
+        pass
+
+    def down(self) -> None:
+        pass
 
 
 def namespaces_refused() -> str | None:
@@ -133,12 +153,13 @@ def namespaces_refused() -> str | None:
 
 
 @dataclass
-class NsNode(LocalNode):
+class SplitNode(LocalNode):
     """A node whose every process lives in one namespace, on one core, with one compute thread."""
 
     address: str = "127.0.0.1"
     netns: str = ""
-    core: int = 0
+    cores: str = "0"
+    """taskset's list: the node, its runner and the runner's one compute thread stay on these."""
 
     @property
     def url(self) -> str:
@@ -151,13 +172,15 @@ class NsNode(LocalNode):
     def command(self) -> list[str]:
         cmd = super().command()
         cmd[cmd.index("--api-host") + 1] = self.address
-        return ["ip", "netns", "exec", self.netns, "taskset", "-c", str(self.core), *cmd]
+        inside = ["ip", "netns", "exec", self.netns] if self.netns else []
+        return [*inside, "taskset", "-c", self.cores, *cmd]
 
 
 NODE_ENV = {
     "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
     "CUDA_VISIBLE_DEVICES": "",  # the CPU engine on every rank, also on a machine with a GPU
     "NO_PROXY": "*", "no_proxy": "*",
+    "SKULK_LINK_BANDWIDTH_SECONDS": "3",  # a changed link's bandwidth is read again within seconds, not 30
 }
 
 
@@ -209,7 +232,7 @@ async def measure(url: str, model: str, tokens: int, streams: int) -> tuple[floa
     return decode, ttft, aggregate
 
 
-def place(api: NsNode, members: list[NsNode], everyone: list[NsNode], model: str, quant: str | None,
+def place(api: SplitNode, members: list[SplitNode], everyone: list[SplitNode], model: str, quant: str | None,
           sharding: str) -> tuple[str, set[str]]:
     body: dict[str, Any] = {"model_id": model, "sharding": sharding, "min_nodes": len(members), "engine": "torch",
                             "excluded_nodes": [n.node_id for n in everyone if n not in members]}
@@ -233,7 +256,7 @@ def place(api: NsNode, members: list[NsNode], everyone: list[NsNode], model: str
     return instance_id, runners
 
 
-def delete(api: NsNode, instance_id: str, runners: set[str]) -> None:
+def delete(api: SplitNode, instance_id: str, runners: set[str]) -> None:
     with api.client(timeout=60) as client:
         client.delete(f"/instance/{instance_id}").raise_for_status()
 
@@ -244,23 +267,17 @@ def delete(api: NsNode, instance_id: str, runners: set[str]) -> None:
     wait_until(gone, 120, "the instance and its runners to go", poll=0.2)
 
 
-def links_settled(api: NsNode, nodes: list[NsNode], profile: LinkProfile, since: float) -> bool:
-    """Every node has measured every peer since the link changed (rtt within reach of the profile's)."""
+def links_settled(api: SplitNode, nodes: list[SplitNode], after: float) -> bool:
+    """Every node has reported every peer's link from samples taken after `after` (unix time)."""
     state = state_of(api)
     if state is None:
         return False
-    for node in nodes:
-        links = state.get("nodeLinks", {}).get(node.node_id, {})
-        for peer in nodes:
-            if peer is node:
-                continue
-            link = links.get(peer.node_id)
-            if link is None or link.get("measuredAtS", 0) < since:
-                return False
-    return True
+    reported = state.get("nodeLinks", {})
+    return all((reported.get(a.node_id, {}).get(b.node_id) or {}).get("measuredAtS", 0) > after
+               for a in nodes for b in nodes if a is not b)
 
 
-def predictions(api: NsNode, model: str, quant: str | None, members: list[NsNode], sharding: str
+def predictions(api: SplitNode, model: str, quant: str | None, members: list[SplitNode], sharding: str
                 ) -> tuple[float | None, float | None]:
     params: dict[str, Any] = {"model_id": model, "sharding": sharding, **({"quantization": quant} if quant else {})}
     with api.client(timeout=60) as client:
@@ -273,30 +290,44 @@ def predictions(api: NsNode, model: str, quant: str | None, members: list[NsNode
     return None, None
 
 
-def shape_and_settle(ns: Namespaces, nodes: list[NsNode], profile: LinkProfile) -> None:
+PLACEMENTS = (("1 rank", 1, "Pipeline"), ("Pipeline 2", 2, "Pipeline"), ("Tensor 2", 2, "Tensor"))
+
+
+def shape_and_predict(ns: Namespaces, nodes: list[SplitNode], key: str, profile: LinkProfile
+                      ) -> dict[str, tuple[float | None, float | None]]:
+    """Shape the links, wait until both nodes reported links measured since (a bandwidth read included: they
+    read every 3 s here), and read every placement's prediction, before any of them is measured."""
+    model, quant = MODELS[key]
     ns.shape(profile)
-    since = time.time()
-    wait_until(lambda: links_settled(nodes[0], nodes, profile, since + 0.5), 120,
-               f"link measurements under {profile.name}", poll=0.5)
+    after = time.time() + 7
+    wait_until(lambda: links_settled(nodes[0], nodes, after), 120, f"link measurements under {profile.name}",
+               poll=0.5)
+    return {label: predictions(nodes[0], model, quant, nodes[:count], sharding)
+            for label, count, sharding in PLACEMENTS}
 
 
-def run_model(ns: Namespaces, nodes: list[NsNode], key: str, profiles: list[LinkProfile], tokens: int,
+def run_model(ns: Namespaces, nodes: list[SplitNode], key: str, profiles: list[LinkProfile], tokens: int,
               streams: int) -> list[Row]:
+    """One rank first (its requests teach node 0 its compute; the predictions are read under each link while
+    it is placed), then Pipeline 2 and Tensor 2, each measured under every link."""
     model, quant = MODELS[key]
     api, rows = nodes[0], []
-    for label, members, sharding in (("1 rank", nodes[:1], "Pipeline"), ("Pipeline 2", nodes, "Pipeline"),
-                                     ("Tensor 2", nodes, "Tensor")):
-        instance_id, runners = place(api, members, nodes, model, quant, sharding)
+    predicted: dict[str, dict[str, tuple[float | None, float | None]]] = {}
+    for label, count, sharding in PLACEMENTS:
+        instance_id, runners = place(api, nodes[:count], nodes, model, quant, sharding)
         try:
-            if label == "1 rank":  # served requests teach the node its compute before anything is predicted
-                asyncio.run(measure(api.url, model, tokens, 1))
+            if count == 1:
+                asyncio.run(measure(api.url, model, tokens, 2))  # served steps: node 0 learns its compute
             for profile in profiles:
-                shape_and_settle(ns, nodes, profile)
-                predicted = predictions(api, model, quant, members, sharding)
+                if count == 1:
+                    predicted[profile.name] = shape_and_predict(ns, nodes, key, profile)
+                else:
+                    ns.shape(profile)
                 decode, ttft, aggregate = asyncio.run(measure(api.url, model, tokens, streams))
-                rows.append(Row(key, profile.name, label, decode, ttft, aggregate, predicted))
+                guess = predicted[profile.name][label]
+                rows.append(Row(key, profile.name, label, decode, ttft, aggregate, guess))
                 print(f"  {key:8} {profile.name:7} {label:10} decode {decode:7.1f}  ttft {ttft:7.1f} ms  "
-                      f"8-stream {aggregate:7.1f}  predicted {predicted}", flush=True)
+                      f"8-stream {aggregate:7.1f}  predicted {guess}", flush=True)
         finally:
             delete(api, instance_id, runners)
     return rows
@@ -322,18 +353,24 @@ def print_table(rows: list[Row]) -> None:
               f"{r.aggregate:7.1f} {ratio(r.aggregate, one.aggregate):>5} {fmt(pa):>6} {ratio(pa, r.aggregate):>5}")
 
 
-def start_nodes(ns: Namespaces, root: Path, cores: list[int]) -> list[NsNode]:
+def start_nodes(ns: Namespaces, root: Path, cores: list[str]) -> list[SplitNode]:
     cluster = f"split{uuid.uuid4().hex[:6]}"
     env = {**NODE_ENV, "SKULK_MODEL_CACHE": str(shared_cache())}
-    nodes: list[NsNode] = []
+    nodes: list[SplitNode] = []
     for i, (name, address) in enumerate(zip(ns.names, ns.addresses, strict=True)):
-        node = NsNode(home=root / f"node{i}", cluster=cluster, peers=[n.endpoint for n in nodes], extra_env=env,
-                      address=address, netns=name, core=cores[i])
+        node = SplitNode(home=root / f"node{i}", cluster=cluster, peers=[n.endpoint for n in nodes], extra_env=env,
+                      address=address, netns=name, cores=cores[i])
         nodes.append(node.start())
     for node in nodes:
         node.wait_ready(120)
     wait_until(lambda: formed(nodes), 120, "the nodes to form one cluster", poll=0.2)
     return nodes
+
+
+def shaping_of(ns: Namespaces) -> str:
+    if isinstance(ns, Loopback):
+        return str(ns.netem)
+    return "netem delay+rate" if ns.netem is None else f"tbf rate only (latency NOT shaped; netem: {ns.netem})"
 
 
 def main() -> None:
@@ -342,22 +379,27 @@ def main() -> None:
     parser.add_argument("--links", default="lan10g,lan1g,wifi")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--streams", type=int, default=3)
-    parser.add_argument("--cores", default="0,1", help="one core per node (two nodes)")
+    parser.add_argument("--cores", default="0/1",
+                        help="each node's cores as taskset lists, '/' between nodes: 0/1, or 2-3/4-5 to give each "
+                             "node process a core beside its runner's one compute thread")
+    parser.add_argument("--loopback-fallback", action="store_true",
+                        help="where namespaces are refused, still measure: nodes on loopback, each on its cores")
     args = parser.parse_args()
     refused = namespaces_refused()
-    if refused is not None:
+    if refused is not None and not (args.loopback_fallback and shutil.which("taskset")):
         print(f"bench/split.py: {refused}; nothing measured.")
         return
-    cores = [int(c) for c in args.cores.split(",")]
+    cores = args.cores.split("/")
     profiles = [PROFILES[name] for name in args.links.split(",")]
-    ns = Namespaces(2)
-    nodes: list[NsNode] = []
+    ns = Namespaces(2) if refused is None else Loopback(2, refused)
+    if refused is not None:
+        profiles = [LinkProfile("loopback", 0.0, "-", 0)]
+    nodes: list[SplitNode] = []
     rows: list[Row] = []
     try:
         ns.up()
         ns.shape(profiles[0])
-        print(f"links: {'netem' if ns.netem is None else 'tbf rate only, latency NOT shaped: netem ' + ns.netem}",
-              flush=True)
+        print(f"links: {shaping_of(ns)}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             nodes = start_nodes(ns, Path(tmp), cores)
             try:
@@ -370,9 +412,8 @@ def main() -> None:
                     node.reap_leftovers()
     finally:
         ns.down()
-    shaping = "netem delay+rate" if ns.netem is None else f"tbf rate only (latency NOT shaped; netem: {ns.netem})"
     print(f"\n{args.tokens} tokens, median of {args.streams} single streams, {STREAMS_AGGREGATE}-stream aggregate; "
-          f"one core and one thread per node (cores {cores}); links: {shaping}")
+          f"one compute thread per node (cores {cores}); links: {shaping_of(ns)}")
     print_table(rows)
 
 

@@ -126,6 +126,8 @@ class Settings(BaseModel):
     """A runner whose heartbeat thread is silent this long is declared hung, killed and restarted."""
     rejoin_wait_seconds: float = Field(default=10.0, ge=0)
     """After a pause (a laptop lid), how long a node waits to hear its old peers before it may elect itself."""
+    link_bandwidth_seconds: float = Field(default=30.0, gt=0)
+    """How often a node reads each peer's bandwidth (512 KiB; the round trip is sampled every second anyway)."""
     fault: str | None = None
     """SKULK_FAULT: make a runner stall, raise or crash on purpose (runner/fault.py). For testing only."""
     flight_recorder: str | None = None

@@ -148,7 +148,7 @@ class Node:
             settings=settings, node_id=node_id, transport=transport, store=store,
             desired=DesiredStateFile(settings.home), event_log=event_log, local=local, payloads=payloads,
             tracing=tracing, membership=membership, elector=elector, files=files, requests=requests,
-            peers=PeerBook(node_id), api_port=settings.api_port,
+            peers=PeerBook(node_id), api_port=settings.api_port, links=LinkMeter(settings.link_bandwidth_seconds),
             follower=EventFollower(transport, next_idx=0, on_event=lambda e: _record(event_log, store, e),
                                    on_snapshot=store.replace),
             worker=_worker(settings, node_id, local, requests, files, tracing, transport),

@@ -9,6 +9,7 @@ errors in any test; a failing test leaves a screenshot in its temporary director
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -192,6 +193,9 @@ def test_cluster_page_shows_every_node_and_the_master_on_desktop_phone_and_keybo
     sync_api.expect(master_card.get_by_role("meter", name="memory")).to_be_visible()
     sync_api.expect(page.locator("[data-testid=topology] .vertex")).to_have_count(2)
     sync_api.expect(page.locator("[data-testid=topology] .edge")).to_have_count(1)
+    # the edge carries what the nodes measured of their link: round trip and bandwidth
+    sync_api.expect(page.get_by_test_id("link-label")).to_have_count(1)
+    sync_api.expect(page.get_by_test_id("link-label")).to_contain_text(re.compile(r"\d ms · [\d.]+ [MG]b/s"))
 
     page.set_viewport_size({"width": 390, "height": 844})
     sync_api.expect(cards).to_have_count(2)
@@ -249,6 +253,25 @@ def test_a_model_placed_from_the_previews_becomes_healthy(scenario: Scenario, da
     sync_api.expect(row).to_have_attribute("data-status", "healthy", timeout=90_000)
     assert scenario.meta_serving(node), "the API agrees: the MetaInstance's instance serves"
     sync_api.expect(row.locator(".badge")).to_have_text("healthy")
+    dash.assert_clean()
+
+
+def test_previews_show_the_predicted_speed_and_warn_of_a_slower_split(scenario: Scenario, dash: Dash) -> None:
+    node = scenario.nodes[0]
+    wait_until(lambda: scenario.meta_serving(node) is not None, 90, "the MetaInstance to serve")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "max_tokens": 16, "temperature": 0}
+
+    def learned() -> bool:  # served steps teach the serving node its decode speed
+        httpx.post(node.url + "/v1/chat/completions", json=body, timeout=60, trust_env=False).raise_for_status()
+        return bool(get(node, "/state").get("nodeCompute"))
+
+    wait_until(learned, 90, "a node to learn its decode speed")
+    page = dash.open(node, "/placing")
+    single = page.locator('[data-testid=preview][data-ok=true][data-nodes="1"]').first
+    sync_api.expect(single.get_by_test_id("prediction")).to_contain_text(re.compile(r"Predicted [\d.]+ tok/s"))
+    split = page.locator('[data-testid=preview][data-ok=true][data-nodes="2"]').first
+    # two nodes of one machine: the split only adds hops, and the card says it is slower than one node
+    sync_api.expect(split.get_by_test_id("prediction-warning")).to_contain_text("slower than fewer nodes")
     dash.assert_clean()
 
 

@@ -107,3 +107,12 @@ def test_node_info_carries_links_and_compute_into_state_and_a_lost_node_takes_th
     state = apply(state, event(2, NodeTimedOut(node_id=B)))
     assert state.node_links == {A: {}}
     assert state.node_compute == {A: compute}
+
+
+def test_a_step_that_started_a_request_is_not_a_decode_step() -> None:
+    learner, runner = ComputeLearner(), RunnerId("r")
+    learner.on_step(runner, 1, GB, 0.0)
+    learner.on_step(runner, 1, GB, 0.300, decode_only=False)  # the next request's first token: idle + prefill
+    learner.on_step(runner, 1, GB, 0.320)
+    figures = learner.snapshot()
+    assert figures is not None and figures.step_s_per_gb == {1: pytest.approx(0.020)}

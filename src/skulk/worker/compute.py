@@ -1,8 +1,9 @@
 """This node's decode speed, learned from the steps its single-rank runners serve.
 
 A runner sends one Tokens message per engine step, holding a token for every stream that step advanced. Two
-messages in a row from one single-rank runner with the same token count, close together, time one decode step
-at that batch; divided by the model's weight gigabytes it becomes seconds per step per GB, which predicts the
+messages in a row from one single-rank runner with the same token count, close together, none of the second's
+tokens a request's first (that step ran a prefill too, or followed an idle wait), time one decode step at that
+batch; divided by the model's weight gigabytes it becomes seconds per step per GB, which predicts the
 same node's step on any share of any model (master/speed.py). Steps of multi-rank runners are left out: their
 time holds the links as well as this node's compute.
 
@@ -43,11 +44,14 @@ class ComputeLearner:
     _samples: dict[int, deque[float]] = field(default_factory=dict)
     _steps: int = 0
 
-    def on_step(self, runner: RunnerId, tokens: int, model_bytes: int, now: float) -> None:
-        """One Tokens message of a single-rank runner with `tokens` stream tokens in it, arrived at `now`."""
+    def on_step(self, runner: RunnerId, tokens: int, model_bytes: int, now: float, *, decode_only: bool = True
+                ) -> None:
+        """One Tokens message of a single-rank runner with `tokens` stream tokens in it, arrived at `now`.
+        `decode_only`: no token in it is a request's first, so no prefill (or idle wait before one) was part of
+        the step."""
         last = self._last.get(runner)
         self._last[runner] = _Last(now, tokens)
-        if last is None or tokens < 1 or last.count != tokens or model_bytes <= 0:
+        if last is None or tokens < 1 or last.count != tokens or model_bytes <= 0 or not decode_only:
             return
         gap = now - last.at
         if 0 < gap <= MAX_STEP_GAP_S:

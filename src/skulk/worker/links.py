@@ -20,6 +20,7 @@ from skulk.types.links import RTT_FLOOR_MS, LinkMeasurement
 RTT_SAMPLES = 8
 """Round-trip samples the median is taken over: one slow reply (a GC pause, a busy loop) does not move it."""
 BANDWIDTH_EVERY_S = 30.0
+"""The default of Settings.link_bandwidth_seconds."""
 BANDWIDTH_BYTES = 512 * 1024
 REPORT_CHANGE = 0.2
 """A link figure that moved by more than this fraction is worth a node-info event before the heartbeat."""
@@ -28,7 +29,8 @@ REPORT_CHANGE = 0.2
 class LinkMeter:
     """The samples this node took of its links, by peer."""
 
-    def __init__(self) -> None:
+    def __init__(self, bandwidth_every_s: float = BANDWIDTH_EVERY_S) -> None:
+        self.bandwidth_every_s = bandwidth_every_s
         self._rtt: dict[NodeId, deque[float]] = {}
         self._bandwidth: dict[NodeId, float] = {}
         self._bandwidth_at: dict[NodeId, float] = {}
@@ -58,7 +60,7 @@ class LinkMeter:
                 del table[peer]
 
     def bandwidth_due(self, peer: NodeId, now: float) -> bool:
-        return now - self._bandwidth_at.get(peer, 0.0) >= BANDWIDTH_EVERY_S
+        return now - self._bandwidth_at.get(peer, 0.0) >= self.bandwidth_every_s
 
     def median_rtt_s(self, peer: NodeId) -> float | None:
         samples = self._rtt.get(peer)

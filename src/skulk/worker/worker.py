@@ -274,8 +274,9 @@ class Worker:
 
         def on_chunks(chunks: Sequence[Chunk]) -> None:
             if learn_bytes:  # one Tokens message per engine step: a clock read and a count, not per token
-                tokens = sum(isinstance(c, TokenChunk) for c in chunks)
-                self.compute.on_step(runner_id, tokens, learn_bytes, time.perf_counter())
+                tokens = [c for c in chunks if isinstance(c, TokenChunk)]
+                self.compute.on_step(runner_id, len(tokens), learn_bytes, time.perf_counter(),
+                                     decode_only=all(c.completion_tokens > 1 for c in tokens))
             for chunk in chunks:
                 self.publish(chunk)
 

@@ -84,6 +84,19 @@ function GoneCard({ node }) {
   </article>`;
 }
 
+// "0.42 ms · 940 Mb/s": the link's measured round trip and bandwidth (state.nodeLinks, as either end measured
+// it; the slower reading of the two when both did).
+export function linkLabel(state, a, b) {
+  const links = state.nodeLinks || {};
+  const seen = [(links[a] || {})[b], (links[b] || {})[a]].filter(Boolean);
+  if (!seen.length) return '';
+  const rtt = Math.max(...seen.map((l) => l.rttMs));
+  const rates = seen.map((l) => l.bandwidthMbps).filter((v) => v != null);
+  const rate = rates.length ? Math.min(...rates) : null;
+  const mbps = rate == null ? '' : rate >= 1000 ? ` · ${(rate / 1000).toFixed(1)} Gb/s` : ` · ${Math.round(rate)} Mb/s`;
+  return `${rtt < 1 ? rtt.toFixed(2) : rtt.toFixed(1)} ms${mbps}`;
+}
+
 // Nodes on a circle, one line per linked pair (dashed when only one direction answers), the master ringed.
 export function Topology({ state, gone }) {
   const nodes = [...((state.topology || {}).nodes || [])].sort();
@@ -102,11 +115,19 @@ export function Topology({ state, gone }) {
     links.set(key, { from: conn.source, a: conn.source, b: conn.sink, both: both || (links.get(key) || {}).both });
   }
   const goneIds = new Set(gone.map((g) => g.id));
+  const drawn = [...links.values()].filter((l) => pos.has(l.a) && pos.has(l.b));
   return html`<svg class="topology" viewBox=${`0 0 ${size} ${size}`} role="img" data-testid="topology"
       aria-label=${`topology: ${nodes.length} nodes, ${links.size} links`}>
-    ${[...links.values()].filter((l) => pos.has(l.a) && pos.has(l.b)).map((l) => html`<line
+    ${drawn.map((l) => html`<line
       class=${l.both ? 'edge' : 'edge one-way'} x1=${pos.get(l.a)[0]} y1=${pos.get(l.a)[1]}
       x2=${pos.get(l.b)[0]} y2=${pos.get(l.b)[1]} />`)}
+    ${drawn.map((l) => {
+      const label = linkLabel(state, l.a, l.b);
+      const [x1, y1] = pos.get(l.a);
+      const [x2, y2] = pos.get(l.b);
+      return label && html`<text class="edge-label" data-testid="link-label" x=${(x1 + x2) / 2} y=${(y1 + y2) / 2 - 6}
+        text-anchor="middle">${label}<title>${`measured round trip and bandwidth between ${nodeName(state, l.a)} and ${nodeName(state, l.b)}`}</title></text>`;
+    })}
     ${all.map((id) => {
       const [x, y] = pos.get(id);
       const cls = goneIds.has(id) ? 'vertex gone' : state.masterNodeId === id ? 'vertex master' : 'vertex';
@@ -130,7 +151,8 @@ export function ClusterPage({ state, gone }) {
     <//>
     <${Section} id="topology-title" title="Topology">
       <${Topology} state=${state} gone=${gone} />
-      <p class="muted small">A line joins two nodes whose APIs reach each other (dashed: one direction only).
-        Placement builds rings from these links.</p>
+      <p class="muted small">A line joins two nodes whose APIs reach each other (dashed: one direction only),
+        labelled with the round trip and bandwidth the nodes measured. Placement builds rings from these links,
+        and its previews predict tok/s from them.</p>
     <//>`;
 }

@@ -44,7 +44,9 @@ export function normalizePreview(p, state) {
     }).sort((a, b) => a.deviceRank - b.deviceRank);
     const over = error && error.message.match(/over (\d+) node/);
     return { sharding: p.sharding, instanceMeta: p.instance_meta, nodeIds: nodes.map((n) => n.nodeId),
-      size: nodes.length || (over ? +over[1] : 0), nodes, error, instance: p.instance };
+      size: nodes.length || (over ? +over[1] : 0), nodes, error, instance: p.instance,
+      predicted: { decode: p.predicted_decode_tps, aggregate: p.predicted_aggregate_tps, batch: p.predicted_batch,
+        warning: p.predicted_warning } };
   }
   const nodes = (p.nodes || []).map((n) => ({ ...n, needed: bytesOf(n.needed), free: bytesOf(n.free) }));
   return { sharding: p.sharding, instanceMeta: p.instanceMeta, nodeIds: p.nodeIds || [],
@@ -64,6 +66,21 @@ export function Refusal({ state, refusal }) {
   </div>`;
 }
 
+// What the preview predicts (master/speed.py), and a warning when the split is slower than fewer nodes.
+function Prediction({ predicted }) {
+  const p = predicted || {};
+  if (p.decode == null) {
+    return html`<p class="muted small" data-testid="prediction">Speed not predicted yet: no node has served a
+      request, or a link of this ring is not measured.</p>`;
+  }
+  const many = p.aggregate == null ? '' : ` · ${p.aggregate.toFixed(1)} tok/s over ${p.batch} streams`;
+  return html`<div data-testid="prediction">
+    <p class="small">Predicted <strong>${p.decode.toFixed(1)} tok/s</strong> one stream${many}</p>
+    ${p.warning && html`<p class="small" data-testid="prediction-warning"><${Badge} kind="warn">slower split<//>${' '}
+      ${p.warning}</p>`}
+  </div>`;
+}
+
 function PreviewCard({ state, preview, onLaunch, busy }) {
   const size = preview.size;
   return html`<li class="card preview" data-testid="preview" data-ok=${preview.error ? 'false' : 'true'}
@@ -73,6 +90,7 @@ function PreviewCard({ state, preview, onLaunch, busy }) {
       ${preview.error ? html`<${Badge} kind="error">does not fit<//>` : html`<${Badge} kind="ok">fits<//>`}
     </header>
     ${preview.error ? html`<${Refusal} state=${state} refusal=${preview.error} />` : html`
+      <${Prediction} predicted=${preview.predicted} />
       ${preview.nodes.map((n) => {
         const total = bytesOf(((state.nodeMemory || {})[n.nodeId] || {}).ramTotal) || n.free;
         return html`<div class="preview-node">
