@@ -115,3 +115,15 @@ def test_ollama_embed(node: LocalNode) -> None:
     with node.client() as http:
         listed = {m["id"]: m for m in http.get("/models").json()["data"]}
     assert listed[EMBED]["tasks"] == ["TextEmbedding"] and listed[CHAT]["tasks"] == ["TextGeneration"]
+
+
+def test_ollama_legacy_embeddings(node: LocalNode) -> None:
+    import ollama
+
+    client = ollama.Client(host=f"{node.url}/ollama", timeout=60)
+    legacy = client.embeddings(model=EMBED, prompt="The quick brown fox")
+    current = client.embed(model=EMBED, input="The quick brown fox")
+    assert len(legacy.embedding) == 384 and np.allclose(legacy.embedding, current.embeddings[0], atol=1e-5)
+    with pytest.raises(ollama.ResponseError, match="cannot embed") as chat_model:
+        client.embeddings(model=CHAT, prompt="x")
+    assert chat_model.value.status_code == 400

@@ -143,7 +143,7 @@ MALFORMED: list[tuple[str, object, int, str]] = [
     ("max_tokens as text", chat_body(max_tokens="many"), 422, "max_tokens"),
     ("missing model", {"messages": [{"role": "user", "content": "x"}]}, 422, "model"),
     ("only empty contents", chat_body(messages=[{"role": "user", "content": ""}]), 422, "content"),
-    ("unknown model", chat_body(model="nobody/nothing"), 404, "No instance found for model nobody/nothing"),
+    ("unknown model", chat_body(model="nobody/nothing"), 404, "model nobody/nothing is not known"),
     ("prompt beyond context", chat_body(messages=[{"role": "user", "content": "x" * 5000}]), 400, "context"),
 ]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from skulk.api.model_facts import not_served
 from skulk.api.model_kinds import refuse_embedding_model
 from skulk.api.requests import FIRST_CHUNK_TIMEOUT_S, NEXT_CHUNK_TIMEOUT_S, Silent, WrongKind, stream_error
 from skulk.api.security import OWNERS
@@ -76,7 +77,7 @@ def require_instance(node: ApiServices, model: str) -> None:
     state = node.state
     instances = [i for i in state.instances.values() if i.model_id == model]
     if not instances:
-        raise ApiError(ErrorCode.model_not_found, f"No instance found for model {model}")
+        raise ApiError(ErrorCode.model_not_found, not_served(node, model))
     failed = [(i.instance_id, failed_for_good(state, i.instance_id)) for i in instances]
     if all(why is not None for _, why in failed):
         instance_id, why = failed[0]

@@ -25,7 +25,7 @@ from skulk.api.chat_options import (
 )
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
-from skulk.api.errors import claude_error, claude_error_body
+from skulk.api.errors import claude_error, claude_error_body, text_only_error
 from skulk.api.generation import GenerationFailed, collect, deltas
 from skulk.api.openapi import Family, documented
 from skulk.api.services import ApiServices
@@ -52,6 +52,8 @@ async def parse_body(http: Request, model: type[M]) -> M:
     try:
         return model.model_validate_json(await http.body())
     except ValidationError as exc:
+        if (text_only := text_only_error(exc.errors())) is not None:
+            raise text_only from exc
         unreadable = [e["msg"].removeprefix("Invalid JSON: ") for e in exc.errors() if e["type"] == "json_invalid"]
         if unreadable:
             hint = SURROGATE_HINT if "hex escape" in unreadable[0] or "surrogate" in unreadable[0] else ""
@@ -76,6 +78,8 @@ def _chat_tool_choice(body: ClaudeRequest) -> Literal["auto", "none", "required"
 
 def to_chat_request(body: ClaudeRequest) -> ChatCompletionRequest:
     """The chat request; a forced tool choice (any, tool) is asked for in the prompt and checked on the reply."""
+    if (why := body.unsupported()) is not None:
+        raise ApiError(ErrorCode.unsupported_field, why)
     chat = ChatCompletionRequest(
         model=body.model, messages=body.chat_messages(), max_tokens=body.max_tokens, temperature=body.temperature,
         top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop_sequences or None, stream=body.stream,
@@ -108,23 +112,46 @@ def _message(msg_id: str, model: str, content: list[dict[str, Any]], stop: str |
             "stop_reason": stop, "stop_sequence": None, "usage": usage}
 
 
+class _TextBlock:
+    """The text block of a streamed message, opened at its first piece of text: a reply that is only tool calls
+    has no empty text block before its tool_use blocks (Anthropic's own streams have none)."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def piece(self, text: str) -> list[str]:
+        head = [] if self.open else [_sse("content_block_start", {"index": 0,
+                                                                   "content_block": {"type": "text", "text": ""}})]
+        self.open = True
+        return [*head, _sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})]
+
+    def close(self, calls: list[ToolCall]) -> list[str]:
+        """The block's stop, opening an empty one first only for a reply with neither text nor calls."""
+        if not self.open and calls:
+            return []
+        head = [] if self.open else [_sse("content_block_start", {"index": 0,
+                                                                   "content_block": {"type": "text", "text": ""}})]
+        self.open = True
+        return [*head, _sse("content_block_stop", {"index": 0})]
+
+
 async def _events(
     session: ChatSession, model: str, family: str | None, forced: str | None = None
 ) -> AsyncIterator[str]:
-    """message_start, content_block_start, ping, content_block_delta..., content_block_stop, (a tool_use block per
-    call), message_delta, message_stop: the order Anthropic's SDKs expect."""
+    """message_start, ping, then a text block (content_block_start, content_block_delta..., content_block_stop)
+    when there is text, a tool_use block per call, message_delta, message_stop: the order Anthropic's SDKs expect."""
     msg_id = f"msg_{session.command_id}"
     usage = {"input_tokens": session.first.prompt_tokens, "output_tokens": 0}
     yield _sse("message_start", {"message": _message(msg_id, model, [], None, usage)})
-    yield _sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     yield _sse("ping", {})
     stop = "end_turn"
     held = ToolCallStream(family, hold_all=forced is not None) if family is not None else None
+    block = _TextBlock()
     try:
         async for chunk in deltas(session):
             text = held.push(chunk.text) if held is not None else chunk.text
-            if text:
-                yield _sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+            for event in block.piece(text) if text else []:
+                yield event
             if chunk.finish_reason is not None:
                 usage["output_tokens"] = chunk.completion_tokens
                 stop = STOP_REASONS.get(chunk.finish_reason, "end_turn")
@@ -136,12 +163,12 @@ async def _events(
     if unmet is not None:
         yield _sse("error", {"error": claude_error_body(UNMET_STATUS, unmet)["error"]})
         return
-    if tail:
-        yield _sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": tail}})
-    yield _sse("content_block_stop", {"index": 0})
-    for index, block in enumerate(tool_use_blocks(calls), start=1):
-        yield _sse("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
-        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+    for event in [*(block.piece(tail) if tail else []), *block.close(calls)]:
+        yield event
+    first = 1 if block.open else 0
+    for index, tool in enumerate(tool_use_blocks(calls), start=first):
+        yield _sse("content_block_start", {"index": index, "content_block": {**tool, "input": {}}})
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(tool["input"])}
         yield _sse("content_block_delta", {"index": index, "delta": delta})
         yield _sse("content_block_stop", {"index": index})
     stop = "tool_use" if calls else stop

@@ -34,7 +34,7 @@ from skulk.cluster.dataplane import ChunkStream
 from skulk.types.answers import EmbeddingList
 from skulk.types.chunks import EmbeddingChunk, ErrorChunk, TokenChunk
 from skulk.types.commands import StartEmbedding
-from skulk.types.embeddings import EmbeddingRequest, OllamaEmbedRequest
+from skulk.types.embeddings import EmbeddingRequest, OllamaEmbedRequest, OllamaLegacyEmbedRequest
 from skulk.types.errors import ApiError, ErrorCode, error_body
 from skulk.types.ids import CommandId, ModelId, new_id
 from skulk.types.tasks import EmbeddingTaskParams
@@ -116,6 +116,22 @@ async def _ollama(node: ApiServices, body: OllamaEmbedRequest) -> Response:
     return JSONResponse({"model": body.model, "embeddings": done.vectors.tolist(),
                          "total_duration": int(done.seconds * 1e9), "load_duration": 0,
                          "prompt_eval_count": done.prompt_tokens})
+
+
+async def _ollama_legacy(node: ApiServices, body: OllamaLegacyEmbedRequest) -> Response:
+    embedding_card(node, body.model)
+    done = await embed(node, body.model, [body.prompt], truncate=True)
+    return JSONResponse({"embedding": done.vectors[0].tolist()})
+
+
+async def legacy_embedding_for_ollama(node: ApiServices, http: Request) -> Response:
+    """Ollama's legacy /api/embeddings: `{"model", "prompt"}` in, `{"embedding": [...]}` out (Skulk's vectors are
+    the same unit-length ones /api/embed returns)."""
+    try:
+        body = await parse_body(http, OllamaLegacyEmbedRequest)
+        return await unless_disconnected(http, _ollama_legacy(node, body))
+    except ApiError as exc:
+        return JSONResponse({"error": exc.message}, status_code=exc.status)
 
 
 async def embed_for_ollama(node: ApiServices, http: Request) -> Response:

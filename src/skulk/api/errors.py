@@ -4,6 +4,7 @@ route, Claude's and Ollama's for theirs. The codes and their statuses live in sk
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -13,10 +14,10 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from skulk.types.errors import VALIDATION_STATUS, ApiError, ErrorCode, error_body, kind_for
-from skulk.types.limits import INVALID_UNICODE
+from skulk.types.limits import INVALID_UNICODE, TEXT_ONLY
 
 __all__ = ["ApiError", "ErrorCode", "claude_error", "claude_error_body", "error_body", "install_error_handlers",
-           "ollama_error", "openai_error"]
+           "ollama_error", "openai_error", "text_only_error"]
 
 log = logging.getLogger("skulk.api")
 
@@ -53,6 +54,16 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def text_only_error(errors: Sequence[Any]) -> ApiError | None:
+    """One 400 for a content part a text model cannot read (an image, audio, a file), with its place in the body,
+    where pydantic would list every other shape the part failed to be."""
+    for err in errors:
+        if err.get("type") == TEXT_ONLY:
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and "[" not in str(p))  # no unions
+            return ApiError(ErrorCode.text_only, f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -60,6 +71,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        if (text_only := text_only_error(exc.errors())) is not None:
+            return openai_error(text_only)
         if any(err.get("type") == INVALID_UNICODE for err in exc.errors()):  # not a range: the bytes are bad
             return openai_error(ApiError(ErrorCode.invalid_unicode, _validation_message(exc)))
         return openai_error(ApiError(ErrorCode.invalid_request, _validation_message(exc), status=VALIDATION_STATUS))
@@ -74,6 +87,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid_inside(_: Request, exc: ValidationError) -> JSONResponse:
         """A route that builds a model from the request (one API's body translated into another's) and finds it
         invalid: the client's fault, a 422 naming the field, not a 500."""
+        if (text_only := text_only_error(exc.errors())) is not None:
+            return openai_error(text_only)
         parts = [f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()]
         return openai_error(ApiError(ErrorCode.invalid_request, "; ".join(parts) or "invalid request",
                                      status=VALIDATION_STATUS))

@@ -51,21 +51,7 @@ def models_router(node: ApiServices) -> APIRouter:
 
     @router.post("/models/add", response_model=None, responses=documented(CatalogEntry, 400, 401, 404, 502))
     async def add_model(body: AddModelRequest) -> dict[str, Any]:
-        known = get_card(valid_model_id(body.model_id))
-        if known is None:
-            hub = Hub(node.settings.model_store.download.hf_endpoint, node.settings.hf_token)
-            local = files.store_dir(body.model_id) if files is not None else None
-            try:
-                known = await asyncio.to_thread(build_card, hub, body.model_id, local)
-            except HubError as exc:
-                raise ApiError(exc.code, exc.message, status=exc.status) from exc
-            except UnsupportedArchitecture as exc:
-                raise ApiError(ErrorCode.unsupported_architecture, str(exc)) from exc
-            except Exception as exc:
-                raise ApiError(ErrorCode.hub_unreachable,
-                               f"the model hub could not be reached for {body.model_id}: {exc}") from exc
-            add_custom_card(node.settings.home / "cards", known)
-            node.send_command(AddModelCard(command_id=CommandId(new_id()), card=known))
+        known = await known_card(node, body.model_id)
         return list_entry(known, created=0, where=_where(files, known))
 
     @router.post("/models/import", response_model=None, responses=documented(CatalogEntry, 400, 409))
@@ -90,6 +76,27 @@ def models_router(node: ApiServices) -> APIRouter:
         return list_entry(card, created=0, where=_where(files, card))
 
     return router
+
+
+async def known_card(node: ApiServices, model_id: str) -> ModelCard:
+    """The catalog's card for a model, or one built from its config (this node's store copy, else the hub) and
+    added to the catalog of every node. ApiError for a hub that refuses or a model the engine cannot run."""
+    known = get_card(valid_model_id(model_id))
+    if known is not None:
+        return known
+    files = node.files
+    hub = Hub(node.settings.model_store.download.hf_endpoint, node.settings.hf_token)
+    try:
+        known = await asyncio.to_thread(build_card, hub, model_id, files.store_dir(model_id))
+    except HubError as exc:
+        raise ApiError(exc.code, exc.message, status=exc.status) from exc
+    except UnsupportedArchitecture as exc:
+        raise ApiError(ErrorCode.unsupported_architecture, str(exc)) from exc
+    except Exception as exc:
+        raise ApiError(ErrorCode.hub_unreachable, f"the model hub could not be reached for {model_id}: {exc}") from exc
+    add_custom_card(node.settings.home / "cards", known)
+    node.send_command(AddModelCard(command_id=CommandId(new_id()), card=known))
+    return known
 
 
 def build_card(hub: Hub, model_id: str, local: Path | None) -> ModelCard:

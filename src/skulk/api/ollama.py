@@ -1,5 +1,6 @@
 """Ollama's API under /ollama, as Skulk mounts it: /api/chat and /api/generate (NDJSON or one JSON object),
-/api/tags, /api/show, /api/ps, /api/version, /api/embed (api/embeddings.py). Errors are Ollama's
+/api/tags, /api/show, /api/ps, /api/version, /api/embed and the legacy /api/embeddings (api/embeddings.py),
+/api/pull (api/ollama_pull.py). Errors are Ollama's
 `{"error": "..."}` with the HTTP status."""
 
 from __future__ import annotations
@@ -18,14 +19,24 @@ from skulk.api.chat_options import tool_family
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.claude import parse_body
 from skulk.api.disconnect import unless_disconnected
-from skulk.api.embeddings import embed_for_ollama
+from skulk.api.embeddings import embed_for_ollama, legacy_embedding_for_ollama
 from skulk.api.errors import ollama_error
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
+from skulk.api.model_facts import digest, modified, parameter_count, parameter_size, rfc3339
+from skulk.api.ollama_pull import OllamaPullRequest, pull
 from skulk.api.openapi import Family, documented
 from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.models.cards import all_cards, get_card
-from skulk.types.answers import OllamaEmbeddings, OllamaReply, OllamaShow, OllamaTags, OllamaVersion
+from skulk.types.answers import (
+    OllamaEmbeddings,
+    OllamaLegacyEmbedding,
+    OllamaPullStatus,
+    OllamaReply,
+    OllamaShow,
+    OllamaTags,
+    OllamaVersion,
+)
 from skulk.types.chat import ChatCompletionRequest, ResponseFormat, ToolCall
 from skulk.types.chunks import RequestStats, TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode
@@ -45,6 +56,8 @@ def _now() -> str:
 
 
 def to_chat_request(body: Body, stream: bool) -> ChatCompletionRequest:
+    if (why := body.unsupported()) is not None:
+        raise ApiError(ErrorCode.unsupported_field, why)
     o = body.options
     tools = body.tools if isinstance(body, OllamaChatRequest) else None
     return ChatCompletionRequest(
@@ -90,10 +103,14 @@ def _generate_shape(text: str) -> dict[str, Any]:
 
 
 def _timings(stats: RequestStats | None, prompt: int, generated: int, total_ns: int) -> dict[str, Any]:
-    """Ollama's counts and nanosecond durations, from the runner's measurements where it sent them."""
+    """Ollama's counts and nanosecond durations, from the runner's measurements where it sent them. The model is
+    loaded before any request (load 0), and the parts never add up to more than the request's own wall time
+    (`total_ns`, from before the request was sent): a rate measured on the runner is cut to what it can be."""
     g = stats.generation if stats is not None else None
     prompt_ns = int(prompt / g.prompt_tps * 1e9) if g and g.prompt_tps > 0 else 0
     eval_ns = int((generated - 1) / g.generation_tps * 1e9) if g and g.generation_tps > 0 else 0
+    prompt_ns = min(prompt_ns, total_ns)
+    eval_ns = min(eval_ns, total_ns - prompt_ns)
     return {"total_duration": total_ns, "load_duration": 0, "prompt_eval_count": prompt,
             "prompt_eval_duration": prompt_ns, "eval_count": generated, "eval_duration": eval_ns}
 
@@ -113,34 +130,44 @@ def _logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
     return [e.model_dump(mode="json") for e in entries]
 
 
-async def _ndjson(session: ChatSession, model: str, shape: Shape, family: str | None) -> AsyncIterator[str]:
-    started = time.monotonic()
+def _line(fields: dict[str, Any]) -> str:
+    return json.dumps(fields, separators=(",", ":")) + "\n"
+
+
+async def _ndjson(session: ChatSession, model: str, shape: Shape, family: str | None, started: float
+                  ) -> AsyncIterator[str]:
+    """One line per piece of text, then the `done` line, which carries no text of its own (as Ollama's: a client
+    that appends every line's content must not see the last piece twice) but the tool calls and the counts."""
     held = ToolCallStream(family) if family is not None else None
     try:
         async for chunk in deltas(session):
             text = held.push(chunk.text) if held is not None else chunk.text
             logprobs = [chunk.logprobs] if chunk.logprobs is not None else []
-            if chunk.finish_reason is None:
-                if text or logprobs:
-                    line = {"model": model, "created_at": _now(), **shape(text), "done": False}
-                    if logprobs:
-                        line["logprobs"] = _logprobs(logprobs)
-                    yield json.dumps(line, separators=(",", ":")) + "\n"
-                continue
-            tail, calls = held.finish(session.command_id) if held is not None else ("", [])
-            done = Finished(text + (tail if not calls else ""), chunk.finish_reason, chunk.prompt_tokens,
-                            chunk.completion_tokens, chunk.stats, started, logprobs)
-            yield json.dumps(_final(model, shape, done, calls), separators=(",", ":")) + "\n"
+            calls: list[ToolCall] = []
+            if chunk.finish_reason is not None and held is not None:
+                tail, calls = held.finish(session.command_id)
+                text += tail if not calls else ""
+            if text or logprobs:
+                line = {"model": model, "created_at": _now(), **shape(text), "done": False}
+                if logprobs:
+                    line["logprobs"] = _logprobs(logprobs)
+                yield _line(line)
+            if chunk.finish_reason is not None:
+                done = Finished("", chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens, chunk.stats,
+                                started)
+                yield _line(_final(model, shape, done, calls))
     except GenerationFailed as failed:
         yield json.dumps({"error": failed.chunk.message}) + "\n"
 
 
 async def _complete(node: ApiServices, body: Body, shape: Shape) -> JSONResponse:
+    started = time.monotonic()
     chat = to_chat_request(body, False)
     session = await start_chat(node, chat)
     family = tool_family(node, chat)
     try:
         done = await collect(session)
+        done.started = started
         calls: list[ToolCall] = []
         if family is not None:
             done.text, calls = parse_tool_calls(family, done.text, session.command_id)
@@ -154,22 +181,25 @@ async def _generate(node: ApiServices, http: Request, kind: type[Body], shape: S
         body = await parse_body(http, kind)
         if not body.stream:
             return await unless_disconnected(http, _complete(node, body, shape))
+        started = time.monotonic()
         chat = to_chat_request(body, True)
         session = await start_chat(node, chat)
     except ApiError as exc:
         return ollama_error(exc)
-    return StreamingResponse(_ndjson(session, body.model, shape, tool_family(node, chat)),
+    return StreamingResponse(_ndjson(session, body.model, shape, tool_family(node, chat), started),
                              media_type="application/x-ndjson")
 
 
-def _details(card: ModelCard) -> dict[str, Any]:
-    return {"format": "safetensors", "family": card.family, "families": [card.family], "parameter_size": "",
+def _details(node: ApiServices, card: ModelCard) -> dict[str, Any]:
+    return {"parent_model": "", "format": "safetensors", "family": card.family,
+            "families": [card.family], "parameter_size": parameter_size(parameter_count(node, card)),
             "quantization_level": card.quantization}
 
 
-def _tag(card: ModelCard) -> dict[str, Any]:
-    return {"name": card.model_id, "model": card.model_id, "modified_at": _now(), "size": card.storage_size.in_bytes,
-            "digest": "", "details": _details(card)}
+def _tag(node: ApiServices, card: ModelCard) -> dict[str, Any]:
+    return {"name": card.model_id, "model": card.model_id, "modified_at": rfc3339(modified(node, card)),
+            "size": card.storage_size.in_bytes, "digest": digest(card).removeprefix("sha256:"),
+            "details": _details(node, card)}
 
 
 def _available(node: ApiServices) -> list[ModelCard]:
@@ -199,9 +229,23 @@ def ollama_router(node: ApiServices) -> APIRouter:
     async def embed(http: Request) -> Response:
         return await embed_for_ollama(node, http)
 
+    @router.post("/api/embeddings", response_model=None,
+                 responses=documented(OllamaLegacyEmbedding, 400, 404, 422, 500, 503, 504, family=Family.ollama))
+    async def embeddings(http: Request) -> Response:
+        return await legacy_embedding_for_ollama(node, http)
+
+    @router.post("/api/pull", response_model=None,
+                 responses=documented(OllamaPullStatus, 400, 404, 422, 502, 503, 507, family=Family.ollama,
+                                      stream="ndjson"))
+    async def pull_route(http: Request) -> Response:
+        try:
+            return await pull(node, await parse_body(http, OllamaPullRequest))
+        except ApiError as exc:
+            return ollama_error(exc)
+
     @router.get("/api/tags", response_model=None, responses=documented(OllamaTags))
     async def tags() -> dict[str, Any]:
-        return {"models": [_tag(card) for card in _available(node)]}
+        return {"models": [_tag(node, card) for card in _available(node)]}
 
     @router.post("/api/show", response_model=None,
                  responses=documented(OllamaShow, 400, 404, 422, family=Family.ollama))
@@ -218,18 +262,18 @@ def ollama_router(node: ApiServices) -> APIRouter:
                                f"model '{name}' not found; GET /ollama/api/tags lists the models")
         except ApiError as exc:
             return ollama_error(exc)
-        info = {"general.architecture": card.family, "general.parameter_count": 0,
+        info = {"general.architecture": card.family, "general.parameter_count": parameter_count(node, card),
                 f"{card.family}.context_length": card.context_length, f"{card.family}.block_count": card.n_layers,
                 f"{card.family}.embedding_length": card.hidden_size}
         return JSONResponse({"modelfile": f"FROM {card.model_id}", "parameters": "", "template": "{{ .Prompt }}",
-                             "details": _details(card), "model_info": info,
+                             "details": _details(node, card), "model_info": info,
                              "capabilities": ["embedding"] if card.embeds else ["completion"],
-                             "modified_at": _now()})
+                             "modified_at": rfc3339(modified(node, card))})
 
     @router.get("/api/ps", response_model=None, responses=documented(OllamaTags))
     async def ps() -> dict[str, Any]:
         placed = {i.model_id for i in node.state.instances.values()}
-        return {"models": [{**_tag(c), "expires_at": NEVER, "size_vram": 0} for c in _available(node)
+        return {"models": [{**_tag(node, c), "expires_at": NEVER, "size_vram": 0} for c in _available(node)
                            if c.model_id in placed]}
 
     @router.get("/api/version", response_model=None, responses=documented(OllamaVersion))

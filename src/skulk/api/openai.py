@@ -21,15 +21,17 @@ from skulk.api.chat_options import (
 )
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
+from skulk.api.errors import claude_error, openai_error
 from skulk.api.generation import GenerationFailed, collect, deltas
+from skulk.api.model_facts import modified, not_served, rfc3339, served_cards
 from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, openai_tool_calls, parse_tool_calls
-from skulk.models.cards import all_cards
-from skulk.types.answers import ChatCompletionAnswer, OpenAIModel, OpenAIModelList
+from skulk.types.answers import ChatCompletionAnswer, ClaudeModel, ClaudeModelList, OpenAIModel, OpenAIModelList
 from skulk.types.chat import ChatCompletionRequest
 from skulk.types.chunks import RequestStats, TokenChunk, TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode, error_body
+from skulk.types.models import ModelCard
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -168,6 +170,21 @@ async def _complete(
     )
 
 
+def _is_anthropic(http: Request) -> bool:
+    return "anthropic-version" in http.headers
+
+
+def _openai_model(node: ApiServices, card: ModelCard) -> dict[str, Any]:
+    return {"id": card.model_id, "object": "model", "created": int(modified(node, card).timestamp()),
+            "owned_by": card.model_id.split("/")[0]}
+
+
+def _claude_model(node: ApiServices, card: ModelCard) -> dict[str, Any]:
+    """Anthropic's model object: `created_at` is when this node's copy of the files was written."""
+    return {"type": "model", "id": card.model_id, "display_name": card.model_id.rpartition("/")[2],
+            "created_at": rfc3339(modified(node, card))}
+
+
 def openai_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["openai"])
 
@@ -194,31 +211,24 @@ def openai_router(node: ApiServices) -> APIRouter:
     async def _start_and_complete(body: ChatCompletionRequest, family: str | None, bench: bool = False) -> JSONResponse:
         return await _complete(await start_chat(node, body), body, family, bench=bench)
 
-    @router.get("/v1/models", response_model=None, responses=documented(OpenAIModelList))
-    async def list_models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": card.model_id,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": card.model_id.split("/")[0],
-                }
-                for card in all_cards()
-            ],
-        }
+    @router.get("/v1/models", response_model=None, responses=documented(OpenAIModelList | ClaudeModelList))
+    async def list_models(http: Request) -> dict[str, Any]:
+        """The models being served (placed instances): what a client can call. The catalog, placed or not, is
+        GET /models. Anthropic's SDKs (which send `anthropic-version`) get Anthropic's list shape."""
+        cards = served_cards(node)
+        if _is_anthropic(http):
+            data = [_claude_model(node, card) for card in cards]
+            return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                    "last_id": data[-1]["id"] if data else None}
+        return {"object": "list", "data": [_openai_model(node, card) for card in cards]}
 
-    @router.get("/v1/models/{model_id:path}", response_model=None, responses=documented(OpenAIModel, 404))
-    async def get_model(model_id: str) -> dict[str, Any]:
-        for card in all_cards():
-            if card.model_id == model_id:
-                return {
-                    "id": card.model_id,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": model_id.split("/")[0],
-                }
-        raise ApiError(ErrorCode.model_not_found, f"model {model_id} is not known; GET /v1/models lists the known ones")
+    @router.get("/v1/models/{model_id:path}", response_model=None,
+                responses=documented(OpenAIModel | ClaudeModel, 404))
+    async def get_model(model_id: str, http: Request) -> Response | dict[str, Any]:
+        card = next((c for c in served_cards(node) if c.model_id == model_id), None)
+        if card is None:
+            error = ApiError(ErrorCode.model_not_found, not_served(node, model_id))
+            return claude_error(error) if _is_anthropic(http) else openai_error(error)
+        return _claude_model(node, card) if _is_anthropic(http) else _openai_model(node, card)
 
     return router

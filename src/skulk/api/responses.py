@@ -16,9 +16,10 @@ from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
 from skulk.api.openapi import documented
+from skulk.api.response_store import ResponseStore
 from skulk.api.responses_api import respond, start_response_stream
 from skulk.api.services import ApiServices
-from skulk.types.answers import ResponseAnswer, TextCompletionAnswer
+from skulk.types.answers import ResponseAnswer, ResponseDeleted, TextCompletionAnswer
 from skulk.types.chat import ChatCompletionRequest, ChatMessage
 from skulk.types.chunks import TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode, error_body
@@ -101,12 +102,13 @@ async def _collect_or_raise(session: ChatSession) -> Finished:
         raise ApiError(failed.chunk.code, failed.chunk.message, status=max(failed.chunk.status, 500)) from failed
 
 
-async def _response(node: ApiServices, body: ResponsesRequest) -> JSONResponse:
-    return JSONResponse(await respond(node, body))
+async def _response(node: ApiServices, body: ResponsesRequest, store: ResponseStore) -> JSONResponse:
+    return JSONResponse(await respond(node, body, store))
 
 
 def responses_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["openai"])
+    store = ResponseStore()
 
     @router.post("/v1/completions", response_model=None,
                  responses=documented(TextCompletionAnswer, 400, 404, 422, 500, 503, 504, stream="sse"))
@@ -121,8 +123,19 @@ def responses_router(node: ApiServices) -> APIRouter:
                  responses=documented(ResponseAnswer, 400, 404, 422, 500, 503, 504, stream="sse"))
     async def responses(body: ResponsesRequest, http: Request) -> Response:
         if not body.stream:
-            return await unless_disconnected(http, _response(node, body))
-        return StreamingResponse(await start_response_stream(node, body), media_type="text/event-stream",
+            return await unless_disconnected(http, _response(node, body, store))
+        return StreamingResponse(await start_response_stream(node, body, store), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
+
+    @router.get("/v1/responses/{response_id}", response_model=None, responses=documented(ResponseAnswer, 404))
+    async def retrieve(response_id: str) -> Response:
+        """A stored response, as it was answered (api/response_store.py says which are kept, and how long)."""
+        return Response(store.require(response_id).response, media_type="application/json")
+
+    @router.delete("/v1/responses/{response_id}", response_model=None, responses=documented(ResponseDeleted, 404))
+    async def delete(response_id: str) -> dict[str, Any]:
+        store.require(response_id)
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     return router

@@ -23,9 +23,10 @@ from skulk.api.chat_options import (
 )
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
+from skulk.api.response_store import ResponseStore
 from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
-from skulk.types.chat import ChatCompletionRequest, Tool, ToolCall
+from skulk.types.chat import ChatCompletionRequest, ChatMessage, Tool, ToolCall
 from skulk.types.chunks import TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.responses import FunctionTool, ResponsesRequest
@@ -42,12 +43,16 @@ def function_tools(body: ResponsesRequest) -> list[Tool] | None:
     return tools or None
 
 
-def responses_to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+def responses_to_chat(body: ResponsesRequest, history: list[ChatMessage] | None = None) -> ChatCompletionRequest:
+    """The chat request: instructions, the earlier turns of `previous_response_id` (`history`), the input."""
+    if (why := body.unsupported()) is not None:
+        raise ApiError(ErrorCode.unsupported_field, why)
     request = ChatCompletionRequest(
-        model=body.model, messages=body.chat_messages(), max_tokens=body.max_output_tokens,
+        model=body.model, messages=body.chat_messages(history), max_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, stream=body.stream, tools=function_tools(body),
         tool_choice=body.chat_tool_choice(), logprobs=body.wants_logprobs(),
         top_logprobs=(body.top_logprobs or 0) if body.wants_logprobs() else None,
+        response_format=body.text.format.to_chat() if body.text is not None else None,
     )
     check_supported(request)
     return prepared(request)
@@ -62,8 +67,10 @@ def _part(text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
 class ResponseBuilder:
     """One response object as it grows: ids, output items, status and usage."""
 
-    def __init__(self, session: ChatSession, body: ResponsesRequest, family: str | None, forced: str | None) -> None:
+    def __init__(self, session: ChatSession, body: ResponsesRequest, family: str | None, forced: str | None,
+                 history: list[ChatMessage] | None = None) -> None:
         self.id = f"resp_{session.command_id}"
+        self.history = history or []
         self.command_id = session.command_id
         self.item_id = f"msg_{session.command_id}"
         self.body, self.family, self.forced = body, family, forced
@@ -79,11 +86,21 @@ class ResponseBuilder:
                 "name": call.function.name,
                 "arguments": call.function.arguments if arguments is None else arguments, "status": status}
 
-    def items(self, text: str, calls: list[ToolCall], logprobs: list[TokenLogprob] | None = None
-              ) -> list[dict[str, Any]]:
-        """The finished output: the message (left out when the reply is only calls), then one item per call."""
-        message = [self.message(text, "completed", logprobs)] if text or not calls else []
+    def items(self, text: str, calls: list[ToolCall], logprobs: list[TokenLogprob] | None = None,
+              status: str = "completed") -> list[dict[str, Any]]:
+        """The finished output: the message (left out when the reply is only calls), then one item per call. The
+        message is `incomplete` when the response is (cut by max_output_tokens)."""
+        message = [self.message(text, status, logprobs)] if text or not calls else []
         return [*message, *(self.call(i, c, "completed") for i, c in enumerate(calls))]
+
+    def conversation(self, text: str, calls: list[ToolCall]) -> list[ChatMessage]:
+        """What a later previous_response_id continues: the earlier turns, this input and this output."""
+        reply = ChatMessage(role="assistant", content=text, tool_calls=calls or None)
+        return [*self.history, *self.body.input_messages(), reply]
+
+    def keep(self, store: ResponseStore, response: dict[str, Any], text: str, calls: list[ToolCall]) -> None:
+        if self.body.store:
+            store.put(self.id, json.dumps(response), self.conversation(text, calls))
 
     def obj(self, status: str, done: Finished | None = None, items: list[dict[str, Any]] | None = None
             ) -> dict[str, Any]:
@@ -100,8 +117,9 @@ class ResponseBuilder:
                 "status": "incomplete" if incomplete else status, "incomplete_details": incomplete, "error": None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
                 "temperature": b.temperature, "top_p": b.top_p, "tools": b.tools or [], "tool_choice": choice,
-                "parallel_tool_calls": True, "text": {"format": {"type": "text"}}, "output": items or [],
-                "usage": usage}
+                "parallel_tool_calls": True, "output": items or [], "usage": usage,
+                "text": {"format": b.text.format.echo() if b.text is not None else {"type": "text"}},
+                "previous_response_id": b.previous_response_id, "store": b.store, "metadata": b.metadata or {}}
 
     def event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
@@ -116,12 +134,12 @@ class ResponseBuilder:
         return [self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress")),
                 self.event("response.content_part.added", **self.where(), part=_part("", None))]
 
-    def close_message(self, text: str, logprobs: list[TokenLogprob]) -> list[str]:
+    def close_message(self, text: str, logprobs: list[TokenLogprob], status: str) -> list[str]:
         part = _part(text, logprobs)
         return [self.event("response.output_text.done", **self.where(), text=text, logprobs=part["logprobs"]),
                 self.event("response.content_part.done", **self.where(), part=part),
                 self.event("response.output_item.done", output_index=0,
-                           item=self.message(text, "completed", logprobs))]
+                           item=self.message(text, status, logprobs))]
 
     def delta(self, text: str, logprobs: list[TokenLogprob]) -> str:
         return self.event("response.output_text.delta", **self.where(), delta=text,
@@ -138,7 +156,11 @@ class ResponseBuilder:
                            item=self.call(index, call, "completed"))]
 
 
-async def response_events(session: ChatSession, r: ResponseBuilder) -> AsyncIterator[str]:
+def _status(done: Finished) -> str:
+    return "incomplete" if done.finish_reason == "length" else "completed"
+
+
+async def response_events(session: ChatSession, r: ResponseBuilder, store: ResponseStore) -> AsyncIterator[str]:
     yield r.event("response.created", response=r.obj("in_progress"))
     yield r.event("response.in_progress", response=r.obj("in_progress"))
     held = ToolCallStream(r.family, hold_all=r.forced is not None) if r.family is not None else None
@@ -177,19 +199,30 @@ async def response_events(session: ChatSession, r: ResponseBuilder) -> AsyncIter
         yield r.delta(tail, logprobs[sent:])
     text = "".join(parts)
     message = opened or not calls
-    closing = [*([] if opened else r.open_message()), *r.close_message(text, logprobs)] if message else []
+    closing = [*([] if opened else r.open_message()), *r.close_message(text, logprobs, _status(done))] \
+        if message else []
     for e in closing:
         yield e
     for i, call in enumerate(calls):
         for e in r.call_events(i + int(message), i, call):
             yield e
-    yield r.event("response.completed", response=r.obj("completed", done, r.items(text, calls, logprobs)))
+    response = r.obj("completed", done, r.items(text, calls, logprobs, _status(done)))
+    r.keep(store, response, text, calls)
+    yield r.event("response.incomplete" if response["status"] == "incomplete" else "response.completed",
+                  response=response)
 
 
-async def respond(node: ApiServices, body: ResponsesRequest) -> dict[str, Any]:
-    chat = responses_to_chat(body)
+def _history(body: ResponsesRequest, store: ResponseStore) -> list[ChatMessage]:
+    if body.previous_response_id is None:
+        return []
+    return list(store.require(body.previous_response_id, param="previous_response_id").conversation)
+
+
+async def respond(node: ApiServices, body: ResponsesRequest, store: ResponseStore) -> dict[str, Any]:
+    history = _history(body, store)
+    chat = responses_to_chat(body, history)
     session = await start_chat(node, chat)
-    r = ResponseBuilder(session, body, tool_family(node, chat), forced_tool(chat))
+    r = ResponseBuilder(session, body, tool_family(node, chat), forced_tool(chat), history)
     try:
         done = await collect(session)
     except GenerationFailed as failed:
@@ -200,11 +233,16 @@ async def respond(node: ApiServices, body: ResponsesRequest) -> dict[str, Any]:
     unmet = unmet_tool_choice(r.forced, calls)
     if unmet is not None:
         raise ApiError(ErrorCode.tool_choice_unmet, unmet)
-    return r.obj("completed", done, r.items(text, calls, done.logprobs))
+    response = r.obj("completed", done, r.items(text, calls, done.logprobs, _status(done)))
+    r.keep(store, response, text, calls)
+    return response
 
 
-async def start_response_stream(node: ApiServices, body: ResponsesRequest) -> AsyncIterator[str]:
+async def start_response_stream(node: ApiServices, body: ResponsesRequest, store: ResponseStore
+                                ) -> AsyncIterator[str]:
     """Starts the request (errors before the first token raise ApiError) and returns its event stream."""
-    chat = responses_to_chat(body)
+    history = _history(body, store)
+    chat = responses_to_chat(body, history)
     session = await start_chat(node, chat)
-    return response_events(session, ResponseBuilder(session, body, tool_family(node, chat), forced_tool(chat)))
+    builder = ResponseBuilder(session, body, tool_family(node, chat), forced_tool(chat), history)
+    return response_events(session, builder, store)

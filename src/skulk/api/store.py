@@ -97,7 +97,7 @@ def store_router(node: ApiServices) -> APIRouter:
                  responses=documented(DownloadStarted, 400, 401, 404, 502, 503, 507, status=202))
     async def start_download(model_id: str) -> dict[str, Any] | JSONResponse:
         valid_model_id(model_id)
-        if (forwarded := await _at_store_host(node, "POST", f"/store/models/{model_id}/download")) is not None:
+        if (forwarded := await at_store_host(node, "POST", f"/store/models/{model_id}/download")) is not None:
             return forwarded
         try:
             await asyncio.to_thread(preflight, files.hub, model_id, files.store_dir(model_id))
@@ -116,7 +116,7 @@ def store_router(node: ApiServices) -> APIRouter:
                 responses=documented(DownloadState, 400, 404, 503))
     async def download_status(model_id: str) -> dict[str, Any] | JSONResponse:
         valid_model_id(model_id)
-        if (forwarded := await _at_store_host(node, "GET", f"/store/models/{model_id}/download/status")) is not None:
+        if (forwarded := await at_store_host(node, "GET", f"/store/models/{model_id}/download/status")) is not None:
             return forwarded
         progress = files.progress.get(ModelId(model_id))
         if progress is None:
@@ -162,7 +162,7 @@ def store_router(node: ApiServices) -> APIRouter:
     return router
 
 
-async def _at_store_host(node: ApiServices, method: str, path: str) -> JSONResponse | None:
+async def at_store_host(node: ApiServices, method: str, path: str) -> JSONResponse | None:
     """With a store host configured, downloads fill the store: a node that is not the store host asks it (None:
     this node is the store, or there is none)."""
     store = node.settings.model_store

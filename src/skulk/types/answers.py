@@ -116,6 +116,24 @@ class OpenAIModelList(_Answer):
     data: list[OpenAIModel]
 
 
+class ClaudeModel(_Answer):
+    """Anthropic's model object (GET /v1/models/{id} with an `anthropic-version` header)."""
+
+    type: Literal["model"]
+    id: str
+    display_name: str
+    created_at: str
+
+
+class ClaudeModelList(_Answer):
+    """Anthropic's list of models (GET /v1/models with an `anthropic-version` header)."""
+
+    data: list[ClaudeModel]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
 class RunnerCancel(_Answer):
     """POST /v1/diagnostics/node/runners/{runner_id}/cancel."""
 
@@ -371,3 +389,26 @@ class OllamaEmbeddings(_Answer):
 
     model: str
     embeddings: list[list[float]]
+
+
+class OllamaLegacyEmbedding(_Answer):
+    """POST /ollama/api/embeddings (Ollama's legacy route)."""
+
+    embedding: list[float]
+
+
+class OllamaPullStatus(_Answer):
+    """POST /ollama/api/pull: one progress object (a line of the stream, or the whole answer without streaming)."""
+
+    status: str
+    digest: str | None = None
+    total: int | None = None
+    completed: int | None = None
+
+
+class ResponseDeleted(_Answer):
+    """DELETE /v1/responses/{id}."""
+
+    id: str
+    object: Literal["response"]
+    deleted: bool

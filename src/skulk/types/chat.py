@@ -19,7 +19,7 @@ from pydantic import (
 )
 
 from .base import CamelModel
-from .limits import MAX_MESSAGES, MAX_TOKENS_LIMIT, ContentText, ModelText, NameText, StopText
+from .limits import MAX_MESSAGES, MAX_TOKENS_LIMIT, ContentText, ModelText, NameText, StopText, refuse_media
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SEED_MAX = 2**64 - 1
@@ -124,6 +124,11 @@ class ChatMessage(BaseModel):
     name: NameText | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
     tool_call_id: str | None = Field(default=None, max_length=256)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        return refuse_media(content, frozenset({"text"}))
 
     @property
     def text(self) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from skulk.types.limits import ModelText
+from skulk.types.limits import ModelText, refuse_media
 
 from .chat import ChatMessage, FunctionCall, FunctionSpec, MaxTokens, Seed, Temperature, Tool, ToolCall, TopK, TopP
 
@@ -28,11 +28,20 @@ class ToolUseBlock(_Block):
     input: dict[str, Any] = {}
 
 
+TEXT_BLOCKS = frozenset({"text", "tool_use", "tool_result"})
+
+
+def _text_only(content: Any) -> Any:
+    return refuse_media(content, TEXT_BLOCKS)
+
+
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
     is_error: bool = False
+
+    _media = field_validator("content", mode="before")(_text_only)
 
 
 def _block_type(value: Any) -> str:
@@ -49,6 +58,8 @@ Block = Annotated[
 class ClaudeMessage(_Block):
     role: Literal["user", "assistant"]
     content: str | list[Block]
+
+    _media = field_validator("content", mode="before")(_text_only)
 
     def to_chat(self) -> list[ChatMessage]:
         """Text blocks join into one message with the turn's tool uses as its tool calls; each tool result becomes
@@ -73,6 +84,8 @@ class ClaudeMessage(_Block):
 
 
 class ClaudeTool(_Block):
+    type: str | None = None
+    """None or "custom": a tool the client runs. Anthropic's server tools (web_search_…, bash_…) are refused."""
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     input_schema: dict[str, Any] = {}
@@ -86,8 +99,15 @@ class ClaudeToolChoice(_Block):
     name: str | None = None
 
 
+class ClaudeThinking(_Block):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
 class ClaudeRequest(BaseModel):
-    """The body of POST /v1/messages. Unknown fields (metadata, thinking, ...) are accepted and ignored."""
+    """The body of POST /v1/messages. `metadata` (a user id for Anthropic's abuse checks) is accepted and unused;
+    what would change the answer and is not served (`thinking`, server tools, MCP servers, containers) is refused
+    by `unsupported` with a 400 rather than silently ignored."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     model: ModelText
@@ -102,6 +122,24 @@ class ClaudeRequest(BaseModel):
     seed: Seed | None = None
     tools: list[ClaudeTool] | None = Field(default=None, max_length=128)
     tool_choice: ClaudeToolChoice | None = None
+    thinking: ClaudeThinking | None = None
+    mcp_servers: list[Any] | None = None
+    container: Any = None
+
+    def unsupported(self) -> str | None:
+        """Why a field this request sets is not served (None: every field it sets is)."""
+        if self.thinking is not None and self.thinking.type != "disabled":
+            return ("thinking: extended thinking is not supported (Skulk's models return no thinking blocks); "
+                    'leave thinking out or send {"type": "disabled"}')
+        for i, tool in enumerate(self.tools or []):
+            if tool.type not in (None, "custom"):
+                return (f"tools.{i}: {tool.type!r} is one of Anthropic's server tools, which Skulk does not run; "
+                        "send custom tools (name, description, input_schema) only")
+        if self.mcp_servers:
+            return "mcp_servers: MCP connectors are not supported; leave mcp_servers out"
+        if self.container is not None:
+            return "container: code execution containers are not supported; leave container out"
+        return None
 
     def chat_messages(self) -> list[ChatMessage]:
         system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])

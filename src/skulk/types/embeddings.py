@@ -65,3 +65,12 @@ class OllamaEmbedRequest(BaseModel):
 
     def inputs(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class OllamaLegacyEmbedRequest(BaseModel):
+    """Ollama's legacy `/api/embeddings`: one `prompt`, answered as one `embedding` (what older clients and
+    `ollama.Client.embeddings` send)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    model: ModelText
+    prompt: Annotated[ContentText, Field(min_length=1)]

@@ -34,6 +34,10 @@ class ErrorCode(StrEnum):
     no_safetensors = "no_safetensors"
     invalid_model_file = "invalid_model_file"
     invalid_node_id = "invalid_node_id"
+    text_only = "text_only"
+    """An image, audio or file content part: every model Skulk serves takes text only."""
+    unsupported_field = "unsupported_field"
+    """A request field Skulk does not honour (Claude's `thinking`, Responses' `background`): refused, not ignored."""
     # 401 / 403: who is asking
     missing_api_key = "missing_api_key"
     invalid_api_key = "invalid_api_key"
@@ -51,6 +55,7 @@ class ErrorCode(StrEnum):
     runner_not_found = "runner_not_found"
     trace_not_found = "trace_not_found"
     model_not_in_store = "model_not_in_store"
+    response_not_found = "response_not_found"
     file_not_in_store = "file_not_in_store"
     event_log_disabled = "event_log_disabled"
     # 405 .. 422: the request meets the state of things
@@ -140,13 +145,13 @@ HTTP_STATUS: dict[ErrorCode, int] = {}
 for _status, _codes in {
     400: "invalid_request invalid_unicode invalid_path invalid_task_id invalid_model_id invalid_quantization "
          "unsupported_architecture model_not_chat model_not_embedding context_length_exceeded restart_required "
-         "host_not_allowed no_config no_safetensors invalid_model_file invalid_node_id "
+         "host_not_allowed no_config no_safetensors invalid_model_file invalid_node_id text_only unsupported_field "
          "InsufficientMemory NoConnectedCycle AllCandidatesExcluded TensorNotSupported "
          "InstanceKindUnsupported EngineUnavailable NotEnoughLayers SingleNodeOnly",
     401: "missing_api_key invalid_api_key missing_internal_token invalid_internal_token gated_model",
     403: "forbidden origin_not_allowed admin_key_required",
     404: "not_found model_not_found instance_not_found node_not_found runner_not_found trace_not_found "
-         "model_not_in_store file_not_in_store event_log_disabled",
+         "model_not_in_store response_not_found file_not_in_store event_log_disabled",
     405: "method_not_allowed",
     408: "request_timeout",
     409: "conflict config_unreadable model_exists",

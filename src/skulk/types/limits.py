@@ -11,9 +11,10 @@ accepts) is refused by pydantic itself for every `str` field with the error type
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field
+from pydantic_core import PydanticCustomError
 
 MAX_MESSAGES = 2048
 MAX_CONTENT_CHARS = 4 * 1024 * 1024  # one message's text; the body limit (8 MiB by default) is the outer bound
@@ -28,3 +29,30 @@ ContentText = Annotated[str, Field(max_length=MAX_CONTENT_CHARS)]
 NameText = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 ModelText = Annotated[str, Field(min_length=1, max_length=MAX_MODEL_CHARS)]
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+MEDIA_PREFIXES = ("image", "input_image", "input_audio", "audio", "input_file", "file", "document", "video")
+TEXT_ONLY = "text_only"
+"""The error type of a content part a text model cannot read (an image, audio, a file): every API answers it with
+one 400 that says so, in its own error shape, instead of the union's list of what else the part could have been."""
+
+
+def refuse_media(content: Any, text_kinds: frozenset[str]) -> Any:
+    """A `mode="before"` validator for a content list: any part whose `type` is not one of `text_kinds` (an
+    `image_url`, `input_image`, `image`, `input_audio`, `file`, ...) raises TEXT_ONLY before the union is tried."""
+    if isinstance(content, list):
+        for index, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in text_kinds and kind.startswith(MEDIA_PREFIXES):
+                raise PydanticCustomError(
+                    TEXT_ONLY,
+                    "this model takes text only: content part {index} is of type '{kind}'; send text parts only",
+                    {"index": index, "kind": kind})
+    return content
+
+
+
+def refuse_images(images: Any) -> Any:
+    """Ollama's `images` (base64 pictures beside the text): refused with TEXT_ONLY when any is sent."""
+    if images:
+        raise PydanticCustomError(TEXT_ONLY, "this model takes text only: images cannot be read; send text only")
+    return images

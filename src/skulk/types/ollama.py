@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from skulk.types.limits import ModelText
+from skulk.types.limits import ModelText, refuse_images
 
 from .chat import ChatMessage, FunctionCall, MaxTokens, Seed, Temperature, Tool, ToolCall, TopK, TopLogprobs, TopP
 
@@ -38,6 +38,10 @@ class OllamaMessage(_Loose):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     tool_calls: list[OllamaToolCall] | None = Field(default=None, max_length=128)
+    images: list[Any] | None = None
+    """Refused when not empty: every model Skulk serves takes text only."""
+
+    _media = field_validator("images", mode="before")(refuse_images)
 
     def to_chat(self, index: int) -> ChatMessage:
         """Ollama's calls carry no ids: each gets one from its position, which is all a template needs."""
@@ -62,9 +66,18 @@ class OllamaChatRequest(_Loose):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+    think: bool | str | None = None
 
     def chat_messages(self) -> list[ChatMessage]:
         return [m.to_chat(i) for i, m in enumerate(self.messages)]
+
+    def unsupported(self) -> str | None:
+        """Why a field this request sets is not served (None: every field it sets is)."""
+        return _THINK if self.think not in (None, False) else None
+
+
+_THINK = ("think: Skulk returns no separate thinking; leave think out or false (a model that thinks writes its "
+          "thinking into the content)")
 
 
 class OllamaGenerateRequest(_Loose):
@@ -73,11 +86,32 @@ class OllamaGenerateRequest(_Loose):
     model: ModelText
     prompt: str = Field(min_length=1)
     system: str | None = None
+    images: list[Any] | None = None
+    """Refused when not empty, as a message's."""
     stream: bool = True
     options: OllamaOptions = OllamaOptions()
     format: Literal["json", ""] | dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+    think: bool | str | None = None
+    raw: bool = False
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+
+    _media = field_validator("images", mode="before")(refuse_images)
+
+    def unsupported(self) -> str | None:
+        """Why a field this request sets is not served (None: every field it sets is)."""
+        if self.raw:
+            return "raw: every prompt goes through the model's own chat template; leave raw out or false"
+        if self.suffix:
+            return "suffix: fill-in-the-middle is not supported; leave suffix out"
+        if self.template:
+            return "template: the model's own chat template is always used; leave template out"
+        if self.context:
+            return "context: send the conversation as /api/chat messages instead of a context from an earlier reply"
+        return _THINK if self.think not in (None, False) else None
 
     def chat_messages(self) -> list[ChatMessage]:
         head = [ChatMessage(role="system", content=self.system)] if self.system else []

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from skulk.types.limits import ModelText
+from skulk.types.limits import ModelText, refuse_media
 
 from .chat import (
     ChatMessage,
     FunctionCall,
     FunctionSpec,
     MaxTokens,
+    ResponseFormat,
     Seed,
     StreamOptions,
     Temperature,
@@ -55,6 +56,11 @@ class InputMessage(_Loose):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[InputText]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        return refuse_media(content, frozenset({"input_text", "output_text", "text"}))
 
     def to_chat(self) -> ChatMessage:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -112,7 +118,37 @@ class NamedFunction(_Loose):
     name: str = Field(min_length=1, max_length=256)
 
 
+class TextFormat(_Loose):
+    """Responses' `text.format`: plain text, any JSON, or JSON that follows a schema (decoding is constrained to
+    it, as chat's response_format is)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+    def to_chat(self) -> ResponseFormat | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return ResponseFormat(type="json_object")
+        spec = {"name": self.name, "schema": self.schema_ or {}, "strict": self.strict}
+        return ResponseFormat(type="json_schema", json_schema=spec)
+
+    def echo(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class ResponseText(_Loose):
+    format: TextFormat = TextFormat()
+
+
 class ResponsesRequest(_Loose):
+    """POST /v1/responses. Stateful: `previous_response_id` continues a stored response (api/response_store.py),
+    `store: false` keeps this one out of the store. Fields that would change the answer and are not served
+    (`background`, `conversation`, `reasoning`, `prompt`) are refused by `unsupported`, not ignored."""
+
     model: ModelText
     input: str | list[InputItem] = Field(min_length=1)
     instructions: str | None = None
@@ -125,18 +161,42 @@ class ResponsesRequest(_Loose):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     include: list[str] | None = Field(default=None, max_length=16)
     top_logprobs: TopLogprobs | None = None
+    previous_response_id: str | None = Field(default=None, max_length=256)
+    store: bool = True
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    text: ResponseText | None = None
+    background: bool = False
+    conversation: Any = None
+    reasoning: dict[str, Any] | None = None
+    prompt: Any = None
+
+    def unsupported(self) -> str | None:
+        """Why a field this request sets is not served (None: every field it sets is)."""
+        if self.background:
+            return "background: responses run in the foreground only; leave background out or false"
+        if self.conversation is not None:
+            return "conversation: conversations are not stored; continue a response with previous_response_id"
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):
+            return "reasoning: Skulk's models have no reasoning settings or summaries; leave reasoning out"
+        if self.prompt is not None:
+            return "prompt: stored prompt templates are not supported; send instructions and input"
+        return None
 
     def wants_logprobs(self) -> bool:
         """Logprobs are asked for with include "message.output_text.logprobs" (or by asking for alternatives)."""
         return "message.output_text.logprobs" in (self.include or []) or self.top_logprobs is not None
 
-    def chat_messages(self) -> list[ChatMessage]:
+    def chat_messages(self, history: list[ChatMessage] | None = None) -> list[ChatMessage]:
+        """The instructions, the earlier turns (`history`, from previous_response_id), then the input."""
+        head = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        return [*head, *(history or []), *self.input_messages()]
+
+    def input_messages(self) -> list[ChatMessage]:
         """The input as chat messages: an assistant message and the function calls after it become one assistant
         turn with tool_calls, each output a tool message."""
-        head = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         if isinstance(self.input, str):
-            return [*head, ChatMessage(role="user", content=self.input)]
-        messages = head
+            return [ChatMessage(role="user", content=self.input)]
+        messages: list[ChatMessage] = []
         for item in self.input:
             if isinstance(item, InputMessage):
                 messages.append(item.to_chat())

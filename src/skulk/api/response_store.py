@@ -1,0 +1,86 @@
+"""Stored responses of the Responses API: what `previous_response_id` continues and `GET /v1/responses/{id}`
+returns.
+
+A response is stored (unless its request said `store: false`) on the node that answered it, in memory, with the
+conversation it ended: the earlier turns, its input, and its output as an assistant turn. Bounds, so a client
+cannot grow a node without end: a response is kept for `MAX_AGE_S` (1 hour) after it was created, at most
+`MAX_RESPONSES` (1024) of them and `MAX_BYTES` (64 MiB of their JSON) together; past either bound the oldest go
+first. A node restart forgets them, and another node of the cluster does not know them: a client continues a
+response through the node that answered it (a 404 in OpenAI's shape says so otherwise)."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from skulk.types.chat import ChatMessage
+from skulk.types.errors import ApiError, ErrorCode
+
+MAX_AGE_S = 3600.0
+MAX_RESPONSES = 1024
+MAX_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    response: str
+    """The response object as JSON text, exactly as it was answered."""
+    conversation: tuple[ChatMessage, ...]
+    """Every turn up to and including this response's output (without instructions, which do not carry over)."""
+    created: float
+    size: int
+
+
+class ResponseStore:
+    def __init__(self, *, max_age_s: float = MAX_AGE_S, max_responses: int = MAX_RESPONSES,
+                 max_bytes: int = MAX_BYTES, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_age_s, self.max_responses, self.max_bytes = max_age_s, max_responses, max_bytes
+        self.clock = clock
+        self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._items)
+
+    def put(self, response_id: str, response: str, conversation: list[ChatMessage]) -> None:
+        size = len(response) + sum(len(m.model_dump_json()) for m in conversation)
+        if size > self.max_bytes:
+            return  # one response larger than the whole store: answered, never kept
+        self._drop(response_id)
+        self._items[response_id] = Stored(response, tuple(conversation), self.clock(), size)
+        self._bytes += size
+        while len(self._items) > self.max_responses or self._bytes > self.max_bytes:
+            self._drop(next(iter(self._items)))
+
+    def get(self, response_id: str) -> Stored | None:
+        self._expire()
+        return self._items.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        self._expire()
+        return self._drop(response_id)
+
+    def require(self, response_id: str, *, param: str | None = None) -> Stored:
+        """The stored response, or the 404 that says why it may be missing."""
+        found = self.get(response_id)
+        if found is None:
+            what = f"previous_response_id: no response found with id {response_id!r}" if param else \
+                f"no response found with id {response_id!r}"
+            raise ApiError(ErrorCode.response_not_found,
+                           f"{what} on this node (responses are kept where they were answered, for "
+                           f"{int(self.max_age_s)} s, unless created with store: false)")
+        return found
+
+    def _expire(self) -> None:
+        oldest = self.clock() - self.max_age_s
+        while self._items and next(iter(self._items.values())).created < oldest:
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, response_id: str) -> bool:
+        gone = self._items.pop(response_id, None)
+        if gone is not None:
+            self._bytes -= gone.size
+        return gone is not None
