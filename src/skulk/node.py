@@ -16,6 +16,7 @@ import httpx
 import uvicorn
 
 from skulk import internal_auth, redact, structured_log
+from skulk.announce import try_line
 from skulk.api.app import create_app
 from skulk.api.limits import guarded_protocol, raise_open_file_limit
 from skulk.api.requests import MasterChanged, Requests, ShuttingDown
@@ -130,6 +131,7 @@ class Node:
         transport.open()
         node_id = NodeId(transport.zenoh_id())
         structured_log.install(settings.logging, node_id)
+        structured_log.set_level(settings.logging.level)
         log.info("node %s starting (cluster %r)", node_id, settings.cluster)
         store = StateStore()
         payloads = PayloadBook(transport, node_id)
@@ -265,12 +267,7 @@ class Node:
             self.api_port = port
             log.info("API listening on http://localhost:%d", port)
             print(f"SKULK_READY node={self.node_id} api=http://localhost:{port}", flush=True)
-            print(
-                f"Try: curl localhost:{port}/v1/chat/completions -H 'Content-Type: application/json' -d "
-                f'\'{{"model":"{self.settings.default_model}","messages":[{{"role":"user","content":'
-                f'"What is the capital of France? Answer in one word."}}],"temperature":0,"max_tokens":24}}\'',
-                flush=True,
-            )
+            print(try_line(self.settings, port), flush=True)
 
     async def shutdown(self) -> None:
         log.info("node %s stopping", self.node_id)

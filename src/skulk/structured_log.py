@@ -57,14 +57,35 @@ class JsonLines(logging.Formatter):
         return json.dumps(body, default=str)
 
 
+_installed: list[logging.Handler] = []
+"""The JSON handler this process added (at most one), so a live change of logging.* replaces it."""
+
+
+def level_of(name: str) -> int:
+    level = logging.getLevelName(name.upper())
+    return level if isinstance(level, int) else logging.INFO
+
+
 def install(config: LoggingConfig, node_id: str) -> logging.Handler | None:
-    """Add the stdout JSON handler to the root logger when logging.enabled; the stderr handler stays."""
+    """Add the stdout JSON handler to the root logger when logging.enabled; the stderr handler stays. Called
+    again (PUT /config changed logging.enabled or logging.level), it replaces the one it added."""
+    root = logging.getLogger()
+    for old in _installed:
+        root.removeHandler(old)
+    _installed.clear()
     if not config.enabled:
         return None
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(JsonLines(node_id))
     handler.addFilter(ScrubFilter())  # no secret in a log line (issue 27)
-    level = logging.getLevelName(config.level.upper())
-    handler.setLevel(level if isinstance(level, int) else logging.INFO)
-    logging.getLogger().addHandler(handler)
+    handler.setLevel(level_of(config.level))
+    root.addHandler(handler)
+    _installed.append(handler)
     return handler
+
+
+def set_level(name: str) -> None:
+    """logging.level applied live: the root logger's level (every handler) and the JSON handler's."""
+    logging.getLogger().setLevel(level_of(name))
+    for handler in _installed:
+        handler.setLevel(level_of(name))

@@ -241,17 +241,26 @@ def test_a_refused_placement_shows_the_gb_arithmetic(scenario: Scenario, dash: D
 
 
 def test_a_model_placed_from_the_previews_becomes_healthy(scenario: Scenario, dash: Dash) -> None:
-    node = scenario.nodes[0]
+    """Launch places on exactly the node the preview showed (here the second node's card, whichever the master
+    would pick by itself), and the form keeps its last choice across visits."""
+    node, chosen = scenario.nodes[0], scenario.nodes[1]
     page = dash.open(node, "/placing")
-    single = page.locator('[data-testid=preview][data-ok=true][data-nodes="1"][data-sharding=Pipeline]').first
+    page.locator("select").nth(1).select_option("Pipeline")  # Sharding: kept in this browser
+    single = page.locator('[data-testid=preview][data-ok=true][data-nodes="1"][data-sharding=Pipeline]'
+                          f'[data-node-ids="{chosen.node_id}"]')
     sync_api.expect(single.locator(".bar").first).to_be_visible()
+    sync_api.expect(single.get_by_test_id("launch-once")).to_be_enabled()
     single.get_by_test_id("launch").click()
     row = page.get_by_test_id("meta-row")
     sync_api.expect(row).to_have_count(1)
     scenario.meta_id = row.get_attribute("data-meta-id")
     scenario.start_wedge_instance()  # loads while this one does; the timeline test needs it
     sync_api.expect(row).to_have_attribute("data-status", "healthy", timeout=90_000)
-    assert scenario.meta_serving(node), "the API agrees: the MetaInstance's instance serves"
+    serving = scenario.meta_serving(node)
+    assert serving, "the API agrees: the MetaInstance's instance serves"
+    assert members(node, serving) == {chosen.node_id}, "placed on the preview's node"
+    page.reload()
+    sync_api.expect(page.locator("select").nth(1)).to_have_value("Pipeline")
     sync_api.expect(row.locator(".badge")).to_have_text("healthy")
     dash.assert_clean()
 
@@ -361,6 +370,23 @@ def test_the_timeline_highlights_a_wedged_rank(scenario: Scenario, dash: Dash) -
     sync_api.expect(page.get_by_test_id("trace-chart")).to_contain_text("Time per rank")
     tracing.get_by_role("button", name="Turn off").click()
     sync_api.expect(tracing.get_by_test_id("tracing-state")).to_have_text("off")
+    dash.assert_clean()
+
+
+def test_the_settings_page_applies_the_log_level_live_and_marks_what_needs_a_restart(
+    scenario: Scenario, dash: Dash
+) -> None:
+    node = scenario.nodes[0]
+    page = dash.open(node, "/settings")
+    restart = page.get_by_test_id("restart-settings")
+    sync_api.expect(restart.locator('tr[data-key="api_port"]')).to_contain_text("needs a restart")
+    sync_api.expect(restart.locator('tr[data-key="logging.level"]')).to_have_count(0)  # applied live instead
+    for level in ("WARNING", "INFO"):  # and back, so the module's later tests log as before
+        page.get_by_test_id("log-level").select_option(level)
+        page.get_by_test_id("save-settings").click()
+        sync_api.expect(page.get_by_test_id("settings-applied")).to_contain_text("logging.level")
+        assert get(node, "/config")["effective"]["logging"]["level"] == level
+        sync_api.expect(page.get_by_test_id("log-level")).to_have_value(level)
     dash.assert_clean()
 
 

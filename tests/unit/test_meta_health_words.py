@@ -126,3 +126,44 @@ def test_the_rendezvous_edge_from_any_rank_keeps_the_instance_healthy() -> None:
     moved = Connection(source=N1, sink=N2, sink_address="10.0.1.2")
     state = applied(TopologyEdgeDeleted(connection=other), TopologyEdgeCreated(connection=moved), state=state)
     assert reconcile.instance_health(state) == []
+
+
+def test_a_meta_instance_created_before_any_node_reported_is_placing_not_an_error() -> None:
+    """At first start the default model's MetaInstance is created before the node's own info arrives: that is
+    no failure (no WARNING "cannot be placed: … 0 of 0 available node(s)" a second before it places)."""
+    meta = MetaInstance(meta_instance_id=M1, model_id=CARD.model_id)
+    empty = applied(MetaInstanceCreated(meta_instance=meta))
+    assert reconcile.unsatisfied_placements(empty, lambda _m: CARD, reconcile.Ids()) == []
+    assert meta_status(empty, empty.meta_instances[M1]) == "placing"
+    pending = applied(MetaInstanceCreated(meta_instance=meta), state=State(topology=Topology(nodes=[N1])))
+    assert reconcile.unsatisfied_placements(pending, lambda _m: CARD, reconcile.Ids()) == []  # memory not in yet
+    too_few = applied(MetaInstanceCreated(meta_instance=meta.model_copy(update={"min_nodes": 3})),
+                      state=two_nodes())
+    (failed_event,) = reconcile.unsatisfied_placements(too_few, lambda _m: CARD, reconcile.Ids())
+    assert "2 available node(s)" in failed_event.reason  # type: ignore[union-attr]
+
+
+def test_a_launched_preview_is_placed_on_exactly_its_nodes() -> None:
+    """The dashboard's Launch sends the preview's nodes as first_node_ids: the first instance goes there, not
+    where the master's own choice (most headroom) would put it; nodes where it no longer fits give []."""
+    from skulk.types.memory import Memory
+    from skulk.types.node_info import MemoryUsage
+
+    n3 = NodeId("n3")
+    state = two_nodes()
+    state = state.model_copy(update={
+        "topology": Topology(nodes=[N1, N2, n3], connections=state.topology.connections),
+        "node_memory": {n: MemoryUsage(ram_total=Memory.from_gb(16), ram_available=Memory.from_gb(free))
+                        for n, free in ((N1, 8), (N2, 12), (n3, 4))}})
+    meta = MetaInstance(meta_instance_id=M1, model_id=CARD.model_id)
+    state = applied(MetaInstanceCreated(meta_instance=meta), state=state)
+    (chosen,) = reconcile.unsatisfied_placements(state, lambda _m: CARD, reconcile.Ids())
+    assert isinstance(chosen, InstanceCreated) and reconcile.nodes_of(chosen.instance) == {N2}  # most headroom
+    (first,) = reconcile.first_placement(state, meta, [n3], lambda _m: CARD, reconcile.Ids())
+    assert isinstance(first, InstanceCreated) and reconcile.nodes_of(first.instance) == {n3}
+    assert first.instance.meta_instance_id == M1
+    tight = state.model_copy(update={"node_memory": {**state.node_memory, n3: MemoryUsage(
+        ram_total=Memory.from_gb(16), ram_available=Memory.from_bytes(1))}})
+    assert reconcile.first_placement(tight, meta, [n3], lambda _m: CARD, reconcile.Ids()) == []
+    pinned = meta.model_copy(update={"node_ids": [N1, N2]})
+    assert reconcile.first_placement(state, pinned, [n3], lambda _m: CARD, reconcile.Ids()) == []

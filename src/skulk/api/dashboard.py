@@ -22,7 +22,7 @@ from skulk.dashboard import STATIC_DIR
 from skulk.types.errors import ApiError, ErrorCode
 
 ASSETS_PREFIX = "/assets"
-PAGE_PATHS = ("/cluster", "/catalog", "/placing", "/chat", "/operator")
+PAGE_PATHS = ("/cluster", "/catalog", "/placing", "/chat", "/operator", "/settings")
 """The dashboard's own routes besides `/` (js/main.js PAGES): static pages, no cluster data in them."""
 INDEX_PLACEHOLDER = "%ASSETS%"
 IMMUTABLE = "public, max-age=31536000, immutable"

@@ -32,6 +32,8 @@ class CreateMetaInstanceRequest(BaseModel):
     engine: EngineChoice = "auto"
     min_nodes: int = Field(default=1, ge=1, le=64)
     node_ids: list[NodeId] | None = Field(default=None, min_length=1)
+    first_node_ids: list[NodeId] | None = Field(default=None, min_length=1)
+    """The first instance on exactly these nodes (a preview's), re-placed by node_ids/min_nodes afterwards."""
 
 
 def meta_instances_router(node: ApiServices) -> APIRouter:
@@ -50,7 +52,8 @@ def meta_instances_router(node: ApiServices) -> APIRouter:
             node_ids=body.node_ids,
         )
         command_id = CommandId(new_id())
-        node.send_command(CreateMetaInstance(command_id=command_id, meta_instance=meta))
+        node.send_command(CreateMetaInstance(command_id=command_id, meta_instance=meta,
+                                             first_node_ids=body.first_node_ids))
         await node.wait_for_state(lambda s: meta.meta_instance_id in s.meta_instances, PLACED_WAIT_S)
         return {"message": "Command received.", "command_id": command_id, "meta_instance_id": meta.meta_instance_id}
 

@@ -310,8 +310,9 @@ class Elector:
         how = "kept" if decision.kept else "elected"
         if decision.master == self.node_id:
             how = "won" if not decision.kept else "kept (this node)"
-        log.info("master %s term %d (%s; %d live nodes)", decision.master[:8], decision.term, how,
-                 len(self._membership.alive))
+        alive = len(self._membership.alive)
+        log.info("master %s term %d (%s; %d live %s)", decision.master[:8], decision.term, how, alive,
+                 "node" if alive == 1 else "nodes")
         self._master, self._term = decision.master, decision.term
         self._announce()
 

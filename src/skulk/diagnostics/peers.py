@@ -41,9 +41,19 @@ class PeerBook:
                 if node != self._node_id:
                     self._urls[node] = peer_url(state, self._node_id, node, ours)
         elif isinstance(event, NodeGatheredInfo) and event.node_id != self._node_id:
-            self._urls[event.node_id] = peer_url(state, self._node_id, event.node_id, local_addresses())
+            url = peer_url(state, self._node_id, event.node_id, local_addresses())
+            self._urls[event.node_id] = url
+            self._restarted_at(url, event.node_id)
         elif isinstance(event, NodeTimedOut):
             self._depart(event.node_id)
+
+    def _restarted_at(self, url: str | None, node: NodeId) -> None:
+        """A node now answering at a departed peer's address is that peer restarted (a restart takes a new
+        node id): the old id is no longer listed as unreachable (`skulk diag`)."""
+        if url is None:
+            return
+        for old in [n for n, d in self._departed.items() if d.url == url and n != node]:
+            del self._departed[old]
 
     def _depart(self, node: NodeId) -> None:
         if node in self._urls and node not in self._departed:

@@ -179,6 +179,12 @@ class Master:
     def _place_meta(self, command: CreateMetaInstance) -> None:
         """Placed at once if possible; the state is re-read here, so a reconcile that already placed it wins."""
         only = command.meta_instance.meta_instance_id
+        if command.first_node_ids:
+            first = reconcile.first_placement(self.state, command.meta_instance, command.first_node_ids,
+                                              self._card_of, self.ids)
+            if first:
+                self._emit_placements(first)
+                return
         self._emit_placements(reconcile.unsatisfied_placements(self.state, self._card_of, self.ids, only=only))
 
     def _emit_placements(self, events: list[Event]) -> None:

@@ -26,7 +26,7 @@ from skulk.types.meta_instances import MAX_INSTANCE_RETRIES, MetaInstance
 
 __all__ = ["MAX_INSTANCE_RETRIES", "Ids", "instance_health", "unsatisfied", "unsatisfied_placements"]
 from skulk.types.models import ModelCard
-from skulk.types.placement import PlacementError
+from skulk.types.placement import InfoPending, NoConnectedCycle, PlacementError
 from skulk.types.runners import RunnerFailed, RunnerLoaded, RunnerReady, RunnerRunning, RunnerShutdown
 from skulk.types.state import State
 
@@ -183,6 +183,12 @@ def place_for(state: State, meta: MetaInstance, card: ModelCard, ids: Ids) -> Ml
     return outcome.model_copy(update={"meta_instance_id": meta.meta_instance_id})
 
 
+def not_yet(outcome: PlacementError | str) -> bool:
+    """An outcome that only says the nodes have not reported yet (no node known, or memory info arriving)."""
+    no_nodes = isinstance(outcome, NoConnectedCycle) and outcome.available_nodes == 0
+    return no_nodes or isinstance(outcome, InfoPending)
+
+
 def placement_events(
     state: State,
     metas: Iterable[MetaInstance],
@@ -202,10 +208,27 @@ def placement_events(
             events.append(InstanceCreated(instance=outcome))
             state = state.model_copy(update={"instances": {**state.instances, outcome.instance_id: outcome}})
             continue
+        if not_yet(outcome):
+            continue  # the cluster is still gathering: placing, not an error (no WARNING a second before it places)
         reason = outcome if isinstance(outcome, str) else outcome.message
         if reason != meta.placement_error:
             events.append(MetaInstancePlacementFailed(meta_instance_id=meta.meta_instance_id, reason=reason))
     return events
+
+
+def first_placement(
+    state: State, meta: MetaInstance, nodes: list[NodeId], card_of: Callable[[ModelId], ModelCard | None], ids: Ids
+) -> list[Event]:
+    """The first instance on exactly `nodes` (a preview the operator launched), or [] when it does not fit
+    there any more (the MetaInstance is then placed by its own constraint). Never outside meta.node_ids."""
+    if meta.meta_instance_id not in state.meta_instances or any(i.meta_instance_id == meta.meta_instance_id
+                                                                 for i in state.instances.values()):
+        return []
+    if meta.node_ids is not None and not set(nodes) <= set(meta.node_ids):
+        return []
+    exact = meta.model_copy(update={"node_ids": nodes, "min_nodes": max(meta.min_nodes, len(set(nodes)))})
+    events = placement_events(state, [exact], card_of, ids)
+    return [e for e in events if isinstance(e, InstanceCreated) and nodes_of(e.instance) == set(nodes)]
 
 
 def unsatisfied_placements(

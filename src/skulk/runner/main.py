@@ -38,9 +38,29 @@ def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunn
     except Exception as exc:  # the supervisor turns a non-zero exit into RunnerFailed
         runner.recorder.record("error", "runner_crashed", repr(exc)[:200])
         runner.flush()
-        log.exception("runner %s crashed", spec.runner_id)
+        if peer_gone(exc):  # expected when a node of the instance dies: one line, not a stack trace
+            log.error("runner %s stopped: a peer rank is gone (%s)", spec.runner_id, first_line(exc))
+        else:
+            log.exception("runner %s crashed", spec.runner_id)
         _leave(outbox, 1)
     _leave(outbox)
+
+
+PEER_GONE_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "connection refused",
+                   "socket closed", "end of file")
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """The rank failed because another rank's process or node went away (a socket error, or torch.distributed
+    / gloo's RuntimeError saying so): the master retries or re-places the instance; its trace says nothing."""
+    if isinstance(exc, ConnectionError | EOFError):
+        return True
+    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in PEER_GONE_WORDS)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
 def _leave(outbox: Queue[FromRunner], code: int = 0) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 from huggingface_hub import HfApi, hf_hub_url
+from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -26,6 +27,11 @@ from huggingface_hub.utils import build_hf_headers
 from skulk.store.fetch import InsufficientDisk, Progress, check_disk, fetch_all, httpx_opener, present_bytes
 from skulk.store.files import is_needed
 from skulk.types.errors import ApiError, ErrorCode
+
+hf_constants.HF_HUB_DISABLE_TELEMETRY = True
+"""No side requests: with telemetry on, huggingface_hub fetches an "agent harnesses" registry from the hub
+(`/api/agent-harnesses`, a 404 on a mirror or a test hub) while it builds headers. Skulk talks to the hub
+only to list and download model files (the one documented download path)."""
 
 
 class HubError(ApiError):

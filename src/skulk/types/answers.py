@@ -175,6 +175,8 @@ class ConfigView(_Answer):
     config_path: str = Field(alias="configPath")
     file_exists: bool = Field(alias="fileExists")
     effective: Json
+    live_keys: list[str] = Field(alias="liveKeys")
+    """Dotted keys PUT /config applies without a restart; every other key needs one."""
 
 
 class ConfigApplied(_Answer):
@@ -182,6 +184,10 @@ class ConfigApplied(_Answer):
 
     message: str
     changed: list[str]
+    applied: list[str]
+    """The changed keys applied live (skulk.yaml written)."""
+    restart_required: list[str] = Field(alias="restartRequired")
+    """Always empty on a 200: a change to any key that needs a restart is a 400 restart_required naming it."""
     effective: Json
 
 

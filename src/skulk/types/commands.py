@@ -53,6 +53,9 @@ class CancelCommand(TaggedModel):
 class CreateMetaInstance(TaggedModel):
     command_id: CommandId
     meta_instance: MetaInstance
+    first_node_ids: list[NodeId] | None = None
+    """Place the first instance on exactly these nodes (what a dashboard preview showed) when they fit; later
+    placements follow the MetaInstance's own constraint."""
 
 
 class DeleteMetaInstance(TaggedModel):

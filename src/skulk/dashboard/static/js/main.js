@@ -1,4 +1,4 @@
-// The dashboard shell: navigation between the five pages (real paths; the server falls back to index.html),
+// The dashboard shell: navigation between the six pages (real paths; the server falls back to index.html),
 // the cluster state polled once for every page, the API-key prompt, and what to show while this node is down.
 import { render } from '../vendor/preact.js';
 import { useEffect, useRef, useState } from '../vendor/hooks.js';
@@ -10,6 +10,7 @@ import { ModelsPage } from './pages/models.js';
 import { PlacingPage } from './pages/placing.js';
 import { ChatPage } from './pages/chat.js';
 import { OperatorPage } from './pages/operator.js';
+import { SettingsPage } from './pages/settings.js';
 
 export const STATE_POLL_MS = 2000;
 
@@ -19,6 +20,7 @@ const PAGES = [
   { path: '/placing', title: 'Placing', view: PlacingPage },
   { path: '/chat', title: 'Chat', view: ChatPage },
   { path: '/operator', title: 'Operator', view: OperatorPage },
+  { path: '/settings', title: 'Settings', view: SettingsPage },
 ];
 const pageFor = (path) => PAGES.find((p) => p.path === path) || (path === '/cluster' ? PAGES[0] : null);
 

@@ -84,7 +84,7 @@ function Prediction({ predicted }) {
 function PreviewCard({ state, preview, onLaunch, busy }) {
   const size = preview.size;
   return html`<li class="card preview" data-testid="preview" data-ok=${preview.error ? 'false' : 'true'}
-      data-nodes=${size} data-sharding=${preview.sharding}>
+      data-nodes=${size} data-sharding=${preview.sharding} data-node-ids=${preview.nodeIds.join(',')}>
     <header class="card-head">
       <h3>${preview.sharding} over ${size || '?'} node${size === 1 ? '' : 's'}</h3>
       ${preview.error ? html`<${Badge} kind="error">does not fit<//>` : html`<${Badge} kind="ok">fits<//>`}
@@ -101,17 +101,38 @@ function PreviewCard({ state, preview, onLaunch, busy }) {
             title=${`in use ${gb(total - n.free)} + this model ${gb(n.needed)} of ${gb(total)}`} />
         </div>`;
       })}
-      <button type="button" class="primary" disabled=${busy} data-testid="launch"
-        title="Creates a MetaInstance with this sharding and node count: the master keeps one such instance placed (on the nodes you picked, if any)"
-        onClick=${() => onLaunch(preview)}>Launch (keep placed)</button>`}
+      <div class="row">
+        <button type="button" class="primary" disabled=${busy} data-testid="launch"
+          title="Places this preview on exactly these nodes as a MetaInstance: the master keeps one placed (re-created after failures)"
+          onClick=${() => onLaunch(preview, true)}>Launch (keep placed)</button>
+        <button type="button" disabled=${busy || !preview.instance} data-testid="launch-once"
+          title="Places exactly this preview once: nothing re-creates it if it fails or a node leaves"
+          onClick=${() => onLaunch(preview, false)}>Launch once</button>
+      </div>`}
   </li>`;
+}
+
+// The form's last choice, kept in this browser (a visit does not reset it to the demo model).
+const FORM_STORE = 'skulk.placeForm';
+
+function savedForm() {
+  try { return JSON.parse(localStorage.getItem(FORM_STORE) || '{}') || {}; } catch { return {}; }
+}
+
+function useSaved(field, initial) {
+  const [value, setValue] = useState(savedForm()[field] ?? initial);
+  const set = (next) => {
+    setValue(next);
+    try { localStorage.setItem(FORM_STORE, JSON.stringify({ ...savedForm(), [field]: next })); } catch { /* off */ }
+  };
+  return [value, set];
 }
 
 function PlaceForm({ state, onLaunched }) {
   const [{ data: catalog }] = usePoll('/models', 30000);
-  const [model, setModel] = useState(DEMO);
-  const [sharding, setSharding] = useState('');
-  const [minNodes, setMinNodes] = useState(1);
+  const [model, setModel] = useSaved('model', DEMO);
+  const [sharding, setSharding] = useSaved('sharding', '');
+  const [minNodes, setMinNodes] = useSaved('minNodes', 1);
   const [picked, setPicked] = useState([]);
   const nodes = Object.keys(state.nodeIdentities || {}).sort();
   const excluded = picked.length ? nodes.filter((n) => !picked.includes(n)) : [];
@@ -122,11 +143,16 @@ function PlaceForm({ state, onLaunched }) {
   const [act, run] = useAction();
   const wanted = ((data && data.previews) || []).map((p) => normalizePreview(p, state))
     .filter((p) => p.size >= minNodes && (!picked.length || p.nodeIds.every((n) => picked.includes(n))));
-  const launch = (preview) => run(() => request('/meta_instance', {
-    method: 'POST', timeout: 30000,
-    body: { model_id: model, sharding: preview.sharding, instance_meta: preview.instanceMeta,
-      min_nodes: preview.size, node_ids: picked.length ? picked : null },
-  })).then((r) => { if (r) onLaunched(); });
+  // exactly the nodes the preview showed: a MetaInstance whose first instance goes there (re-placed within the
+  // picked nodes, or anywhere, after a failure), or this preview's instance placed once as it is
+  const launch = (preview, keep) => run(() => (keep
+    ? request('/meta_instance', {
+      method: 'POST', timeout: 30000,
+      body: { model_id: model, sharding: preview.sharding, instance_meta: preview.instanceMeta,
+        min_nodes: preview.size, node_ids: picked.length ? picked : null, first_node_ids: preview.nodeIds },
+    })
+    : request('/instance', { method: 'POST', timeout: 30000, body: { instance: preview.instance } })))
+    .then((r) => { if (r) onLaunched(); });
   const togglePick = (id) => setPicked(picked.includes(id) ? picked.filter((n) => n !== id) : [...picked, id]);
   const fits = wanted.filter((p) => !p.error);
   return html`<div>
