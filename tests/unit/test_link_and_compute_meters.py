@@ -116,3 +116,15 @@ def test_a_step_that_started_a_request_is_not_a_decode_step() -> None:
     learner.on_step(runner, 1, GB, 0.320)
     figures = learner.snapshot()
     assert figures is not None and figures.step_s_per_gb == {1: pytest.approx(0.020)}
+
+
+def test_accepted_drafts_are_tokens_of_one_stream_not_more_streams() -> None:
+    learner, runner = ComputeLearner(), RunnerId("r")
+    now = 0.0
+    for tokens in (1, 3, 2, 2):  # one stream; speculative steps give it 1-3 tokens each
+        learner.on_step(runner, 1, GB, now, tokens=tokens)
+        now += 0.010
+    figures = learner.snapshot()
+    assert figures is not None
+    assert figures.step_s_per_gb == {1: pytest.approx(0.010)}
+    assert figures.tokens_per_step == {1: pytest.approx(7 / 3, abs=0.001)}

@@ -8,7 +8,9 @@ batches it has served (worker/compute.py) and each link's round trip and bandwid
   so the time follows the bytes (the lm_head is counted as a layer's share: a small error for models whose
   vocabulary is large against their layers, which only moves how the work splits between Pipeline stages).
 - A hop costs one way of its link: half the measured round trip, the message's bytes over the bandwidth, and
-  HOP_SOFTWARE_S of the engine's own work per message.
+  the engine's own work per message (PIPELINE_HOP_S, COLLECTIVE_STEP_S: measured with bench/split.py).
+- One rank: its step, times the tokens per step its node measured (speculative drafts accepted; a split does
+  not speculate, so one token per stream per step).
 - Pipeline, one stream: every rank's step in turn, a hidden-state hop between consecutive ranks and the sampled
   token's hop back to rank 0. At batch B without micro-batches the same, at B. With PIPELINE_MICRO_BATCHES
   (one micro-batch per rank in flight) a round lets every rank work on every micro-batch once: it lasts the
@@ -35,11 +37,21 @@ from skulk.types.models import ModelCard
 
 PREDICTED_BATCH = 8
 """The batch `predicted_aggregate_tps` is for: 8 concurrent streams, the figure bench/split.py measures."""
-HOP_SOFTWARE_S = 0.0002
-"""The engine's own cost per message between ranks (torch.distributed's send and receive, a header): 0.2 ms."""
+PIPELINE_HOP_S = 0.0011
+"""The torch engine's own cost per Pipeline message (hidden states to the next rank, tokens back to rank 0):
+torch.distributed's send and receive, the step header, the Python around them. bench/split.py on an H200
+host's CPU cores (one thread per rank, veth without added latency): Pipeline 2 decoded one stream at 4.75 ms a
+token where a rank's plain step is about 2.5 ms, two messages a token. Issue 28's pipelined schedule (28b)
+works to shrink it: measure again with bench/split.py when it lands."""
+COLLECTIVE_STEP_S = 0.0003
+"""The engine's own cost per one-way step of a Tensor all-reduce (gloo, a few KB): the same run's Tensor 2,
+17.5 ms a token for half the compute and 49 one-way steps (two all-reduces per layer, 12 layers)."""
 PIPELINE_MICRO_BATCHES = False
 """Whether the torch engine keeps one micro-batch per Pipeline rank in flight (issue 28's pipelined schedule):
 without it a batch crosses the ranks as one, and only one rank computes at a time."""
+SPECULATES_ON_ONE_RANK = True
+"""The torch engine drafts speculatively (prompt lookup) on a single rank only: a one-rank placement gets the
+tokens per step its node measured, a split one token per stream per step."""
 TOKEN_ROW_BYTES = 24
 """One sampled-token row on the wire: [token, finished, failed] as int64."""
 
@@ -65,7 +77,16 @@ def step_s_per_gb(compute: DecodeCompute, batch: int) -> float | None:
     """The node's figure at `batch`: measured, else linear between the batches around it (below the smallest
     measured, the smallest's; above the largest, extended from the two largest; from one batch alone, only
     batch 1 down)."""
-    points = sorted(compute.step_s_per_gb.items())
+    return _at(compute.step_s_per_gb, batch)
+
+
+def tokens_per_step(compute: DecodeCompute, batch: int) -> float:
+    """Tokens a stream gets per single-rank step at `batch` (accepted speculative drafts), 1 when unknown."""
+    return max(_at(compute.tokens_per_step, batch) or 1.0, 1.0)
+
+
+def _at(table: Mapping[int, float], batch: int) -> float | None:
+    points = sorted(table.items())
     if not points:
         return None
     if batch <= points[0][0]:
@@ -91,14 +112,14 @@ def _figures(nodes: Sequence[NodeId], compute: Mapping[NodeId, DecodeCompute], b
 
 
 def one_way_s(links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]], a: NodeId, b: NodeId,
-              message_bytes: float) -> float | None:
+              message_bytes: float, software_s: float = PIPELINE_HOP_S) -> float | None:
     """One message from a to b: half the round trip, the bytes over the bandwidth, the engine's own cost. The
     link as a measured it, else as b measured it (links are symmetric enough for this)."""
     link = links.get(a, {}).get(b) or links.get(b, {}).get(a)
     if link is None:
         return None
     wire = message_bytes * 8 / (link.bandwidth_mbps * 1e6) if link.bandwidth_mbps else 0.0
-    return link.rtt_ms / 2000 + wire + HOP_SOFTWARE_S
+    return link.rtt_ms / 2000 + wire + software_s
 
 
 def _pipeline_step_s(card: ModelCard, ranks: Sequence[RankShare], per_gb: Mapping[NodeId, float], rows: int,
@@ -145,10 +166,11 @@ def _tensor_tps(card: ModelCard, ranks: Sequence[RankShare], per_gb: Mapping[Nod
     if world == 1:
         return batch / compute
     partial = card.hidden_size * batch * 4
-    steps = [one_way_s(links, a.node_id, b.node_id, partial / world) for a, b in zip(ranks, [*ranks[1:], ranks[0]],
-                                                                                   strict=True)]
+    ring = zip(ranks, [*ranks[1:], ranks[0]], strict=True)
+    steps = [one_way_s(links, a.node_id, b.node_id, partial / world, COLLECTIVE_STEP_S) for a, b in ring]
     sampler = ranks[-1].node_id
-    broadcast = [one_way_s(links, sampler, r.node_id, TOKEN_ROW_BYTES * batch) for r in ranks[:-1]]
+    broadcast = [one_way_s(links, sampler, r.node_id, TOKEN_ROW_BYTES * batch, COLLECTIVE_STEP_S)
+                 for r in ranks[:-1]]
     if any(s is None for s in steps) or any(b is None for b in broadcast):
         return None
     ring_step = max(s for s in steps if s is not None)
@@ -174,7 +196,13 @@ def _tps(card: ModelCard, sharding: Sharding, ranks: Sequence[RankShare], comput
         if at_rows is None:
             return None
         micro = at_rows[0]
-    return _pipeline_tps(card, ranks, per_gb, batch, links, micro), borrowed
+    rate = _pipeline_tps(card, ranks, per_gb, batch, links, micro)
+    if rate is not None and len(ranks) == 1 and SPECULATES_ON_ONE_RANK:
+        own = compute.get(ranks[0].node_id)
+        measured = [c for c in compute.values() if c.tokens_per_step]
+        source = own if own is not None and own.tokens_per_step else (measured[0] if measured else None)
+        rate *= tokens_per_step(source, batch) if source is not None else 1.0
+    return rate, borrowed
 
 
 def predict_speed(

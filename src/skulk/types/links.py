@@ -35,5 +35,8 @@ class DecodeCompute(CamelModel):
     node's real load, and it costs nothing at start-up."""
 
     step_s_per_gb: dict[int, float] = {}
+    tokens_per_step: dict[int, float] = {}
+    """Tokens each stream got per step, by batch: above 1 where the single-rank engine's speculative drafts
+    (prompt lookup) were accepted; a multi-rank instance does not speculate."""
     steps: int = 0
     """Steps the figures were learned from."""

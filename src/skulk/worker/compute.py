@@ -3,9 +3,10 @@
 A runner sends one Tokens message per engine step, holding a token for every stream that step advanced. Two
 messages in a row from one single-rank runner with the same token count, close together, none of the second's
 tokens a request's first (that step ran a prefill too, or followed an idle wait), time one decode step at that
-batch; divided by the model's weight gigabytes it becomes seconds per step per GB, which predicts the
-same node's step on any share of any model (master/speed.py). Steps of multi-rank runners are left out: their
-time holds the links as well as this node's compute.
+batch (streams in the step: a stream's accepted speculative drafts add tokens, not streams, and are counted
+apart as tokens per stream per step); divided by the model's weight gigabytes it becomes seconds per step per
+GB, which predicts the same node's step on any share of any model (master/speed.py). Steps of multi-rank
+runners are left out: their time holds the links as well as this node's compute.
 
 Learned rather than calibrated at start: it is the engine as it really runs here (kernels, attention, sampling,
 the runner's own per-step cost, whatever else loads the machine), and it costs nothing at start-up, where a
@@ -42,20 +43,23 @@ class ComputeLearner:
 
     _last: dict[RunnerId, _Last] = field(default_factory=dict)
     _samples: dict[int, deque[float]] = field(default_factory=dict)
+    _tokens: dict[int, deque[float]] = field(default_factory=dict)
     _steps: int = 0
 
-    def on_step(self, runner: RunnerId, tokens: int, model_bytes: int, now: float, *, decode_only: bool = True
-                ) -> None:
-        """One Tokens message of a single-rank runner with `tokens` stream tokens in it, arrived at `now`.
-        `decode_only`: no token in it is a request's first, so no prefill (or idle wait before one) was part of
-        the step."""
+    def on_step(self, runner: RunnerId, streams: int, model_bytes: int, now: float, *, tokens: int | None = None,
+                decode_only: bool = True) -> None:
+        """One Tokens message of a single-rank runner, arrived at `now`: `streams` streams advanced, by `tokens`
+        tokens in all (more than `streams` when speculative drafts were accepted). `decode_only`: no token in
+        it is a request's first, so no prefill (or idle wait before one) was part of the step."""
         last = self._last.get(runner)
-        self._last[runner] = _Last(now, tokens)
-        if last is None or tokens < 1 or last.count != tokens or model_bytes <= 0 or not decode_only:
+        self._last[runner] = _Last(now, streams)
+        if last is None or streams < 1 or last.count != streams or model_bytes <= 0 or not decode_only:
             return
         gap = now - last.at
         if 0 < gap <= MAX_STEP_GAP_S:
-            self._samples.setdefault(tokens, deque(maxlen=SAMPLES_KEPT)).append(gap / (model_bytes / 1e9))
+            self._samples.setdefault(streams, deque(maxlen=SAMPLES_KEPT)).append(gap / (model_bytes / 1e9))
+            per_stream = (tokens if tokens is not None else streams) / streams
+            self._tokens.setdefault(streams, deque(maxlen=SAMPLES_KEPT)).append(per_stream)
             self._steps += 1
 
     def forget(self, runner: RunnerId) -> None:
@@ -65,7 +69,8 @@ class ComputeLearner:
         if not self._samples:
             return None
         figures = {batch: round(typical_step(s), 6) for batch, s in sorted(self._samples.items())}
-        return DecodeCompute(step_s_per_gb=figures, steps=self._steps)
+        tokens = {batch: round(statistics.fmean(t), 3) for batch, t in sorted(self._tokens.items())}
+        return DecodeCompute(step_s_per_gb=figures, tokens_per_step=tokens, steps=self._steps)
 
 
 def typical_step(samples: deque[float] | list[float]) -> float:

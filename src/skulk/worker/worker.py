@@ -275,7 +275,8 @@ class Worker:
         def on_chunks(chunks: Sequence[Chunk]) -> None:
             if learn_bytes:  # one Tokens message per engine step: a clock read and a count, not per token
                 tokens = [c for c in chunks if isinstance(c, TokenChunk)]
-                self.compute.on_step(runner_id, len(tokens), learn_bytes, time.perf_counter(),
+                self.compute.on_step(runner_id, len({c.command_id for c in tokens}), learn_bytes,
+                                     time.perf_counter(), tokens=len(tokens),
                                      decode_only=all(c.completion_tokens > 1 for c in tokens))
             for chunk in chunks:
                 self.publish(chunk)
