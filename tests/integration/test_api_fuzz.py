@@ -40,7 +40,8 @@ def acceptable_status(response: Any) -> bool:
     if response.status_code < 500:
         return True
     try:
-        typed = set(response.json()["error"]) >= {"message", "type"}
+        error = response.json()["error"]
+        typed = (isinstance(error, str) and bool(error)) or set(error) >= {"message", "type"}  # Ollama's, ours
     except (ValueError, KeyError, TypeError):
         typed = False
     return response.status_code in (502, 503) and typed

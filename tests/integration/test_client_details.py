@@ -182,6 +182,7 @@ def test_ollama_pull_downloads_through_the_store_with_progress(node: LocalNode) 
     store = Path(node.home) / "models" / "org--pulled"
     assert (store / "model-00002-of-00002.safetensors").is_file()
     assert client.pull(PULLED, stream=False).status == "success"  # already there: at once
+    assert client.pull(MODEL, stream=False).status == "success"  # built in: generated where it is placed
     with pytest.raises(ollama.ResponseError) as tag:
         client.pull("llama3:8b")
     assert tag.value.status_code == 400 and "Hugging Face" in tag.value.error

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from skulk.api.app import create_app
-from skulk.api.model_facts import parameter_size, safetensors_parameters
+from skulk.api.model_facts import config_parameters, parameter_size, safetensors_parameters
 from skulk.api.ollama import _timings
 from skulk.api.ollama_pull import OllamaPullRequest, pull_model_id
 from skulk.api.response_store import ResponseStore
@@ -80,6 +80,11 @@ def test_an_image_is_text_only_in_claudes_and_ollamas_shapes(client: TestClient)
     ("/ollama/api/generate", {"suffix": "}"}, "suffix"),
     ("/v1/responses", {"background": True}, "background"),
     ("/v1/responses", {"reasoning": {"effort": "high"}}, "reasoning"),
+    ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/completions", {"suffix": "}"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
 ])
 def test_fields_that_are_not_served_are_refused_not_ignored(
     client: TestClient, path: str, body: dict[str, Any], says: str
@@ -89,6 +94,9 @@ def test_fields_that_are_not_served_are_refused_not_ignored(
         "/ollama/api/chat": {"model": "test/model", "messages": [{"role": "user", "content": "x"}]},
         "/ollama/api/generate": {"model": "test/model", "prompt": "x"},
         "/v1/responses": {"model": "test/model", "input": "x"},
+        "/v1/chat/completions": {"model": "test/model", "messages": [{"role": "user", "content": "x"}],
+                                 "presence_penalty": 0},
+        "/v1/completions": {"model": "test/model", "prompt": "x"},
     }[path]
     reply = client.post(path, json={**base, **body})
     assert reply.status_code == 400, reply.text
@@ -161,6 +169,10 @@ def test_parameter_counts_come_from_safetensors_headers(tmp_path: Path) -> None:
                          "b": {"dtype": "BF16", "shape": [576], "data_offsets": [0, 0]}}).encode()
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     assert safetensors_parameters([tmp_path / "model.safetensors"]) == 576 * 49152 + 576
+    smollm2 = {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152, "num_attention_heads": 9,
+               "num_key_value_heads": 3, "intermediate_size": 1536, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(smollm2))
+    assert config_parameters(tmp_path / "config.json") == 134_515_008  # the tensors of SmolLM2's GGUF, counted
     assert [parameter_size(n) for n in (134_515_008, 1_543_714_304, 70_553_706_496, 360_000_000, 999)] == [
         "135M", "1.5B", "71B", "360M", "999"]
 

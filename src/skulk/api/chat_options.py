@@ -25,6 +25,8 @@ ANY_TOOL_INSTRUCTION = "You must answer by calling one of the tools offered, not
 
 
 def check_supported(request: ChatCompletionRequest) -> None:
+    if (why := request.unsupported()) is not None:
+        raise ApiError(ErrorCode.unsupported_field, why)
     if request.n is not None and request.n != 1:
         raise ApiError(ErrorCode.invalid_request,
                        f"n: only n=1 is supported (one choice per request), got {request.n}; "

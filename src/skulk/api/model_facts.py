@@ -5,7 +5,8 @@ Anthropic's model lists all read them here, so the three never disagree.
 - `modified` is the newest mtime of the model's files on this node (its store copy, staged copy, or the generated
   built-in), never "now"; a node without a copy answers the time its custom card was written, else the epoch.
 - `parameter_count` sums the tensor shapes in the safetensors headers (8 bytes and a JSON header per file, no
-  weights read); without safetensors on this node it is estimated from the card's size and dtype.
+  weights read); a GGUF copy counts config.json's shapes; without files on this node it is estimated from the
+  card's size and dtype.
 - `digest` is `sha256:` of the card's JSON, as Ollama's is of its manifest: the same on every node, and it
   changes when the model does."""
 
@@ -24,7 +25,7 @@ from skulk.types.ids import ModelId
 from skulk.types.models import ModelCard
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-BYTES_PER_PARAMETER = {"int4": 0.5, "int8": 1.0, "q4": 0.5, "q8": 1.0}
+BYTES_PER_PARAMETER = {"int4": 0.5, "int8": 1.0, "4": 0.5, "8": 1.0}
 DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
 MAX_HEADER = 64 * 1024 * 1024
 
@@ -79,12 +80,37 @@ def digest(card: ModelCard) -> str:
 
 
 def parameter_count(node: ApiServices, card: ModelCard) -> int:
+    """Exact from safetensors headers; from config.json's shapes for a GGUF copy (whose blocks hide them);
+    estimated from the card's size without either."""
     where = model_dir(node, card)
     counted = safetensors_parameters(sorted(where.glob("*.safetensors"))) if where is not None else 0
+    if not counted and where is not None and (where / "config.json").is_file():
+        counted = config_parameters(where / "config.json")
     if counted:
         return counted
     per = BYTES_PER_PARAMETER.get(card.quantization, DTYPE_BYTES.get(card.dtype, 2.0))
     return int(card.storage_size.in_bytes / per)
+
+
+def config_parameters(path: Path) -> int:
+    """A decoder's weights from its config: embeddings, per layer attention (q, k, v, o), the MLP (or its
+    experts and router) and two norms, the final norm, and an untied head (0 when the config is unreadable)."""
+    try:
+        config = json.loads(path.read_text())
+        c = config.get("text_config") or config
+        hidden, layers, vocab = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
+        heads = int(c["num_attention_heads"])
+        kv_heads = int(c.get("num_key_value_heads") or heads)
+        head_dim = int(c.get("head_dim") or hidden // heads)
+        experts = int(c.get("num_experts") or 0)
+        inner = int(c.get("moe_intermediate_size") or c["intermediate_size"]) if experts else \
+            int(c["intermediate_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    mlp = experts * 3 * hidden * inner + hidden * experts if experts else 3 * hidden * inner
+    head = 0 if c.get("tie_word_embeddings", config.get("tie_word_embeddings", False)) else vocab * hidden
+    return vocab * hidden + layers * (attention + mlp + 2 * hidden) + hidden + head
 
 
 def safetensors_parameters(paths: list[Path]) -> int:

@@ -104,6 +104,9 @@ async def pull_lines(node: ApiServices, model_id: str) -> AsyncIterator[dict[str
     yield {"status": "pulling manifest"}
     try:
         card = await known_card(node, model_id)
+        if card.builtin:  # generated where it is placed: nothing to download
+            yield {"status": "success"}
+            return
         await _start(node, model_id)
     except ApiError as exc:
         yield {"error": exc.message, "_status": exc.status}

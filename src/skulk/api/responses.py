@@ -36,6 +36,8 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 def completion_to_chat(body: CompletionRequest) -> ChatCompletionRequest:
+    if (why := body.unsupported()) is not None:
+        raise ApiError(ErrorCode.unsupported_field, why)
     if isinstance(body.prompt, list) and len(body.prompt) != 1:
         raise ApiError(ErrorCode.invalid_request,
                        "prompt: one prompt per request (a list of exactly one string); send the others "

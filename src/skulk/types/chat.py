@@ -166,8 +166,35 @@ class ChatCompletionRequest(BaseModel):
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    web_search_options: Any = None
 
     _ranges = field_validator(*RANGES, mode="wrap")(_say_range)
+
+    def unsupported(self) -> str | None:
+        """Why a field this request sets is not served (None: every field it sets is). Fields that would change
+        the answer are refused rather than ignored; `user`, `metadata`, `store`, `service_tier` change nothing a
+        client sees and are accepted."""
+        refusals = (
+            ("presence_penalty", bool(self.presence_penalty), "repetition penalties are not supported; send 0 or "
+             "leave it out"),
+            ("frequency_penalty", bool(self.frequency_penalty), "repetition penalties are not supported; send 0 or "
+             "leave it out"),
+            ("logit_bias", bool(self.logit_bias), "token biases are not supported; leave logit_bias out"),
+            ("modalities", any(m != "text" for m in self.modalities or []), 'only ["text"] is served'),
+            ("audio", self.audio is not None, "audio output is not supported; leave audio out"),
+            ("prediction", self.prediction is not None, "predicted outputs are not supported; leave prediction out"),
+            ("reasoning_effort", self.reasoning_effort is not None,
+             "Skulk's models have no reasoning settings; leave reasoning_effort out"),
+            ("web_search_options", self.web_search_options is not None, "web search is not supported"),
+        )
+        return next((f"{name}: {why}" for name, refused, why in refusals if refused), None)
 
     @field_validator("stop")
     @classmethod

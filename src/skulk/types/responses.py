@@ -45,6 +45,23 @@ class CompletionRequest(_Loose):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
     """Legacy logprobs: each token's log-probability and this many most likely alternatives (0...5)."""
+    suffix: str | None = None
+    best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> str | None:
+        """Why a field this request sets is not served (None: every field it sets is)."""
+        if self.suffix:
+            return "suffix: fill-in-the-middle is not supported; leave suffix out"
+        if self.best_of not in (None, 1):
+            return "best_of: one completion per request; leave best_of out or 1"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty, frequency_penalty: repetition penalties are not supported; send 0 or leave out"
+        if self.logit_bias:
+            return "logit_bias: token biases are not supported; leave logit_bias out"
+        return None
 
 
 class InputText(_Loose):
