@@ -231,7 +231,7 @@ def test_a_refused_placement_shows_the_gb_arithmetic(scenario: Scenario, dash: D
     first = page.get_by_test_id("gb-arithmetic").first
     sync_api.expect(first).to_contain_text("weights share \u00d7 1.25")
     text = first.inner_text()
-    assert "needs" in text and "KV headroom" in text and "but has" in text and "GB free" in text, text
+    assert "needs" in text and "KV pool" in text and "but has" in text and "GB free" in text, text
     previews = get(node, f"/instance/previews?model_id={TOO_BIG}")["previews"]
     refusals = [str(p["error"]) for p in previews if p["error"]]
     needs = {r.split(" needs ")[1].split(" GB")[0] for r in refusals if " needs " in r}

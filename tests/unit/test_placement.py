@@ -158,7 +158,7 @@ def test_insufficient_memory_message_shows_the_gb_arithmetic() -> None:
     result = do_place(state({"x": Memory.from_gb(1.5).in_bytes}), c)
     assert isinstance(result, InsufficientMemory)
     assert result.message.startswith(
-        "node x needs 1.90 GB (1.40 GB weights share × 1.25 + 0.15 GB KV headroom) but has 1.50 GB free"  # noqa: RUF001
+        "node x needs 1.90 GB (1.40 GB weights share × 1.25 + 0.15 GB KV pool) but has 1.50 GB free"  # noqa: RUF001
     )
     assert "free memory on node x" in result.message
 
@@ -433,7 +433,7 @@ def test_preview_round_trips_as_camel_case_json() -> None:
     s = state({"a": needed_whole(card()) // 2, "b": None})
     previews = preview_placements(s, card(), Sharding.Pipeline, InstanceMeta.MlxRing)
     payload = previews[0].model_dump(mode="json")
-    assert set(payload) == {"modelId", "sharding", "instanceMeta", "nodeIds", "nodes", "error"}
+    assert set(payload) == {"modelId", "sharding", "instanceMeta", "nodeIds", "nodes", "contextLength", "error"}
     assert "InsufficientMemory" in payload["error"]
     assert PlacementPreview.model_validate(payload) == previews[0]
     last_error = previews[-1].error

@@ -29,7 +29,7 @@ from skulk.api.errors import claude_error, claude_error_body, text_only_error
 from skulk.api.generation import GenerationFailed, collect, deltas
 from skulk.api.openapi import Family, documented
 from skulk.api.services import ApiServices
-from skulk.api.tokens import count_chat_tokens
+from skulk.api.tokens import check_context, count_chat_tokens
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.types.answers import ClaudeMessage, TokenCount
 from skulk.types.chat import ChatCompletionRequest, ToolCall
@@ -221,7 +221,9 @@ def claude_router(node: ApiServices) -> APIRouter:
             body = await parse_body(http, ClaudeCountRequest)
             chat = body.model_dump() | {"max_tokens": 1}
             messages = ClaudeRequest.model_validate(chat).chat_messages()
-            return JSONResponse({"input_tokens": await count_chat_tokens(node, body.model, messages)})
+            counted = await count_chat_tokens(node, body.model, messages)
+            check_context(node, body.model, counted)
+            return JSONResponse({"input_tokens": counted})
         except ApiError as exc:
             return claude_error(exc)
 

@@ -31,7 +31,7 @@ from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, new_id
 from skulk.types.instances import Instance, InstanceMeta, MlxRingInstance, Sharding
 from skulk.types.models import ModelCard, QuantizeAtLoad
-from skulk.types.placement import InfoPending, NoConnectedCycle, PlacementError
+from skulk.types.placement import InfoPending, KvCacheGb, KvSizing, MaxContext, NoConnectedCycle, PlacementError
 from skulk.types.state import State
 
 INFO_GRACE_S = 15.0
@@ -51,6 +51,16 @@ class PlaceInstanceRequest(BaseModel):
     quantization: QuantizeAtLoad | None = None
     """Quantize a float checkpoint's weights while loading (weight-only int4/int8): about 1/3.5 or 1/2 of a
     bf16 model's memory, so it fits where the float one does not."""
+    kv_cache_gb: KvCacheGb | None = None
+    """The instance's KV block pool in GiB, all ranks together; each node must fit its weights and its rank's share
+    (unset: the card's kv_cache_gb, else a quarter of what the tightest node has free after its weights)."""
+    max_context: MaxContext | None = None
+    """The longest context (prompt plus generation) the instance admits, capped by the model's own
+    max_position_embeddings (unset: the model's own). Longer requests get a 400 naming the limit."""
+
+    @property
+    def sizing(self) -> KvSizing:
+        return KvSizing(kv_cache_gb=self.kv_cache_gb, max_context=self.max_context)
 
 
 class CreateInstanceRequest(BaseModel):
@@ -87,6 +97,7 @@ def plan_instance(
         min_nodes=request.min_nodes,
         excluded_nodes=set(request.excluded_nodes),
         engine=request.engine,
+        sizing=request.sizing,
         instance_id=InstanceId(new_id()),
         new_runner_id=lambda: RunnerId(new_id()),
         rendezvous_port=new_rendezvous_port(),
@@ -137,6 +148,8 @@ async def place_on_master(
         excluded_nodes=request.excluded_nodes,
         engine=request.engine,
         model_card=card_for(request),
+        kv_cache_gb=request.kv_cache_gb,
+        max_context=request.max_context,
     )
     return await send_and_await_instance(node, command, planned.instance_id)
 
@@ -214,10 +227,13 @@ def control_router(node: ApiServices) -> APIRouter:
         excluded_node_ids: list[NodeId] = Query(default=[]),  # noqa: B008 - FastAPI's query declaration
         engine: EngineChoice = "auto",
         quantization: QuantizeAtLoad | None = None,
+        kv_cache_gb: float | None = Query(default=None, gt=0, le=65536),
+        max_context: int | None = Query(default=None, ge=2, le=1 << 24),
     ) -> dict[str, Any]:
         """Skulk's shape: `{"previews": [{model_id, sharding, instance_meta, instance, memory_delta_by_node,
         error}]}`; `downloads` (each node's copy of the model) rides along for this project's own clients.
-        `quantization`: the placements of the model quantized at load, as POST /place_instance would run it."""
+        `quantization`: the placements of the model quantized at load, as POST /place_instance would run it;
+        kv_cache_gb and max_context size the KV pool and context as a placement's would."""
         card = card_or_404(model_id)
         if quantization is not None:
             try:
@@ -226,7 +242,8 @@ def control_router(node: ApiServices) -> APIRouter:
                 raise ApiError(ErrorCode.invalid_quantization, str(exc)) from exc
         shardings = [sharding] if sharding else list(Sharding)
         metas = [instance_meta] if instance_meta else list(InstanceMeta)
-        found = skulk_previews(node.state, card, shardings, metas, set(excluded_node_ids), engine)
+        sizing = KvSizing(kv_cache_gb=kv_cache_gb, max_context=max_context)
+        found = skulk_previews(node.state, card, shardings, metas, set(excluded_node_ids), engine, sizing)
         wanted = ModelId(model_id)
         downloads = {n: d[wanted].model_dump(mode="json") for n, d in node.state.downloads.items() if wanted in d}
         return {"previews": [p.model_dump(mode="json") for p in found], "downloads": downloads}

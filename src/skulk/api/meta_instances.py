@@ -22,6 +22,7 @@ from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId, new_id
 from skulk.types.instances import InstanceMeta, Sharding
 from skulk.types.meta_instances import MetaInstance
+from skulk.types.placement import KvCacheGb, MaxContext
 
 
 class CreateMetaInstanceRequest(BaseModel):
@@ -34,6 +35,10 @@ class CreateMetaInstanceRequest(BaseModel):
     node_ids: list[NodeId] | None = Field(default=None, min_length=1)
     first_node_ids: list[NodeId] | None = Field(default=None, min_length=1)
     """The first instance on exactly these nodes (a preview's), re-placed by node_ids/min_nodes afterwards."""
+    kv_cache_gb: KvCacheGb | None = None
+    """The instance's KV pool in GiB, all ranks together (unset: the card's, else a share of free memory)."""
+    max_context: MaxContext | None = None
+    """The longest context the instance admits, capped by the model's own (unset: the model's own)."""
 
 
 def meta_instances_router(node: ApiServices) -> APIRouter:
@@ -50,6 +55,8 @@ def meta_instances_router(node: ApiServices) -> APIRouter:
             engine=body.engine,
             min_nodes=body.min_nodes,
             node_ids=body.node_ids,
+            kv_cache_gb=body.kv_cache_gb,
+            max_context=body.max_context,
         )
         command_id = CommandId(new_id())
         node.send_command(CreateMetaInstance(command_id=command_id, meta_instance=meta,

@@ -19,6 +19,7 @@ from skulk.api.services import ApiServices
 from skulk.api.store import valid_model_id
 from skulk.models.cards import add_custom_card, all_cards, get_card, is_custom
 from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry, weight_bytes
+from skulk.state.queries import served_context
 from skulk.store.files import INDEX_FILE, is_complete, local_files, model_dir_name
 from skulk.store.hub import Hub, HubError, list_files
 from skulk.store.service import ModelFiles
@@ -47,7 +48,9 @@ def models_router(node: ApiServices) -> APIRouter:
 
     @router.get("/models", response_model=None, responses=documented(Catalog))
     async def get_models() -> dict[str, Any]:
-        return {"data": [list_entry(card, created=0, where=_where(files, card)) for card in all_cards()]}
+        state = node.state
+        return {"data": [list_entry(card, created=0, where=_where(files, card),
+                                    context_length=served_context(state, card)) for card in all_cards()]}
 
     @router.post("/models/add", response_model=None, responses=documented(CatalogEntry, 400, 401, 404, 502))
     async def add_model(body: AddModelRequest) -> dict[str, Any]:

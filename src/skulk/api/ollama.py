@@ -28,6 +28,7 @@ from skulk.api.openapi import Family, documented
 from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.models.cards import all_cards, get_card
+from skulk.state.queries import served_context
 from skulk.types.answers import (
     OllamaEmbeddings,
     OllamaLegacyEmbedding,
@@ -263,7 +264,8 @@ def ollama_router(node: ApiServices) -> APIRouter:
         except ApiError as exc:
             return ollama_error(exc)
         info = {"general.architecture": card.family, "general.parameter_count": parameter_count(node, card),
-                f"{card.family}.context_length": card.context_length, f"{card.family}.block_count": card.n_layers,
+                f"{card.family}.context_length": served_context(node.state, card),
+                f"{card.family}.block_count": card.n_layers,
                 f"{card.family}.embedding_length": card.hidden_size}
         return JSONResponse({"modelfile": f"FROM {card.model_id}", "parameters": "", "template": "{{ .Prompt }}",
                              "details": _details(node, card), "model_info": info,
@@ -273,8 +275,9 @@ def ollama_router(node: ApiServices) -> APIRouter:
     @router.get("/api/ps", response_model=None, responses=documented(OllamaTags))
     async def ps() -> dict[str, Any]:
         placed = {i.model_id for i in node.state.instances.values()}
-        return {"models": [{**_tag(node, c), "expires_at": NEVER, "size_vram": 0} for c in _available(node)
-                           if c.model_id in placed]}
+        return {"models": [{**_tag(node, c), "expires_at": NEVER, "size_vram": 0,
+                            "context_length": served_context(node.state, c)}
+                           for c in _available(node) if c.model_id in placed]}
 
     @router.get("/api/version", response_model=None, responses=documented(OllamaVersion))
     async def version() -> dict[str, str]:

@@ -27,11 +27,18 @@ from skulk.api.model_facts import modified, not_served, rfc3339, served_cards
 from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, openai_tool_calls, parse_tool_calls
+from skulk.state.queries import served_context
 from skulk.types.answers import ChatCompletionAnswer, ClaudeModel, ClaudeModelList, OpenAIModel, OpenAIModelList
 from skulk.types.chat import ChatCompletionRequest
 from skulk.types.chunks import RequestStats, TokenChunk, TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode, error_body
 from skulk.types.models import ModelCard
+
+
+def _context_fields(context: int) -> dict[str, int]:
+    """The context the model's placed instances admit (state.queries.served_context), under the names clients
+    read it by: OpenRouter's context_length and vLLM's max_model_len."""
+    return {"context_length": context, "max_model_len": context}
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -176,7 +183,7 @@ def _is_anthropic(http: Request) -> bool:
 
 def _openai_model(node: ApiServices, card: ModelCard) -> dict[str, Any]:
     return {"id": card.model_id, "object": "model", "created": int(modified(node, card).timestamp()),
-            "owned_by": card.model_id.split("/")[0]}
+            "owned_by": card.model_id.split("/")[0], **_context_fields(served_context(node.state, card))}
 
 
 def _claude_model(node: ApiServices, card: ModelCard) -> dict[str, Any]:

@@ -11,13 +11,13 @@ from skulk.types.backends import EngineChoice
 from skulk.types.ids import InstanceId, NodeId, RunnerId, new_id
 from skulk.types.instances import InstanceMeta, MlxRingInstance, Sharding
 from skulk.types.models import ModelCard
-from skulk.types.placement import PlacementPreview
+from skulk.types.placement import KvSizing, PlacementPreview
 from skulk.types.previews import SkulkPlacementPreview
 from skulk.types.state import State
 
 
 def _instance_on_ring(
-    state: State, card: ModelCard, preview: PlacementPreview, engine: EngineChoice
+    state: State, card: ModelCard, preview: PlacementPreview, engine: EngineChoice, sizing: KvSizing
 ) -> MlxRingInstance | None:
     """The instance placement builds on exactly this ring (every other node excluded), with fresh ids."""
     others = set(state.topology.nodes) - set(preview.node_ids)
@@ -25,7 +25,7 @@ def _instance_on_ring(
         state, card, preview.sharding, preview.instance_meta,
         instance_id=InstanceId(new_id()), new_runner_id=lambda: RunnerId(new_id()),
         rendezvous_port=random.randint(29500, 29999), min_nodes=len(preview.node_ids), excluded_nodes=others,
-        engine=engine,
+        engine=engine, sizing=sizing,
     )
     return placed if isinstance(placed, MlxRingInstance) else None
 
@@ -36,8 +36,10 @@ def _prediction(state: State, card: ModelCard, preview: PlacementPreview) -> Spe
     return predict_speed(card, preview.sharding, ranks, state.node_compute, state.node_links)
 
 
-def _to_skulk(state: State, card: ModelCard, preview: PlacementPreview, engine: EngineChoice) -> SkulkPlacementPreview:
-    instance = _instance_on_ring(state, card, preview, engine) if preview.error is None else None
+def _to_skulk(
+    state: State, card: ModelCard, preview: PlacementPreview, engine: EngineChoice, sizing: KvSizing
+) -> SkulkPlacementPreview:
+    instance = _instance_on_ring(state, card, preview, engine, sizing) if preview.error is None else None
     error = preview.error.message if preview.error is not None else None
     if preview.error is None and instance is None:
         error = "the ring could not be planned again; GET /instance/previews once more"
@@ -52,6 +54,8 @@ def _to_skulk(state: State, card: ModelCard, preview: PlacementPreview, engine: 
         predicted_decode_tps=round(speed.decode_tps, 2) if speed else None,
         predicted_aggregate_tps=round(speed.aggregate_tps, 2) if speed and speed.aggregate_tps else None,
         predicted_batch=speed.batch if speed else None,
+        kv_cache_bytes_by_node={n.node_id: n.kv_pool.in_bytes for n in preview.nodes} if instance else None,
+        context_length=preview.context_length if instance else None,
         error=error,
     )
 
@@ -84,14 +88,15 @@ def skulk_previews(
     metas: Iterable[InstanceMeta],
     excluded: set[NodeId],
     engine: EngineChoice = "auto",
+    sizing: KvSizing = KvSizing(),  # noqa: B008 - frozen, never mutated
 ) -> list[SkulkPlacementPreview]:
     """Every ring that can host the model, with its instance; one entry per distinct refusal otherwise."""
     found: list[SkulkPlacementPreview] = []
     refusals: set[tuple[Sharding, InstanceMeta, str]] = set()
     for meta in metas:
         for sharding in shardings:
-            for preview in preview_placements(state, card, sharding, meta, excluded, engine):
-                entry = _to_skulk(state, card, preview, engine)
+            for preview in preview_placements(state, card, sharding, meta, excluded, engine, sizing):
+                entry = _to_skulk(state, card, preview, engine, sizing)
                 if entry.error is not None:
                     key = (sharding, meta, entry.error)
                     if key in refusals:

@@ -87,6 +87,7 @@ def place_instance(
         min_nodes=command.min_nodes,
         excluded_nodes=command.excluded_nodes,
         engine=command.engine,
+        sizing=command.sizing,
     )
     if isinstance(outcome, PlacementError):
         raise Refused(outcome.code, outcome.message)

@@ -27,7 +27,9 @@ from skulk.master.memory_pool import usable_bytes
 from skulk.master.shard_plan import (
     RUNTIME_OVERHEAD_FACTOR,
     NodePlan,
+    admitted_context,
     allocate_layers,
+    explicit_pool_tokens,
     kv_headroom_bytes,
     layer_ranges,
     plan_ring,
@@ -41,7 +43,7 @@ from skulk.types.instances import (
     ShardAssignments,
     Sharding,
 )
-from skulk.types.memory import Memory
+from skulk.types.memory import GB, Memory
 from skulk.types.models import ModelCard
 from skulk.types.placement import (
     AllCandidatesExcluded,
@@ -49,6 +51,8 @@ from skulk.types.placement import (
     InfoPending,
     InstanceKindUnsupported,
     InsufficientMemory,
+    KvPoolTooSmall,
+    KvSizing,
     NoConnectedCycle,
     NotEnoughLayers,
     PlacementError,
@@ -85,6 +89,30 @@ def new_rendezvous_port() -> int:
 
 
 @dataclass(frozen=True)
+class _Kv:
+    """A placement's KV sizing resolved against the card: what the instance admits and its pool, if explicit."""
+
+    context: int
+    pool_bytes: int | None
+
+    @classmethod
+    def of(cls, card: ModelCard, sizing: KvSizing) -> _Kv:
+        gb = sizing.kv_cache_gb if sizing.kv_cache_gb is not None else card.kv_cache_gb
+        return cls(admitted_context(card, sizing.max_context), None if gb is None else int(gb * GB))
+
+    def error(self, card: ModelCard) -> KvPoolTooSmall | None:
+        """An explicit pool must hold one request of the whole context, or such a request could never run."""
+        if self.pool_bytes is None or card.embeds:
+            return None
+        tokens = explicit_pool_tokens(card, self.pool_bytes)
+        if tokens >= self.context:
+            return None
+        return KvPoolTooSmall(model_id=card.model_id, kv_cache_gb=self.pool_bytes / GB, pool_tokens=tokens,
+                              context_length=self.context,
+                              least=Memory.from_bytes(kv_headroom_bytes(card, card.n_layers, context=self.context)))
+
+
+@dataclass(frozen=True)
 class _Candidate:
     """A ring with its per-rank plan, or the reason it cannot host the model."""
 
@@ -106,13 +134,15 @@ class _Candidate:
         return tuple(sorted(self.ring))
 
 
-def _kind_or_model_error(card: ModelCard, sharding: Sharding, meta: InstanceMeta) -> AnyPlacementError | None:
+def _kind_or_model_error(
+    card: ModelCard, sharding: Sharding, meta: InstanceMeta, kv: _Kv
+) -> AnyPlacementError | None:
     """Refusals that hold for every candidate, checked before looking at the topology."""
     if meta != InstanceMeta.MlxRing:
         return InstanceKindUnsupported(instance_meta=meta)
     if sharding == Sharding.Tensor and not card.supports_tensor:
         return _tensor_error(card, "model_unsupported", None)
-    return None
+    return kv.error(card)
 
 
 def _tensor_error(card: ModelCard, reason: TensorRefusal, node_count: int | None) -> TensorNotSupported:
@@ -152,7 +182,7 @@ def _insufficient(state: State, sharding: Sharding, ring: Ring, plan: NodePlan) 
         needed=Memory.from_bytes(plan.needed),
         weights_share=Memory.from_bytes(plan.weights_share),
         overhead_factor=RUNTIME_OVERHEAD_FACTOR,
-        kv_headroom=Memory.from_bytes(plan.kv_headroom),
+        kv_pool=Memory.from_bytes(plan.kv_pool),
         available=Memory.from_bytes(plan.free),
     )
 
@@ -161,7 +191,9 @@ def _node_names(state: State) -> dict[NodeId, str]:
     return {n: i.friendly_name for n, i in state.node_identities.items() if i.friendly_name != "Unknown"}
 
 
-def _evaluate(state: State, card: ModelCard, sharding: Sharding, ring: Ring, engine: EngineChoice) -> _Candidate:
+def _evaluate(
+    state: State, card: ModelCard, sharding: Sharding, ring: Ring, engine: EngineChoice, kv: _Kv
+) -> _Candidate:
     """Plan one ring; unknown memory is InfoPending, never a false InsufficientMemory."""
     shape = _shape_error(card, sharding, len(ring))
     if shape is not None:
@@ -172,7 +204,8 @@ def _evaluate(state: State, card: ModelCard, sharding: Sharding, ring: Ring, eng
     pending = [n for n in ring if n not in state.node_memory]
     if pending:
         return _Candidate(ring, error=InfoPending(node_ids=pending))
-    plans = plan_ring(card, sharding, ring, [usable_bytes(state, n) for n in ring])  # GTT on UMA nodes
+    free = [usable_bytes(state, n) for n in ring]  # GTT on UMA nodes
+    plans = plan_ring(card, sharding, ring, free, context=kv.context, kv_cache_bytes=kv.pool_bytes)
     short = [p for p in plans if not p.fits]
     if short:
         worst = min(short, key=lambda p: p.left_after)
@@ -223,7 +256,7 @@ def _no_candidate_error(
 
 def _choose(
     state: State, card: ModelCard, sharding: Sharding, nodes: list[NodeId], adj: Adjacency, min_nodes: int,
-    engine: EngineChoice,
+    engine: EngineChoice, kv: _Kv,
 ) -> _Candidate | AnyPlacementError | None:
     """Smallest ring size first; the first size with a valid ring decides (None: no ring at all).
 
@@ -233,7 +266,7 @@ def _choose(
     """
     failed: list[_Candidate] = []
     for size in range(min_nodes, min(len(nodes), MAX_CYCLE_NODES) + 1):
-        candidates = [_evaluate(state, card, sharding, ring, engine) for ring in rings_of_size(nodes, adj, size)]
+        candidates = [_evaluate(state, card, sharding, ring, engine, kv) for ring in rings_of_size(nodes, adj, size)]
         valid = [c for c in candidates if c.error is None]
         if valid:
             return _best_valid(valid)
@@ -252,11 +285,13 @@ def _build_instance(
     instance_id: InstanceId,
     new_runner_id: Callable[[], RunnerId],
     rendezvous_port: int,
+    context: int,
 ) -> MlxRingInstance:
     """One runner per rank in ring order; Tensor ranks own every layer, Pipeline ranks their slice."""
     shard_type = TensorShardMetadata if sharding == Sharding.Tensor else PipelineShardMetadata
     runner_to_shard: dict[RunnerId, ShardMetadata] = {}
     node_to_runner: dict[NodeId, RunnerId] = {}
+    kv_cache_bytes: dict[RunnerId, int] = {}
     for rank, plan in enumerate(chosen.plans):
         runner_id = new_runner_id()
         if runner_id in runner_to_shard:
@@ -270,6 +305,7 @@ def _build_instance(
             n_layers=card.n_layers,
         )
         node_to_runner[plan.node_id] = runner_id
+        kv_cache_bytes[runner_id] = plan.kv_pool
     return MlxRingInstance(
         instance_id=instance_id,
         shard_assignments=ShardAssignments(
@@ -280,6 +316,8 @@ def _build_instance(
         rendezvous=Rendezvous(
             host=rendezvous_host(state.topology.connections, chosen.ring), port=rendezvous_port
         ),
+        context_length=context,
+        kv_cache_bytes={} if card.embeds else kv_cache_bytes,
     )
 
 
@@ -295,32 +333,35 @@ def place(
     min_nodes: int = 1,
     excluded_nodes: Iterable[NodeId] = (),
     engine: EngineChoice = "auto",
+    sizing: KvSizing = KvSizing(),  # noqa: B008 - frozen, never mutated
 ) -> MlxRingInstance | PlacementError:
     """Place `card` on the smallest ring of at least `min_nodes` nodes where every node fits its shard.
 
     Among valid rings of that size the one with the most total headroom wins, then the lowest node ids. A ring
-    whose nodes cannot all run the engine (engine_choice.py) is refused with EngineUnavailable.
+    whose nodes cannot all run the engine (engine_choice.py) is refused with EngineUnavailable. `sizing` sets the
+    instance's context and KV pool (shard_plan); each node must fit its weights and its rank's pool.
     Returns the instance to put in a CreateInstance command, or the typed reason it cannot be placed.
     """
-    refused = _kind_or_model_error(card, sharding, instance_meta)
+    kv = _Kv.of(card, sizing)
+    refused = _kind_or_model_error(card, sharding, instance_meta, kv)
     if refused is not None:
         return refused
     min_nodes = max(1, min_nodes)
     excluded = set(excluded_nodes)
     nodes = live_nodes(state.topology, excluded)
     adj = adjacency(state.topology, nodes)
-    chosen = _choose(state, card, sharding, nodes, adj, min_nodes, engine)
+    chosen = _choose(state, card, sharding, nodes, adj, min_nodes, engine, kv)
     if chosen is None:
         return _no_candidate_error(state, nodes, adj, excluded, min_nodes)
     if not isinstance(chosen, _Candidate):
         return chosen
-    return _build_instance(state, card, sharding, chosen, instance_id, new_runner_id, rendezvous_port)
+    return _build_instance(state, card, sharding, chosen, instance_id, new_runner_id, rendezvous_port, kv.context)
 
 
 # ---------------------------------------------------------------------------------------------- preview
 
 
-def _preview(card: ModelCard, sharding: Sharding, meta: InstanceMeta, cand: _Candidate) -> PlacementPreview:
+def _preview(card: ModelCard, sharding: Sharding, meta: InstanceMeta, cand: _Candidate, kv: _Kv) -> PlacementPreview:
     nodes = [
         PreviewNode(
             node_id=p.node_id,
@@ -332,6 +373,7 @@ def _preview(card: ModelCard, sharding: Sharding, meta: InstanceMeta, cand: _Can
             needed=Memory.from_bytes(p.needed),
             free=Memory.from_bytes(p.free),
             left_after=Memory.from_bytes(p.left_after),
+            kv_pool=Memory.from_bytes(p.kv_pool),
             engine=cand.engine,
         )
         for rank, p in enumerate(cand.plans)
@@ -342,6 +384,7 @@ def _preview(card: ModelCard, sharding: Sharding, meta: InstanceMeta, cand: _Can
         instance_meta=meta,
         node_ids=list(cand.ring),
         nodes=nodes if cand.error is None else [],
+        context_length=kv.context if cand.error is None else None,
         error=cand.error,
     )
 
@@ -353,17 +396,19 @@ def preview_placements(
     instance_meta: InstanceMeta,
     excluded_nodes: Iterable[NodeId] = (),
     engine: EngineChoice = "auto",
+    sizing: KvSizing = KvSizing(),  # noqa: B008 - frozen, never mutated
 ) -> list[PlacementPreview]:
     """Every ring of every size from one node up, with its per-node plan or its typed refusal.
 
     Ordered by ring size, then node ids. Rings are capped like placement (cycles.MAX_CYCLE_NODES).
     """
-    refused = _kind_or_model_error(card, sharding, instance_meta)
+    kv = _Kv.of(card, sizing)
+    refused = _kind_or_model_error(card, sharding, instance_meta, kv)
     nodes = live_nodes(state.topology, excluded_nodes)
     adj = adjacency(state.topology, nodes)
     previews: list[PlacementPreview] = []
     for size in range(1, min(len(nodes), MAX_CYCLE_NODES) + 1):
         for ring in rings_of_size(nodes, adj, size):
-            cand = _Candidate(ring, error=refused) if refused else _evaluate(state, card, sharding, ring, engine)
-            previews.append(_preview(card, sharding, instance_meta, cand))
+            cand = _Candidate(ring, error=refused) if refused else _evaluate(state, card, sharding, ring, engine, kv)
+            previews.append(_preview(card, sharding, instance_meta, cand, kv))
     return previews

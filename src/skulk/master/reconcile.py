@@ -140,21 +140,28 @@ def instance_health(state: State) -> list[Event]:
 
 
 def with_committed(state: State) -> State:
-    """The state placement should see: each node's free memory less the shards committed to it whose runners
-    have not loaded yet (a loaded runner is already in the node's reported memory). Without this, two
-    placements in quick succession both see the same free memory and double-book the node."""
+    """The state placement should see: each node's free memory less what is committed to it and not yet in its
+    reading: the weights of shards whose runners have not loaded yet (a loaded runner's weights are in the node's
+    reported memory), and every rank's KV pool (its pages are committed only as blocks are first used, so a
+    reading never shows the whole pool). Without this, two placements in quick succession both see the same free
+    memory and double-book the node."""
     memory = dict(state.node_memory)
     for instance in state.instances.values():
         for node, runner in instance.shard_assignments.node_to_runner.items():
             usage = memory.get(node)
-            if usage is None or isinstance(state.runners.get(runner), LOADED):
+            if usage is None:
+                continue
+            pool = instance.kv_cache_bytes.get(runner, 0)
+            if isinstance(state.runners.get(runner), LOADED):
+                left = max(0, usage.ram_available.in_bytes - pool)
+                memory[node] = usage.model_copy(update={"ram_available": Memory.from_bytes(left)})
                 continue
             shard = instance.shard_assignments.runner_to_shard[runner]
             card = shard.model_card
             share = card.storage_size.in_bytes * (shard.end_layer - shard.start_layer) // max(1, card.n_layers)
             if instance.sharding.value == "Tensor":
                 share = card.storage_size.in_bytes // max(1, shard.world_size)
-            left = max(0, usage.ram_available.in_bytes - share)
+            left = max(0, usage.ram_available.in_bytes - share - pool)
             memory[node] = usage.model_copy(update={"ram_available": Memory.from_bytes(left)})
     return state.model_copy(update={"node_memory": memory})
 
@@ -177,6 +184,7 @@ def place_for(state: State, meta: MetaInstance, card: ModelCard, ids: Ids) -> Ml
         min_nodes=meta.min_nodes,
         excluded_nodes=excluded,
         engine=meta.engine,
+        sizing=meta.sizing,
     )
     if isinstance(outcome, PlacementError):
         return outcome

@@ -1,6 +1,10 @@
-"""Per-rank memory arithmetic for placement: layers per rank, weight share, KV headroom, the fit check.
+"""Per-rank memory arithmetic for placement: layers per rank, weight share, KV pool, the fit check.
 
 Separate from ring choice so the numbers the 400 message quotes are computed in exactly one place.
+
+The KV pool is sized here, at placement, so its bytes are counted before a runner ever allocates them. Every rank
+of an instance holds the same number of token positions (the engines' block tables are identical on every rank),
+each for its own layers (Pipeline) or heads (Tensor): pool_tokens picks that number once for the ring.
 """
 
 from __future__ import annotations
@@ -18,18 +22,61 @@ RUNTIME_OVERHEAD_FACTOR = 1.25
 
 DTYPE_BYTES: dict[DType, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+DEFAULT_KV_FRACTION = 0.25
+"""With no kv_cache_gb (neither the placement's nor the card's), the pool takes this share of what the tightest
+node of the ring has free after its weights: the same share the torch engine takes of free memory when built
+outside placement (engines/torch/schedule.DEFAULT_KV_FRACTION)."""
+MAX_STREAMS = 64
+"""A default pool never holds more than this many requests of the whole context: the torch engine's concurrent
+streams per instance (engines/torch/engine.DEFAULT_MAX_BATCH); more positions would never be used."""
+
 
 # ---------------------------------------------------------------------------------------------- arithmetic
 
 
-def kv_headroom_bytes(card: ModelCard, n_layers: int, tensor_ways: int = 1) -> int:
-    """KV cache for one full-context sequence over `n_layers`, so a placed model can serve a request.
+def kv_bytes_per_token(card: ModelCard, n_layers: int, tensor_ways: int = 1) -> int:
+    """What one token position costs in the KV cache of `n_layers` layers (keys and values, the card's dtype).
 
-    Tensor ranks hold 1/tensor_ways of the key/value heads, so their cache is that fraction.
+    Tensor ranks hold 1/tensor_ways of the key/value heads, so their cache is that fraction. An embedding model
+    keeps no KV cache.
     """
+    if card.embeds:
+        return 0
     head_dim = card.head_dim or card.hidden_size // card.num_attention_heads
     kv_heads = card.num_key_value_heads // tensor_ways
-    return 2 * n_layers * kv_heads * head_dim * card.context_length * DTYPE_BYTES[card.dtype]
+    return 2 * n_layers * kv_heads * head_dim * DTYPE_BYTES[card.dtype]
+
+
+def kv_headroom_bytes(card: ModelCard, n_layers: int, tensor_ways: int = 1, context: int | None = None) -> int:
+    """KV cache for one request of the whole context over `n_layers`: the least pool a placed model can serve with."""
+    return kv_bytes_per_token(card, n_layers, tensor_ways) * (context or card.context_length)
+
+
+def admitted_context(card: ModelCard, max_context: int | None) -> int:
+    """The context an instance admits: the model's own, capped by the placement's max_context."""
+    return card.context_length if max_context is None else min(card.context_length, max_context)
+
+
+def explicit_pool_tokens(card: ModelCard, kv_cache_bytes: int) -> int:
+    """Token positions an instance-wide pool of kv_cache_bytes holds (over every layer and head)."""
+    return kv_cache_bytes // max(1, kv_bytes_per_token(card, card.n_layers))
+
+
+def pool_tokens(
+    per_token: Sequence[int], base: Sequence[int], free: Sequence[int], context: int, kv_cache_bytes: int | None,
+    full_per_token: int,
+) -> int:
+    """Token positions every rank's pool holds. An explicit pool (kv_cache_bytes, all ranks together) is split in
+    proportion to each rank's per-token cost; the default is DEFAULT_KV_FRACTION of the tightest rank's memory left
+    after its weights (`base`), at most MAX_STREAMS whole contexts, and never less than one whole context, so any
+    admitted request can run (a ring too small for that is refused by the fit check, not by a smaller pool)."""
+    if full_per_token == 0:
+        return 0
+    if kv_cache_bytes is not None:
+        return kv_cache_bytes // full_per_token
+    spare = min(int(DEFAULT_KV_FRACTION * max(0, f - b)) // max(1, p) for p, b, f in zip(per_token, base, free,
+                                                                                       strict=True))
+    return max(context, min(spare, MAX_STREAMS * context))
 
 
 def allocate_layers(n_layers: int, free_bytes: Sequence[int]) -> list[int]:
@@ -73,12 +120,17 @@ class NodePlan:
     start_layer: int
     end_layer: int
     weights_share: int
-    kv_headroom: int
+    kv_pool: int
     free: int
 
     @property
+    def base(self) -> int:
+        """The weights with their runtime overhead: what the rank needs before any KV."""
+        return weights_base(self.weights_share)
+
+    @property
     def needed(self) -> int:
-        return math.ceil(self.weights_share * RUNTIME_OVERHEAD_FACTOR) + self.kv_headroom
+        return self.base + self.kv_pool
 
     @property
     def left_after(self) -> int:
@@ -90,23 +142,29 @@ class NodePlan:
         return self.needed < self.free
 
 
+def weights_base(weights_share: int) -> int:
+    return math.ceil(weights_share * RUNTIME_OVERHEAD_FACTOR)
+
+
 def plan_ring(
-    card: ModelCard, sharding: Sharding, ring: Sequence[NodeId], free: list[int]
+    card: ModelCard, sharding: Sharding, ring: Sequence[NodeId], free: list[int], *, context: int | None = None,
+    kv_cache_bytes: int | None = None,
 ) -> tuple[NodePlan, ...]:
-    """Each rank's layers and bytes: Tensor splits weights evenly, Pipeline in proportion to free memory."""
+    """Each rank's layers and bytes: Tensor splits weights evenly, Pipeline in proportion to free memory; every
+    rank's KV pool holds the same pool_tokens positions of its own layers (Pipeline) or heads (Tensor).
+    context: what the instance admits (admitted_context; None: the model's own)."""
     weights, size = card.storage_size.in_bytes, len(ring)
     if sharding == Sharding.Tensor:
-        share, kv = -(-weights // size), kv_headroom_bytes(card, card.n_layers, size)
-        return tuple(NodePlan(n, 0, card.n_layers, share, kv, f) for n, f in zip(ring, free, strict=True))
-    ranges = layer_ranges(allocate_layers(card.n_layers, free))
+        ranges = [(0, card.n_layers)] * size
+        shares = [-(-weights // size)] * size
+        per_token = [kv_bytes_per_token(card, card.n_layers, size)] * size
+    else:
+        ranges = layer_ranges(allocate_layers(card.n_layers, free))
+        shares = [-(-weights * (end - start) // card.n_layers) for start, end in ranges]
+        per_token = [kv_bytes_per_token(card, end - start) for start, end in ranges]
+    tokens = pool_tokens(per_token, [weights_base(s) for s in shares], free, context or card.context_length,
+                         kv_cache_bytes, kv_bytes_per_token(card, card.n_layers))
     return tuple(
-        NodePlan(
-            node_id=n,
-            start_layer=start,
-            end_layer=end,
-            weights_share=-(-weights * (end - start) // card.n_layers),
-            kv_headroom=kv_headroom_bytes(card, end - start),
-            free=f,
-        )
-        for n, (start, end), f in zip(ring, ranges, free, strict=True)
+        NodePlan(node_id=n, start_layer=start, end_layer=end, weights_share=share, kv_pool=tokens * p, free=f)
+        for n, (start, end), share, p, f in zip(ring, ranges, shares, per_token, free, strict=True)
     )

@@ -22,8 +22,11 @@ class UnsupportedArchitecture(ValueError):
     """The model's architecture is not one the engine runs; the message names it and the supported ones."""
 
 
-def list_entry(card: ModelCard, *, created: int, where: dict[str, Any]) -> dict[str, Any]:
-    """One model in Skulk's list shape; `where` adds this node's copies (downloaded, staged)."""
+def list_entry(
+    card: ModelCard, *, created: int, where: dict[str, Any], context_length: int | None = None
+) -> dict[str, Any]:
+    """One model in Skulk's list shape; `where` adds this node's copies (downloaded, staged). context_length: what
+    the placed instances admit (state.queries.served_context; None: the model's own)."""
     org, _, name = card.model_id.rpartition("/")
     return {
         "id": card.model_id,
@@ -33,7 +36,7 @@ def list_entry(card: ModelCard, *, created: int, where: dict[str, Any]) -> dict[
         "hugging_face_id": None if card.builtin else card.model_id,
         "name": name,
         "description": f"{card.family} · {card.n_layers} layers · {card.storage_size.in_bytes / 1e9:.2f} GB",
-        "context_length": card.context_length,
+        "context_length": card.context_length if context_length is None else context_length,
         "tags": [card.family, card.dtype] + (["builtin"] if card.builtin else []),
         "storage_size_megabytes": round(card.storage_size.in_bytes / MB),
         "supports_tensor": card.supports_tensor,

@@ -175,7 +175,8 @@ class Runner:
         if self.group is not None:
             return self._build_distributed_engine(self.group)
         return TorchEngine(self.spec.model_dir, start_layer=shard.start_layer, end_layer=shard.end_layer,
-                           quantize=shard.model_card.quantize_at_load, prefill_chunk=self.spec.prefill_chunk_tokens)
+                           quantize=shard.model_card.quantize_at_load, prefill_chunk=self.spec.prefill_chunk_tokens,
+                           max_seq=self.spec.context_length, kv_cache_bytes=self.spec.kv_cache_bytes)
 
     def _build_distributed_engine(self, group: Group) -> TorchEngine:
         from skulk.runner.group import build_engine

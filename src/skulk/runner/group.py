@@ -164,4 +164,6 @@ def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str =
         prefill_chunk=spec.prefill_chunk_tokens,
         device=device,
         quantize=shard.model_card.quantize_at_load,
+        max_seq=spec.context_length,
+        kv_cache_bytes=spec.kv_cache_bytes,
     )

@@ -29,6 +29,8 @@ class RunnerSpec:
     attempt: int = 0  # the instance attempt this runner serves (restarts of a multi-rank instance count up)
     engine: EngineKind = "torch"  # which engine runs this rank (the instance's, chosen at placement)
     ring_hosts: tuple[str, ...] = ()  # MLX ranks: host:port where each rank listens (MLX's ring hostfile)
+    context_length: int | None = None  # what the instance admits (placement's; None: the model's own)
+    kv_cache_bytes: int | None = None  # this rank's KV pool, reserved by placement (None: the engine's default)
 
     def context(self, pid: int | None) -> RunnerContext:
         shard = self.shard

@@ -12,6 +12,7 @@ from .ids import CommandId, InstanceId, MetaInstanceId, ModelId, NodeId
 from .instances import Instance, InstanceMeta, Sharding
 from .meta_instances import MetaInstance
 from .models import ModelCard
+from .placement import KvCacheGb, KvSizing, MaxContext
 
 
 class CreateInstance(TaggedModel):
@@ -88,6 +89,12 @@ class PlaceInstance(TaggedModel):
     excluded_nodes: list[NodeId] = []
     model_card: ModelCard | None = None
     """The card as the API node knows it (a model added on that node may be unknown to the master's catalog)."""
+    kv_cache_gb: KvCacheGb | None = None
+    max_context: MaxContext | None = None
+
+    @property
+    def sizing(self) -> KvSizing:
+        return KvSizing(kv_cache_gb=self.kv_cache_gb, max_context=self.max_context)
 
 
 class SetTracingEnabled(TaggedModel):

@@ -77,6 +77,7 @@ class ErrorCode(StrEnum):
     NotEnoughLayers = "NotEnoughLayers"
     SingleNodeOnly = "SingleNodeOnly"
     InfoPending = "InfoPending"
+    KvPoolTooSmall = "KvPoolTooSmall"
     # 5xx: Skulk or the cluster failed the request
     internal_error = "internal_error"
     tool_choice_unmet = "tool_choice_unmet"
@@ -147,7 +148,7 @@ for _status, _codes in {
          "unsupported_architecture model_not_chat model_not_embedding context_length_exceeded restart_required "
          "host_not_allowed no_config no_safetensors invalid_model_file invalid_node_id text_only unsupported_field "
          "InsufficientMemory NoConnectedCycle AllCandidatesExcluded TensorNotSupported "
-         "InstanceKindUnsupported EngineUnavailable NotEnoughLayers SingleNodeOnly",
+         "InstanceKindUnsupported EngineUnavailable NotEnoughLayers SingleNodeOnly KvPoolTooSmall",
     401: "missing_api_key invalid_api_key missing_internal_token invalid_internal_token gated_model",
     403: "forbidden origin_not_allowed admin_key_required",
     404: "not_found model_not_found instance_not_found node_not_found runner_not_found trace_not_found "

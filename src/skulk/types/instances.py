@@ -50,6 +50,13 @@ class MlxRingInstance(TaggedModel):
     rendezvous: Rendezvous | None = None
     meta_instance_id: MetaInstanceId | None = None
     """The MetaInstance this instance backs; set only by the master's reconciler (None: placed directly)."""
+    context_length: int | None = None
+    """The context this instance admits, chosen at placement: the model's max_position_embeddings, capped by the
+    placement's max_context. Every API surface advertises it (None: an instance written without it admits the
+    model's own context)."""
+    kv_cache_bytes: dict[RunnerId, int] = {}
+    """Each rank's KV block pool, reserved by placement beside the weights (a Pipeline rank holds only its layers'
+    KV, a Tensor rank its heads'). A runner missing here sizes its pool by the engine's default."""
 
     @property
     def model_id(self) -> ModelId:
@@ -58,6 +65,13 @@ class MlxRingInstance(TaggedModel):
     @property
     def world_size(self) -> int:
         return len(self.shard_assignments.runner_to_shard)
+
+    @property
+    def admits(self) -> int:
+        """The longest context (prompt plus generation) this instance serves."""
+        if self.context_length is not None:
+            return self.context_length
+        return next(iter(self.shard_assignments.runner_to_shard.values())).model_card.context_length
 
 
 Instance = Annotated[Annotated[MlxRingInstance, Tag("MlxRingInstance")], Discriminator(tag_of)]

@@ -12,6 +12,7 @@ from .backends import EngineChoice
 from .base import CamelModel
 from .ids import MetaInstanceId, ModelId, NodeId
 from .instances import InstanceMeta, Sharding
+from .placement import KvCacheGb, KvSizing, MaxContext
 
 MAX_INSTANCE_RETRIES = 3
 """Consecutive failures of a backing instance retried in place before it is deleted and placed anew."""
@@ -28,6 +29,12 @@ class MetaInstance(CamelModel):
     engine: EngineChoice = "auto"
     min_nodes: int = Field(default=1, ge=1, le=64)
     node_ids: list[NodeId] | None = None
+    kv_cache_gb: KvCacheGb | None = None
+    max_context: MaxContext | None = None
     placement_error: str | None = None
     consecutive_failures: int = 0
     last_failure_error: str | None = None
+
+    @property
+    def sizing(self) -> KvSizing:
+        return KvSizing(kv_cache_gb=self.kv_cache_gb, max_context=self.max_context)

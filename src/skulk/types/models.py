@@ -26,6 +26,7 @@ class ModelCard(CamelModel):
     dtype: DType = "bfloat16"
     quantization: str = "none"
     context_length: int = 4096
+    """The model's own context (max_position_embeddings); a placement's max_context can only lower it."""
     vocab_size: int | None = None
     """Tokens the model knows; bounds a request's top_k at the API (None: unknown, the engine clamps)."""
     head_dim: int | None = None
@@ -40,6 +41,9 @@ class ModelCard(CamelModel):
     """Skulk's hard filter: only nodes advertising one of these tags may run the model (None: any engine)."""
     backend_preference: list[BackendTag] = []
     """Skulk's soft order: under engine `auto`, the first of these every node of a ring can run wins."""
+    kv_cache_gb: float | None = None
+    """The KV pool a placement of this model reserves when the placement itself sets none (None: placement's
+    default share of free memory, shard_plan.DEFAULT_KV_FRACTION)."""
     tasks: list[ModelTask] = ["TextGeneration"]
     """Skulk's `tasks` of the card. An embedding model (TextEmbedding) answers only embeddings, runs on one
     node, and a chat model answers no embeddings: the API refuses either mix-up with a 400."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Self
 
-from pydantic import Discriminator, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from .backends import INSTALL, BackendTag, EngineChoice, EngineName
 from .base import CamelModel, TaggedModel, tag_of
@@ -25,6 +25,21 @@ def _gb(memory: Memory) -> str:
 
 def _ids(node_ids: list[NodeId]) -> str:
     return ", ".join(node_ids) if node_ids else "(none)"
+
+
+KvCacheGb = Annotated[float, Field(gt=0, le=65536)]
+"""kv_cache_gb: an instance's KV block pool in GiB, all ranks together (each rank holds its layers' or heads' share).
+Unset: the card's kv_cache_gb, else shard_plan.DEFAULT_KV_FRACTION of what each node has free after the weights."""
+MaxContext = Annotated[int, Field(ge=2, le=1 << 24)]
+"""max_context: the longest context (prompt plus generation) an instance admits, capped by the model's own
+(max_position_embeddings). Unset: the model's own."""
+
+
+class KvSizing(CamelModel):
+    """A placement's two knobs on the KV cache, as a placement request or a MetaInstance carries them."""
+
+    kv_cache_gb: KvCacheGb | None = None
+    max_context: MaxContext | None = None
 
 
 class PlacementError(TaggedModel):
@@ -59,17 +74,37 @@ class InsufficientMemory(PlacementError):
     needed: Memory
     weights_share: Memory
     overhead_factor: float
-    kv_headroom: Memory
+    kv_pool: Memory
+    """This rank's KV block pool (its layers' or heads' share of the instance's pool)."""
     available: Memory
 
     def describe(self) -> str:
         name = f"{self.node_id} ({self.node_name})" if self.node_name else self.node_id
         return (
             f"node {name} needs {_gb(self.needed)} ({_gb(self.weights_share)} weights share × "  # noqa: RUF001
-            f"{self.overhead_factor:g} + {_gb(self.kv_headroom)} KV headroom) but has "
-            f"{_gb(self.available)} free ({self.sharding.value} over {len(self.node_ids)} node(s); a shard "
-            "must fit strictly below free memory). Use a smaller model or a more aggressive quant, add "
-            f"nodes so the per-node share shrinks, or free memory on node {name} and retry."
+            f"{self.overhead_factor:g} + {_gb(self.kv_pool)} KV pool) but has "
+            f"{_gb(self.available)} free ({self.sharding.value} over {len(self.node_ids)} node(s); weights and "
+            "KV pool must fit strictly below free memory). Use a smaller model or a more aggressive quant, lower "
+            "kv_cache_gb or max_context (the pool holds at least one request of the whole context), add nodes so "
+            f"the per-node share shrinks, or free memory on node {name} and retry."
+        )
+
+
+class KvPoolTooSmall(PlacementError):
+    """An explicit kv_cache_gb cannot hold one request of the whole context: such a request could never run."""
+
+    model_id: ModelId
+    kv_cache_gb: float
+    pool_tokens: int
+    context_length: int
+    least: Memory
+    """The smallest pool that holds one request of the whole context."""
+
+    def describe(self) -> str:
+        return (
+            f"kv_cache_gb {self.kv_cache_gb:g} holds {self.pool_tokens} tokens of {self.model_id}'s KV cache, "
+            f"fewer than one request of its context ({self.context_length} tokens) needs. Raise kv_cache_gb to at "
+            f"least {self.least.in_bytes / GB:.3f}, or lower max_context to at most {self.pool_tokens}."
         )
 
 
@@ -227,7 +262,8 @@ AnyPlacementError = Annotated[
     | Annotated[EngineUnavailable, Tag("EngineUnavailable")]
     | Annotated[NotEnoughLayers, Tag("NotEnoughLayers")]
     | Annotated[SingleNodeOnly, Tag("SingleNodeOnly")]
-    | Annotated[InfoPending, Tag("InfoPending")],
+    | Annotated[InfoPending, Tag("InfoPending")]
+    | Annotated[KvPoolTooSmall, Tag("KvPoolTooSmall")],
     Discriminator(tag_of),
 ]
 """For pydantic fields that hold any refusal; use the base `PlacementError` for isinstance checks."""
@@ -245,6 +281,8 @@ class PreviewNode(CamelModel):
     needed: Memory
     free: Memory
     left_after: Memory
+    kv_pool: Memory = Memory()
+    """This rank's KV block pool, part of `needed`."""
     engine: EngineName = "torch"
     """The engine this rank would run (placement's choice for the ring)."""
 
@@ -257,6 +295,8 @@ class PlacementPreview(CamelModel):
     instance_meta: InstanceMeta
     node_ids: list[NodeId]
     nodes: list[PreviewNode] = []
+    context_length: int | None = None
+    """The context the instance would admit (None: refused before it was worked out)."""
     error: AnyPlacementError | None = None
 
     @property

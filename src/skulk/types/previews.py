@@ -20,7 +20,7 @@ class SkulkPlacementPreview(BaseModel):
     instance_meta: InstanceMeta
     instance: Instance | None = None
     memory_delta_by_node: dict[str, int] | None = None
-    """Bytes each node of the instance would take on: its share of the weights, overhead and KV headroom."""
+    """Bytes each node of the instance would take on: its share of the weights, overhead and its KV pool."""
     engine_by_node: dict[str, EngineName] | None = None
     """The engine each node of the instance would run (this project's addition, beside Skulk's fields)."""
     predicted_decode_tps: float | None = None
@@ -31,4 +31,8 @@ class SkulkPlacementPreview(BaseModel):
     predicted_batch: int | None = None
     predicted_warning: str | None = None
     """Set when this split is predicted to decode one stream slower than a placement on fewer nodes."""
+    kv_cache_bytes_by_node: dict[str, int] | None = None
+    """Each node's KV block pool, part of memory_delta_by_node (this project's addition)."""
+    context_length: int | None = None
+    """The context the instance would admit (this project's addition)."""
     error: str | None = None

@@ -231,6 +231,8 @@ class Worker:
             sharding=instance.sharding,
             engine=instance.engine,
             ring_hosts=self._ring_hosts(instance),
+            context_length=instance.admits,
+            kv_cache_bytes=instance.kv_cache_bytes.get(runner_id),
             model_dir=self.model_dir_for(instance),
             rendezvous=instance.rendezvous,
             warmup_deadline_s=self.warmup_deadline_s,

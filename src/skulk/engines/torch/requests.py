@@ -67,7 +67,7 @@ def accept_token(req: Request, token: int, eos_ids: Collection[int], context_len
         text, stopped = req.stops.push(req.decoder.push(token))
         if stopped:
             finish = "stop"
-        elif req.generated >= req.max_tokens or req.length >= context_length:
+        elif req.generated >= req.max_tokens or req.length + 1 >= context_length:  # this token is position length
             tail, stopped = req.stops.push(req.decoder.flush())
             text += tail if stopped else tail + req.stops.flush()
             finish = "stop" if stopped else "length"
