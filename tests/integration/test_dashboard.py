@@ -373,6 +373,69 @@ def test_the_timeline_highlights_a_wedged_rank(scenario: Scenario, dash: Dash) -
     dash.assert_clean()
 
 
+def test_an_answer_is_regenerated_a_message_edited_and_the_theme_switched(scenario: Scenario, dash: Dash) -> None:
+    node = scenario.nodes[0]
+    wait_until(lambda: scenario.meta_serving(node), 90, "the MetaInstance to serve")
+    page = dash.open(node, "/chat")
+    select = page.get_by_test_id("chat-model")
+    sync_api.expect(select).to_have_value(MODEL)
+    fits = page.evaluate("""() => { const el = document.querySelector('[data-testid=chat-model]');
+        const ctx = document.createElement('canvas').getContext('2d'); ctx.font = getComputedStyle(el).font;
+        return ctx.measureText(el.value).width < el.clientWidth; }""")
+    assert fits, "the model's name is cut off in its picker"
+    page.get_by_test_id("max-tokens").fill("6")
+    page.get_by_test_id("temperature").fill("0")
+    page.get_by_test_id("new-chat").click()
+    page.get_by_test_id("chat-input").fill("hello there")
+    page.get_by_test_id("chat-input").press("Enter")
+    answers, stats = page.get_by_test_id("msg-assistant"), page.get_by_test_id("answer-stats")
+    sync_api.expect(stats.last).to_contain_text("max tokens reached", timeout=60_000)
+    tasks = len(task_statuses(node))
+    page.get_by_test_id("regenerate").click()  # the same question answered afresh: one answer, a new request
+    sync_api.expect(page.get_by_test_id("chat-stop")).to_have_count(0, timeout=60_000)
+    sync_api.expect(answers).to_have_count(1)
+    sync_api.expect(stats.last).to_contain_text("max tokens reached")
+    assert len(task_statuses(node)) > tasks, "regenerate sent a request"
+    page.get_by_test_id("edit-message").click()
+    page.get_by_test_id("edit-input").fill("a different question")
+    page.get_by_test_id("edit-send").click()
+    sync_api.expect(page.get_by_test_id("msg-user")).to_have_text(re.compile("a different question"))
+    sync_api.expect(page.get_by_test_id("chat-stop")).to_have_count(0, timeout=60_000)
+    sync_api.expect(answers).to_have_count(1)
+
+    theme = page.get_by_test_id("theme-switch")
+    sync_api.expect(theme).to_have_text("Theme: auto")
+    theme.click()
+    theme.click()
+    sync_api.expect(theme).to_have_text("Theme: dark")
+    assert page.evaluate("() => document.documentElement.dataset.theme") == "dark"
+    assert page.evaluate("() => getComputedStyle(document.body).backgroundColor") == "rgb(22, 22, 20)"
+    page.reload()
+    sync_api.expect(page.get_by_test_id("theme-switch")).to_have_text("Theme: dark")  # kept in the browser
+    sync_api.expect(page.get_by_test_id("top-meta")).to_contain_text("2 nodes")
+    dash.assert_clean()
+
+
+def used_gb(text: str) -> float:
+    match = re.search(r"([\d.]+) GB used", text)
+    assert match is not None and " free of " in text, text
+    return float(match.group(1))
+
+
+def test_memory_says_used_and_free_and_cluster_and_placing_agree(scenario: Scenario, dash: Dash) -> None:
+    node = scenario.nodes[0]
+    page = dash.open(node, "/")
+    card = page.locator(f'[data-testid=node-card][data-node-id="{node.node_id}"] .bar-row').first
+    sync_api.expect(card).to_contain_text("GB used")
+    on_cluster = used_gb(card.inner_text())
+    dash.nav("Placing")
+    preview = page.locator(f'[data-testid=preview][data-ok=true][data-node-ids="{node.node_id}"] .bar-row').first
+    sync_api.expect(preview).to_contain_text("this model")
+    # the same source (state.nodeMemory) on both pages; memory moves a little between the two reads
+    assert abs(used_gb(preview.inner_text()) - on_cluster) < 0.25, (preview.inner_text(), on_cluster)
+    dash.assert_clean()
+
+
 def test_the_settings_page_applies_the_log_level_live_and_marks_what_needs_a_restart(
     scenario: Scenario, dash: Dash
 ) -> None:
@@ -404,6 +467,7 @@ def test_a_killed_node_shows_gone_and_the_meta_instance_is_placed_again(scenario
     sync_api.expect(gone).to_have_attribute("data-state", "gone", timeout=30_000)
     sync_api.expect(page.locator("[data-testid=node-card][data-state=live]")).to_have_count(1)
     sync_api.expect(page.locator("[data-testid=topology] .vertex.gone")).to_have_count(1)
+    sync_api.expect(page.get_by_test_id("top-meta")).to_contain_text("1 node ·")  # not "1 nodes"
 
     dash.nav("Placing")  # the page stays usable with a node down
     row = page.locator(f'[data-testid=meta-row][data-meta-id="{scenario.meta_instance()}"]')
@@ -496,6 +560,45 @@ def test_answers_render_as_markdown_and_never_as_html(browser: Any, keyed_api: s
         context.close()
     assert "<h3>Title</h3>" in rendered and "<strong>bold</strong>" in rendered and "<code>code</code>" in rendered
     assert "&lt;img src=x onerror=alert(1)&gt;" in rendered and "<img" not in rendered
-    assert "<pre class=\"code\" data-lang=\"py\"><code>print('&lt;b&gt;')</code></pre>" in rendered, rendered
+    assert ("<pre class=\"code\" data-lang=\"py\"><code>print(<span class=\"tok-str\">'&lt;b&gt;'</span>)</code></pre>"
+            in rendered), rendered
     assert 'href="https://example.com/a"' in rendered and 'rel="noopener noreferrer"' in rendered
     assert 'href="javascript' not in rendered and "[bad](javascript:alert(1))" in rendered, "kept as text"
+
+
+TABLE_AND_CODE = "Sizes:\n| model | GB | note |\n|:--|--:|:-:|\n| tiny | 0.01 | **fast** |\n" \
+    "| big \\| wide | 70 | <b>x</b> |\n\n```python\ndef f(x):  # double it\n    return x * 2 if x else 'none'\n```\n"
+
+
+def test_tables_render_code_is_highlighted_and_copied(browser: Any, keyed_api: str) -> None:
+    """Markdown pipe tables become tables (cells keep inline Markdown, markup stays text); a code block is
+    highlighted as spans and its Copy button puts the code, as text, on the clipboard."""
+    context = browser.new_context()
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=keyed_api)
+    page = context.new_page()
+    try:
+        page.goto(keyed_api + "/")
+        rendered = page.evaluate(
+            """async (text) => {
+                const base = document.querySelector('script[type=module]').src.replace(/js\\/main\\.js$/, '');
+                const { markdown } = await import(base + 'js/markdown.js');
+                const { render, h } = await import(base + 'vendor/preact.js');
+                const box = document.createElement('div');
+                box.id = 'md';
+                document.body.appendChild(box);
+                render(h('div', null, markdown(text)), box);
+                return box.innerHTML;
+            }""", TABLE_AND_CODE)
+        assert "<p>Sizes:</p>" in rendered, rendered
+        assert '<th style="text-align: left;">model</th>' in rendered
+        assert '<td style="text-align: right;">70</td>' in rendered
+        assert "<td style=\"text-align: center;\"><strong>fast</strong></td>" in rendered
+        assert "big | wide" in rendered and "&lt;b&gt;x&lt;/b&gt;" in rendered and "<b>" not in rendered
+        assert '<span class="tok-kw">def</span>' in rendered and '<span class="tok-com"># double it</span>' in rendered
+        assert "<span class=\"tok-str\">'none'</span>" in rendered and '<span class="tok-num">2</span>' in rendered
+        page.locator("#md [data-testid=copy-code]").dispatch_event("click")  # the page's key prompt covers it
+        sync_api.expect(page.locator("#md [data-testid=copy-code]")).to_have_text("Copied")
+        copied = page.evaluate("() => navigator.clipboard.readText()")
+        assert copied == "def f(x):  # double it\n    return x * 2 if x else 'none'"
+    finally:
+        context.close()

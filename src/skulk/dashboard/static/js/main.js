@@ -25,6 +25,32 @@ const PAGES = [
 const pageFor = (path) => PAGES.find((p) => p.path === path) || (path === '/cluster' ? PAGES[0] : null);
 
 
+export const plural = (n, word) => `${n} ${word}${n === 1 ? '' : 's'}`;
+
+// Light, dark, or the system's choice (auto), kept in this browser; app.css reads <html data-theme>.
+const THEME_STORE = 'skulk.theme';
+const THEMES = ['auto', 'light', 'dark'];
+function applyTheme(theme) {
+  if (theme === 'auto') delete document.documentElement.dataset.theme;
+  else document.documentElement.dataset.theme = theme;
+}
+function savedTheme() {
+  try { return THEMES.includes(localStorage.getItem(THEME_STORE)) ? localStorage.getItem(THEME_STORE) : 'auto'; } catch { return 'auto'; }
+}
+applyTheme(savedTheme());
+
+function ThemeSwitch() {
+  const [theme, setTheme] = useState(savedTheme);
+  const next = () => {
+    const t = THEMES[(THEMES.indexOf(theme) + 1) % THEMES.length];
+    try { localStorage.setItem(THEME_STORE, t); } catch { /* disabled */ }
+    applyTheme(t);
+    setTheme(t);
+  };
+  return html`<button type="button" class="theme-switch" onClick=${next} data-testid="theme-switch"
+    title="Colour theme: auto follows the system" aria-label=${`Theme: ${theme}`}>Theme: ${theme}</button>`;
+}
+
 function usePath() {
   const [path, setPath] = useState(window.location.pathname);
   useEffect(() => {
@@ -107,8 +133,9 @@ function App() {
       <a class="brand" href="/" onClick=${(e) => { e.preventDefault(); navigate('/'); }}>Skulk</a>
       <nav aria-label="Pages">${PAGES.map((p) => html`<${NavLink} page=${p} current=${p === page} />`)}</nav>
       <span class="top-meta" data-testid="top-meta">${state
-        ? `${Object.keys(state.nodeIdentities || {}).length} nodes · master ${master || 'none'}`
+        ? `${plural(Object.keys(state.nodeIdentities || {}).length, 'node')} · master ${master || 'none'}`
         : error ? (error.status === 401 ? 'API key needed' : 'offline') : 'loading…'}</span>
+      <${ThemeSwitch} />
       <button type="button" class="link" onClick=${() => { dismissed.current = false; setAskKey(true); }}>API key</button>
     </header>
     <${DownBanner} error=${error} at=${at} />

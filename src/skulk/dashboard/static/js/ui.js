@@ -30,7 +30,9 @@ export function tagged(value) {
 export function Bar({ label, used, total, extra = 0, title }) {
   const usedPct = pct(used, total);
   const extraPct = Math.min(100 - usedPct, pct(extra, total));
-  const text = `${gb(used)}${extra ? ` + ${gb(extra)}` : ''} of ${gb(total)}`;
+  // used and free said in words (a bare "3 GB of 16 GB" reads either way); free after `extra` when it is given
+  const free = Math.max(0, total - used - extra);
+  const text = `${gb(used)} used${extra ? ` + ${gb(extra)} this model` : ''} · ${gb(free)} free of ${gb(total)}`;
   const level = usedPct + extraPct > 90 ? 'bar-high' : usedPct + extraPct > 75 ? 'bar-mid' : '';
   return html`<div class=${label ? 'bar-row' : 'bar-row no-label'} title=${title || text}>
     ${label && html`<span class="bar-label">${label}</span>`}

@@ -1,6 +1,7 @@
 // Chat: a streamed answer from any served model, a stop button that cancels it (closing the stream makes the
-// node cancel the request), time to first token and tokens/s per answer, a system prompt, Markdown rendering,
-// and conversations kept in this browser's localStorage.
+// node cancel the request), time to first token and tokens/s per answer, a system prompt, Markdown rendering
+// (tables, highlighted code with a copy button), regenerate the last answer, edit a sent message, and
+// conversations kept in this browser's localStorage.
 import { useEffect, useRef, useState } from '../../vendor/hooks.js';
 import { ApiError, errorOf, headers, unauthorized } from '../api.js';
 import { markdown } from '../markdown.js';
@@ -67,13 +68,30 @@ function Stats({ stats }) {
   return html`<div class="stats small muted" data-testid="answer-stats">${parts.join(' · ')}</div>`;
 }
 
-function Message({ msg, live }) {
+// A user message can be edited (the conversation continues from it, the answers after it dropped); the last
+// answer can be regenerated. Neither is offered while an answer streams.
+function Message({ msg, live, busy, onEdit, onRegenerate }) {
+  const [editing, setEditing] = useState(null);
+  if (editing !== null) {
+    const submit = (e) => { e.preventDefault(); if (editing.trim()) { onEdit(editing.trim()); setEditing(null); } };
+    return html`<form class="msg user msg-edit" onSubmit=${submit} data-testid="msg-edit">
+      <textarea rows="3" value=${editing} aria-label="Edit message" data-testid="edit-input"
+        onInput=${(e) => setEditing(e.target.value)}></textarea>
+      <div class="msg-actions"><button type="button" onClick=${() => setEditing(null)}>Cancel</button>
+        <button type="submit" class="primary" disabled=${busy} data-testid="edit-send">Save and send</button></div>
+    </form>`;
+  }
   return html`<article class=${`msg ${msg.role}`} data-testid=${`msg-${msg.role}`}
       data-streaming=${live ? 'true' : 'false'}>
     <div class="msg-role">${msg.role === 'user' ? 'You' : msg.model || 'assistant'}</div>
     <div class="msg-body">${msg.role === 'assistant' ? markdown(msg.content) : msg.content}</div>
     ${msg.error && html`<p class="error" role="alert">${msg.error}</p>`}
     <${Stats} stats=${msg.stats} />
+    ${!live && (onEdit || onRegenerate) && html`<div class="msg-actions">
+      ${onEdit && html`<button type="button" class="link small" disabled=${busy} data-testid="edit-message"
+        onClick=${() => setEditing(msg.content)}>Edit</button>`}
+      ${onRegenerate && html`<button type="button" class="link small" disabled=${busy} data-testid="regenerate"
+        onClick=${onRegenerate}>Regenerate</button>`}</div>`}
   </article>`;
 }
 
@@ -113,13 +131,27 @@ export function ChatPage({ state }) {
   useEffect(() => { if (bottom.current) bottom.current.scrollIntoView({ block: 'nearest' }); }, [live, conv.messages.length]);
   const update = (fn) => setList((all) => all.map((c) => (c.id === conv.id ? fn(c) : c)));
 
-  const send = async (e) => {
+  const send = (e) => {
     e.preventDefault();
     const text = draft.trim();
     if (!text || live || !chosen) return;
-    const history = [...conv.messages, { role: 'user', content: text }];
-    update((c) => ({ ...c, title: c.messages.length ? c.title : text.slice(0, 40), messages: history }));
     setDraft('');
+    ask([...conv.messages, { role: 'user', content: text }]);
+  };
+  // The conversation up to and including its last user message, answered afresh.
+  const regenerate = () => {
+    if (live || !chosen) return;
+    const lastUser = conv.messages.map((m) => m.role).lastIndexOf('user');
+    if (lastUser >= 0) ask(conv.messages.slice(0, lastUser + 1));
+  };
+  const edit = (index) => (text) => {
+    if (live || !chosen) return;
+    ask([...conv.messages.slice(0, index), { ...conv.messages[index], content: text }]);
+  };
+
+  const ask = async (history) => {
+    const text = history[history.length - 1].content;
+    update((c) => ({ ...c, title: c.messages.length ? c.title : text.slice(0, 40), messages: history }));
     setError(null);
     const messages = [...(conv.system.trim() ? [{ role: 'system', content: conv.system }] : []),
       ...history.map(({ role, content }) => ({ role, content }))];
@@ -177,7 +209,8 @@ export function ChatPage({ state }) {
     <${Sidebar} list=${list} current=${conv.id} onPick=${setCurrentId} onNew=${fresh} onDelete=${remove} />
     <section class="panel chat-main" aria-label="Chat">
       <div class="form-grid">
-        <label>Model <select value=${chosen} onChange=${(e) => setModel(e.target.value)} data-testid="chat-model">
+        <label class="model-pick">Model <select value=${chosen} onChange=${(e) => setModel(e.target.value)}
+          data-testid="chat-model" title=${chosen}>
           ${models.map((m) => html`<option value=${m}>${m}</option>`)}</select></label>
         <label>Max tokens <input type="number" min="1" max="32768" value=${maxTokens} data-testid="max-tokens"
           onInput=${(e) => setMaxTokens(Math.max(1, Number(e.target.value) || 1))} /></label>
@@ -189,7 +222,9 @@ export function ChatPage({ state }) {
       ${!models.length && html`<p class="muted">No model is served yet: place one on the${' '}
         <a href="/placing">Placing</a> page.</p>`}
       <div class="messages" aria-live="polite">
-        ${conv.messages.map((m, i) => html`<${Message} key=${i} msg=${m} />`)}
+        ${conv.messages.map((m, i) => html`<${Message} key=${`${conv.id}-${i}`} msg=${m} busy=${!!live || !chosen}
+          onEdit=${m.role === 'user' ? edit(i) : null}
+          onRegenerate=${m.role === 'assistant' && i === conv.messages.length - 1 ? regenerate : null} />`)}
         ${live && html`<${Message} msg=${live} live=${true} />`}
         <div ref=${bottom}></div>
       </div>

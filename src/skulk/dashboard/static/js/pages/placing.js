@@ -92,13 +92,17 @@ function PreviewCard({ state, preview, onLaunch, busy }) {
     ${preview.error ? html`<${Refusal} state=${state} refusal=${preview.error} />` : html`
       <${Prediction} predicted=${preview.predicted} />
       ${preview.nodes.map((n) => {
-        const total = bytesOf(((state.nodeMemory || {})[n.nodeId] || {}).ramTotal) || n.free;
+        // the node's memory as the Cluster page shows it (state.nodeMemory), plus what this model needs; the
+        // "leaves" figure is placement's, which also counts shards committed but not loaded yet
+        const mem = (state.nodeMemory || {})[n.nodeId] || {};
+        const total = bytesOf(mem.ramTotal) || n.free;
+        const used = mem.ramAvailable ? total - bytesOf(mem.ramAvailable) : total - n.free;
         return html`<div class="preview-node">
           <div class="small">${nodeName(state, n.nodeId)} · rank ${n.deviceRank}/${n.worldSize}${' '}
             · layers ${n.startLayer}–${n.endLayer} of ${n.nLayers} · needs ${gb(n.needed)}${' '}
             · leaves ${gb(n.free - n.needed)}</div>
-          <${Bar} used=${total - n.free} extra=${n.needed} total=${total}
-            title=${`in use ${gb(total - n.free)} + this model ${gb(n.needed)} of ${gb(total)}`} />
+          <${Bar} used=${used} extra=${n.needed} total=${total}
+            title=${`used ${gb(used)} + this model ${gb(n.needed)} of ${gb(total)}`} />
         </div>`;
       })}
       <div class="row">
