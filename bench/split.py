@@ -324,8 +324,9 @@ def run_model(ns: Namespaces, nodes: list[SplitNode], key: str, profiles: list[L
     for label, count, sharding in PLACEMENTS:
         instance_id, runners = place(api, nodes[:count], nodes, model, quant, sharding)
         try:
-            if count == 1:
-                asyncio.run(measure(api.url, model, tokens, 2))  # served steps: node 0 learns its compute
+            # warm-up, 1 and 8 streams (first-call allocations); on one rank these served steps also teach
+            # node 0 its compute before anything is predicted
+            asyncio.run(measure(api.url, model, tokens if count == 1 else 8, 2 if count == 1 else 1))
             for profile in profiles:
                 if count == 1:
                     predicted[profile.name] = shape_and_predict(ns, nodes, key, profile)
