@@ -12,7 +12,8 @@ its latency rows then carry the veth's own (~0.05 ms), and the table says "laten
 For each model (the built-in ~100M `skulk/bench-random-100m` quantized to int4 at load, and SmolLM2-135M, the
 default model, fetched as `make run` fetches it) it places one rank on one core, then Pipeline 2 and Tensor 2
 (one core each), and under each link measures: single-stream decode tok/s (median of --streams), TTFT (median),
-and the 8-stream aggregate (tokens of all 8 over the time from the first first-token to the last token). Every
+and the 8-stream aggregate (tokens of all 8 while all 8 were decoding: from the last first token to the first
+last token, so the admission ramp and the tail do not dilute the batch's rate). Every
 row prints its ratio to one rank measured under the same link in the same run, and the previews' predicted
 tok/s for that placement (GET /instance/previews, read under that link before measuring) beside the measured.
 
@@ -21,7 +22,8 @@ Needs root (network namespaces, tc); without it, or where `ip netns add` fails, 
 Measured 2026-11-26 on an H200 machine's host CPUs (16 cores; `--models bench --cores 2-3/4-5 --tokens 32`;
 Firecracker kernel without netem, so the rates alone were shaped and every link had the veth's latency), one
 stream ÷ one rank: Pipeline 2 0.57-0.60, Tensor 2 0.15; 8 streams ÷ one rank: Pipeline 2 0.48-1.28,
-Tensor 2 0.31-0.64 (one rank decoded 369-385 tok/s, one stream; 366-465 tok/s, 8 streams). One rank also
+Tensor 2 0.31-0.64 (one rank decoded 369-385 tok/s, one stream; 366-465 tok/s, 8 streams; that run timed the
+aggregate from the first first-token to the last token, ramp and tail included). One rank also
 drafts speculatively (prompt lookup, single rank only), which part of its lead over a split is.
 Run: sudo .venv/bin/python bench/split.py [--models bench,smollm2] [--links lan10g,lan1g,wifi] [--tokens 48]
      [--streams 3] [--cores 0/1]   (--cores: each node's cores, taskset lists separated by '/')
@@ -202,13 +204,27 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def one_stream(client: httpx.AsyncClient, model: str, tokens: int, seed: int) -> tuple[float, float, float, int]:
-    """(sent, first token, last token, tokens) of one greedy streamed completion."""
+@dataclass
+class Streamed:
+    sent: float
+    times: list[float]
+    """When each token line arrived."""
+    produced: int
+
+    @property
+    def first(self) -> float:
+        return self.times[0]
+
+    @property
+    def last(self) -> float:
+        return self.times[-1]
+
+
+async def one_stream(client: httpx.AsyncClient, model: str, tokens: int, seed: int) -> Streamed:
+    """One greedy streamed completion, as its client saw it."""
     body = {"model": model, "messages": [{"role": "user", "content": f"{PROMPT} ({seed})"}], "max_tokens": tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
-    first = last = 0.0
-    produced = 0
+    seen = Streamed(time.perf_counter(), [], 0)
     async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
         async for line in reply.aiter_lines():
             if not line.startswith("data: {"):
@@ -217,13 +233,23 @@ async def one_stream(client: httpx.AsyncClient, model: str, tokens: int, seed: i
             if "error" in payload:
                 raise RuntimeError(f"stream failed: {payload['error']}")
             if payload.get("choices") == [] and "usage" in payload:
-                produced = payload["usage"]["completion_tokens"]
+                seen.produced = payload["usage"]["completion_tokens"]
                 continue
-            last = time.perf_counter()
-            first = first or last
-    if produced < 2:
-        raise RuntimeError(f"too few tokens streamed ({produced})")
-    return sent, first, last, produced
+            seen.times.append(time.perf_counter())
+    if seen.produced < 2 or len(seen.times) < 2:
+        raise RuntimeError(f"too few tokens streamed ({seen.produced})")
+    return seen
+
+
+def steady_aggregate(many: list[Streamed]) -> float:
+    """Tokens/s of all streams while every one of them was decoding (from the last first token to the first
+    last token): the batch's own rate, without the admission ramp and the tail. Where the streams did not
+    overlap that long, all tokens over the whole span."""
+    start, end = max(s.first for s in many), min(s.last for s in many)
+    inside = sum(1 for s in many for t in s.times if start < t <= end)
+    if end - start > 0 and inside >= 2 * len(many):
+        return inside / (end - start)
+    return sum(s.produced for s in many) / (max(s.last for s in many) - min(s.first for s in many))
 
 
 async def measure(url: str, model: str, tokens: int, streams: int) -> tuple[float, float, float]:
@@ -232,10 +258,13 @@ async def measure(url: str, model: str, tokens: int, streams: int) -> tuple[floa
         await one_stream(client, model, 8, 0)  # warm-up
         singles = [await one_stream(client, model, tokens, i) for i in range(streams)]
         many = await asyncio.gather(*(one_stream(client, model, tokens, 100 + i) for i in range(STREAMS_AGGREGATE)))
-    decode = statistics.median((n - 1) / (last - first) for _, first, last, n in singles)
-    ttft = statistics.median(first - sent for sent, first, _, _ in singles) * 1000
-    aggregate = sum(n for *_, n in many) / (max(m[2] for m in many) - min(m[1] for m in many))
-    return decode, ttft, aggregate
+    decode = statistics.median((s.produced - 1) / (s.last - s.first) for s in singles)
+    ttft = statistics.median(s.first - s.sent for s in singles) * 1000
+    return decode, ttft, steady_aggregate(list(many))
+
+
+class Refused(Exception):
+    """The cluster refused the placement with a 400: the bench says why and goes on with the next."""
 
 
 def place(api: SplitNode, members: list[SplitNode], everyone: list[SplitNode], model: str, quant: str | None,
@@ -246,6 +275,8 @@ def place(api: SplitNode, members: list[SplitNode], everyone: list[SplitNode], m
         body["quantization"] = quant
     with api.client(timeout=300) as client:
         reply = client.post("/place_instance", json=body)
+    if reply.status_code == 400:  # the model cannot be split so (Tensor needs heads divisible by the ranks)
+        raise Refused(reply.json().get("error", {}).get("message", reply.text))
     if reply.status_code != 200:
         raise RuntimeError(f"placement {sharding} on {len(members)} refused: {reply.text}")
     assignments = reply.json()["instance"]["MlxRingInstance"]["shardAssignments"]
@@ -322,7 +353,11 @@ def run_model(ns: Namespaces, nodes: list[SplitNode], key: str, profiles: list[L
     api, rows = nodes[0], []
     predicted: dict[str, dict[str, tuple[float | None, float | None]]] = {}
     for label, count, sharding in PLACEMENTS:
-        instance_id, runners = place(api, nodes[:count], nodes, model, quant, sharding)
+        try:
+            instance_id, runners = place(api, nodes[:count], nodes, model, quant, sharding)
+        except Refused as exc:
+            print(f"  {key:8} {label:10} not measured: {exc}", flush=True)
+            continue
         try:
             # warm-up, 1 and 8 streams (first-call allocations); on one rank these served steps also teach
             # node 0 its compute before anything is predicted
