@@ -18,6 +18,7 @@ from skulk.api.model_facts import config_parameters, parameter_size, safetensors
 from skulk.api.ollama import _timings
 from skulk.api.ollama_pull import OllamaPullRequest, pull_model_id
 from skulk.api.response_store import ResponseStore
+from skulk.api.security import CURRENT, Access, Principal
 from skulk.types.chat import ChatMessage
 from skulk.types.chunks import GenerationStats, RequestStats
 from skulk.types.errors import ApiError
@@ -162,6 +163,24 @@ def test_the_response_store_keeps_a_bounded_time_count_and_size() -> None:
     with pytest.raises(ApiError) as missing:
         store.require("r0", param="previous_response_id")
     assert missing.value.status == 404 and "previous_response_id" in missing.value.message
+
+
+def test_a_stored_response_belongs_to_its_key() -> None:
+    store = ResponseStore()
+    store.put("resp_a", "{}", [ChatMessage(role="user", content="secret")], owner="key-a")
+    viewers = ((Principal(Access.INFERENCE, "key-a"), True), (Principal(Access.INFERENCE, "key-b"), False),
+               (Principal(Access.ADMIN, "admin"), True))
+    for principal, visible in viewers:
+        token = CURRENT.set(principal)
+        try:
+            if visible:
+                assert store.require("resp_a").conversation[0].text == "secret"
+            else:
+                with pytest.raises(ApiError) as hidden:
+                    store.require("resp_a")
+                assert hidden.value.status == 404  # another key's response is not said to exist
+        finally:
+            CURRENT.reset(token)
 
 
 def test_parameter_counts_come_from_safetensors_headers(tmp_path: Path) -> None:

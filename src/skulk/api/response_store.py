@@ -6,7 +6,8 @@ conversation it ended: the earlier turns, its input, and its output as an assist
 cannot grow a node without end: a response is kept for `MAX_AGE_S` (1 hour) after it was created, at most
 `MAX_RESPONSES` (1024) of them and `MAX_BYTES` (64 MiB of their JSON) together; past either bound the oldest go
 first. A node restart forgets them, and another node of the cluster does not know them: a client continues a
-response through the node that answered it (a 404 in OpenAI's shape says so otherwise)."""
+response through the node that answered it (a 404 in OpenAI's shape says so otherwise). With API keys on, a
+response belongs to the key that created it: another inference key gets the same 404 (an admin key reads all)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from skulk.api.security import CURRENT, Access
 from skulk.types.chat import ChatMessage
 from skulk.types.errors import ApiError, ErrorCode
 
@@ -31,6 +33,8 @@ class Stored:
     """Every turn up to and including this response's output (without instructions, which do not carry over)."""
     created: float
     size: int
+    owner: str | None = None
+    """The fingerprint of the API key that created it (None: keys are off)."""
 
 
 class ResponseStore:
@@ -45,12 +49,13 @@ class ResponseStore:
         self._expire()
         return len(self._items)
 
-    def put(self, response_id: str, response: str, conversation: list[ChatMessage]) -> None:
+    def put(self, response_id: str, response: str, conversation: list[ChatMessage], owner: str | None = None
+            ) -> None:
         size = len(response) + sum(len(m.model_dump_json()) for m in conversation)
         if size > self.max_bytes:
             return  # one response larger than the whole store: answered, never kept
         self._drop(response_id)
-        self._items[response_id] = Stored(response, tuple(conversation), self.clock(), size)
+        self._items[response_id] = Stored(response, tuple(conversation), self.clock(), size, owner)
         self._bytes += size
         while len(self._items) > self.max_responses or self._bytes > self.max_bytes:
             self._drop(next(iter(self._items)))
@@ -64,8 +69,12 @@ class ResponseStore:
         return self._drop(response_id)
 
     def require(self, response_id: str, *, param: str | None = None) -> Stored:
-        """The stored response, or the 404 that says why it may be missing."""
+        """The stored response, or the 404 that says why it may be missing (also for another key's response)."""
         found = self.get(response_id)
+        viewer = CURRENT.get()
+        if found is not None and found.owner is not None and viewer.access < Access.ADMIN \
+                and viewer.key_id != found.owner:
+            found = None
         if found is None:
             what = f"previous_response_id: no response found with id {response_id!r}" if param else \
                 f"no response found with id {response_id!r}"

@@ -24,6 +24,7 @@ from skulk.api.chat_options import (
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
 from skulk.api.response_store import ResponseStore
+from skulk.api.security import CURRENT
 from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
 from skulk.types.chat import ChatCompletionRequest, ChatMessage, Tool, ToolCall
@@ -71,6 +72,7 @@ class ResponseBuilder:
                  history: list[ChatMessage] | None = None) -> None:
         self.id = f"resp_{session.command_id}"
         self.history = history or []
+        self.owner = CURRENT.get().key_id  # the request's key, read before any streaming
         self.command_id = session.command_id
         self.item_id = f"msg_{session.command_id}"
         self.body, self.family, self.forced = body, family, forced
@@ -100,7 +102,7 @@ class ResponseBuilder:
 
     def keep(self, store: ResponseStore, response: dict[str, Any], text: str, calls: list[ToolCall]) -> None:
         if self.body.store:
-            store.put(self.id, json.dumps(response), self.conversation(text, calls))
+            store.put(self.id, json.dumps(response), self.conversation(text, calls), self.owner)
 
     def obj(self, status: str, done: Finished | None = None, items: list[dict[str, Any]] | None = None
             ) -> dict[str, Any]:

@@ -54,7 +54,8 @@ EXEMPT = {("GET", "/healthz"), ("GET", "/node_id")}
 _INFERENCE = [
     ("POST", r"/v1/chat/completions"), ("POST", r"/bench/chat/completions"), ("POST", r"/v1/completions"),
     ("POST", r"/v1/messages(/count_tokens)?"), ("POST", r"/v1/responses"), ("POST", r"/v1/embeddings"),
-    ("POST", r"(/ollama)?/api/(chat|generate|show|embed)"), ("POST", r"/v1/cancel/[^/]+"),
+    ("POST", r"(/ollama)?/api/(chat|generate|show|embed|embeddings)"), ("POST", r"/v1/cancel/[^/]+"),
+    ("GET", r"/v1/responses/[^/]+"), ("DELETE", r"/v1/responses/[^/]+"),
     ("GET", r"/v1/models(/.*)?"), ("GET", r"/models"), ("GET", r"(/ollama)?/api/(tags|version|ps)"), ("GET", r"/state"),
     ("GET", r"/instance/[^/]+"), ("GET", r"/meta_instances"),
 ]
