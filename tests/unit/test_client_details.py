@@ -212,3 +212,39 @@ def test_pull_names_a_hugging_face_model() -> None:
     with pytest.raises(ApiError) as tag:
         pull_model_id(OllamaPullRequest(model="llama3:8b"))
     assert tag.value.status == 400 and "skulk models import ollama:llama3:8b" in tag.value.message
+
+
+def test_pull_through_a_store_host_streams_its_progress_and_ends_on_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a store host configured the download runs there: the lines follow its status answers, and a status it
+    can no longer give ends the pull with an error line instead of polling forever."""
+    import asyncio
+
+    from fastapi.responses import JSONResponse
+
+    from skulk.api import ollama_pull
+
+    answers: list[JSONResponse] = []
+
+    async def store_host(_: Any, method: str, path: str) -> JSONResponse:
+        return JSONResponse({"model_id": "org/x"}, status_code=202) if method == "POST" else answers.pop(0)
+
+    async def card(_: Any, model_id: str) -> Any:
+        return CARD
+
+    monkeypatch.setattr(ollama_pull, "at_store_host", store_host)
+    monkeypatch.setattr(ollama_pull, "known_card", card)
+    monkeypatch.setattr(ollama_pull, "POLL_S", 0.0)
+
+    async def lines() -> list[dict[str, Any]]:
+        return [line async for line in ollama_pull.pull_lines(api_services(), "org/x")]
+
+    answers[:] = [JSONResponse({"status": "Downloading", "totalBytes": 100, "downloadedBytes": 40}),
+                  JSONResponse({"status": "Downloading", "totalBytes": 100, "downloadedBytes": 40}),
+                  JSONResponse({"status": "Completed", "totalBytes": 100, "downloadedBytes": 100})]
+    got = asyncio.run(lines())
+    assert [line["status"] for line in got] == ["pulling manifest", "downloading org/x", "downloading org/x",
+                                                "verifying sha256 digest", "writing manifest", "success"]
+    assert [(line["total"], line["completed"]) for line in got[1:3]] == [(100, 40), (100, 100)]
+    answers[:] = [JSONResponse({"error": {"message": "no download of org/x", "type": "x"}}, status_code=404)]
+    failed = asyncio.run(lines())
+    assert failed[-1]["error"] == "no download of org/x" and failed[-1]["_status"] == 404

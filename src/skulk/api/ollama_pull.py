@@ -83,6 +83,8 @@ async def _progress(node: ApiServices, model_id: str) -> dict[str, Any]:
     """The download's state as /store/models/{id}/download/status answers it (camelCase fields)."""
     forwarded = await at_store_host(node, "GET", f"/store/models/{model_id}/download/status")
     if forwarded is not None:
+        if forwarded.status_code >= 400:  # the store host lost the download: say so, never poll forever
+            return {"status": "Failed", "error": _message(forwarded), "errorStatus": forwarded.status_code}
         return json.loads(bytes(forwarded.body))
     progress = node.files.progress.get(ModelId(model_id))
     if progress is None:
