@@ -1,12 +1,16 @@
 # Two commands on a fresh machine: `make run` serves the demo model, `make test` runs the whole suite.
 VENV ?= .venv
+PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
 .PHONY: run test test-fast lint bench clean chromium
 
 $(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Skulk needs Python 3.11 or newer;" \
+	  "$(PYTHON) is $$($(PYTHON) -V 2>&1). Install one (macOS: brew install python@3.12) and run e.g." \
+	  "make run PYTHON=python3.12"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet torch==2.13.0
 	$(VENV)/bin/pip install --quiet -e '.[dev]'
 	touch $(STAMP)

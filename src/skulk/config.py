@@ -16,6 +16,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from skulk.types.backends import EngineName
+
 
 class ConfigError(ValueError):
     """A setting that cannot be used; the message is what the operator reads before the node exits."""
@@ -128,6 +130,9 @@ class Settings(BaseModel):
     """After a pause (a laptop lid), how long a node waits to hear its old peers before it may elect itself."""
     link_bandwidth_seconds: float = Field(default=30.0, gt=0)
     """How often a node reads each peer's bandwidth (512 KiB; the round trip is sampled every second anyway)."""
+    engines: list[EngineName] = []
+    """SKULK_ENGINES (comma-separated: torch, mlx): the only engines this node offers placement (empty: every one
+    it can run). A Mac kept to MLX, a box kept off a slow engine, a mixed Pipeline in a test."""
     fault: str | None = None
     """SKULK_FAULT: make a runner stall, raise or crash on purpose (runner/fault.py). For testing only."""
     flight_recorder: str | None = None
@@ -202,7 +207,7 @@ class Settings(BaseModel):
 
 
 ENV_PREFIX = "SKULK_"
-LIST_FIELDS = {"bootstrap_peers", "zenoh_listen", "api_keys", "admin_keys", "allowed_hosts", "cors_origins"}
+LIST_FIELDS = {"bootstrap_peers", "zenoh_listen", "api_keys", "admin_keys", "allowed_hosts", "cors_origins", "engines"}
 BOOL_FIELDS = {"place_default", "multicast"}
 ENV_ALIASES = {"bootstrap_peers": "SKULK_BOOTSTRAP_PEERS", "zenoh_listen": "SKULK_ZENOH_LISTEN"}
 SECTION_FIELDS = {"model_store", "logging", "tracing", "event_log", "hf_token"}

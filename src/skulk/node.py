@@ -374,6 +374,7 @@ class Node:
                 friendly_name=self.settings.node_name,
                 home=self.settings.home,
                 api_port=self.api_port,
+                engines=tuple(self.settings.engines),
             )
             info = info.model_copy(update={"links": self.links.snapshot(), "compute": self.worker.compute.snapshot()})
             if self._info_worth_sending(last, info) or time.monotonic() - last_sent > INFO_HEARTBEAT_S:

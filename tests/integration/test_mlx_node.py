@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from skulk.testing.convergence import formed
 from skulk.testing.nodes import LocalNode
 from skulk.testing.streams import open_long_stream
 
@@ -210,9 +211,73 @@ def test_an_mlx_pipeline_over_two_nodes_serves_and_a_killed_rank_fails_the_strea
     killed = time.monotonic()
     outcome = probe.wait(60)
     assert outcome.retryable_error, outcome.describe()
-    assert outcome.ended is not None and outcome.ended - killed < 15, f"heard after {outcome.ended - killed:.1f} s"
-    print(f"MLX pipeline: the client heard a retryable error {outcome.ended - killed:.2f} s after kill -9 of a rank "
+    heard = outcome.ended - killed if outcome.ended is not None else float("inf")
+    assert heard < 15, f"heard after {heard:.1f} s"
+    print(f"MLX pipeline: the client heard a retryable error {heard:.2f} s after kill -9 of a rank "
           f"({outcome.describe()})")
     wait_until(lambda: serving(api, instance["instanceId"]) or None, 120, "the instance restarted as a whole")
     again = httpx.post(f"{api.url}/v1/chat/completions", json=chat, timeout=60)
     assert again.status_code == 200 and again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+
+
+def greedy_chat(node: LocalNode) -> dict[str, Any]:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    reply = httpx.post(f"{node.url}/v1/chat/completions", json=chat, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]
+
+
+def placed_instance(node: LocalNode, **body: Any) -> dict[str, Any]:
+    reply = httpx.post(f"{node.url}/place_instance", json={"model_id": MODEL, **body}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    instance: dict[str, Any] = reply.json()["instance"]["MlxRingInstance"]
+    wait_until(lambda: serving(node, instance["instanceId"]) or None, 180, "the instance to be ready")
+    return instance
+
+
+@pytest.mark.timeout(420)
+def test_a_mixed_mlx_and_torch_pipeline_answers_as_one_rank_and_a_killed_rank_fails_retryably(
+    cluster: Cluster,
+) -> None:
+    """Two nodes kept to one engine each (SKULK_ENGINES=mlx, SKULK_ENGINES=torch): `engine: auto` places one
+    Pipeline instance whose first rank runs mlx-lm and whose second runs torch (the torch engine's group wire
+    between them), previews say so per node, and its greedy reply (40 tokens, with their logprobs) is the one a
+    single torch rank gives. kill -9 of the MLX rank ends an open stream with a retryable error."""
+    (mlx_node,) = cluster.start(1, extra_env={"SKULK_ENGINES": "mlx"})
+    (torch_node,) = cluster.start(1, extra_env={"SKULK_ENGINES": "torch"})
+    nodes = [mlx_node, torch_node]
+    wait_until(lambda: formed(nodes) or None, 60, "two nodes to form one cluster")
+    wait_until(lambda: {n.node_id: n for n in nodes}.keys() <= state_of(mlx_node)["nodeBackends"].keys() or None, 60,
+               "both nodes' backends")
+    backends = state_of(mlx_node)["nodeBackends"]
+    assert set(backends[mlx_node.node_id]) == {"mlx", "mlx-cpu"} and set(backends[torch_node.node_id]) == {
+        "torch", "torch-cpu"}
+
+    alone = placed_instance(mlx_node, engine="torch")
+    assert list(alone["shardAssignments"]["nodeToRunner"]) == [torch_node.node_id]
+    expected = greedy_chat(mlx_node)
+    assert httpx.delete(f"{mlx_node.url}/instance/{alone['instanceId']}", timeout=30).status_code == 200
+    wait_until(lambda: not torch_node.runner_pids() or None, 60, "the single rank to stop")
+
+    previews = httpx.get(f"{mlx_node.url}/instance/previews", params={"model_id": MODEL}, timeout=30).json()
+    two = [p for p in previews["previews"] if p.get("engine_by_node") and len(p["engine_by_node"]) == 2]
+    assert two and two[0]["engine_by_node"] == {mlx_node.node_id: "mlx", torch_node.node_id: "torch"}
+    mixed = placed_instance(mlx_node, min_nodes=2)
+    assert mixed["engineByNode"] == {mlx_node.node_id: "mlx", torch_node.node_id: "torch"}
+    assert mixed["engine"] == "torch"
+    got = greedy_chat(mlx_node)
+    assert got["message"] == expected["message"]
+    assert [t["token"] for t in got["logprobs"]["content"]] == [t["token"] for t in expected["logprobs"]["content"]]
+    assert len(got["logprobs"]["content"]) >= 32 or got["finish_reason"] == "stop"
+
+    victim = wait_until(lambda: next(iter(mlx_node.runner_pids()), None), 30, "the MLX rank's runner")
+    probe = open_long_stream(mlx_node.url, MODEL)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    outcome = probe.wait(60)
+    assert outcome.retryable_error, outcome.describe()
+    heard = outcome.ended - killed if outcome.ended is not None else float("inf")
+    assert heard < 15, f"heard after {heard:.1f} s"
+    print(f"mixed pipeline: the client heard a retryable error {heard:.2f} s after kill -9 of the "
+          f"MLX rank ({outcome.describe()})")

@@ -50,13 +50,60 @@ def test_auto_picks_mlx_on_metal_and_torch_elsewhere(tags: list[BackendTag] | No
     assert isinstance(placed, MlxRingInstance) and placed.engine == engine
 
 
-def test_a_ring_runs_one_engine_every_node_has() -> None:
-    """A Mac and a Linux box: auto falls back to the engine both run (torch); mlx asks for the one both have."""
+def test_auto_gives_each_node_its_best_engine_in_a_mixed_pipeline() -> None:
+    """A Mac and a Linux box: auto runs MLX on the Mac beside torch on Linux in one Pipeline (the ranks speak
+    torch's group wire); an explicit engine gives every rank that one engine."""
     both = cluster(a=MAC, b=LINUX_MLX)
     auto = do_place(both, min_nodes=2)
-    assert isinstance(auto, MlxRingInstance) and auto.engine == "torch"
-    mlx = do_place(both, "mlx", min_nodes=2)
-    assert isinstance(mlx, MlxRingInstance) and mlx.engine == "mlx"
+    assert isinstance(auto, MlxRingInstance) and auto.mixed
+    assert auto.engine == "torch" and auto.engine_by_node == {"a": "mlx", "b": "torch"}
+    assert auto.engines() == {"a": "mlx", "b": "torch"}
+    for engine in ("mlx", "torch"):
+        uniform = do_place(both, engine, min_nodes=2)
+        assert isinstance(uniform, MlxRingInstance) and uniform.engine == engine and not uniform.mixed
+        assert uniform.engine_by_node is None and set(uniform.engines().values()) == {engine}
+
+
+def test_nodes_kept_to_one_engine_each_mix_in_a_pipeline_only() -> None:
+    """SKULK_ENGINES=mlx on one node, torch on the other: no engine is common, so auto mixes them in a Pipeline;
+    a Tensor instance cannot mix (an all_reduce in every layer) and is refused naming the node."""
+    kept = cluster(a=["mlx", "mlx-cpu"], b=LINUX)
+    auto = do_place(kept, min_nodes=2)
+    assert isinstance(auto, MlxRingInstance) and auto.engine_by_node == {"a": "mlx", "b": "torch"}
+    tensor = place(kept, card(), Sharding.Tensor, InstanceMeta.MlxRing, instance_id=InstanceId("i"),
+                   new_runner_id=runner_ids(), rendezvous_port=29500, min_nodes=2)
+    assert isinstance(tensor, EngineUnavailable) and tensor.node_id == "a" and tensor.http_status == 400
+    gemma = do_place(kept, c=card(family="gemma3_text"), min_nodes=2)
+    assert isinstance(gemma, EngineUnavailable)  # mlx-lm cannot slice it: no MLX stage to mix in
+    previews = preview_placements(kept, card(), Sharding.Pipeline, InstanceMeta.MlxRing)
+    two = next(p for p in previews if len(p.node_ids) == 2)
+    assert {n.node_id: n.engine for n in two.nodes} == {"a": "mlx", "b": "torch"}
+
+
+def test_a_mixed_instance_given_whole_is_checked_per_node() -> None:
+    c, backends = card(), {NodeId("a"): MAC, NodeId("b"): LINUX}
+    mixed = {NodeId("a"): "mlx", NodeId("b"): "torch"}
+    assert instance_engine_error(c, mixed, backends, sharding=Sharding.Pipeline) is None  # type: ignore[arg-type]
+    wrong = instance_engine_error(c, {NodeId("a"): "torch", NodeId("b"): "mlx"}, backends, sharding=Sharding.Pipeline)
+    assert wrong is not None and wrong.node_id == "b"
+    tensor = instance_engine_error(c, mixed, backends, sharding=Sharding.Tensor)  # type: ignore[arg-type]
+    assert tensor is not None and "Pipeline" in tensor.message
+
+
+def test_a_meta_instance_for_one_engine_is_not_backed_by_a_mixed_instance() -> None:
+    placed = do_place(cluster(a=MAC, b=LINUX), min_nodes=2)
+    assert isinstance(placed, MlxRingInstance) and placed.mixed
+    meta = MetaInstance(meta_instance_id=MetaInstanceId("m"), model_id=ModelId("test/model"))
+    assert matches(meta, placed)
+    assert not matches(meta.model_copy(update={"engine": "torch"}), placed)
+    assert not matches(meta.model_copy(update={"engine": "mlx"}), placed)
+
+
+def test_skulk_engines_keeps_a_node_to_the_engines_it_names() -> None:
+    from skulk.worker import node_info
+
+    assert node_info.backends(("torch",)) == [t for t in node_info.backends() if t.startswith("torch")]
+    assert all(t.startswith("mlx") for t in node_info.backends(("mlx",)))
 
 
 def test_explicit_mlx_skips_a_node_without_it_and_refuses_when_none_has_it() -> None:
@@ -89,11 +136,11 @@ def test_compatible_backends_filter_and_preference_order() -> None:
 def test_previews_show_the_engine_per_node_and_the_refusal_per_ring() -> None:
     s = cluster(a=MAC, b=LINUX)
     previews = preview_placements(s, card(), Sharding.Pipeline, InstanceMeta.MlxRing, engine="mlx")
-    by_ring = {tuple(p.node_ids): p for p in previews}
+    by_ring = {tuple(map(str, p.node_ids)): p for p in previews}
     assert [n.engine for n in by_ring["a",].nodes] == ["mlx"]
     assert isinstance(by_ring["b",].error, EngineUnavailable)
     auto = preview_placements(s, card(), Sharding.Pipeline, InstanceMeta.MlxRing)
-    assert {tuple(p.node_ids): [n.engine for n in p.nodes] for p in auto}["a",] == ["mlx"]
+    assert {tuple(map(str, p.node_ids)): [n.engine for n in p.nodes] for p in auto}["a",] == ["mlx"]
 
 
 def test_jaccl_is_refused_with_a_400_that_says_why() -> None:
@@ -104,8 +151,8 @@ def test_jaccl_is_refused_with_a_400_that_says_why() -> None:
 
 def test_an_instance_given_whole_is_checked_too() -> None:
     c = card()
-    assert instance_engine_error(c, "mlx", [NodeId("a")], {NodeId("a"): MAC}) is None
-    error = instance_engine_error(c, "mlx", [NodeId("a")], {NodeId("a"): LINUX})
+    assert instance_engine_error(c, {NodeId("a"): "mlx"}, {NodeId("a"): MAC}) is None
+    error = instance_engine_error(c, {NodeId("a"): "mlx"}, {NodeId("a"): LINUX})
     assert error is not None and error.node_id == "a"
 
 

@@ -248,3 +248,63 @@ def test_a_ring_tensor_instance_generates_the_single_ranks_tokens(ranks: int, tm
         if got != expected:
             at = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
             assert ring["gaps"][rid][at] < 1e-4, f"{rid} diverges at {at} with a logprob gap {ring['gaps'][rid][at]}"
+
+
+# --- a mixed Pipeline: MLX and torch ranks in one torch.distributed group (engines/mlx/mixed.py) --------------
+
+
+def run_mixed(model: Path, layers: list[tuple[int, int]], engines: list[str], prompts: list[list[int]],
+              tmp_path: Path, tokens: int = TOKENS, max_seq: int = 256) -> dict[str, Any]:
+    """Each rank its own process (mixed_rank.py) in one gloo group on loopback; the sampler's tokens and gaps."""
+    import subprocess
+    import sys
+
+    from skulk.testing.nodes import free_port
+
+    port, out = free_port(), tmp_path / "mixed.json"
+    procs = []
+    for rank in range(len(layers)):
+        job = {"model": str(model), "rank": rank, "port": port, "layers": layers, "engines": engines,
+               "prompts": prompts, "tokens": tokens, "out": str(out), "max_seq": max_seq}
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).with_name("mixed_rank.py")),
+                                       json.dumps(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        for proc in procs:
+            output, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, output[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("engines", [["mlx", "torch"], ["torch", "mlx"], ["torch", "mlx", "torch"],
+                                     ["mlx", "torch", "mlx"]], ids="-".join)
+def test_a_mixed_pipeline_generates_the_single_ranks_tokens(engines: list[str], demo: Path, tmp_path: Path) -> None:
+    """MLX ranks beside torch ranks in one Pipeline over the torch engine's group wire (validated step headers,
+    hidden states as tensors): three requests batched, one prefilled in chunks across decode steps (MIXED steps,
+    where an MLX rank skips the decode row of a request still being prefilled), 40 tokens each: the tokens of
+    one torch rank, in float32 exactly."""
+    layers = [(0, 2), (2, 4)] if len(engines) == 2 else [(0, 1), (1, 3), (3, 4)]
+    mixed = run_mixed(demo, layers, engines, PROMPTS, tmp_path)
+    alone = tokens(run(TorchEngine(demo, prefill_chunk=8, max_seq=256), PROMPTS))
+    assert mixed["tokens"] == alone
+    assert all(len(t) == TOKENS for t in alone.values())
+
+
+def test_an_mlx_rank_refuses_a_step_its_caches_do_not_match(demo: Path) -> None:
+    """A header that steps a request at a position its MLX cache does not end at (a forged or out-of-order step)
+    is a WireError, which fails the rank like any group error, never a silently wrong token."""
+    from skulk.engines.mlx.mixed import MixedMlxEngine
+    from skulk.engines.torch.requests import Request
+    from skulk.engines.torch.wire import WireError
+
+    engine = MixedMlxEngine(demo, max_seq=64)
+    req = Request("x", [1, 2, 3], 4, None, None, None)  # type: ignore[arg-type]
+    with pytest.raises(WireError, match="its MLX cache holds"):
+        engine._cache_for(req, 5)
+    assert engine._cache_for(req, 0)[0].offset == 0
+    with pytest.raises(WireError, match="position 2; its MLX cache holds 0"):
+        engine._cache_for(req, 2)

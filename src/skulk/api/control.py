@@ -209,8 +209,7 @@ def control_router(node: ApiServices) -> APIRouter:
             raise ApiError(ErrorCode.invalid_request,
                            f"instance id {instance.instance_id} is already in use; GET /instance/previews for "
                            "a fresh placement")
-        lacking = instance_engine_error(card, instance.engine, list(instance.shard_assignments.node_to_runner),
-                                        node.state.node_backends, sharding=instance.sharding)
+        lacking = instance_engine_error(card, instance.engines(), node.state.node_backends, sharding=instance.sharding)
         if lacking is not None:
             raise ApiError(lacking.code, lacking.message)
         command_id = CommandId(new_id())

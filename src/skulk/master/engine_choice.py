@@ -1,10 +1,12 @@
 """Which engine a ring runs a model with: the node's advertised backend tags, the card's filter and preference,
 and the request's `engine` (types/backends.py). Pure functions of their arguments, like placement.
 
-Every rank of an instance runs the same engine here: `auto` takes, in order, the card's backend_preference,
-then MLX when every node of the ring computes on Metal, then torch, then MLX; the first engine every node can
-run (and the card allows) wins. A ring where none fits is refused with the node that lacks it and what to
-install there.
+`auto` gives each node its best engine: the card's backend_preference, then MLX on Metal, then torch, then MLX;
+the first the node can run (and the card allows). Where the nodes of a Pipeline ring differ, the instance is
+mixed (`choose_engines`): each rank runs its node's engine and every rank speaks the torch engine's group wire
+(engines/mlx/mixed.py). Otherwise every rank runs one engine: for `auto` the first in that order (MLX first
+only when every node computes on Metal) that every node can run. A ring where none fits is refused with the
+node that lacks it and what to install there.
 """
 
 from __future__ import annotations
@@ -88,10 +90,52 @@ def choose_engine(
     )
 
 
+def mixable(card: ModelCard, sharding: Sharding | None, ranks: int) -> bool:
+    """Ranks of different engines can share this instance: a Pipeline (hidden states cross between ranks; a
+    Tensor rank's all_reduce inside every layer would need both engines' kernels in lockstep) of a family
+    mlx-lm can slice."""
+    return ranks > 1 and sharding == Sharding.Pipeline and mlx_splits(card, sharding, ranks)
+
+
+def choose_engines(
+    card: ModelCard,
+    choice: EngineChoice,
+    ring: Sequence[NodeId],
+    backends: Mapping[NodeId, list[BackendTag]],
+    names: Mapping[NodeId, str] | None = None,
+    sharding: Sharding | None = None,
+) -> tuple[EngineName, ...] | EngineUnavailable:
+    """Each rank's engine in ring order. `auto` on a mixable ring gives each node its own best engine (a Mac's
+    MLX beside a Linux box's torch); otherwise one engine for all (choose_engine) or its refusal."""
+    if choice == "auto" and mixable(card, sharding, len(ring)):
+        best: list[EngineName | None] = [next((e for e in _order(card, "auto", [t]) if runs(card, t, e)), None)
+                                         for t in (node_tags(backends, n) for n in ring)]
+        engines: tuple[EngineName, ...] = tuple(e for e in best if e is not None)
+        if len(engines) == len(ring) and len(set(engines)) > 1:
+            return engines
+    chosen = choose_engine(card, choice, ring, backends, names, sharding)
+    if isinstance(chosen, EngineUnavailable):
+        return chosen
+    every: list[EngineName] = [chosen] * len(ring)
+    return tuple(every)
+
+
 def instance_engine_error(
-    card: ModelCard, engine: EngineName, nodes: Sequence[NodeId], backends: Mapping[NodeId, list[BackendTag]],
+    card: ModelCard, engines: Mapping[NodeId, EngineName], backends: Mapping[NodeId, list[BackendTag]],
     names: Mapping[NodeId, str] | None = None, sharding: Sharding | None = None,
 ) -> EngineUnavailable | None:
-    """An instance given whole (POST /instance) still never puts a rank on a node that lacks its engine."""
-    chosen = choose_engine(card, engine, nodes, backends, names, sharding)
-    return chosen if isinstance(chosen, EngineUnavailable) else None
+    """An instance given whole (POST /instance) still never puts a rank on a node that lacks its engine (each
+    node its own, for a mixed one; a mixed Tensor instance is refused)."""
+    if len(set(engines.values())) > 1 and not mixable(card, sharding, len(engines)):
+        node = next(iter(engines))
+        return EngineUnavailable(
+            node_id=node, node_name=(names or {}).get(node), engine=engines[node], requested=engines[node],
+            advertised=list(node_tags(backends, node)), model_id=card.model_id,
+            compatible_backends=card.compatible_backends,
+            detail=f"ranks of different engines share only a Pipeline of a family mlx-lm can slice, not this "
+                   f"{sharding} instance of {card.model_id} ({card.family}); give every rank one engine.")
+    for node, engine in engines.items():
+        chosen = choose_engine(card, engine, [node], backends, names, None)
+        if isinstance(chosen, EngineUnavailable):
+            return chosen
+    return None

@@ -22,7 +22,7 @@ from skulk.master.cycles import (
     rendezvous_host,
     rings_of_size,
 )
-from skulk.master.engine_choice import choose_engine
+from skulk.master.engine_choice import choose_engines
 from skulk.master.memory_pool import usable_bytes
 from skulk.master.shard_plan import (
     RUNTIME_OVERHEAD_FACTOR,
@@ -119,7 +119,17 @@ class _Candidate:
     ring: Ring
     plans: tuple[NodePlan, ...] = ()
     error: AnyPlacementError | None = None
-    engine: EngineName = "torch"
+    engines: tuple[EngineName, ...] = ()
+    """Each rank's engine, in ring order (more than one: a mixed Pipeline)."""
+
+    @property
+    def engine(self) -> EngineName:
+        """The instance's engine: every rank's, or for a mixed one the wire its ranks speak (torch's)."""
+        return self.engines[0] if len(set(self.engines)) == 1 else "torch"
+
+    @property
+    def engine_by_node(self) -> dict[NodeId, EngineName] | None:
+        return dict(zip(self.ring, self.engines, strict=True)) if len(set(self.engines)) > 1 else None
 
     @property
     def headroom(self) -> int:
@@ -198,8 +208,8 @@ def _evaluate(
     shape = _shape_error(card, sharding, len(ring))
     if shape is not None:
         return _Candidate(ring, error=shape)
-    chosen = choose_engine(card, engine, ring, state.node_backends, _node_names(state), sharding)
-    if not isinstance(chosen, str):
+    chosen = choose_engines(card, engine, ring, state.node_backends, _node_names(state), sharding)
+    if not isinstance(chosen, tuple):
         return _Candidate(ring, error=chosen)
     pending = [n for n in ring if n not in state.node_memory]
     if pending:
@@ -210,7 +220,7 @@ def _evaluate(
     if short:
         worst = min(short, key=lambda p: p.left_after)
         return _Candidate(ring, plans, _insufficient(state, sharding, ring, worst), chosen)
-    return _Candidate(ring, plans, engine=chosen)
+    return _Candidate(ring, plans, engines=chosen)
 
 
 def _best_valid(valid: Sequence[_Candidate]) -> _Candidate:
@@ -313,6 +323,7 @@ def _build_instance(
         ),
         sharding=sharding,
         engine=chosen.engine,
+        engine_by_node=chosen.engine_by_node,
         rendezvous=Rendezvous(
             host=rendezvous_host(state.topology.connections, chosen.ring), port=rendezvous_port
         ),
@@ -374,7 +385,7 @@ def _preview(card: ModelCard, sharding: Sharding, meta: InstanceMeta, cand: _Can
             free=Memory.from_bytes(p.free),
             left_after=Memory.from_bytes(p.left_after),
             kv_pool=Memory.from_bytes(p.kv_pool),
-            engine=cand.engine,
+            engine=cand.engines[cand.ring.index(p.node_id)],
         )
         for rank, p in enumerate(cand.plans)
     ]

@@ -55,7 +55,7 @@ def matches(meta: MetaInstance, instance: MlxRingInstance) -> bool:
     return (
         instance.model_id == meta.model_id
         and instance.sharding == meta.sharding
-        and meta.engine in ("auto", instance.engine)
+        and (meta.engine == "auto" or (meta.engine == instance.engine and not instance.mixed))
         and instance.world_size >= meta.min_nodes
         and (meta.node_ids is None or nodes_of(instance) <= set(meta.node_ids))
     )

@@ -124,7 +124,7 @@ class Runner:
 
     def start(self) -> None:
         self.recorder.record("created", "process_started")
-        if self.spec.shard.world_size > 1 and self.spec.engine == "torch":
+        if self.spec.shard.world_size > 1 and (self.spec.engine == "torch" or self.spec.mixed):
             self._connect()  # an MLX rank forms its ring while it builds its engine (engines/mlx/build.py)
         self.set_status(RunnerLoading())
         self.recorder.record("load_model", "load_started", str(self.spec.model_dir))
@@ -168,7 +168,7 @@ class Runner:
         shard = self.spec.shard
         if is_builtin(shard.model_card.model_id):
             ensure_builtin_model(shard.model_card.model_id, self.spec.model_dir.parent)
-        if self.spec.engine == "mlx":
+        if self.spec.engine == "mlx" and not self.spec.mixed:
             from skulk.engines.mlx.build import build_mlx_engine
 
             return build_mlx_engine(self.spec, self._engine_phase)

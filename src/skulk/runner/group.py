@@ -151,9 +151,16 @@ def connect_group(
 
 
 def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str = "cpu") -> TorchEngine:
-    """This rank's engine over the formed group: its layer range for Pipeline, all layers sharded for Tensor."""
+    """This rank's engine over the formed group: its layer range for Pipeline, all layers sharded for Tensor. In a
+    mixed instance an MLX rank is the torch engine's core computing with mlx-lm (engines/mlx/mixed.py), and no
+    rank shares cached prefixes (that rank keeps a cache per request)."""
     shard = spec.shard
-    return TorchEngine(
+    make: type[TorchEngine] = TorchEngine
+    if spec.mixed and spec.engine == "mlx":
+        from skulk.engines.mlx.mixed import MixedMlxEngine
+
+        make = MixedMlxEngine
+    engine = make(
         spec.model_dir,
         rank=shard.device_rank,
         world_size=shard.world_size,
@@ -167,3 +174,6 @@ def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str =
         max_seq=spec.context_length,
         kv_cache_bytes=spec.kv_cache_bytes,
     )
+    if spec.mixed:
+        engine.share_prefixes = False
+    return engine

@@ -47,6 +47,10 @@ class MlxRingInstance(TaggedModel):
     shard_assignments: ShardAssignments
     sharding: Sharding = Sharding.Pipeline
     engine: EngineKind = "torch"
+    """Every rank's engine; in a mixed instance (engine_by_node set) the wire its ranks speak: torch's group."""
+    engine_by_node: dict[NodeId, EngineKind] | None = None
+    """A mixed Pipeline: each node's engine (an MLX rank beside torch ranks, engines/mlx/mixed.py); None: all
+    run `engine`."""
     rendezvous: Rendezvous | None = None
     meta_instance_id: MetaInstanceId | None = None
     """The MetaInstance this instance backs; set only by the master's reconciler (None: placed directly)."""
@@ -72,6 +76,15 @@ class MlxRingInstance(TaggedModel):
         if self.context_length is not None:
             return self.context_length
         return next(iter(self.shard_assignments.runner_to_shard.values())).model_card.context_length
+
+    @property
+    def mixed(self) -> bool:
+        return self.engine_by_node is not None and len(set(self.engine_by_node.values())) > 1
+
+    def engines(self) -> dict[NodeId, EngineKind]:
+        """Each node's engine."""
+        given = self.engine_by_node or {}
+        return {n: given.get(n, self.engine) for n in self.shard_assignments.node_to_runner}
 
 
 Instance = Annotated[Annotated[MlxRingInstance, Tag("MlxRingInstance")], Discriminator(tag_of)]

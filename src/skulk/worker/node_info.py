@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 
 from skulk import __version__
-from skulk.types.backends import BackendTag
+from skulk.types.backends import BackendTag, EngineName, engine_of
 from skulk.types.memory import Memory
 from skulk.types.node_info import (
     AcceleratorInfo,
@@ -176,9 +176,12 @@ def system() -> SystemPerformance:
 
 
 @cache
-def backends() -> list[BackendTag]:
+def backends(only: tuple[EngineName, ...] = ()) -> list[BackendTag]:
     """The backend tags this node runs, bare engine tags included: torch always (Skulk's own dependency; cuda
-    when the build has it and an NVIDIA GPU is present), MLX when it imports and computes here (engines/mlx)."""
+    when the build has it and an NVIDIA GPU is present), MLX when it imports and computes here (engines/mlx);
+    only the engines in `only` when it names any (SKULK_ENGINES)."""
+    if only:
+        return [t for t in backends() if engine_of(t) in only]
     from skulk.engines import mlx as mlx_engine
 
     tags: list[BackendTag] = ["torch", "torch-cpu"]
@@ -195,9 +198,9 @@ def backends() -> list[BackendTag]:
     return tags
 
 
-def gather(*, friendly_name: str | None, home: Path, api_port: int) -> NodeInfo:
+def gather(*, friendly_name: str | None, home: Path, api_port: int, engines: tuple[EngineName, ...] = ()) -> NodeInfo:
     return NodeInfo(
-        backends=backends(),
+        backends=backends(engines),
         identity=identity(friendly_name),
         memory=memory(),
         disk=disk(home),

@@ -169,7 +169,7 @@ class Worker:
 
     def _ring_hosts(self, instance: MlxRingInstance) -> tuple[str, ...]:
         """An MLX instance of several ranks meets over MLX's ring backend, at ports from the rendezvous range."""
-        if instance.engine != "mlx" or instance.world_size == 1 or instance.rendezvous is None:
+        if instance.engine != "mlx" or instance.mixed or instance.world_size == 1 or instance.rendezvous is None:
             return ()
         a = instance.shard_assignments
         node_of = {r: n for n, r in a.node_to_runner.items()}
@@ -229,7 +229,8 @@ class Worker:
             instance_id=instance.instance_id,
             shard=shard,
             sharding=instance.sharding,
-            engine=instance.engine,
+            engine=instance.engines().get(self.node_id, instance.engine),
+            mixed=instance.mixed,
             ring_hosts=self._ring_hosts(instance),
             context_length=instance.admits,
             kv_cache_bytes=instance.kv_cache_bytes.get(runner_id),

@@ -15,11 +15,12 @@ feeds the same next input and releases the same rows.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
@@ -121,9 +122,9 @@ def slice_pipeline(model: nn.Module, link: RingLink, start: int, end: int) -> No
         raise ValueError(f"layers [{start}, {end}) of a {len(layers)}-layer model")
     kept = layers[start:end]
     if link.rank > 0:
-        _swap(kept[0], _receiving, link)
+        swap_layer(kept[0], functools.partial(_receiving, link=link))
     if link.rank < link.world_size - 1:
-        _swap(kept[-1], _sending, link)
+        swap_layer(kept[-1], functools.partial(_sending, link=link))
     inner.layers = kept
 
 
@@ -141,10 +142,12 @@ def inner_model(model: nn.Module) -> Any:
     return found.model if hasattr(found, "model") else found.language_model.model
 
 
-def _swap(layer: nn.Module, make: Any, link: RingLink) -> None:
-    """Give this one layer a subclass of its own class (its attributes, weights and cache use stay mlx-lm's)."""
+def swap_layer(layer: nn.Module, make: Callable[[type], Any]) -> None:
+    """Give this one layer a subclass of its own class whose __call__ is make(its class): its attributes, weights
+    and cache use stay mlx-lm's."""
     cls = type(layer)
-    layer.__class__ = type(f"{make.__name__.strip('_').title()}{cls.__name__}", (cls,), {"__call__": make(cls, link)})
+    name = getattr(make, "func", make).__name__.strip("_").title()
+    layer.__class__ = type(f"{name}{cls.__name__}", (cls,), {"__call__": make(cls)})
 
 
 def _receiving(cls: type, link: RingLink) -> Any:

@@ -159,7 +159,7 @@ class Admission(EngineCore):
     def _publish(self, req: Request) -> None:
         """Rank 0: key the request's full blocks by their tokens, so another prompt starting with them shares them
         (while this one still runs, too: ten chats with one system prompt hold it once)."""
-        if not self.is_scheduler:
+        if not (self.is_scheduler and self.share_prefixes):
             return
         full = req.length // self.block_size
         extend_keys(req.keys, req.tokens(0, full * self.block_size), self.block_size, full)

@@ -23,6 +23,7 @@ from skulk.types.runners import RunnerPhase
 from .blocks import BlockAllocator
 from .links import GroupLink, Link, LocalLink, ShardKind
 from .loader import load_model
+from .model import ModelSlice
 from .requests import FaultHook, Request
 from .schedule import pool_blocks
 from .tokenizer import ChatTokenizer
@@ -43,6 +44,10 @@ def _tensor_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 class EngineCore:
     """What every layer of TorchEngine reads and changes; one instance per rank."""
+
+    share_prefixes = True
+    """Rank 0 keys full blocks by their tokens so a later prompt shares them; off in a mixed instance (an MLX
+    rank keeps per-request caches, engines/mlx/mixed.py)."""
 
     def __init__(
         self,
@@ -73,7 +78,7 @@ class EngineCore:
         self.rank, self.world_size, self.kind = rank, world_size, kind
         self.device = torch.device(device)
         tensor = kind == "tensor" and world_size > 1
-        self.model = load_model(
+        self.model = self._load_model(
             model_dir, start_layer=0 if tensor else start_layer, end_layer=None if tensor else end_layer,
             tp_rank=rank if tensor else 0, tp_size=world_size if tensor else 1,
             all_reduce=_tensor_all_reduce if tensor else None, dtype=dtype, device=self.device, quantize=quantize,
@@ -110,3 +115,7 @@ class EngineCore:
         self._warming = False
         self._chunk_done = 0  # prompt tokens the last prefill step computed
         self._unseeded = torch.Generator(device=self.device).manual_seed(secrets.randbits(63))
+
+    def _load_model(self, model_dir: Path, **kwargs: Any) -> ModelSlice:
+        """This rank's slice (loader.load_model); a rank of another engine in a torch group computes with its own."""
+        return load_model(model_dir, **kwargs)
