@@ -169,3 +169,27 @@ def test_the_dashboards_catalog_shows_the_placed_context(served: tuple[LocalNode
             sync_api.expect(row).to_contain_text(f"context {N}", timeout=30_000)
         finally:
             browser.close()
+
+
+def test_a_second_instance_with_less_context_lowers_what_every_instance_admits(served: tuple[LocalNode, str]) -> None:
+    """Last in the module: a newer instance with max_context 150 beside the first (200). Requests still reach the
+    first (the oldest wins ties), whose engine would take 200, yet every surface shows 150 and the first instance
+    admits no more: the request carries the advertised context to whichever runner takes it."""
+    node, first = served
+    smaller = 150
+    place_and_wait(node, MODEL, max_context=smaller, kv_cache_gb=POOL / 2**30)
+    (listed,) = [m for m in node.get("/models")["data"] if m["id"] == MODEL]
+    assert listed["context_length"] == node.get(f"/v1/models/{MODEL}")["context_length"] == smaller
+    status, body = _openai(node, text_of(node, smaller - M), M)
+    assert status == 200, body
+    status, body = _openai(node, text_of(node, smaller - M + 1), M)
+    assert status == 400 and f"maximum context length is {smaller} tokens" in body["error"]["message"], body
+    status, body = _openai(node, text_of(node, smaller - 1), None)
+    assert status == 200 and body["usage"]["total_tokens"] <= smaller, body
+
+    def refused_by_the_first() -> bool:
+        runners = node.get("/v1/diagnostics/node").get("supervisorRunners") or []
+        return any(e["event"] == "context_length_exceeded" for r in runners if r["instanceId"] == first
+                   for e in r["flightRecorder"])
+
+    wait_until(refused_by_the_first, 30, "the first instance's runner to record the refusal")

@@ -18,8 +18,10 @@ from skulk.master.shard_plan import (
     RUNTIME_OVERHEAD_FACTOR,
     kv_bytes_per_token,
 )
+from skulk.runner.admission import admit
 from skulk.state.desired import desired_of
 from skulk.state.queries import served_context
+from skulk.types.chat import SamplingParams
 from skulk.types.ids import InstanceId, MetaInstanceId, ModelId, NodeId
 from skulk.types.instances import InstanceMeta, MlxRingInstance, Sharding
 from skulk.types.memory import GB
@@ -210,3 +212,16 @@ def test_the_instance_carries_its_sizing_over_the_wire() -> None:
     body = wire["MlxRingInstance"]
     assert body["contextLength"] == 8 and list(body["kvCacheBytes"].values()) == [1 << 20]
     assert MlxRingInstance.model_validate(wire) == instance
+
+
+def test_the_runner_holds_a_request_to_the_advertised_context() -> None:
+    """A request carries the context the API advertised; an instance with more admits and generates no more."""
+    implicit, explicit = SamplingParams(max_tokens=256), SamplingParams(max_tokens=8, max_tokens_explicit=True)
+    assert admit(199, implicit, 300, 200) == (None, implicit.model_copy(update={"max_tokens": 1}))
+    refused, _ = admit(200, implicit, 300, 200)
+    assert refused is not None and "maximum context length is 200 tokens" in refused
+    assert admit(192, explicit, 300, 200) == (None, explicit)
+    refused, _ = admit(193, explicit, 300, 200)
+    assert refused is not None and "maximum context length is 200 tokens" in refused
+    assert admit(250, implicit, 300, None)[0] is None  # no limit: the engine's own context
+    assert admit(100, implicit, 300, 1000) == (None, implicit)  # a limit above the engine's changes nothing

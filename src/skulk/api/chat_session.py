@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from skulk.api.model_facts import not_served
+from skulk.api.model_facts import card_of, not_served
 from skulk.api.model_kinds import refuse_embedding_model
 from skulk.api.requests import FIRST_CHUNK_TIMEOUT_S, NEXT_CHUNK_TIMEOUT_S, Silent, WrongKind, stream_error
 from skulk.api.security import OWNERS
@@ -12,6 +12,7 @@ from skulk.api.services import ApiServices
 from skulk.cluster.dataplane import ChunkStream
 from skulk.master.decide import failed_for_good, instance_failed_message
 from skulk.models.cards import get_card
+from skulk.state.queries import served_context
 from skulk.types.chat import ChatCompletionRequest
 from skulk.types.chunks import EmbeddingChunk, ErrorChunk, TokenChunk
 from skulk.types.commands import StartChatCompletion
@@ -102,8 +103,10 @@ async def start_chat(node: ApiServices, request: ChatCompletionRequest) -> ChatS
     check_top_k(node, request)
     command_id = CommandId(new_id())
     OWNERS.claim(command_id)  # only this key (or an admin) may cancel it by id
+    card = card_of(node, request.model)
     params = ChatCompletionTaskParams(model=ModelId(request.model), messages=request.messages,
-                                      sampling=request.sampling(), tools=request.tool_specs())
+                                      sampling=request.sampling(), tools=request.tool_specs(),
+                                      context_limit=served_context(node.state, card) if card else None)
     stream = node.requests.open(command_id, params)  # the prompt stays here; runners fetch it point to point
     node.send_command(StartChatCompletion(command_id=command_id, model=ModelId(request.model),
                                           origin_node_id=node.node_id))

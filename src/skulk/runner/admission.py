@@ -5,6 +5,19 @@ from __future__ import annotations
 from skulk.types.chat import SamplingParams
 
 
+def admit(
+    prompt_tokens: int, sampling: SamplingParams, engine_context: int, limit: int | None
+) -> tuple[str | None, SamplingParams]:
+    """The refusal (or None) and the sampling to run with, held to `limit` (the context the API advertised; None:
+    the engine's). Under a limit below the engine's context an implicit max_tokens is clamped to the room left, so
+    prompt plus generation stays within what clients were shown; an explicit one was already checked."""
+    context = engine_context if limit is None else min(engine_context, limit)
+    refusal = context_refusal(prompt_tokens, sampling, context)
+    if refusal is None and context < engine_context and not sampling.max_tokens_explicit:
+        sampling = sampling.model_copy(update={"max_tokens": min(sampling.max_tokens, context - prompt_tokens)})
+    return refusal, sampling
+
+
 def context_refusal(prompt_tokens: int, sampling: SamplingParams, context_length: int) -> str | None:
     """Why the request cannot be served (the 400 `context_length_exceeded` message), or None.
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from skulk.engines.base import Engine, TokenOut
 from skulk.engines.errors import PromptRejected
-from skulk.runner.admission import context_refusal
+from skulk.runner.admission import admit
 from skulk.runner.fault import Fault, FaultInjector, engine_hook, fault_from_setting
 from skulk.runner.messages import (
     CancelTask,
@@ -296,12 +296,12 @@ class Runner:
             self.send_after_step()
             self._fail(task.task_id, task.command_id, str(refused), code=ErrorCode.invalid_request)
             return None
-        message = context_refusal(len(prompt), params.sampling, self.engine.context_length)
+        message, sampling = admit(len(prompt), params.sampling, self.engine.context_length, params.context_limit)
         if message is not None:
             self.send_after_step()
             self._fail(task.task_id, task.command_id, message, code=ErrorCode.context_length_exceeded)
             return None
-        self.engine.add_request(task.task_id, prompt, params.sampling, command_id=task.command_id)
+        self.engine.add_request(task.task_id, prompt, sampling, command_id=task.command_id)
         return prompt
 
     def _fail_in_engine(self, task_id: TaskId, command_id: CommandId, why: BaseException | str) -> None:

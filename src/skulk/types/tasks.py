@@ -34,6 +34,10 @@ class ChatCompletionTaskParams(CamelModel):
     sampling: SamplingParams
     tools: list[dict[str, Any]] = []
     """The tools offered (OpenAI's `tools`), rendered by the model's chat template."""
+    context_limit: int | None = Field(default=None, ge=2)
+    """The context every API surface advertised for the model when the request came (state.queries.served_context):
+    the runner admits and generates no more, so where instances of one model differ in max_context a request is
+    held to the number clients were shown. None: the instance's own."""
 
 
 class _TaskFields(TaggedModel):
