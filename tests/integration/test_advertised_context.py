@@ -155,7 +155,8 @@ def test_the_runner_built_its_pool_from_the_placement(served: tuple[LocalNode, s
 
 
 def test_the_dashboards_catalog_shows_the_placed_context(served: tuple[LocalNode, str]) -> None:
-    """In a real browser (as test_dashboard.py drives it): the catalog row of the model reads "context N"."""
+    """In a real browser (as test_dashboard.py drives it): the catalog row of the model reads "context N"; a
+    preview on the Placing page (a new placement, no max_context) names the model's own context and the KV pool."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extras)")
     if not CHROMIUM.exists():
         pytest.skip("Debian's chromium is not installed: apt-get install -y chromium")
@@ -167,6 +168,11 @@ def test_the_dashboards_catalog_shows_the_placed_context(served: tuple[LocalNode
             page.goto(node.url + "/catalog")
             row = page.locator(f"[data-testid=model-row][data-model-id='{MODEL}']")
             sync_api.expect(row).to_contain_text(f"context {N}", timeout=30_000)
+            page.get_by_role("link", name="Placing", exact=True).click()
+            page.get_by_test_id("place-model").select_option(MODEL)
+            fits = page.locator("[data-testid=preview][data-ok=true]").first
+            sync_api.expect(fits.get_by_test_id("preview-context")).to_contain_text("2048 tokens", timeout=30_000)
+            sync_api.expect(fits).to_contain_text("KV pool")
         finally:
             browser.close()
 

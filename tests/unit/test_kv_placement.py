@@ -152,6 +152,11 @@ def test_max_context_is_capped_by_the_models_own(max_context: int | None, admitt
     assert preview.nodes[0].needed.in_bytes == BASE + pools(instance)[0]
 
 
+def test_an_embedding_model_keeps_its_own_context_and_no_pool() -> None:
+    instance = placed(put(state({"a": 1 << 40}), card(tasks=["TextEmbedding"]), max_context=8, kv_cache_gb=1.0))
+    assert (instance.context_length, instance.kv_cache_bytes) == (16, {})
+
+
 def test_sizing_is_validated() -> None:
     for bad in ({"kv_cache_gb": 0}, {"kv_cache_gb": -1}, {"max_context": 1}, {"max_context": 0}):
         with pytest.raises(ValidationError):

@@ -53,8 +53,11 @@ def kv_headroom_bytes(card: ModelCard, n_layers: int, tensor_ways: int = 1, cont
 
 
 def admitted_context(card: ModelCard, max_context: int | None) -> int:
-    """The context an instance admits: the model's own, capped by the placement's max_context."""
-    return card.context_length if max_context is None else min(card.context_length, max_context)
+    """The context an instance admits: the model's own, capped by the placement's max_context. An embedding model
+    keeps its own: its encoder takes each input whole, up to its positions, and keeps no KV cache."""
+    if max_context is None or card.embeds:
+        return card.context_length
+    return min(card.context_length, max_context)
 
 
 def explicit_pool_tokens(card: ModelCard, kv_cache_bytes: int) -> int:

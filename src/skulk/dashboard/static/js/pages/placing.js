@@ -40,11 +40,11 @@ export function normalizePreview(p, state) {
     const nodes = Object.entries(assign.nodeToRunner || {}).map(([nodeId, runner]) => {
       const [, shard] = tagged((assign.runnerToShard || {})[runner]);
       return { nodeId, ...shard, needed: (p.memory_delta_by_node || {})[nodeId] || 0,
-        free: bytesOf((memory[nodeId] || {}).ramAvailable) };
+        kvPool: (p.kv_cache_bytes_by_node || {})[nodeId] || 0, free: bytesOf((memory[nodeId] || {}).ramAvailable) };
     }).sort((a, b) => a.deviceRank - b.deviceRank);
     const over = error && error.message.match(/over (\d+) node/);
     return { sharding: p.sharding, instanceMeta: p.instance_meta, nodeIds: nodes.map((n) => n.nodeId),
-      size: nodes.length || (over ? +over[1] : 0), nodes, error, instance: p.instance,
+      size: nodes.length || (over ? +over[1] : 0), nodes, error, instance: p.instance, contextLength: p.context_length,
       predicted: { decode: p.predicted_decode_tps, aggregate: p.predicted_aggregate_tps, batch: p.predicted_batch,
         warning: p.predicted_warning } };
   }
@@ -91,6 +91,8 @@ function PreviewCard({ state, preview, onLaunch, busy }) {
     </header>
     ${preview.error ? html`<${Refusal} state=${state} refusal=${preview.error} />` : html`
       <${Prediction} predicted=${preview.predicted} />
+      ${preview.contextLength ? html`<p class="muted small" data-testid="preview-context">admits a context of
+        ${preview.contextLength} tokens; each node's KV pool is part of what it needs</p>` : null}
       ${preview.nodes.map((n) => {
         // the node's memory as the Cluster page shows it (state.nodeMemory), plus what this model needs; the
         // "leaves" figure is placement's, which also counts shards committed but not loaded yet
@@ -100,6 +102,7 @@ function PreviewCard({ state, preview, onLaunch, busy }) {
         return html`<div class="preview-node">
           <div class="small">${nodeName(state, n.nodeId)} · rank ${n.deviceRank}/${n.worldSize}${' '}
             · layers ${n.startLayer}–${n.endLayer} of ${n.nLayers} · needs ${gb(n.needed)}${' '}
+            ${n.kvPool ? `(KV pool ${gb(n.kvPool)})` : ''}${' '}
             · leaves ${gb(n.free - n.needed)}</div>
           <${Bar} used=${used} extra=${n.needed} total=${total}
             title=${`used ${gb(used)} + this model ${gb(n.needed)} of ${gb(total)}`} />
