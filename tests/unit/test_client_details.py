@@ -79,6 +79,8 @@ def test_an_image_is_text_only_in_claudes_and_ollamas_shapes(client: TestClient)
     ("/ollama/api/chat", {"think": True}, "think"),
     ("/ollama/api/generate", {"raw": True}, "raw"),
     ("/ollama/api/generate", {"suffix": "}"}, "suffix"),
+    ("/ollama/api/chat", {"options": {"repeat_penalty": 1.3}}, "repetition penalties"),
+    ("/ollama/api/generate", {"options": {"mirostat": 2}}, "mirostat"),
     ("/v1/responses", {"background": True}, "background"),
     ("/v1/responses", {"reasoning": {"effort": "high"}}, "reasoning"),
     ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
@@ -92,7 +94,8 @@ def test_fields_that_are_not_served_are_refused_not_ignored(
 ) -> None:
     base: dict[str, Any] = {
         "/v1/messages": {"model": "test/model", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
-        "/ollama/api/chat": {"model": "test/model", "messages": [{"role": "user", "content": "x"}]},
+        "/ollama/api/chat": {"model": "test/model", "messages": [{"role": "user", "content": "x"}],
+                             "options": {"repeat_penalty": 1.0, "num_ctx": 4096}},
         "/ollama/api/generate": {"model": "test/model", "prompt": "x"},
         "/v1/responses": {"model": "test/model", "input": "x"},
         "/v1/chat/completions": {"model": "test/model", "messages": [{"role": "user", "content": "x"}],

@@ -145,7 +145,8 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    """The body of POST /v1/chat/completions. Unknown OpenAI fields are accepted and ignored."""
+    """The body of POST /v1/chat/completions. OpenAI fields Skulk does not serve are refused by `unsupported`
+    when they would change the answer; other unknown fields are ignored."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     model: ModelText

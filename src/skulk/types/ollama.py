@@ -23,6 +23,22 @@ class OllamaOptions(_Loose):
     top_k: TopK | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    mirostat: int | None = None
+
+    def unsupported(self) -> str | None:
+        """A sampling option that would change the answer and that Skulk's sampler does not have (None: none is
+        set). Options about memory and threads (num_ctx, num_gpu, num_thread, ...) change nothing a client sees
+        and are accepted."""
+        if self.repeat_penalty not in (None, 1.0) or self.presence_penalty or self.frequency_penalty:
+            return "options: repetition penalties are not supported; leave repeat_penalty at 1 and the others at 0"
+        if self.min_p or self.typical_p not in (None, 1.0) or self.mirostat:
+            return "options: min_p, typical_p and mirostat are not supported; use temperature, top_k and top_p"
+        return None
 
 
 class OllamaFunction(_Loose):
@@ -73,7 +89,7 @@ class OllamaChatRequest(_Loose):
 
     def unsupported(self) -> str | None:
         """Why a field this request sets is not served (None: every field it sets is)."""
-        return _THINK if self.think not in (None, False) else None
+        return _THINK if self.think not in (None, False) else self.options.unsupported()
 
 
 _THINK = ("think: Skulk returns no separate thinking; leave think out or false (a model that thinks writes its "
@@ -111,7 +127,7 @@ class OllamaGenerateRequest(_Loose):
             return "template: the model's own chat template is always used; leave template out"
         if self.context:
             return "context: send the conversation as /api/chat messages instead of a context from an earlier reply"
-        return _THINK if self.think not in (None, False) else None
+        return _THINK if self.think not in (None, False) else self.options.unsupported()
 
     def chat_messages(self) -> list[ChatMessage]:
         head = [ChatMessage(role="system", content=self.system)] if self.system else []
