@@ -69,6 +69,18 @@ def test_the_placement_sets_the_instances_context_and_each_ranks_pool(served: tu
     assert all(list(p["kv_cache_bytes_by_node"].values()) == [POOL] for p in usable)
 
 
+def test_a_pool_that_cannot_fit_is_a_typed_400_saying_so(served: tuple[LocalNode, str]) -> None:
+    node, _ = served
+    status, body = node.post("/place_instance", {"model_id": MODEL, "kv_cache_gb": 60000})
+    assert status == 400 and body["error"]["code"] == "InsufficientMemory", body
+    assert "KV pool" in body["error"]["message"] and "kv_cache_gb" in body["error"]["message"]
+    status, body = node.post("/place_instance", {"model_id": MODEL, "kv_cache_gb": 0.0001})  # 52 positions
+    assert status == 400 and body["error"]["code"] == "KvPoolTooSmall", body
+    assert "max_context to at most 52" in body["error"]["message"]
+    status, body = node.post("/place_instance", {"model_id": MODEL, "max_context": 1})
+    assert status == 422, body
+
+
 def test_every_surface_advertises_the_placed_context(served: tuple[LocalNode, str]) -> None:
     node, _ = served
     (listed,) = [m for m in node.get("/models")["data"] if m["id"] == MODEL]
