@@ -15,13 +15,13 @@ import pytest
 
 from skulk.engines.base import TokenOut
 from skulk.engines.torch import schedule
+from skulk.engines.torch.blocks import MIN_COPY, common_prefix
 from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.schedule import (
     CHUNK_STEPS,
     MIN_CHUNK,
     can_admit,
     chunk_tokens,
-    common_prefix,
     next_kind,
     share_chunk,
 )
@@ -67,8 +67,11 @@ def reused(engine: TorchEngine) -> dict[str, int]:
 
 
 def expected_reuse(history: list[int], new: list[int], block: int = 32) -> int:
-    """What a cached history of tokens (its last token has no KV) offers a new prompt: its full shared blocks."""
-    return min(common_prefix(history[:-1], new), len(new) - 1) // block * block
+    """What a cached history of tokens (its last token has no KV) offers a new prompt, token-granular: its full
+    shared blocks, then the tokens of the next block it starts with when there are at least MIN_COPY of them (that
+    block is copied). The prompt's last token is always computed."""
+    same = min(common_prefix(history[:-1], new), len(new) - 1)
+    return same if same % block >= MIN_COPY else same // block * block
 
 
 def forcing(request_id: str, token: int) -> Any:
@@ -213,8 +216,8 @@ def test_the_next_turn_starts_from_the_previous_turns_kv(demo_dir: Path) -> None
     assert reused(engine) == {"t1": 0}
     second = [*first, *reply, *b" and then?", 259]
     assert run(engine, {"t2": second})["t2"] == cold(demo_dir, second)
-    # every full block before the last reply token (whose KV was never computed)
-    assert reused(engine) == {"t2": (len(first) + len(reply) - 1) // 32 * 32} == {"t2": 384}
+    # every token before the last reply token (whose KV was never computed): 12 whole blocks, 23 tokens copied
+    assert reused(engine) == {"t2": len(first) + len(reply) - 1} == {"t2": 407}
 
 
 def test_reuse_misses_a_different_prompt_and_stops_where_prompts_diverge(demo_dir: Path) -> None:
@@ -226,9 +229,9 @@ def test_reuse_misses_a_different_prompt_and_stops_where_prompts_diverge(demo_di
     assert run(engine, {"other": other})["other"] == cold(demo_dir, other)
     diverged = [*base[:120], *prompt(80, salt=9)[1:]]
     assert run(engine, {"diverged": diverged})["diverged"] == cold(demo_dir, diverged)
-    # other shares only the BOS token, less than a block; base's blocks survive other's run
+    # other shares only the BOS token, fewer than MIN_COPY; base's blocks survive other's run
     assert reused(engine) == {"base": 0, "other": 0, "diverged": expected_reuse(history, diverged)}
-    assert expected_reuse(history, diverged) == 96
+    assert expected_reuse(history, diverged) == 120  # 3 whole blocks, then 24 tokens of the 4th copied
 
 
 def test_two_conversations_keep_their_prefixes_while_taking_turns(demo_dir: Path) -> None:
@@ -238,7 +241,7 @@ def test_two_conversations_keep_their_prefixes_while_taking_turns(demo_dir: Path
     run(engine, {"b1": b1})  # its blocks come from the free ones: a1's cached blocks are not evicted
     a2 = [*a1, *b"next"]
     assert run(engine, {"a2": a2})["a2"] == cold(demo_dir, a2)
-    assert reused(engine)["a2"] == expected_reuse(history, a2) == len(a1) // 32 * 32
+    assert reused(engine)["a2"] == expected_reuse(history, a2) == len(a1)
 
 
 def test_two_next_turns_admitted_together_each_reuse_their_own_prefix(demo_dir: Path) -> None:
@@ -255,7 +258,7 @@ def test_two_next_turns_admitted_together_each_reuse_their_own_prefix(demo_dir: 
     got = reused(engine)
     assert got == {"a2": expected_reuse(histories["a1"], turns["a2"]),
                    "b2": expected_reuse(histories["b1"], turns["b2"])}
-    assert min(got.values()) == 128
+    assert min(got.values()) == 150  # every token of the first turn: 4 whole blocks and 22 copied
     assert drain(engine, tokens) == {rid: cold(demo_dir, ids) for rid, ids in turns.items()}
 
 
@@ -270,4 +273,4 @@ def test_a_request_leaving_mid_batch_leaves_its_prefix(demo_dir: Path) -> None:
         history += [o.token_id for o in engine.step() if o.request_id == "short"]
     again = [*short, *b"!"]
     assert run(engine, {"again": again})["again"] == cold(demo_dir, again)
-    assert reused(engine)["again"] == expected_reuse(history, again) == len(short) // 32 * 32
+    assert reused(engine)["again"] == expected_reuse(history, again) == len(short) // 32 * 32  # 4 < MIN_COPY

@@ -12,7 +12,16 @@ import pytest
 from skulk.engines.torch.blocks import BlockAllocator, OutOfBlocks, block_keys, blocks_for
 from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.schedule import pool_blocks
-from skulk.engines.torch.wire import Admitted, Started
+from skulk.engines.torch.wire import (
+    NO_COPY,
+    Admitted,
+    Header,
+    Started,
+    StepKind,
+    WireError,
+    decode_changes,
+    encode_changes,
+)
 from skulk.models.demo import ensure_demo_model
 from skulk.types.chat import SamplingParams
 
@@ -102,7 +111,7 @@ def test_cached_blocks_are_shared_by_key_and_evicted_least_recent_first() -> Non
     table = [pool.allocate() for _ in range(3)]
     for block, key in zip(table, keys, strict=True):
         pool.cache_full(block, key)
-    pool.free_table(table, full=3)  # kept, tail first: the LRU order is table[2], table[1], table[0]
+    pool.free_table(table, kept=3)  # kept, tail first: the LRU order is table[2], table[1], table[0]
     assert (pool.cached, pool.held, pool.available) == (3, 0, 4)
     assert pool.match(keys) == table
     assert pool.match(block_keys([1, 2, 3, 9], 2)) == table[:1]  # stops where the tokens diverge
@@ -113,6 +122,34 @@ def test_cached_blocks_are_shared_by_key_and_evicted_least_recent_first() -> Non
     assert pool.allocate() == table[1]
     with pytest.raises(OutOfBlocks):
         pool.allocate()
+
+
+def test_a_partial_match_finds_the_cached_block_starting_with_the_most_tokens() -> None:
+    """Token-granular reuse: blocks remembered with their tokens after a prefix's key are found by how many of a
+    prompt's next tokens they start with (at least min_copy), and forgotten when the pool takes them back."""
+    pool = BlockAllocator(4, 16)
+    assert pool.min_copy == 8 and BlockAllocator(4, 4).min_copy == 2
+    tail, other = pool.allocate(), pool.allocate()
+    pool.remember(tail, 7, range(100, 112))  # 12 tokens after the prefix keyed 7 (a partial block)
+    pool.remember(other, 7, [*range(100, 109), 5, 6])
+    pool.free_table([tail, other], kept=2)  # both hold tokens: kept, other least recently used
+    assert (pool.cached, pool.held) == (2, 0)
+    assert pool.match_tail(7, range(100, 111)) == (tail, 11)  # the most tokens wins
+    assert pool.match_tail(7, [*range(100, 109), 5]) == (other, 10)
+    assert pool.match_tail(7, [100, 101, 102]) is None  # fewer than min_copy
+    assert pool.match_tail(8, range(100, 112)) is None  # after another prefix
+    assert [pool.allocate(), pool.allocate(), pool.allocate()] == [2, 3, other]
+    assert pool.match_tail(7, [*range(100, 109), 5]) == (tail, 9)  # other's tokens went with it
+
+
+def test_block_copies_travel_in_the_step_header() -> None:
+    header = Header(StepKind.PREFILL, admits=((3, 4), ()), copies=((9, 12), NO_COPY))
+    got = decode_changes(encode_changes(header), 2)
+    assert (got.admits, got.copies) == (((3, 4), ()), ((9, 12), NO_COPY))
+    alone = Header(StepKind.PREFILL, admits=((), ()), copies=(NO_COPY, (9, 12)))  # the copy alone needs a payload
+    assert decode_changes(encode_changes(alone), 2).copies == alone.copies
+    with pytest.raises(WireError, match="copies blocks for 2 of 3"):
+        decode_changes(encode_changes(alone), 3)
 
 
 def test_a_pool_holds_at_least_one_whole_context() -> None:
@@ -173,6 +210,30 @@ def test_a_request_that_cannot_grow_is_preempted_and_resumes_to_the_same_tokens(
     cold = {rid: run(TorchEngine(demo_dir, max_seq=100), {rid: ids}, sampling)[rid] for rid, ids in requests.items()}
     assert got == cold
     assert all(len(ids) == 40 for ids in got.values())  # nobody failed or was cut short
+
+
+def test_the_same_prompt_again_reuses_every_token_but_its_last(demo_dir: Path) -> None:
+    """An 89-token prompt has 25 tokens past its two whole blocks: its next run copies the cached block holding
+    them (a reply that stayed inside that block, then one that filled it), and a run beside one still decoding
+    copies that one's block, written up to its length; each computes its last token only and gives cold tokens."""
+    ids, other = prompt(89), prompt(89, salt=3)
+    short = SamplingParams(max_tokens=2, temperature=0)
+    engine = TorchEngine(demo_dir, max_seq=512)
+    got = run(engine, {"first": ids}, short)  # ends at 90 positions: its third block stays partial
+    got |= run(engine, {"again": ids})  # copies it; its 12 tokens then fill the block
+    got |= run(engine, {"third": ids})  # copies the now full block
+    engine.add_request("long", other, SamplingParams(max_tokens=30, temperature=0))
+    while "long" not in got:
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out.token_id)
+    engine.add_request("late", other, GREEDY)
+    got = drain(engine, got)
+    reused = {e.request_id: e.reused_tokens for e in engine.take_events() if isinstance(e, Started)}
+    assert reused == {"first": 0, "again": 88, "third": 88, "long": 0, "late": 88}
+    cold = TorchEngine(demo_dir, max_seq=512)
+    assert got == {"first": run(cold, {"x": ids}, short)["x"], "again": run(cold, {"y": ids})["y"],
+                   "third": run(cold, {"z": ids})["z"], "late": run(cold, {"u": other})["u"],
+                   "long": run(cold, {"v": other}, SamplingParams(max_tokens=30, temperature=0))["v"]}
 
 
 def test_ten_chats_with_one_system_prompt_hold_it_once(demo_dir: Path) -> None:
@@ -256,7 +317,7 @@ def test_a_6000_token_prompt_answers(smollm2: Path) -> None:
     long = [(7 * i) % 500 + 3 for i in range(6000)]
     got = run(engine, {"long": long}, SamplingParams(max_tokens=4, temperature=0))
     assert len(got["long"]) == 4
-    assert engine.blocks.held == 0 and engine.blocks.cached == 6003 // 32
+    assert engine.blocks.held == 0 and engine.blocks.cached == blocks_for(6003, 32)  # the last, partial, too
 
 
 # --- speculative decoding -------------------------------------------------------------------------------------

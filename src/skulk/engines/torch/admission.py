@@ -14,12 +14,12 @@ import time
 
 from skulk.engines.constrained import Grammars, tool_call_style
 
-from .blocks import blocks_for, extend_keys
+from .blocks import blocks_for, common_prefix, extend_keys
 from .core import NO_BLOCK, WARMUP_ID, EngineCore
 from .requests import Request, row_sampling
 from .schedule import admission_blocks, can_admit, chunk_tokens, growth_blocks, next_kind
 from .tokenizer import IncrementalDecoder, StopMatcher
-from .wire import Admitted, Header, NewRequest, Preempt, Release, Released, Started, StepKind, WireError
+from .wire import NO_COPY, Admitted, Header, NewRequest, Preempt, Release, Released, Started, StepKind, WireError
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +33,11 @@ class Admission(EngineCore):
         decoding = any(r.length >= len(r.prompt) for r in self._running)
         chunk = chunk_tokens(self.prefill_chunk, decoding=decoding, decode_s=self._decode_s,
                              last_chunk=self._last_chunk)
-        admits = self._admit_pending(chunk)
+        admits, copies = self._admit_pending(chunk)
         self._grow()
         kind = next_kind(prefilling=bool(self._rests()), decoding=decoding)
         prefills = kind in (StepKind.PREFILL, StepKind.MIXED)
-        header = Header(kind, changes.adds, changes.releases, chunk if prefills else 0, admits, preempts)
+        header = Header(kind, changes.adds, changes.releases, chunk if prefills else 0, admits, preempts, copies)
         self.link.send_header(header)
         self._last_header = time.monotonic()
         return header
@@ -47,8 +47,11 @@ class Admission(EngineCore):
         self._apply(header)
         for preempt in header.preempts:
             self._preempt(preempt)
-        for shared in header.admits:
-            self._admit(shared)
+        copies = header.copies or (NO_COPY,) * len(header.admits)
+        if len(copies) != len(header.admits):
+            raise WireError(f"header copies blocks for {len(copies)} of {len(header.admits)} admissions")
+        for shared, copy in zip(header.admits, copies, strict=True):
+            self._admit(shared, copy)
         self._grow()
         return header
 
@@ -64,12 +67,14 @@ class Admission(EngineCore):
             preempts.append(preempt)
         return tuple(preempts)
 
-    def _admit_pending(self, chunk: int) -> tuple[tuple[int, ...], ...]:
+    def _admit_pending(self, chunk: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, int], ...]]:
         """Rank 0: admit pending requests in queue order while this step's chunk outlasts the prompts already being
         prefilled (schedule.can_admit) and the pool has blocks for the whole prompt beside the running requests'
-        growth; each shares the cached blocks of its longest cached prefix. The header carries those blocks per
-        admission and every other rank repeats the admissions in order, so block tables stay identical."""
+        growth; each shares the cached blocks of its longest cached prefix and copies the block holding most of its
+        next tokens (_tail_source). The header carries those blocks per admission and every other rank repeats the
+        admissions in order, so block tables stay identical."""
         admits: list[tuple[int, ...]] = []
+        copies: list[tuple[int, int]] = []
         rests = self._rests()
         reserve = growth_blocks(self._running, self.block_size)
         while self._pending and can_admit(rests=rests, chunk=chunk, free_slots=self.max_batch - len(self._running),
@@ -78,14 +83,35 @@ class Admission(EngineCore):
             limit = (len(head.prompt) - 1) // self.block_size  # the prompt's last token is always computed
             extend_keys(head.keys, head.prompt, self.block_size, limit)
             shared = self.blocks.match(head.keys[:limit])
-            revived = sum(1 for b in shared if self.blocks.refcount(b) == 0)  # cached blocks it takes out of the LRU
+            copy = self._tail_source(head, shared)
+            pinned = [*shared, copy[0]] if copy != NO_COPY else shared
+            revived = sum(1 for b in pinned if self.blocks.refcount(b) == 0)  # cached blocks it takes out of the LRU
             if admission_blocks(len(head.prompt), len(shared), self.block_size) + revived + reserve \
                     > self.blocks.available:
                 break  # the queue waits for blocks (FIFO: a short prompt behind never starves a long one ahead)
-            req = self._admit(tuple(shared))
+            req = self._admit(tuple(shared), copy)
             admits.append(tuple(shared))
+            copies.append(copy)
             rests.append(len(req.prompt) - req.length)
-        return tuple(admits)
+        return tuple(admits), tuple(copies) if any(c != NO_COPY for c in copies) else ()
+
+    def _tail_source(self, head: Request, shared: list[int]) -> tuple[int, int]:
+        """Rank 0: the block holding the most of the prompt's tokens after its shared whole blocks, and how many of
+        them it takes: among cached blocks (blocks.match_tail) and the blocks running requests hold after the same
+        shared ones (written up to their length, never again). NO_COPY: none. The prompt's last token is always
+        computed, so it gets logits to sample from."""
+        n, size = len(shared), self.block_size
+        start = n * size
+        want = head.prompt[start : min(start + size, len(head.prompt) - 1)]
+        if not want:
+            return NO_COPY
+        best = self.blocks.match_tail(head.keys[n - 1] if n else 0, want) or NO_COPY
+        for r in self._running:
+            if r.length > start and len(r.table) > n and r.table[n] != NO_BLOCK and r.table[:n] == shared:
+                took = common_prefix(r.tokens(start, min(r.length, start + size)), want)
+                if took >= self.blocks.min_copy and took > best[1]:
+                    best = (r.table[n], took)
+        return best
 
     def _rests(self) -> list[int]:
         """Prompt tokens still to prefill, per request being prefilled, in row order."""
@@ -138,12 +164,18 @@ class Admission(EngineCore):
             self._events.append(Released(found.request_id, found.command_id, release.cancelled, release.failed))
 
     def _free_table(self, req: Request) -> None:
-        """Give a leaving (or preempted) request's blocks back; on rank 0 its full blocks are keyed by their tokens
-        first, so a later prompt starting with them finds them."""
-        full = req.length // self.block_size
+        """Give a leaving (or preempted) request's blocks back, those holding any of its tokens kept cached; on rank 0
+        its full blocks are keyed by their tokens first, and every kept block's tokens remembered, so a later prompt
+        starting with them finds them (whole blocks shared, a last partial one copied)."""
+        kept = blocks_for(req.length, self.block_size)
         self._publish(req)
+        if self.is_scheduler:
+            for i, block in enumerate(req.table[:kept]):
+                if block != NO_BLOCK:
+                    tokens = req.tokens(i * self.block_size, min(req.length, (i + 1) * self.block_size))
+                    self.blocks.remember(block, req.keys[i - 1] if i else 0, tokens)
         held = [b for b in req.table if b != NO_BLOCK]
-        self.blocks.free_table(held, full - (len(req.table) - len(held)))
+        self.blocks.free_table(held, kept - (len(req.table) - len(held)))
         req.table = []
 
     def _drop_behind_window(self, req: Request) -> None:
@@ -180,19 +212,28 @@ class Admission(EngineCore):
         self._pending.appendleft(req)
         self.preemptions += 1
 
-    def _admit(self, shared: tuple[int, ...]) -> Request:
+    def _admit(self, shared: tuple[int, ...], copy: tuple[int, int] = NO_COPY) -> Request:
         """Move the first pending request into the next row, sharing the cached blocks `shared` for its first
-        positions and taking fresh blocks for the rest of its prompt."""
+        positions, taking fresh blocks for the rest of its prompt, and copying the first `copy[1]` positions of
+        block `copy[0]` into the first fresh one (copy-on-write of a partial match: it writes past them)."""
         if not self._pending or len(self._running) >= self.max_batch:
             raise WireError(f"header admits a request with {len(self._pending)} pending, {len(self._running)} running")
         req = self._pending[0]
-        length = len(shared) * self.block_size
-        if length >= len(req.prompt) and shared:
-            raise WireError(f"header shares {len(shared)} blocks of a {len(req.prompt)}-token prompt")
+        source, copied = copy
+        length = len(shared) * self.block_size + copied
+        if not 0 <= copied <= self.block_size or not 0 <= source < self.blocks.num_blocks \
+                or (length >= len(req.prompt) and length):
+            raise WireError(f"header reuses {length} positions ({len(shared)} blocks, then {copied} copied from "
+                            f"block {source}) of a {len(req.prompt)}-token prompt")
         need = blocks_for(len(req.prompt), self.block_size) - len(shared)  # its first decode's: _grow
         for block in shared:
             self.blocks.share(block)
+        if copied:
+            self.blocks.share(source)  # held while the fresh blocks are taken, so none of them is the source
         req.table = [*shared, *(self.blocks.allocate() for _ in range(need))]
+        if copied:
+            self.cache.copy_block(source, req.table[len(shared)])
+            self.blocks.free(source, keep=True)
         self._pending.popleft()
         req.length = length
         self._running.append(req)

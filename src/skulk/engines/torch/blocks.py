@@ -16,6 +16,12 @@ Only full blocks are ever shared, and a request only writes at positions at or p
 its own last (unshared) block; `writable` still copies a shared block on write (returning the copy to make), so
 no caller can write into another request's KV whatever it asks.
 
+Reuse is token-granular, as SGLang's radix cache is: past its last whole shared block, a prompt may start with
+only some of a cached block's tokens (the same prompt again, whose last block is partial; a block a reply went on
+to fill). Rank 0 remembers each cached block's tokens under its parent's key (`remember`), and `match_tail` finds
+the one sharing the most tokens with the rest of a prompt; the new request copies that block into a fresh one of
+its own (copy-on-write: it writes past the copied tokens) instead of recomputing them.
+
 Prefix identity is a chain hash per full block: hash((parent block's key, the block's token ids)), so a block
 matches only when every token before it matches too. Only rank 0 knows generated tokens, so only its allocator
 registers keys (`cache_full`); other ranks pass none and follow the header.
@@ -26,6 +32,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+MIN_COPY = 8
+"""The fewest tokens a partial match copies (match_tail; half a block in pools of small blocks); fewer are recomputed
+in the prompt's chunk, which computes its last token anyway. Every prompt starts with BOS: a one-token match would
+copy a block for nearly nothing."""
 
 
 class OutOfBlocks(RuntimeError):
@@ -65,6 +76,8 @@ class BlockAllocator:
     _cached: OrderedDict[int, None] = field(init=False, default_factory=OrderedDict)  # LRU first
     _key_of: dict[int, int] = field(init=False, default_factory=dict)  # block -> chain key (rank 0)
     _block_of: dict[int, int] = field(init=False, default_factory=dict)  # chain key -> block (rank 0)
+    _tails: dict[int, dict[int, tuple[int, ...]]] = field(init=False, default_factory=dict)  # parent key -> tokens
+    _parent_of: dict[int, int] = field(init=False, default_factory=dict)  # remembered block -> parent key (rank 0)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -87,6 +100,11 @@ class BlockAllocator:
     @property
     def cached(self) -> int:
         return len(self._cached)
+
+    @property
+    def min_copy(self) -> int:
+        """The fewest tokens of a block worth copying (MIN_COPY)."""
+        return max(1, min(MIN_COPY, self.block_size // 2))
 
     def refcount(self, block: int) -> int:
         return self._refs[block]
@@ -130,11 +148,11 @@ class BlockAllocator:
             self._empty.append(block)
             self._empty.sort(reverse=True)
 
-    def free_table(self, table: Sequence[int], full: int) -> None:
-        """Release a request's table: its first `full` blocks are full and kept as cached prefix blocks (freed
-        last to first, so a prefix's tail is evicted before its head, which more requests share)."""
+    def free_table(self, table: Sequence[int], kept: int) -> None:
+        """Release a request's table: its first `kept` blocks hold content and are kept as cached prefix blocks
+        (freed last to first, so a prefix's tail is evicted before its head, which more requests share)."""
         for i in range(len(table) - 1, -1, -1):
-            self.free(table[i], keep=i < full)
+            self.free(table[i], keep=i < kept)
 
     def writable(self, block: int) -> tuple[int, int | None]:
         """Copy-on-write: the block a table may write into in place of `block`, and the block to copy its
@@ -164,7 +182,40 @@ class BlockAllocator:
             found.append(block)
         return found
 
+    def remember(self, block: int, parent: int, tokens: Sequence[int]) -> None:
+        """Record the tokens block holds (full or not) after the prefix with chain key `parent` (0: none), so a
+        prompt that starts with some of them can copy it (match_tail)."""
+        if not tokens or block in self._parent_of:
+            return
+        self._parent_of[block] = parent
+        self._tails.setdefault(parent, {})[block] = tuple(tokens)
+
+    def match_tail(self, parent: int, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """The remembered block after prefix `parent` whose tokens start with the most of `tokens`, and how many:
+        (block, n), or None when none starts with min_copy of them."""
+        best: tuple[int, int] | None = None
+        for block, held in self._tails.get(parent, {}).items():
+            n = common_prefix(held, tokens)
+            if n >= self.min_copy and (best is None or n > best[1]):
+                best = (block, n)
+        return best
+
     def _forget(self, block: int) -> None:
         key = self._key_of.pop(block, None)
         if key is not None:
             del self._block_of[key]
+        parent = self._parent_of.pop(block, None)
+        if parent is not None:
+            tails = self._tails[parent]
+            del tails[block]
+            if not tails:
+                del self._tails[parent]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -80,14 +80,6 @@ def chunk_tokens(
     return max(floor, min(max_chunk, 2 * tokens, fitted))
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 class _Holder(Protocol):
     length: int
     table: list[int]

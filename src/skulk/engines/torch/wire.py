@@ -26,6 +26,7 @@ from skulk.types.chat import SamplingParams
 MAX_CHANGES_BYTES = 256 * 1024 * 1024  # one step's adds, prompts included; a larger size is a forged header
 MAX_ADMITS = 8  # pending requests one step may admit (a burst of short prompts goes in one prefill step)
 FIXED_INTS = 4  # [kind, payload_bytes, chunk, admissions]
+NO_COPY = (0, 0)  # an admission that copies no partial block: (block, tokens)
 
 
 class WireError(RuntimeError):
@@ -80,8 +81,10 @@ class Header:
     running request's growth by a block where its next position needs one, then the kind's work.
 
     admits: pending requests moved into the next rows, in queue order: each as the cached blocks it shares for its
-    first positions (empty: it starts from nothing). chunk: the prompt tokens a PREFILL or MIXED step computes,
-    shared by the requests being prefilled in row order.
+    first positions (empty: it starts from nothing). copies: per admission (or () for none at all), the block whose
+    first `tokens` positions it copies into its first fresh block instead of computing them, as (block, tokens);
+    NO_COPY for none (blocks.match_tail). chunk: the prompt tokens a PREFILL or MIXED step computes, shared by the
+    requests being prefilled in row order.
     """
 
     kind: StepKind
@@ -90,6 +93,7 @@ class Header:
     chunk: int = 0
     admits: tuple[tuple[int, ...], ...] = ()
     preempts: tuple[Preempt, ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()
 
 
 # What the engine tells its runner happened to requests, so non-scheduler ranks can report tasks they never
@@ -153,11 +157,16 @@ class StepChanges(BaseModel):
     releases: list[_WireRelease] = []
     shared: list[list[int]] = Field(default=[], max_length=MAX_ADMITS)  # per admission: the cached blocks it shares
     preempts: list[_WirePreempt] = []
+    copies: list[tuple[int, int]] = Field(default=[], max_length=MAX_ADMITS)  # per admission: (block, tokens)
 
 
 def has_changes(header: Header) -> bool:
     """Whether the header needs its payload (a steady decode step does not)."""
-    return bool(header.adds or header.releases or header.preempts or any(header.admits))
+    return bool(header.adds or header.releases or header.preempts or any(header.admits) or _copies(header))
+
+
+def _copies(header: Header) -> bool:
+    return any(copy != NO_COPY for copy in header.copies)
 
 
 def encode_changes(header: Header) -> bytes:
@@ -168,6 +177,7 @@ def encode_changes(header: Header) -> bytes:
                   for r in header.releases],
         shared=[list(blocks) for blocks in header.admits] if any(header.admits) else [],
         preempts=[_WirePreempt(request_id=p.request_id, tokens=list(p.tokens)) for p in header.preempts],
+        copies=list(header.copies) if _copies(header) else [],
     )
     return changes.model_dump_json(by_alias=True).encode()
 
@@ -183,9 +193,12 @@ def decode_changes(payload: bytes, admissions: int) -> Header:
         raise WireError(f"step header shares blocks for {len(changes.shared)} of {admissions} admissions")
     adds = tuple(NewRequest.of(a.request_id, a.command_id, a.prompt, a.sampling) for a in changes.adds)
     releases = tuple(Release(r.request_id, r.cancelled, r.failed) for r in changes.releases)
+    if changes.copies and len(changes.copies) != admissions:
+        raise WireError(f"step header copies blocks for {len(changes.copies)} of {admissions} admissions")
     admits = tuple(tuple(b) for b in changes.shared) if changes.shared else ((),) * admissions
     preempts = tuple(Preempt(p.request_id, tuple(p.tokens)) for p in changes.preempts)
-    return Header(StepKind.HEARTBEAT, adds, releases, 0, admits, preempts)
+    copies = tuple(changes.copies) if changes.copies else (NO_COPY,) * admissions
+    return Header(StepKind.HEARTBEAT, adds, releases, 0, admits, preempts, copies)
 
 
 def decode_fixed(kind: int, size: int, admits: int = 0) -> tuple[StepKind, int]:
@@ -222,8 +235,8 @@ class HeaderChannel:
         raw_kind, size, chunk, count = self._fixed.tolist()
         kind, size = decode_fixed(raw_kind, size, count)
         if not size:
-            return Header(kind, chunk=chunk, admits=((),) * count)
+            return Header(kind, chunk=chunk, admits=((),) * count, copies=(NO_COPY,) * count)
         data = torch.empty(size, dtype=torch.uint8)
         dist.broadcast(data, src=0, group=self.group)
         changes = decode_changes(data.numpy().tobytes(), count)
-        return Header(kind, changes.adds, changes.releases, chunk, changes.admits, changes.preempts)
+        return Header(kind, changes.adds, changes.releases, chunk, changes.admits, changes.preempts, changes.copies)
