@@ -236,6 +236,19 @@ def test_the_same_prompt_again_reuses_every_token_but_its_last(demo_dir: Path) -
                    "long": run(cold, {"v": other}, SamplingParams(max_tokens=30, temperature=0))["v"]}
 
 
+def test_an_engine_sharing_no_prefixes_copies_no_block(demo_dir: Path) -> None:
+    """A mixed MLX+torch instance shares nothing (its MLX rank keeps per-request caches): no block is copied."""
+    engine = TorchEngine(demo_dir, max_seq=512)
+    engine.share_prefixes = False
+    ids = prompt(89)
+    engine.add_request("long", ids, SamplingParams(max_tokens=20, temperature=0))
+    engine.step()
+    run(engine, {"beside": ids})
+    run(engine, {"after": ids})
+    reused = {e.request_id: e.reused_tokens for e in engine.take_events() if isinstance(e, Started)}
+    assert reused == {"long": 0, "beside": 0, "after": 0}
+
+
 def test_ten_chats_with_one_system_prompt_hold_it_once(demo_dir: Path) -> None:
     """Ten concurrent chats whose 2,000-token prompts share their first 1,984 tokens: the first computes them, the
     other nine share its blocks while it still runs (counted in blocks held), and give their cold tokens."""

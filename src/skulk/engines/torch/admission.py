@@ -103,7 +103,7 @@ class Admission(EngineCore):
         n, size = len(shared), self.block_size
         start = n * size
         want = head.prompt[start : min(start + size, len(head.prompt) - 1)]
-        if not want:
+        if not (want and self.share_prefixes):
             return NO_COPY
         best = self.blocks.match_tail(head.keys[n - 1] if n else 0, want) or NO_COPY
         for r in self._running:
@@ -169,7 +169,7 @@ class Admission(EngineCore):
         starting with them finds them (whole blocks shared, a last partial one copied)."""
         kept = blocks_for(req.length, self.block_size)
         self._publish(req)
-        if self.is_scheduler:
+        if self.is_scheduler and self.share_prefixes:
             for i, block in enumerate(req.table[:kept]):
                 if block != NO_BLOCK:
                     tokens = req.tokens(i * self.block_size, min(req.length, (i + 1) * self.block_size))
