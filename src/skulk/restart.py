@@ -5,6 +5,7 @@ command line, a new node id (ids are per session), and it rejoins its cluster by
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -38,7 +39,10 @@ class RestartGate:
 
 
 def exec_self() -> NoReturn:
-    """Replace this process with a fresh run of the same command line (same pid)."""
+    """Replace this process with a fresh run of the same command line (same pid). execv skips the interpreter's
+    exit, so first collect what the stopped runners left (their multiprocessing queues' semaphores unlink and
+    unregister when collected): else the old image's resource tracker warns of leaked semaphores at the exec."""
+    gc.collect()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

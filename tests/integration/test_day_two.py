@@ -166,10 +166,12 @@ def restarted(node: LocalNode, old_id: str, pid: int) -> None:
 def test_admin_restart_in_place_rejoins_and_serves(pair: tuple[LocalNode, LocalNode]) -> None:
     writer, full = pair
     assert full.process is not None
+    assert full.get("/v1/diagnostics/node")["supervisorRunners"], "a runner (multiprocessing queues) on it"
     pid, old_id = full.process.pid, full.node_id
     status, body = writer.post(f"/admin/restart?node_id={full.node_id}", {})
     assert (status, body["status"]) == (200, "restart_sent"), body
     restarted(full, old_id, pid)
+    assert not any("leaked semaphore" in line for line in full.output), "execv left the runner's semaphores"
     status, body = writer.post("/admin/restart?node_id=not-a-node", {})
     assert status == 404 and "not known" in body["error"]["message"]
 
