@@ -373,16 +373,20 @@ def test_the_timeline_highlights_a_wedged_rank(scenario: Scenario, dash: Dash) -
     dash.assert_clean()
 
 
+def name_fits(page: Any, testid: str) -> bool:
+    """The chosen option's text is narrower than its select (not cut off)."""
+    return bool(page.evaluate("""(testid) => { const el = document.querySelector(`[data-testid=${testid}]`);
+        const ctx = document.createElement('canvas').getContext('2d'); ctx.font = getComputedStyle(el).font;
+        return ctx.measureText(el.value).width < el.clientWidth; }""", testid))
+
+
 def test_an_answer_is_regenerated_a_message_edited_and_the_theme_switched(scenario: Scenario, dash: Dash) -> None:
     node = scenario.nodes[0]
     wait_until(lambda: scenario.meta_serving(node), 90, "the MetaInstance to serve")
     page = dash.open(node, "/chat")
     select = page.get_by_test_id("chat-model")
     sync_api.expect(select).to_have_value(MODEL)
-    fits = page.evaluate("""() => { const el = document.querySelector('[data-testid=chat-model]');
-        const ctx = document.createElement('canvas').getContext('2d'); ctx.font = getComputedStyle(el).font;
-        return ctx.measureText(el.value).width < el.clientWidth; }""")
-    assert fits, "the model's name is cut off in its picker"
+    assert name_fits(page, "chat-model"), "the model's name is cut off in its picker"
     page.get_by_test_id("max-tokens").fill("6")
     page.get_by_test_id("temperature").fill("0")
     page.get_by_test_id("new-chat").click()
@@ -431,6 +435,10 @@ def test_memory_says_used_and_free_and_cluster_and_placing_agree(scenario: Scena
     dash.nav("Placing")
     preview = page.locator(f'[data-testid=preview][data-ok=true][data-node-ids="{node.node_id}"] .bar-row').first
     sync_api.expect(preview).to_contain_text("this model")
+    longest = max((m["id"] for m in get(node, "/models")["data"]), key=len)
+    page.get_by_test_id("place-model").select_option(longest)
+    assert name_fits(page, "place-model"), f"{longest} is cut off in the Placing picker"
+    page.get_by_test_id("place-model").select_option(MODEL)
     # the same source (state.nodeMemory) on both pages; memory moves a little between the two reads
     assert abs(used_gb(preview.inner_text()) - on_cluster) < 0.25, (preview.inner_text(), on_cluster)
     dash.assert_clean()

@@ -164,7 +164,8 @@ function PlaceForm({ state, onLaunched }) {
   const fits = wanted.filter((p) => !p.error);
   return html`<div>
     <form class="form-grid" onSubmit=${(e) => e.preventDefault()}>
-      <label>Model <select value=${model} onChange=${(e) => setModel(e.target.value)} data-testid="place-model">
+      <label class="model-pick">Model <select value=${model} onChange=${(e) => setModel(e.target.value)}
+        data-testid="place-model" title=${model}>
         ${((catalog && catalog.data) || [{ id: DEMO }]).map((m) => html`<option value=${m.id}>${m.id}</option>`)}
       </select></label>
       <label>Sharding <select value=${sharding} onChange=${(e) => setSharding(e.target.value)}>
