@@ -484,6 +484,9 @@ def test_a_killed_node_shows_gone_and_the_meta_instance_is_placed_again(scenario
     sync_api.expect(row).to_have_attribute("data-status", "healthy")
     second = wait_until(lambda: scenario.meta_serving(survivor), 30, "the API to agree")
     assert second != first and members(survivor, second) == {survivor.node_id}
+    # the survivor's rank of the 2-rank instance lost its peer: one line says so, no stack trace
+    traces = [line for line in survivor.output if line.startswith("Traceback")]
+    assert traces == [], survivor.log_tail(80)
 
     row.get_by_test_id("delete-meta").click()  # delete asks first, then cascades to the instance
     row.get_by_test_id("delete-meta-yes").click()

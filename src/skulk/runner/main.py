@@ -47,14 +47,14 @@ def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunn
 
 
 PEER_GONE_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "connection refused",
-                   "socket closed", "end of file")
+                   "socket closed", "end of file", "connection was likely closed", "failed to recv")
 
 
 def peer_gone(exc: BaseException) -> bool:
     """The rank failed because another rank's process or node went away (a socket error, or torch.distributed
     / gloo's RuntimeError saying so): the master retries or re-places the instance; its trace says nothing."""
-    if isinstance(exc, ConnectionError | EOFError):
-        return True
+    if isinstance(exc, ConnectionError | EOFError) or type(exc).__name__ == "DistNetworkError":
+        return True  # DistNetworkError: torch.distributed's store lost its peer (no torch import here)
     return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in PEER_GONE_WORDS)
 
 
