@@ -156,8 +156,9 @@ class Admission(EngineCore):
             self._free_table(found)
             if found.lookup is not None and found.lookup.drafted:
                 lookup = found.lookup
-                log.info("MTP acceptance %.0f %% for %s: %d of %d prompt-lookup draft tokens accepted",
-                         100 * lookup.accepted / lookup.drafted, found.request_id, lookup.accepted, lookup.drafted)
+                log.info("MTP acceptance %.0f %% for %s: %d of %d %s draft tokens accepted",
+                         100 * lookup.accepted / lookup.drafted, found.request_id, lookup.accepted, lookup.drafted,
+                         "prompt-lookup" if self.drafter is None else "draft-model")
         if found.request_id == WARMUP_ID:
             self._warming = False
         else:
@@ -208,7 +209,7 @@ class Admission(EngineCore):
         self._running.remove(req)
         self._free_table(req)
         req.prompt = [*req.prompt, *preempt.tokens]
-        req.emitted, req.length = [], 0
+        req.emitted, req.length, req.draft_len = [], 0, 0
         self._pending.appendleft(req)
         self.preemptions += 1
 

@@ -9,6 +9,7 @@ from skulk.engines.base import TokenOut
 
 from .blocks import blocks_for
 from .cache import MixedBatch, StepBatch
+from .drafter import DRAFT_TOKENS
 from .model import MIXED_STACK_ROWS
 from .speculate import MAX_DRAFT, PromptLookup, accepted_prefix
 from .step import PHASES, Step
@@ -17,23 +18,32 @@ from .wire import Release, StepKind
 
 class LocalStep(Step):
     def _drafts(self) -> list[list[int]] | None:
-        """A prompt-lookup draft per running request (some empty), when every one decodes greedily without
-        log-probabilities and at least one has a draft; None for a plain decode step. Drafts stop short of a
-        request's max_tokens and context, fit the free blocks, and keep the step under MIXED_STACK_ROWS rows."""
+        """A draft per running request (some empty): the draft model's when the engine has one, else prompt
+        lookup's, when every one decodes greedily without log-probabilities and at least one has a draft; None for a
+        plain decode step. Drafts stop short of a request's max_tokens and context, fit the free blocks, and keep
+        the step under MIXED_STACK_ROWS rows."""
         running = self._running
         if any(r.sampling.temperature > 0 or r.sampling.logprobs is not None or r.constraint is not None
                for r in running):  # a constrained row's token is its grammar's, not the raw argmax drafts check
             return None
         room, free = max(0, MIXED_STACK_ROWS // len(running) - 1), self.blocks.available
+        most = MAX_DRAFT if self.drafter is None else DRAFT_TOKENS
         drafts: list[list[int]] = []
+        limits: list[int] = []
         for req in running:
             if req.lookup is None:
                 req.lookup = PromptLookup()
-            limit = min(MAX_DRAFT, room, req.max_tokens - req.generated - 1, self.context_length - req.length - 1,
+            limit = min(most, room, req.max_tokens - req.generated - 1, self.context_length - req.length - 1,
                         (len(req.table) + free) * self.block_size - req.length - 1)
-            draft = req.lookup.propose(req.tokens(), limit)
-            free -= max(0, blocks_for(req.length + 1 + len(draft), self.block_size) - len(req.table))
+            draft = req.lookup.propose(req.tokens(), limit) if self.drafter is None else []
+            limit = limit if self.drafter is not None and req.lookup.worth_it() else len(draft)
+            limits.append(max(0, limit))
+            free -= max(0, blocks_for(req.length + 1 + limits[-1], self.block_size) - len(req.table))
+            while len(req.table) < blocks_for(req.length + 1 + limits[-1], self.block_size):
+                req.table.append(self.blocks.allocate())  # the draft writes there before the target does
             drafts.append(draft)
+        if self.drafter is not None:
+            drafts = self.drafter.propose(running, limits)
         return drafts if any(drafts) else None
 
     def _speculate(self, drafts: list[list[int]]) -> list[TokenOut]:
@@ -60,6 +70,8 @@ class LocalStep(Step):
             keep = accepted_prefix(draft, picks)
             if req.lookup is not None:
                 req.lookup.record(len(draft), keep)
+            if draft and self.drafter is not None:  # its inputs up to the first rejected draft token were right
+                req.draft_len = req.length + min(keep + 1, len(draft))
             for j in range(keep + 1):
                 req.length += 1
                 out = self._accept(logits[0, at + j : at + j + 1].unsqueeze(1), [req])[0]

@@ -45,6 +45,7 @@ class Request:
     emitted: list[int] = field(default_factory=list)  # tokens generated since admission (ranks that embed ids)
     keys: list[int] = field(default_factory=list)  # rank 0: chain keys of its full blocks known so far
     lookup: PromptLookup | None = None  # its prompt-lookup drafts' index and acceptance (speculate.py)
+    draft_len: int = 0  # positions the draft model's cache holds for it, valid (drafter.py)
     constraint: Matcher | None = None  # the sampler: its grammar (JSON, a forced tool call), engines/constrained.py
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]:

@@ -1,0 +1,99 @@
+"""Speculative decoding with a draft model: a smaller model of the same tokenizer proposes each request's next
+tokens, greedily, one cheap step at a time; the target verifies them all in one forward pass (local_step.py).
+
+The draft's KV cache is a second pool with the target's geometry (blocks of the same size, as many), so every
+request's block table addresses both: no second allocator, and blocks the target frees free the draft's rows too.
+The draft is never asked to be right, only often right: output is whatever greedy decoding of the target gives
+(the verification keeps only the draft's prefix the target confirms), so stale or foreign draft KV (a block shared
+from another request's prefix, copied, or written past a rejected token) costs acceptance, never correctness.
+Each request records how far its draft KV is valid (`Request.draft_len`); the next proposal first feeds the draft
+the tokens from there (the whole prompt the first time, in chunks), then drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .cache import KVCache, MixedBatch, StepBatch
+from .config import ModelArgs
+from .loader import load_model
+from .model import ModelSlice
+from .requests import Request
+
+DRAFT_TOKENS = 4
+"""Tokens the draft model proposes per request and step: each costs one draft step, so fewer than prompt lookup's
+free MAX_DRAFT."""
+
+
+class Drafter:
+    """A draft model and its cache beside a single-rank target."""
+
+    def __init__(self, model: ModelSlice, num_blocks: int, block_size: int, chunk: int) -> None:
+        self.model, self.block_size, self.chunk = model, block_size, chunk
+        self.cache: KVCache = model.make_cache(num_blocks, block_size)
+
+    @classmethod
+    def load(cls, draft_dir: Path, target: ModelSlice, num_blocks: int, block_size: int, chunk: int, *,
+             dtype: str | torch.dtype | None, device: torch.device, quantize: str | None) -> Drafter:
+        """The draft checkpoint at draft_dir; it must share the target's vocabulary (the same tokenizer)."""
+        vocab = ModelArgs.from_dir(draft_dir).vocab_size  # checked before any weight is read
+        if vocab != target.args.vocab_size:
+            raise ValueError(f"draft model {draft_dir.name} has a vocabulary of {vocab} tokens, the target "
+                             f"{target.args.vocab_size}: a draft must use the target's tokenizer")
+        return cls(load_model(draft_dir, dtype=dtype, device=device, quantize=quantize), num_blocks, block_size, chunk)
+
+    def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        """Up to limits[i] greedy draft tokens for reqs[i] (none where the limit is 0), each request's table already
+        holding blocks for every position the draft writes (up to length + limit - 1)."""
+        drafts: list[list[int]] = [[] for _ in reqs]
+        rows = [i for i, limit in enumerate(limits) if limit > 0]
+        if not rows:
+            return drafts
+        device = next(self.model.parameters()).device
+        tables = {i: torch.tensor([reqs[i].table], dtype=torch.int32, device=device) for i in rows}
+        last = self._catch_up([reqs[i] for i in rows], [tables[i] for i in rows], device)
+        for i, token in zip(rows, last, strict=True):
+            drafts[i].append(token)
+        for step in range(1, max(limits)):
+            rows = [i for i in rows if limits[i] > step]
+            if not rows:
+                break
+            positions = torch.tensor([[reqs[i].length + step] for i in rows], device=device)
+            width = max(len(reqs[i].table) for i in rows)
+            table = torch.tensor([reqs[i].table + [0] * (width - len(reqs[i].table)) for i in rows],
+                                 dtype=torch.int32, device=device)
+            ids = torch.tensor([[drafts[i][-1]] for i in rows], device=device)
+            batch = StepBatch.build(positions, table, kv_len=int(positions.max().item()) + 1)
+            picks = self.model(ids, batch, self.cache)[:, -1].argmax(-1).tolist()
+            for i, token in zip(rows, picks, strict=True):
+                drafts[i].append(token)
+        return drafts
+
+    def _catch_up(self, reqs: Sequence[Request], tables: Sequence[torch.Tensor], device: torch.device) -> list[int]:
+        """Feed the draft each request's tokens from its draft_len through its last token (at its length): one pass
+        over every request while they fit a chunk (the steady state: a token or two each), else request by request
+        in chunks (a prompt's first proposal). The draft's first token per request, from its last row."""
+        todo = [[*r.tokens(r.draft_len, r.length), r.last_token] for r in reqs]
+        if sum(map(len, todo)) <= self.chunk:
+            return self._feed(todo, [r.draft_len for r in reqs], tables, device)
+        firsts = []
+        for req, tokens, table in zip(reqs, todo, tables, strict=True):
+            start = req.draft_len
+            while len(tokens) > self.chunk:
+                self._feed([tokens[: self.chunk]], [start], [table], device)
+                tokens, start = tokens[self.chunk :], start + self.chunk
+            firsts += self._feed([tokens], [start], [table], device)
+        return firsts
+
+    def _feed(self, chunks: Sequence[list[int]], starts: Sequence[int], tables: Sequence[torch.Tensor],
+              device: torch.device) -> list[int]:
+        """One draft pass over each chunk at its start positions; the argmax after each chunk's last token."""
+        parts = tuple(StepBatch.build(torch.arange(start, start + len(chunk), device=device).unsqueeze(0), table,
+                                      kv_len=start + len(chunk))
+                      for chunk, start, table in zip(chunks, starts, tables, strict=True))
+        x = torch.tensor([[t for chunk in chunks for t in chunk]], device=device)
+        logits = self.model(x, parts[0] if len(parts) == 1 else MixedBatch(parts), self.cache, last_only=True)
+        return logits[0].argmax(-1).tolist()
