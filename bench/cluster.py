@@ -3,6 +3,7 @@
 Targets:
   decode tokens/s, Pipeline over 2 ranks ÷ 1 rank                      (target ≥ 0.85)
   decode tokens/s, Pipeline over 3 ranks ÷ 1 rank                      (target ≥ 0.85)
+  8-stream aggregate decode tokens/s, Pipeline over 2 ranks ÷ 1 rank   (reported; ≥ 1.6 needs a core per rank)
   cluster formation, 3 nodes: start → one master, 3 nodes, 6 links    (reported)
   kill -9 of the master → the survivors agree on a new master          (target ≤ 3 s)
   kill -9 of a worker holding a rank → the client's SSE error event    (target ≤ 2 s; runbook anchor 4-6 s)
@@ -15,14 +16,23 @@ used, so machine noise hits all alike. Formation also shows when all three proce
 The kill figures are measured once each: master first, then the killed node is restarted so the worker kill
 happens in a full three-node cluster again. Other processes on the machine skew every figure: run it alone.
 
-Run: .venv/bin/python bench/cluster.py [--tokens 64] [--rounds 3] [--engine torch|mlx]
+The aggregate is --streams concurrent greedy streams (distinct prompts): their tokens after each one's first over
+the time from the earliest first token to the latest last one. --threads sets OMP_NUM_THREADS in the nodes (one
+compute thread per rank: the hop cost without the ranks taking each other's cores). --src, given twice or more,
+measures each source tree (its `src` on the nodes' PYTHONPATH) in its own three-node cluster, interleaved round
+by round, and prints each tree's rows side by side (the kill figures then run on the first tree only).
+
+Run: .venv/bin/python bench/cluster.py [--tokens 64] [--rounds 3] [--engine torch|mlx] [--threads 1]
+         [--streams 8] [--src /path/to/main/src --src src] [--no-kills]
      (--engine mlx: the same figures with MLX ranks, Pipeline over MLX's ring backend on loopback)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import signal
 import statistics
 import tempfile
@@ -58,14 +68,15 @@ class Figure:
 class Fleet:
     """The bench's node processes: the live three, plus every one ever started so cleanup reaches killed ones."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, env: dict[str, str] | None = None) -> None:
         self.root = root
         self.cluster = f"bench{uuid.uuid4().hex[:8]}"
         self.nodes: list[LocalNode] = []
         self.started: list[LocalNode] = []
+        self.env = {**NODE_ENV, **(env or {})}
 
     def spawn(self, index: int, peers: list[str]) -> LocalNode:
-        node = LocalNode(home=self.root / f"node{index}", cluster=self.cluster, peers=peers, extra_env=dict(NODE_ENV))
+        node = LocalNode(home=self.root / f"node{index}", cluster=self.cluster, peers=peers, extra_env=dict(self.env))
         self.started.append(node)
         return node.start()
 
@@ -144,21 +155,73 @@ def stream_decode(api: LocalNode, tokens: int) -> float:
     return decode_tokens_per_s(api.url, BENCH_MODEL_ID, PROMPT, tokens, timeout=300)
 
 
-def measure_scaling(nodes: list[LocalNode], tokens: int, rounds: int) -> dict[int, list[float]]:
-    """Interleave 1-, 2- and 3-rank placements each round (order rotated) so drift hits every rank count."""
+async def _timed_stream(client: httpx.AsyncClient, index: int, tokens: int) -> tuple[int, float, float]:
+    """(tokens, first-token time, last-token time) of one greedy stream with its own prompt."""
+    body = {"model": BENCH_MODEL_ID, "messages": [{"role": "user", "content": f"stream {index}: {PROMPT}"}],
+            "max_tokens": tokens, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    first = last = 0.0
+    produced = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            payload = json.loads(line[6:])
+            if "error" in payload:
+                raise RuntimeError(f"stream failed: {payload['error']}")
+            if payload.get("choices") == [] and "usage" in payload:
+                produced = payload["usage"]["completion_tokens"]
+                continue
+            last = time.perf_counter()
+            first = first or last
+    return produced, first, last
+
+
+def aggregate_decode(api: LocalNode, tokens: int, streams: int) -> float:
+    """Decode tokens/s of `streams` concurrent streams together (module docstring)."""
+
+    async def run() -> list[tuple[int, float, float]]:
+        async with httpx.AsyncClient(base_url=api.url, timeout=600, trust_env=False) as client:
+            return await asyncio.gather(*(_timed_stream(client, i, tokens) for i in range(streams)))
+
+    results = asyncio.run(run())
+    span = max(r[2] for r in results) - min(r[1] for r in results)
+    return sum(r[0] - 1 for r in results) / max(span, 1e-9)
+
+
+@dataclass
+class Rates:
+    """One tree's figures over the rounds: single-stream decode per rank count, and the aggregate of many."""
+
+    single: dict[int, list[float]]
+    aggregate: dict[int, list[float]]
+
+
+def measure_placement(nodes: list[LocalNode], ranks: int, tokens: int, streams: int, rates: Rates) -> None:
     api = nodes[0]
-    rates: dict[int, list[float]] = {1: [], 2: [], 3: []}
+    instance_id, runners = place_on(api, nodes[:ranks], nodes)
+    try:
+        stream_decode(api, 8)  # warm-up: first-call allocations and group warm paths
+        rates.single[ranks].append(statistics.median(stream_decode(api, tokens) for _ in range(STREAMS_PER_PLACEMENT)))
+        if streams > 1 and ranks <= 2:
+            rates.aggregate[ranks].append(aggregate_decode(api, tokens, streams))
+    finally:
+        delete_instance(api, instance_id, runners)
+
+
+def measure_scaling(fleets: list[list[LocalNode]], tokens: int, rounds: int, streams: int) -> list[Rates]:
+    """Interleave 1-, 2- and 3-rank placements each round (order rotated), and the trees within each, so drift hits
+    every rank count and every tree alike."""
+    rates = [Rates({1: [], 2: [], 3: []}, {1: [], 2: []}) for _ in fleets]
     for round_no in range(rounds):
         order = [1, 2, 3][round_no % 3 :] + [1, 2, 3][: round_no % 3]
         for ranks in order:
-            instance_id, runners = place_on(api, nodes[:ranks], nodes)
-            try:
-                stream_decode(api, 8)  # warm-up: first-call allocations and group warm paths
-                streams = [stream_decode(api, tokens) for _ in range(STREAMS_PER_PLACEMENT)]
-                rates[ranks].append(statistics.median(streams))
-            finally:
-                delete_instance(api, instance_id, runners)
-            print(f"  round {round_no + 1} ranks {ranks}: {rates[ranks][-1]:7.1f} tok/s", flush=True)
+            trees = range(len(fleets)) if round_no % 2 == 0 else reversed(range(len(fleets)))
+            for tree in trees:
+                measure_placement(fleets[tree], ranks, tokens, streams, rates[tree])
+                line = f"{rates[tree].single[ranks][-1]:7.1f} tok/s"
+                if rates[tree].aggregate.get(ranks):
+                    line += f", {streams} streams {rates[tree].aggregate[ranks][-1]:7.1f} tok/s"
+                print(f"  round {round_no + 1} tree {tree} ranks {ranks}: {line}", flush=True)
     return rates
 
 
@@ -234,19 +297,24 @@ def measure_worker_kill(nodes: list[LocalNode]) -> float:
     return first_error_after_kill(api, worker)
 
 
-def ratio_figures(rates: dict[int, list[float]]) -> list[Figure]:
-    one = statistics.median(rates[1])
-    figures = [Figure("decode 1 rank (tok/s)", f"{one:.1f}", "baseline", None)]
+def ratio_figures(rates: Rates, streams: int, tag: str = "") -> list[Figure]:
+    one = statistics.median(rates.single[1])
+    figures = [Figure(f"{tag}decode 1 rank (tok/s)", f"{one:.1f}", "baseline", None)]
     for ranks in (2, 3):
-        ratio = statistics.median(rates[ranks]) / one
+        ratio = statistics.median(rates.single[ranks]) / one
         figures.append(
             Figure(
-                f"decode {ranks} ranks ÷ 1 rank",
-                f"{ratio:.3f} ({statistics.median(rates[ranks]):.1f} tok/s)",
+                f"{tag}decode {ranks} ranks ÷ 1 rank",
+                f"{ratio:.3f} ({statistics.median(rates.single[ranks]):.1f} tok/s)",
                 "≥ 0.85",
                 ratio >= 0.85,
             )
         )
+    if rates.aggregate[1] and rates.aggregate[2]:
+        one_agg, two_agg = statistics.median(rates.aggregate[1]), statistics.median(rates.aggregate[2])
+        figures.append(Figure(f"{tag}{streams} streams 1 rank (tok/s)", f"{one_agg:.1f}", "baseline", None))
+        figures.append(Figure(f"{tag}{streams} streams 2 ranks ÷ 1 rank",
+                              f"{two_agg / one_agg:.3f} ({two_agg:.1f} tok/s)", "reported", None))
     return figures
 
 
@@ -259,17 +327,32 @@ def print_table(figures: list[Figure]) -> None:
         print(f"{f.name:<{width}}  {f.value:<{value_width}}  {f.target:<14}  {verdict}")
 
 
-def run(fleet: Fleet, tokens: int, rounds: int) -> list[Figure]:
-    formation, ready = measure_formation(fleet)
-    print(f"formed in {formation:.2f} s; measuring decode, {rounds} rounds of {tokens} tokens", flush=True)
-    rates = measure_scaling(fleet.nodes, tokens, rounds)
+def run(fleets: list[Fleet], args: argparse.Namespace) -> list[Figure]:
+    formation, ready = 0.0, 0.0
+    for fleet in fleets:
+        formation, ready = measure_formation(fleet)
+        print(f"formed in {formation:.2f} s", flush=True)
+    print(f"measuring decode, {args.rounds} rounds of {args.tokens} tokens", flush=True)
+    rates = measure_scaling([f.nodes for f in fleets], args.tokens, args.rounds, args.streams)
+    figures: list[Figure] = []
+    for tree, tree_rates in enumerate(rates):
+        figures += ratio_figures(tree_rates, args.streams, f"[{tree}] " if len(fleets) > 1 else "")
+    if len(fleets) > 1:
+        for name, pick in [("decode 2 ranks", lambda r: r.single[2]), ("decode 3 ranks", lambda r: r.single[3]),
+                           (f"{args.streams} streams 2 ranks", lambda r: r.aggregate[2])]:
+            if all(pick(r) for r in rates):
+                ratio = statistics.median(pick(rates[1])) / statistics.median(pick(rates[0]))
+                figures.append(Figure(f"{name}: [1] ÷ [0]", f"{ratio:.3f}", "reported", None))
+    figures.append(Figure("formation, 3 nodes", f"{formation:.2f} s (ready {ready:.2f} s)", "reported", None))
+    if args.no_kills:
+        return figures
+    fleet = fleets[0]
     failover, dead = measure_master_kill(fleet.nodes)
     print(f"new master after {failover:.3f} s; restarting the killed node", flush=True)
     restart(fleet, dead)
     worker_error = measure_worker_kill(fleet.nodes)
     return [
-        *ratio_figures(rates),
-        Figure("formation, 3 nodes", f"{formation:.2f} s (ready {ready:.2f} s)", "reported", None),
+        *figures,
         Figure("kill -9 master → new master", f"{failover:.3f} s", "≤ 3 s", failover <= 3.0),
         Figure("kill -9 worker → SSE error", f"{worker_error:.3f} s", "≤ 2 s (4-6 s)", worker_error <= 2.0),
     ]
@@ -280,16 +363,27 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per measured stream")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of 1/2/3-rank placements")
     parser.add_argument("--engine", choices=["torch", "mlx"], default="torch", help="the engine of every rank")
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of every node and its ranks")
+    parser.add_argument("--streams", type=int, default=8, help="concurrent streams of the aggregate (1: none)")
+    parser.add_argument("--src", action="append", default=[], help="a source tree to measure (twice: side by side)")
+    parser.add_argument("--no-kills", action="store_true", help="leave out the kill figures")
     args = parser.parse_args()
     ENGINE[0] = args.engine
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    trees = [str(Path(src).resolve()) for src in args.src] or [None]
     with tempfile.TemporaryDirectory() as tmp:
-        fleet = Fleet(Path(tmp))
+        inherited = os.environ.get("PYTHONPATH", "")
+        fleets = [Fleet(Path(tmp) / f"tree{i}", {**env, **({"PYTHONPATH": f"{tree}{os.pathsep}{inherited}"} if tree
+                                                           else {})}) for i, tree in enumerate(trees)]
         try:
-            figures = run(fleet, args.tokens, args.rounds)
+            figures = run(fleets, args)
         finally:
-            fleet.stop_all()
+            for fleet in fleets:
+                fleet.stop_all()
+    for i, tree in enumerate(trees):
+        print(f"[{i}] {tree or os.environ.get('PYTHONPATH') or 'installed skulk'}")
     print(f"\nmodel {BENCH_MODEL_ID}, engine {args.engine}, {args.tokens} tokens, median of {args.rounds} "
-          "interleaved rounds")
+          f"interleaved rounds, OMP_NUM_THREADS={args.threads or 'unset'}")
     print_table(figures)
 
 

@@ -15,7 +15,8 @@ import time
 from skulk.engines.constrained import Grammars, tool_call_style
 
 from .blocks import blocks_for, common_prefix, extend_keys
-from .core import NO_BLOCK, WARMUP_ID, EngineCore
+from .core import NO_BLOCK, WARMUP_ID
+from .flight import Flight
 from .requests import Request, row_sampling
 from .schedule import admission_blocks, can_admit, chunk_tokens, growth_blocks, next_kind
 from .tokenizer import IncrementalDecoder, StopMatcher
@@ -24,20 +25,26 @@ from .wire import NO_COPY, Admitted, Header, NewRequest, Preempt, Release, Relea
 log = logging.getLogger(__name__)
 
 
-class Admission(EngineCore):
+class Admission(Flight):
     def _lead(self) -> Header:
+        self._take_due(startable=bool(self._adds or self._releases or self._rests()))
+        if self._in_flight and growth_blocks(self._running, self.block_size) > self.blocks.available:
+            self._drain()  # a preemption may follow: it carries its victim's tokens, so all must be back
         changes = Header(StepKind.HEARTBEAT, tuple(self._adds), tuple(self._releases))
         self._adds, self._releases = [], []
         self._apply(changes)
         preempts = self._plan_preemptions()
-        decoding = any(r.length >= len(r.prompt) for r in self._running)
+        rows = self._decode_range()
+        decoding = rows is not None
         chunk = chunk_tokens(self.prefill_chunk, decoding=decoding, decode_s=self._decode_s,
                              last_chunk=self._last_chunk)
         admits, copies = self._admit_pending(chunk)
         self._grow()
         kind = next_kind(prefilling=bool(self._rests()), decoding=decoding)
         prefills = kind in (StepKind.PREFILL, StepKind.MIXED)
-        header = Header(kind, changes.adds, changes.releases, chunk if prefills else 0, admits, preempts, copies)
+        self._step_rows = rows if self._pipelined and decoding else None  # None: every row, the plain schedule
+        header = Header(kind, changes.adds, changes.releases, chunk if prefills else 0, admits, preempts, copies,
+                        self._step_rows)
         self.link.send_header(header)
         self._last_header = time.monotonic()
         return header
@@ -53,6 +60,9 @@ class Admission(EngineCore):
         for shared, copy in zip(header.admits, copies, strict=True):
             self._admit(shared, copy)
         self._grow()
+        if header.rows is not None and header.rows[1] > len(self._running):
+            raise WireError(f"header decodes rows {header.rows} of {len(self._running)} running")
+        self._step_rows = header.rows
         return header
 
     def _plan_preemptions(self) -> tuple[Preempt, ...]:
@@ -61,6 +71,9 @@ class Admission(EngineCore):
         so the first running request always fits."""
         preempts: list[Preempt] = []
         while len(self._running) > 1 and growth_blocks(self._running, self.block_size) > self.blocks.available:
+            if self._in_flight:  # the victim's tokens must all be back (also: finished rows may free blocks)
+                self._drain()
+                continue
             victim = self._running[-1]
             preempt = Preempt(victim.request_id, tuple(victim.emitted))
             self._preempt(preempt)

@@ -121,6 +121,7 @@ class EngineCore:
         self._last_chunk: tuple[int, float] | None = None  # rank 0: (tokens, seconds) of the last prefill chunk
         self._warming = False
         self._chunk_done = 0  # prompt tokens the last prefill step computed
+        self._step_rows: tuple[int, int] | None = None  # the running rows this step decodes (None: all)
         self._unseeded = torch.Generator(device=self.device).manual_seed(secrets.randbits(63))
 
     def _load_model(self, model_dir: Path, **kwargs: Any) -> ModelSlice:

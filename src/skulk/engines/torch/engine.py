@@ -172,7 +172,9 @@ class TorchEngine(LocalStep):
             try:
                 if self._agree:  # the others wait for the agreement before any header
                     self._agree_pool()
+                self._drain()  # the sampler's sends of the steps in flight complete into rank 0's receives
                 self.link.send_header(Header(StepKind.SHUTDOWN, (), tuple(self._releases)))
+                self.link.flush()
             except RuntimeError:
                 pass
         self.closed = True

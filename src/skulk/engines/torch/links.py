@@ -4,6 +4,12 @@ The engine is one slot-batch core for every world size; only these exchanges dif
 world-size-1 case, where rank 0 is also the sampler and every exchange is the identity. `GroupLink` carries
 them over torch.distributed: headers on the control group (wire.py), hidden states rank to rank for a
 Pipeline, and the sampler's [token, finished, failed] rows to whoever embeds the next input.
+
+A Pipeline's critical path per token is one hidden-state message per hop and the sampled rows back to rank 0,
+nothing else: headers travel ahead of the hidden states (posted to receivers that have already posted their
+receive, wire.PostedHeaders), sends never wait for their receiver (isend, kept until complete), and rank 0 posts
+the receive of a step's tokens as soon as it has sent the step, so the sampler's send finds it waiting. Rank 0
+takes those tokens when it needs them (`PendingTokens.wait`), which is what lets it run ahead by a micro-batch.
 """
 
 from __future__ import annotations
@@ -14,10 +20,29 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from .wire import Header, HeaderChannel
+from .wire import Header, HeaderChannel, PostedHeaders
 
 ShardKind = Literal["pipeline", "tensor"]
 TokenRows = list[list[int]]  # per running row: [token, finished, failed]
+TOKENS_TAG = 3  # the sampler's rows to rank 0 (headers use wire.HEADER_TAG and PAYLOAD_TAG; hidden states 0)
+
+
+class PendingTokens:
+    """One step's [token, finished, failed] rows, here already or on their way from the sampler."""
+
+    def __init__(self, rows: TokenRows | None = None, work: Any = None, wire: torch.Tensor | None = None,
+                 link: GroupLink | None = None) -> None:
+        self._rows, self._work, self._wire, self._link = rows, work, wire, link
+
+    def wait(self) -> TokenRows:
+        if self._rows is None:
+            assert self._work is not None and self._wire is not None
+            started = time.perf_counter()
+            self._work.wait()
+            if self._link is not None:
+                self._link.wait_s += time.perf_counter() - started
+            self._rows, self._work = self._wire.tolist(), None
+        return self._rows
 
 
 class Link(Protocol):
@@ -32,8 +57,12 @@ class Link(Protocol):
 
     def send_hidden(self, x: torch.Tensor) -> None: ...
 
-    def exchange_tokens(self, rows: TokenRows | None, count: int) -> TokenRows | None:
-        """The sampler passes its rows; every rank that embeds the next input gets them back (None elsewhere)."""
+    def exchange_tokens(self, rows: TokenRows | None, count: int) -> PendingTokens | None:
+        """The sampler passes its rows; every rank that embeds the next input gets them (None elsewhere)."""
+        ...
+
+    def flush(self) -> None:
+        """Wait until everything this rank sent has left (before a shutdown tears the group down)."""
         ...
 
 
@@ -54,8 +83,11 @@ class LocalLink:
     def send_hidden(self, x: torch.Tensor) -> None:
         raise RuntimeError("a single rank samples its own output")
 
-    def exchange_tokens(self, rows: TokenRows | None, count: int) -> TokenRows | None:
-        return rows
+    def exchange_tokens(self, rows: TokenRows | None, count: int) -> PendingTokens | None:
+        return PendingTokens(rows)
+
+    def flush(self) -> None:
+        pass
 
 
 class GroupLink:
@@ -63,9 +95,11 @@ class GroupLink:
 
     def __init__(self, rank: int, world_size: int, kind: ShardKind, control_group: Any) -> None:
         self.rank, self.world_size, self.kind = rank, world_size, kind
-        self.channel = HeaderChannel(control_group)
+        self.channel = PostedHeaders(control_group, rank, world_size) if kind == "pipeline" \
+            else HeaderChannel(control_group)
         self.control_group = control_group
         self.wait_s = 0.0
+        self._sending: list[tuple[Any, torch.Tensor]] = []  # hidden states on their way to the next rank
 
     def send_header(self, header: Header) -> None:
         self.channel.send(header)
@@ -81,22 +115,34 @@ class GroupLink:
         return x
 
     def send_hidden(self, x: torch.Tensor) -> None:
-        dist.send(x.contiguous(), dst=self.rank + 1)
+        """Sent without waiting for the next rank (still busy with an earlier micro-batch, it may not have posted
+        its receive yet); the tensor is kept until the send completes."""
+        self._sending = [(work, t) for work, t in self._sending if not work.is_completed()]
+        x = x.contiguous()
+        self._sending.append((dist.isend(x, dst=self.rank + 1), x))
 
-    def exchange_tokens(self, rows: TokenRows | None, count: int) -> TokenRows | None:
-        """Tensor: the sampler broadcasts to every rank. Pipeline: the sampler sends to rank 0 only."""
+    def exchange_tokens(self, rows: TokenRows | None, count: int) -> PendingTokens | None:
+        """Tensor: the sampler broadcasts to every rank. Pipeline: the sampler sends to rank 0 only, into the
+        receive rank 0 posted when it sent the step (taken later: PendingTokens)."""
         sampler, scheduler = self.rank == self.world_size - 1, self.rank == 0
         if self.kind == "pipeline" and not (sampler or scheduler):
             return None
         wire = torch.tensor(rows, dtype=torch.int64) if rows is not None else torch.empty((count, 3), dtype=torch.int64)
         wire = wire.reshape(count, 3)
-        started = time.perf_counter()
         if self.kind == "tensor":
+            started = time.perf_counter()
             dist.broadcast(wire, src=self.world_size - 1, group=self.control_group)
-        elif sampler:
-            dist.send(wire, dst=0, group=self.control_group)
+            self.wait_s += time.perf_counter() - started
+            return PendingTokens(wire.tolist())
+        if sampler:
+            dist.send(wire, dst=0, group=self.control_group, tag=TOKENS_TAG)
             return None
-        else:
-            dist.recv(wire, src=self.world_size - 1, group=self.control_group)
-        self.wait_s += time.perf_counter() - started
-        return wire.tolist()
+        work = dist.irecv(wire, src=self.world_size - 1, group=self.control_group, tag=TOKENS_TAG)
+        return PendingTokens(work=work, wire=wire, link=self)
+
+    def flush(self) -> None:
+        for work, _ in self._sending:
+            work.wait()
+        self._sending = []
+        if isinstance(self.channel, PostedHeaders):
+            self.channel.flush()

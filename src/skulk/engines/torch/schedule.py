@@ -41,6 +41,27 @@ def next_kind(*, prefilling: bool, decoding: bool) -> StepKind:
     return StepKind.DECODE if decoding else StepKind.HEARTBEAT
 
 
+def micro_batch(busy: Sequence[bool], decoding: Sequence[bool], ranks: int) -> tuple[int, int] | None:
+    """The running rows [start, end) a Pipeline's next step decodes while earlier micro-batches are still in flight.
+
+    busy[i]: row i's last step is still on its way through the ranks (its next input token is not back yet);
+    decoding[i]: row i is past its prompt. The micro-batch is the first run of rows that are not busy, from the
+    first idle decoding row, holding at most a 1/ranks share of all decoding rows (so `ranks` micro-batches keep
+    every rank busy) and ending on a decoding row. None: no decoding row is idle. With nothing busy and one rank,
+    that is every decoding row, the unpipelined schedule."""
+    share = -(-sum(decoding) // max(1, ranks))
+    start = next((i for i, (b, d) in enumerate(zip(busy, decoding, strict=True)) if d and not b), None)
+    if start is None:
+        return None
+    end, taken = start, 0
+    for i in range(start, len(busy)):
+        if busy[i] or taken == share:
+            break
+        if decoding[i]:
+            taken, end = taken + 1, i + 1
+    return start, end
+
+
 def share_chunk(rests: Sequence[int], chunk: int) -> list[int]:
     """Tokens each prompt being prefilled computes this step, given what is left of each (in slot order): the
     chunk goes to the first until its prompt is done, then to the next, so several short prompts share one step

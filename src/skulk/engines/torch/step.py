@@ -17,7 +17,7 @@ from .cache import MixedBatch, StepBatch
 from .links import TokenRows
 from .requests import Request, accept_each
 from .schedule import share_chunk
-from .wire import Header, Release, StepKind
+from .wire import Header, StepKind
 
 PromptPart = tuple[int, Request, int, int]
 """(row, request, start, end): the prompt positions [start, end) one step prefills for the request in row."""
@@ -76,7 +76,7 @@ class Step(Admission):
         # chunk, this step or a later one
         decode, last_tokens, rows = self._decode_rows()
         batch = MixedBatch((decode, *(self._chunk_batch(chunk) for chunk in chunks)))
-        n = len(self._running)
+        n = len(last_tokens)
         logits = self._forward(self._ids(last_tokens, chunks), batch, (1, n + self._chunk_done), last_only=True)
         decoding = self._advance(rows)
         done = self._finish(chunks)
@@ -116,12 +116,11 @@ class Step(Admission):
 
     def _decode(self) -> list[TokenOut]:
         self._enter_phase(PHASES[self.kind, StepKind.DECODE], "decode")
-        running = self._running
         batch, last_tokens, rows = self._decode_rows()
         ids = torch.tensor(last_tokens, device=self.device).unsqueeze(1) if self.needs_ids else None
-        logits = self._forward(ids, batch, (len(running), 1))
+        logits = self._forward(ids, batch, (len(last_tokens), 1))
         decoding = self._advance(rows)
-        if logits is not None and len(rows) < len(running):
+        if logits is not None and len(rows) < len(last_tokens):
             logits = logits[rows]
         outs = self._accept(logits, decoding) if logits is not None else []
         self._share_tokens(decoding, outs)
@@ -129,9 +128,11 @@ class Step(Admission):
 
 
     def _decode_rows(self) -> tuple[StepBatch, list[int], list[int]]:
-        """A decode row per running request: the batch, each row's input token (a row still being prefilled has
-        none yet: any id will do, its output is dropped) and the indices of the rows that sample."""
-        running = self._running
+        """A decode row per running request of this step's rows (the header's; all of them in the plain schedule):
+        the batch, each row's input token (a row still being prefilled has none yet: any id will do, its output is
+        dropped) and the indices, within the batch, of the rows that sample."""
+        start, end = self._step_rows or (0, len(self._running))
+        running = self._running[start:end]
         width = max(len(r.table) for r in running)
         tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in running], dtype=torch.int32,
                               device=self.device)
@@ -141,8 +142,9 @@ class Step(Admission):
         return batch, [max(r.last_token, 0) for r in running], rows
 
     def _advance(self, rows: list[int]) -> list[Request]:
-        """The requests of the sampling rows, each one position further along."""
-        decoding = [self._running[i] for i in rows]
+        """The requests of the sampling rows (indices within this step's rows), each one position further along."""
+        start = self._step_rows[0] if self._step_rows else 0
+        decoding = [self._running[start + i] for i in rows]
         for req in decoding:
             req.length += 1
         return decoding
@@ -163,24 +165,16 @@ class Step(Admission):
         return out if self.is_sampler else None
 
     def _share_tokens(self, reqs: list[Request], outs: list[TokenOut]) -> None:
-        """Get [token, finished, failed] per row from the sampler to the ranks that embed the next input. A row
-        that failed on the sampler is finished too: rank 0 releases it in the next header, so every rank frees
-        its slot, while its batch-mates go on."""
+        """Get [token, finished, failed] per row from the sampler to the ranks that embed the next input: now, or
+        for rank 0 of a pipelined group when it needs them (flight.py)."""
+        if not reqs:
+            return
         rows: TokenRows | None = None
         if self.is_sampler:
             rows = [[0, 1, 1] if o.error else [o.token_id, int(o.finish_reason is not None), 0] for o in outs]
-        shared = self.link.exchange_tokens(rows, len(reqs))
-        if shared is None:
-            return
-        for req, (token, finished, failed) in zip(reqs, shared, strict=True):
-            req.last_token = token
-            if not failed:
-                req.emitted.append(token)
-            if not self.is_scheduler:
-                continue
-            if finished:
-                req.finished = True
-                self._releases.append(Release(req.request_id, cancelled=False, failed=bool(failed)))
+        pending = self.link.exchange_tokens(rows, len(reqs))
+        if pending is not None:
+            self._fly(reqs, pending)
 
     def _accept(self, logits: torch.Tensor, reqs: list[Request]) -> list[TokenOut]:
         """The sampler's bookkeeping: text, finish and per-request failure (requests.py)."""

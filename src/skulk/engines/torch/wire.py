@@ -1,9 +1,17 @@
 """What rank 0 (the scheduler) tells every other rank before each step, and how it travels.
 
-A step header is one broadcast of fixed int64s [kind, payload_bytes, chunk, admissions] over the control group;
-only a step that adds, releases or preempts requests, or admits one onto cached prefix blocks, pays for a second
-broadcast carrying the changes as JSON. A steady decode step therefore costs one tiny collective on top of the
-model's own traffic.
+A step header is fixed int64s [kind, payload_bytes, chunk, admissions, rows_start, rows_end] over the control
+group; only a step that adds, releases or preempts requests, or admits one onto cached prefix blocks, pays for a
+second message carrying the changes as JSON. A steady decode step therefore costs one tiny message on top of the
+model's own traffic. rows_start/rows_end name the running rows the step decodes (a Pipeline's micro-batch);
+rows_end ALL_ROWS (-1) is every running row, the unpipelined schedule and what a Tensor group always sends.
+
+Two channels carry it. A Tensor group broadcasts (`HeaderChannel`): every rank computes every step together.
+A Pipeline posts it from rank 0 to each other rank (`PostedHeaders`), and each of them has already posted the
+receive for its next header before it computes the current step. Gloo's send waits for the receiver to have
+posted its receive, so a header (or a hidden state) sent to a rank that is still busy would otherwise cost the
+sender a round trip, and a broadcast would hold rank 0 until the slowest rank is done: rank 0 could never run
+ahead by a micro-batch.
 
 The changes are JSON validated into a fixed pydantic model (`StepChanges`), never pickle: any peer that can
 reach the group's sockets could otherwise run code in this rank by sending a crafted header. A header whose
@@ -13,6 +21,7 @@ fails the rank like any other group error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -25,7 +34,10 @@ from skulk.types.chat import SamplingParams
 
 MAX_CHANGES_BYTES = 256 * 1024 * 1024  # one step's adds, prompts included; a larger size is a forged header
 MAX_ADMITS = 8  # pending requests one step may admit (a burst of short prompts goes in one prefill step)
-FIXED_INTS = 4  # [kind, payload_bytes, chunk, admissions]
+FIXED_INTS = 6  # [kind, payload_bytes, chunk, admissions, rows_start, rows_end]
+ALL_ROWS = -1  # rows_end of a step that decodes every running row
+MAX_ROWS = 1 << 20  # a row index beyond this is a forged header (the engine checks against its own rows too)
+HEADER_TAG, PAYLOAD_TAG = 1, 2  # point-to-point tags of a posted header's fixed part and its payload
 NO_COPY = (0, 0)  # an admission that copies no partial block: (block, tokens)
 
 
@@ -84,7 +96,7 @@ class Header:
     first positions (empty: it starts from nothing). copies: per admission (or () for none at all), the block whose
     first `tokens` positions it copies into its first fresh block instead of computing them, as (block, tokens);
     NO_COPY for none (blocks.match_tail). chunk: the prompt tokens a PREFILL or MIXED step computes, shared by the
-    requests being prefilled in row order.
+    requests being prefilled in row order. rows: which running rows decode (None: all of them).
     """
 
     kind: StepKind
@@ -94,6 +106,8 @@ class Header:
     admits: tuple[tuple[int, ...], ...] = ()
     preempts: tuple[Preempt, ...] = ()
     copies: tuple[tuple[int, int], ...] = ()
+    rows: tuple[int, int] | None = None
+    """The running rows [start, end) this step decodes (a Pipeline's micro-batch); None: every running row."""
 
 
 # What the engine tells its runner happened to requests, so non-scheduler ranks can report tasks they never
@@ -201,7 +215,7 @@ def decode_changes(payload: bytes, admissions: int) -> Header:
     return Header(StepKind.HEARTBEAT, adds, releases, 0, admits, preempts, copies)
 
 
-def decode_fixed(kind: int, size: int, admits: int = 0) -> tuple[StepKind, int]:
+def decode_fixed(kind: int, size: int, admits: int = 0, rows: tuple[int, int] = (0, ALL_ROWS)) -> tuple[StepKind, int]:
     """Check the fixed part before allocating anything for the payload."""
     try:
         step = StepKind(kind)
@@ -211,32 +225,95 @@ def decode_fixed(kind: int, size: int, admits: int = 0) -> tuple[StepKind, int]:
         raise WireError(f"step header payload size {size} out of bounds (0...{MAX_CHANGES_BYTES})")
     if not 0 <= admits <= MAX_ADMITS:
         raise WireError(f"step header admits {admits} requests (0...{MAX_ADMITS})")
+    start, end = rows
+    if not ((end == ALL_ROWS and start == 0) or 0 <= start <= end <= MAX_ROWS):
+        raise WireError(f"step header decodes rows [{start}, {end})")
     return step, size
+
+
+def fixed_ints(header: Header, payload: bytes) -> list[int]:
+    start, end = header.rows if header.rows is not None else (0, ALL_ROWS)
+    return [int(header.kind), len(payload), header.chunk, len(header.admits), start, end]
+
+
+def parse(fixed: list[int], read_payload: Callable[[int], bytes]) -> Header:
+    """A header from its fixed ints, reading its payload (of the size they announce, once they are checked)."""
+    raw_kind, size, chunk, count, start, end = fixed
+    kind, size = decode_fixed(raw_kind, size, count, (start, end))
+    rows = None if end == ALL_ROWS else (start, end)
+    if not size:
+        return Header(kind, chunk=chunk, admits=((),) * count, copies=(NO_COPY,) * count, rows=rows)
+    changes = decode_changes(read_payload(size), count)
+    return Header(kind, changes.adds, changes.releases, chunk, changes.admits, changes.preempts, changes.copies, rows)
+
+
+def _payload(header: Header) -> bytes:
+    return encode_changes(header) if has_changes(header) else b""
 
 
 @dataclass
 class HeaderChannel:
-    """Broadcasts headers from rank 0 over the control group (gloo, CPU tensors)."""
+    """Broadcasts headers from rank 0 over the control group (gloo, CPU tensors): a Tensor group."""
 
     group: Any
     _fixed: torch.Tensor = field(default_factory=lambda: torch.zeros(FIXED_INTS, dtype=torch.int64))
 
     def send(self, header: Header) -> None:
-        payload = encode_changes(header) if has_changes(header) else b""
-        fixed = [int(header.kind), len(payload), header.chunk, len(header.admits)]
-        self._fixed.copy_(torch.tensor(fixed, dtype=torch.int64))
+        payload = _payload(header)
+        self._fixed.copy_(torch.tensor(fixed_ints(header, payload), dtype=torch.int64))
         dist.broadcast(self._fixed, src=0, group=self.group)
         if payload:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            dist.broadcast(data, src=0, group=self.group)
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.group)
 
     def receive(self) -> Header:
         dist.broadcast(self._fixed, src=0, group=self.group)
-        raw_kind, size, chunk, count = self._fixed.tolist()
-        kind, size = decode_fixed(raw_kind, size, count)
-        if not size:
-            return Header(kind, chunk=chunk, admits=((),) * count, copies=(NO_COPY,) * count)
+        return parse(self._fixed.tolist(), self._read_payload)
+
+    def _read_payload(self, size: int) -> bytes:
         data = torch.empty(size, dtype=torch.uint8)
         dist.broadcast(data, src=0, group=self.group)
-        changes = decode_changes(data.numpy().tobytes(), count)
-        return Header(kind, changes.adds, changes.releases, chunk, changes.admits, changes.preempts, changes.copies)
+        return data.numpy().tobytes()
+
+
+class PostedHeaders:
+    """Headers from rank 0 to every other rank of a Pipeline, point to point, without waiting on any of them.
+
+    Rank 0 isends and goes on (the sends it keeps until they complete); each other rank keeps the receive of its
+    next header posted while it computes, so a header never waits for its receiver (module docstring)."""
+
+    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self._sending: list[tuple[Any, torch.Tensor]] = []
+        self._next: tuple[Any, torch.Tensor] | None = None
+
+    def send(self, header: Header) -> None:
+        payload = _payload(header)
+        fixed = torch.tensor(fixed_ints(header, payload), dtype=torch.int64)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
+        self._sending = [(work, t) for work, t in self._sending if not work.is_completed()]
+        for peer in range(1, self.world_size):
+            self._sending.append((dist.isend(fixed, peer, group=self.group, tag=HEADER_TAG), fixed))
+            if data is not None:
+                self._sending.append((dist.isend(data, peer, group=self.group, tag=PAYLOAD_TAG), data))
+
+    def flush(self) -> None:
+        """Wait until every header sent has left (before the group is torn down)."""
+        for work, _ in self._sending:
+            work.wait()
+        self._sending = []
+
+    def receive(self) -> Header:
+        work, fixed = self._next if self._next is not None else self._post()
+        work.wait()
+        header = parse(fixed.tolist(), self._read_payload)
+        self._next = self._post() if header.kind != StepKind.SHUTDOWN else None
+        return header
+
+    def _post(self) -> tuple[Any, torch.Tensor]:
+        fixed = torch.empty(FIXED_INTS, dtype=torch.int64)
+        return dist.irecv(fixed, 0, group=self.group, tag=HEADER_TAG), fixed
+
+    def _read_payload(self, size: int) -> bytes:
+        data = torch.empty(size, dtype=torch.uint8)
+        dist.recv(data, 0, group=self.group, tag=PAYLOAD_TAG)
+        return data.numpy().tobytes()
