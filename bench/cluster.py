@@ -16,8 +16,8 @@ used, so machine noise hits all alike. Formation also shows when all three proce
 The kill figures are measured once each: master first, then the killed node is restarted so the worker kill
 happens in a full three-node cluster again. Other processes on the machine skew every figure: run it alone.
 
-The aggregate is --streams concurrent greedy streams (distinct prompts): their tokens after each one's first over
-the time from the earliest first token to the latest last one. --threads sets OMP_NUM_THREADS in the nodes (one
+The aggregate is --streams concurrent greedy streams (distinct prompts): all their tokens over the time from
+sending them to the last token (their prefill included). --threads sets OMP_NUM_THREADS in the nodes (one
 compute thread per rank: the hop cost without the ranks taking each other's cores). --src, given twice or more,
 measures each source tree (its `src` on the nodes' PYTHONPATH) in its own three-node cluster, interleaved round
 by round, and prints each tree's rows side by side (the kill figures then run on the first tree only).
@@ -155,13 +155,15 @@ def stream_decode(api: LocalNode, tokens: int) -> float:
     return decode_tokens_per_s(api.url, BENCH_MODEL_ID, PROMPT, tokens, timeout=300)
 
 
-async def _timed_stream(client: httpx.AsyncClient, index: int, tokens: int) -> tuple[int, float, float]:
-    """(tokens, first-token time, last-token time) of one greedy stream with its own prompt."""
+async def _timed_stream(client: httpx.AsyncClient, index: int, tokens: int) -> tuple[int, float]:
+    """(tokens, last-token time) of one greedy stream with its own prompt."""
     body = {"model": BENCH_MODEL_ID, "messages": [{"role": "user", "content": f"stream {index}: {PROMPT}"}],
             "max_tokens": tokens, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-    first = last = 0.0
+    last = 0.0
     produced = 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"stream refused: {reply.status_code} {(await reply.aread())[:200]!r}")
         async for line in reply.aiter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -172,20 +174,20 @@ async def _timed_stream(client: httpx.AsyncClient, index: int, tokens: int) -> t
                 produced = payload["usage"]["completion_tokens"]
                 continue
             last = time.perf_counter()
-            first = first or last
-    return produced, first, last
+    return produced, last
 
 
 def aggregate_decode(api: LocalNode, tokens: int, streams: int) -> float:
-    """Decode tokens/s of `streams` concurrent streams together (module docstring)."""
+    """Tokens/s of `streams` concurrent streams together: all their tokens over the time from sending them to the
+    last token (prefill included; streamed text can arrive in bursts, so no first-token clock is trusted)."""
 
-    async def run() -> list[tuple[int, float, float]]:
+    async def run() -> list[tuple[int, float]]:
         async with httpx.AsyncClient(base_url=api.url, timeout=600, trust_env=False) as client:
             return await asyncio.gather(*(_timed_stream(client, i, tokens) for i in range(streams)))
 
+    sent = time.perf_counter()
     results = asyncio.run(run())
-    span = max(r[2] for r in results) - min(r[1] for r in results)
-    return sum(r[0] - 1 for r in results) / max(span, 1e-9)
+    return sum(r[0] for r in results) / (max(r[1] for r in results) - sent)
 
 
 @dataclass
