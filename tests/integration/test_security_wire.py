@@ -1,5 +1,6 @@
 """The tensor plane takes no code from the network: a peer in the group (here a forged rank 0 over real gloo
-sockets) that sends a pickle as a step header gets its header refused, and the pickle never runs."""
+sockets) that sends a pickle as a step header gets its header refused, and the pickle never runs, whether the
+header is broadcast (a Tensor group) or posted point to point (a Pipeline, wire.PostedHeaders)."""
 
 from __future__ import annotations
 
@@ -37,32 +38,45 @@ def _group(rank: int, port: int) -> Any:
     return dist
 
 
-def _attacker(port: int, marker: Path) -> None:
+def _channel(dist: Any, rank: int, posted: bool) -> Any:
+    from skulk.engines.torch.wire import HeaderChannel, PostedHeaders
+
+    return PostedHeaders(dist.group.WORLD, rank, 2) if posted else HeaderChannel(dist.group.WORLD)
+
+
+def _attacker(port: int, marker: Path, posted: bool) -> None:
     """Rank 0 played by an attacker: one honest header, then the fixed header announcing a pickle, then the pickle."""
     import torch
 
-    from skulk.engines.torch.wire import FIXED_INTS, Header, HeaderChannel, NewRequest, StepKind
+    from skulk.engines.torch.wire import ALL_ROWS, FIXED_INTS, HEADER_TAG, PAYLOAD_TAG, Header, NewRequest, StepKind
     from skulk.types.chat import SamplingParams
 
     dist = _group(0, port)
-    HeaderChannel(dist.group.WORLD).send(
-        Header(StepKind.PREFILL, (NewRequest.of("r1", "c1", [1, 2, 3], SamplingParams(max_tokens=4)),))
-    )
+    channel = _channel(dist, 0, posted)
+    channel.send(Header(StepKind.PREFILL, (NewRequest.of("r1", "c1", [1, 2, 3], SamplingParams(max_tokens=4)),)))
+    if posted:
+        channel.flush()
     payload = pickle.dumps(_Exploit(marker))
     fixed = torch.zeros(FIXED_INTS, dtype=torch.int64)
     fixed[:2] = torch.tensor([int(StepKind.PREFILL), len(payload)])
+    fixed[-1] = ALL_ROWS
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     try:
-        dist.broadcast(fixed, src=0)
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
+        if posted:
+            dist.send(fixed, 1, tag=HEADER_TAG)
+            dist.send(data, 1, tag=PAYLOAD_TAG)
+        else:
+            dist.broadcast(fixed, src=0)
+            dist.broadcast(data, src=0)
     except RuntimeError:
         pass  # the victim may leave the group as soon as it refuses the header
 
 
-def _victim(port: int, results: Any) -> None:
-    from skulk.engines.torch.wire import HeaderChannel, WireError
+def _victim(port: int, results: Any, posted: bool) -> None:
+    from skulk.engines.torch.wire import WireError
 
     dist = _group(1, port)
-    channel = HeaderChannel(dist.group.WORLD)
+    channel = _channel(dist, 1, posted)
     honest = channel.receive()
     add = honest.adds[0]
     results.put(("honest", add.request_id, add.prompt, add.sampling_params().max_tokens))
@@ -73,12 +87,14 @@ def _victim(port: int, results: Any) -> None:
         results.put(("refused", str(exc)))
 
 
-def test_a_pickled_step_header_is_refused_without_running(tmp_path: Path) -> None:
+@pytest.mark.parametrize("posted", [False, True], ids=["broadcast", "posted"])
+def test_a_pickled_step_header_is_refused_without_running(tmp_path: Path, posted: bool) -> None:
     marker = tmp_path / "pwned"
     port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_attacker, args=(port, marker)), ctx.Process(target=_victim, args=(port, results))]
+    procs = [ctx.Process(target=_attacker, args=(port, marker, posted)),
+             ctx.Process(target=_victim, args=(port, results, posted))]
     for p in procs:
         p.start()
     try:

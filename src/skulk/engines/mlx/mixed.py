@@ -155,7 +155,8 @@ class MixedMlxEngine(TorchEngine):
     def _decode_rows(self) -> tuple[StepBatch, list[int], list[int]]:
         batch, last_tokens, rows = super()._decode_rows()
         sampling = set(rows)
-        self._rows[id(batch)] = [r if i in sampling else None for i, r in enumerate(self._running)]
+        start, end = self._step_rows or (0, len(self._running))  # a pipelined step's micro-batch (flight.py)
+        self._rows[id(batch)] = [r if i in sampling else None for i, r in enumerate(self._running[start:end])]
         return batch, last_tokens, rows
 
     def _chunk_batch(self, part: PromptPart) -> StepBatch:

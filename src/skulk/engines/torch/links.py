@@ -20,7 +20,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from .wire import Header, HeaderChannel, PostedHeaders
+from .wire import Header, HeaderChannel, PostedHeaders, settle
 
 ShardKind = Literal["pipeline", "tensor"]
 TokenRows = list[list[int]]  # per running row: [token, finished, failed]
@@ -116,10 +116,10 @@ class GroupLink:
 
     def send_hidden(self, x: torch.Tensor) -> None:
         """Sent without waiting for the next rank (still busy with an earlier micro-batch, it may not have posted
-        its receive yet); the tensor is kept until the send completes."""
-        self._sending = [(work, t) for work, t in self._sending if not work.is_completed()]
+        its receive yet); the tensor is kept until the send completes (wire.settle)."""
         x = x.contiguous()
         self._sending.append((dist.isend(x, dst=self.rank + 1), x))
+        settle(self._sending, self.world_size)
 
     def exchange_tokens(self, rows: TokenRows | None, count: int) -> PendingTokens | None:
         """Tensor: the sampler broadcasts to every rank. Pipeline: the sampler sends to rank 0 only, into the

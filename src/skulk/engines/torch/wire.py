@@ -275,6 +275,15 @@ class HeaderChannel:
         return data.numpy().tobytes()
 
 
+def settle(sending: list[tuple[Any, torch.Tensor]], keep: int) -> None:
+    """Wait on the oldest sends beyond the newest `keep`. Gloo marks a point-to-point send complete only when it is
+    waited on, so sends are kept (with their tensors) until then; the oldest of more than a pipeline's depth has
+    long been received (rank 0 runs at most one step per rank ahead), so waiting on it costs nothing."""
+    while len(sending) > keep:
+        work, _ = sending.pop(0)
+        work.wait()
+
+
 class PostedHeaders:
     """Headers from rank 0 to every other rank of a Pipeline, point to point, without waiting on any of them.
 
@@ -290,11 +299,11 @@ class PostedHeaders:
         payload = _payload(header)
         fixed = torch.tensor(fixed_ints(header, payload), dtype=torch.int64)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
-        self._sending = [(work, t) for work, t in self._sending if not work.is_completed()]
         for peer in range(1, self.world_size):
             self._sending.append((dist.isend(fixed, peer, group=self.group, tag=HEADER_TAG), fixed))
             if data is not None:
                 self._sending.append((dist.isend(data, peer, group=self.group, tag=PAYLOAD_TAG), data))
+        settle(self._sending, 2 * self.world_size * self.world_size)
 
     def flush(self) -> None:
         """Wait until every header sent has left (before the group is torn down)."""
