@@ -224,17 +224,18 @@ def test_a_node_without_mlx_says_so_and_reports_only_torch(monkeypatch: pytest.M
         node_info.backends.cache_clear()
 
 
-def test_gguf_models_run_on_torch_even_on_a_mac() -> None:
-    """The packaged default (SmolLM2 as a GGUF file) and any imported GGUF: only the torch engine reads them."""
+def test_gguf_models_run_on_mlx_on_a_mac() -> None:
+    """The packaged default (SmolLM2 as a GGUF file) and any imported GGUF: an MLX rank serves its bf16 export
+    (models/gguf_export.py), so auto picks MLX on a Mac and torch stays allowed."""
     from skulk.models.cards import get_card
     from skulk.models.gguf_import import GGUF_BACKENDS
 
     smol = get_card("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert smol is not None and smol.compatible_backends == GGUF_BACKENDS
     placed = do_place(cluster(a=MAC), c=smol)
-    assert isinstance(placed, MlxRingInstance) and placed.engine == "torch"
-    refused = do_place(cluster(a=MAC), "mlx", c=smol)
-    assert isinstance(refused, EngineUnavailable)
+    assert isinstance(placed, MlxRingInstance) and placed.engine == "mlx"
+    forced = do_place(cluster(a=MAC), "torch", c=smol)
+    assert isinstance(forced, MlxRingInstance) and forced.engine == "torch"
 
 
 def test_mlx_is_not_chosen_for_a_split_mlx_lm_cannot_run() -> None:

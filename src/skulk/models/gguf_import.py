@@ -26,8 +26,10 @@ from skulk.types.backends import BackendTag
 from skulk.types.models import ModelCard
 
 GGUF_NAME = "model.gguf"
-GGUF_BACKENDS: list[BackendTag] = ["torch", "torch-cpu", "torch-cuda"]
-"""Only the torch engine reads GGUF blocks (engines/torch/gguf_file.py); mlx-lm loads safetensors."""
+GGUF_BACKENDS: list[BackendTag] = ["torch", "torch-cpu", "torch-cuda", "mlx", "mlx-cpu", "mlx-metal"]
+"""The torch engine reads GGUF blocks (engines/torch/gguf_file.py); an MLX rank loads the file's bf16 export
+(models/gguf_export.py), except for Llama 3 rope scaling (rope_freqs), which that export cannot carry."""
+TORCH_BACKENDS: list[BackendTag] = [t for t in GGUF_BACKENDS if t.startswith("torch")]
 GROUP = 32
 """Every GGUF block type maps onto affine groups of 32 columns (engines/torch/gguf_file.py)."""
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -61,7 +63,8 @@ def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, 
         _write_json(tmp / "config.json", config)
         _write_tokenizer(tmp)
         card = card_from_config(model_id, config, gguf_path.stat().st_size)
-        card = card.model_copy(update={"compatible_backends": GGUF_BACKENDS})
+        backends = TORCH_BACKENDS if "rope_freq_factors" in config else GGUF_BACKENDS
+        card = card.model_copy(update={"compatible_backends": backends})
         tmp.chmod(0o755)
         if target.exists():
             shutil.rmtree(target)

@@ -40,6 +40,7 @@ from skulk.engines.errors import PromptRejected, check_prompt
 from skulk.engines.torch.requests import FaultHook, Request, accept_each, row_sampling
 from skulk.engines.torch.tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 from skulk.engines.torch.wire import Admitted, Released, RequestEvent, Started
+from skulk.models.gguf_export import float_checkpoint
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
 
@@ -67,8 +68,9 @@ def load(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """mlx-lm's model for the directory with its weights evaluated; a float checkpoint can be quantized while
     loading (`quantize_at_load`), as mlx_lm.convert would, with MLX's affine groups of 64. `shape` (a pipeline
-    rank's slice) runs before evaluation, so weights it drops are never read."""
-    model, config = load_model(model_dir, lazy=True)
+    rank's slice) runs before evaluation, so weights it drops are never read. A GGUF import (which mlx-lm cannot
+    read) loads from its bf16 export, written beside it on first use (models/gguf_export.py)."""
+    model, config = load_model(float_checkpoint(model_dir), lazy=True)
     if shape is not None:
         shape(model)
     if quantize is not None and "quantization" not in config:

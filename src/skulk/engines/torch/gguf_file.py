@@ -48,7 +48,7 @@ _IN_LAYER = {
 }
 _GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
-_PERMUTED = {"llama"}
+PERMUTED_ARCHS = {"llama"}
 """Architectures whose q/k rows llama.cpp's converter permutes (Mistral converts as llama)."""
 
 
@@ -347,7 +347,7 @@ class GGUFCheckpoint:
 
     def _row_order(self, gguf_name: str, rows: int) -> torch.Tensor | None:
         """The rows of a permuted q/k projection in Hugging Face's order (None: not permuted)."""
-        if self.arch not in _PERMUTED:
+        if self.arch not in PERMUTED_ARCHS:
             return None
         kind = gguf_name.rpartition(".")[0].rpartition(".")[2]
         heads = {"attn_q": self.heads, "attn_k": self.kv_heads}.get(kind)
