@@ -46,6 +46,17 @@ def test_rank_disagreement_names_the_lowest_waiting_rank_whatever_order_runners_
     assert again == warning
 
 
+def test_rank_disagreement_names_rank_0_even_before_its_own_wait_crossed_the_threshold() -> None:
+    """A wedged rank 1 takes its header while rank 0 still prefills, so rank 1 crosses the threshold first; the
+    warning still names rank 0 (it failed once in CI naming rank 1, after headers became point to point)."""
+    runners = [
+        timeline_runner("n2", 1, "task_agreement", 5.4),
+        timeline_runner("n1", 0, "decode_wait_first_token", 4.9),
+    ]
+    (warning,) = rank_disagreement(cluster_state(), runners, NOW, TH)
+    assert warning.runner_id == "r-n1" and "rank 0 waits at decode_wait_first_token" in warning.message
+
+
 def test_rank_disagreement_is_quiet_for_short_waits_and_agreeing_ranks() -> None:
     short = [timeline_runner("n1", 0, "decode_stream", 1.0), timeline_runner("n2", 1, "decode_barrier", 1.0)]
     agree = [timeline_runner("n1", 0, "decode_barrier", 50.0), timeline_runner("n2", 1, "decode_barrier", 50)]

@@ -80,8 +80,11 @@ def rank_disagreement(
         if len({r.phase for r in ranks}) < 2:
             continue
         ranks.sort(key=lambda r: r.device_rank)  # before choosing: runners arrive in any order
-        waiting = [r for r in ranks if r.phase in BARRIER_PHASES and r.seconds_in_phase > th.barrier_wait_s]
-        if not waiting:
+        # once one rank has waited too long, name the lowest rank at a barrier, whether or not it has crossed the
+        # threshold yet: which rank entered its barrier first is timing (a wedged rank 1 can take its header
+        # before rank 0 finishes the prefill that leads rank 0 to wait), the lowest waiting rank is not
+        waiting = [r for r in ranks if r.phase in BARRIER_PHASES]
+        if not any(r.seconds_in_phase > th.barrier_wait_s for r in waiting):
             continue
         layout = ", ".join(f"rank {r.device_rank}: {r.phase} {r.seconds_in_phase:.0f}s" for r in ranks)
         stuck = waiting[0]
