@@ -54,6 +54,7 @@ def link(rtt: float, mbps: float | None = None) -> LinkMeasurement:
 
 def test_only_a_real_move_is_worth_a_node_info_event() -> None:
     assert not worth_reporting({B: link(1.0, 900)}, {B: link(1.1, 950)})  # jitter
+    assert not worth_reporting({B: link(0.1, 900)}, {B: link(0.3, 900)})  # loopback jitter: 3x, but 0.2 ms
     assert worth_reporting({B: link(1.0, 900)}, {B: link(2.0, 900)})
     assert worth_reporting({B: link(1.0, 900)}, {B: link(1.0, 300)})
     assert worth_reporting({B: link(1.0)}, {B: link(1.0, 300)})  # first bandwidth read

@@ -24,6 +24,10 @@ BANDWIDTH_EVERY_S = 30.0
 BANDWIDTH_BYTES = 512 * 1024
 REPORT_CHANGE = 0.2
 """A link figure that moved by more than this fraction is worth a node-info event before the heartbeat."""
+REPORT_RTT_MS = 0.5
+"""...and a round trip only when it also moved by more than this: a sub-millisecond round trip (loopback, one
+switch) jitters by more than a fifth from one second to the next, which made every node emit an event a second
+without changing any prediction."""
 
 
 class LinkMeter:
@@ -78,10 +82,10 @@ class LinkMeter:
         return links
 
 
-def _moved(old: float | None, new: float | None) -> bool:
+def _moved(old: float | None, new: float | None, least: float = 0.0) -> bool:
     if old is None or new is None:
         return old != new
-    return abs(new - old) > REPORT_CHANGE * max(abs(old), 1e-9)
+    return abs(new - old) > max(REPORT_CHANGE * abs(old), least, 1e-9)
 
 
 def worth_reporting(old: dict[NodeId, LinkMeasurement] | None, new: dict[NodeId, LinkMeasurement] | None) -> bool:
@@ -90,8 +94,8 @@ def worth_reporting(old: dict[NodeId, LinkMeasurement] | None, new: dict[NodeId,
     old, new = old or {}, new or {}
     if set(old) != set(new):
         return True
-    return any(_moved(old[p].rtt_ms, new[p].rtt_ms) or _moved(old[p].bandwidth_mbps, new[p].bandwidth_mbps)
-               for p in new)
+    return any(_moved(old[p].rtt_ms, new[p].rtt_ms, REPORT_RTT_MS)
+               or _moved(old[p].bandwidth_mbps, new[p].bandwidth_mbps) for p in new)
 
 
 async def time_self(client: httpx.AsyncClient, host: str, port: int, me: NodeId) -> float | None:
