@@ -171,7 +171,6 @@ def test_admin_restart_in_place_rejoins_and_serves(pair: tuple[LocalNode, LocalN
     status, body = writer.post(f"/admin/restart?node_id={full.node_id}", {})
     assert (status, body["status"]) == (200, "restart_sent"), body
     restarted(full, old_id, pid)
-    assert not any("leaked semaphore" in line for line in full.output), "execv left the runner's semaphores"
     status, body = writer.post("/admin/restart?node_id=not-a-node", {})
     assert status == 404 and "not known" in body["error"]["message"]
 
