@@ -57,6 +57,20 @@ def test_rank_disagreement_names_rank_0_even_before_its_own_wait_crossed_the_thr
     assert warning.runner_id == "r-n1" and "rank 0 waits at decode_wait_first_token" in warning.message
 
 
+def test_rank_disagreement_counts_a_silent_stream_as_waiting() -> None:
+    """Rank 0 of a pipelined Pipeline waits for the sampler's tokens inside decode_stream: silent past the barrier
+    wait, it is the rank named, not the wedged rank 1 at task agreement."""
+    runners = [
+        timeline_runner("n2", 1, "task_agreement", 6.0),
+        timeline_runner("n1", 0, "decode_stream", 9.0, last_progress_at=ago(6)),
+    ]
+    (warning,) = rank_disagreement(cluster_state(), runners, NOW, TH)
+    assert warning.runner_id == "r-n1" and "rank 0 waits at decode_stream" in warning.message
+    runners[1] = timeline_runner("n1", 0, "decode_stream", 9.0, last_progress_at=ago(1))  # streaming: not waiting
+    (warning,) = rank_disagreement(cluster_state(), runners, NOW, TH)
+    assert warning.runner_id == "r-n2"
+
+
 def test_rank_disagreement_is_quiet_for_short_waits_and_agreeing_ranks() -> None:
     short = [timeline_runner("n1", 0, "decode_stream", 1.0), timeline_runner("n2", 1, "decode_barrier", 1.0)]
     agree = [timeline_runner("n1", 0, "decode_barrier", 50.0), timeline_runner("n2", 1, "decode_barrier", 50)]

@@ -68,6 +68,19 @@ class RunnerLike(Protocol):
 Check = Callable[[State, Sequence[RunnerLike], datetime, Thresholds], list[DiagnosticWarning]]
 
 
+def _held(r: RunnerLike, now: datetime) -> float:
+    """How long a rank has waited: a stream since its last progress, any other phase since it began."""
+    if r.phase in STREAMING_PHASES and r.last_progress_at:
+        return seconds_since(r.last_progress_at, now)
+    return r.seconds_in_phase
+
+
+def _silent_stream(r: RunnerLike, now: datetime, th: Thresholds) -> bool:
+    """A streaming rank with no progress past the barrier wait waits on a peer too: rank 0 of a pipelined
+    Pipeline takes the sampler's tokens inside decode_stream (engines/torch/flight.py), not at a barrier phase."""
+    return r.phase in STREAMING_PHASES and bool(r.last_progress_at) and _held(r, now) > th.barrier_wait_s
+
+
 def rank_disagreement(
     state: State, runners: Sequence[RunnerLike], now: datetime, th: Thresholds
 ) -> list[DiagnosticWarning]:
@@ -83,8 +96,8 @@ def rank_disagreement(
         # once one rank has waited too long, name the lowest rank at a barrier, whether or not it has crossed the
         # threshold yet: which rank entered its barrier first is timing (a wedged rank 1 can take its header
         # before rank 0 finishes the prefill that leads rank 0 to wait), the lowest waiting rank is not
-        waiting = [r for r in ranks if r.phase in BARRIER_PHASES]
-        if not any(r.seconds_in_phase > th.barrier_wait_s for r in waiting):
+        waiting = [r for r in ranks if r.phase in BARRIER_PHASES or _silent_stream(r, now, th)]
+        if not any(_held(r, now) > th.barrier_wait_s for r in waiting):
             continue
         layout = ", ".join(f"rank {r.device_rank}: {r.phase} {r.seconds_in_phase:.0f}s" for r in ranks)
         stuck = waiting[0]
