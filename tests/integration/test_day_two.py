@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from skulk.testing.convergence import converged, formed
+from skulk.testing.convergence import formed, why_not_formed
 from skulk.testing.nodes import LocalNode
 
 from .harness import Cluster, place, place_and_wait, wait_until
@@ -35,7 +35,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalNode, 
         full_env = {**ENV, "SKULK_EVENT_LOG_FREE_FLOOR_BYTES": str(10**18)}
         (full,) = cluster.start(1, extra_env=full_env)
         nodes = [writer, full]
-        wait_until(lambda: formed(nodes), 60, "two nodes to form one cluster", lambda: converged(nodes)[1])
+        wait_until(lambda: formed(nodes), 60, "two nodes to form one cluster", lambda: why_not_formed(nodes))
         place_and_wait(writer, min_nodes=2)
         yield writer, full
     finally:
@@ -180,7 +180,7 @@ def test_admin_restart_in_place_rejoins_and_serves(pair: tuple[LocalNode, LocalN
     assert second[0] == 409 and second[1]["status"] == "restart_already_pending"
     restarted(full, old_id, pid)
     nodes = [writer, full]
-    wait_until(lambda: formed(nodes), 60, "the restarted node to rejoin", lambda: converged(nodes)[1])
+    wait_until(lambda: formed(nodes), 60, "the restarted node to rejoin", lambda: why_not_formed(nodes))
     place_and_wait(full)
     assert chat(full)["choices"]
 

@@ -82,12 +82,24 @@ def test_node_info_and_timeout() -> None:
     edge = Connection(source=node, sink=NodeId("n2"), sink_address="10.0.0.2")
     state = applied(
         NodeGatheredInfo(node_id=node, info=info, when=datetime.now(UTC)),
+        NodeGatheredInfo(node_id=NodeId("n2"), info=info, when=datetime.now(UTC)),
         TopologyEdgeCreated(connection=edge),
     )
     assert state.node_memory[node].ram_available.in_gb == 8
-    assert state.topology.nodes == [node] and state.topology.connections == [edge]
+    assert state.topology.nodes == [node, "n2"] and state.topology.connections == [edge]
     gone = applied(NodeTimedOut(node_id=node), state=state)
-    assert node not in gone.node_memory and gone.topology.nodes == [] and gone.topology.connections == []
+    assert node not in gone.node_memory and gone.topology.nodes == ["n2"] and gone.topology.connections == []
+
+
+def test_an_edge_that_arrives_after_its_node_was_forgotten_is_dropped() -> None:
+    """A peer probed the node just before it timed out (a restart in place gives it a new id): the late edge,
+    either way, must not outlive the node, since no one would ever delete it (test_day_two's rejoin hung so)."""
+    info = NodeInfo(identity=NodeIdentity(friendly_name="box"))
+    a, b = NodeId("a"), NodeId("b")
+    state = applied(*(NodeGatheredInfo(node_id=n, info=info, when=datetime.now(UTC)) for n in (a, b)))
+    state = applied(NodeTimedOut(node_id=b), state=state)
+    late = [Connection(source=a, sink=b, sink_address="127.0.0.1"), Connection(source=b, sink=a, sink_address="x")]
+    assert applied(*(TopologyEdgeCreated(connection=c) for c in late), state=state).topology.connections == []
 
 
 def test_state_round_trips_through_wire_json_in_skulk_shape() -> None:

@@ -73,8 +73,8 @@ def _changes(state: State, event: Event) -> dict[str, Any]:
             return _forget_node(state, node_id)
         case TopologyEdgeCreated(connection=conn):
             topo = state.topology
-            if conn in topo.connections:
-                return {}
+            if conn in topo.connections or conn.source not in topo.nodes or conn.sink not in topo.nodes:
+                return {}  # an edge to or from a forgotten node (probed before NodeTimedOut) would never go
             return {"topology": topo.model_copy(update={"connections": [*topo.connections, conn]})}
         case TopologyEdgeDeleted(connection=conn):
             topo = state.topology

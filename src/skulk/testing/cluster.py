@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .chaos import instance_members
-from .convergence import converged, formed, master_of
+from .convergence import formed, master_of, why_not_formed
 from .nodes import LocalNode
 from .waiting import wait_until
 
@@ -43,7 +43,7 @@ class Cluster:
     def form(self, count: int = 3, timeout: float = 60.0, **options: Any) -> list[LocalNode]:
         """Start `count` nodes (each bootstraps to the earlier ones) and wait until they form one cluster."""
         nodes = self.start(count, **options)
-        wait_until(lambda: formed(nodes), timeout, f"{count} nodes to form one cluster", lambda: converged(nodes)[1])
+        wait_until(lambda: formed(nodes), timeout, f"{count} nodes to form one cluster", lambda: why_not_formed(nodes))
         return nodes
 
     def master(self, nodes: list[LocalNode]) -> LocalNode:

@@ -117,3 +117,16 @@ def formed(nodes: Sequence[Reporter]) -> bool:
         and all(set(s["nodeMemory"]) == ids and len(s["topology"]["connections"]) == links for s in states if s)
         and one_master(nodes) in ids
     )
+
+
+def why_not_formed(nodes: Sequence[Reporter]) -> str:
+    """What each node knows that formed() compares: its nodes, its directed links and its master."""
+    lines = [converged(nodes)[1]]
+    for i, node in enumerate(nodes):
+        state = state_of(node)
+        if state is None:
+            lines.append(f"{_label(node, i)}: no answer")
+            continue
+        links = sorted(f"{c['source'][:8]}->{c['sink'][:8]}" for c in state["topology"]["connections"])
+        lines.append(f"{_label(node, i)}: nodeMemory {sorted(k[:8] for k in state['nodeMemory'])}, links {links}")
+    return "\n".join(lines)
