@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from skulk.engines.torch.gguf_file import unpermute_order
 from skulk.models.gguf_export import EXPORT_DIR, NotExportable, float_checkpoint
-from skulk.models.gguf_import import GGUF_BACKENDS, TORCH_BACKENDS, import_gguf
+from skulk.models.gguf_import import GGUF_BACKENDS, TORCH_BACKENDS, bf16_export_bytes, import_gguf
 
 from .test_gguf_families import LLAMA3_LONG, hf_tensors, write_gguf
 from .test_model_families import REAL_CONFIGS, scaled_down, write_checkpoint
@@ -64,6 +64,7 @@ def test_the_export_is_the_gguf_dequantization_in_hugging_face_order(tmp_path: P
         assert values.dtype == torch.bfloat16
         error = ((values.float() - original[name]).norm() / original[name].norm()).item()
         assert error < 0.01, (name, error)
+    assert bf16_export_bytes(imported / "model.gguf") == sum(2 * v.numel() for v in got.values())  # placement's
     reader = {t.name: t for t in GGUFReader(imported / "model.gguf").tensors}
     q = reader["blk.0.attn_q.weight"]
     reference = torch.from_numpy(dequantize(q.data, q.tensor_type).copy())

@@ -215,7 +215,7 @@ def _evaluate(
     if pending:
         return _Candidate(ring, error=InfoPending(node_ids=pending))
     free = [usable_bytes(state, n) for n in ring]  # GTT on UMA nodes
-    plans = plan_ring(card, sharding, ring, free, context=kv.context, kv_cache_bytes=kv.pool_bytes)
+    plans = plan_ring(card, sharding, ring, free, context=kv.context, kv_cache_bytes=kv.pool_bytes, engines=chosen)
     short = [p for p in plans if not p.fits]
     if short:
         worst = min(short, key=lambda p: p.left_after)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from skulk.master.decide import fail_open_tasks, named_failures
 from skulk.master.placement import new_rendezvous_port, place
+from skulk.master.shard_plan import loaded_bytes
 from skulk.types.events import (
     Event,
     InstanceCreated,
@@ -147,6 +148,7 @@ def with_committed(state: State) -> State:
     memory and double-book the node."""
     memory = dict(state.node_memory)
     for instance in state.instances.values():
+        engines = instance.engines()
         for node, runner in instance.shard_assignments.node_to_runner.items():
             usage = memory.get(node)
             if usage is None:
@@ -158,9 +160,10 @@ def with_committed(state: State) -> State:
                 continue
             shard = instance.shard_assignments.runner_to_shard[runner]
             card = shard.model_card
-            share = card.storage_size.in_bytes * (shard.end_layer - shard.start_layer) // max(1, card.n_layers)
+            weights = loaded_bytes(card, engines[node])
+            share = weights * (shard.end_layer - shard.start_layer) // max(1, card.n_layers)
             if instance.sharding.value == "Tensor":
-                share = card.storage_size.in_bytes // max(1, shard.world_size)
+                share = weights // max(1, shard.world_size)
             left = max(0, usage.ram_available.in_bytes - share - pool)
             memory[node] = usage.model_copy(update={"ram_available": Memory.from_bytes(left)})
     return state.model_copy(update={"node_memory": memory})

@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from skulk.types.backends import EngineName
 from skulk.types.ids import NodeId
 from skulk.types.instances import Sharding
 from skulk.types.models import DType, ModelCard
@@ -32,6 +33,14 @@ streams per instance (engines/torch/engine.DEFAULT_MAX_BATCH); more positions wo
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic
+
+
+def loaded_bytes(card: ModelCard, engine: EngineName) -> int:
+    """The weight bytes a rank of this engine loads for the whole model: the files for torch (which keeps a GGUF
+    file's blocks), the bf16 export for an MLX rank serving a GGUF import (card.mlx_storage_size)."""
+    if engine == "mlx" and card.mlx_storage_size is not None:
+        return card.mlx_storage_size.in_bytes
+    return card.storage_size.in_bytes
 
 
 def kv_bytes_per_token(card: ModelCard, n_layers: int, tensor_ways: int = 1) -> int:
@@ -151,19 +160,24 @@ def weights_base(weights_share: int) -> int:
 
 def plan_ring(
     card: ModelCard, sharding: Sharding, ring: Sequence[NodeId], free: list[int], *, context: int | None = None,
-    kv_cache_bytes: int | None = None,
+    kv_cache_bytes: int | None = None, engines: Sequence[EngineName] | None = None,
 ) -> tuple[NodePlan, ...]:
-    """Each rank's layers and bytes: Tensor splits weights evenly, Pipeline in proportion to free memory; every
-    rank's KV pool holds the same pool_tokens positions of its own layers (Pipeline) or heads (Tensor).
-    context: what the instance admits (admitted_context; None: the model's own)."""
-    weights, size = card.storage_size.in_bytes, len(ring)
+    """Each rank's layers and bytes: Tensor splits weights evenly, Pipeline in proportion to what each rank can
+    hold (free memory over the bytes its engine loads: loaded_bytes); every rank's KV pool holds the same
+    pool_tokens positions of its own layers (Pipeline) or heads (Tensor).
+    context: what the instance admits (admitted_context; None: the model's own). engines: each rank's (None: torch)."""
+    size = len(ring)
+    default: list[EngineName] = ["torch"] * size
+    weights = [loaded_bytes(card, e) for e in (engines or default)]
     if sharding == Sharding.Tensor:
         ranges = [(0, card.n_layers)] * size
-        shares = [-(-weights // size)] * size
+        shares = [-(-w // size) for w in weights]
         per_token = [kv_bytes_per_token(card, card.n_layers, size)] * size
     else:
-        ranges = layer_ranges(allocate_layers(card.n_layers, free))
-        shares = [-(-weights * (end - start) // card.n_layers) for start, end in ranges]
+        most = max(weights)
+        ranges = layer_ranges(allocate_layers(card.n_layers, [f * most // max(1, w) for f, w in zip(free, weights,
+                                                                                                     strict=True)]))
+        shares = [-(-w * (end - start) // card.n_layers) for w, (start, end) in zip(weights, ranges, strict=True)]
         per_token = [kv_bytes_per_token(card, end - start) for start, end in ranges]
     tokens = pool_tokens(per_token, [weights_base(s) for s in shares], free, context or card.context_length,
                          kv_cache_bytes, kv_bytes_per_token(card, card.n_layers))

@@ -12,6 +12,7 @@ MLX checkpoint's does, so placement, cards and the loader treat both alike.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ from typing import Any
 from skulk.models.catalog import card_from_config
 from skulk.store.files import model_dir_name, write_marker
 from skulk.types.backends import BackendTag
+from skulk.types.memory import Memory
 from skulk.types.models import ModelCard
 
 GGUF_NAME = "model.gguf"
@@ -63,8 +65,11 @@ def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, 
         _write_json(tmp / "config.json", config)
         _write_tokenizer(tmp)
         card = card_from_config(model_id, config, gguf_path.stat().st_size)
-        backends = TORCH_BACKENDS if "rope_freq_factors" in config else GGUF_BACKENDS
-        card = card.model_copy(update={"compatible_backends": backends})
+        if "rope_freq_factors" in config:
+            card = card.model_copy(update={"compatible_backends": TORCH_BACKENDS})
+        else:
+            card = card.model_copy(update={"compatible_backends": GGUF_BACKENDS,
+                                           "mlx_storage_size": Memory.from_bytes(bf16_export_bytes(tmp / GGUF_NAME))})
         tmp.chmod(0o755)
         if target.exists():
             shutil.rmtree(target)
@@ -73,6 +78,15 @@ def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, 
         shutil.rmtree(tmp, ignore_errors=True)
     write_marker(target, model_id, {p.name: p.stat().st_size for p in target.iterdir() if p.is_file()})
     return card
+
+
+def bf16_export_bytes(path: Path) -> int:
+    """The weights of the file's bf16 export (models/gguf_export.py), which an MLX rank loads instead of the
+    file: every tensor an engine reads (those with a Hugging Face name), two bytes a value. Placement counts
+    these for MLX ranks (card.mlx_storage_size)."""
+    from skulk.engines.torch.gguf_file import GGUFCheckpoint
+
+    return 2 * sum(math.prod(t.shape) for t in GGUFCheckpoint(path).tensors.values())
 
 
 def is_gguf(path: Path) -> bool:

@@ -23,6 +23,10 @@ class ModelCard(CamelModel):
     num_attention_heads: int
     num_key_value_heads: int
     storage_size: Memory
+    mlx_storage_size: Memory | None = None
+    """What an MLX rank loads when it is not the files: a GGUF import's bf16 export (models/gguf_export.py,
+    mlx-lm reads no GGUF blocks; about 3.5x a 4-bit file). None: an MLX rank loads the files, as torch does
+    (a float checkpoint, or an mlx-community quantized one as it ships)."""
     dtype: DType = "bfloat16"
     quantization: str = "none"
     context_length: int = 4096
