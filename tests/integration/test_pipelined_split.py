@@ -1,7 +1,8 @@
 """Pipelined micro-batches (issue 28): rank 0 leads a step for one group of streams while later ranks compute
 another, and the tokens are the unpipelined schedule's, token for token (greedy), over real rank processes on
-gloo: 2 and 3 ranks, with requests joining and finishing mid-flight and a cancel. A rank killed mid-pipeline ends
-every open stream with a retryable error through the real runner path (supervisors, runner_main)."""
+gloo: 2 and 3 ranks, with requests joining and finishing mid-flight and a cancel. A rank killed mid-pipeline (either
+of 2, or the middle one of 3) ends every open stream with a retryable error through the real runner path
+(supervisors, runner_main)."""
 
 from __future__ import annotations
 
@@ -147,11 +148,14 @@ STREAMS = 4
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("victim", [0, 1])
-async def test_a_rank_lost_mid_pipeline_ends_every_stream_retryably(demo_dir: Path, victim: int) -> None:
+@pytest.mark.parametrize(("layers", "victim"), [([(0, 4), (4, 8)], 0), ([(0, 4), (4, 8)], 1),
+                                                ([(0, 3), (3, 6), (6, 8)], 1)],
+                         ids=["2-ranks-kill-0", "2-ranks-kill-1", "3-ranks-kill-middle"])
+async def test_a_rank_lost_mid_pipeline_ends_every_stream_retryably(demo_dir: Path, layers: Layers,
+                                                                     victim: int) -> None:
     seen = Collected()
     port = free_port()
-    specs = [make_spec(demo_dir, r, [(0, 4), (4, 8)], Sharding.Pipeline, port, "runner") for r in range(2)]
+    specs = [make_spec(demo_dir, r, layers, Sharding.Pipeline, port, "runner") for r in range(len(layers))]
     supervisors = [RunnerSupervisor(spec, seen.callbacks(spec.runner_id)) for spec in specs]
     model = ModelId("skulk/tiny-random-llama")
     long = SamplingParams(max_tokens=4000, temperature=0)
@@ -169,7 +173,7 @@ async def test_a_rank_lost_mid_pipeline_ends_every_stream_retryably(demo_dir: Pa
         for task in tasks:
             for supervisor in supervisors:
                 supervisor.send_task(task)
-        sampled = seen.chunks["runner1"]
+        sampled = seen.chunks[f"runner{len(layers) - 1}"]
 
         def streaming() -> bool:
             counts = {c.command_id: 0 for c in sampled}
@@ -181,9 +185,9 @@ async def test_a_rank_lost_mid_pipeline_ends_every_stream_retryably(demo_dir: Pa
         pid = supervisors[victim].pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        survivor = f"runner{1 - victim}"
-        await wait_for(lambda: any(isinstance(x, RunnerFailed) for x in seen.statuses[survivor]), 20,
-                       "the surviving rank to fail")
+        for survivor in (f"runner{r}" for r in range(len(layers)) if r != victim):
+            await wait_for(lambda s=survivor: any(isinstance(x, RunnerFailed) for x in seen.statuses[s]), 20,
+                           f"the surviving rank {survivor} to fail")
 
         def errors() -> dict[str, ErrorChunk]:
             return {c.command_id: c for chunks in seen.chunks.values() for c in chunks if isinstance(c, ErrorChunk)}

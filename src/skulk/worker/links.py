@@ -4,6 +4,10 @@ The topology probe asks every peer for its node id once a second on a kept-alive
 is the round-trip sample, at no extra cost. Every BANDWIDTH_EVERY_S a peer is also asked for BANDWIDTH_BYTES
 (GET /node/link_probe), the round trip taken off the read time: half a megabyte per peer every half minute.
 `LinkMeter` keeps the samples; what is worth a node-info event (`worth_reporting`) is decided purely.
+
+Under a benchmark's emulated latency (SKULK_LINK_DELAY_MS, engines/torch/delay.py: only the ranks' messages are
+delayed, not HTTP) the round trip reported is the probe's plus the emulated one, so predictions see the link the
+ranks see.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections import deque
 
 import httpx
 
+from skulk.engines.torch.delay import emulated_delay_s
 from skulk.types.ids import NodeId
 from skulk.types.links import RTT_FLOOR_MS, LinkMeasurement
 
@@ -33,8 +38,9 @@ without changing any prediction."""
 class LinkMeter:
     """The samples this node took of its links, by peer."""
 
-    def __init__(self, bandwidth_every_s: float = BANDWIDTH_EVERY_S) -> None:
+    def __init__(self, bandwidth_every_s: float = BANDWIDTH_EVERY_S, emulated_rtt_ms: float | None = None) -> None:
         self.bandwidth_every_s = bandwidth_every_s
+        self.emulated_rtt_ms = 2000 * emulated_delay_s() if emulated_rtt_ms is None else emulated_rtt_ms
         self._rtt: dict[NodeId, deque[float]] = {}
         self._bandwidth: dict[NodeId, float] = {}
         self._bandwidth_at: dict[NodeId, float] = {}
@@ -77,7 +83,8 @@ class LinkMeter:
             if samples:
                 probe_ms = statistics.median(samples) * 1000
                 links[peer] = LinkMeasurement(
-                    rtt_ms=round(max(probe_ms - stacks_ms, RTT_FLOOR_MS), 3), probe_rtt_ms=round(probe_ms, 3),
+                    rtt_ms=round(max(probe_ms - stacks_ms, RTT_FLOOR_MS) + self.emulated_rtt_ms, 3),
+                    probe_rtt_ms=round(probe_ms, 3),
                     bandwidth_mbps=self._bandwidth.get(peer), measured_at_s=self._at[peer])
         return links
 

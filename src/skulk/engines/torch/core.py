@@ -9,6 +9,7 @@ engine.TorchEngine (the Engine protocol). They are split for size only; an engin
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections import deque
 from collections.abc import Callable
@@ -16,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from skulk.types.runners import RunnerPhase
 
 from .blocks import BlockAllocator
 from .drafter import Drafter
-from .links import GroupLink, Link, LocalLink, ShardKind
+from .links import GroupLink, Link, LocalLink, ShardKind, tensor_all_reduce
 from .loader import load_model
 from .model import ModelSlice
 from .requests import FaultHook, Request
@@ -36,11 +36,10 @@ NO_BLOCK = -1  # a table entry whose block went back (behind a sliding window): 
 DEFAULT_PREFILL_CHUNK = 512
 WARMUP_ID = "__skulk_warmup__"
 PhaseHook = Callable[[RunnerPhase, str], None]
-
-
-def _tensor_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
+SPECULATE_ENV = "SKULK_SPECULATE"
+"""0/off: no speculative decoding on a single rank either. For benchmarks: bench/split.py compares one rank with a
+split like for like (a split never speculates)."""
+OFF = ("0", "off", "false", "no")
 
 
 class EngineCore:
@@ -84,7 +83,8 @@ class EngineCore:
         self.model = self._load_model(
             model_dir, start_layer=0 if tensor else start_layer, end_layer=None if tensor else end_layer,
             tp_rank=rank if tensor else 0, tp_size=world_size if tensor else 1,
-            all_reduce=_tensor_all_reduce if tensor else None, dtype=dtype, device=self.device, quantize=quantize,
+            all_reduce=tensor_all_reduce(world_size) if tensor else None, dtype=dtype, device=self.device,
+            quantize=quantize,
         )
         positions = self.model.args.max_position_embeddings
         self.context_length = min(positions, max_seq) if max_seq is not None else positions
@@ -96,7 +96,7 @@ class EngineCore:
         args = self.model.args
         every_layer_slides = all(args.is_sliding(i) for i in range(args.num_hidden_layers))
         self.window = (args.sliding_window or 0) if every_layer_slides else 0  # blocks behind it are freed
-        self.speculate = speculate and world_size == 1
+        self.speculate = speculate and world_size == 1 and os.environ.get(SPECULATE_ENV, "1") not in OFF
         self.cache = self.model.make_cache(num_blocks, block_size)
         self.drafter: Drafter | None = None
         if draft_dir is not None and self.speculate and not self.window:

@@ -10,16 +10,21 @@ nothing else: headers travel ahead of the hidden states (posted to receivers tha
 receive, wire.PostedHeaders), sends never wait for their receiver (isend, kept until complete), and rank 0 posts
 the receive of a step's tokens as soon as it has sent the step, so the sampler's send finds it waiting. Rank 0
 takes those tokens when it needs them (`PendingTokens.wait`), which is what lets it run ahead by a micro-batch.
+
+For benchmarks, SKULK_LINK_DELAY_MS emulates a link's latency where the kernel cannot (delay.py): each send is
+then posted that much later by a thread, and each collective completes that much later.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
+from .delay import DelayedSends, after_collective, emulated_delay_s
 from .wire import Header, HeaderChannel, PostedHeaders, settle
 
 ShardKind = Literal["pipeline", "tensor"]
@@ -90,13 +95,29 @@ class LocalLink:
         pass
 
 
+def tensor_all_reduce(world_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A Tensor rank's all-reduce (a sum in place); under an emulated latency, a ring's 2(W-1) one-way steps more."""
+    delay_s = emulated_delay_s()
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        if delay_s:
+            after_collective(delay_s, 2 * (world_size - 1))
+        return x
+
+    return all_reduce
+
+
 class GroupLink:
     """One rank of a Pipeline or Tensor group."""
 
     def __init__(self, rank: int, world_size: int, kind: ShardKind, control_group: Any) -> None:
         self.rank, self.world_size, self.kind = rank, world_size, kind
-        self.channel = PostedHeaders(control_group, rank, world_size) if kind == "pipeline" \
-            else HeaderChannel(control_group)
+        self.delay_s = emulated_delay_s()
+        self.delay = DelayedSends(self.delay_s) if self.delay_s else None
+        """Bench-only emulated latency (delay.py); None, and never looked at again, in production."""
+        self.channel = PostedHeaders(control_group, rank, world_size, self.delay) if kind == "pipeline" \
+            else HeaderChannel(control_group, self.delay_s)
         self.control_group = control_group
         self.wait_s = 0.0
         self._sending: list[tuple[Any, torch.Tensor]] = []  # hidden states on their way to the next rank
@@ -118,7 +139,10 @@ class GroupLink:
         """Sent without waiting for the next rank (still busy with an earlier micro-batch, it may not have posted
         its receive yet); the tensor is kept until the send completes (wire.settle)."""
         x = x.contiguous()
-        self._sending.append((dist.isend(x, dst=self.rank + 1), x))
+        if self.delay is None:
+            self._sending.append((dist.isend(x, dst=self.rank + 1), x))
+        else:
+            self._sending.append((self.delay.post(lambda: dist.isend(x, dst=self.rank + 1)), x))
         settle(self._sending, self.world_size)
 
     def exchange_tokens(self, rows: TokenRows | None, count: int) -> PendingTokens | None:
@@ -132,8 +156,16 @@ class GroupLink:
         if self.kind == "tensor":
             started = time.perf_counter()
             dist.broadcast(wire, src=self.world_size - 1, group=self.control_group)
+            if self.delay_s and not sampler:
+                after_collective(self.delay_s, 1)
             self.wait_s += time.perf_counter() - started
             return PendingTokens(wire.tolist())
+        if sampler and self.delay is not None:
+            group = self.control_group
+            self._sending.append((self.delay.post(lambda: dist.isend(wire, dst=0, group=group, tag=TOKENS_TAG)),
+                                  wire))
+            settle(self._sending, self.world_size)
+            return None
         if sampler:
             dist.send(wire, dst=0, group=self.control_group, tag=TOKENS_TAG)
             return None

@@ -32,6 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skulk.types.chat import SamplingParams
 
+from .delay import DelayedSends, after_collective
+
 MAX_CHANGES_BYTES = 256 * 1024 * 1024  # one step's adds, prompts included; a larger size is a forged header
 MAX_ADMITS = 8  # pending requests one step may admit (a burst of short prompts goes in one prefill step)
 FIXED_INTS = 6  # [kind, payload_bytes, chunk, admissions, rows_start, rows_end]
@@ -256,6 +258,8 @@ class HeaderChannel:
     """Broadcasts headers from rank 0 over the control group (gloo, CPU tensors): a Tensor group."""
 
     group: Any
+    delay_s: float = 0.0
+    """Bench-only emulated one-way latency (delay.py): a receiver takes each header that much later."""
     _fixed: torch.Tensor = field(default_factory=lambda: torch.zeros(FIXED_INTS, dtype=torch.int64))
 
     def send(self, header: Header) -> None:
@@ -267,6 +271,8 @@ class HeaderChannel:
 
     def receive(self) -> Header:
         dist.broadcast(self._fixed, src=0, group=self.group)
+        if self.delay_s:
+            after_collective(self.delay_s, 1)
         return parse(self._fixed.tolist(), self._read_payload)
 
     def _read_payload(self, size: int) -> bytes:
@@ -290,8 +296,9 @@ class PostedHeaders:
     Rank 0 isends and goes on (the sends it keeps until they complete); each other rank keeps the receive of its
     next header posted while it computes, so a header never waits for its receiver (module docstring)."""
 
-    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+    def __init__(self, group: Any, rank: int, world_size: int, delay: DelayedSends | None = None) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
+        self.delay = delay  # bench-only emulated latency (delay.py)
         self._sending: list[tuple[Any, torch.Tensor]] = []
         self._next: tuple[Any, torch.Tensor] | None = None
 
@@ -300,10 +307,15 @@ class PostedHeaders:
         fixed = torch.tensor(fixed_ints(header, payload), dtype=torch.int64)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
         for peer in range(1, self.world_size):
-            self._sending.append((dist.isend(fixed, peer, group=self.group, tag=HEADER_TAG), fixed))
+            self._sending.append((self._isend(fixed, peer, HEADER_TAG), fixed))
             if data is not None:
-                self._sending.append((dist.isend(data, peer, group=self.group, tag=PAYLOAD_TAG), data))
+                self._sending.append((self._isend(data, peer, PAYLOAD_TAG), data))
         settle(self._sending, 2 * self.world_size * self.world_size)
+
+    def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        if self.delay is None:
+            return dist.isend(tensor, peer, group=self.group, tag=tag)
+        return self.delay.post(lambda: dist.isend(tensor, peer, group=self.group, tag=tag))
 
     def flush(self) -> None:
         """Wait until every header sent has left (before the group is torn down)."""
