@@ -1,10 +1,12 @@
 """Speculative decoding with a draft model: a smaller model of the same tokenizer proposes each request's next
-tokens, greedily, one cheap step at a time; the target verifies them all in one forward pass (local_step.py).
+tokens one cheap step at a time (a greedy request's argmax; a sampled request's drawn under its own temperature,
+top-k, top-p and generator); the target verifies them all in one forward pass (local_step.py).
 
 The draft's KV cache is a second pool with the target's geometry (blocks of the same size, as many), so every
 request's block table addresses both: no second allocator, and blocks the target frees free the draft's rows too.
 The draft is never asked to be right, only often right: output is whatever greedy decoding of the target gives
-(the verification keeps only the draft's prefix the target confirms), so stale or foreign draft KV (a block shared
+(the verification keeps only the draft's prefix the target confirms), or for a sampled request exactly the
+target's sampling distribution (speculate.verify_sampled's rejection rule), so stale or foreign draft KV (a block shared
 from another request's prefix, copied, or written past a rejected token) costs acceptance, never correctness.
 Each request records how far its draft KV is valid (`Request.draft_len`); the next proposal first feeds the draft
 the tokens from there (the whole prompt the first time, in chunks), then drafts.
@@ -22,6 +24,10 @@ from .config import ModelArgs
 from .loader import load_model
 from .model import ModelSlice
 from .requests import Request
+from .sampling import distribution, draw
+
+Draws = torch.Tensor | None
+"""The distributions a sampled request's draft tokens were drawn from, [tokens, V] (None: greedy, or no draft)."""
 
 DRAFT_TOKENS = 4
 """Tokens the draft model proposes per request and step: each costs one draft step, so fewer than prompt lookup's
@@ -45,18 +51,20 @@ class Drafter:
                              f"{target.args.vocab_size}: a draft must use the target's tokenizer")
         return cls(load_model(draft_dir, dtype=dtype, device=device, quantize=quantize), num_blocks, block_size, chunk)
 
-    def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
-        """Up to limits[i] greedy draft tokens for reqs[i] (none where the limit is 0), each request's table already
-        holding blocks for every position the draft writes (up to length + limit - 1)."""
+    def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> tuple[list[list[int]], list[Draws]]:
+        """Up to limits[i] draft tokens for reqs[i] (none where the limit is 0), each request's table already
+        holding blocks for every position the draft writes (up to length + limit - 1): a greedy request's the draft's
+        argmax, a sampled one's drawn from the draft's distribution under the request's own settings and generator,
+        returned beside them ([tokens, V], for the rejection rule; None for a greedy request)."""
         drafts: list[list[int]] = [[] for _ in reqs]
+        dists: list[list[torch.Tensor]] = [[] for _ in reqs]
         rows = [i for i, limit in enumerate(limits) if limit > 0]
         if not rows:
-            return drafts
+            return drafts, [None] * len(reqs)
         device = next(self.model.parameters()).device
         tables = {i: torch.tensor([reqs[i].table], dtype=torch.int32, device=device) for i in rows}
-        last = self._catch_up([reqs[i] for i in rows], [tables[i] for i in rows], device)
-        for i, token in zip(rows, last, strict=True):
-            drafts[i].append(token)
+        logits = self._catch_up([reqs[i] for i in rows], [tables[i] for i in rows], device)
+        self._pick(logits, rows, reqs, drafts, dists)
         for step in range(1, max(limits)):
             rows = [i for i in rows if limits[i] > step]
             if not rows:
@@ -67,33 +75,48 @@ class Drafter:
                                  dtype=torch.int32, device=device)
             ids = torch.tensor([[drafts[i][-1]] for i in rows], device=device)
             batch = StepBatch.build(positions, table, kv_len=int(positions.max().item()) + 1)
-            picks = self.model(ids, batch, self.cache)[:, -1].argmax(-1).tolist()
-            for i, token in zip(rows, picks, strict=True):
-                drafts[i].append(token)
-        return drafts
+            self._pick(self.model(ids, batch, self.cache)[:, -1], rows, reqs, drafts, dists)
+        return drafts, [torch.stack(d) if d else None for d in dists]
 
-    def _catch_up(self, reqs: Sequence[Request], tables: Sequence[torch.Tensor], device: torch.device) -> list[int]:
+    @staticmethod
+    def _pick(logits: torch.Tensor, rows: Sequence[int], reqs: Sequence[Request], drafts: list[list[int]],
+              dists: list[list[torch.Tensor]]) -> None:
+        """Append each row's next draft token (logits[j] is reqs[rows[j]]'s) and, for a sampled request, the
+        distribution it was drawn from."""
+        picks = logits.argmax(-1).tolist()
+        sampled = [j for j, i in enumerate(rows) if reqs[i].sampling.temperature > 0]
+        if sampled:
+            settings = [reqs[rows[j]].sampling for j in sampled]
+            probs = distribution(logits[sampled], settings)
+            for j, row, token in zip(sampled, probs, draw(probs, [s.generator for s in settings]).tolist(),
+                                     strict=True):
+                picks[j] = token
+                dists[rows[j]].append(row)
+        for i, token in zip(rows, picks, strict=True):
+            drafts[i].append(token)
+
+    def _catch_up(self, reqs: Sequence[Request], tables: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
         """Feed the draft each request's tokens from its draft_len through its last token (at its length): one pass
         over every request while they fit a chunk (the steady state: a token or two each), else request by request
-        in chunks (a prompt's first proposal). The draft's first token per request, from its last row."""
+        in chunks (a prompt's first proposal). Each request's logits after its last token [len(reqs), V]."""
         todo = [[*r.tokens(r.draft_len, r.length), r.last_token] for r in reqs]
         if sum(map(len, todo)) <= self.chunk:
             return self._feed(todo, [r.draft_len for r in reqs], tables, device)
-        firsts = []
+        firsts: list[torch.Tensor] = []
         for req, tokens, table in zip(reqs, todo, tables, strict=True):
             start = req.draft_len
             while len(tokens) > self.chunk:
                 self._feed([tokens[: self.chunk]], [start], [table], device)
                 tokens, start = tokens[self.chunk :], start + self.chunk
-            firsts += self._feed([tokens], [start], [table], device)
-        return firsts
+            firsts.append(self._feed([tokens], [start], [table], device))
+        return torch.cat(firsts)
 
     def _feed(self, chunks: Sequence[list[int]], starts: Sequence[int], tables: Sequence[torch.Tensor],
-              device: torch.device) -> list[int]:
-        """One draft pass over each chunk at its start positions; the argmax after each chunk's last token."""
+              device: torch.device) -> torch.Tensor:
+        """One draft pass over each chunk at its start positions; the logits after each chunk's last token."""
         parts = tuple(StepBatch.build(torch.arange(start, start + len(chunk), device=device).unsqueeze(0), table,
                                       kv_len=start + len(chunk))
                       for chunk, start, table in zip(chunks, starts, tables, strict=True))
         x = torch.tensor([[t for chunk in chunks for t in chunk]], device=device)
         logits = self.model(x, parts[0] if len(parts) == 1 else MixedBatch(parts), self.cache, last_only=True)
-        return logits[0].argmax(-1).tolist()
+        return logits[0]

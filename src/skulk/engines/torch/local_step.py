@@ -1,5 +1,6 @@
-"""Steps only a single rank takes: a decode step that also verifies each request's prompt-lookup draft
-(speculate.py holds the pure parts)."""
+"""Steps only a single rank takes: a decode step that also verifies each request's draft, prompt lookup's or a draft
+model's (speculate.py holds the pure parts): greedy requests keep the prefix the target's argmax confirms, sampled
+ones what the rejection rule keeps (speculate.verify_sampled)."""
 
 from __future__ import annotations
 
@@ -9,22 +10,28 @@ from skulk.engines.base import TokenOut
 
 from .blocks import blocks_for
 from .cache import MixedBatch, StepBatch
-from .drafter import DRAFT_TOKENS
+from .drafter import DRAFT_TOKENS, Draws
 from .model import MIXED_STACK_ROWS
-from .speculate import MAX_DRAFT, PromptLookup, accepted_prefix
+from .requests import Request, accept_each
+from .sampling import distribution
+from .speculate import MAX_DRAFT, PromptLookup, accepted_prefix, verify_sampled
 from .step import PHASES, Step
 from .wire import Release, StepKind
 
+Proposal = tuple[list[list[int]], list[Draws]]
+"""A draft per running request (some empty) and, per sampled request drafted by a model, the distributions its
+tokens were drawn from (drafter.Draws)."""
+
 
 class LocalStep(Step):
-    def _drafts(self) -> list[list[int]] | None:
+    def _drafts(self) -> Proposal | None:
         """A draft per running request (some empty): the draft model's when the engine has one, else prompt
-        lookup's, when every one decodes greedily without log-probabilities and at least one has a draft; None for a
-        plain decode step. Drafts stop short of a request's max_tokens and context, fit the free blocks, and keep
+        lookup's, when none asks for log-probabilities or follows a grammar and at least one has a draft; None for
+        a plain decode step. Drafts stop short of a request's max_tokens and context, fit the free blocks, and keep
         the step under MIXED_STACK_ROWS rows."""
         running = self._running
-        if any(r.sampling.temperature > 0 or r.sampling.logprobs is not None or r.constraint is not None
-               for r in running):  # a constrained row's token is its grammar's, not the raw argmax drafts check
+        if any(r.sampling.logprobs is not None or r.constraint is not None
+               for r in running):  # a constrained row's token is its grammar's, not the raw logits' drafts check
             return None
         room, free = max(0, MIXED_STACK_ROWS // len(running) - 1), self.blocks.available
         most = MAX_DRAFT if self.drafter is None else DRAFT_TOKENS
@@ -42,14 +49,17 @@ class LocalStep(Step):
             while len(req.table) < blocks_for(req.length + 1 + limits[-1], self.block_size):
                 req.table.append(self.blocks.allocate())  # the draft writes there before the target does
             drafts.append(draft)
+        draws: list[Draws] = [None] * len(running)
         if self.drafter is not None:
-            drafts = self.drafter.propose(running, limits)
-        return drafts if any(drafts) else None
+            drafts, draws = self.drafter.propose(running, limits)
+        return (drafts, draws) if any(drafts) else None
 
-    def _speculate(self, drafts: list[list[int]]) -> list[TokenOut]:
+    def _speculate(self, proposal: Proposal) -> list[TokenOut]:
         """A decode step that also verifies each request's draft: its last token and draft as one chunk (a MixedBatch
-        part per request), then per request the draft's prefix greedy decoding confirms and the model's next token,
-        each accepted as a decode step would accept it (speculate.py). Single rank only: nothing is shared."""
+        part per request), then per request the draft's prefix the target keeps (greedy: the prefix its argmax
+        confirms; sampled: the rejection rule's) and one more token, each accepted as a decode step would accept it
+        (speculate.py). Single rank only: nothing is shared."""
+        drafts, draws = proposal
         self._enter_phase(PHASES[self.kind, StepKind.DECODE], "decode")
         parts, ids = [], []
         for req, draft in zip(self._running, drafts, strict=True):
@@ -65,21 +75,34 @@ class LocalStep(Step):
         greedy = logits[0].argmax(-1).tolist()
         outs: list[TokenOut] = []
         at = 0
-        for req, draft in zip(list(self._running), drafts, strict=True):
-            picks = greedy[at : at + len(draft) + 1]
-            keep = accepted_prefix(draft, picks)
+        for req, draft, q in zip(list(self._running), drafts, draws, strict=True):
+            rows = logits[0, at : at + len(draft) + 1]
+            if req.sampling.temperature > 0:
+                p = distribution(rows, [req.sampling] * len(rows))
+                tokens = verify_sampled(draft, q, p, req.sampling.generator)
+            else:
+                tokens = greedy[at : at + len(draft) + 1]
+                tokens = tokens[: accepted_prefix(draft, tokens) + 1]
+            keep = len(tokens) - 1
             if req.lookup is not None:
                 req.lookup.record(len(draft), keep)
             if draft and self.drafter is not None:  # its inputs up to the first rejected draft token were right
                 req.draft_len = req.length + min(keep + 1, len(draft))
-            for j in range(keep + 1):
-                req.length += 1
-                out = self._accept(logits[0, at + j : at + j + 1].unsqueeze(1), [req])[0]
-                outs.append(out)
-                if not out.error:
-                    req.emitted.append(out.token_id)
-                if out.finish_reason is not None or out.error:
-                    self._releases.append(Release(req.request_id, cancelled=False, failed=bool(out.error)))
-                    break
+            outs += self._emit(req, rows, tokens)
             at += len(draft) + 1
+        return outs
+
+    def _emit(self, req: Request, rows: torch.Tensor, tokens: list[int]) -> list[TokenOut]:
+        """Accept tokens[j] (chosen from rows[j]'s logits) one by one as a decode step would, until one finishes."""
+        outs: list[TokenOut] = []
+        for j, token in enumerate(tokens):
+            req.length += 1
+            out = accept_each(rows[j : j + 1], [req], self.tokenizer.eos_ids, self.context_length, self.fault_hook,
+                              [token])[0]
+            outs.append(out)
+            if not out.error:
+                req.emitted.append(out.token_id)
+            if out.finish_reason is not None or out.error:
+                self._releases.append(Release(req.request_id, cancelled=False, failed=bool(out.error)))
+                break
         return outs

@@ -123,11 +123,13 @@ def sample_each(logits: torch.Tensor, reqs: Sequence[Request], hook: FaultHook |
 
 def accept_each(
     logits: torch.Tensor, reqs: Sequence[Request], eos_ids: Collection[int], context_length: int,
-    hook: FaultHook | None,
+    hook: FaultHook | None, chosen: Sequence[int] | None = None,
 ) -> list[TokenOut]:
-    """Sample and detokenise every row, each in isolation: an exception ends only its own request."""
+    """Sample and detokenise every row, each in isolation: an exception ends only its own request. chosen: the
+    tokens already picked from these logits (a speculative step's), instead of sampling."""
     outs: list[TokenOut] = []
-    tokens = sample_each(mask_rows(logits, [r.constraint for r in reqs]), reqs, hook)
+    tokens: list[int | Exception] = (list(chosen) if chosen is not None
+                                     else sample_each(mask_rows(logits, [r.constraint for r in reqs]), reqs, hook))
     logprobs = logprobs_each(logits, reqs, tokens)
     for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
         if isinstance(token, Exception):

@@ -29,19 +29,29 @@ def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
     greedy = logits.argmax(dim=-1)
     if all(r.temperature <= 0 for r in rows):
         return greedy.tolist()
-    device = logits.device
-    temperature = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], device=device)
-    scaled = logits / temperature.unsqueeze(1)
+    drawn = draw(distribution(logits, rows), [r.generator for r in rows])
+    is_greedy = torch.tensor([r.temperature <= 0 for r in rows], device=logits.device)
+    return torch.where(is_greedy, greedy, drawn).tolist()
+
+
+def distribution(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
+    """The probabilities [B, V] each row samples from: softmax of its logits over its temperature (1 for a greedy
+    row), after top-k and top-p. Speculative decoding's rejection rule compares the target's and the draft's."""
+    temperature = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], device=logits.device)
+    scaled = logits.float() / temperature.unsqueeze(1)
     if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
         scaled = _filter(scaled, rows)
-    probs = torch.softmax(scaled, dim=-1)
+    return torch.softmax(scaled, dim=-1)
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs [B, V] (unnormalized is fine), by inverse CDF from one uniform number drawn
+    from the row's generator."""
     cdf = probs.cumsum(dim=-1)
-    uniform = torch.cat([torch.rand(1, generator=r.generator, device=r.generator.device) for r in rows])
-    target = (uniform.to(device) * cdf[:, -1]).unsqueeze(1)
+    uniform = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators])
+    target = (uniform.to(probs.device) * cdf[:, -1]).unsqueeze(1)
     # right-side search: the first token whose cumulative mass exceeds the target, never a zero-mass one
-    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
-    is_greedy = torch.tensor([r.temperature <= 0 for r in rows], device=device)
-    return torch.where(is_greedy, greedy, drawn).tolist()
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _filter(scaled: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:

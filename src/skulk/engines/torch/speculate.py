@@ -6,12 +6,20 @@ them, runs the request's last token and the draft as one chunk (one read of the 
 tokens, which on a memory-bound decode costs little more than one), and keeps the draft's longest prefix that
 greedy decoding would have produced itself, plus the model's own next token: output is token for token what
 plain greedy decoding gives. The pure parts live here; local_step.LocalStep._speculate runs the step.
+
+A sampled request keeps its drafts by the standard rejection rule (Leviathan et al. 2023, Chen et al. 2023;
+`verify_sampled`): its tokens then follow exactly the distribution plain sampling draws from (temperature,
+top-k and top-p applied to the target's and the draft's logits alike), though not the same tokens for a seed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import draw
 
 MAX_DRAFT = 8  # tokens proposed per request and step
 NGRAM = (3, 2)  # the n-gram lengths looked up, longest first (1 proposes too much noise to pay)
@@ -64,3 +72,29 @@ def accepted_prefix(draft: Sequence[int], greedy: Sequence[int]) -> int:
     while n < len(draft) and draft[n] == greedy[n]:
         n += 1
     return n
+
+
+def verify_sampled(
+    draft: Sequence[int], q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator
+) -> list[int]:
+    """The tokens a sampled request emits from one speculative step: the draft's accepted prefix, then one token.
+
+    p [len(draft) + 1, V]: the target's sampling distribution after the request's last token and after each draft
+    token; q [len(draft), V]: the distributions the draft tokens were drawn from (None: drawn deterministically,
+    prompt lookup's, i.e. q is one-hot). Draft token x stands with probability min(1, p(x) / q(x)); the first
+    that falls is replaced by a draw from normalize(max(0, p - q)), and when all stand a bonus token is drawn from
+    the last row of p. Every random number comes from the request's generator (a seed reproduces the step)."""
+    for i, token in enumerate(draft):
+        target = float(p[i, token])
+        proposed = 1.0 if q is None else float(q[i, token])
+        if float(torch.rand(1, generator=generator, device=generator.device)) * proposed < target:
+            continue  # u < p/q, without dividing by a q that is never 0 here (x was drawn from it)
+        residual = p[i].clone()
+        if q is None:
+            residual[token] = 0.0
+        else:
+            residual = (residual - q[i]).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:  # only by rounding (a fall needs p != q): p itself is then exact enough
+            residual = p[i]
+        return [*draft[:i], int(draw(residual.unsqueeze(0), [generator])[0])]
+    return [*draft, int(draw(p[len(draft)].unsqueeze(0), [generator])[0])]
