@@ -2,9 +2,11 @@
 own process.
 
 argv: a JSON job {model, rank, port, layers: [[start, end] per rank], engines: ["mlx"|"torch" per rank], prompts,
-tokens, chunk, out}. Every rank warms up; rank 0 adds the prompts and steps until nothing is left, then shuts the
-group down; the sampler writes {"tokens": {request_id: [token ids]}, "gaps": {request_id: [top-2 logprob gap]}}
-(a gap near 0 at a divergence is a tie in the sampler's logits)."""
+tokens, chunk, out, micro_batches (default true: rank 0 pipelines micro-batches, flight.py)}. Every rank warms
+up; rank 0 adds the prompts and steps until nothing is left, then shuts the group down; the sampler writes
+{"tokens": {request_id: [token ids]}, "gaps": {request_id: [top-2 logprob gap]}} (a gap near 0 at a divergence
+is a tie in the sampler's logits); an MLX rank writes "<forward passes> <sequences computed>" to
+<out>.forwards<rank>."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def build(job: dict[str, Any]) -> TorchEngine:
                   start_layer=layers[rank][0], end_layer=layers[rank][1], control_group=dist.group.WORLD,
                   prefill_chunk=job.get("chunk", 8), max_seq=job.get("max_seq", 256))
     engine.share_prefixes = False
+    engine.micro_batches = job.get("micro_batches", True)
     return engine
 
 
@@ -58,6 +61,8 @@ def main() -> None:
             gaps.setdefault(out.request_id, []).append(top[0].logprob - top[1].logprob if len(top) > 1 else 0.0)
     if engine.is_sampler:
         Path(job["out"]).write_text(json.dumps({"tokens": got, "gaps": gaps}))
+    if hasattr(engine.model, "forwards"):  # an MLX rank: its forward passes and the sequences they computed
+        Path(f"{job['out']}.forwards{job['rank']}").write_text(f"{engine.model.forwards} {engine.model.rows}")
 
 
 if __name__ == "__main__":

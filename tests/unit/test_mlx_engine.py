@@ -256,7 +256,8 @@ def test_a_ring_tensor_instance_generates_the_single_ranks_tokens(ranks: int, tm
 
 
 def run_mixed(model: Path, layers: list[tuple[int, int]], engines: list[str], prompts: list[list[int]],
-              tmp_path: Path, tokens: int = TOKENS, max_seq: int = 256, bound_s: float = 240) -> dict[str, Any]:
+              tmp_path: Path, tokens: int = TOKENS, max_seq: int = 256, bound_s: float = 240,
+              micro_batches: bool = True) -> dict[str, Any]:
     """Each rank its own process (mixed_rank.py) in one gloo group on loopback; the sampler's tokens and gaps."""
     import subprocess
     import sys
@@ -267,7 +268,8 @@ def run_mixed(model: Path, layers: list[tuple[int, int]], engines: list[str], pr
     procs = []
     for rank in range(len(layers)):
         job = {"model": str(model), "rank": rank, "port": port, "layers": layers, "engines": engines,
-               "prompts": prompts, "tokens": tokens, "out": str(out), "max_seq": max_seq}
+               "prompts": prompts, "tokens": tokens, "out": str(out), "max_seq": max_seq,
+               "micro_batches": micro_batches}
         procs.append(subprocess.Popen([sys.executable, str(Path(__file__).with_name("mixed_rank.py")),
                                        json.dumps(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
@@ -279,21 +281,35 @@ def run_mixed(model: Path, layers: list[tuple[int, int]], engines: list[str], pr
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    result["forwards"] = {r: tuple(map(int, Path(f"{out}.forwards{r}").read_text().split()))
+                          for r, e in enumerate(engines) if e == "mlx"}
+    return result
 
 
-@pytest.mark.parametrize("engines", [["mlx", "torch"], ["torch", "mlx"], ["torch", "mlx", "torch"],
-                                     ["mlx", "torch", "mlx"]], ids="-".join)
-def test_a_mixed_pipeline_generates_the_single_ranks_tokens(engines: list[str], demo: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("engines", "micro_batches"), [
+    (["mlx", "torch"], True), (["torch", "mlx"], True), (["torch", "mlx", "torch"], False),
+    (["mlx", "torch", "mlx"], True)], ids=["mlx-torch", "torch-mlx", "torch-mlx-torch-plain", "mlx-torch-mlx"])
+def test_a_mixed_pipeline_generates_the_single_ranks_tokens(engines: list[str], micro_batches: bool, demo: Path,
+                                                             tmp_path: Path) -> None:
     """MLX ranks beside torch ranks in one Pipeline over the torch engine's group wire (validated step headers,
-    hidden states as tensors): three requests batched, one prefilled in chunks across decode steps (MIXED steps,
+    hidden states as tensors): four requests batched, one prefilled in chunks across decode steps (MIXED steps,
     where an MLX rank skips the decode row of a request still being prefilled), 40 tokens each: the tokens of
-    one torch rank, in float32 exactly."""
+    one torch rank, in float32 exactly. An MLX rank decodes a step's rows together (one batched forward over
+    mlx-lm's BatchKVCache): with rank 0's micro-batches (a step decodes at most 1/ranks of the rows, as their
+    tokens come back: engines/torch/flight.py) fewer forward passes than sequences computed; in the plain schedule
+    (every running row each step) one forward per step, however many requests run (54 for 168 sequences)."""
     layers = [(0, 2), (2, 4)] if len(engines) == 2 else [(0, 1), (1, 3), (3, 4)]
-    mixed = run_mixed(demo, layers, engines, PROMPTS, tmp_path)
-    alone = tokens(run(TorchEngine(demo, prefill_chunk=8, max_seq=256), PROMPTS))
+    prompts = [*PROMPTS, [7, 8, 9, 10, 11]]
+    mixed = run_mixed(demo, layers, engines, prompts, tmp_path, micro_batches=micro_batches)
+    alone = tokens(run(TorchEngine(demo, prefill_chunk=8, max_seq=256), prompts))
     assert mixed["tokens"] == alone
     assert all(len(t) == TOKENS for t in alone.values())
+    assert mixed["forwards"]
+    for forwards, rows in mixed["forwards"].values():  # unbatched: one forward per sequence, 168 of them
+        assert forwards < len(prompts) * TOKENS and forwards < rows, (forwards, rows)
+        if not micro_batches:  # ~45 decode steps (the prompts start apart), 8 prefill chunks, the warmup's 2
+            assert forwards < rows // 2, (forwards, rows)
 
 
 def test_an_mlx_rank_refuses_a_step_its_caches_do_not_match(demo: Path) -> None:
@@ -310,3 +326,31 @@ def test_an_mlx_rank_refuses_a_step_its_caches_do_not_match(demo: Path) -> None:
     assert engine._cache_for(req, 0)[0].offset == 0
     with pytest.raises(WireError, match="position 2; its MLX cache holds 0"):
         engine._cache_for(req, 2)
+
+
+def test_an_mlx_stage_decodes_rows_together_as_each_would_alone(demo: Path) -> None:
+    """SequenceCaches: requests prefilled alone join one BatchKVCache (merge), decode together with the logits each
+    gets alone (float32, the padding masked), are reordered in place, leave it (extract, filter), and a step at a
+    position a batched cache does not end at is a WireError."""
+    from skulk.engines.mlx.caches import SequenceCaches
+    from skulk.engines.mlx.mixed import MlxStage
+    from skulk.engines.torch.wire import WireError
+
+    stage = MlxStage(demo, 0, None, None)
+    together, apart = SequenceCaches(stage.new_cache), SequenceCaches(stage.new_cache)
+    prompts = {"a": [1, 5, 9, 33, 2, 7], "b": [258, 104], "c": [72, 101, 108]}
+    for caches in (together, apart):
+        for rid, prompt in prompts.items():
+            stage.run(mx.array([prompt]), caches.one(rid, 0))
+    at = {rid: len(p) for rid, p in prompts.items()}
+    for order in (["a", "b", "c"], ["c", "a", "b"], ["b", "c"]):  # reordered in place, then "a" leaves
+        together.keep(set(order))
+        batched = stage.run(mx.array([[3] for _ in order]), together.batch(order, [at[r] for r in order]))
+        for row, rid in enumerate(order):
+            alone = stage.run(mx.array([[3]]), apart.one(rid, at[rid]))
+            assert np.allclose(np.array(batched[row]), np.array(alone[0]), atol=1e-5), rid
+            at[rid] += 1
+    assert len(together) == 2
+    with pytest.raises(WireError, match="their MLX caches hold"):
+        together.batch(["b", "c"], [at["b"] + 1, at["c"]])
+    assert together.one("b", at["b"])[0].offset == at["b"]  # out of the batch, on its own again

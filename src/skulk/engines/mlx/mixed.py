@@ -9,9 +9,10 @@ never pickle), block bookkeeping, hidden-state sends and token shares (links.py)
 code; only its forward pass is mlx-lm's model, cut to this rank's layers (`MlxStage`). Hidden states cross as
 torch tensors in the checkpoint's dtype (bf16 goes through an int16 view: numpy has no bfloat16).
 
-mlx-lm's layers keep one KV cache per sequence, not the torch engine's block pool, so the MLX rank keeps an
-mlx-lm prompt cache per running request and runs each request's rows of a step on its own cache: a decode row
-is one position of its request, a prefill chunk several. Two things follow. A decode row of a request still
+mlx-lm's layers keep KV caches per sequence, not the torch engine's block pool, so the MLX rank keeps mlx-lm
+caches for its running requests (caches.py): a step's decode rows run as one batched forward over a
+BatchKVCache, as mlx-lm's batch generation does (the torch engine's continuous batching: one pass for every
+running request), a prefill chunk on its request's own cache. Two things follow. A decode row of a request still
 being prefilled (the torch engine computes it and drops its output) is skipped here: on mlx-lm's cache it
 would take the position the chunk writes. And a request admitted onto another's cached prefix blocks has no
 MLX cache to start from, so a mixed instance shares no prefixes (`share_prefixes`, off on every rank). The
@@ -37,8 +38,8 @@ from skulk.engines.torch.config import ModelArgs
 from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.requests import Request
 from skulk.engines.torch.step import PromptPart
-from skulk.engines.torch.wire import WireError
 
+from .caches import SequenceCaches
 from .engine import load, set_wired_limit
 from .ring import inner_model, swap_layer
 
@@ -75,6 +76,7 @@ class MlxStage:
         self.is_first, self.is_last = self.start == 0, self.end == args.num_hidden_layers
         self._given: mx.array | None = None  # the hidden state the first kept layer takes instead of its input
         self._taken: mx.array | None = None  # the last kept layer's output (a stage that is not last)
+        self.forwards = self.rows = 0  # forward passes run, and the sequences they computed (a batch: several)
         self.model, _ = load(model_dir, quantize, self._cut)
         set_wired_limit(self.model)
 
@@ -117,17 +119,18 @@ class MlxStage:
         return make_prompt_cache(self.model)
 
     def run(self, x: mx.array, cache: list[Any]) -> mx.array:
-        """One sequence's positions: x is [T] token ids (first stage) or [T, hidden]; out [T, hidden] (hidden state
-        before the next stage) or [vocab] (the last position's logits, last stage)."""
-        ids = x[None] if self.is_first else mx.zeros((1, x.shape[0]), dtype=mx.int32)  # embedded, then replaced
-        self._given = None if self.is_first else x[None]
+        """Sequences' positions, one row each: x is [B, T] token ids (first stage) or [B, T, hidden]; out
+        [B, T, hidden] (the hidden state for the next stage) or [B, vocab] (each row's last logits, last stage)."""
+        ids = x if self.is_first else mx.zeros(x.shape[:2], dtype=mx.int32)  # embedded, then replaced
+        self._given = None if self.is_first else x
+        self.forwards, self.rows = self.forwards + 1, self.rows + x.shape[0]
         try:
             if self.is_last:
-                out = self.model(ids, cache=cache)[0, -1]
+                out = self.model(ids, cache=cache)[:, -1]
             else:
                 inner_model(self.model)(ids, cache=cache)
                 assert self._taken is not None
-                out = self._taken[0]
+                out = self._taken
             mx.eval(out)
             return out
         finally:
@@ -141,7 +144,7 @@ class MixedMlxEngine(TorchEngine):
 
     def __init__(self, model_dir: Path, **kwargs: Any) -> None:
         self._rows: dict[int, Rows] = {}  # id(batch part) -> its rows' requests, for this step's forward
-        self._caches: dict[str, list[Any]] = {}  # request_id -> its mlx-lm cache
+        self._caches = SequenceCaches(lambda: cast(MlxStage, self.model).new_cache())
         super().__init__(model_dir, **kwargs)
 
     def _load_model(self, model_dir: Path, *, start_layer: int, end_layer: int | None, tp_size: int,
@@ -182,37 +185,39 @@ class MixedMlxEngine(TorchEngine):
         return logits.unsqueeze(1) if isinstance(batch, StepBatch) and x.shape[1] == 1 else logits.unsqueeze(0)
 
     def _compute(self, flat: torch.Tensor, parts: Sequence[StepBatch]) -> list[torch.Tensor]:
-        """Each part's rows, request by request on its own cache, in row order: per sequence its hidden rows
-        [T, hidden] or, on the last stage, its last position's float32 logits [vocab]."""
+        """Each part's rows in row order: per sequence its hidden rows [T, hidden] or, on the last stage, its last
+        position's float32 logits [vocab]. A decode part's rows run as one batch (SequenceCaches), a prefill
+        chunk on its request's own cache."""
         stage = cast(MlxStage, self.model)
-        args = stage.args
         outs: list[torch.Tensor] = []
         at = 0
         for part in parts:
-            width = part.positions.shape[1]
-            for b, req in enumerate(self._rows[id(part)]):
-                segment = flat[at : at + width]
-                at += width
-                if req is None:  # a prefilling request's decode row: its output is dropped downstream
-                    outs.append(torch.zeros(args.vocab_size) if stage.is_last
-                                else torch.zeros(width, args.hidden_size, dtype=args.dtype))
-                    continue
-                out = stage.run(to_mx(segment), self._cache_for(req, int(part.positions[b, 0])))
-                outs.append(from_mx(out, torch.float32 if stage.is_last else args.dtype))
+            rows, width = self._rows[id(part)], part.positions.shape[1]
+            block = flat[at : at + width * len(rows)].reshape(len(rows), width, *flat.shape[1:])
+            at += width * len(rows)
+            live = [b for b, req in enumerate(rows) if req is not None]
+            got = self._run_rows(stage, block, part, live, [cast(Request, rows[b]) for b in live]) if live else None
+            skipped = (torch.zeros(stage.args.vocab_size) if stage.is_last
+                       else torch.zeros(width, stage.args.hidden_size, dtype=stage.args.dtype))
+            for b in range(len(rows)):  # a prefilling request's decode row gets zeros: its output is dropped
+                outs.append(got[live.index(b)] if got is not None and b in live else skipped)
         return outs
 
+    def _run_rows(self, stage: MlxStage, block: torch.Tensor, part: StepBatch, live: list[int],
+                  reqs: list[Request]) -> torch.Tensor:
+        """These rows of the part in one forward pass: [rows, T, hidden] or [rows, vocab] float32 logits."""
+        positions = [int(part.positions[b, 0]) for b in live]
+        if len(reqs) == 1:
+            cache = self._cache_for(reqs[0], positions[0])
+        else:
+            cache = self._caches.batch([r.request_id for r in reqs], positions)
+        out = stage.run(to_mx(block[live]), cache)
+        return from_mx(out, torch.float32 if stage.is_last else stage.args.dtype)
+
     def _cache_for(self, req: Request, position: int) -> list[Any]:
-        """The request's mlx-lm cache, which must end where this step's positions start (a fresh one at 0)."""
-        cache = self._caches.get(req.request_id)
-        if position == 0:
-            cache = self._caches[req.request_id] = cast(MlxStage, self.model).new_cache()
-        offset = cache[0].offset if cache else -1
-        if cache is None or offset != position:
-            raise WireError(f"request {req.request_id!r} steps at position {position}; its MLX cache holds {offset}")
-        return cache
+        """The request's own mlx-lm cache, which must end where this step's positions start (a fresh one at 0)."""
+        return self._caches.one(req.request_id, position)
 
     def _drop_caches(self) -> None:
         if len(self._caches) > len(self._running):
-            live = {r.request_id for r in self._running}
-            for request_id in [k for k in self._caches if k not in live]:
-                del self._caches[request_id]
+            self._caches.keep({r.request_id for r in self._running})
