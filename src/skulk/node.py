@@ -71,6 +71,8 @@ TOPOLOGY_EVERY_S = 1.0
 ELECTION_WAIT_S = 10.0
 STREAM_GRACE_S = 1.5
 """At shutdown, streams get this long to finish before they end with a retryable error (uvicorn cuts at 2 s)."""
+TAIL_CHECK_S = 1.0
+"""How often a follower compares the master's heartbeat index with its own (a lost last event shows only so)."""
 RESTATE_AFTER_S = 0.5
 """After a master change, runner statuses are restated this much later: long enough for the new master's intake
 to be subscribed (every node adopts the new term within a heartbeat of the others)."""
@@ -219,6 +221,7 @@ class Node:
         await self._announce(server)
         self._spawn(self._gather_info_forever())
         self._spawn(self._probe_topology_forever())
+        self._spawn(self._follow_tail_forever())
         await serving
 
     def _stop_serving(self, server: uvicorn.Server) -> None:
@@ -405,6 +408,23 @@ class Node:
                     self.links.add_self_rtt(own)
                 await self._read_bandwidths(client, reachable)
                 await asyncio.sleep(TOPOLOGY_EVERY_S)
+
+    async def _follow_tail_forever(self) -> None:
+        """Fetch the tail when the master's heartbeat index stayed ahead of ours for a whole check (events in
+        flight catch up within one): a follower that lost the last events would otherwise wait for the next."""
+        lagging_at: int | None = None
+        while True:
+            await asyncio.sleep(TAIL_CHECK_S)
+            head, next_idx = self.elector.master_applied_idx(), self.follower.next_idx
+            behind = head is not None and head >= next_idx
+            if behind and lagging_at == next_idx and head is not None:
+                log.info("behind the master (at %d, it applied %d): fetching the tail", next_idx - 1, head)
+                try:
+                    async with asyncio.timeout(5 * TAIL_CHECK_S):
+                        await self.follower.reach(head)
+                except Exception as exc:
+                    log.warning("could not fetch the tail from the master: %s", exc)
+            lagging_at = next_idx if behind else None
 
     def _own_host(self) -> str:
         host = self.settings.api_host

@@ -296,6 +296,22 @@ async def test_follower_that_missed_events_fills_the_gap_from_the_range(cluster:
 
 
 @pytest.mark.timeout(30)
+async def test_follower_that_lost_the_last_events_fetches_them_when_told_the_head(cluster: Cluster) -> None:
+    """No later event reveals a lost tail: the master's heartbeat index does (Node._follow_tail_forever)."""
+    master = await master_node(cluster)
+    replica = Replica()
+    follower = await follower_node(cluster, "f", replica)
+    await follower.catch_up()
+    follower.stop()  # what follows is lost to it, and nothing comes after
+    master.emit(6)
+    await follower.reach(2)
+    assert replica.delivered == list(range(7)), "the whole tail, not only up to the head it was told"
+    await follower.reach(3)
+    assert replica.delivered == list(range(7)) and replica.state == master.state
+    follower.stop()
+
+
+@pytest.mark.timeout(30)
 async def test_late_follower_catches_up_from_snapshot_and_range(cluster: Cluster) -> None:
     master = await master_node(cluster, history_size=10)
     master.emit(14)  # idx 0..14

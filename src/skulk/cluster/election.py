@@ -180,6 +180,14 @@ class Elector:
     def is_master(self) -> bool:
         return self._master == self.node_id
 
+    def master_applied_idx(self) -> int | None:
+        """The last event the master we follow said (in its heartbeat) it applied; None when we lead or
+        have not heard it this term."""
+        if self._master is None or self._master == self.node_id:
+            return None
+        heard = self._heard.get(self._master)
+        return heard.applied_idx if heard is not None and heard.term == self._term else None
+
     @property
     def settled(self) -> bool:
         return self._settled

@@ -270,6 +270,15 @@ class EventFollower:
             await self._load_snapshot(force=True)
             await self._fetch_tail()
 
+    async def reach(self, head: int) -> None:
+        """The master says it applied up to `head`: fetch the tail if we have not. A lost last event has no later
+        event to reveal its gap, so without this a quiet cluster leaves a follower behind until the next one."""
+        if head < self._order.next_idx:
+            return
+        async with self._fetch_lock:
+            if head >= self._order.next_idx:
+                await self._fetch_tail()
+
     async def fill_gap(self) -> None:
         """Fetch what is missing before the earliest buffered event, or from the snapshot if too old."""
         async with self._fetch_lock:
