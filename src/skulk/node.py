@@ -505,6 +505,7 @@ def _worker(settings: Settings, node_id: NodeId, local: LocalEvents, requests: R
         emit=local.emit,
         publish=requests.deliver,
         model_dir_for=files.model_dir_for,
+        draft_dir_for=files.draft_dir_for,
         warmup_deadline_s=settings.warmup_deadline_seconds,
         group_timeout_s=settings.group_timeout_seconds,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,

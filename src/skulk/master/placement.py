@@ -34,6 +34,7 @@ from skulk.master.shard_plan import (
     layer_ranges,
     plan_ring,
 )
+from skulk.models.cards import get_card
 from skulk.types.backends import EngineChoice, EngineName
 from skulk.types.ids import InstanceId, NodeId, RunnerId
 from skulk.types.instances import (
@@ -194,6 +195,7 @@ def _insufficient(state: State, sharding: Sharding, ring: Ring, plan: NodePlan) 
         overhead_factor=RUNTIME_OVERHEAD_FACTOR,
         kv_pool=Memory.from_bytes(plan.kv_pool),
         available=Memory.from_bytes(plan.free),
+        draft=Memory.from_bytes(plan.draft) if plan.draft else None,
     )
 
 
@@ -215,12 +217,22 @@ def _evaluate(
     if pending:
         return _Candidate(ring, error=InfoPending(node_ids=pending))
     free = [usable_bytes(state, n) for n in ring]  # GTT on UMA nodes
-    plans = plan_ring(card, sharding, ring, free, context=kv.context, kv_cache_bytes=kv.pool_bytes, engines=chosen)
+    draft = _draft_card(state, card)
+    plans = plan_ring(card, sharding, ring, free, context=kv.context, kv_cache_bytes=kv.pool_bytes, engines=chosen,
+                      draft=draft)
     short = [p for p in plans if not p.fits]
     if short:
         worst = min(short, key=lambda p: p.left_after)
         return _Candidate(ring, plans, _insufficient(state, sharding, ring, worst), chosen)
     return _Candidate(ring, plans, engines=chosen)
+
+
+def _draft_card(state: State, card: ModelCard) -> ModelCard | None:
+    """The card of the model's draft model, when it names one the cluster knows (else nothing is counted: the
+    runner then finds no files for it either, unless copied in by hand)."""
+    if card.draft_model is None:
+        return None
+    return get_card(card.draft_model) or state.model_cards.get(card.draft_model)
 
 
 def _best_valid(valid: Sequence[_Candidate]) -> _Candidate:

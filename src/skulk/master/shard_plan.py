@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from skulk.types.backends import EngineName
 from skulk.types.ids import NodeId
@@ -134,6 +134,9 @@ class NodePlan:
     weights_share: int
     kv_pool: int
     free: int
+    draft: int = 0
+    """A draft model's weights (with their overhead) and its KV for the pool's positions: rank 0 of a single-rank
+    torch instance whose card names one (the engine's draft cache has the target's blocks)."""
 
     @property
     def base(self) -> int:
@@ -142,7 +145,7 @@ class NodePlan:
 
     @property
     def needed(self) -> int:
-        return self.base + self.kv_pool
+        return self.base + self.kv_pool + self.draft
 
     @property
     def left_after(self) -> int:
@@ -160,12 +163,13 @@ def weights_base(weights_share: int) -> int:
 
 def plan_ring(
     card: ModelCard, sharding: Sharding, ring: Sequence[NodeId], free: list[int], *, context: int | None = None,
-    kv_cache_bytes: int | None = None, engines: Sequence[EngineName] | None = None,
+    kv_cache_bytes: int | None = None, engines: Sequence[EngineName] | None = None, draft: ModelCard | None = None,
 ) -> tuple[NodePlan, ...]:
     """Each rank's layers and bytes: Tensor splits weights evenly, Pipeline in proportion to what each rank can
     hold (free memory over the bytes its engine loads: loaded_bytes); every rank's KV pool holds the same
     pool_tokens positions of its own layers (Pipeline) or heads (Tensor).
-    context: what the instance admits (admitted_context; None: the model's own). engines: each rank's (None: torch)."""
+    context: what the instance admits (admitted_context; None: the model's own). engines: each rank's (None: torch).
+    draft: the card's draft model, counted on a single torch rank (the only one that speculates)."""
     size = len(ring)
     default: list[EngineName] = ["torch"] * size
     weights = [loaded_bytes(card, e) for e in (engines or default)]
@@ -181,7 +185,11 @@ def plan_ring(
         per_token = [kv_bytes_per_token(card, end - start) for start, end in ranges]
     tokens = pool_tokens(per_token, [weights_base(s) for s in shares], free, context or card.context_length,
                          kv_cache_bytes, kv_bytes_per_token(card, card.n_layers))
-    return tuple(
+    plans = tuple(
         NodePlan(node_id=n, start_layer=start, end_layer=end, weights_share=share, kv_pool=tokens * p, free=f)
         for n, (start, end), share, p, f in zip(ring, ranges, shares, per_token, free, strict=True)
     )
+    if draft is not None and size == 1 and (engines or default)[0] == "torch":
+        extra = weights_base(loaded_bytes(draft, "torch")) + tokens * kv_bytes_per_token(draft, draft.n_layers)
+        plans = (replace(plans[0], draft=extra),)
+    return plans

@@ -174,9 +174,14 @@ class Runner:
             return build_mlx_engine(self.spec, self._engine_phase)
         if self.group is not None:
             return self._build_distributed_engine(self.group)
+        draft = shard.model_card.draft_model
+        if draft is not None:
+            log.info("draft model %s %s", draft, f"drafts for {shard.model_card.model_id} (speculative decoding)"
+                     if self.spec.draft_dir is not None else "is not on this node: prompt lookup drafts instead")
         return TorchEngine(self.spec.model_dir, start_layer=shard.start_layer, end_layer=shard.end_layer,
                            quantize=shard.model_card.quantize_at_load, prefill_chunk=self.spec.prefill_chunk_tokens,
-                           max_seq=self.spec.context_length, kv_cache_bytes=self.spec.kv_cache_bytes)
+                           max_seq=self.spec.context_length, kv_cache_bytes=self.spec.kv_cache_bytes,
+                           draft_dir=self.spec.draft_dir)
 
     def _build_distributed_engine(self, group: Group) -> TorchEngine:
         from skulk.runner.group import build_engine

@@ -31,6 +31,7 @@ class RunnerSpec:
     ring_hosts: tuple[str, ...] = ()  # MLX ranks: host:port where each rank listens (MLX's ring hostfile)
     context_length: int | None = None  # what the instance admits (placement's; None: the model's own)
     kv_cache_bytes: int | None = None  # this rank's KV pool, reserved by placement (None: the engine's default)
+    draft_dir: Path | None = None  # the card's draft model, when here (a single torch rank speculates with it)
     mixed: bool = False  # the instance's ranks run different engines and all speak torch's group wire
 
     def context(self, pid: int | None) -> RunnerContext:

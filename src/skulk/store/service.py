@@ -100,6 +100,17 @@ class ModelFiles:
             return self.settings.models_dir / model_dir_name(instance.model_id)
         return self._dirs.get(instance.model_id, self.store_dir(instance.model_id))
 
+    def draft_dir_for(self, instance: MlxRingInstance) -> Path | None:
+        """Where the instance's draft model (its card's draft_model) is complete on this node: the store, the
+        staging root or the models folder, like a target's files; None when the card names none or it is not here
+        (never downloaded for the target's sake)."""
+        card = next(iter(instance.shard_assignments.runner_to_shard.values())).model_card
+        if card.draft_model is None:
+            return None
+        name = model_dir_name(card.draft_model)
+        roots = (self.settings.store_path, self.staging.node_cache_path, self.settings.models_dir)
+        return next((root / name for root in roots if root is not None and is_complete(root / name)), None)
+
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self, node_id: NodeId) -> None:
         """Node startup: the startup eviction pass reconciles copies a crashed session left behind."""

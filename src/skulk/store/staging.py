@@ -52,9 +52,16 @@ def _my_shard(instance: MlxRingInstance, node_id: NodeId) -> ShardMetadata | Non
 
 
 def in_use(state: State, node_id: NodeId) -> set[str]:
-    """Models a live runner of this node uses (this engine has no companion repos: MTP sidecars, drafters or
-    split vision weights would be added here)."""
-    return {i.model_id for i in state.instances.values() if _my_shard(i, node_id) is not None}
+    """Models a live runner of this node uses, companions included: a model's draft model (its card's
+    draft_model, which a single-rank runner loads beside it) is never evicted from under it."""
+    used: set[str] = set()
+    for instance in state.instances.values():
+        shard = _my_shard(instance, node_id)
+        if shard is not None:
+            used.add(instance.model_id)
+            if shard.model_card.draft_model is not None:
+                used.add(shard.model_card.draft_model)
+    return used
 
 
 def route(settings: Settings, store_copy_complete: bool) -> Route:

@@ -48,6 +48,11 @@ class ModelCard(CamelModel):
     kv_cache_gb: float | None = None
     """The KV pool a placement of this model reserves when the placement itself sets none (None: placement's
     default share of free memory, shard_plan.DEFAULT_KV_FRACTION)."""
+    draft_model: ModelId | None = None
+    """A smaller model of the same tokenizer that drafts tokens for this one (speculative decoding, Skulk's
+    "assistant drafter" companion). Used by a single-rank torch instance when the draft's files are on the node
+    (the store, staging or models folder, like the target's); placement counts its weights and KV on that rank.
+    Never downloaded for the target: place it once, or copy it in. None: prompt lookup drafts."""
     tasks: list[ModelTask] = ["TextGeneration"]
     """Skulk's `tasks` of the card. An embedding model (TextEmbedding) answers only embeddings, runs on one
     node, and a chat model answers no embeddings: the API refuses either mix-up with a 400."""

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("skulk.worker")
 
 ModelDirFor = Callable[[MlxRingInstance], Path]
+DraftDirFor = Callable[[MlxRingInstance], Path | None]
 
 
 _DEFAULTS = Settings()
@@ -65,6 +66,7 @@ class Worker:
         runner_hung_s: float = _DEFAULTS.runner_hung_seconds,
         on_spans: Callable[[list[TraceSpan]], None] | None = None,
         payloads: PayloadFetcher | None = None,
+        draft_dir_for: DraftDirFor = lambda _: None,
     ) -> None:
         self.payloads = payloads
         self.compute = ComputeLearner()
@@ -82,6 +84,8 @@ class Worker:
         self.emit = emit
         self.publish = publish
         self.model_dir_for = model_dir_for
+        self.draft_dir_for = draft_dir_for
+        """Where the instance's draft model is on this node, if its card names one and its files are here."""
         self.warmup_deadline_s = warmup_deadline_s
         self.group_timeout_s = group_timeout_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -235,6 +239,7 @@ class Worker:
             context_length=instance.admits,
             kv_cache_bytes=instance.kv_cache_bytes.get(runner_id),
             model_dir=self.model_dir_for(instance),
+            draft_dir=self.draft_dir_for(instance) if shard.world_size == 1 else None,
             rendezvous=instance.rendezvous,
             warmup_deadline_s=self.warmup_deadline_s,
             group_timeout_s=self.group_timeout_s,

@@ -69,12 +69,14 @@ class EngineCore:
         block_size: int = DEFAULT_BLOCK_SIZE,
         speculate: bool = True,
         draft_dir: Path | None = None,
+        draft_quantize: str | None = None,
     ) -> None:
         """max_seq: an optional cap on the context below the model's max_position_embeddings (a placement's
         max_context). kv_cache_bytes: the block pool's size on this rank (None: schedule.pool_blocks' default
         share of free memory); it always holds at least one request of the whole context. speculate: prompt-lookup
-        drafting (speculate.py) for greedy requests on a single rank. draft_dir: a draft model of the target's
-        tokenizer (a card's draft model), which drafts instead of prompt lookup (drafter.py)."""
+        drafting (speculate.py) on a single rank. draft_dir: a draft model of the target's
+        tokenizer (a card's draft model), which drafts instead of prompt lookup (drafter.py);
+        draft_quantize: its own at-load quantization (None: the target's)."""
         if max_batch < 1 or prefill_chunk < 1 or block_size < 1:
             raise ValueError("max_batch, prefill_chunk and block_size must be at least 1")
         self.rank, self.world_size, self.kind = rank, world_size, kind
@@ -101,7 +103,7 @@ class EngineCore:
         self.drafter: Drafter | None = None
         if draft_dir is not None and self.speculate and not self.window:
             self.drafter = Drafter.load(draft_dir, self.model, num_blocks, block_size, prefill_chunk, dtype=dtype,
-                                        device=self.device, quantize=quantize)
+                                        device=self.device, quantize=draft_quantize or quantize)
         self.tokenizer = ChatTokenizer(model_dir)
         self.is_scheduler, self.is_sampler = rank == 0, rank == world_size - 1
         self.needs_ids = tensor or rank == 0  # who embeds token ids

@@ -1,0 +1,59 @@
+"""A card's draft model in placement and staging: a single torch rank loads the draft beside the target (its
+weights, and its KV for the pool's positions), so placement counts them there; a split or an MLX rank does not
+speculate and counts nothing; the draft is a companion staging never evicts while the target runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from skulk.master.shard_plan import kv_bytes_per_token, loaded_bytes, plan_ring, weights_base
+from skulk.store.staging import in_use
+from skulk.types.ids import ModelId, NodeId
+from skulk.types.instances import Sharding
+from skulk.types.memory import Memory
+from skulk.types.placement import InsufficientMemory
+from tests.unit.test_placement import WEIGHTS, card, do_place, placed, state
+
+pytestmark = pytest.mark.timeout(30)
+
+DRAFT = card(model_id=ModelId("test/draft"), n_layers=2, storage_size=Memory.from_bytes(WEIGHTS // 4))
+TARGET = card(draft_model=DRAFT.model_id)
+FREE = 64 * 1024 * 1024
+
+
+def test_a_single_torch_rank_counts_the_drafts_weights_and_kv() -> None:
+    (plain,) = plan_ring(card(), Sharding.Pipeline, [NodeId("a")], [FREE])
+    (rank,) = plan_ring(TARGET, Sharding.Pipeline, [NodeId("a")], [FREE], draft=DRAFT)
+    tokens = plain.kv_pool // kv_bytes_per_token(TARGET, TARGET.n_layers)
+    assert rank.kv_pool == plain.kv_pool  # the target's pool (what the runner is told) is unchanged
+    assert rank.draft == weights_base(loaded_bytes(DRAFT, "torch")) + tokens * kv_bytes_per_token(DRAFT, 2) > 0
+    assert rank.needed == plain.needed + rank.draft
+
+
+def test_a_split_or_an_mlx_rank_counts_no_draft() -> None:
+    ring = [NodeId("a"), NodeId("b")]
+    assert all(p.draft == 0 for p in plan_ring(TARGET, Sharding.Pipeline, ring, [FREE, FREE], draft=DRAFT))
+    assert all(p.draft == 0 for p in plan_ring(TARGET, Sharding.Tensor, ring, [FREE, FREE], draft=DRAFT))
+    (mlx,) = plan_ring(TARGET, Sharding.Pipeline, [NodeId("a")], [FREE], engines=["mlx"], draft=DRAFT)
+    assert mlx.draft == 0
+
+
+def test_a_node_that_holds_the_target_but_not_its_draft_refuses_it() -> None:
+    (alone,) = plan_ring(card(), Sharding.Pipeline, [NodeId("a")], [FREE])
+    (both,) = plan_ring(TARGET, Sharding.Pipeline, [NodeId("a")], [FREE], draft=DRAFT)
+    between = (alone.needed + both.needed) // 2
+    s = state({"a": between})
+    s = s.model_copy(update={"model_cards": {DRAFT.model_id: DRAFT}})
+    placed(do_place(s, card()))
+    refused = do_place(s, TARGET)
+    assert isinstance(refused, InsufficientMemory), refused
+    assert refused.draft is not None and refused.draft.in_bytes > 0 and "draft model" in refused.message
+    assert refused.needed.in_bytes == refused.draft.in_bytes + refused.kv_pool.in_bytes + weights_base(WEIGHTS)
+    placed(do_place(s.model_copy(update={"model_cards": {}}), TARGET))  # a draft the cluster does not know: none
+
+
+def test_the_draft_is_in_use_while_its_target_runs_here() -> None:
+    s = state({"a": FREE})
+    s = s.model_copy(update={"instances": {(i := placed(do_place(s, TARGET))).instance_id: i}})
+    assert in_use(s, NodeId("a")) == {TARGET.model_id, DRAFT.model_id}
+    assert in_use(s, NodeId("b")) == set()
