@@ -196,9 +196,11 @@ class Worker:
 
     def live_models(self) -> set[str]:
         """The models this node's runner processes use right now, starting, loading, serving or stopping: what
-        eviction must never pull files from under (the supervisors know, the state only says what should run)."""
+        eviction must never pull files from under (the supervisors know, the state only says what should run), a
+        draft model a runner loaded beside its target included."""
         live = [*self.supervisors.values(), *self._retiring.values()]
-        return {s.spec.shard.model_card.model_id for s in live}
+        drafts = {s.spec.shard.model_card.draft_model for s in live if s.spec.draft_dir is not None}
+        return {s.spec.shard.model_card.model_id for s in live} | {d for d in drafts if d is not None}
 
     def _stop_runner(self, runner_id: RunnerId) -> asyncio.Task[None]:
         supervisor = self.supervisors.pop(runner_id)
