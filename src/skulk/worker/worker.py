@@ -199,8 +199,9 @@ class Worker:
         eviction must never pull files from under (the supervisors know, the state only says what should run), a
         draft model a runner loaded beside its target included."""
         live = [*self.supervisors.values(), *self._retiring.values()]
-        drafts = {s.spec.shard.model_card.draft_model for s in live if s.spec.draft_dir is not None}
-        return {s.spec.shard.model_card.model_id for s in live} | {d for d in drafts if d is not None}
+        drafts: set[str] = {d for s in live if s.spec.draft_dir is not None
+                            and (d := s.spec.shard.model_card.draft_model) is not None}
+        return {s.spec.shard.model_card.model_id for s in live} | drafts
 
     def _stop_runner(self, runner_id: RunnerId) -> asyncio.Task[None]:
         supervisor = self.supervisors.pop(runner_id)
