@@ -9,6 +9,13 @@ of the same request, rounds interleaved so every figure sees the same machine:
 with each one's acceptance (accepted ÷ drafted draft tokens) and whether greedy output equals plain decoding's.
 
 Run: .venv/bin/python bench/speculation.py --model-dir DIR [--rounds 3] [--threads 2] [--draft-layers 8]
+
+Measured (SmolLM2-135M-Instruct bf16, 1 thread, the shared 2-core EPYC at load 9-12, two runs of 2 rounds):
+prompt lookup on the code edit 2.64 and 2.81 x plain (acceptance 62 %), sampled 1.96 and 1.92 (54 %); the int4
+draft 1.00 and 1.35 on the code edit (85 %), 0.85 and 1.15 on the open question (52 %): on a CPU a 135M model's
+int4 step costs most of a bf16 one, so four draft steps eat the gain. A layer-cut copy (8 or 20 of 30 layers)
+writes nonsense and is accepted 0-4 %. Greedy output equals plain on the code edit; on the open question both
+prompt lookup and the draft part at token 49, an exact bf16 tie ('.' and ',' at the same log-probability).
 """
 
 from __future__ import annotations

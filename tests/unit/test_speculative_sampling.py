@@ -175,6 +175,7 @@ def exact_joint(engine: TorchEngine, depth: int, monkeypatch: pytest.MonkeyPatch
     return joint
 
 
+@pytest.mark.slow  # engine compute on tiny models: `make test`, not `make test-fast`
 def test_sampled_tokens_with_a_draft_model_follow_plain_sampling(
     models: tuple[Path, Path], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -204,6 +205,7 @@ def test_sampled_tokens_with_a_draft_model_follow_plain_sampling(
     assert tv > 0.2, tv  # the draft alone would give far other tokens
 
 
+@pytest.mark.slow  # engine compute on tiny models: `make test`, not `make test-fast`
 def test_greedy_stays_plain_and_a_seed_reproduces_sampled_tokens_beside_it(models: tuple[Path, Path]) -> None:
     target, draft = models
     greedy = SamplingParams(max_tokens=20, temperature=0)
@@ -217,6 +219,7 @@ def test_greedy_stays_plain_and_a_seed_reproduces_sampled_tokens_beside_it(model
     assert again == first and len(first["s"]) == 20
 
 
+@pytest.mark.slow  # engine compute on tiny models: `make test`, not `make test-fast`
 def test_prompt_lookup_drafts_for_sampled_requests_too(models: tuple[Path, Path],
                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Prompt lookup proposes for a sampled request as well (its rule is verify_sampled with a one-token draft
