@@ -57,3 +57,23 @@ def test_the_draft_is_in_use_while_its_target_runs_here() -> None:
     s = s.model_copy(update={"instances": {(i := placed(do_place(s, TARGET))).instance_id: i}})
     assert in_use(s, NodeId("a")) == {TARGET.model_id, DRAFT.model_id}
     assert in_use(s, NodeId("b")) == set()
+
+
+def test_committed_memory_counts_the_draft_until_its_runner_has_loaded_and_its_kv_after() -> None:
+    from skulk.master.reconcile import with_committed
+    from skulk.types.runners import RunnerLoaded
+
+    s = state({"a": FREE}).model_copy(update={"model_cards": {DRAFT.model_id: DRAFT}})
+    plain, drafted = placed(do_place(s, card())), placed(do_place(s, TARGET))
+    pool = next(iter(drafted.kv_cache_bytes.values()))
+    draft_kv = pool // kv_bytes_per_token(TARGET, TARGET.n_layers) * kv_bytes_per_token(DRAFT, DRAFT.n_layers)
+
+    def free_after(instance: object, loaded: bool) -> int:
+        runner = next(iter(drafted.kv_cache_bytes))
+        runners = {runner: RunnerLoaded()} if loaded else {}
+        committed = with_committed(s.model_copy(update={"instances": {drafted.instance_id: instance},
+                                                        "runners": runners}))
+        return committed.node_memory[NodeId("a")].ram_available.in_bytes
+
+    assert free_after(plain, False) - free_after(drafted, False) == WEIGHTS // 4 + draft_kv
+    assert free_after(plain, True) - free_after(drafted, True) == draft_kv

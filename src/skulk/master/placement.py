@@ -217,7 +217,7 @@ def _evaluate(
     if pending:
         return _Candidate(ring, error=InfoPending(node_ids=pending))
     free = [usable_bytes(state, n) for n in ring]  # GTT on UMA nodes
-    draft = _draft_card(state, card)
+    draft = draft_card(state, card)
     plans = plan_ring(card, sharding, ring, free, context=kv.context, kv_cache_bytes=kv.pool_bytes, engines=chosen,
                       draft=draft)
     short = [p for p in plans if not p.fits]
@@ -227,7 +227,7 @@ def _evaluate(
     return _Candidate(ring, plans, engines=chosen)
 
 
-def _draft_card(state: State, card: ModelCard) -> ModelCard | None:
+def draft_card(state: State, card: ModelCard) -> ModelCard | None:
     """The card of the model's draft model, when it names one the cluster knows (else nothing is counted: the
     runner then finds no files for it either, unless copied in by hand)."""
     if card.draft_model is None:

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from skulk.master.decide import fail_open_tasks, named_failures
-from skulk.master.placement import new_rendezvous_port, place
-from skulk.master.shard_plan import loaded_bytes
+from skulk.master.placement import draft_card, new_rendezvous_port, place
+from skulk.master.shard_plan import draft_committed, kv_bytes_per_token, loaded_bytes
 from skulk.types.events import (
     Event,
     InstanceCreated,
@@ -153,7 +153,7 @@ def with_committed(state: State) -> State:
             usage = memory.get(node)
             if usage is None:
                 continue
-            pool = instance.kv_cache_bytes.get(runner, 0)
+            pool = instance.kv_cache_bytes.get(runner, 0) + _draft(state, instance, node, runner)
             if isinstance(state.runners.get(runner), LOADED):
                 left = max(0, usage.ram_available.in_bytes - pool)
                 memory[node] = usage.model_copy(update={"ram_available": Memory.from_bytes(left)})
@@ -167,6 +167,17 @@ def with_committed(state: State) -> State:
             left = max(0, usage.ram_available.in_bytes - share - pool)
             memory[node] = usage.model_copy(update={"ram_available": Memory.from_bytes(left)})
     return state.model_copy(update={"node_memory": memory})
+
+
+def _draft(state: State, instance: MlxRingInstance, node: NodeId, runner: RunnerId) -> int:
+    """The draft model's commitment on a single torch rank whose card names one the cluster knows (else 0)."""
+    shard = instance.shard_assignments.runner_to_shard[runner]
+    draft = draft_card(state, shard.model_card)
+    if draft is None or shard.world_size != 1 or instance.engines()[node] != "torch":
+        return 0
+    per_token = kv_bytes_per_token(shard.model_card, shard.model_card.n_layers)
+    return draft_committed(draft, instance.kv_cache_bytes.get(runner, 0), per_token,
+                           isinstance(state.runners.get(runner), LOADED))
 
 
 def place_for(state: State, meta: MetaInstance, card: ModelCard, ids: Ids) -> MlxRingInstance | PlacementError:

@@ -157,6 +157,14 @@ class NodePlan:
         return self.needed < self.free
 
 
+def draft_committed(draft: ModelCard, kv_pool: int, target_per_token: int, loaded: bool) -> int:
+    """What a draft model beside a single torch rank commits on its node: its KV for the positions of the target's
+    pool (kv_pool bytes at target_per_token), and its weights until the runner has loaded (then they are in the
+    node's reading, as the target's are)."""
+    kv = kv_pool // max(1, target_per_token) * kv_bytes_per_token(draft, draft.n_layers)
+    return kv if loaded else kv + loaded_bytes(draft, "torch")
+
+
 def weights_base(weights_share: int) -> int:
     return math.ceil(weights_share * RUNTIME_OVERHEAD_FACTOR)
 
