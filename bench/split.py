@@ -6,8 +6,12 @@ pinned to one core (`taskset`) with one compute thread (OMP_NUM_THREADS=1, so to
 links shaped with `tc`: `netem delay` (a quarter of the RTT on each of the four egress points of a path, so a
 round trip between two nodes crosses the whole RTT) with its `rate`, as
   lan10g  0.1 ms RTT / 10 Gbit,  lan1g  0.5 ms / 1 Gbit,  wifi  2 ms / 300 Mbit.
-Where the kernel has no netem (the qdisc is unknown), the bench says so and shapes the rate alone with `tbf`:
-its latency rows then carry the veth's own (~0.05 ms), and the table says "latency NOT shaped".
+Where the kernel has no netem (the qdisc is unknown: Firecracker VMs), it shapes the rate with `tbf` and emulates
+the latency in the engine (SKULK_LINK_DELAY_MS, engines/torch/delay.py: every rank-to-rank message is posted a
+one-way delay after it was sent, by a thread, so the sender is not held; the nodes report the emulated round trip
+so predictions see it). The nodes are started afresh under each link, since a runner reads the delay once.
+Speculative decoding is off on every placement (SKULK_SPECULATE=0): a split never speculates, so one rank
+drafting by prompt lookup would not be like for like.
 
 For each model (the built-in ~100M `skulk/bench-random-100m` quantized to int4 at load, and SmolLM2-135M, the
 default model, fetched as `make run` fetches it) it places one rank on one core, then Pipeline 2 and Tensor 2
@@ -23,8 +27,7 @@ Measured 2026-11-26 on an H200 machine's host CPUs (16 cores; `--models bench --
 Firecracker kernel without netem, so the rates alone were shaped and every link had the veth's latency), one
 stream ÷ one rank: Pipeline 2 0.57-0.60, Tensor 2 0.15; 8 streams ÷ one rank: Pipeline 2 0.48-1.28,
 Tensor 2 0.31-0.64 (one rank decoded 369-385 tok/s, one stream; 366-465 tok/s, 8 streams; that run timed the
-aggregate from the first first-token to the last token, ramp and tail included). One rank also
-drafts speculatively (prompt lookup, single rank only), which part of its lead over a split is.
+aggregate from the first first-token to the last token, ramp and tail included; one rank also speculated then).
 Run: sudo .venv/bin/python bench/split.py [--models bench,smollm2] [--links lan10g,lan1g,wifi] [--tokens 48]
      [--streams 3] [--cores 0/1]   (--cores: each node's cores, taskset lists separated by '/')
 """
@@ -189,7 +192,9 @@ NODE_ENV = {
     "CUDA_VISIBLE_DEVICES": "",  # the CPU engine on every rank, also on a machine with a GPU
     "NO_PROXY": "*", "no_proxy": "*",
     "SKULK_LINK_BANDWIDTH_SECONDS": "3",  # a changed link's bandwidth is read again within seconds, not 30
+    "SKULK_SPECULATE": "0",  # like for like: a split does not speculate, so one rank does not either
 }
+DELAY_ENV = "SKULK_LINK_DELAY_MS"  # engines/torch/delay.py (not imported: it would pull torch into the bench)
 
 
 @dataclass
@@ -330,12 +335,11 @@ def predictions(api: SplitNode, model: str, quant: str | None, members: list[Spl
 PLACEMENTS = (("1 rank", 1, "Pipeline"), ("Pipeline 2", 2, "Pipeline"), ("Tensor 2", 2, "Tensor"))
 
 
-def shape_and_predict(ns: Namespaces, nodes: list[SplitNode], key: str, profile: LinkProfile
-                      ) -> dict[str, tuple[float | None, float | None]]:
-    """Shape the links, wait until both nodes reported links measured since (a bandwidth read included: they
-    read every 3 s here), and read every placement's prediction, before any of them is measured."""
+def settle_and_predict(nodes: list[SplitNode], key: str, profile: LinkProfile
+                       ) -> dict[str, tuple[float | None, float | None]]:
+    """Wait until both nodes reported links measured under this link (a bandwidth read included: they read every
+    3 s here), and read every placement's prediction, before any of them is measured."""
     model, quant = MODELS[key]
-    ns.shape(profile)
     after = time.time() + 7
     try:
         wait_until(lambda: links_settled(nodes[0], nodes, after), 45, "link measurements", poll=0.5)
@@ -345,13 +349,12 @@ def shape_and_predict(ns: Namespaces, nodes: list[SplitNode], key: str, profile:
             for label, count, sharding in PLACEMENTS}
 
 
-def run_model(ns: Namespaces, nodes: list[SplitNode], key: str, profiles: list[LinkProfile], tokens: int,
-              streams: int) -> list[Row]:
-    """One rank first (its requests teach node 0 its compute; the predictions are read under each link while
-    it is placed), then Pipeline 2 and Tensor 2, each measured under every link."""
+def run_model(nodes: list[SplitNode], key: str, profile: LinkProfile, tokens: int, streams: int) -> list[Row]:
+    """One rank first (its requests teach node 0 its compute; every placement's prediction is read while it is
+    placed), then Pipeline 2 and Tensor 2, under the one link the nodes run on."""
     model, quant = MODELS[key]
     api, rows = nodes[0], []
-    predicted: dict[str, dict[str, tuple[float | None, float | None]]] = {}
+    predicted: dict[str, tuple[float | None, float | None]] = {}
     for label, count, sharding in PLACEMENTS:
         try:
             instance_id, runners = place(api, nodes[:count], nodes, model, quant, sharding)
@@ -362,16 +365,13 @@ def run_model(ns: Namespaces, nodes: list[SplitNode], key: str, profiles: list[L
             # warm-up, 1 and 8 streams (first-call allocations); on one rank these served steps also teach
             # node 0 its compute before anything is predicted
             asyncio.run(measure(api.url, model, tokens if count == 1 else 8, 2 if count == 1 else 1))
-            for profile in profiles:
-                if count == 1:
-                    predicted[profile.name] = shape_and_predict(ns, nodes, key, profile)
-                else:
-                    ns.shape(profile)
-                decode, ttft, aggregate = asyncio.run(measure(api.url, model, tokens, streams))
-                guess = predicted[profile.name][label]
-                rows.append(Row(key, profile.name, label, decode, ttft, aggregate, guess))
-                print(f"  {key:8} {profile.name:7} {label:10} decode {decode:7.1f}  ttft {ttft:7.1f} ms  "
-                      f"8-stream {aggregate:7.1f}  predicted {guess}", flush=True)
+            if count == 1:
+                predicted = settle_and_predict(nodes, key, profile)
+            decode, ttft, aggregate = asyncio.run(measure(api.url, model, tokens, streams))
+            guess = predicted.get(label, (None, None))
+            rows.append(Row(key, profile.name, label, decode, ttft, aggregate, guess))
+            print(f"  {key:8} {profile.name:7} {label:10} decode {decode:7.1f}  ttft {ttft:7.1f} ms  "
+                  f"8-stream {aggregate:7.1f}  predicted {guess}", flush=True)
         finally:
             delete(api, instance_id, runners)
     return rows
@@ -385,21 +385,37 @@ def ratio(value: float | None, base: float) -> str:
     return "-" if value is None or not base else f"{value / base:.2f}"
 
 
+def within(predicted: float | None, measured: float) -> str:
+    """The prediction's error against the measured figure, and whether it is within the ±25 % target."""
+    if predicted is None or not measured:
+        return "-"
+    error = predicted / measured - 1
+    return f"{error:+.0%}{'' if abs(error) <= PREDICTION_TARGET else '!'}"
+
+
+PREDICTION_TARGET = 0.25
+
+
 def print_table(rows: list[Row]) -> None:
     base = {(r.model, r.link): r for r in rows if r.placement == "1 rank"}
-    print(f"\n{'model':8} {'link':7} {'placement':10} | {'decode':>7} {'÷1':>5} {'pred':>6} {'p÷m':>5} | "
-          f"{'ttft ms':>7} {'÷1':>5} | {'8-str':>7} {'÷1':>5} {'pred':>6} {'p÷m':>5}")
+    print(f"\n{'model':8} {'link':7} {'placement':10} | {'decode':>7} {'÷1':>5} {'pred':>6} {'err':>5} | "
+          f"{'ttft ms':>7} {'÷1':>5} | {'8-str':>7} {'÷1':>5} {'pred':>6} {'err':>5}")
     for r in rows:
-        one = base[(r.model, r.link)]
+        one = base.get((r.model, r.link), r)
         pd, pa = r.predicted
         print(f"{r.model:8} {r.link:7} {r.placement:10} | {r.decode:7.1f} {ratio(r.decode, one.decode):>5} "
-              f"{fmt(pd):>6} {ratio(pd, r.decode):>5} | {r.ttft_ms:7.1f} {ratio(r.ttft_ms, one.ttft_ms):>5} | "
-              f"{r.aggregate:7.1f} {ratio(r.aggregate, one.aggregate):>5} {fmt(pa):>6} {ratio(pa, r.aggregate):>5}")
+              f"{fmt(pd):>6} {within(pd, r.decode):>5} | {r.ttft_ms:7.1f} {ratio(r.ttft_ms, one.ttft_ms):>5} | "
+              f"{r.aggregate:7.1f} {ratio(r.aggregate, one.aggregate):>5} {fmt(pa):>6} {within(pa, r.aggregate):>5}")
+    print(f"÷1: against one rank under the same link in this run; err: predicted (GET /instance/previews, read "
+          f"before measuring) against measured, '!' beyond the ±{PREDICTION_TARGET:.0%} target")
 
 
-def start_nodes(ns: Namespaces, root: Path, cores: list[str]) -> list[SplitNode]:
+def start_nodes(ns: Namespaces, root: Path, cores: list[str], profile: LinkProfile) -> list[SplitNode]:
+    """The nodes for one link: under emulated latency (no netem) each runner reads the delay once, at its start."""
     cluster = f"split{uuid.uuid4().hex[:6]}"
     env = {**NODE_ENV, "SKULK_MODEL_CACHE": str(shared_cache())}
+    if emulated(ns):
+        env[DELAY_ENV] = f"{profile.rtt_ms / 2:g}"
     nodes: list[SplitNode] = []
     for i, (name, address) in enumerate(zip(ns.names, ns.addresses, strict=True)):
         node = SplitNode(home=root / f"node{i}", cluster=cluster, peers=[n.endpoint for n in nodes], extra_env=env,
@@ -411,10 +427,18 @@ def start_nodes(ns: Namespaces, root: Path, cores: list[str]) -> list[SplitNode]
     return nodes
 
 
+def emulated(ns: Namespaces) -> bool:
+    """Latency emulated in the engine: the kernel has no netem (not on the loopback fallback, which shapes nothing)."""
+    return ns.netem is not None and not isinstance(ns, Loopback)
+
+
 def shaping_of(ns: Namespaces) -> str:
     if isinstance(ns, Loopback):
         return str(ns.netem)
-    return "netem delay+rate" if ns.netem is None else f"tbf rate only (latency NOT shaped; netem: {ns.netem})"
+    if ns.netem is None:
+        return "netem delay+rate"
+    return (f"tbf rate, latency emulated in the engine ({DELAY_ENV}: rank-to-rank messages only, not HTTP; "
+            f"netem: {ns.netem})")
 
 
 def main() -> None:
@@ -442,22 +466,25 @@ def main() -> None:
     rows: list[Row] = []
     try:
         ns.up()
-        ns.shape(profiles[0])
-        print(f"links: {shaping_of(ns)}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            nodes = start_nodes(ns, Path(tmp), cores)
-            try:
-                for key in args.models.split(","):
-                    rows += run_model(ns, nodes, key, profiles, args.tokens, args.streams)
-            finally:
-                for node in nodes:
-                    node.stop()
-                for node in nodes:
-                    node.reap_leftovers()
+            for profile in profiles:
+                ns.shape(profile)
+                print(f"{profile.name}: {shaping_of(ns)}", flush=True)
+                nodes = start_nodes(ns, Path(tmp) / profile.name, cores, profile)
+                try:
+                    for key in args.models.split(","):
+                        rows += run_model(nodes, key, profile, args.tokens, args.streams)
+                finally:
+                    for node in nodes:
+                        node.stop()
+                    for node in nodes:
+                        node.reap_leftovers()
     finally:
         ns.down()
     print(f"\n{args.tokens} tokens, median of {args.streams} single streams, {STREAMS_AGGREGATE}-stream aggregate; "
-          f"one compute thread per node (cores {cores}); links: {shaping_of(ns)}")
+          f"one compute thread per node (cores {cores}); speculative decoding off on every placement "
+          f"(SKULK_SPECULATE=0: like for like); links: {shaping_of(ns)}; load average at the end "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print_table(rows)
 
 

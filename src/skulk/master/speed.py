@@ -46,9 +46,10 @@ works to shrink it: measure again with bench/split.py when it lands."""
 COLLECTIVE_STEP_S = 0.0003
 """The engine's own cost per one-way step of a Tensor all-reduce (gloo, a few KB): the same run's Tensor 2,
 17.5 ms a token for half the compute and 49 one-way steps (two all-reduces per layer, 12 layers)."""
-PIPELINE_MICRO_BATCHES = False
-"""Whether the torch engine keeps one micro-batch per Pipeline rank in flight (issue 28's pipelined schedule):
-without it a batch crosses the ranks as one, and only one rank computes at a time."""
+PIPELINE_MICRO_BATCHES = True
+"""Whether the torch engine keeps one micro-batch per Pipeline rank in flight (issue 28's pipelined schedule,
+engines/torch/flight.py, on since it landed): without it a batch crosses the ranks as one, and only one rank
+computes at a time."""
 SPECULATES_ON_ONE_RANK = True
 """The torch engine drafts speculatively (prompt lookup) on a single rank only: a one-rank placement gets the
 tokens per step its node measured, a split one token per stream per step."""
