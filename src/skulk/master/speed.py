@@ -41,11 +41,17 @@ PIPELINE_HOP_S = 0.0011
 """The torch engine's own cost per Pipeline message (hidden states to the next rank, tokens back to rank 0):
 torch.distributed's send and receive, the step header, the Python around them. bench/split.py on an H200
 host's CPU cores (one thread per rank, veth without added latency): Pipeline 2 decoded one stream at 4.75 ms a
-token where a rank's plain step is about 2.5 ms, two messages a token. Issue 28's pipelined schedule (28b)
-works to shrink it: measure again with bench/split.py when it lands."""
+token where a rank's plain step is about 2.5 ms, two messages a token. Checked again 2026-11-26 on a 2-core VM
+with the pipelined schedule, 0.5 ms RTT emulated (SKULK_LINK_DELAY_MS), speculation off on both, load average ~9
+(bench/split.py --links lan1g --cores 0/1): predicted ÷ measured one stream, Pipeline 2, -8 % (100M int4) and +6 %
+(SmolLM2); one rank -1 % and +5 %. Kept: the figures do not say it is wrong, and a machine that loaded cannot
+say more precisely what it is."""
 COLLECTIVE_STEP_S = 0.0003
 """The engine's own cost per one-way step of a Tensor all-reduce (gloo, a few KB): the same run's Tensor 2,
-17.5 ms a token for half the compute and 49 one-way steps (two all-reduces per layer, 12 layers)."""
+17.5 ms a token for half the compute and 49 one-way steps (two all-reduces per layer, 12 layers). Not re-fitted
+on the 2-core VM (2026-11-26, load ~9): there Tensor 2 predicted +50 % over measured, because each gloo
+all-reduce waits for both ranks to be scheduled on a machine whose cores are shared by a dozen processes (about
+1.8 ms a one-way step, bench/split_engine.py), which a LAN node with its own cores does not see."""
 PIPELINE_MICRO_BATCHES = True
 """Whether the torch engine keeps one micro-batch per Pipeline rank in flight (issue 28's pipelined schedule,
 engines/torch/flight.py, on since it landed): without it a batch crosses the ranks as one, and only one rank

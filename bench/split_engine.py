@@ -1,0 +1,179 @@
+"""What splitting costs and gains inside the engine alone: 1 rank on one core against Pipeline 2 and Tensor 2 on two
+cores (one compute thread per rank), over gloo on loopback with an emulated link latency, without the node path.
+
+bench/split.py measures whole nodes (API, runner, supervisor, zenoh, SSE) in network namespaces; on a machine with
+one core per node, that path shares the rank's core and dominates at 8 streams. This bench drives TorchEngine ranks
+directly (rank 0's script steps the engine; later ranks step until it closes), each process pinned to its core, so
+the figures are the engine's: single-stream decode tok/s, the 8-stream aggregate (all 8 decoding), TTFT (one stream,
+prompt to first token). Speculative decoding is off everywhere (a split never speculates: like for like). Latency:
+SKULK_LINK_DELAY_MS (engines/torch/delay.py) at RTT/2, default 0.5 ms RTT. Placements alternate (1, P2, T2, 1, P2,
+T2, ...) so a load that drifts (a shared machine) hits each alike; each ratio is medians over the rounds, and each
+round's own ratios are printed beside them (a load spike in one placement's turn shows as one outlying round).
+Tensor 2 is skipped for a model whose heads do not split in two (SmolLM2: 9 heads).
+
+Run: .venv/bin/python bench/split_engine.py [--models bench,smollm2] [--rtt-ms 0.5] [--rounds 2] [--tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODELS = {"bench": ("skulk/bench-random-100m", "int4"), "smollm2": ("", None)}  # "": packaged.DEFAULT_MODEL_ID
+PLACEMENTS = (("1 rank", 1, "pipeline"), ("Pipeline 2", 2, "pipeline"), ("Tensor 2", 2, "tensor"))
+STREAMS = 8
+PROMPT = b"Write a short story about a fox who learns to split a model across two machines. "
+
+
+def run_streams(engine: Any, streams: int, tokens: int, tag: str) -> tuple[float, float]:
+    """(decode tok/s while all `streams` decode, ms from admission to the first token of the first stream)."""
+    from skulk.types.chat import SamplingParams
+
+    greedy = SamplingParams(max_tokens=tokens, temperature=0)
+    for i in range(streams):
+        engine.add_request(f"{tag}-{i}", [*PROMPT, *f"({i})".encode()], greedy)
+    sent, first, start = time.perf_counter(), 0.0, None
+    while True:
+        engine.step()
+        engine.take_events()
+        running = engine._running
+        emitted = [len(r.emitted) for r in running]
+        if not first and any(emitted):
+            first = time.perf_counter() - sent
+        if start is None and len(running) == streams and min(emitted) >= 1:
+            start = (time.perf_counter(), sum(emitted))
+        if start is not None and max(emitted) >= tokens - 2:
+            end = (time.perf_counter(), sum(emitted))
+            break
+    while engine._adds or engine._pending or engine._running:
+        engine.step()
+        engine.take_events()
+    return (end[1] - start[1]) / (end[0] - start[0]), first * 1000
+
+
+def rank_main(model_dir: Path, quant: str | None, rank: int, world: int, kind: str, layers: list[tuple[int, int]],
+              port: int, tokens: int, results: Any) -> None:
+    os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    import torch
+
+    from skulk.engines.torch.engine import TorchEngine
+
+    torch.set_num_threads(1)
+    if world == 1:
+        engine = TorchEngine(model_dir, quantize=quant, speculate=False)
+    else:
+        from skulk.models.demo import demo_card
+        from skulk.runner.group import connect_group
+        from skulk.runner.recorder import FlightRecorder
+        from skulk.runner.spec import RunnerSpec
+        from skulk.types.ids import InstanceId, NodeId, RunnerId
+        from skulk.types.instances import Rendezvous, Sharding
+        from skulk.types.shards import PipelineShardMetadata, TensorShardMetadata
+
+        start, end = layers[rank]
+        shard_type = TensorShardMetadata if kind == "tensor" else PipelineShardMetadata
+        shard = shard_type(model_card=demo_card(), device_rank=rank, world_size=world, start_layer=start,
+                           end_layer=end, n_layers=layers[-1][1])
+        spec = RunnerSpec(node_id=NodeId(f"n{rank}"), runner_id=RunnerId(f"r{rank}"), instance_id=InstanceId("i"),
+                          shard=shard, sharding=Sharding.Tensor if kind == "tensor" else Sharding.Pipeline,
+                          model_dir=model_dir, rendezvous=Rendezvous(host="127.0.0.1", port=port))
+        group = connect_group(spec, FlightRecorder(spec.context(os.getpid()), enabled=False))
+        engine = TorchEngine(model_dir, rank=rank, world_size=world, kind=kind,  # type: ignore[arg-type]
+                             start_layer=start, end_layer=end, control_group=group.control, quantize=quant)
+        group.wait_all_loaded(120)
+    engine.warmup()
+    if rank == 0:
+        run_streams(engine, 2, 8, "warm")
+        single, ttft = run_streams(engine, 1, tokens, "one")
+        aggregate, _ = run_streams(engine, STREAMS, tokens, "many")
+        results.put((single, ttft, aggregate))
+        engine.close()
+    else:
+        while not engine.closed:
+            engine.step()
+            engine.take_events()
+
+
+def measure(model_dir: Path, quant: str | None, n_layers: int, world: int, kind: str, tokens: int
+            ) -> tuple[float, float, float]:
+    from skulk.testing.nodes import free_port
+
+    half = n_layers // 2
+    layers = [(0, n_layers)] if world == 1 else [(0, half), (half, n_layers)]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(model_dir, quant, r, world, kind, layers, port, tokens, results))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        while True:
+            try:
+                return results.get(timeout=1)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}") from None
+    finally:
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="bench,smollm2")
+    parser.add_argument("--rtt-ms", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+    os.environ["SKULK_LINK_DELAY_MS"] = f"{args.rtt_ms / 2:g}"  # the ranks inherit it (engines/torch/delay.py)
+    from transformers import AutoConfig
+
+    from skulk.models.demo import ensure_builtin_model
+    from skulk.models.packaged import DEFAULT_MODEL_ID, ensure_packaged_model, shared_cache
+
+    load = [os.getloadavg()[0]]
+    lines = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for key in args.models.split(","):
+            model_id, quant = MODELS[key]
+            model_id = model_id or DEFAULT_MODEL_ID
+            model_dir = ensure_builtin_model(model_id, Path(tmp)) if key == "bench" else \
+                ensure_packaged_model(model_id, Path(tmp), cache=shared_cache())
+            config = AutoConfig.from_pretrained(model_dir)
+            n_layers = config.num_hidden_layers
+            heads = (config.num_attention_heads, getattr(config, "num_key_value_heads", None) or 0)
+            placements = [p for p in PLACEMENTS if p[2] != "tensor" or all(h % p[1] == 0 for h in heads)]
+            got: dict[str, list[tuple[float, float, float]]] = {label: [] for label, _, _ in placements}
+            for _ in range(args.rounds):
+                for label, world, kind in placements:
+                    got[label].append(measure(model_dir, quant, n_layers, world, kind, args.tokens))
+                    load.append(os.getloadavg()[0])
+                    print(f"  {key:8} {label:10} single {got[label][-1][0]:7.1f}  ttft {got[label][-1][1]:7.1f} ms"
+                          f"  8-stream {got[label][-1][2]:7.1f}", flush=True)
+            base = [statistics.median(x[i] for x in got["1 rank"]) for i in range(3)]
+            for label, _, _ in placements:
+                med = [statistics.median(x[i] for x in got[label]) for i in range(3)]
+                pairs = zip(got[label], got["1 rank"], strict=True)
+                rounds = " ".join(f"{x[0] / one[0]:.2f}/{x[2] / one[2]:.2f}" for x, one in pairs)
+                lines.append(f"{key:8} {label:10} | {med[0]:7.1f} {med[0] / base[0]:5.2f} | {med[1]:7.1f} "
+                             f"{med[1] / base[1]:5.2f} | {med[2]:7.1f} {med[2] / base[2]:5.2f} | {rounds}")
+    print(f"\nengine only, one thread per rank on its own core, {args.rtt_ms} ms RTT emulated, speculation off, "
+          f"{args.tokens} tokens, medians of {args.rounds} alternating rounds; load average (1 min) "
+          f"{min(load):.1f}-{max(load):.1f}")
+    print(f"{'model':8} {'placement':10} | {'single':>7} {'÷1':>5} | {'ttft ms':>7} {'÷1':>5} | {'8-str':>7} {'÷1':>5} "
+          f"| each round's single/8-stream ÷1 (same round's 1 rank)")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
