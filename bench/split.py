@@ -28,6 +28,12 @@ Firecracker kernel without netem, so the rates alone were shaped and every link 
 stream ÷ one rank: Pipeline 2 0.57-0.60, Tensor 2 0.15; 8 streams ÷ one rank: Pipeline 2 0.48-1.28,
 Tensor 2 0.31-0.64 (one rank decoded 369-385 tok/s, one stream; 366-465 tok/s, 8 streams; that run timed the
 aggregate from the first first-token to the last token, ramp and tail included; one rank also speculated then).
+Measured 2026-11-26 on the 2-core Firecracker VM (`--models bench,smollm2 --links lan1g --cores 0/1`, 0.5 ms RTT
+emulated, speculation off everywhere, load average ~9 from other work), ÷ one rank: one stream Pipeline 2 0.95
+(100M int4) and 0.82 (SmolLM2), Tensor 2 0.15; 8 streams Pipeline 2 0.70 and 0.42, Tensor 2 0.31; TTFT Pipeline 2
+1.25x and 1.62x. Predicted one stream within -8..+6 % (1 rank, Pipeline 2), Tensor +50 %; 8 streams -33..+282 %:
+with the node process on its rank's only core, the node path (runner, supervisor, zenoh, 8 SSE streams) costs
+per token what the prediction does not count. bench/split_engine.py measures the engine without that path.
 Run: sudo .venv/bin/python bench/split.py [--models bench,smollm2] [--links lan10g,lan1g,wifi] [--tokens 48]
      [--streams 3] [--cores 0/1]   (--cores: each node's cores, taskset lists separated by '/')
 """
