@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,15 +105,21 @@ def main() -> None:
         torch_engine = TorchEngine(path, max_batch=STREAMS)
         torch_engine.warmup()
         rows: dict[str, list[float]] = {k: [] for k in ("ours1", "lm1", "ours8", "lm8", "torch1")}
-        for _ in range(args.rounds):
-            rows["ours1"].append(ours_single(ours, args.tokens))
-            rows["lm1"].append(mlx_lm_single(ours.model, tokenizer, args.tokens))
-            rows["ours8"].append(ours_batched(ours, args.tokens))
-            rows["lm8"].append(mlx_lm_batched(ours.model, tokenizer, args.tokens))
+        runs: dict[str, Callable[[], float]] = {
+            "ours1": lambda: ours_single(ours, args.tokens),
+            "lm1": lambda: mlx_lm_single(ours.model, tokenizer, args.tokens),
+            "ours8": lambda: ours_batched(ours, args.tokens),
+            "lm8": lambda: mlx_lm_batched(ours.model, tokenizer, args.tokens),
+        }
+        for round_ in range(args.rounds):  # ABBA: which side runs first alternates, so a trend favours neither
+            for pair in (("ours1", "lm1"), ("ours8", "lm8")):
+                for key in pair if round_ % 2 == 0 else pair[::-1]:
+                    rows[key].append(runs[key]())
             rows["torch1"].append(ours_single(torch_engine, args.tokens))
         med = {k: statistics.median(v) for k, v in rows.items()}
-        single = statistics.median(a / b for a, b in zip(rows["ours1"], rows["lm1"], strict=True))
-        batched = statistics.median(a / b for a, b in zip(rows["ours8"], rows["lm8"], strict=True))
+        singles = [a / b for a, b in zip(rows["ours1"], rows["lm1"], strict=True)]
+        batches = [a / b for a, b in zip(rows["ours8"], rows["lm8"], strict=True)]
+        single, batched = statistics.median(singles), statistics.median(batches)
         device = "Metal" if mx.metal.is_available() else "CPU"
         print(f"model: random Llama hidden {args.hidden}, {args.layers} layers, f32; MLX on {device}; "
               f"{args.tokens} tokens, {args.rounds} rounds (medians)")
@@ -120,6 +128,8 @@ def main() -> None:
         print(f"  {STREAMS} streams  ours {med['ours8']:8.1f} tok/s   mlx_lm.batch_generate  {med['lm8']:8.1f}   "
               f"ratio {batched:.2f} (target >= 1.0)")
         print(f"  torch engine, 1 stream, same checkpoint: {med['torch1']:.1f} tok/s")
+        print(f"  each round's ratios (a loaded machine spreads them): 1 stream {' '.join(f'{r:.2f}' for r in singles)}"
+              f"; {STREAMS} streams {' '.join(f'{r:.2f}' for r in batches)}; load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

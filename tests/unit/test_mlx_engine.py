@@ -20,6 +20,7 @@ from skulk.engines.mlx.engine import MlxEngine, load
 from skulk.engines.torch.engine import TorchEngine
 from skulk.models.demo import generate_random_llama
 from skulk.types.chat import SamplingParams
+from tests.unit.rank_jobs import launch
 from tests.unit.test_model_families import REAL_CONFIGS, scaled_down, write_checkpoint
 from tests.unit.test_quantized import write_mlx
 
@@ -192,33 +193,17 @@ def test_config_without_weights_is_a_clear_error(tmp_path: Path) -> None:
 
 def run_ring(model: Path, layers: list[tuple[int, int]], prompts: list[list[int]], tmp_path: Path,
              tokens: int = TOKENS, tensor: bool = False, bound_s: float = 150) -> dict[str, Any]:
-    """Each rank its own process; bound_s: how long a rank may take to finish its work (a real model's ranks on
-    a loaded 2-core CPU need minutes)."""
-    import subprocess
-    import sys
-
+    """Each rank its own process (mlx_rank.py); bound_s: how long a rank may take to finish its work (a real
+    model's ranks on a loaded 2-core CPU need minutes)."""
     from skulk.master.cycles import ring_hosts
     from skulk.testing.nodes import free_port
     from skulk.types.ids import NodeId
 
-    base = free_port()
-    hosts = ring_hosts([], [NodeId(f"n{r}") for r in range(len(layers))], base)
+    hosts = ring_hosts([], [NodeId(f"n{r}") for r in range(len(layers))], free_port())
     out = tmp_path / "ring.json"
-    procs = []
-    for rank, span in enumerate(layers):
-        job = {"model": str(model), "rank": rank, "hosts": hosts, "layers": span, "prompts": prompts,
-               "tokens": tokens, "out": str(out), "tensor": tensor}
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).with_name("mlx_rank.py")), json.dumps(job)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        for proc in procs:
-            output, _ = proc.communicate(timeout=bound_s)
-            assert proc.returncode == 0, output[-3000:]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+    launch("mlx_rank.py", [{"model": str(model), "rank": rank, "hosts": hosts, "layers": span, "prompts": prompts,
+                            "tokens": tokens, "out": str(out), "tensor": tensor}
+                           for rank, span in enumerate(layers)], bound_s)
     return json.loads(out.read_text())
 
 
@@ -258,29 +243,14 @@ def test_a_ring_tensor_instance_generates_the_single_ranks_tokens(ranks: int, tm
 def run_mixed(model: Path, layers: list[tuple[int, int]], engines: list[str], prompts: list[list[int]],
               tmp_path: Path, tokens: int = TOKENS, max_seq: int = 256, bound_s: float = 240,
               micro_batches: bool = True) -> dict[str, Any]:
-    """Each rank its own process (mixed_rank.py) in one gloo group on loopback; the sampler's tokens and gaps."""
-    import subprocess
-    import sys
-
+    """Each rank its own process (mixed_rank.py) in one gloo group on loopback; the sampler's tokens and gaps,
+    and each MLX rank's (forward passes, sequences computed)."""
     from skulk.testing.nodes import free_port
 
     port, out = free_port(), tmp_path / "mixed.json"
-    procs = []
-    for rank in range(len(layers)):
-        job = {"model": str(model), "rank": rank, "port": port, "layers": layers, "engines": engines,
-               "prompts": prompts, "tokens": tokens, "out": str(out), "max_seq": max_seq,
-               "micro_batches": micro_batches}
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).with_name("mixed_rank.py")),
-                                       json.dumps(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        for proc in procs:
-            output, _ = proc.communicate(timeout=bound_s)
-            assert proc.returncode == 0, output[-3000:]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+    launch("mixed_rank.py", [{"model": str(model), "rank": rank, "port": port, "layers": layers, "engines": engines,
+                              "prompts": prompts, "tokens": tokens, "out": str(out), "max_seq": max_seq,
+                              "micro_batches": micro_batches} for rank in range(len(layers))], bound_s)
     result = json.loads(out.read_text())
     result["forwards"] = {r: tuple(map(int, Path(f"{out}.forwards{r}").read_text().split()))
                           for r, e in enumerate(engines) if e == "mlx"}
@@ -354,3 +324,40 @@ def test_an_mlx_stage_decodes_rows_together_as_each_would_alone(demo: Path) -> N
     with pytest.raises(WireError, match="their MLX caches hold"):
         together.batch(["b", "c"], [at["b"] + 1, at["c"]])
     assert together.one("b", at["b"])[0].offset == at["b"]  # out of the batch, on its own again
+
+
+def test_on_metal_the_weights_are_wired_up_to_the_recommended_working_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlx-lm's generate wires a large model's weights on Metal (mx.set_wired_limit to the GPU's recommended
+    working set); MLX's CPU backend has no such limit, so there it is left alone."""
+    from skulk.engines.mlx import engine as mlx_engine
+
+    wired: list[int] = []
+    monkeypatch.setattr(mlx_engine.mx, "set_wired_limit", wired.append)
+    monkeypatch.setattr(mlx_engine.mx, "device_info", lambda: {"max_recommended_working_set_size": 3 << 30})
+    monkeypatch.setattr(mlx_engine.mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mlx_engine, "is_metal", lambda: False)
+    mlx_engine.set_wired_limit(None)  # type: ignore[arg-type]
+    assert wired == []
+    monkeypatch.setattr(mlx_engine, "is_metal", lambda: True)
+    mlx_engine.set_wired_limit(None)  # type: ignore[arg-type]
+    assert wired == [3 << 30]
+
+
+def test_a_poisoned_request_fails_alone_and_phases_are_reported(demo: Path) -> None:
+    """Fault injection (runner/fault.py) trips one request's sampling on the MLX engine as on torch: it fails
+    alone with the injected error and its batch mate's tokens are unchanged; the engine reports the phases the
+    diagnostics read (prefill, decode, then idle)."""
+    from skulk.runner.fault import PoisonHook, RaiseFault
+
+    engine = MlxEngine(demo, max_seq=128)
+    sampling = SamplingParams(max_tokens=10, temperature=0)
+    good = engine.tokenizer.encode("hello there")
+    alone = tokens(run(engine, [good], sampling))["r0"]
+    phases: list[str] = []
+    engine.on_phase = lambda phase, _event: phases.append(phase)
+    engine.fault_hook = PoisonHook(RaiseFault("sample"), 0, engine.tokenizer.decode)  # type: ignore[arg-type]
+    outs = run(engine, [good, engine.tokenizer.encode("SKULK_POISON now")], sampling)
+    assert len(outs["r1"]) == 1 and "InjectedFault" in str(outs["r1"][0].error)
+    assert [o.token_id for o in outs["r0"]] == alone and all(o.error is None for o in outs["r0"])
+    assert phases[0] == "prefill_stream" and "decode_stream" in phases and phases[-1] == "idle"
+    assert not engine.has_work()
