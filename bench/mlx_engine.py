@@ -1,13 +1,16 @@
 """The MLX engine beside mlx-lm's own generation on the same model, in one run (issue 30's targets).
 
 What our engine adds around mlx-lm (request bookkeeping, the shared sampler, continuous batching over mlx-lm's
-BatchKVCache) is measured against mlx-lm driving the same model itself, interleaved over --rounds (medians of
-each round's own ratio):
+BatchKVCache) is measured against mlx-lm driving the same model itself, interleaved over --rounds (which side
+runs first alternates; medians of each round's own ratio):
   single stream: our decode tok/s ÷ mlx_lm.stream_generate's (greedy, same prompt and token count)  target >= 0.9
-  8 streams:     our aggregate decode tok/s ÷ mlx_lm.batch_generate's generation tok/s             target >= 1.0
+  8 streams:     our aggregate decode tok/s ÷ mlx-lm's BatchGenerator's (what batch_generate drives), both
+                 counted once every stream has its first token                                     target >= 1.0
   and the torch engine's single-stream decode on the same checkpoint, for scale.
-On Linux this is MLX's CPU backend (slow next to torch's kernels here); the figures that matter are a Mac's, on
-Metal, which this machine cannot measure: run the same command there.
+Each is printed per wall-clock second and per CPU second of this process (every thread, MLX's included): on a
+machine that other work loads, the wall clock measures the contention as much as the engines, CPU time the work
+each side does per token. On Linux this is MLX's CPU backend (slow next to torch's kernels here); the figures
+that matter are a Mac's, on Metal, which this machine cannot measure: run the same command there.
 
 Run: .venv/bin/python bench/mlx_engine.py [--rounds 3] [--tokens 48] [--hidden 512] [--layers 8]
 """
@@ -20,12 +23,13 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm import batch_generate, stream_generate
+from mlx_lm import stream_generate
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from skulk.engines.mlx.engine import MlxEngine
@@ -51,43 +55,67 @@ def write_model(root: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-def decode_rate(stamps: list[float]) -> float:
+Rate = tuple[float, float]
+"""(tokens per wall-clock second, tokens per CPU second of this process): on a machine other work loads, the
+wall clock measures the contention as much as the engine; CPU seconds (every thread of this process, MLX's
+included) measure the work each side does per token."""
+
+
+def stamp() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def rate(tokens: int, start: tuple[float, float], end: tuple[float, float]) -> Rate:
+    return tokens / (end[0] - start[0]), tokens / max(end[1] - start[1], 1e-9)
+
+
+def decode_rate(stamps: list[tuple[float, float]]) -> Rate:
     """Tokens per second after the first token (prefill excluded), as mlx-lm's generation_tps counts them."""
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    return rate(len(stamps) - 1, stamps[0], stamps[-1])
 
 
-def ours_single(engine: Any, tokens: int) -> float:
+def ours_single(engine: Any, tokens: int) -> Rate:
     engine.add_request("one", PROMPT, SamplingParams(max_tokens=tokens, temperature=0))
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
     while engine.has_work():
-        stamps += [time.perf_counter() for _ in engine.step()]
+        stamps += [stamp() for _ in engine.step()]
     return decode_rate(stamps)
 
 
-def ours_batched(engine: MlxEngine, tokens: int) -> float:
-    """Aggregate decode tok/s once every stream has its first token (prefills excluded, as mlx-lm excludes them)."""
+def after_first_tokens(steps: Iterator[list[Any]], key: Callable[[Any], Any]) -> Rate:
+    """Aggregate decode rate once every stream has its first token (prefills excluded, as mlx-lm excludes them)."""
+    seen: set[Any] = set()
+    started: tuple[float, float] | None = None
+    counted = 0
+    for outs in steps:
+        if started is not None:
+            counted += len(outs)
+        seen |= {key(o) for o in outs}
+        if len(seen) == STREAMS and started is None:
+            started = stamp()
+    assert started is not None
+    return rate(counted, started, stamp())
+
+
+def ours_batched(engine: MlxEngine, tokens: int) -> Rate:
     for i in range(STREAMS):
         engine.add_request(f"s{i}", [*PROMPT, i], SamplingParams(max_tokens=tokens, temperature=0))
-    seen: set[str] = set()
-    started, counted = 0.0, 0
-    while engine.has_work():
-        outs = engine.step()
-        if len(seen) == STREAMS:
-            counted += len(outs)
-        seen |= {o.request_id for o in outs}
-        if len(seen) == STREAMS and not started:
-            started = time.perf_counter()
-    return counted / (time.perf_counter() - started)
+    return after_first_tokens(iter(lambda: engine.step() if engine.has_work() else None, None),  # type: ignore[arg-type]
+                              lambda o: o.request_id)
 
 
-def mlx_lm_single(model: Any, tokenizer: Any, tokens: int) -> float:
-    stamps = [time.perf_counter() for _ in stream_generate(model, tokenizer, mx.array(PROMPT), max_tokens=tokens)]
-    return decode_rate(stamps)
+def mlx_lm_single(model: Any, tokenizer: Any, tokens: int) -> Rate:
+    return decode_rate([stamp() for _ in stream_generate(model, tokenizer, mx.array(PROMPT), max_tokens=tokens)])
 
 
-def mlx_lm_batched(model: Any, tokenizer: Any, tokens: int) -> float:
-    prompts = [[*PROMPT, i] for i in range(STREAMS)]
-    return float(batch_generate(model, tokenizer, prompts, max_tokens=tokens).stats.generation_tps)
+def mlx_lm_batched(model: Any, tokenizer: Any, tokens: int) -> Rate:
+    """mlx-lm's own batched generation (BatchGenerator, what batch_generate drives), measured as ours is."""
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
+    gen.insert([[*PROMPT, i] for i in range(STREAMS)], [tokens] * STREAMS)
+    try:
+        return after_first_tokens(iter(lambda: gen.next_generated() or None, None), lambda r: r.uid)
+    finally:
+        gen.close()
 
 
 def main() -> None:
@@ -104,8 +132,8 @@ def main() -> None:
         tokenizer = load_tokenizer(path)
         torch_engine = TorchEngine(path, max_batch=STREAMS)
         torch_engine.warmup()
-        rows: dict[str, list[float]] = {k: [] for k in ("ours1", "lm1", "ours8", "lm8", "torch1")}
-        runs: dict[str, Callable[[], float]] = {
+        rows: dict[str, list[Rate]] = {k: [] for k in ("ours1", "lm1", "ours8", "lm8", "torch1")}
+        runs: dict[str, Callable[[], Rate]] = {
             "ours1": lambda: ours_single(ours, args.tokens),
             "lm1": lambda: mlx_lm_single(ours.model, tokenizer, args.tokens),
             "ours8": lambda: ours_batched(ours, args.tokens),
@@ -116,21 +144,19 @@ def main() -> None:
                 for key in pair if round_ % 2 == 0 else pair[::-1]:
                     rows[key].append(runs[key]())
             rows["torch1"].append(ours_single(torch_engine, args.tokens))
-        med = {k: statistics.median(v) for k, v in rows.items()}
-        singles = [a / b for a, b in zip(rows["ours1"], rows["lm1"], strict=True)]
-        batches = [a / b for a, b in zip(rows["ours8"], rows["lm8"], strict=True)]
-        single, batched = statistics.median(singles), statistics.median(batches)
         device = "Metal" if mx.metal.is_available() else "CPU"
         print(f"model: random Llama hidden {args.hidden}, {args.layers} layers, f32; MLX on {device}; "
-              f"{args.tokens} tokens, {args.rounds} rounds (medians)")
-        print(f"  1 stream   ours {med['ours1']:8.1f} tok/s   mlx_lm.stream_generate {med['lm1']:8.1f}   "
-              f"ratio {single:.2f} (target >= 0.9)")
-        print(f"  {STREAMS} streams  ours {med['ours8']:8.1f} tok/s   mlx_lm.batch_generate  {med['lm8']:8.1f}   "
-              f"ratio {batched:.2f} (target >= 1.0)")
-        print(f"  torch engine, 1 stream, same checkpoint: {med['torch1']:.1f} tok/s")
-        print(f"  each round's ratios (a loaded machine spreads them): 1 stream {' '.join(f'{r:.2f}' for r in singles)}"
-              f"; {STREAMS} streams {' '.join(f'{r:.2f}' for r in batches)}; load average {os.getloadavg()[0]:.1f}")
-
+              f"{args.tokens} tokens, {args.rounds} rounds (medians; ratio: the median of each round's own)")
+        for clock, c in (("wall clock", 0), ("CPU time", 1)):
+            print(f" per {clock} second:")
+            for label, a, b, name, target in ((" 1 stream ", "ours1", "lm1", "mlx_lm.stream_generate", 0.9),
+                                              (f"{STREAMS} streams", "ours8", "lm8", "mlx-lm BatchGenerator", 1.0)):
+                ratios = [x[c] / y[c] for x, y in zip(rows[a], rows[b], strict=True)]
+                print(f"  {label} ours {statistics.median(x[c] for x in rows[a]):8.1f} tok/s   {name} "
+                      f"{statistics.median(y[c] for y in rows[b]):8.1f}   ratio {statistics.median(ratios):.2f} "
+                      f"(target >= {target})   rounds: {' '.join(f'{r:.2f}' for r in ratios)}")
+            print(f"  torch engine, 1 stream, same checkpoint: {statistics.median(x[c] for x in rows['torch1']):.1f}")
+        print(f"load average {os.getloadavg()[0]:.1f} (the wall clock's ratios spread with it; CPU time's less)")
 
 if __name__ == "__main__":
     main()

@@ -211,10 +211,12 @@ def run_ring(model: Path, layers: list[tuple[int, int]], prompts: list[list[int]
 def test_a_ring_pipeline_generates_the_single_ranks_tokens(layers: list[tuple[int, int]], demo: Path,
                                                             tmp_path: Path) -> None:
     """Layers split over 2 and 3 ranks (hidden states rank to rank with send/recv_like, headers and tokens by
-    all_sum): the same greedy tokens as one MLX rank and as the torch engine, three requests batched."""
-    ring = run_ring(demo, layers, PROMPTS, tmp_path)
-    alone = tokens(run(MlxEngine(demo, prefill_chunk=8, max_seq=256), PROMPTS))
-    torch_tokens = tokens(run(TorchEngine(demo, prefill_chunk=8, max_seq=256), PROMPTS))
+    all_sum): the same greedy tokens as one MLX rank and as the torch engine, five requests batched (the two
+    short ones first, prefilled together)."""
+    prompts = [[7, 8, 9], [10, 11], *PROMPTS]
+    ring = run_ring(demo, layers, prompts, tmp_path)
+    alone = tokens(run(MlxEngine(demo, prefill_chunk=8, max_seq=256), prompts))
+    torch_tokens = tokens(run(TorchEngine(demo, prefill_chunk=8, max_seq=256), prompts))
     assert ring["tokens"] == alone == torch_tokens
     assert all(len(t) == TOKENS for t in alone.values())
 
@@ -361,3 +363,22 @@ def test_a_poisoned_request_fails_alone_and_phases_are_reported(demo: Path) -> N
     assert [o.token_id for o in outs["r0"]] == alone and all(o.error is None for o in outs["r0"])
     assert phases[0] == "prefill_stream" and "decode_stream" in phases and phases[-1] == "idle"
     assert not engine.has_work()
+
+
+def test_short_prompts_queued_together_are_prefilled_in_one_pass(demo: Path) -> None:
+    """Prompts that each fit in a chunk, queued together, are prefilled in one forward pass (right-padded, then
+    left-padded in the batch's cache, as mlx-lm's batch generation does): the first step gives every one its first
+    token, and the greedy tokens are the torch engine's; a longer prompt behind them is prefilled in chunks."""
+    prompts = [[258, 104, 105], [72, 101, 108, 108, 111, 10], [7, 8], [1, 5, 9, 33, 2, 7, 100, 42, 11, 3] * 3]
+    engine = MlxEngine(demo, prefill_chunk=8, max_seq=256)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    first = engine.step()
+    assert sorted(o.request_id for o in first) == ["r0", "r1", "r2"]
+    outs: dict[str, list[Any]] = {}
+    for out in first:
+        outs.setdefault(out.request_id, []).append(out)
+    while engine.has_work():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert tokens(outs) == tokens(run(TorchEngine(demo, prefill_chunk=8, max_seq=256), prompts))

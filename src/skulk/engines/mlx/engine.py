@@ -9,7 +9,9 @@ stop strings, finish reasons, per-request failure), which is the torch engine's 
 so both engines answer a request the same way.
 
 One step is: a decode of every running request (one batched forward over mlx-lm's BatchKVCache, rows
-left-padded to a common length), then the next chunk of the one prompt being prefilled in its own KVCache;
+left-padded to a common length), then either the queued prompts that each fit in one chunk, prefilled together
+in one forward (as mlx-lm's batch generation prefills: right-padded, then rolled to left padding) and joined to
+the batch, or the next chunk of the one prompt being prefilled in its own KVCache;
 when that prompt completes its first token is sampled and its cache joins the batch (the cache's `merge` and
 `extend`, as mlx-lm's BatchGenerator does). A request that finishes or is cancelled leaves the batch through
 the cache's `filter`.
@@ -190,7 +192,10 @@ class MlxEngine:
             return []
         self._apply_releases()
         outs = self._decode() if self._running else []
-        if self._prefilling is None and self._pending and len(self._running) < self.max_batch:
+        group = self._short_prompts() if self._prefilling is None else []
+        if len(group) > 1:
+            outs += self._prefill_together(group)
+        elif self._prefilling is None and self._pending and len(self._running) < self.max_batch:
             self._start_prefill(self._pending.popleft())
         if self._prefilling is not None:
             outs += self._prefill_chunk()
@@ -325,16 +330,60 @@ class MlxEngine:
         self._join_batch(req, cache)
         return self._accept(logits, [req])  # done with its first token: it leaves the batch it just joined
 
+    def _short_prompts(self) -> list[Request]:
+        """The queued prompts, from the front, that each fit in one prefill chunk, as many as the batch has room
+        for: prefilled together in one forward pass, as mlx-lm's batch generation prefills its prompts."""
+        room = self.max_batch - len(self._running)
+        group: list[Request] = []
+        for req in self._pending:
+            if len(group) == room or len(req.prompt) > self.prefill_chunk:
+                break
+            group.append(req)
+        return group
+
+    def _prefill_together(self, group: list[Request]) -> list[TokenOut]:
+        """Several whole prompts in one forward over one BatchKVCache, right-padded then rolled to mlx-lm's left
+        padding (its cache's prepare/finalize), their first tokens sampled, and the batch joined."""
+        self._enter_phase(_PHASES[self.kind, self.link is not None][0], "prefill")
+        for req in group:
+            self._pending.popleft()
+            req.length = len(req.prompt)
+            if req.request_id != WARMUP_ID:
+                self._events.append(Started(req.request_id, req.command_id, 0))
+        lengths = [len(r.prompt) for r in group]
+        width = max(lengths)
+        cache = [layer[0].merge(list(layer)) for layer in zip(*(make_prompt_cache(self.model) for _ in group),
+                                                                strict=True)]
+        for layer in cache:
+            layer.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
+        ids = mx.array([r.prompt + [0] * (width - len(r.prompt)) for r in group])
+        logits = self._forward(ids, cache, last=False)
+        for layer in cache:
+            layer.finalize()
+        mx.eval([c.state for c in cache])
+        if logits is not None:
+            logits = logits[mx.arange(len(group)), mx.array(lengths) - 1]
+        for req in group:
+            self._running.append(req)
+        self._extend_batch(cache)
+        return self._accept(logits, group)
+
+    def _extend_batch(self, cache: Cache) -> None:
+        if self._batch is None:
+            self._batch, self._batched = cache, True
+            return
+        if not self._batched:
+            self._batch, self._batched = [c.merge([c]) for c in self._batch], True
+        for mine, theirs in zip(self._batch, cache, strict=True):
+            mine.extend(theirs)
+
     def _join_batch(self, req: Request, cache: Cache) -> None:
         """A lone request decodes on its own KVCache (no padding mask: mlx-lm's single-stream path); a second
         one turns the batch into a BatchKVCache and joins it."""
         if self._batch is None:
             self._batch, self._batched = cache, False
         else:
-            if not self._batched:
-                self._batch, self._batched = [c.merge([c]) for c in self._batch], True
-            for mine, theirs in zip(self._batch, [c.merge([c]) for c in cache], strict=True):
-                mine.extend(theirs)
+            self._extend_batch([c.merge([c]) for c in cache])
         self._running.append(req)
 
     def _decode(self) -> list[TokenOut]:
@@ -347,12 +396,13 @@ class MlxEngine:
             req.length += 1
         return self._accept(logits, running)
 
-    def _forward(self, ids: mx.array, cache: Cache | None) -> mx.array | None:
+    def _forward(self, ids: mx.array, cache: Cache | None, last: bool = True) -> mx.array | None:
         """This rank's part of the forward pass: the last position's logits on the sampler, None elsewhere (a
         pipeline rank before the last evaluates its slice, which sends the hidden state on; a tensor rank its
         shard of every layer, whose all_sums meet the others', and skips the head)."""
         if self.is_sampler:
-            return self.model(ids, cache=cache)[:, -1, :]
+            logits = self.model(ids, cache=cache)
+            return logits[:, -1, :] if last else logits
         mx.eval(inner_model(self.model)(ids, cache=cache))
         return None
 
