@@ -12,6 +12,11 @@ machine that other work loads, the wall clock measures the contention as much as
 each side does per token. On Linux this is MLX's CPU backend (slow next to torch's kernels here); the figures
 that matter are a Mac's, on Metal, which this machine cannot measure: run the same command there.
 
+Measured here (2-core VM shared with other work, load average 9.4; --rounds 3 --tokens 32, hidden 512, 8 layers),
+per CPU second: 1 stream ours 20.2 tok/s vs stream_generate 20.6, ratio 0.98 (rounds 0.98 0.93 0.99); 8 streams
+ours 43.1 vs BatchGenerator 43.1, ratio 1.02 (rounds 1.03 0.99 1.02). Per wall-clock second the same run's rounds
+spread 0.33-1.09 and 0.85-1.65 (medians 0.77 and 1.40): the load, not the engines.
+
 Run: .venv/bin/python bench/mlx_engine.py [--rounds 3] [--tokens 48] [--hidden 512] [--layers 8]
 """
 
