@@ -1,0 +1,170 @@
+"""CPU per generated token in each process of the node path, with real node processes and 8 concurrent streams.
+
+The per-token path runs runner -> supervisor (pipe) -> worker -> zenoh (when the API node is another node) -> API
+node -> SSE. This bench places a 1-rank instance (runner and API on one node) and a Pipeline 2 instance (API node
+holds rank 0; the tokens are sampled on the other node's rank and cross zenoh), runs --streams concurrent greedy
+streams through the API node and reads every process's CPU time (psutil) before and after: CPU ms per generated
+token per process, beside the aggregate tokens/s. With --spy, py-spy samples every process during the streams and
+the top functions (own samples) of each process are printed: where the per-token CPU goes.
+
+--src, given twice or more, runs each source tree in its own two-node cluster, interleaved round by round (order
+alternating), and prints the trees side by side: a change to the node path measured against the tree before it in
+one run, on the same loaded machine.
+
+Run: .venv/bin/python bench/node_path.py [--streams 8] [--tokens 64] [--rounds 2] [--spy]
+         [--src /path/to/main/src --src src]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cluster import Fleet, aggregate_decode, delete_instance, place_on
+from skulk.testing.convergence import formed
+from skulk.testing.nodes import LocalNode
+from skulk.testing.waiting import wait_until
+
+SPY = os.environ.get("PY_SPY", str(Path(sys.executable).parent / "py-spy"))
+
+
+def roles(nodes: list[LocalNode]) -> dict[str, int]:
+    """Process name -> pid: each node, and the runner of each node that holds a rank."""
+    found: dict[str, int] = {}
+    for index, node in enumerate(nodes[:2]):
+        assert node.process is not None
+        found[f"node{index}"] = node.process.pid
+        for pid in sorted(node.runner_pids()):
+            found[f"runner{index}"] = pid
+    return found
+
+
+def cpu_s(pid: int) -> float:
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return times.user + times.system
+
+
+def spy(pids: dict[str, int], out: Path) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
+    spies = []
+    for name, pid in pids.items():
+        path = out / f"{name}.txt"
+        cmd = [SPY, "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--nonblocking",
+               "--output", str(path)]
+        spies.append((name, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
+    time.sleep(1.0)  # py-spy attaches
+    return spies
+
+
+def top_functions(path: Path, count: int) -> list[tuple[float, str]]:
+    """(share of samples, function) by own samples, from py-spy's collapsed stacks; idle waits left out."""
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    if not path.exists():
+        return []
+    for line in path.read_text().splitlines():
+        stack, _, samples = line.rpartition(" ")
+        leaf = stack.split(";")[-1]
+        if any(idle in leaf for idle in ("select (", "poll (", "wait (", "_recv (", "epoll", "acquire (")):
+            continue
+        own[leaf] += int(samples)
+        total += int(samples)
+    return [(n / total, f) for f, n in own.most_common(count)] if total else []
+
+
+def measure(nodes: list[LocalNode], ranks: int, tokens: int, streams: int, spy_dir: Path | None
+            ) -> tuple[float, dict[str, float], dict[str, list[tuple[float, str]]]]:
+    """(tokens/s, CPU ms per token per process, top functions per process) of one placement's streams."""
+    api = nodes[0]
+    instance_id, runners = place_on(api, nodes[:ranks], nodes)
+    try:
+        aggregate_decode(api, 8, streams)  # warm-up
+        pids = roles(nodes)
+        spies = spy(pids, spy_dir) if spy_dir is not None else []
+        before = {name: cpu_s(pid) for name, pid in pids.items()}
+        rate = aggregate_decode(api, tokens, streams)
+        produced = tokens * streams  # greedy streams of a random model run to max_tokens
+        after = {name: cpu_s(pid) for name, pid in pids.items()}
+        tops: dict[str, list[tuple[float, str]]] = {}
+        for name, proc, path in spies:
+            proc.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
+            proc.wait(30)
+            tops[name] = top_functions(path, 8)
+        per_token = {name: 1000 * (after[name] - before[name]) / produced for name in pids}
+        return rate, per_token, tops
+    finally:
+        delete_instance(api, instance_id, runners)
+
+
+def start(root: Path, src: str | None) -> tuple[Fleet, list[LocalNode]]:
+    env = {"PYTHONPATH": os.path.abspath(src)} if src else {}
+    fleet = Fleet(root, env={**env, "SKULK_SPECULATE": "0", "OMP_NUM_THREADS": "1"})
+    for index in range(2):
+        fleet.nodes.append(fleet.spawn(index, [n.endpoint for n in fleet.nodes]))
+    wait_until(lambda: all(n.node_id for n in fleet.nodes), 60, "two nodes to print ready")
+    wait_until(lambda: formed(fleet.nodes), 60, "two nodes to form one cluster", poll=0.05)
+    return fleet, fleet.nodes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--spy", action="store_true", help="py-spy every process: top functions")
+    parser.add_argument("--src", action="append", default=[])
+    args = parser.parse_args()
+    trees = args.src or [None]
+    with tempfile.TemporaryDirectory() as tmp:
+        fleets = [start(Path(tmp) / f"tree{i}", src) for i, src in enumerate(trees)]
+        results: dict[tuple[int, int], list[tuple[float, dict[str, float]]]] = collections.defaultdict(list)
+        try:
+            for round_no in range(args.rounds):
+                order = list(range(len(trees)))
+                order = order if round_no % 2 == 0 else order[::-1]
+                for ranks in (1, 2):
+                    for tree in order:
+                        spy_dir = Path(tmp) / f"spy{tree}-{ranks}-{round_no}" if args.spy else None
+                        if spy_dir is not None:
+                            spy_dir.mkdir()
+                        rate, per_token, tops = measure(fleets[tree][1], ranks, args.tokens, args.streams, spy_dir)
+                        results[(tree, ranks)].append((rate, per_token))
+                        cells = "  ".join(f"{k} {v:5.2f}" for k, v in per_token.items())
+                        print(f"round {round_no + 1} tree {tree} ranks {ranks}: {rate:6.1f} tok/s | CPU ms/token "
+                              f"{cells} | load {os.getloadavg()[0]:.1f}", flush=True)
+                        for name, top in tops.items():
+                            print(f"    {name}: " + "; ".join(f"{share:.0%} {fn}" for share, fn in top[:6]))
+        finally:
+            for fleet, _ in fleets:
+                fleet.stop_all()
+    print(f"\nmedians over {args.rounds} rounds, {args.streams} streams x {args.tokens} tokens, "
+          f"load {os.getloadavg()}")
+    for ranks in (1, 2):
+        base = None
+        for tree, src in enumerate(trees):
+            rows = results[(tree, ranks)]
+            rate = statistics.median(r for r, _ in rows)
+            names = rows[0][1].keys()
+            cpu = {n: statistics.median(p[n] for _, p in rows) for n in names}
+            ratio = "" if base is None else f" ({rate / base:.2f} of tree 0)"
+            base = base or rate
+            cells = "  ".join(f"{n} {v:5.2f}" for n, v in cpu.items())
+            print(f"  {'1 rank' if ranks == 1 else 'Pipeline 2'} tree {tree} ({src or 'installed'}): "
+                  f"{rate:6.1f} tok/s{ratio} | CPU ms/token {cells} | total {sum(cpu.values()):5.2f}")
+
+
+if __name__ == "__main__":
+    main()
