@@ -5,7 +5,8 @@ node -> SSE. This bench places a 1-rank instance (runner and API on one node) an
 holds rank 0; the tokens are sampled on the other node's rank and cross zenoh), runs --streams concurrent greedy
 streams through the API node and reads every process's CPU time (psutil) before and after: CPU ms per generated
 token per process, beside the aggregate tokens/s. With --spy, py-spy samples every process during the streams and
-the top functions (own samples) of each process are printed: where the per-token CPU goes.
+the top functions (own samples) of each process are printed: where the per-token CPU goes (py-spy is not a
+dependency: `pip install py-spy` into the venv, or PY_SPY=/path/to/py-spy).
 
 --src, given twice or more, runs each source tree in its own two-node cluster, interleaved round by round (order
 alternating), and prints the trees side by side: a change to the node path measured against the tree before it in
