@@ -56,6 +56,7 @@ from typing import Any
 
 import httpx
 
+from skulk.engines.link_delay import DELAY_ENV  # torch-free: the bench itself never imports torch
 from skulk.models.demo import BENCH_MODEL_ID
 from skulk.models.packaged import DEFAULT_MODEL_ID, shared_cache
 from skulk.testing.convergence import formed, state_of
@@ -200,7 +201,6 @@ NODE_ENV = {
     "SKULK_LINK_BANDWIDTH_SECONDS": "3",  # a changed link's bandwidth is read again within seconds, not 30
     "SKULK_SPECULATE": "0",  # like for like: a split does not speculate, so one rank does not either
 }
-DELAY_ENV = "SKULK_LINK_DELAY_MS"  # engines/torch/delay.py (not imported: it would pull torch into the bench)
 
 
 @dataclass

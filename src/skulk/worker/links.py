@@ -18,7 +18,7 @@ from collections import deque
 
 import httpx
 
-from skulk.engines.torch.delay import emulated_delay_s
+from skulk.engines.link_delay import emulated_delay_s
 from skulk.types.ids import NodeId
 from skulk.types.links import RTT_FLOOR_MS, LinkMeasurement
 

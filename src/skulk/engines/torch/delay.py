@@ -20,25 +20,15 @@ checks that one attribute.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-DELAY_ENV = "SKULK_LINK_DELAY_MS"
-"""The one-way latency to emulate, in milliseconds (a round trip is twice it). Read once when a rank's link is set
-up (the runner inherits its node's environment)."""
+from skulk.engines.link_delay import DELAY_ENV, emulated_delay_s
 
-
-def emulated_delay_s(environ: Any = os.environ) -> float:
-    """SKULK_LINK_DELAY_MS in seconds; 0 when unset, empty, malformed or negative (emulation off)."""
-    try:
-        value = float(environ.get(DELAY_ENV) or 0.0)
-    except ValueError:
-        return 0.0
-    return value / 1000 if value > 0 else 0.0
+__all__ = ["DELAY_ENV", "DelayedSends", "Later", "after_collective", "emulated_delay_s"]
 
 
 class Later:
