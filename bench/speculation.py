@@ -32,33 +32,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from paged import EDIT  # the code-editing prompt of bench/paged.py (a sibling script: its folder is on sys.path)
 from skulk.engines.torch.engine import TorchEngine
 from skulk.types.chat import ChatMessage, SamplingParams
 
-CODE = '''def moving_average(values, window):
-    """Average of each window of consecutive values."""
-    if window <= 0:
-        raise ValueError("window must be positive")
-    averages = []
-    total = 0.0
-    for index, value in enumerate(values):
-        total += value
-        if index >= window:
-            total -= values[index - window]
-        if index + 1 >= window:
-            averages.append(total / window)
-    return averages
-
-
-def report(name, values, window=3):
-    averages = moving_average(values, window)
-    for index, average in enumerate(averages):
-        print(f"{name} {index}: {average:.2f}")
-    return averages
-'''
-EDIT = ("Rename the function moving_average to rolling_mean everywhere in this code and change nothing else. "
-        "Reply with the whole code.\n\n```python\n" + CODE + "```\n")
-"""The code-editing prompt of bench/paged.py (kept equal to it)."""
 OPEN = "Write a short story about a fox who learns to swim."
 GREEDY = SamplingParams(max_tokens=200, temperature=0)
 SAMPLED = SamplingParams(max_tokens=200, temperature=0.7, seed=1)
