@@ -4,7 +4,8 @@ own process.
 argv: a JSON job {model, rank, port, layers: [[start, end] per rank], engines: ["mlx"|"torch" per rank], prompts,
 tokens, chunk, max_seq, out, micro_batches (default true: rank 0 pipelines micro-batches, flight.py)}. Every rank
 warms up; rank_jobs.generate runs the job and the sampler writes its tokens and gaps; an MLX rank writes
-"<forward passes> <sequences computed>" to <out>.forwards<rank>."""
+"<forward passes> <sequences computed>" to <out>.forwards<rank>. With "runs" (a list of {model, out} overriding
+the job's), the group runs each in turn, fresh engines over the one group."""
 
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=job["rank"],
                             world_size=len(job["layers"]), timeout=timedelta(seconds=60))
+    for run in job.get("runs", [{}]):
+        serve({**job, **run})
+
+
+def serve(job: dict[str, Any]) -> None:
     engine = build(job)
     engine.warmup()
     generate(engine, job, lambda: not engine.has_work())
