@@ -47,7 +47,7 @@ import httpx
 from skulk.models.demo import BENCH_MODEL_ID
 from skulk.testing.convergence import formed, master_of, state_of
 from skulk.testing.nodes import LocalNode
-from skulk.testing.streams import decode_tokens_per_s
+from skulk.testing.streams import decode_tokens_per_s, stream_chunk
 from skulk.testing.waiting import wait_until
 
 PROMPT = "Benchmark the pipeline path of a distributed inference cluster, please."
@@ -165,13 +165,11 @@ async def _timed_stream(client: httpx.AsyncClient, index: int, tokens: int) -> t
         if reply.status_code != 200:
             raise RuntimeError(f"stream refused: {reply.status_code} {(await reply.aread())[:200]!r}")
         async for line in reply.aiter_lines():
-            if not line.startswith("data: {"):
+            chunk = stream_chunk(line)
+            if chunk is None:
                 continue
-            payload = json.loads(line[6:])
-            if "error" in payload:
-                raise RuntimeError(f"stream failed: {payload['error']}")
-            if payload.get("choices") == [] and "usage" in payload:
-                produced = payload["usage"]["completion_tokens"]
+            if chunk >= 0:
+                produced = chunk
                 continue
             last = time.perf_counter()
     return produced, last

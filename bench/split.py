@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import statistics
@@ -61,6 +60,7 @@ from skulk.models.demo import BENCH_MODEL_ID
 from skulk.models.packaged import DEFAULT_MODEL_ID, shared_cache
 from skulk.testing.convergence import formed, state_of
 from skulk.testing.nodes import LocalNode
+from skulk.testing.streams import stream_chunk
 from skulk.testing.waiting import wait_until
 
 SUBNET = "10.28.0"
@@ -238,13 +238,11 @@ async def one_stream(client: httpx.AsyncClient, model: str, tokens: int, seed: i
     seen = Streamed(time.perf_counter(), [], 0)
     async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
         async for line in reply.aiter_lines():
-            if not line.startswith("data: {"):
+            chunk = stream_chunk(line)
+            if chunk is None:
                 continue
-            payload = json.loads(line[6:])
-            if "error" in payload:
-                raise RuntimeError(f"stream failed: {payload['error']}")
-            if payload.get("choices") == [] and "usage" in payload:
-                seen.produced = payload["usage"]["completion_tokens"]
+            if chunk >= 0:
+                seen.produced = chunk
                 continue
             seen.times.append(time.perf_counter())
     if seen.produced < 2 or len(seen.times) < 2:

@@ -13,6 +13,20 @@ from typing import Any
 import httpx
 
 
+def stream_chunk(line: str) -> int | None:
+    """One line of an OpenAI chat stream (with include_usage): None when it is no chunk, -1 for a token chunk,
+    else the final usage chunk's completion_tokens; an error chunk raises. The one parser the streaming clients
+    of benches and tests share."""
+    if not line.startswith("data: {"):
+        return None
+    payload = json.loads(line[6:])
+    if "error" in payload:
+        raise RuntimeError(f"stream failed: {payload['error']}")
+    if payload.get("choices") == [] and "usage" in payload:
+        return int(payload["usage"]["completion_tokens"])
+    return -1
+
+
 def decode_tokens_per_s(url: str, model: str, prompt: str, tokens: int, timeout: float = 600) -> float:
     """Greedy decode speed of one stream: tokens after the first over the time from first to last token."""
     body = {
@@ -27,13 +41,11 @@ def decode_tokens_per_s(url: str, model: str, prompt: str, tokens: int, timeout:
     produced = 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout, trust_env=False) as reply:
         for line in reply.iter_lines():
-            if not line.startswith("data: {"):
+            chunk = stream_chunk(line)
+            if chunk is None:
                 continue
-            payload = json.loads(line[6:])
-            if "error" in payload:
-                raise RuntimeError(f"stream failed: {payload['error']}")
-            if payload.get("choices") == [] and "usage" in payload:
-                produced = payload["usage"]["completion_tokens"]
+            if chunk >= 0:
+                produced = chunk
                 continue
             last = time.perf_counter()
             first = first or last
