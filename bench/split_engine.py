@@ -5,13 +5,16 @@ bench/split.py measures whole nodes (API, runner, supervisor, zenoh, SSE) in net
 one core per node, that path shares the rank's core and dominates at 8 streams. This bench drives TorchEngine ranks
 directly (rank 0's script steps the engine; later ranks step until it closes), each process pinned to its core, so
 the figures are the engine's: single-stream decode tok/s, the 8-stream aggregate (all 8 decoding), TTFT (one stream,
-prompt to first token). Speculative decoding is off everywhere (a split never speculates: like for like). Latency:
+prompt to first token), and the CPU every rank together spent per token of the 8 streams (process CPU time, all
+threads: on a shared machine the wall-clock rates follow the load, this does not). --forced adds Pipeline 2 with
+micro-batches off and always on beside Pipeline 2 as the engine decides (engines/micro_batching.py).
+Speculative decoding is off everywhere (a split never speculates: like for like). Latency:
 SKULK_LINK_DELAY_MS (engines/torch/delay.py) at RTT/2, default 0.5 ms RTT. Placements alternate (1, P2, T2, 1, P2,
 T2, ...) so a load that drifts (a shared machine) hits each alike; each ratio is medians over the rounds, and each
 round's own ratios are printed beside them (a load spike in one placement's turn shows as one outlying round).
 Tensor 2 is skipped for a model whose heads do not split in two (SmolLM2: 9 heads).
 
-Run: .venv/bin/python bench/split_engine.py [--models bench,smollm2] [--rtt-ms 0.5] [--rounds 2] [--tokens 48]
+Run: .venv/bin/python bench/split_engine.py [--models bench,smollm2] [--rtt-ms 0.5] [--rounds 2] [--tokens 48] [--forced]
 """
 
 from __future__ import annotations
@@ -28,22 +31,43 @@ from typing import Any
 
 MODELS = {"bench": ("skulk/bench-random-100m", "int4"), "smollm2": ("", None)}  # "": packaged.DEFAULT_MODEL_ID
 PLACEMENTS = (("1 rank", 1, "pipeline"), ("Pipeline 2", 2, "pipeline"), ("Tensor 2", 2, "tensor"))
+FORCED = (("P2 plain", 2, "plain"), ("P2 always", 2, "always"))
+"""--forced: Pipeline 2 without micro-batches and with them always (Flight.micro_batches False / True), beside
+Pipeline 2 as the engine decides (micro_batching's rule, from its measured pace)."""
 STREAMS = 8
 PROMPT = b"Write a short story about a fox who learns to split a model across two machines. "
 
 
-def run_streams(engine: Any, streams: int, tokens: int, tag: str) -> tuple[float, float]:
-    """(decode tok/s while all `streams` decode, ms from admission to the first token of the first stream)."""
+class Clocked:
+    """A rank's (wall, process CPU) after every step: the CPU any window of rank 0's costs this rank."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.samples = engine, [(time.perf_counter(), time.process_time())]
+
+    def step(self) -> None:
+        self.engine.step()
+        self.engine.take_events()
+        self.samples.append((time.perf_counter(), time.process_time()))
+
+
+def cpu_between(samples: list[tuple[float, float]], start: float, end: float) -> float:
+    """Process CPU seconds a rank spent between two wall times (its samples nearest inside the window)."""
+    inside = [c for t, c in samples if start <= t <= end]
+    return inside[-1] - inside[0] if len(inside) > 1 else 0.0
+
+
+def run_streams(engine: Clocked, streams: int, tokens: int, tag: str) -> tuple[float, float, tuple[float, float, int]]:
+    """(decode tok/s while all `streams` decode, ms from admission to the first token of the first stream, the
+    window's (start, end, tokens))."""
     from skulk.types.chat import SamplingParams
 
     greedy = SamplingParams(max_tokens=tokens, temperature=0)
     for i in range(streams):
-        engine.add_request(f"{tag}-{i}", [*PROMPT, *f"({i})".encode()], greedy)
+        engine.engine.add_request(f"{tag}-{i}", [*PROMPT, *f"({i})".encode()], greedy)
     sent, first, start = time.perf_counter(), 0.0, None
     while True:
         engine.step()
-        engine.take_events()
-        running = engine._running
+        running = engine.engine._running
         emitted = [len(r.emitted) for r in running]
         if not first and any(emitted):
             first = time.perf_counter() - sent
@@ -52,10 +76,9 @@ def run_streams(engine: Any, streams: int, tokens: int, tag: str) -> tuple[float
         if start is not None and max(emitted) >= tokens - 2:
             end = (time.perf_counter(), sum(emitted))
             break
-    while engine._adds or engine._pending or engine._running:
+    while engine.engine._adds or engine.engine._pending or engine.engine._running:
         engine.step()
-        engine.take_events()
-    return (end[1] - start[1]) / (end[0] - start[0]), first * 1000
+    return (end[1] - start[1]) / (end[0] - start[0]), first * 1000, (start[0], end[0], end[1] - start[1])
 
 
 def rank_main(model_dir: Path, quant: str | None, rank: int, world: int, kind: str, layers: list[tuple[int, int]],
@@ -78,6 +101,7 @@ def rank_main(model_dir: Path, quant: str | None, rank: int, world: int, kind: s
         from skulk.types.shards import PipelineShardMetadata, TensorShardMetadata
 
         start, end = layers[rank]
+        forced, kind = {"plain": False, "always": True}.get(kind), "pipeline" if kind in ("plain", "always") else kind
         shard_type = TensorShardMetadata if kind == "tensor" else PipelineShardMetadata
         shard = shard_type(model_card=demo_card(), device_rank=rank, world_size=world, start_layer=start,
                            end_layer=end, n_layers=layers[-1][1])
@@ -88,21 +112,26 @@ def rank_main(model_dir: Path, quant: str | None, rank: int, world: int, kind: s
         engine = TorchEngine(model_dir, rank=rank, world_size=world, kind=kind,  # type: ignore[arg-type]
                              start_layer=start, end_layer=end, control_group=group.control, quantize=quant)
         group.wait_all_loaded(120)
+        engine.micro_batches = forced
     engine.warmup()
+    clocked = Clocked(engine)
     if rank == 0:
-        run_streams(engine, 2, 8, "warm")
-        single, ttft = run_streams(engine, 1, tokens, "one")
-        aggregate, _ = run_streams(engine, STREAMS, tokens, "many")
-        results.put((single, ttft, aggregate))
+        run_streams(clocked, 2, 8, "warm")
+        single, ttft, _ = run_streams(clocked, 1, tokens, "one")
+        aggregate, _, window = run_streams(clocked, STREAMS, tokens, "many")
+        if world > 1 and kind == "pipeline" and engine.micro_batches is None:
+            print(f"    the rule keeps {engine.micro} micro-batch(es) in flight at 8 streams", flush=True)
+        results.put((0, (single, ttft, aggregate, window)))
         engine.close()
     else:
         while not engine.closed:
-            engine.step()
-            engine.take_events()
+            clocked.step()
+    results.put((rank, clocked.samples))
 
 
 def measure(model_dir: Path, quant: str | None, n_layers: int, world: int, kind: str, tokens: int
-            ) -> tuple[float, float, float]:
+            ) -> tuple[float, float, float, float]:
+    """(single tok/s, TTFT ms, 8-stream tok/s, CPU ms per token of all ranks together in the 8-stream window)."""
     from skulk.testing.nodes import free_port
 
     half = n_layers // 2
@@ -114,13 +143,19 @@ def measure(model_dir: Path, quant: str | None, n_layers: int, world: int, kind:
              for r in range(world)]
     for proc in procs:
         proc.start()
+    got: dict[int, Any] = {}
     try:
-        while True:
+        while len(got) < world + 1:  # rank 0's figures, then every rank's clock samples
             try:
-                return results.get(timeout=1)
+                rank, payload = results.get(timeout=1)
+                got[rank if rank not in got else -1 - rank] = payload
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs):
                     raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}") from None
+        single, ttft, aggregate, (start, end, count) = got[0]
+        samples = [got[-1]] + [got[r] for r in range(1, world)]
+        cpu = sum(cpu_between(s, start, end) for s in samples)
+        return single, ttft, aggregate, cpu * 1000 / count
     finally:
         for proc in procs:
             proc.join(60)
@@ -134,6 +169,7 @@ def main() -> None:
     parser.add_argument("--rtt-ms", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--forced", action="store_true", help="also Pipeline 2 with micro-batches off and always on")
     args = parser.parse_args()
     os.environ["SKULK_LINK_DELAY_MS"] = f"{args.rtt_ms / 2:g}"  # the ranks inherit it (engines/torch/delay.py)
     from transformers import AutoConfig
@@ -153,25 +189,27 @@ def main() -> None:
             n_layers = config.num_hidden_layers
             heads = (config.num_attention_heads, getattr(config, "num_key_value_heads", None) or 0)
             placements = [p for p in PLACEMENTS if p[2] != "tensor" or all(h % p[1] == 0 for h in heads)]
-            got: dict[str, list[tuple[float, float, float]]] = {label: [] for label, _, _ in placements}
+            placements += list(FORCED) if args.forced else []
+            got: dict[str, list[tuple[float, float, float, float]]] = {label: [] for label, _, _ in placements}
             for _ in range(args.rounds):
                 for label, world, kind in placements:
                     got[label].append(measure(model_dir, quant, n_layers, world, kind, args.tokens))
                     load.append(os.getloadavg()[0])
                     print(f"  {key:8} {label:10} single {got[label][-1][0]:7.1f}  ttft {got[label][-1][1]:7.1f} ms"
-                          f"  8-stream {got[label][-1][2]:7.1f}", flush=True)
-            base = [statistics.median(x[i] for x in got["1 rank"]) for i in range(3)]
+                          f"  8-stream {got[label][-1][2]:7.1f}  cpu {got[label][-1][3]:5.2f} ms/token", flush=True)
+            base = [statistics.median(x[i] for x in got["1 rank"]) for i in range(4)]
             for label, _, _ in placements:
-                med = [statistics.median(x[i] for x in got[label]) for i in range(3)]
+                med = [statistics.median(x[i] for x in got[label]) for i in range(4)]
                 pairs = zip(got[label], got["1 rank"], strict=True)
                 rounds = " ".join(f"{x[0] / one[0]:.2f}/{x[2] / one[2]:.2f}" for x, one in pairs)
                 lines.append(f"{key:8} {label:10} | {med[0]:7.1f} {med[0] / base[0]:5.2f} | {med[1]:7.1f} "
-                             f"{med[1] / base[1]:5.2f} | {med[2]:7.1f} {med[2] / base[2]:5.2f} | {rounds}")
+                             f"{med[1] / base[1]:5.2f} | {med[2]:7.1f} {med[2] / base[2]:5.2f} | {med[3]:6.2f} "
+                             f"{med[3] / base[3]:5.2f} | {rounds}")
     print(f"\nengine only, one thread per rank on its own core, {args.rtt_ms} ms RTT emulated, speculation off, "
           f"{args.tokens} tokens, medians of {args.rounds} alternating rounds; load average (1 min) "
           f"{min(load):.1f}-{max(load):.1f}")
     print(f"{'model':8} {'placement':10} | {'single':>7} {'÷1':>5} | {'ttft ms':>7} {'÷1':>5} | {'8-str':>7} {'÷1':>5} "
-          f"| each round's single/8-stream ÷1 (same round's 1 rank)")
+          f"| {'cpu/tok':>6} {'÷1':>5} | each round's single/8-stream ÷1 (same round's 1 rank)")
     print("\n".join(lines))
 
 

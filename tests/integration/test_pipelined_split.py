@@ -1,6 +1,7 @@
 """Pipelined micro-batches (issue 28): rank 0 leads a step for one group of streams while later ranks compute
 another, and the tokens are the unpipelined schedule's, token for token (greedy), over real rank processes on
-gloo: 2 and 3 ranks, with requests joining and finishing mid-flight and a cancel. A rank killed mid-pipeline (either
+gloo: 2 and 3 ranks, with requests joining and finishing mid-flight and a cancel, micro-batches always on and as
+the decision rule switches them on and off between steps. A rank killed mid-pipeline (either
 of 2, or the middle one of 3) ends every open stream with a retryable error through the real runner path
 (supervisors, runner_main)."""
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from skulk.engines.torch.engine import TorchEngine
+from skulk.engines.torch.pace import Pace
 from skulk.engines.torch.wire import Released
 from skulk.models.demo import ensure_demo_model
 from skulk.runner.group import connect_group
@@ -54,7 +56,18 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_demo_model(tmp_path_factory.mktemp("models"))
 
 
-def rank_main(spec: RunnerSpec, micro_batches: bool, results: Any) -> None:
+class SwitchingPace(Pace):
+    """A pace that makes micro_batching's rule switch as the decoding rows change (2 or 5 rows over 2 ranks:
+    micro-batches; 3, 4 or 6: the plain schedule), so the rule's schedule changes mid-flight, deterministically."""
+
+    def shares(self, rows: int) -> list[float]:
+        return [float(rows % 3 + 1)] * self.world_size
+
+    def hops(self, rows: int) -> float:
+        return 0.0
+
+
+def rank_main(spec: RunnerSpec, micro_batches: bool | None, results: Any) -> None:
     """One rank; rank 0 plays the script (step counts, not time), the sampler reports every token it sampled."""
     torch.set_num_threads(1)
     group = connect_group(spec, FlightRecorder(spec.context(os.getpid()), enabled=False))
@@ -64,6 +77,8 @@ def rank_main(spec: RunnerSpec, micro_batches: bool, results: Any) -> None:
         prefill_chunk=4, max_seq=64, block_size=4,
     )
     engine.micro_batches = micro_batches
+    if micro_batches is None:
+        engine.pace = SwitchingPace(group.world_size, 1, group.world_size)
     group.wait_all_loaded(60)
     engine.warmup()
     outs: dict[str, list[int]] = {}
@@ -83,9 +98,10 @@ def _play(engine: TorchEngine) -> dict[str, Any]:
     for rid in "abcd":
         engine.add_request(rid, PROMPTS[rid], greedy[rid])
     released: dict[str, bool] = {}
-    added, cancelled = set("abcd"), False
+    added, cancelled, micros = set("abcd"), False, set()
     while len(released) < len(PROMPTS):
         engine.step()
+        micros.add(engine.micro)
         seen = {r.request_id: len(r.emitted) for r in engine._running}  # rank 0's view: tokens back so far
         for rid, (after, count) in JOIN.items():
             if rid not in added and seen.get(after, 0) >= count:
@@ -96,10 +112,11 @@ def _play(engine: TorchEngine) -> dict[str, Any]:
             cancelled = True
         released |= {e.request_id: e.cancelled for e in engine.take_events() if isinstance(e, Released)}
     engine.close()
-    return {"released": released, "overlapped": engine.overlapped}
+    return {"released": released, "overlapped": engine.overlapped, "micros": micros}
 
 
-def run(demo_dir: Path, layers: Layers, micro_batches: bool) -> tuple[dict[str, list[int]], dict[str, Any]]:
+def run(demo_dir: Path, layers: Layers, micro_batches: bool | None
+        ) -> tuple[dict[str, list[int]], dict[str, Any]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -127,9 +144,13 @@ def run(demo_dir: Path, layers: Layers, micro_batches: bool) -> tuple[dict[str, 
 @pytest.mark.parametrize("layers", [[(0, 4), (4, 8)], [(0, 3), (3, 6), (6, 8)]], ids=["pipeline-2", "pipeline-3"])
 def test_pipelined_schedule_equals_the_plain_one(demo_dir: Path, layers: Layers) -> None:
     plain, plain_script = run(demo_dir, layers, micro_batches=False)
-    piped, piped_script = run(demo_dir, layers, micro_batches=True)
     assert plain_script["overlapped"] == 0
+    # 2 ranks: as the decision rule decides (SwitchingPace turns micro-batches off and on); 3: always
+    mode = None if len(layers) == 2 else True
+    piped, piped_script = run(demo_dir, layers, micro_batches=mode)
     assert piped_script["overlapped"] > 0, "rank 0 never led a step while another was in flight"
+    if mode is None:
+        assert piped_script["micros"] == {1, 2}, "the rule never switched the micro-batches off and on"
     cancelled, _ = CANCEL
     for script in (plain_script, piped_script):
         assert script["released"] == {rid: rid == cancelled for rid in PROMPTS}

@@ -12,9 +12,11 @@ batches it has served (worker/compute.py) and each link's round trip and bandwid
 - One rank: its step, times the tokens per step its node measured (speculative drafts accepted; a split does
   not speculate, so one token per stream per step).
 - Pipeline, one stream: every rank's step in turn, a hidden-state hop between consecutive ranks and the sampled
-  token's hop back to rank 0. At batch B without micro-batches the same, at B. With PIPELINE_MICRO_BATCHES
-  (one micro-batch per rank in flight) a round lets every rank work on every micro-batch once: it lasts the
-  longer of the busiest rank's work and one micro-batch's trip round the ring.
+  token's hop back to rank 0. At batch B the engine keeps one micro-batch per rank in flight only where that
+  round is shorter than the plain step, and the prediction takes the same decision with the same function
+  (engines/micro_batching.py) from the same kind of figures: the plain step is every rank's step at B in turn
+  plus the hops; a micro-batched round lets every rank work on every micro-batch once and lasts the longer of
+  the busiest rank's work and one micro-batch's trip round the ring.
 - Tensor: every rank's share in parallel (the slowest sets the pace), two all-reduces per layer (after
   attention and after the MLP; a ring all-reduce over W ranks is 2(W-1) one-way steps), and the sampled tokens'
   broadcast.
@@ -24,12 +26,12 @@ the common case); with no figure anywhere, or a link never measured, there is no
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
+from skulk.engines.micro_batching import Hops, Shares, at_rows, micro_batches_for, period_s
 from skulk.types.ids import NodeId
 from skulk.types.instances import Sharding
 from skulk.types.links import DecodeCompute, LinkMeasurement
@@ -52,10 +54,6 @@ COLLECTIVE_STEP_S = 0.0003
 on the 2-core VM (2026-11-26, load ~9): there Tensor 2 predicted +50 % over measured, because each gloo
 all-reduce waits for both ranks to be scheduled on a machine whose cores are shared by a dozen processes (about
 1.8 ms a one-way step, bench/split_engine.py), which a LAN node with its own cores does not see."""
-PIPELINE_MICRO_BATCHES = True
-"""Whether the torch engine keeps one micro-batch per Pipeline rank in flight (issue 28's pipelined schedule,
-engines/torch/flight.py, on since it landed): without it a batch crosses the ranks as one, and only one rank
-computes at a time."""
 SPECULATES_ON_ONE_RANK = True
 """The torch engine drafts speculatively (prompt lookup) on a single rank only: a one-rank placement gets the
 tokens per step its node measured, a split one token per stream per step."""
@@ -84,27 +82,12 @@ def step_s_per_gb(compute: DecodeCompute, batch: int) -> float | None:
     """The node's figure at `batch`: measured, else linear between the batches around it (below the smallest
     measured, the smallest's; above the largest, extended from the two largest; from one batch alone, only
     batch 1 down)."""
-    return _at(compute.step_s_per_gb, batch)
+    return at_rows(compute.step_s_per_gb, batch)
 
 
 def tokens_per_step(compute: DecodeCompute, batch: int) -> float:
     """Tokens a stream gets per single-rank step at `batch` (accepted speculative drafts), 1 when unknown."""
-    return max(_at(compute.tokens_per_step, batch) or 1.0, 1.0)
-
-
-def _at(table: Mapping[int, float], batch: int) -> float | None:
-    points = sorted(table.items())
-    if not points:
-        return None
-    if batch <= points[0][0]:
-        return points[0][1]
-    for (b0, s0), (b1, s1) in pairwise(points):
-        if b0 <= batch <= b1:
-            return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
-    if len(points) < 2:
-        return None
-    (b0, s0), (b1, s1) = points[-2], points[-1]
-    return max(s1, s1 + (s1 - s0) * (batch - b1) / (b1 - b0))
+    return max(at_rows(compute.tokens_per_step, batch) or 1.0, 1.0)
 
 
 def _figures(nodes: Sequence[NodeId], compute: Mapping[NodeId, DecodeCompute], batch: int
@@ -129,40 +112,41 @@ def one_way_s(links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]], a: NodeI
     return link.rtt_ms / 2000 + wire + software_s
 
 
-def _pipeline_step_s(card: ModelCard, ranks: Sequence[RankShare], per_gb: Mapping[NodeId, float], rows: int,
-                     links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]]) -> tuple[list[float], float] | None:
-    """(each rank's compute seconds, the hops' seconds) for one pass of `rows` rows through the ring."""
+def _ring(card: ModelCard, ranks: Sequence[RankShare], compute: Mapping[NodeId, DecodeCompute],
+          links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]]) -> tuple[Shares, Hops]:
+    """Each rank's seconds at r rows (its node's figure at r times its layers' share of the weights; a node without
+    a figure borrows the median of those that have one) and the hops' seconds at r rows, as micro_batching wants."""
     gb = card.storage_size.in_bytes / 1e9
-    compute = [per_gb[r.node_id] * gb * r.layers / card.n_layers for r in ranks]
-    hidden = card.hidden_size * rows * (4 if card.dtype == "float32" else 2)
-    hops = 0.0
-    for here, there in pairwise(ranks):
-        cost = one_way_s(links, here.node_id, there.node_id, hidden)
-        if cost is None:
+    width = 4 if card.dtype == "float32" else 2
+
+    def shares(rows: int) -> list[float] | None:
+        figures = _figures([r.node_id for r in ranks], compute, rows)
+        if figures is None:
             return None
-        hops += cost
-    if len(ranks) > 1:
-        back = one_way_s(links, ranks[-1].node_id, ranks[0].node_id, TOKEN_ROW_BYTES * rows)
-        if back is None:
-            return None
-        hops += back
-    return compute, hops
+        return [figures[0][r.node_id] * gb * r.layers / card.n_layers for r in ranks]
+
+    def hops(rows: int) -> float | None:
+        costs = [one_way_s(links, here.node_id, there.node_id, card.hidden_size * rows * width)
+                 for here, there in pairwise(ranks)]
+        if len(ranks) > 1:
+            costs.append(one_way_s(links, ranks[-1].node_id, ranks[0].node_id, TOKEN_ROW_BYTES * rows))
+        return None if any(c is None for c in costs) else sum(c for c in costs if c is not None)
+
+    return shares, hops
 
 
-def _pipeline_tps(card: ModelCard, ranks: Sequence[RankShare], per_gb: Mapping[NodeId, float], batch: int,
-                  links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]],
-                  micro_per_gb: Mapping[NodeId, float] | None) -> float | None:
-    """`micro_per_gb`: the figures at a micro-batch's rows when the engine pipelines micro-batches, else None."""
-    if micro_per_gb is not None:
-        rows = math.ceil(batch / len(ranks))
-        step = _pipeline_step_s(card, ranks, micro_per_gb, rows, links)
-        if step is None:
-            return None
-        compute, hops = step
-        round_s = max(len(ranks) * max(compute), sum(compute) + hops)
-        return batch / round_s
-    step = _pipeline_step_s(card, ranks, per_gb, batch, links)
-    return None if step is None else batch / (sum(step[0]) + step[1])
+def _pipeline_tps(card: ModelCard, ranks: Sequence[RankShare], compute: Mapping[NodeId, DecodeCompute], batch: int,
+                  links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]], micro: bool | None) -> float | None:
+    """micro: True, micro-batches whenever there are rows enough; False, never; None, as the engine decides
+    (micro_batching.micro_batches_for, from the same figures)."""
+    shares, hops = _ring(card, ranks, compute, links)
+    world = len(ranks)
+    if micro is None:
+        count = micro_batches_for(shares, hops, batch, world) or 1
+    else:
+        count = world if micro and batch >= world else 1
+    period = period_s(shares, hops, batch, count)
+    return None if period is None else batch / period
 
 
 def _tensor_tps(card: ModelCard, ranks: Sequence[RankShare], per_gb: Mapping[NodeId, float], batch: int,
@@ -187,7 +171,7 @@ def _tensor_tps(card: ModelCard, ranks: Sequence[RankShare], per_gb: Mapping[Nod
 
 
 def _tps(card: ModelCard, sharding: Sharding, ranks: Sequence[RankShare], compute: Mapping[NodeId, DecodeCompute],
-         batch: int, links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]], micro_batches: bool
+         batch: int, links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]], micro_batches: bool | None
          ) -> tuple[float | None, tuple[NodeId, ...]] | None:
     """(tok/s at `batch`, the nodes that borrowed a figure); None when no node has a figure for the batch."""
     nodes = [r.node_id for r in ranks]
@@ -197,13 +181,7 @@ def _tps(card: ModelCard, sharding: Sharding, ranks: Sequence[RankShare], comput
     per_gb, borrowed = figures
     if sharding == Sharding.Tensor:
         return _tensor_tps(card, ranks, per_gb, batch, links), borrowed
-    micro = None
-    if micro_batches and len(ranks) > 1 and batch >= len(ranks):
-        at_rows = _figures(nodes, compute, math.ceil(batch / len(ranks)))
-        if at_rows is None:
-            return None
-        micro = at_rows[0]
-    rate = _pipeline_tps(card, ranks, per_gb, batch, links, micro)
+    rate = _pipeline_tps(card, ranks, compute, batch, links, micro_batches)
     if rate is not None and len(ranks) == 1 and SPECULATES_ON_ONE_RANK:
         own = compute.get(ranks[0].node_id)
         measured = [c for c in compute.values() if c.tokens_per_step]
@@ -220,10 +198,12 @@ def predict_speed(
     links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]],
     *,
     batch: int = PREDICTED_BATCH,
-    micro_batches: bool = PIPELINE_MICRO_BATCHES,
+    micro_batches: bool | None = None,
 ) -> SpeedPrediction | None:
     """One stream's and `batch` streams' decode tok/s for `ranks` (in rank order), or None when the cluster has
-    not measured enough to say (no node has served, or a link of the ring was never measured)."""
+    not measured enough to say (no node has served, or a link of the ring was never measured). micro_batches: a
+    Pipeline's micro-batches always (True), never (False), or as the engine decides from the same figures (None,
+    micro_batching.micro_batches_for)."""
     if not ranks or card.n_layers < 1:
         return None
     single = _tps(card, sharding, ranks, compute, 1, links, micro_batches)

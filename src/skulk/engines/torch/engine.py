@@ -96,7 +96,7 @@ class TorchEngine(LocalStep):
             self._agree_pool()
         with torch.inference_mode():
             header = self._lead() if self.is_scheduler else self._follow()
-            started = time.perf_counter()
+            started, waited = time.perf_counter(), self.link.wait_s
             if header.kind == StepKind.PREFILL:
                 outs = self._prefill(header)
             elif header.kind == StepKind.MIXED:
@@ -110,7 +110,9 @@ class TorchEngine(LocalStep):
                 self._enter_phase("idle", "heartbeat")
                 return []
             if self.is_scheduler:
-                self._measure(header, time.perf_counter() - started, self._chunk_done)
+                seconds = time.perf_counter() - started
+                self._measure(header, seconds, self._chunk_done)
+                self._pace_part(header.kind, seconds - (self.link.wait_s - waited))
             return outs
 
     def _agree_pool(self) -> None:

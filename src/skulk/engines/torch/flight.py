@@ -11,52 +11,97 @@ Only rank 0 decides: the header names the rows each step decodes (wire.Header.ro
 exactly those, and the sampler sends each step's tokens as soon as it has them (into the receive rank 0 posted
 when it sent the step, links.PendingTokens). Rank 0 takes them when a row needs its next input, when n steps are
 in flight, before it preempts (a preempted request carries its tokens in the header, so they must all be known)
-and before it shuts the group down. With one stream this is the plain schedule; `micro_batches = False` keeps
-the plain schedule for any batch.
+and before it shuts the group down. With one stream this is the plain schedule.
+
+Micro-batches do not always pay: each rank then runs `ranks` forwards of fewer rows per round instead of one,
+which costs nearly as much each where the forward is bound by reading the weights. Rank 0 therefore decides per
+step, with micro_batching.micro_batches_for (the rule the speed prediction applies too), from the group's pace it
+measures as it runs (pace.py): `ranks` micro-batches when their round is shorter than the plain step, else one
+(the plain schedule, still led through the same path). `micro_batches` True or False forces either.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
+from skulk.engines.micro_batching import micro_batches_for
+
 from .core import EngineCore
 from .links import PendingTokens, TokenRows
+from .pace import Pace
 from .requests import Request
 from .schedule import micro_batch
-from .wire import Release
+from .wire import Release, StepKind
+
+InFlight = tuple[list[Request], PendingTokens, float, bool]
+"""A step's requests, its tokens on their way, when rank 0 sent it, and whether it was a decode step alone."""
+DECIDE_EVERY = 16
+"""Decode steps between two decisions at the same row count (a decision is a few table lookups; the pace moves
+slowly)."""
 
 
 class Flight(EngineCore):
-    micro_batches = True
-    """Rank 0 of a Pipeline leads micro-batches while earlier ones are in flight (module docstring)."""
+    micro_batches: bool | None = None
+    """Rank 0 of a Pipeline leads micro-batches while earlier ones are in flight: always (True), never (False), or
+    where they pay, by the group's measured pace (None, the default; module docstring)."""
 
     def __init__(self, model_dir: Path, **kwargs: Any) -> None:
         super().__init__(model_dir, **kwargs)
-        self._in_flight: deque[tuple[list[Request], PendingTokens]] = deque()  # rank 0: steps whose tokens are due
+        total = self.model.args.num_hidden_layers
+        end = kwargs.get("end_layer")
+        own = (total if end is None else end) - kwargs.get("start_layer", 0)
+        self.pace = Pace(self.world_size, own, total)  # rank 0: its own part and the tokens' trip, by rows
+        self.micro = self.world_size  # rank 0: micro-batches in flight now (until the pace says otherwise)
+        self._decided: tuple[int, int] = (0, 0)  # rank 0: (decoding rows, decode steps left) of the last decision
+        self._in_flight: deque[InFlight] = deque()  # rank 0: steps whose tokens are due
         self._busy: set[int] = set()  # rank 0: id() of each request in a step in flight
         self.overlapped = 0  # rank 0: steps led while an earlier one was still in flight
 
     @property
     def _pipelined(self) -> bool:
-        return self.kind == "pipeline" and self.world_size > 1 and self.micro_batches
+        return self.kind == "pipeline" and self.world_size > 1 and self.micro_batches is not False
 
-    def _fly(self, reqs: list[Request], pending: PendingTokens) -> None:
+    def _fly(self, reqs: list[Request], pending: PendingTokens, decode: bool) -> None:
         """A step's sampled rows are on their way: rank 0 of a pipelined group takes them later, anyone else now."""
         if self.is_scheduler and self._pipelined:
-            self._in_flight.append((reqs, pending))
+            self._in_flight.append((reqs, pending, time.perf_counter(), decode))
             self._busy.update(map(id, reqs))
         else:
             self._land(reqs, pending.wait())
 
     def _take_due(self, startable: bool) -> None:
-        """Rank 0, before leading a step: take the oldest step's tokens while n steps are in flight or nothing
-        else could start (every decoding row is in flight and nothing is to be prefilled, added or released)."""
-        while self._in_flight and (len(self._in_flight) >= self.world_size or not (startable or self._idle_row())):
+        """Rank 0, before leading a step: take the oldest step's tokens while as many steps as micro-batches are
+        in flight or nothing else could start (every decoding row is in flight and nothing is to be prefilled,
+        added or released)."""
+        if self._pipelined:
+            self.micro = self._micro_batches()
+        while self._in_flight and (len(self._in_flight) >= self.micro or not (startable or self._idle_row())):
             self._take_oldest()
         if self._in_flight:
             self.overlapped += 1
+
+    def _micro_batches(self) -> int:
+        """How many micro-batches the next steps keep in flight (module docstring), decided again when the
+        decoding rows change or every DECIDE_EVERY steps."""
+        if self.micro_batches is not None:
+            return self.world_size
+        rows = sum(1 for r in self._running if r.length >= len(r.prompt))
+        last, left = self._decided
+        if rows == last and left > 0:
+            self._decided = (rows, left - 1)
+            return self.micro
+        self._decided = (rows, DECIDE_EVERY)
+        chosen = micro_batches_for(self.pace.shares, self.pace.hops, rows, self.world_size)
+        return self.micro if chosen is None else chosen
+
+    def _pace_part(self, kind: StepKind, seconds: float) -> None:
+        """Rank 0 of a pipelined group: its own part of a decode step just led (Pace)."""
+        if kind == StepKind.DECODE and self._pipelined and self.micro_batches is None:
+            start, end = self._step_rows or (0, len(self._running))
+            self.pace.part(end - start, seconds)
 
     def _drain(self) -> None:
         """Take every step in flight (before a preemption or a shutdown)."""
@@ -64,10 +109,15 @@ class Flight(EngineCore):
             self._take_oldest()
 
     def _take_oldest(self) -> None:
-        reqs, pending = self._in_flight.popleft()
+        reqs, pending, sent, decode = self._in_flight.popleft()
         self._busy.difference_update(map(id, reqs))
         running = set(map(id, self._running))  # a request released while in flight: nothing left to record
-        self._land([r if id(r) in running else None for r in reqs], pending.wait())
+        waiting = time.perf_counter()
+        rows = pending.wait()
+        if decode:
+            arrived = time.perf_counter()
+            self.pace.tokens_back(len(reqs), arrived - sent, arrived - waiting)
+        self._land([r if id(r) in running else None for r in reqs], rows)
 
     def _land(self, reqs: list[Request] | list[Request | None], rows: TokenRows) -> None:
         """Record [token, finished, failed] per row on a rank that embeds the next input. A row that failed on the
@@ -92,4 +142,4 @@ class Flight(EngineCore):
         decoding = [r.length >= len(r.prompt) for r in running]
         if not self._pipelined:
             return (0, len(running)) if any(decoding) else None
-        return micro_batch([id(r) in self._busy for r in running], decoding, self.world_size)
+        return micro_batch([id(r) in self._busy for r in running], decoding, self.micro)

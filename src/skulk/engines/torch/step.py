@@ -123,7 +123,7 @@ class Step(Admission):
         if logits is not None and len(rows) < len(last_tokens):
             logits = logits[rows]
         outs = self._accept(logits, decoding) if logits is not None else []
-        self._share_tokens(decoding, outs)
+        self._share_tokens(decoding, outs, decode=True)
         return outs
 
 
@@ -164,9 +164,10 @@ class Step(Admission):
             return None
         return out if self.is_sampler else None
 
-    def _share_tokens(self, reqs: list[Request], outs: list[TokenOut]) -> None:
+    def _share_tokens(self, reqs: list[Request], outs: list[TokenOut], *, decode: bool = False) -> None:
         """Get [token, finished, failed] per row from the sampler to the ranks that embed the next input: now, or
-        for rank 0 of a pipelined group when it needs them (flight.py)."""
+        for rank 0 of a pipelined group when it needs them (flight.py). decode: a decode step alone (its tokens'
+        trip is the group's pace, flight.Pace)."""
         if not reqs:
             return
         rows: TokenRows | None = None
@@ -174,7 +175,7 @@ class Step(Admission):
             rows = [[0, 1, 1] if o.error else [o.token_id, int(o.finish_reason is not None), 0] for o in outs]
         pending = self.link.exchange_tokens(rows, len(reqs))
         if pending is not None:
-            self._fly(reqs, pending)
+            self._fly(reqs, pending, decode)
 
     def _accept(self, logits: torch.Tensor, reqs: list[Request]) -> list[TokenOut]:
         """The sampler's bookkeeping: text, finish and per-request failure (requests.py)."""
