@@ -14,7 +14,8 @@ T2, ...) so a load that drifts (a shared machine) hits each alike; each ratio is
 round's own ratios are printed beside them (a load spike in one placement's turn shows as one outlying round).
 Tensor 2 is skipped for a model whose heads do not split in two (SmolLM2: 9 heads).
 
-Run: .venv/bin/python bench/split_engine.py [--models bench,smollm2] [--rtt-ms 0.5] [--rounds 2] [--tokens 48] [--forced]
+Run: .venv/bin/python bench/split_engine.py [--models bench,smollm2] [--rtt-ms 0.5] [--rounds 2] [--tokens 48]
+     [--forced]
 """
 
 from __future__ import annotations
