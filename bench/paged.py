@@ -4,8 +4,8 @@ On the ~100M random Llama (int4 at load, as issue 32 asks), every figure side by
   KV bytes per token: the pool's bytes ÷ its positions against the model's theoretical 2 x layers x kv heads x
     head_dim x dtype bytes                                                            (target within 5 %)
   many streams: decode tok/s of 32 concurrent streams ÷ one stream                     (target >= 8, or where it
-    saturates), on the quantized kernels as they are and, in the same rounds, with the 512-bit kernels off (the
-    256-bit ones every step used before them: "before")
+    saturates), on the quantized kernels as they are and, in the same rounds, with the AMX kernel off (the 512-bit
+    VNNI kernels for every row count, as before it: "before"; the same kernels both ways where there is no AMX)
   --profile: ms per part of one decode step at 1, 8, 16 and 32 streams (bench/step_profile.py), both ways
   a shared prefix: ten chats whose prompts share a 2,000-token system prompt, the peak KV blocks held ÷ one
     chat's                                                                             (target <= 1.5)
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import logging
 import statistics
@@ -92,35 +91,30 @@ def decode_tps(engine: TorchEngine, streams: int, steps: int) -> float:
 
 
 @contextlib.contextmanager
-def wide_kernels(on: bool) -> Iterator[None]:
-    """The quantized matmuls' 512-bit kernels on (from 2 rows, as shipped) or off (the 256-bit kernels for every row
-    count, as before them); where the library has none (no AVX-512 VNNI), both ways are the same kernels."""
-    library = cpu_kernels.library()
-    try:
-        rows = ctypes.c_int.in_dll(library, "skulk_quant_wide_rows") if library is not None else None
-    except ValueError:
-        rows = None
-    if rows is None:
-        yield
-        return
-    before = rows.value
-    rows.value = before if on else 1 << 30
+def amx_kernel(on: bool) -> Iterator[None]:
+    """The quantized matmuls' AMX kernel on (from cpu_kernels.AMX_ROWS rows, as shipped) or off (the 512-bit VNNI
+    kernels for every row count, as before it); where it does not run (no AMX, SKULK_AMX=0), both ways are the
+    VNNI kernels."""
+    before = cpu_kernels.amx_rows()
+    if before:
+        cpu_kernels.amx_rows(before if on else 1 << 30)
     try:
         yield
     finally:
-        rows.value = before
+        if before:
+            cpu_kernels.amx_rows(before)
 
 
 def profile(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = ensure_builtin_model(BENCH_MODEL_ID, Path(tmp))
-        for wide in (False, True):
+        for amx in (False, True):
             engine = TorchEngine(model_dir, quantize="int4", max_seq=512, speculate=False)
             engine.tokenizer.eos_ids = frozenset()  # every row decodes its whole max_tokens
-            with wide_kernels(wide):
+            with amx_kernel(amx):
                 rows = step_profile.profile(engine)
             print(f"ms per decode step (CPU time), 100M int4, {args.threads} thread(s), "
-                  f"{'512-bit kernels (now)' if wide else '256-bit kernels (before)'}:")
+                  f"{'AMX kernel (now)' if amx else 'VNNI kernels (before)'}:")
             step_profile.print_table(rows)
 
 
@@ -153,12 +147,12 @@ def bench_model(args: argparse.Namespace) -> None:
         decode_tps(engine, 2, 4)  # warm
         ratios: dict[bool, list[float]] = {False: [], True: []}
         for round_ in range(args.rounds):
-            for wide in (False, True):
-                with wide_kernels(wide):
+            for amx in (False, True):
+                with amx_kernel(amx):
                     one = decode_tps(engine, 1, 128)  # long enough that one noisy moment does not decide it
                     many = decode_tps(engine, STREAMS, 64)
-                ratios[wide].append(many / one)
-                print(f"round {round_}, {'now' if wide else 'before'}: 1 stream {one:6.1f} tok/s, {STREAMS} streams "
+                ratios[amx].append(many / one)
+                print(f"round {round_}, {'now' if amx else 'before'}: 1 stream {one:6.1f} tok/s, {STREAMS} streams "
                       f"{many:7.1f} tok/s, ratio {many / one:.2f}")
         print(f"{STREAMS} streams ÷ 1 (100M int4): before {statistics.median(ratios[False]):.2f}, now "
               f"{statistics.median(ratios[True]):.2f} (target >= 8)")

@@ -1,7 +1,7 @@
 """Our AVX2 kernels (engines/torch/cpu_matmul.c, cpu_step.c) against torch's arithmetic for the same inputs:
 matrix-vector products on f16/bf16 and MLX 4/8-bit weights at every row count a tile boundary can split, RMSNorm,
-decode attention; the stacked q/k/v and gate/up projections; the one-call decode layer; and the torch fallback when
-the kernels are off."""
+decode attention; the stacked q/k/v and gate/up projections; the one-call decode layer; the AMX kernel against the
+VNNI ones, bit for bit; and the torch fallback when the kernels are off."""
 
 from __future__ import annotations
 
@@ -86,6 +86,50 @@ def test_quant_matrix_matches_the_dequantized_weights(bits: int, group: int, ext
             # more the 512-bit one on an AVX-512 VNNI CPU (two blocks of 8 weight rows per vector, an odd last
             # block through the 256-bit one: 70 rows are 9 blocks)
             assert torch.equal(got[:1], layer(x[:1])), (rows, dtype)
+
+
+@pytest.fixture
+def amx() -> Iterator[int]:
+    """The AMX kernel's row threshold, restored after the test; skipped where the kernel does not run."""
+    rows = cpu_kernels.amx_rows()
+    if not rows:
+        reason = ("this CPU has no AMX-INT8" if not cpu_kernels.amx_flags() else
+                  "the AMX kernel is off (SKULK_AMX=0, a gcc without -mamx-int8, or Linux refused the tile state)")
+        pytest.skip(reason)
+    try:
+        yield rows
+    finally:
+        cpu_kernels.amx_rows(rows)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_the_amx_kernel_is_the_vnni_kernels_bit_for_bit(bits: int, group: int, amx: int) -> None:
+    """cpu_amx.c's tiles give exactly the VNNI kernels' outputs: integer sums per group, then their float operations
+    in their order. Output rows 70 (9 blocks: units of 4 and an odd last block, alone in its pair) and 24 (3: an
+    odd block beside a pair); K past one 512-column span, its last span partial; row counts around the 16-row tiles."""
+    columns = group * (3 + 1024 // group)
+    for n in (70, 24):
+        weight = torch.randn(n, columns, generator=_gen(n + bits + group)) * 0.02
+        layer = QuantizedLinear.from_affine(*affine_quantize(weight, bits, group), bits, group,
+                                            bias=torch.randn(n, generator=_gen(3)))
+        for rows in (1, 8, 16, 17, 32, 64):
+            x = torch.randn(rows, columns, generator=_gen(rows))
+            cpu_kernels.amx_rows(1)
+            tiles = layer(x)
+            cpu_kernels.amx_rows(1 << 30)
+            assert torch.equal(tiles, layer(x)), (n, rows)
+
+
+@pytest.mark.parametrize("options", [{"quantize": "int4"}, {"quantize": "int8"}])
+def test_the_amx_kernel_leaves_a_models_logits_unchanged(qwen: Path, options: dict[str, str], amx: int) -> None:
+    """A 20-token prefill and decode steps, every matmul on AMX tiles or none: the same logits, bit for bit."""
+    model = load_model(qwen, **options)
+    cpu_kernels.amx_rows(1)
+    tiles = _logits(model)
+    cpu_kernels.amx_rows(1 << 30)
+    for got, expected in zip(tiles, _logits(model), strict=True):
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

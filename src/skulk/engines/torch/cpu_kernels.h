@@ -138,6 +138,33 @@ static inline float round_to(float v, int type) {
     return v;
 }
 
+/* weights are prefetched into L2 (T2: into L1 they took fill buffers the loads needed), this many bytes of the
+ * quantized kernels' interleaved blocks ahead (cpu_matmul.c says what it gained) */
+#define PREFETCH_HINT _MM_HINT_T2
+#define PREFETCH_BYTES 8192
+
+#ifdef __AVX512F__
+/* two blocks of 8 weight rows side by side in one 512-bit vector: their 32-byte chunks, and their 8 f16 scales */
+static inline __m512i pair_load(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+static inline __m512 pair_f16(const uint16_t *a, const uint16_t *b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                   _mm_loadu_si128((const __m128i *)b), 1));
+}
+#endif
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+#define SKULK_AMX 1 /* cpu_amx.c: the quantized matmul on AMX tiles */
+void skulk_amx_begin(int group);
+void skulk_amx_end(void);
+void skulk_amx_quant(const uint8_t *w, const uint16_t *scales, const uint16_t *biases, int bits, int group, int b0,
+                     int b1, int K, int stride, int R, const int8_t *xq, const float *xs, const float *xsum,
+                     float *out);
+#endif
+extern int skulk_amx_rows;
+
 void skulk_half_mv(const void *w, int wtype, int N, int K, const void *x, int xtype, int R, const float *bias,
                    void *y, int ytype);
 void skulk_quant_mv(const uint8_t *w, const uint16_t *scales, const uint16_t *biases, int bits, int group, int N, int K,

@@ -8,7 +8,8 @@ as they go, and handle up to eight rows per pass, so a batched step costs about 
 
 The C files need no torch or Python headers: gcc builds them into one library in 3-5 seconds, in the
 user's cache directory (keyed by the sources' hash and the flags, written atomically so concurrent processes
-agree), with VNNI and AVX-512 BF16 where the CPU has them (extension_flags). It is
+agree), with VNNI, AVX-512 BF16 and AMX where the CPU has them (extension_flags; AMX also needs Linux's leave,
+asked once per process, and is off with SKULK_AMX=0). It is
 loaded after torch, so it shares torch's OpenMP runtime and thread count. Where there is no AVX2/FMA/F16C CPU
 or no C compiler, available() is False and the engine uses torch's kernels instead: slower, the same results
 within rounding (tests/unit/test_cpu_kernels.py compares the two paths).
@@ -30,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_matmul.c", "cpu_step.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_matmul.c", "cpu_step.c", "cpu_amx.c"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -69,10 +70,45 @@ def extension_flags() -> tuple[str, ...]:
     flags = cpu_flags()
     if {"avx512_vnni", "avx512vl"} <= flags:  # 256-bit vectors still: the kernels' layouts are built for them
         bf16 = ("-mavx512bf16",) if "avx512_bf16" in flags else ()
-        return ("-mavx512vnni", "-mavx512vl", *bf16, "-mprefer-vector-width=256")
+        return ("-mavx512vnni", "-mavx512vl", *bf16, "-mprefer-vector-width=256", *amx_flags())
     if "avx_vnni" in flags:
         return ("-mavxvnni",)
     return ()
+
+
+def amx_flags() -> tuple[str, ...]:
+    """gcc flags for AMX-INT8 tiles (cpu_amx.c: the quantized matmul for many rows), where the CPU has them; built
+    only beside AVX-512 VNNI (extension_flags), whose kernels it must match bit for bit."""
+    return ("-mamx-tile", "-mamx-int8") if {"amx_tile", "amx_int8"} <= cpu_flags() else ()
+
+
+AMX_ROWS = 16
+"""The fewest activation rows that take the AMX kernel (cpu_amx.c) where it runs."""
+
+
+def _enable_amx(lib: ctypes.CDLL) -> None:
+    """Ask Linux for AMX's tile state (once per process) where the library has the AMX kernel, unless SKULK_AMX=0;
+    where it is refused the VNNI kernels serve every row count."""
+    enable = getattr(lib, "skulk_amx_enable", None)
+    if enable is None or os.environ.get("SKULK_AMX", "1") == "0":
+        return
+    enable.argtypes, enable.restype = [ctypes.c_int], ctypes.c_int
+    if not enable(AMX_ROWS):
+        log.info("AMX tiles refused by the kernel (arch_prctl): the VNNI kernels serve every row count")
+
+
+def amx_rows(rows: int | None = None) -> int:
+    """The fewest activation rows that take the AMX kernel: 0 where it does not run (no AMX build, permission
+    refused, SKULK_AMX=0). With `rows` (where it runs): set it, 1 << 30 for never (bench and tests compare the two
+    paths in one process). Returns the value before."""
+    lib = library()
+    if lib is None:
+        return 0
+    value = ctypes.c_int.in_dll(lib, "skulk_amx_rows")
+    before = value.value
+    if rows is not None and before:
+        value.value = rows
+    return before
 
 
 def _build(extra: tuple[str, ...]) -> Path:
@@ -134,7 +170,9 @@ def library() -> ctypes.CDLL | None:
         log.info("cpu kernels off: this CPU lacks AVX2, FMA or F16C")
         return None
     lib = None
-    for extra in dict.fromkeys((extension_flags(), ())):  # a gcc too old for those builds the AVX2 path
+    extensions = extension_flags()
+    without_amx = tuple(flag for flag in extensions if flag not in amx_flags())
+    for extra in dict.fromkeys((extensions, without_amx, ())):  # a gcc too old for those builds without them
         try:
             lib = ctypes.CDLL(str(_build(extra)))
             break
@@ -166,6 +204,7 @@ def library() -> ctypes.CDLL | None:
     lib.skulk_decode_layer.restype = None
     lib.skulk_decode_layers.argtypes = [ptr, i32, ptr, ptr, ptr, i32, i32, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, ptr]
     lib.skulk_decode_layers.restype = None
+    _enable_amx(lib)
     return lib
 
 

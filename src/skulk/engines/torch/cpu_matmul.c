@@ -28,13 +28,11 @@
 #else
 #define QUANT_TILE 4  /* the same for quantized kernels (an int16 and an int32 sum and a float total per row) */
 #endif
-/* Weights are prefetched ahead of the loads, into L2 (T2: into L1 they took fill buffers the loads needed), and
- * spread through the loops, a line per line consumed: issued as a burst of a whole row at its start, they stalled
- * the loop behind them. 8 rows of f16 against DRAM-resident weights ran 45 -> 75 GMAC/s (2 threads), bf16 x bf16
- * 50 -> 100, f32 31 -> 48, 8-bit 170 -> 215; one row 10-20 % faster. */
-#define PREFETCH_HINT _MM_HINT_T2
+/* Weights are prefetched ahead of the loads (PREFETCH_HINT, PREFETCH_BYTES: cpu_kernels.h), spread through the
+ * loops, a line per line consumed: issued as a burst of a whole row at its start, they stalled the loop behind
+ * them. 8 rows of f16 against DRAM-resident weights ran 45 -> 75 GMAC/s (2 threads), bf16 x bf16 50 -> 100, f32
+ * 31 -> 48, 8-bit 170 -> 215; one row 10-20 % faster. */
 #define PREFETCH_ROWS 4      /* float kernels: this many weight rows ahead */
-#define PREFETCH_BYTES 8192  /* quantized kernels: this many bytes of the interleaved blocks ahead */
 /* Prefetch the weight bytes `ahead` past p, spread through the loop: a line each time this stream of weights,
  * `step` bytes an iteration, enters a new one. */
 #define SPREAD_PREFETCH(p, ahead, step)                                                                          \
@@ -443,14 +441,6 @@ QUANT_FAMILY(q8_64, 8, 64)
  * instruction at about the same rate (~1.8x the multiply-adds a second, measured on the 2-core Xeon). The same
  * integer sums and the same float operations per lane, in the same order, as the 256-bit kernel: bit-identical
  * outputs. A unit's odd last block goes through the 256-bit kernel. */
-static inline __m512i pair_load(const uint8_t *a, const uint8_t *b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
-                              _mm256_loadu_si256((const __m256i *)b), 1);
-}
-static inline __m512 pair_f16(const uint16_t *a, const uint16_t *b) {
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
-                                                   _mm_loadu_si128((const __m128i *)b), 1));
-}
 #define PIN512(v) __asm__("" : "+v"(v))
 #define VNNI512_ROWS(R, A, B)                                                                                    \
     for (int r = 0; r < R; r++) {                                                                              \
@@ -534,7 +524,8 @@ void skulk_quant_mv(const uint8_t *w, const uint16_t *scales, const uint16_t *bi
                     const void *x, int xtype, int R, const float *bias, void *y, int ytype) {
     const int groups = K / group, blocks = (N + 7) / 8, stride = blocks * 8;
     size_t floats = (size_t)R * K + (size_t)R * stride + 2 * (size_t)R * groups;
-    float *xf = scratch(floats * sizeof(float) + (size_t)R * K + 64);
+    /* xq's rows padded to a multiple of 16: the AMX kernel's tiles read (and drop) rows past R */
+    float *xf = scratch(floats * sizeof(float) + (size_t)((R + 15) & ~15) * K + 64);
     float *acc = xf + (size_t)R * K, *xs = acc + (size_t)R * stride, *xsum = xs + (size_t)R * groups;
     int8_t *xq = (int8_t *)(xsum + (size_t)R * groups);
     const quant_fn *family = bits == 4 ? (group == 64 ? q4_64 : q4) : (group == 64 ? q8_64 : q8);
@@ -543,8 +534,16 @@ void skulk_quant_mv(const uint8_t *w, const uint16_t *scales, const uint16_t *bi
         family = bits == 4 ? (group == 64 ? q4_64_wide : q4_wide) : (group == 64 ? q8_64_wide : q8_wide);
 #endif
     const int per_unit = BLOCK_N / 8, units = (blocks + per_unit - 1) / per_unit;
+#ifdef SKULK_AMX
+    const int amx = skulk_amx_rows > 0 && R >= skulk_amx_rows;
+#else
+    const int amx = 0;
+#endif
 #pragma omp parallel if ((size_t)N * K >= (1u << 18))
     {
+#ifdef SKULK_AMX
+        if (amx) skulk_amx_begin(group);
+#endif
 #pragma omp for schedule(static)
         for (int r = 0; r < R; r++) {
             row_to_f32((const char *)x + (size_t)r * K * type_size(xtype), xtype, K, xf + (size_t)r * K);
@@ -554,12 +553,21 @@ void skulk_quant_mv(const uint8_t *w, const uint16_t *scales, const uint16_t *bi
 #pragma omp for schedule(static)
         for (int u = 0; u < units; u++) {
             int b0 = u * per_unit, b1 = b0 + per_unit < blocks ? b0 + per_unit : blocks;
-            for (int r0 = 0; r0 < R; r0 += QUANT_TILE) {
-                int rows = R - r0 < QUANT_TILE ? R - r0 : QUANT_TILE;
-                family[rows](w, scales, biases, group, b0, b1, K, stride, xq + (size_t)r0 * K, xs + (size_t)r0 * groups,
-                             xsum + (size_t)r0 * groups, acc + (size_t)r0 * stride);
-            }
+#ifdef SKULK_AMX
+            if (amx)
+                skulk_amx_quant(w, scales, biases, bits, group, b0, b1, K, stride, R, xq, xs, xsum, acc);
+            else
+#endif
+                for (int r0 = 0; r0 < R; r0 += QUANT_TILE) {
+                    int rows = R - r0 < QUANT_TILE ? R - r0 : QUANT_TILE;
+                    family[rows](w, scales, biases, group, b0, b1, K, stride, xq + (size_t)r0 * K,
+                                 xs + (size_t)r0 * groups, xsum + (size_t)r0 * groups, acc + (size_t)r0 * stride);
+                }
             finish(acc, stride, R, b0 * 8, b1 * 8 < N ? b1 * 8 : N, N, bias, y, ytype);
         }
+#ifdef SKULK_AMX
+        if (amx) skulk_amx_end();
+#endif
     }
+    (void)amx;
 }
