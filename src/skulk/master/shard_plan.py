@@ -4,7 +4,10 @@ Separate from ring choice so the numbers the 400 message quotes are computed in 
 
 The KV pool is sized here, at placement, so its bytes are counted before a runner ever allocates them. Every rank
 of an instance holds the same number of token positions (the engines' block tables are identical on every rank),
-each for its own layers (Pipeline) or heads (Tensor): pool_tokens picks that number once for the ring.
+each for its own layers (Pipeline) or heads (Tensor): pool_tokens picks that number once for the ring. A hybrid
+model (Gemma 3: sliding-window layers beside global ones) keeps its sliding layers in a second pool that holds only
+what their windows see (engines/kv_pools.py): a rank's pool is its global layers' bytes for those positions plus its
+sliding layers' for local_tokens of them, the split the engine makes of the same bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +16,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from skulk.engines.kv_pools import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_PREFILL_CHUNK,
+    hybrid_window,
+    local_pool_blocks,
+    split_pool,
+)
 from skulk.types.backends import EngineName
 from skulk.types.ids import NodeId
 from skulk.types.instances import Sharding
@@ -58,7 +68,40 @@ def kv_bytes_per_token(card: ModelCard, n_layers: int, tensor_ways: int = 1) -> 
 
 def kv_headroom_bytes(card: ModelCard, n_layers: int, tensor_ways: int = 1, context: int | None = None) -> int:
     """KV cache for one request of the whole context over `n_layers`: the least pool a placed model can serve with."""
-    return kv_bytes_per_token(card, n_layers, tensor_ways) * (context or card.context_length)
+    return pool_bytes(card, 0, n_layers, context or card.context_length, tensor_ways)
+
+
+def local_window(card: ModelCard) -> int:
+    """The window of a hybrid model's sliding layer group (engines/kv_pools.py); 0 for a model of one group."""
+    sliding = set(card.sliding_layers)
+    return hybrid_window(card.sliding_window, [i in sliding for i in range(card.n_layers)])
+
+
+def group_bytes_per_token(card: ModelCard, start: int, end: int, tensor_ways: int = 1) -> tuple[int, int]:
+    """What one position costs a rank holding layers [start, end) in its (global, sliding) pools: every layer in the
+    first for a model of one group."""
+    sliding = sum(1 for i in card.sliding_layers if start <= i < end) if local_window(card) else 0
+    return kv_bytes_per_token(card, end - start - sliding, tensor_ways), kv_bytes_per_token(card, sliding, tensor_ways)
+
+
+def local_cap(card: ModelCard) -> int:
+    """The most positions a hybrid model's sliding pool holds: what MAX_STREAMS requests' windows see at the torch
+    engine's block size and prefill chunk (kv_pools.local_pool_blocks); 0 for a model of one group."""
+    window = local_window(card)
+    blocks = local_pool_blocks(window, DEFAULT_BLOCK_SIZE, MAX_STREAMS, DEFAULT_PREFILL_CHUNK) if window else 0
+    return blocks * DEFAULT_BLOCK_SIZE
+
+
+def pool_bytes(card: ModelCard, start: int, end: int, tokens: int, tensor_ways: int = 1) -> int:
+    """A rank's pool of `tokens` positions for layers [start, end): a hybrid model's sliding layers hold at most
+    local_cap of them."""
+    full, local = group_bytes_per_token(card, start, end, tensor_ways)
+    return tokens * full + min(tokens, local_cap(card)) * local
+
+
+def tokens_for(kv_bytes: int, per_token: tuple[int, int], cap: int, most: int) -> int:
+    """Positions a pool of kv_bytes holds at per_token (global, sliding) bytes a position (pool_bytes' inverse)."""
+    return split_pool(kv_bytes, per_token[0], per_token[1], cap, most)[0]
 
 
 def admitted_context(card: ModelCard, max_context: int | None) -> int:
@@ -71,24 +114,31 @@ def admitted_context(card: ModelCard, max_context: int | None) -> int:
 
 def explicit_pool_tokens(card: ModelCard, kv_cache_bytes: int) -> int:
     """Token positions an instance-wide pool of kv_cache_bytes holds (over every layer and head)."""
-    return kv_cache_bytes // max(1, kv_bytes_per_token(card, card.n_layers))
+    if card.embeds:
+        return 0
+    return tokens_for(kv_cache_bytes, group_bytes_per_token(card, 0, card.n_layers), local_cap(card), _UNBOUNDED)
+
+
+_UNBOUNDED = 1 << 62
 
 
 def pool_tokens(
-    per_token: Sequence[int], base: Sequence[int], free: Sequence[int], context: int, kv_cache_bytes: int | None,
-    full_per_token: int,
+    per_token: Sequence[tuple[int, int]], base: Sequence[int], free: Sequence[int], context: int,
+    kv_cache_bytes: int | None, full_per_token: tuple[int, int], cap: int = 0,
 ) -> int:
     """Token positions every rank's pool holds. An explicit pool (kv_cache_bytes, all ranks together) is split in
     proportion to each rank's per-token cost; the default is DEFAULT_KV_FRACTION of the tightest rank's memory left
     after its weights (`base`), at most MAX_STREAMS whole contexts, and never less than one whole context, so any
-    admitted request can run (a ring too small for that is refused by the fit check, not by a smaller pool)."""
-    if full_per_token == 0:
+    admitted request can run (a ring too small for that is refused by the fit check, not by a smaller pool).
+    per_token: each rank's (global, sliding) bytes a position; cap: local_cap (0: one group)."""
+    if sum(full_per_token) == 0:
         return 0
     if kv_cache_bytes is not None:
-        return kv_cache_bytes // full_per_token
-    spare = min(int(DEFAULT_KV_FRACTION * max(0, f - b)) // max(1, p) for p, b, f in zip(per_token, base, free,
-                                                                                       strict=True))
-    return max(context, min(spare, MAX_STREAMS * context))
+        return tokens_for(kv_cache_bytes, full_per_token, cap, _UNBOUNDED)
+    most = MAX_STREAMS * context
+    spare = min(tokens_for(int(DEFAULT_KV_FRACTION * max(0, f - b)), p, cap, most)
+                for p, b, f in zip(per_token, base, free, strict=True))
+    return max(context, min(spare, most))
 
 
 def allocate_layers(n_layers: int, free_bytes: Sequence[int]) -> list[int]:
@@ -184,18 +234,20 @@ def plan_ring(
     if sharding == Sharding.Tensor:
         ranges = [(0, card.n_layers)] * size
         shares = [-(-w // size) for w in weights]
-        per_token = [kv_bytes_per_token(card, card.n_layers, size)] * size
+        ways = size
     else:
         most = max(weights)
         ranges = layer_ranges(allocate_layers(card.n_layers, [f * most // max(1, w) for f, w in zip(free, weights,
                                                                                                      strict=True)]))
         shares = [-(-w * (end - start) // card.n_layers) for w, (start, end) in zip(weights, ranges, strict=True)]
-        per_token = [kv_bytes_per_token(card, end - start) for start, end in ranges]
+        ways = 1
+    per_token = [group_bytes_per_token(card, start, end, ways) for start, end in ranges]
     tokens = pool_tokens(per_token, [weights_base(s) for s in shares], free, context or card.context_length,
-                         kv_cache_bytes, kv_bytes_per_token(card, card.n_layers))
+                         kv_cache_bytes, group_bytes_per_token(card, 0, card.n_layers), local_cap(card))
     plans = tuple(
-        NodePlan(node_id=n, start_layer=start, end_layer=end, weights_share=share, kv_pool=tokens * p, free=f)
-        for n, (start, end), share, p, f in zip(ring, ranges, shares, per_token, free, strict=True)
+        NodePlan(node_id=n, start_layer=start, end_layer=end, weights_share=share,
+                 kv_pool=pool_bytes(card, start, end, tokens, ways), free=f)
+        for n, (start, end), share, f in zip(ring, ranges, shares, free, strict=True)
     )
     if draft is not None and size == 1 and (engines or default)[0] == "torch":
         extra = weights_base(loaded_bytes(draft, "torch")) + tokens * kv_bytes_per_token(draft, draft.n_layers)

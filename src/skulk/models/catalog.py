@@ -57,7 +57,7 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
     The engine's config readers are imported here, not at the top: they live beside torch, which the node process
     never otherwise loads (6 s and ~280 MB at start on a loaded machine)."""
     from skulk.engines.torch.bert import ENCODER_MODEL_TYPES
-    from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES, text_config
+    from skulk.engines.torch.config import SLIDING, SUPPORTED_MODEL_TYPES, text_config, window_fields
     from skulk.engines.torch.quant import quant_spec
 
     model_type = str(config.get("model_type", ""))
@@ -77,6 +77,7 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
     quantization = config.get("quantization_config") or config.get("quantization")
     config = text_config(config)
     heads = int(config["num_attention_heads"])
+    window = window_fields(config, str(config.get("model_type", "")))
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     return ModelCard(
         model_id=ModelId(model_id),
@@ -91,6 +92,8 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
         context_length=int(config.get("max_position_embeddings") or 4096),
         vocab_size=int(config["vocab_size"]) if config.get("vocab_size") else None,
         head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
+        sliding_window=window.get("sliding_window"),
+        sliding_layers=[i for i, kind in enumerate(window.get("layer_types", ())) if kind == SLIDING],
         supports_tensor=True,
         builtin=False,
     )

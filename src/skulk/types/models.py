@@ -36,6 +36,12 @@ class ModelCard(CamelModel):
     head_dim: int | None = None
     """Width of one attention head when the config sets it apart from hidden_size / heads (Qwen3, Gemma 3):
     the KV cache is sized by it. None: hidden_size // num_attention_heads."""
+    sliding_window: int | None = None
+    """The window of the layers that attend through one (sliding_layers): the torch engine keeps a hybrid model's
+    sliding layers' KV in a pool of their own, holding only the window's positions (engines/kv_pools.py), and
+    placement sizes it so. None: no window."""
+    sliding_layers: list[int] = []
+    """The layers attending through sliding_window (Gemma 3's local layers; Mistral v0.1's every layer)."""
     supports_tensor: bool = True
     quantize_at_load: QuantizeAtLoad | None = None
     """Float weights the engine quantizes while loading (weight-only int4/int8); storage_size is then the

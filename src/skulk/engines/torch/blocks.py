@@ -39,6 +39,10 @@ in the prompt's chunk, which computes its last token anyway. Every prompt starts
 copy a block for nearly nothing."""
 
 
+NO_BLOCK = -1
+"""A table entry whose block went back (behind a sliding window): never read unmasked."""
+
+
 class OutOfBlocks(RuntimeError):
     """The pool has no free or cached block left: the scheduler should have queued or preempted first."""
 
@@ -181,6 +185,10 @@ class BlockAllocator:
                 break
             found.append(block)
         return found
+
+    def block_of(self, key: int) -> int | None:
+        """The block holding the full block of chain key `key`, if any (held or cached)."""
+        return self._block_of.get(key)
 
     def remember(self, block: int, parent: int, tokens: Sequence[int]) -> None:
         """Record the tokens block holds (full or not) after the prefix with chain key `parent` (0: none), so a

@@ -7,6 +7,10 @@ the blocks in place (cpu_step.c walks each row's table block by block); the torc
 devices) writes through the same index and gathers a step's blocks into a contiguous view to attend. Stale rows
 past a request's length are never attended: the mask (and the kernels' loop bounds) stop at each row's position.
 A pool of one block per request of the whole context is exactly the old contiguous per-slot layout.
+
+A hybrid model (Gemma 3: sliding-window layers among global ones, engines/kv_pools.py) has two layer groups: its
+sliding layers' pools have their own, smaller number of blocks and each request a second block table for them
+(StepBatch.local), holding only the blocks inside its window.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ class StepBatch:
     mask: torch.Tensor  # [B, 1, T, kv_len] bool
     kv_len: int
     window: int = 0  # a sliding-window layer's batch: each token sees its last `window` keys only (0: all)
+    local: torch.Tensor | None = None  # a hybrid model's sliding layers' block tables [B, n] (None: `tables`)
 
     @classmethod
-    def build(cls, positions: torch.Tensor, tables: torch.Tensor | int, kv_len: int | None = None) -> StepBatch:
+    def build(cls, positions: torch.Tensor, tables: torch.Tensor | int, kv_len: int | None = None,
+              local: torch.Tensor | None = None) -> StepBatch:
         """A batch whose row b sits at positions[b] ([B, T] long) through block table tables[b]; an int `first`
         gives row b the one block first + b (a cache whose blocks hold a whole sequence: one per slot).
 
@@ -44,7 +50,7 @@ class StepBatch:
             kv_len = int(positions.max().item()) + 1
         keys = torch.arange(kv_len, device=positions.device)
         mask = keys.view(1, 1, 1, kv_len) <= positions.view(batch, 1, -1, 1)
-        return cls(tables, positions, mask, kv_len)
+        return cls(tables, positions, mask, kv_len, local=local)
 
     def write_index(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, row) of every input token in a cache of block_size positions a block, [B, T] each."""
@@ -105,7 +111,9 @@ def _pool(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.de
 
 
 class KVCache:
-    """The cache of one model slice: a LayerCache per owned layer, indexed by local layer number."""
+    """The cache of one model slice: a LayerCache per owned layer, indexed by local layer number. local: per owned
+    layer, whether it belongs to a hybrid model's sliding group, whose pools hold local_blocks blocks (empty: one
+    group)."""
 
     def __init__(
         self,
@@ -117,16 +125,21 @@ class KVCache:
         *,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        local: tuple[bool, ...] = (),
+        local_blocks: int = 0,
     ) -> None:
-        shape = (num_blocks, n_kv_heads, block_size, head_dim)
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.layers = [LayerCache(shape, dtype, torch.device(device)) for _ in range(n_layers)]
+        self.num_blocks, self.block_size, self.local_blocks = num_blocks, block_size, local_blocks
+        self.groups = [int(g) for g in local] or [0] * n_layers
+        sizes = (num_blocks, local_blocks)
+        self.layers = [LayerCache((sizes[g], n_kv_heads, block_size, head_dim), dtype, torch.device(device))
+                       for g in self.groups]
 
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy-on-write: block dst gets block src's keys and values in every layer."""
-        for layer in self.layers:
-            layer.keys[dst] = layer.keys[src]
-            layer.values[dst] = layer.values[src]
+    def copy_block(self, src: int, dst: int, group: int = 0) -> None:
+        """Copy-on-write: block dst gets block src's keys and values in every layer of the group."""
+        for layer, g in zip(self.layers, self.groups, strict=True):
+            if g == group:
+                layer.keys[dst] = layer.keys[src]
+                layer.values[dst] = layer.values[src]
 
     @property
     def nbytes(self) -> int:

@@ -125,7 +125,7 @@ class ModelArgs:
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-            **_window_fields(cfg, model_type),
+            **window_fields(cfg, model_type),
             **_gemma_fields(cfg, model_type),
             **_moe_fields(cfg, model_type),
         )
@@ -142,7 +142,7 @@ def _global_rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     return params.get("full_attention", params) if isinstance(params, dict) else {}
 
 
-def _window_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+def window_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """Which layers attend through a sliding window: Mistral's every layer when its config sets one; Gemma 3's
     interleaved local layers (layer_types, or the older sliding_window_pattern: every n-th layer is global).
     Qwen2/Qwen3 configs carry a window they do not use (use_sliding_window false): it is ignored."""

@@ -16,8 +16,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
+from skulk.engines.kv_pools import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_PREFILL_CHUNK,
+    group_pool_bytes,
+    group_pools,
+    hybrid_window,
+)
 from skulk.types.runners import RunnerPhase
 
 from .blocks import BlockAllocator
@@ -26,14 +34,11 @@ from .links import GroupLink, Link, LocalLink, ShardKind, tensor_all_reduce
 from .loader import load_model
 from .model import ModelSlice
 from .requests import FaultHook, Request
-from .schedule import pool_blocks
+from .schedule import DEFAULT_KV_FRACTION, pool_blocks
 from .tokenizer import ChatTokenizer
 from .wire import NewRequest, Release, RequestEvent
 
 DEFAULT_MAX_BATCH = 64  # concurrent streams per instance (the pool may hold fewer: the rest queue)
-DEFAULT_BLOCK_SIZE = 32
-NO_BLOCK = -1  # a table entry whose block went back (behind a sliding window): never read unmasked
-DEFAULT_PREFILL_CHUNK = 512
 WARMUP_ID = "__skulk_warmup__"
 PhaseHook = Callable[[RunnerPhase, str], None]
 SPECULATE_ENV = "SKULK_SPECULATE"
@@ -91,15 +96,17 @@ class EngineCore:
         positions = self.model.args.max_position_embeddings
         self.context_length = min(positions, max_seq) if max_seq is not None else positions
         self.max_batch, self.prefill_chunk, self.block_size = max_batch, prefill_chunk, block_size
-        per_token = self.model.kv_bytes_per_token()
-        num_blocks = pool_blocks(kv_cache_bytes, per_token, block_size, self.context_length, max_batch)
+        args = self.model.args
+        sliding = [args.is_sliding(i) for i in range(args.num_hidden_layers)]
+        self.local_window = hybrid_window(args.sliding_window, sliding)  # a hybrid model's sliding group; 0: none
+        num_blocks, local_blocks = self._pool_sizes(kv_cache_bytes)
         self._agree = world_size > 1  # a group agrees on one pool size at its first step (_agree_pool)
         self.blocks = BlockAllocator(num_blocks, block_size)
-        args = self.model.args
-        every_layer_slides = all(args.is_sliding(i) for i in range(args.num_hidden_layers))
+        self.local_blocks = BlockAllocator(local_blocks, block_size) if local_blocks else None
+        every_layer_slides = all(sliding)
         self.window = (args.sliding_window or 0) if every_layer_slides else 0  # blocks behind it are freed
         self.speculate = speculate and world_size == 1 and os.environ.get(SPECULATE_ENV, "1") not in OFF
-        self.cache = self.model.make_cache(num_blocks, block_size)
+        self.cache = self._make_cache()
         self.drafter: Drafter | None = None
         if draft_dir is not None and self.speculate and not self.window:
             self.drafter = Drafter.load(draft_dir, self.model, num_blocks, block_size, prefill_chunk, dtype=dtype,
@@ -125,6 +132,25 @@ class EngineCore:
         self._chunk_done = 0  # prompt tokens the last prefill step computed
         self._step_rows: tuple[int, int] | None = None  # the running rows this step decodes (None: all)
         self._unseeded = torch.Generator(device=self.device).manual_seed(secrets.randbits(63))
+
+    def _pool_sizes(self, kv_bytes: int | None) -> tuple[int, int]:
+        """(blocks, local blocks): the block pool's size (schedule.pool_blocks), or a hybrid model's two pools'
+        (kv_pools.group_pools: its budget split by each group's real bytes a position on this rank; 0 local blocks
+        for a model of one group)."""
+        size, context, streams = self.block_size, self.context_length, self.max_batch
+        if not self.local_window:
+            return pool_blocks(kv_bytes, self.model.kv_bytes_per_token(), size, context, streams), 0
+        per_token = self.model.group_bytes_per_token()
+        if kv_bytes is None:
+            ceiling = group_pool_bytes(per_token, size, context, streams, self.local_window, self.prefill_chunk)
+            kv_bytes = min(int(psutil.virtual_memory().available * DEFAULT_KV_FRACTION), ceiling)
+        return group_pools(kv_bytes, per_token, size, context, streams, self.local_window, self.prefill_chunk)
+
+    def _make_cache(self) -> Any:
+        """The KV cache for the allocators' pools (a hybrid model's sliding layers in their own)."""
+        if self.local_blocks is None:
+            return self.model.make_cache(self.blocks.num_blocks, self.block_size)
+        return self.model.make_cache(self.blocks.num_blocks, self.block_size, local_blocks=self.local_blocks.num_blocks)
 
     def _load_model(self, model_dir: Path, **kwargs: Any) -> ModelSlice:
         """This rank's slice (loader.load_model); a rank of another engine in a torch group computes with its own."""

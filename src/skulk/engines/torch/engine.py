@@ -121,11 +121,14 @@ class TorchEngine(LocalStep):
         group timeout), before any block is used; the cache's pages were never touched, so remaking it is free."""
         self._agree = False
         control = self.link.control_group if isinstance(self.link, GroupLink) else None
-        agreed = torch.tensor([self.blocks.num_blocks], dtype=torch.int64)
+        local = self.local_blocks.num_blocks if self.local_blocks is not None else 0
+        agreed = torch.tensor([self.blocks.num_blocks, local], dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
-        if int(agreed.item()) != self.blocks.num_blocks:
-            self.blocks = BlockAllocator(int(agreed.item()), self.block_size)
-            self.cache = self.model.make_cache(self.blocks.num_blocks, self.block_size)
+        blocks, local_blocks = (int(n) for n in agreed.tolist())
+        if (blocks, local_blocks) != (self.blocks.num_blocks, local):  # a hybrid model's groups agree each
+            self.blocks = BlockAllocator(blocks, self.block_size)
+            self.local_blocks = BlockAllocator(local_blocks, self.block_size) if local_blocks else None
+            self.cache = self._make_cache()
 
     def warmup(self) -> None:
         """Rank 0 generates two tokens of a throwaway request and every rank steps until the header releases
@@ -156,9 +159,13 @@ class TorchEngine(LocalStep):
 
     def kv_usage(self) -> dict[str, int]:
         """The block pool at a glance: blocks in all, held by requests, cached prefixes, and their size."""
-        return {"kv_blocks": self.blocks.num_blocks, "kv_blocks_held": self.blocks.held,
-                "kv_blocks_cached": self.blocks.cached, "kv_block_size": self.block_size,
-                "running": len(self._running), "queued": self.queued, "preemptions": self.preemptions}
+        usage = {"kv_blocks": self.blocks.num_blocks, "kv_blocks_held": self.blocks.held,
+                 "kv_blocks_cached": self.blocks.cached, "kv_block_size": self.block_size,
+                 "running": len(self._running), "queued": self.queued, "preemptions": self.preemptions}
+        if self.local_blocks is not None:  # a hybrid model's sliding layers' pool (kv_pools.py)
+            usage |= {"kv_local_blocks": self.local_blocks.num_blocks, "kv_local_blocks_held": self.local_blocks.held,
+                      "kv_local_blocks_cached": self.local_blocks.cached, "kv_local_window": self.local_window}
+        return usage
 
     def take_events(self) -> list[RequestEvent]:
         """Requests admitted and released by the headers since the last call (cheap when nothing happened)."""

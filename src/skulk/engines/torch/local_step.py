@@ -34,6 +34,7 @@ class LocalStep(Step):
                for r in running):  # a constrained row's token is its grammar's, not the raw logits' drafts check
             return None
         room, free = max(0, MIXED_STACK_ROWS // len(running) - 1), self.blocks.available
+        local_free = self.local_blocks.available if self.local_blocks is not None else 0
         most = MAX_DRAFT if self.drafter is None else DRAFT_TOKENS
         drafts: list[list[int]] = []
         limits: list[int] = []
@@ -42,12 +43,15 @@ class LocalStep(Step):
                 req.lookup = PromptLookup()
             limit = min(most, room, req.max_tokens - req.generated - 1, self.context_length - req.length - 1,
                         (len(req.table) + free) * self.block_size - req.length - 1)
+            if self.local_blocks is not None:  # a hybrid model's sliding table holds the draft's positions too
+                limit = min(limit, (len(req.local) + local_free) * self.block_size - req.length - 1)
             draft = req.lookup.propose(req.tokens(), limit) if self.drafter is None else []
             limit = limit if self.drafter is not None and req.lookup.worth_it() else len(draft)
             limits.append(max(0, limit))
             free -= max(0, blocks_for(req.length + 1 + limits[-1], self.block_size) - len(req.table))
             while len(req.table) < blocks_for(req.length + 1 + limits[-1], self.block_size):
                 req.table.append(self.blocks.allocate())  # the draft writes there before the target does
+            local_free -= self._grow_local(req, req.length + 1 + limits[-1])
             drafts.append(draft)
         draws: list[Draws] = [None] * len(running)
         if self.drafter is not None:
@@ -66,10 +70,12 @@ class LocalStep(Step):
             tokens = [req.last_token, *draft]
             while len(req.table) < blocks_for(req.length + len(tokens), self.block_size):
                 req.table.append(self.blocks.allocate())
+            self._grow_local(req, req.length + len(tokens))
             ids += tokens
             table = torch.tensor([req.table], dtype=torch.int32, device=self.device)
             positions = torch.arange(req.length, req.length + len(tokens), device=self.device).unsqueeze(0)
-            parts.append(StepBatch.build(positions, table, kv_len=req.length + len(tokens)))
+            parts.append(StepBatch.build(positions, table, kv_len=req.length + len(tokens),
+                                         local=self._local_tables([req])))
         logits = self._forward(torch.tensor([ids], device=self.device), MixedBatch(tuple(parts)), (1, len(ids)))
         assert logits is not None
         greedy = logits[0].argmax(-1).tolist()
@@ -91,6 +97,16 @@ class LocalStep(Step):
             outs += self._emit(req, rows, tokens)
             at += len(draft) + 1
         return outs
+
+    def _grow_local(self, req: Request, positions: int) -> int:
+        """A hybrid model's sliding table takes the blocks of its first `positions` positions; how many it took."""
+        if self.local_blocks is None:
+            return 0
+        took = 0
+        while len(req.local) < blocks_for(positions, self.block_size):
+            req.local.append(self.local_blocks.allocate())
+            took += 1
+        return took
 
     def _emit(self, req: Request, rows: torch.Tensor, tokens: list[int]) -> list[TokenOut]:
         """Accept tokens[j] (chosen from rows[j]'s logits) one by one as a decode step would, until one finishes."""

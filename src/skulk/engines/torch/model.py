@@ -90,16 +90,32 @@ class ModelSlice(nn.Module):
         """Key/value heads this shard holds: the cache is sized by it."""
         return self.args.num_key_value_heads // self.tp_size
 
-    def make_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVCache:
-        """A paged cache of num_blocks blocks for this slice's layers and shard's heads."""
+    def make_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                   local_blocks: int | None = None) -> KVCache:
+        """A paged cache of num_blocks blocks for this slice's layers and shard's heads; local_blocks: a hybrid
+        model's sliding layers get their own pools of that many blocks (None: one pool size for every layer, read
+        through one block table)."""
+        local = self._sliding() if local_blocks is not None else ()
         return KVCache(
             len(self.layers), num_blocks, self.n_kv_heads, block_size, self.args.head_dim,
-            dtype=dtype or self.args.dtype, device=self.rope.inv_freq.device,
+            dtype=dtype or self.args.dtype, device=self.rope.inv_freq.device, local=local,
+            local_blocks=local_blocks or 0,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """What one position of one request costs in this slice's cache."""
         return KVCache.bytes_per_token(len(self.layers), self.n_kv_heads, self.args.head_dim, dtype or self.args.dtype)
+
+    def group_bytes_per_token(self, dtype: torch.dtype | None = None) -> tuple[int, int]:
+        """What one position costs in this slice's (full group, sliding group) pools of a hybrid model."""
+        sliding = sum(self._sliding())
+        per = [KVCache.bytes_per_token(n, self.n_kv_heads, self.args.head_dim, dtype or self.args.dtype)
+               for n in (len(self.layers) - sliding, sliding)]
+        return per[0], per[1]
+
+    def _sliding(self) -> tuple[bool, ...]:
+        """Per owned layer, whether it attends through the sliding window."""
+        return tuple(self.args.is_sliding(i) for i in range(self.start_layer, self.end_layer))
 
     def forward(
         self, x: torch.Tensor, batch: StepBatch | MixedBatch, cache: KVCache, *, last_only: bool = False
@@ -157,7 +173,7 @@ class ModelSlice(nn.Module):
         if memo is not None and memo[0]() is cache and memo[1] == h.dtype:
             return memo[2]
         stack = None
-        if self.local_rope is None and batch.window == 0 and cpu_kernels.handles(h):
+        if self.local_rope is None and batch.window == 0 and batch.local is None and cpu_kernels.handles(h):
             descs = [layer.native(h.dtype, c) if isinstance(layer, DecoderLayer) else None
                      for layer, c in zip(self.layers.values(), cache.layers, strict=True)]
             if all(d is not None for d in descs):
@@ -174,7 +190,8 @@ class ModelSlice(nn.Module):
         window = self.args.sliding_window or 0
         keys = torch.arange(batch.kv_len, device=batch.positions.device).view(1, 1, 1, -1)
         near = keys > batch.positions.unsqueeze(1).unsqueeze(-1) - window
-        return dataclasses.replace(batch, mask=near & batch.mask, window=window)
+        tables = batch.tables if batch.local is None else batch.local  # a hybrid model's sliding group's own
+        return dataclasses.replace(batch, mask=near & batch.mask, window=window, tables=tables)
 
 
 def _last_rows(batch: MixedBatch) -> list[int]:

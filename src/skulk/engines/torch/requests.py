@@ -42,6 +42,7 @@ class Request:
     finished: bool = False
     command_id: str = ""
     table: list[int] = field(default_factory=list)  # block table: position p lives in table[p // block_size]
+    local: list[int] = field(default_factory=list)  # a hybrid model's sliding layers' table (NO_BLOCK behind)
     emitted: list[int] = field(default_factory=list)  # tokens generated since admission (ranks that embed ids)
     keys: list[int] = field(default_factory=list)  # rank 0: chain keys of its full blocks known so far
     lookup: PromptLookup | None = None  # its prompt-lookup drafts' index and acceptance (speculate.py)

@@ -97,7 +97,9 @@ class Step(Admission):
     def _chunk_batch(self, part: PromptPart) -> StepBatch:
         _, req, start, end = part
         tables = torch.tensor([req.table], dtype=torch.int32, device=self.device)
-        return StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), tables, kv_len=end)
+        local = torch.tensor([req.local], dtype=torch.int32, device=self.device) if self.local_blocks else None
+        return StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), tables, kv_len=end,
+                               local=local)
 
     def _ids(self, last_tokens: list[int], chunks: list[PromptPart]) -> torch.Tensor | None:
         """The step's input ids as one sequence: decode rows' last tokens, then each chunk's prompt tokens."""
@@ -137,9 +139,17 @@ class Step(Admission):
         tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in running], dtype=torch.int32,
                               device=self.device)
         batch = StepBatch.build(torch.tensor([[r.length] for r in running], device=self.device), tables,
-                                kv_len=max(r.length for r in running) + 1)
+                                kv_len=max(r.length for r in running) + 1, local=self._local_tables(running))
         rows = [i for i, r in enumerate(running) if r.length >= len(r.prompt)]
         return batch, [max(r.last_token, 0) for r in running], rows
+
+    def _local_tables(self, running: list[Request]) -> torch.Tensor | None:
+        """A hybrid model's sliding tables of the rows, padded like the full group's (None: one group)."""
+        if self.local_blocks is None:
+            return None
+        width = max(len(r.local) for r in running)
+        return torch.tensor([r.local + [0] * (width - len(r.local)) for r in running], dtype=torch.int32,
+                            device=self.device)
 
     def _advance(self, rows: list[int]) -> list[Request]:
         """The requests of the sampling rows (indices within this step's rows), each one position further along."""

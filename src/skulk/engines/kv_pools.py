@@ -1,0 +1,84 @@
+"""How a KV budget splits between the block pools of a hybrid model's two layer groups (torch-free: placement
+sizes the same pools before a runner exists).
+
+A model whose layers all attend alike (Llama, Qwen, Mistral: every layer full, or every layer through one window)
+has one layer group, one block pool and one block table per request. Gemma 3 interleaves sliding-window layers
+with global ones: its global layers need every position's block, its sliding layers only the blocks inside the
+window, so each group gets its own pool and table (vLLM's hybrid KV cache manager does the same). The sliding
+("local") pool then needs to hold only what requests can see through their windows at once, however long their
+contexts grow: `local_pool_blocks`. This module is the one rule for both the engine (engines/torch/core.py) and
+placement (master/shard_plan.py): the local pool holds min(full pool, local_pool_blocks) blocks, the rest of the
+budget is the full pool's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+DEFAULT_BLOCK_SIZE = 32
+"""Positions per KV block of the torch engine (placement sizes a hybrid model's local pool with it)."""
+DEFAULT_PREFILL_CHUNK = 512
+"""Prompt tokens per prefill step of the torch engine (a local pool holds one chunk running ahead of its window)."""
+
+
+def blocks_for(positions: int, block_size: int) -> int:
+    """Blocks a request needs to hold `positions` positions."""
+    return -(-positions // block_size)
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """The most blocks a sliding group's request holds at a decode step: the `window` positions its next token sees
+    straddle at most one block more than they fill."""
+    return blocks_for(window, block_size) + 1
+
+
+def local_pool_blocks(window: int, block_size: int, streams: int, chunk: int) -> int:
+    """Blocks a local pool needs so it never limits `streams` requests: each at a decode step holds its window and
+    may take one block for its next position, and one prefill chunk (whose tokens see a window each) runs ahead."""
+    return streams * (window_blocks(window, block_size) + 1) + blocks_for(chunk, block_size) + 1
+
+
+def local_least(window: int, block_size: int, chunk: int, context: int) -> int:
+    """The fewest blocks a local pool may have: one request alone, prefilling a whole chunk past its window."""
+    return min(blocks_for(context + 1, block_size), blocks_for(window + chunk, block_size) + 2)
+
+
+def hybrid_window(window: int | None, sliding: Sequence[bool]) -> int:
+    """The local group's window of a model whose layers slide as `sliding` says, or 0 when it has one layer group
+    (no window, or every layer alike)."""
+    return (window or 0) if any(sliding) and not all(sliding) else 0
+
+
+def split_pool(kv_bytes: int, full_block: int, local_block: int, local_cap: int, most: int) -> tuple[int, int]:
+    """(full blocks, local blocks) that kv_bytes buys, blocks costing full_block and local_block bytes each (this
+    rank's layers of each group), the local pool holding min(full, local_cap) blocks; at most `most` full blocks
+    (what a rank without global layers holds: they cost it nothing)."""
+    both = full_block + local_block
+    if both <= 0:
+        return most, min(most, local_cap)
+    if local_cap * both >= kv_bytes:
+        n = min(most, kv_bytes // both)
+        return n, n
+    if full_block <= 0:
+        return most, min(most, local_cap)
+    return min(most, (kv_bytes - local_cap * local_block) // full_block), local_cap
+
+
+def group_pools(kv_bytes: int, per_token: tuple[int, int], block_size: int, context: int, streams: int,
+                window: int, chunk: int) -> tuple[int, int]:
+    """A hybrid model's (full, local) pool blocks on a rank whose layers cost per_token = (full group, local group)
+    bytes a position: kv_bytes split by split_pool, never fewer than one whole-context request needs (full) or one
+    request prefilling a chunk past its window (local), never more than `streams` whole-context requests use."""
+    least = blocks_for(context + 1, block_size)
+    cap = local_pool_blocks(window, block_size, streams, chunk)
+    full, local = split_pool(kv_bytes, per_token[0] * block_size, per_token[1] * block_size, cap, streams * least)
+    return max(least, full), max(local_least(window, block_size, chunk, context), min(local, cap))
+
+
+def group_pool_bytes(per_token: tuple[int, int], block_size: int, context: int, streams: int, window: int,
+                     chunk: int) -> int:
+    """What `streams` requests of the whole context can use at most in a hybrid model's two pools (the default
+    pool's ceiling)."""
+    least = blocks_for(context + 1, block_size)
+    local = min(streams * least, local_pool_blocks(window, block_size, streams, chunk))
+    return (per_token[0] * streams * least + per_token[1] * local) * block_size
