@@ -223,8 +223,8 @@ def test_placement_sizes_a_gemma_pool_by_each_groups_real_bytes() -> None:
 
 def test_two_pipeline_ranks_keep_identical_sliding_tables(gemma: Path, tmp_path: Path) -> None:
     """Rank 0 holds only sliding layers (0-2: its global pool costs it nothing), rank 1 the global layer 5 among
-    sliding ones: both follow rank 0's headers into the same two tables per request (shared prefixes on), so two
-    requests, the second sharing the first's prompt past its window, give one rank's tokens."""
+    sliding ones: both follow rank 0's headers (micro-batched: rank 0 runs a step ahead) into the same two tables
+    per request, so two requests, the second sharing the first's 40-token prompt, give one rank's tokens."""
     from skulk.testing.nodes import free_port
     from tests.unit.rank_jobs import launch
 
@@ -236,6 +236,6 @@ def test_two_pipeline_ranks_keep_identical_sliding_tables(gemma: Path, tmp_path:
     port, out = free_port(), tmp_path / "pipeline.json"
     launch("mixed_rank.py", [{"model": str(gemma), "rank": rank, "port": port, "layers": [[0, 3], [3, 6]],
                               "engines": ["torch", "torch"], "prompts": prompts, "tokens": GREEDY.max_tokens,
-                              "out": str(out), "max_seq": 128, "block_size": SIZE, "share_prefixes": True,
-                              "micro_batches": False} for rank in range(2)], 100)
+                              "out": str(out), "max_seq": 128, "block_size": SIZE, "share_prefixes": True}
+                             for rank in range(2)], 100)
     assert json.loads(out.read_text())["tokens"] == expected

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from skulk.master.decide import fail_open_tasks, named_failures
 from skulk.master.placement import draft_card, new_rendezvous_port, place
-from skulk.master.shard_plan import draft_committed, kv_bytes_per_token, loaded_bytes
+from skulk.master.shard_plan import draft_committed, loaded_bytes
 from skulk.types.events import (
     Event,
     InstanceCreated,
@@ -175,8 +175,7 @@ def _draft(state: State, instance: MlxRingInstance, node: NodeId, runner: Runner
     draft = draft_card(state, shard.model_card)
     if draft is None or shard.world_size != 1 or instance.engines()[node] != "torch":
         return 0
-    per_token = kv_bytes_per_token(shard.model_card, shard.model_card.n_layers)
-    return draft_committed(draft, instance.kv_cache_bytes.get(runner, 0), per_token,
+    return draft_committed(draft, instance.kv_cache_bytes.get(runner, 0), shard.model_card,
                            isinstance(state.runners.get(runner), LOADED))
 
 

@@ -207,11 +207,11 @@ class NodePlan:
         return self.needed < self.free
 
 
-def draft_committed(draft: ModelCard, kv_pool: int, target_per_token: int, loaded: bool) -> int:
+def draft_committed(draft: ModelCard, kv_pool: int, target: ModelCard, loaded: bool) -> int:
     """What a draft model beside a single torch rank commits on its node: its KV for the positions of the target's
-    pool (kv_pool bytes at target_per_token), and its weights until the runner has loaded (then they are in the
-    node's reading, as the target's are)."""
-    kv = kv_pool // max(1, target_per_token) * kv_bytes_per_token(draft, draft.n_layers)
+    pool (kv_pool bytes of the whole target: explicit_pool_tokens), and its weights until the runner has loaded
+    (then they are in the node's reading, as the target's are)."""
+    kv = explicit_pool_tokens(target, kv_pool) * kv_bytes_per_token(draft, draft.n_layers)
     return kv if loaded else kv + loaded_bytes(draft, "torch")
 
 
