@@ -13,7 +13,7 @@ alternating), and prints the trees side by side: a change to the node path measu
 one run, on the same loaded machine.
 
 Measured here (2-core VM shared with other work, load 7-11, SKULK_SPECULATE=0, OMP_NUM_THREADS=1, 8 streams x 64
-tokens of the built-in 100M int4 model, medians of 2 rounds, trees interleaved; CPU ms per generated token):
+tokens of the built-in 100M model in float32 (placed unquantized, bench/cluster.py's place_on), medians of 2 rounds, trees interleaved; CPU ms per generated token):
   1 rank      main 72.2 tok/s: node0 0.41, runner0 5.55, idle node1 0.21
               HandOver (6a11808) 89.6 tok/s: node0 0.37, runner0 5.66
   Pipeline 2  main 42.7 tok/s: node0 (API, rank 0) 0.76, runner0 9.35, node1 (sampler) 0.40, runner1 8.62
@@ -22,9 +22,11 @@ tokens of the built-in 100M int4 model, medians of 2 rounds, trees interleaved; 
 So the node processes are 0.2-0.4 ms per token above an idle node (SSE socket writes, the chunk's pydantic
 encode/decode and zenoh put/receive when the sampler is on another node), 4-10 % of a token's CPU; the runners are
 85-95 % in the layer kernels (py-spy). What makes Pipeline 2 lose at 8 streams on this machine is the micro-batched
-schedule: each rank runs two 4-row forwards per 8 tokens, and a 4-row forward of the int4 kernels costs about
+schedule: each rank runs two 4-row forwards per 8 tokens, and a 4-row forward of float32 weights costs about
 what an 8-row one does (weight-bound), so a rank's CPU per token is 2-3x that of the unpipelined schedule; with
-ranks that do not have their own free cores that CPU is the throughput.
+ranks that do not have their own free cores that CPU is the throughput. (The engine now pipelines micro-batches
+only where its measured pace says the round is shorter, engines/micro_batching.py; on a machine whose cores the
+ranks share with other work, a shorter round can still cost more CPU.)
 
 Run: .venv/bin/python bench/node_path.py [--streams 8] [--tokens 64] [--rounds 2] [--spy]
          [--src /path/to/main/src --src src]

@@ -35,13 +35,17 @@ emulated, speculation off everywhere, load average ~9 from other work), ÷ one r
 with the node process on its rank's only core, the node path (runner, supervisor, zenoh, 8 SSE streams) costs
 per token what the prediction does not count. bench/split_engine.py measures the engine without that path.
 Run: sudo .venv/bin/python bench/split.py [--models bench,smollm2] [--links lan10g,lan1g,wifi] [--tokens 48]
-     [--streams 3] [--cores 0/1]   (--cores: each node's cores, taskset lists separated by '/')
+     [--streams 3] [--cores 0/1] [--save run.json]   (--cores: each node's cores, taskset lists separated by '/')
+     .venv/bin/python bench/split.py --repredict run.json   (the saved run's rows, predicted again by this tree
+     from the states the run predicted from: a change to the prediction checked against measured figures)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import os
 import shutil
 import statistics
@@ -340,17 +344,60 @@ PLACEMENTS = (("1 rank", 1, "Pipeline"), ("Pipeline 2", 2, "Pipeline"), ("Tensor
 
 
 def settle_and_predict(nodes: list[SplitNode], key: str, profile: LinkProfile
-                       ) -> dict[str, tuple[float | None, float | None]]:
+                       ) -> tuple[dict[str, tuple[float | None, float | None]], Any]:
     """Wait until both nodes reported links measured under this link (a bandwidth read included: they read every
-    3 s here), and read every placement's prediction, before any of them is measured."""
+    3 s here), and read every placement's prediction, before any of them is measured; with the state they were
+    predicted from (--save keeps it, so --repredict can predict again from the same measured inputs)."""
     model, quant = MODELS[key]
     after = time.time() + 7
     try:
         wait_until(lambda: links_settled(nodes[0], nodes, after), 45, "link measurements", poll=0.5)
     except (TimeoutError, AssertionError, RuntimeError) as exc:  # predict from what is there, and say so
         print(f"  links under {profile.name} not all re-measured in 45 s ({exc}); predictions may be stale")
+    state = state_of(nodes[0])
     return {label: predictions(nodes[0], model, quant, nodes[:count], sharding)
-            for label, count, sharding in PLACEMENTS}
+            for label, count, sharding in PLACEMENTS}, state
+
+
+def _state(model: Any, wire: dict[str, Any]) -> Any:
+    """GET /state's document as a State: what the API adds beyond the State model (views for clients) dropped."""
+    from pydantic import ValidationError
+
+    while True:
+        try:
+            return model.model_validate(wire)
+        except ValidationError as exc:
+            extra = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden"]
+            if not extra:
+                raise
+            for loc in extra:
+                parent = wire
+                for key in loc[:-1]:
+                    parent = parent[key]
+                parent.pop(loc[-1], None)
+
+
+def repredict(row: Row) -> tuple[float | None, float | None]:
+    """The row's placement predicted again, by this tree's master/speed.py, from the state saved when the run
+    predicted it (the same path as GET /instance/previews)."""
+    from skulk.api.previews import skulk_previews
+    from skulk.models.cards import get_card, with_quantization
+    from skulk.types.instances import InstanceMeta, Sharding
+    from skulk.types.placement import KvSizing
+    from skulk.types.state import State
+
+    model, quant = MODELS[row.model]
+    state, members = _state(State, row.extra["state"]), row.extra["members"]
+    card = get_card(model)
+    assert card is not None, model
+    card = with_quantization(card, quant) if quant else card
+    excluded = set(state.topology.nodes) - set(members)
+    found = skulk_previews(state, card, [Sharding(row.extra["sharding"])], list(InstanceMeta), excluded,
+                           "torch", KvSizing())
+    for preview in found:
+        if set(preview.memory_delta_by_node or {}) == set(members) and preview.error is None:
+            return preview.predicted_decode_tps, preview.predicted_aggregate_tps
+    return None, None
 
 
 def run_model(nodes: list[SplitNode], key: str, profile: LinkProfile, tokens: int, streams: int) -> list[Row]:
@@ -359,6 +406,7 @@ def run_model(nodes: list[SplitNode], key: str, profile: LinkProfile, tokens: in
     model, quant = MODELS[key]
     api, rows = nodes[0], []
     predicted: dict[str, tuple[float | None, float | None]] = {}
+    state: Any = None
     for label, count, sharding in PLACEMENTS:
         try:
             instance_id, runners = place(api, nodes[:count], nodes, model, quant, sharding)
@@ -370,10 +418,11 @@ def run_model(nodes: list[SplitNode], key: str, profile: LinkProfile, tokens: in
             # node 0 its compute before anything is predicted
             asyncio.run(measure(api.url, model, tokens if count == 1 else 8, 2 if count == 1 else 1))
             if count == 1:
-                predicted = settle_and_predict(nodes, key, profile)
+                predicted, state = settle_and_predict(nodes, key, profile)
             decode, ttft, aggregate = asyncio.run(measure(api.url, model, tokens, streams))
             guess = predicted.get(label, (None, None))
-            rows.append(Row(key, profile.name, label, decode, ttft, aggregate, guess))
+            inputs = {"state": state, "members": [n.node_id for n in nodes[:count]], "sharding": sharding}
+            rows.append(Row(key, profile.name, label, decode, ttft, aggregate, guess, inputs))
             print(f"  {key:8} {profile.name:7} {label:10} decode {decode:7.1f}  ttft {ttft:7.1f} ms  "
                   f"8-stream {aggregate:7.1f}  predicted {guess}", flush=True)
         finally:
@@ -456,7 +505,15 @@ def main() -> None:
                              "node process a core beside its runner's one compute thread")
     parser.add_argument("--loopback-fallback", action="store_true",
                         help="where namespaces are refused, still measure: nodes on loopback, each on its cores")
+    parser.add_argument("--save", type=Path, help="write the rows and the state each prediction came from (JSON)")
+    parser.add_argument("--repredict", type=Path,
+                        help="measure nothing: predict a --save file's rows again with this tree's master/speed.py")
     args = parser.parse_args()
+    if args.repredict:
+        saved = [Row(**r) for r in json.loads(args.repredict.read_text())]
+        print_table([dataclasses.replace(r, predicted=repredict(r)) for r in saved])
+        print(f"predicted again by this tree from the states saved in {args.repredict}")
+        return
     refused = namespaces_refused()
     if refused is not None and not (args.loopback_fallback and shutil.which("taskset")):
         print(f"bench/split.py: {refused}; nothing measured.")
@@ -490,6 +547,8 @@ def main() -> None:
           f"(SKULK_SPECULATE=0: like for like); links: {shaping_of(ns)}; load average at the end "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print_table(rows)
+    if args.save:
+        args.save.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
 
 
 if __name__ == "__main__":

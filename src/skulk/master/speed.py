@@ -102,14 +102,15 @@ def _figures(nodes: Sequence[NodeId], compute: Mapping[NodeId, DecodeCompute], b
 
 
 def one_way_s(links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]], a: NodeId, b: NodeId,
-              message_bytes: float, software_s: float = PIPELINE_HOP_S) -> float | None:
-    """One message from a to b: half the round trip, the bytes over the bandwidth, the engine's own cost. The
-    link as a measured it, else as b measured it (links are symmetric enough for this)."""
+              message_bytes: float, software_s: float | None = None) -> float | None:
+    """One message from a to b: half the round trip, the bytes over the bandwidth, the engine's own cost
+    (software_s; PIPELINE_HOP_S by default). The link as a measured it, else as b measured it (links are symmetric
+    enough for this)."""
     link = links.get(a, {}).get(b) or links.get(b, {}).get(a)
     if link is None:
         return None
     wire = message_bytes * 8 / (link.bandwidth_mbps * 1e6) if link.bandwidth_mbps else 0.0
-    return link.rtt_ms / 2000 + wire + software_s
+    return link.rtt_ms / 2000 + wire + (PIPELINE_HOP_S if software_s is None else software_s)
 
 
 def _ring(card: ModelCard, ranks: Sequence[RankShare], compute: Mapping[NodeId, DecodeCompute],
