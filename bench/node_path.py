@@ -13,7 +13,8 @@ alternating), and prints the trees side by side: a change to the node path measu
 one run, on the same loaded machine.
 
 Measured here (2-core VM shared with other work, load 7-11, SKULK_SPECULATE=0, OMP_NUM_THREADS=1, 8 streams x 64
-tokens of the built-in 100M model in float32 (placed unquantized, bench/cluster.py's place_on), medians of 2 rounds, trees interleaved; CPU ms per generated token):
+tokens of the built-in 100M model in float32 (placed unquantized, bench/cluster.py's place_on), medians of 2
+rounds, trees interleaved; CPU ms per generated token):
   1 rank      main 72.2 tok/s: node0 0.41, runner0 5.55, idle node1 0.21
               HandOver (6a11808) 89.6 tok/s: node0 0.37, runner0 5.66
   Pipeline 2  main 42.7 tok/s: node0 (API, rank 0) 0.76, runner0 9.35, node1 (sampler) 0.40, runner1 8.62

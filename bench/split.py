@@ -371,7 +371,7 @@ def _state(model: Any, wire: dict[str, Any]) -> Any:
             if not extra:
                 raise
             for loc in extra:
-                parent = wire
+                parent: Any = wire
                 for key in loc[:-1]:
                     parent = parent[key]
                 parent.pop(loc[-1], None)
