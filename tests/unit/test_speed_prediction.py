@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from skulk.master.speed import COLLECTIVE_STEP_S, PIPELINE_HOP_S, RankShare, predict_speed, step_s_per_gb
+from skulk.master.speed import (
+    COLLECTIVE_STEP_S,
+    PIPELINE_HOP_S,
+    SPLIT_TOKEN_S,
+    RankShare,
+    predict_speed,
+    step_s_per_gb,
+)
 from skulk.types.ids import NodeId
 from skulk.types.instances import Sharding
 from skulk.types.links import DecodeCompute, LinkMeasurement
@@ -43,7 +50,8 @@ def test_pipeline_single_stream_adds_one_hop_per_rank_and_the_token_back() -> No
     got = predict_speed(CARD, Sharding.Pipeline, [RankShare(A, 6), RankShare(B, 6)], {A: compute(0.010)}, links)
     assert got is not None
     hop = 0.00025 + PIPELINE_HOP_S
-    assert got.decode_tps == pytest.approx(1 / (0.005 + 0.005 + 2 * hop))
+    node_path = 2 * SPLIT_TOKEN_S  # the token forwarded by the sampler's node, received by the serving one
+    assert got.decode_tps == pytest.approx(1 / (0.005 + 0.005 + 2 * hop + node_path))
     assert got.borrowed == (B,)  # b never served: it borrowed a's figure
     assert got.aggregate_tps is None  # nobody served 8 streams
 
@@ -52,7 +60,7 @@ def test_bandwidth_prices_the_hidden_state_message() -> None:
     slow = {A: {B: link(0.0, 1.0)}}  # 1 Mbit/s: a 768-wide bf16 row is 12.3 ms
     got = predict_speed(CARD, Sharding.Pipeline, [RankShare(A, 6), RankShare(B, 6)], {A: compute(0.010)}, slow)
     assert got is not None
-    expected = 0.010 + 768 * 2 * 8 / 1e6 + 24 * 8 / 1e6 + 2 * PIPELINE_HOP_S
+    expected = 0.010 + 768 * 2 * 8 / 1e6 + 24 * 8 / 1e6 + 2 * PIPELINE_HOP_S + 2 * SPLIT_TOKEN_S
     assert got.decode_tps == pytest.approx(1 / expected)
 
 
@@ -63,7 +71,7 @@ def test_uneven_layers_and_nodes_weigh_each_rank_by_its_share() -> None:
     assert got is not None
     compute_s = 0.010 * 9 / 12 + 0.020 * 3 / 12
     hops = 2 * (0.00005 + PIPELINE_HOP_S)  # hidden states on, the token back; the wire's bytes are negligible
-    assert 1 / got.decode_tps == pytest.approx(compute_s + hops, abs=0.0001)
+    assert 1 / got.decode_tps == pytest.approx(compute_s + hops + 2 * SPLIT_TOKEN_S, abs=0.0001)
 
 
 def test_pipelined_micro_batches_overlap_the_ranks() -> None:
@@ -73,13 +81,13 @@ def test_pipelined_micro_batches_overlap_the_ranks() -> None:
     plain = predict_speed(CARD, Sharding.Pipeline, ranks, figures, links, micro_batches=False)
     piped = predict_speed(CARD, Sharding.Pipeline, ranks, figures, links, micro_batches=True)
     assert plain is not None and piped is not None and plain.aggregate_tps and piped.aggregate_tps
-    one_rank = 8 / 0.016
-    assert plain.aggregate_tps == pytest.approx(8 / (0.016 + 2 * PIPELINE_HOP_S))  # one rank computes at a time
+    # one rank computes at a time
+    assert plain.aggregate_tps == pytest.approx(8 / (0.016 + 2 * PIPELINE_HOP_S + 2 * 8 * SPLIT_TOKEN_S))
     # four rows per micro-batch (between the batch-1 and batch-8 figures), half the model per rank; a round is
     # both micro-batches through the busier rank, or one micro-batch's trip round the ring if that is longer
-    four_rows = (0.010 + 0.006 * 3 / 7) / 2
+    four_rows = (0.010 + 0.006 * 3 / 7) / 2 + 4 * SPLIT_TOKEN_S
     assert piped.aggregate_tps == pytest.approx(8 / max(2 * four_rows, 2 * four_rows + 2 * PIPELINE_HOP_S))
-    assert piped.aggregate_tps > plain.aggregate_tps and piped.aggregate_tps > one_rank
+    assert piped.aggregate_tps > plain.aggregate_tps
 
 
 def test_tensor_pays_two_all_reduces_per_layer_and_loses_to_pipeline_on_slow_links() -> None:
@@ -92,7 +100,7 @@ def test_tensor_pays_two_all_reduces_per_layer_and_loses_to_pipeline_on_slow_lin
     assert wifi.decode_tps < fast.decode_tps and wifi.decode_tps < pipe.decode_tps
     one_way = 0.001 + COLLECTIVE_STEP_S + 768 * 4 / 2 * 8 / 1e9
     assert 1 / wifi.decode_tps == pytest.approx(
-        0.005 + 2 * 12 * 2 * one_way + 0.001 + COLLECTIVE_STEP_S + 24 * 8 / 1e9, rel=1e-6)
+        0.005 + SPLIT_TOKEN_S + 2 * 12 * 2 * one_way + 0.001 + COLLECTIVE_STEP_S + 24 * 8 / 1e9, rel=1e-6)
 
 
 def test_no_prediction_without_any_compute_or_with_an_unmeasured_link() -> None:
@@ -126,4 +134,4 @@ def test_one_rank_gets_its_measured_drafts_a_split_does_not() -> None:
                           {A: {B: link(0.0, None)}})
     assert one is not None and split is not None
     assert one.decode_tps == pytest.approx(200.0)
-    assert split.decode_tps == pytest.approx(1 / (0.010 + 2 * PIPELINE_HOP_S))
+    assert split.decode_tps == pytest.approx(1 / (0.010 + 2 * PIPELINE_HOP_S + 2 * SPLIT_TOKEN_S))

@@ -4,9 +4,11 @@ Inputs are what nodes measured (types/links.py): each node's seconds per decode 
 batches it has served (worker/compute.py) and each link's round trip and bandwidth (worker/links.py). The model:
 
 - A rank's step at batch b costs its node's `step_s_per_gb(b)` times the weight GB it holds: a Pipeline rank its
-  layers' share of the model, a Tensor rank 1/world of every layer. Decode streams every weight once per step,
-  so the time follows the bytes (the lm_head is counted as a layer's share: a small error for models whose
-  vocabulary is large against their layers, which only moves how the work splits between Pipeline stages).
+  layers' share of the model, a Tensor rank 1/world of every layer. A split's ranks on the sampler's node and on
+  the serving node also pay the node path's extra work per token (SPLIT_TOKEN_S), which shares their cores.
+  Decode streams every weight once per step, so the time follows the bytes (the lm_head is counted as a layer's
+  share: a small error for models whose vocabulary is large against their layers, which only moves how the work
+  splits between Pipeline stages).
 - A hop costs one way of its link: half the measured round trip, the message's bytes over the bandwidth, and
   the engine's own work per message (PIPELINE_HOP_S, COLLECTIVE_STEP_S: measured with bench/split.py).
 - One rank: its step, times the tokens per step its node measured (speculative drafts accepted; a split does
@@ -54,6 +56,13 @@ COLLECTIVE_STEP_S = 0.0003
 on the 2-core VM (2026-11-26, load ~9): there Tensor 2 predicted +50 % over measured, because each gloo
 all-reduce waits for both ranks to be scheduled on a machine whose cores are shared by a dozen processes (about
 1.8 ms a one-way step, bench/split_engine.py), which a LAN node with its own cores does not see."""
+SPLIT_TOKEN_S = 0.0002
+"""CPU a split adds per generated token on the node of its sampler (the last rank: the token's chunk forwarded
+over zenoh) and on the node serving the request (taken to hold rank 0: the chunk received from zenoh, not a local
+pipe), on top of what one rank's node spends (SSE to the client), which the node's learned step already holds.
+It shares the ranks' cores (a runner computes on every core but the node's own work), so it counts in those
+ranks' parts. bench/node_path.py, 2-core VM, 8 streams (load 7-11, HandOver): Pipeline 2's API node 0.62 ms a
+token against one rank's 0.37, the sampler's node 0.35 against an idle node's 0.21."""
 SPECULATES_ON_ONE_RANK = True
 """The torch engine drafts speculatively (prompt lookup) on a single rank only: a one-rank placement gets the
 tokens per step its node measured, a split one token per stream per step."""
@@ -124,7 +133,11 @@ def _ring(card: ModelCard, ranks: Sequence[RankShare], compute: Mapping[NodeId, 
         figures = _figures([r.node_id for r in ranks], compute, rows)
         if figures is None:
             return None
-        return [figures[0][r.node_id] * gb * r.layers / card.n_layers for r in ranks]
+        each = [figures[0][r.node_id] * gb * r.layers / card.n_layers for r in ranks]
+        if len(ranks) > 1:  # the node path's own work per token that a split adds (SPLIT_TOKEN_S)
+            each[0] += rows * SPLIT_TOKEN_S
+            each[-1] += rows * SPLIT_TOKEN_S
+        return each
 
     def hops(rows: int) -> float | None:
         costs = [one_way_s(links, here.node_id, there.node_id, card.hidden_size * rows * width)
@@ -157,6 +170,7 @@ def _tensor_tps(card: ModelCard, ranks: Sequence[RankShare], per_gb: Mapping[Nod
     compute = max(per_gb[r.node_id] * gb / world for r in ranks)
     if world == 1:
         return batch / compute
+    compute += batch * SPLIT_TOKEN_S  # every rank waits in each collective for the busiest (SPLIT_TOKEN_S)
     partial = card.hidden_size * batch * 4
     ring = zip(ranks, [*ranks[1:], ranks[0]], strict=True)
     steps = [one_way_s(links, a.node_id, b.node_id, partial / world, COLLECTIVE_STEP_S) for a, b in ring]
