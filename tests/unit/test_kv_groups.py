@@ -185,7 +185,8 @@ def test_preempted_gemma_requests_resume_to_the_same_tokens(gemma: Path, cold: d
 def test_placement_sizes_a_gemma_pool_by_each_groups_real_bytes() -> None:
     """Gemma 3 1B (26 layers, 22 sliding through 512 positions): each Pipeline rank's pool is its global layers'
     bytes for the pool's positions plus its sliding layers' for the windows' (local_cap), not every layer's for
-    every position; and the engine, handed those bytes, makes the same split back."""
+    every position, as the previews show; and the engine, handed those bytes, makes the same split back."""
+    from skulk.master.placement import preview_placements
     from skulk.master.shard_plan import (
         MAX_STREAMS,
         explicit_pool_tokens,
@@ -197,8 +198,9 @@ def test_placement_sizes_a_gemma_pool_by_each_groups_real_bytes() -> None:
     )
     from skulk.models.catalog import card_from_config
     from skulk.types.ids import NodeId
-    from skulk.types.instances import Sharding
+    from skulk.types.instances import InstanceMeta, Sharding
     from tests.unit.test_model_families import REAL_CONFIGS
+    from tests.unit.test_placement import state
 
     card = card_from_config(GEMMA, REAL_CONFIGS[GEMMA], 2_000_000_000)
     assert card.sliding_window == 512 and len(card.sliding_layers) == 22 and 5 not in card.sliding_layers
@@ -215,6 +217,10 @@ def test_placement_sizes_a_gemma_pool_by_each_groups_real_bytes() -> None:
         blocks, local_blocks = group_pools(plan.kv_pool, (full, local), 32, context, MAX_STREAMS, 512, 512)
         assert (blocks, local_blocks * 32) == (tokens // 32, cap)
     assert tokens is not None and tokens >= context
+    previews = preview_placements(state({"a": 64 << 30, "b": 64 << 30}), card, Sharding.Pipeline,
+                                  InstanceMeta.MlxRing)
+    shown = next(p for p in previews if len(p.nodes) == 2 and p.error is None)
+    assert [n.kv_pool.in_bytes for n in shown.nodes] == [plan.kv_pool for plan in plans]
     assert explicit_pool_tokens(card, pool_bytes(card, 0, card.n_layers, context)) == context
     assert explicit_pool_tokens(card, pool_bytes(card, 0, card.n_layers, 4 * context)) == 4 * context
     mistral = card_from_config("mistralai/Mistral-7B-v0.1", REAL_CONFIGS["mistralai/Mistral-7B-v0.1"], 1)
