@@ -16,6 +16,7 @@ Tensor 2 is skipped for a model whose heads do not split in two (SmolLM2: 9 head
 
 Run: .venv/bin/python bench/split_engine.py [--models bench,smollm2] [--rtt-ms 0.5] [--rounds 2] [--tokens 48]
      [--forced]
+     .venv/bin/python bench/split_engine.py --rows 1,2,4,8,16   (t(R): one rank's step and forward CPU by rows)
 """
 
 from __future__ import annotations
@@ -164,6 +165,63 @@ def measure(model_dir: Path, quant: str | None, n_layers: int, world: int, kind:
                 proc.kill()
 
 
+def forward_by_rows(model_dir: Path, quant: str | None, counts: list[int], results: Any) -> None:
+    """t(R): one rank on one core with one thread, CPU seconds of a decode step of R rows (median of the steady
+    steps) and of its forward alone, for each R; what micro_batching's rule weighs (t(R/2) against t(R))."""
+    os.sched_setaffinity(0, {0})
+    import torch
+
+    from skulk.engines.torch.engine import TorchEngine
+    from skulk.types.chat import SamplingParams
+
+    torch.set_num_threads(1)
+    engine = TorchEngine(model_dir, quantize=quant, speculate=False)
+    engine.warmup()
+    model, forwards = engine.model, []
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.thread_time()
+        out = model(*args, **kwargs)
+        forwards.append(time.thread_time() - started)
+        return out
+
+    engine.model = timed  # type: ignore[assignment]  # the engine only calls it (and reads args, below)
+    timed.args = model.args  # type: ignore[attr-defined]
+    for rows in counts:
+        greedy = SamplingParams(max_tokens=40, temperature=0)
+        for i in range(rows):
+            engine.add_request(f"r{rows}-{i}", [*PROMPT, *f"({i})".encode()], greedy)
+        steps: list[tuple[float, float]] = []
+        while engine._adds or engine._pending or engine._running:
+            before, started = len(forwards), time.thread_time()
+            engine.step()
+            engine.take_events()
+            spent = time.thread_time() - started
+            decoding = len(engine._running) == rows and all(r.length >= len(r.prompt) for r in engine._running)
+            if decoding and len(forwards) == before + 1:
+                steps.append((spent, forwards[-1]))
+        steady = steps[3:-3] or steps
+        results.put((rows, statistics.median(s for s, _ in steady), statistics.median(f for _, f in steady)))
+    results.put(None)
+
+
+def print_forwards(key: str, model_dir: Path, quant: str | None, counts: list[int]) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=forward_by_rows, args=(model_dir, quant, counts, results))
+    proc.start()
+    got = []
+    while (item := results.get(timeout=600)) is not None:
+        got.append(item)
+    proc.join(60)
+    base = dict((rows, step) for rows, step, _ in got)
+    for rows, step, forward in got:
+        half = base.get(rows // 2)
+        gain = f"  t(R)/t(R/2) {step / half:4.2f}" if half else ""
+        print(f"{key:8} R={rows:3d}  step {step * 1000:7.2f} ms CPU  forward {forward * 1000:7.2f} ms  "
+              f"per row {step * 1000 / rows:6.2f} ms{gain}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bench,smollm2")
@@ -171,6 +229,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--forced", action="store_true", help="also Pipeline 2 with micro-batches off and always on")
+    parser.add_argument("--rows", help="instead: t(R), one rank's step and forward CPU at these row counts (1,2,4,8)")
     args = parser.parse_args()
     os.environ["SKULK_LINK_DELAY_MS"] = f"{args.rtt_ms / 2:g}"  # the ranks inherit it (engines/torch/delay.py)
     from transformers import AutoConfig
@@ -186,6 +245,9 @@ def main() -> None:
             model_id = model_id or DEFAULT_MODEL_ID
             model_dir = ensure_builtin_model(model_id, Path(tmp)) if key == "bench" else \
                 ensure_packaged_model(model_id, Path(tmp), cache=shared_cache())
+            if args.rows:
+                print_forwards(key, model_dir, quant, [int(r) for r in args.rows.split(",")])
+                continue
             config = AutoConfig.from_pretrained(model_dir)
             n_layers = config.num_hidden_layers
             heads = (config.num_attention_heads, getattr(config, "num_key_value_heads", None) or 0)
@@ -206,6 +268,9 @@ def main() -> None:
                 lines.append(f"{key:8} {label:10} | {med[0]:7.1f} {med[0] / base[0]:5.2f} | {med[1]:7.1f} "
                              f"{med[1] / base[1]:5.2f} | {med[2]:7.1f} {med[2] / base[2]:5.2f} | {med[3]:6.2f} "
                              f"{med[3] / base[3]:5.2f} | {rounds}")
+    if args.rows:
+        print(f"one rank, one thread on core 0, CPU time (thread clock); load average (1 min) {os.getloadavg()[0]:.1f}")
+        return
     print(f"\nengine only, one thread per rank on its own core, {args.rtt_ms} ms RTT emulated, speculation off, "
           f"{args.tokens} tokens, medians of {args.rounds} alternating rounds; load average (1 min) "
           f"{min(load):.1f}-{max(load):.1f}")
