@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from skulk.engines.kv_pools import group_pools, local_least, local_pool_blocks, split_pool, window_blocks
 from skulk.engines.torch.blocks import NO_BLOCK, BlockAllocator, block_keys, blocks_for
@@ -26,7 +28,8 @@ pytestmark = pytest.mark.timeout(120)
 GEMMA = "google/gemma-3-1b-it"
 SIZE = 4  # positions a block: the window (16) is 4 blocks
 PROMPT = [(11 * i) % 400 + 3 for i in range(40)]  # 2.5 windows
-GREEDY = SamplingParams(max_tokens=16, temperature=0)
+GREEDY = SamplingParams(max_tokens=40, temperature=0)
+SAMPLED = SamplingParams(max_tokens=40, temperature=1.0, seed=3)
 
 
 # --- the pure parts ---------------------------------------------------------------------------------------------
@@ -85,6 +88,16 @@ def test_the_sliding_pool_takes_what_its_windows_need_and_the_rest_of_the_budget
 # --- the engine ---------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread: this tiny model's steps are microseconds of arithmetic, which a second thread only spins
+    around on a busy machine (8 s of CPU for the preemption test instead of 0.3)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.unit.test_model_families import REAL_CONFIGS, scaled_down, write_checkpoint
@@ -127,13 +140,17 @@ def drain(engine: TorchEngine) -> dict[str, list[int]]:
 
 def test_a_long_gemma_prompt_holds_only_its_windows_blocks_in_the_sliding_pool(gemma: Path,
                                                                               cold: dict[str, list[int]]) -> None:
-    """Prompt and reply of 64 positions (4 windows): after each decode step the global pool holds every position's
-    block, the sliding pool at most window_blocks(16, 4) = 5, and the tokens (also with prompt-lookup speculation
-    writing drafts through both tables) are the contiguous cache's."""
-    for speculate in (False, True):
+    """Prompt and reply of 80 positions (5 windows): after each decode step the global pool holds every position's
+    block, the sliding pool at most window_blocks(16, 4) = 5, and the tokens (greedy, seeded sampling, and greedy
+    with prompt-lookup speculation writing drafts through both tables) are the contiguous cache's."""
+    sampled = paged(gemma, block_size=128)
+    sampled.add_request("a", PROMPT, SAMPLED)
+    drawn = drain(sampled)["a"]
+    runs = ((GREEDY, False, cold["a"]), (SAMPLED, False, drawn), (GREEDY, True, cold["a"]))
+    for sampling, speculate, expected in runs:
         engine = paged(gemma, speculate=speculate)
         assert engine.local_window == 16 and engine.local_blocks is not None
-        engine.add_request("a", PROMPT, GREEDY)
+        engine.add_request("a", PROMPT, sampling)
         tokens: list[int] = []
         while engine.has_work():
             tokens += [o.token_id for o in engine.step()]
@@ -141,7 +158,7 @@ def test_a_long_gemma_prompt_holds_only_its_windows_blocks_in_the_sliding_pool(g
                 req = engine._running[0]
                 assert engine.blocks.held == len(req.table) == blocks_for(req.length, SIZE)
                 assert engine.local_blocks.held == sum(b != NO_BLOCK for b in req.local) <= window_blocks(16, SIZE)
-        assert tokens == cold["a"], speculate
+        assert tokens == expected, (sampling, speculate)
     usage = engine.kv_usage()
     assert usage["kv_local_window"] == 16 and usage["kv_local_blocks"] == engine.local_blocks.num_blocks
     assert usage["kv_local_blocks_held"] == 0 and usage["kv_local_blocks_cached"] > 0
