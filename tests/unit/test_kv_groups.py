@@ -159,9 +159,9 @@ def test_a_long_gemma_prompt_holds_only_its_windows_blocks_in_the_sliding_pool(g
                 assert engine.blocks.held == len(req.table) == blocks_for(req.length, SIZE)
                 assert engine.local_blocks.held == sum(b != NO_BLOCK for b in req.local) <= window_blocks(16, SIZE)
         assert tokens == expected, (sampling, speculate)
-    usage = engine.kv_usage()
-    assert usage["kv_local_window"] == 16 and usage["kv_local_blocks"] == engine.local_blocks.num_blocks
-    assert usage["kv_local_blocks_held"] == 0 and usage["kv_local_blocks_cached"] > 0
+        usage = engine.kv_usage()  # what diagnostics show: both pools
+        assert usage["kv_local_window"] == 16 and usage["kv_local_blocks"] == engine.local_blocks.num_blocks
+        assert usage["kv_local_blocks_held"] == 0 and usage["kv_local_blocks_cached"] > 0
 
 
 def test_a_gemma_prefix_longer_than_the_window_is_shared_by_both_groups(gemma: Path,
