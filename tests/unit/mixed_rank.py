@@ -3,10 +3,10 @@ own process.
 
 argv: a JSON job {model, rank, port, layers: [[start, end] per rank], engines: ["mlx"|"torch" per rank], prompts,
 tokens, chunk, max_seq, out, micro_batches (default true: rank 0 pipelines micro-batches, flight.py), block_size,
-share_prefixes (default false)}. Every rank warms up; rank_jobs.generate runs the job and the sampler writes its
-tokens and gaps; an MLX rank writes
-"<forward passes> <sequences computed>" to <out>.forwards<rank>. With "runs" (a list of {model, out} overriding
-the job's), the group runs each in turn, fresh engines over the one group."""
+dtype, share_prefixes (default false), kind (default "pipeline"; "tensor": every rank all layers, its share of the
+heads)}. Every rank warms up; rank_jobs.generate runs the job and the sampler writes its tokens and gaps; an MLX rank
+writes "<forward passes> <sequences computed>" to <out>.forwards<rank>. With "runs" (a list of {model, out}
+overriding the job's), the group runs each in turn, fresh engines over the one group."""
 
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ def build(job: dict[str, Any]) -> TorchEngine:
         from skulk.engines.mlx.mixed import MixedMlxEngine
 
         make = MixedMlxEngine
-    engine = make(Path(job["model"]), rank=rank, world_size=len(layers), kind="pipeline",
+    extra = {key: job[key] for key in ("block_size", "dtype") if key in job}
+    engine = make(Path(job["model"]), rank=rank, world_size=len(layers), kind=job.get("kind", "pipeline"),
                   start_layer=layers[rank][0], end_layer=layers[rank][1], control_group=dist.group.WORLD,
-                  prefill_chunk=job.get("chunk", 8), max_seq=job.get("max_seq", 256),
-                  **({"block_size": job["block_size"]} if "block_size" in job else {}))
+                  prefill_chunk=job.get("chunk", 8), max_seq=job.get("max_seq", 256), **extra)
     engine.share_prefixes = job.get("share_prefixes", False)
     engine.micro_batches = job.get("micro_batches", True)
     return engine

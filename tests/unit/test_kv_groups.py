@@ -244,6 +244,33 @@ def test_placement_sizes_a_gemma_pool_by_each_groups_real_bytes() -> None:
     assert local_cap(mistral) == 0 and group_bytes_per_token(mistral, 0, 32)[1] == 0  # every layer slides: one group
 
 
+def test_two_tensor_ranks_keep_identical_sliding_tables(gemma: Path, tmp_path: Path) -> None:
+    """Gemma with 2 KV heads split over 2 Tensor ranks (float32: the split's partial sums round like one rank's
+    at this size): each rank holds every layer's half of the heads in both pools, through the same two tables per
+    request, and the two requests (the second sharing the first's 40-token prompt) give one rank's tokens."""
+    from skulk.testing.nodes import free_port
+    from tests.unit.rank_jobs import launch
+    from tests.unit.test_model_families import write_checkpoint
+
+    wide = tmp_path / "gemma-kv2"
+    shutil.copytree(gemma, wide)  # the tokenizer; the weights are rewritten
+    config = json.loads((gemma / "config.json").read_text())
+    assert config["num_attention_heads"] % 2 == 0
+    config["num_key_value_heads"] = 2
+    write_checkpoint(config, wide)
+    prompts = [PROMPTS["a"], PROMPTS["b"]]
+    engine = paged(wide, speculate=False)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, GREEDY)
+    expected = drain(engine)
+    port, out = free_port(), tmp_path / "tensor.json"
+    launch("mixed_rank.py", [{"model": str(wide), "rank": rank, "port": port, "layers": [[0, 6], [0, 6]],
+                              "kind": "tensor", "engines": ["torch", "torch"], "prompts": prompts,
+                              "tokens": GREEDY.max_tokens, "out": str(out), "max_seq": 128, "block_size": SIZE,
+                              "dtype": "float32", "share_prefixes": True} for rank in range(2)], 100)
+    assert json.loads(out.read_text())["tokens"] == expected
+
+
 def test_two_pipeline_ranks_keep_identical_sliding_tables(gemma: Path, tmp_path: Path) -> None:
     """Rank 0 holds only sliding layers (0-2: its global pool costs it nothing), rank 1 the global layer 5 among
     sliding ones: both follow rank 0's headers (micro-batched: rank 0 runs a step ahead) into the same two tables
