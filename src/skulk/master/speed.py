@@ -41,21 +41,19 @@ from skulk.types.models import ModelCard
 
 PREDICTED_BATCH = 8
 """The batch `predicted_aggregate_tps` is for: 8 concurrent streams, the figure bench/split.py measures."""
-PIPELINE_HOP_S = 0.0011
+PIPELINE_HOP_S = 0.0005
 """The torch engine's own cost per Pipeline message (hidden states to the next rank, tokens back to rank 0):
-torch.distributed's send and receive, the step header, the Python around them. bench/split.py on an H200
-host's CPU cores (one thread per rank, veth without added latency): Pipeline 2 decoded one stream at 4.75 ms a
-token where a rank's plain step is about 2.5 ms, two messages a token. Checked again 2026-11-26 on a 2-core VM
-with the pipelined schedule, 0.5 ms RTT emulated (SKULK_LINK_DELAY_MS), speculation off on both, load average ~9
-(bench/split.py --links lan1g --cores 0/1): predicted ÷ measured one stream, Pipeline 2, -8 % (100M int4) and +6 %
-(SmolLM2); one rank -1 % and +5 %. Kept: the figures do not say it is wrong, and a machine that loaded cannot
-say more precisely what it is."""
-COLLECTIVE_STEP_S = 0.0003
-"""The engine's own cost per one-way step of a Tensor all-reduce (gloo, a few KB): the same run's Tensor 2,
-17.5 ms a token for half the compute and 49 one-way steps (two all-reduces per layer, 12 layers). Not re-fitted
-on the 2-core VM (2026-11-26, load ~9): there Tensor 2 predicted +50 % over measured, because each gloo
-all-reduce waits for both ranks to be scheduled on a machine whose cores are shared by a dozen processes (about
-1.8 ms a one-way step, bench/split_engine.py), which a LAN node with its own cores does not see."""
+torch.distributed's send and receive, the step header, the Python around them. Fitted 2026-11-26 on a quiet 2-core
+VM (load ~1.3, one core per node, speculation off, bench/split.py --links lan1g, latency emulated): with it and the
+nodes' own link figures, Pipeline 2's one stream predicted -25 % (100M int4) and -24 % (SmolLM2) at 0.5 ms RTT,
+then out of sample at 0.1 ms and 2 ms RTT -1 % / -19 % and +3 % / -12 %. (1.1 ms before, from an H200 host's
+veth without added latency, read the links' round trip from one end only; see one_way_s.)"""
+COLLECTIVE_STEP_S = 0.0007
+"""The engine's own cost per one-way step of a Tensor all-reduce (gloo, a few KB). Fitted on the same quiet run's
+Tensor 2 one stream at 0.5 ms RTT (100M int4: 17.2 tok/s, +1 %), then out of sample +6 % at 0.1 ms and -1 % at
+2 ms RTT. A gloo all_reduce of 8 x 576 floats between two pinned processes costs ~1 ms wall, 0.7 ms CPU on this
+machine (load ~3), so the figure is gloo's own, not the link's: Tensor 2 decoded 17.1 tok/s at 0.1 ms RTT and
+17.2 at 0.5 ms."""
 SPLIT_TOKEN_S = 0.0002
 """CPU a split adds per generated token on the node of its sampler (the last rank: the token's chunk forwarded
 over zenoh) and on the node serving the request (taken to hold rank 0: the chunk received from zenoh, not a local
@@ -113,13 +111,16 @@ def _figures(nodes: Sequence[NodeId], compute: Mapping[NodeId, DecodeCompute], b
 def one_way_s(links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]], a: NodeId, b: NodeId,
               message_bytes: float, software_s: float | None = None) -> float | None:
     """One message from a to b: half the round trip, the bytes over the bandwidth, the engine's own cost
-    (software_s; PIPELINE_HOP_S by default). The link as a measured it, else as b measured it (links are symmetric
-    enough for this)."""
-    link = links.get(a, {}).get(b) or links.get(b, {}).get(a)
-    if link is None:
+    (software_s; PIPELINE_HOP_S by default). The bandwidth as a measured it, else as b did; the round trip the
+    shorter of the two ends' (the same link: a longer figure is a probe answered late, e.g. by a node busy with a
+    runner on its core; bench/split.py's 0.5 ms link read 3.76 ms from one end and 0.85 ms from the other)."""
+    ends = [m for m in (links.get(a, {}).get(b), links.get(b, {}).get(a)) if m is not None]
+    if not ends:
         return None
+    link = ends[0]
+    rtt_ms = min(m.rtt_ms for m in ends)  # a probe's round trip only errs long (a busy node answers late)
     wire = message_bytes * 8 / (link.bandwidth_mbps * 1e6) if link.bandwidth_mbps else 0.0
-    return link.rtt_ms / 2000 + wire + (PIPELINE_HOP_S if software_s is None else software_s)
+    return rtt_ms / 2000 + wire + (PIPELINE_HOP_S if software_s is None else software_s)
 
 
 def _ring(card: ModelCard, ranks: Sequence[RankShare], compute: Mapping[NodeId, DecodeCompute],
