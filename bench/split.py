@@ -28,12 +28,19 @@ Firecracker kernel without netem, so the rates alone were shaped and every link 
 stream ÷ one rank: Pipeline 2 0.57-0.60, Tensor 2 0.15; 8 streams ÷ one rank: Pipeline 2 0.48-1.28,
 Tensor 2 0.31-0.64 (one rank decoded 369-385 tok/s, one stream; 366-465 tok/s, 8 streams; that run timed the
 aggregate from the first first-token to the last token, ramp and tail included; one rank also speculated then).
-Measured 2026-11-26 on the 2-core Firecracker VM (`--models bench,smollm2 --links lan1g --cores 0/1`, 0.5 ms RTT
-emulated, speculation off everywhere, load average ~9 from other work), ÷ one rank: one stream Pipeline 2 0.95
-(100M int4) and 0.82 (SmolLM2), Tensor 2 0.15; 8 streams Pipeline 2 0.70 and 0.42, Tensor 2 0.31; TTFT Pipeline 2
-1.25x and 1.62x. Predicted one stream within -8..+6 % (1 rank, Pipeline 2), Tensor +50 %; 8 streams -33..+282 %:
-with the node process on its rank's only core, the node path (runner, supervisor, zenoh, 8 SSE streams) costs
-per token what the prediction does not count. bench/split_engine.py measures the engine without that path.
+Measured 2026-11-26 on the 2-core Firecracker VM in a quiet window (load 0.9-1.4, `--models bench,smollm2
+--cores 0/1`, latency emulated, speculation off everywhere), ÷ one rank under the same link, one stream / 8 streams:
+  0.1 ms RTT  100M int4  Pipeline 2 0.76 / 0.81  Tensor 2 0.08 / 0.19   SmolLM2  Pipeline 2 1.09 / 1.02
+  0.5 ms RTT  100M int4  Pipeline 2 0.74-0.85 / 0.93-1.00  Tensor 2 0.07-0.08 / 0.17-0.19
+              SmolLM2  Pipeline 2 0.80-1.02 / 0.79-0.87 (3 runs)
+  2 ms RTT    100M int4  Pipeline 2 0.50 / 0.96  Tensor 2 0.04 / 0.12   SmolLM2  Pipeline 2 0.85 / 1.02
+Tensor 2 loses everywhere here: ~2 gloo all-reduces per layer at ~0.7 ms each of gloo's own cost (master/speed.py
+COLLECTIVE_STEP_S) outweigh half the compute of a model this small, whatever the link. A fresh run's previews with
+the constants fitted on the first run (one stream at 0.5 ms RTT): one stream -17..-4 %, SmolLM2's 8 streams -8 %
+(1 rank) and -16 % (Pipeline 2); the 100M int4 model's 8 streams +93..+141 %, one rank's own included: the node
+path (runner, supervisor, zenoh, 8 SSE streams and this bench's client on the same 2 cores) caps that small model's
+8 streams at ~260-310 tok/s where its engine alone does ~925 (bench/split_engine.py), and a node's learned step
+does not see that cap.
 Run: sudo .venv/bin/python bench/split.py [--models bench,smollm2] [--links lan10g,lan1g,wifi] [--tokens 48]
      [--streams 3] [--cores 0/1] [--save run.json]   (--cores: each node's cores, taskset lists separated by '/')
      .venv/bin/python bench/split.py --repredict run.json   (the saved run's rows, predicted again by this tree

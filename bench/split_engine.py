@@ -14,6 +14,13 @@ T2, ...) so a load that drifts (a shared machine) hits each alike; each ratio is
 round's own ratios are printed beside them (a load spike in one placement's turn shows as one outlying round).
 Tensor 2 is skipped for a model whose heads do not split in two (SmolLM2: 9 heads).
 
+Measured 2026-11-26, quiet 2-core VM (load 1.1-1.5), ÷ one rank, one stream / 8 streams / CPU per token: 100M int4
+Pipeline 2 as decided (2 micro-batches) 0.60 / 0.82 / 1.96, plain 0.59 / 0.82 / 1.20, always 0.66 / 1.03 / 1.55,
+Tensor 2 0.06 / 0.15 / 7.45 (1 round); SmolLM2 Pipeline 2 0.95 / 0.96 / 1.63 (3 rounds: 0.81, 1.12, 0.95), plain
+1.05 / 0.96 / 1.03, always 0.83 / 0.87 / 1.73 (1 round). --rows (load ~3.7): t(8)/t(4) 1.32 (100M int4), 1.38
+(SmolLM2), so 8 streams over two ranks can gain at most that: the issue's 1.6x needs t(R)/t(R/2) >= 1.6, which
+SmolLM2 reaches at 16 rows (1.69).
+
 Run: .venv/bin/python bench/split_engine.py [--models bench,smollm2] [--rtt-ms 0.5] [--rounds 2] [--tokens 48]
      [--forced]
      .venv/bin/python bench/split_engine.py --rows 1,2,4,8,16   (t(R): one rank's step and forward CPU by rows)

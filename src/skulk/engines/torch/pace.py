@@ -6,7 +6,9 @@ the Python around them: the step's seconds less any wait on a peer) and the step
 to its tokens' arrival (the later ranks' parts and every hop), timed only when rank 0 had to wait for them (a wait
 of more than BLOCKED_S: the tokens were not there yet, so the wait ended on their arrival). The later ranks' parts
 are taken as rank 0's own per layer (like machines, the common case; rank 0 cannot see them), and the hops as what
-is left of the trip. Figures at row counts never run are interpolated (micro_batching.at_rows): a batch grows a
+is left of the trip. That understates the sampler, which also computes the lm_head and samples (SmolLM2's lm_head
+is a fifth of its weights), so the rule can take micro-batches that only break even: SmolLM2's 8 streams over
+Pipeline 2 measured the same with and without them (bench/split_engine.py --forced, quiet). Figures at row counts never run are interpolated (micro_batching.at_rows): a batch grows a
 stream at a time, so the counts around both R and R/ranks are usually measured.
 """
 
