@@ -8,8 +8,9 @@ of more than BLOCKED_S: the tokens were not there yet, so the wait ended on thei
 are taken as rank 0's own per layer (like machines, the common case; rank 0 cannot see them), and the hops as what
 is left of the trip. That understates the sampler, which also computes the lm_head and samples (SmolLM2's lm_head
 is a fifth of its weights), so the rule can take micro-batches that only break even: SmolLM2's 8 streams over
-Pipeline 2 measured the same with and without them (bench/split_engine.py --forced, quiet). Figures at row counts never run are interpolated (micro_batching.at_rows): a batch grows a
-stream at a time, so the counts around both R and R/ranks are usually measured.
+Pipeline 2 measured the same with and without them (bench/split_engine.py --forced, quiet). Figures at row counts
+never run are interpolated (micro_batching.at_rows): a batch grows a stream at a time, so the counts around both R
+and R/ranks are usually measured.
 """
 
 from __future__ import annotations
