@@ -115,6 +115,9 @@ def test_the_link_as_either_end_measured_it() -> None:
     one = predict_speed(CARD, Sharding.Pipeline, ranks, {A: compute(0.01)}, {A: {B: link(1.0)}})
     other = predict_speed(CARD, Sharding.Pipeline, ranks, {A: compute(0.01)}, {B: {A: link(1.0)}})
     assert one is not None and other is not None and one.decode_tps == pytest.approx(other.decode_tps)
+    # both ends measured it: the shorter round trip (a probe answered late by a busy node only errs long)
+    both = predict_speed(CARD, Sharding.Pipeline, ranks, {A: compute(0.01)}, {A: {B: link(4.0)}, B: {A: link(1.0)}})
+    assert both is not None and both.decode_tps == pytest.approx(one.decode_tps)
 
 
 def test_step_figures_between_and_beyond_the_measured_batches() -> None:
