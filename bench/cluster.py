@@ -118,14 +118,17 @@ ENGINE = ["torch"]
 """The engine every placement of this run asks for (--engine)."""
 
 
-def place_on(api: LocalNode, members: list[LocalNode], everyone: list[LocalNode]) -> tuple[str, set[str]]:
-    """Place a Pipeline instance on exactly `members` (the rest excluded); check the reply says so."""
-    body = {
+def place_on(api: LocalNode, members: list[LocalNode], everyone: list[LocalNode], quantization: str | None = None
+             ) -> tuple[str, set[str]]:
+    """Place a Pipeline instance on exactly `members` (the rest excluded), quantized at load when asked; check the
+    reply says so."""
+    body: dict[str, object] = {
         "model_id": BENCH_MODEL_ID,
         "sharding": "Pipeline",
         "min_nodes": len(members),
         "engine": ENGINE[0],
         "excluded_nodes": [n.node_id for n in everyone if n not in members],
+        **({"quantization": quantization} if quantization else {}),
     }
     with api.client(timeout=120) as client:
         reply = client.post("/place_instance", json=body)

@@ -29,8 +29,13 @@ ranks that do not have their own free cores that CPU is the throughput. (The eng
 only where its measured pace says the round is shorter, engines/micro_batching.py; on a machine whose cores the
 ranks share with other work, a shorter round can still cost more CPU.)
 
+The same with the model quantized at load (--quantization int4 --ranks 1 --rounds 1 --tokens 96, 8 streams, quiet
+machine, 2026-11-26): 730 tok/s, CPU ms per token node0 0.16, runner0 1.28; every process on one core (taskset -c 0,
+this bench's client too) 642 tok/s. So one node's path alone does not hold that model's 8 streams near the ~260-320
+tok/s bench/split.py measured for one rank in its namespaces the same hour (see its docstring).
+
 Run: .venv/bin/python bench/node_path.py [--streams 8] [--tokens 64] [--rounds 2] [--spy]
-         [--src /path/to/main/src --src src]
+         [--src /path/to/main/src --src src] [--quantization int4] [--ranks 1,2]
 """
 
 from __future__ import annotations
@@ -103,11 +108,11 @@ def top_functions(path: Path, count: int) -> list[tuple[float, str]]:
     return [(n / total, f) for f, n in own.most_common(count)] if total else []
 
 
-def measure(nodes: list[LocalNode], ranks: int, tokens: int, streams: int, spy_dir: Path | None
-            ) -> tuple[float, dict[str, float], dict[str, list[tuple[float, str]]]]:
+def measure(nodes: list[LocalNode], ranks: int, tokens: int, streams: int, spy_dir: Path | None,
+            quantization: str | None = None) -> tuple[float, dict[str, float], dict[str, list[tuple[float, str]]]]:
     """(tokens/s, CPU ms per token per process, top functions per process) of one placement's streams."""
     api = nodes[0]
-    instance_id, runners = place_on(api, nodes[:ranks], nodes)
+    instance_id, runners = place_on(api, nodes[:ranks], nodes, quantization)
     try:
         aggregate_decode(api, 8, streams)  # warm-up
         pids = roles(nodes)
@@ -144,8 +149,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--spy", action="store_true", help="py-spy every process: top functions")
     parser.add_argument("--src", action="append", default=[])
+    parser.add_argument("--quantization", choices=["int4", "int8"], help="quantize the model at load")
+    parser.add_argument("--ranks", default="1,2", help="placements to measure: 1 rank, Pipeline 2, or both")
     args = parser.parse_args()
     trees = args.src or [None]
+    rank_counts = [int(r) for r in args.ranks.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         fleets = [start(Path(tmp) / f"tree{i}", src) for i, src in enumerate(trees)]
         results: dict[tuple[int, int], list[tuple[float, dict[str, float]]]] = collections.defaultdict(list)
@@ -153,12 +161,13 @@ def main() -> None:
             for round_no in range(args.rounds):
                 order = list(range(len(trees)))
                 order = order if round_no % 2 == 0 else order[::-1]
-                for ranks in (1, 2):
+                for ranks in rank_counts:
                     for tree in order:
                         spy_dir = Path(tmp) / f"spy{tree}-{ranks}-{round_no}" if args.spy else None
                         if spy_dir is not None:
                             spy_dir.mkdir()
-                        rate, per_token, tops = measure(fleets[tree][1], ranks, args.tokens, args.streams, spy_dir)
+                        rate, per_token, tops = measure(fleets[tree][1], ranks, args.tokens, args.streams, spy_dir,
+                                                         args.quantization)
                         results[(tree, ranks)].append((rate, per_token))
                         cells = "  ".join(f"{k} {v:5.2f}" for k, v in per_token.items())
                         print(f"round {round_no + 1} tree {tree} ranks {ranks}: {rate:6.1f} tok/s | CPU ms/token "
@@ -170,7 +179,7 @@ def main() -> None:
                 fleet.stop_all()
     print(f"\nmedians over {args.rounds} rounds, {args.streams} streams x {args.tokens} tokens, "
           f"load {os.getloadavg()}")
-    for ranks in (1, 2):
+    for ranks in rank_counts:
         base = None
         for tree, src in enumerate(trees):
             rows = results[(tree, ranks)]
