@@ -5,6 +5,7 @@ this module and this module imports neither, so the runner package has no import
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -138,6 +139,9 @@ class Runner:
         self.flush()
         self._warmup_with_deadline(self.engine)
         self.recorder.record("warmup", "warmup_finished", with_memory=True)
+        # The model's hundreds of thousands of tracked objects never die: out of the collector's sight, a prefill
+        # no longer spends part of its time walking them (SmolLM2 int4, 2,048 tokens: 3-4 % faster per CPU second).
+        gc.freeze()
         if self.fault is not None:
             self.fault.arm()
         self.recorder.record("idle", "ready")
