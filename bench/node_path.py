@@ -31,8 +31,8 @@ ranks share with other work, a shorter round can still cost more CPU.)
 
 The same with the model quantized at load (--quantization int4 --ranks 1 --rounds 1 --tokens 96, 8 streams, quiet
 machine, 2026-11-26): 730 tok/s, CPU ms per token node0 0.16, runner0 1.28; every process on one core (taskset -c 0,
-this bench's client too) 642 tok/s. So one node's path alone does not hold that model's 8 streams near the ~260-320
-tok/s bench/split.py measured for one rank in its namespaces the same hour (see its docstring).
+this bench's client too) 642 tok/s. (bench/split.py's ~300 for the same placement that day was its own count of
+text lines, not tokens; fixed there.)
 
 Run: .venv/bin/python bench/node_path.py [--streams 8] [--tokens 64] [--rounds 2] [--spy]
          [--src /path/to/main/src --src src] [--quantization int4] [--ranks 1,2]

@@ -16,8 +16,8 @@ drafting by prompt lookup would not be like for like.
 For each model (the built-in ~100M `skulk/bench-random-100m` quantized to int4 at load, and SmolLM2-135M, the
 default model, fetched as `make run` fetches it) it places one rank on one core, then Pipeline 2 and Tensor 2
 (one core each), and under each link measures: single-stream decode tok/s (median of --streams), TTFT (median),
-and the 8-stream aggregate (tokens of all 8 while all 8 were decoding: from the last first token to the first
-last token, so the admission ramp and the tail do not dilute the batch's rate). Every
+and the 8-stream aggregate (the sum of the 8 streams' own decode rates, each its usage's tokens after the first over
+its first-to-last-token time, so the admission ramp does not dilute the batch's rate: steady_aggregate). Every
 row prints its ratio to one rank measured under the same link in the same run, and the previews' predicted
 tok/s for that placement (GET /instance/previews, read under that link before measuring) beside the measured.
 
@@ -28,19 +28,22 @@ Firecracker kernel without netem, so the rates alone were shaped and every link 
 stream ÷ one rank: Pipeline 2 0.57-0.60, Tensor 2 0.15; 8 streams ÷ one rank: Pipeline 2 0.48-1.28,
 Tensor 2 0.31-0.64 (one rank decoded 369-385 tok/s, one stream; 366-465 tok/s, 8 streams; that run timed the
 aggregate from the first first-token to the last token, ramp and tail included; one rank also speculated then).
-Measured 2026-11-26 on the 2-core Firecracker VM in a quiet window (load 0.9-1.4, `--models bench,smollm2
---cores 0/1`, latency emulated, speculation off everywhere), ÷ one rank under the same link, one stream / 8 streams:
-  0.1 ms RTT  100M int4  Pipeline 2 0.76 / 0.81  Tensor 2 0.08 / 0.19   SmolLM2  Pipeline 2 1.09 / 1.02
-  0.5 ms RTT  100M int4  Pipeline 2 0.74-0.85 / 0.93-1.00  Tensor 2 0.07-0.08 / 0.17-0.19
-              SmolLM2  Pipeline 2 0.80-1.02 / 0.79-0.87 (3 runs)
-  2 ms RTT    100M int4  Pipeline 2 0.50 / 0.96  Tensor 2 0.04 / 0.12   SmolLM2  Pipeline 2 0.85 / 1.02
-Tensor 2 loses everywhere here: ~2 gloo all-reduces per layer at ~0.7 ms each of gloo's own cost (master/speed.py
-COLLECTIVE_STEP_S) outweigh half the compute of a model this small, whatever the link. A fresh run's previews with
-the constants fitted on the first run (one stream at 0.5 ms RTT): one stream -17..-4 %, SmolLM2's 8 streams -8 %
-(1 rank) and -16 % (Pipeline 2); the 100M int4 model's 8 streams +93..+141 %, one rank's own included: the node
-path (runner, supervisor, zenoh, 8 SSE streams and this bench's client on the same 2 cores) caps that small model's
-8 streams at ~260-310 tok/s where its engine alone does ~925 (bench/split_engine.py), and a node's learned step
-does not see that cap.
+Measured 2026-11-26 on the 2-core Firecracker VM, quiet (load 1-2.7, `--models bench,smollm2 --cores 0/1`, latency
+emulated, speculation off everywhere, the 8-stream aggregate counted from the usage: steady_aggregate), ÷ one rank
+under the same link, one stream / 8 streams, and the previews' error (one stream / 8 streams):
+  0.1 ms RTT  100M int4  Pipeline 2 0.86 / 0.96 (-31 % / -13 %)  Tensor 2 0.06 / 0.15 (+18 % / +22 %)
+              SmolLM2    Pipeline 2 1.00 / 0.92 (-18 % / -1 %)
+  0.5 ms RTT  100M int4  Pipeline 2 0.74 / 0.87 (-17 % / -10 %)  Tensor 2 0.05 / 0.10 (+18 % / +28 %)
+              SmolLM2    Pipeline 2 0.80 / 0.93 (-7 % / +3 %)
+  2 ms RTT    100M int4  Pipeline 2 0.58 / 0.82 (-9 % / -23 %)   Tensor 2 0.04 / 0.08 (+13 % / +9 %)
+              SmolLM2    Pipeline 2 0.90 / 0.96 (-15 % / -15 %)
+(errors with PIPELINE_HOP_S 0.3 ms, `--repredict` of the saved runs). One rank's own predictions: -19..+3 % one
+stream, -8..+10 % 8 streams. Earlier quiet runs the same day, one stream: 100M Pipeline 2 0.74-0.85 at 0.5 ms, 0.76
+at 0.1 ms, 0.50 at 2 ms; SmolLM2 0.80-1.09. Tensor 2 loses everywhere here: ~2 gloo all-reduces per layer at ~0.7 ms
+each of gloo's own cost (master/speed.py COLLECTIVE_STEP_S) outweigh half the compute of a model this small,
+whatever the link. Those earlier runs counted the 8-stream aggregate in text lines, and the random 100M model's
+tokens often complete no character (12-33 lines for 48 tokens): they read its 8 streams at ~260-310 tok/s where the
+usage says ~750-930, and its predictions +93..+183 % off.
 Run: sudo .venv/bin/python bench/split.py [--models bench,smollm2] [--links lan10g,lan1g,wifi] [--tokens 48]
      [--streams 3] [--cores 0/1] [--save run.json]   (--cores: each node's cores, taskset lists separated by '/')
      .venv/bin/python bench/split.py --repredict run.json   (the saved run's rows, predicted again by this tree
@@ -262,14 +265,16 @@ async def one_stream(client: httpx.AsyncClient, model: str, tokens: int, seed: i
 
 
 def steady_aggregate(many: list[Streamed]) -> float:
-    """Tokens/s of all streams while every one of them was decoding (from the last first token to the first
-    last token): the batch's own rate, without the admission ramp and the tail. Where the streams did not
-    overlap that long, all tokens over the whole span."""
-    start, end = max(s.first for s in many), min(s.last for s in many)
-    inside = sum(1 for s in many for t in s.times if start < t <= end)
-    if end - start > 0 and inside >= 2 * len(many):
-        return inside / (end - start)
-    return sum(s.produced for s in many) / (max(s.last for s in many) - min(s.first for s in many))
+    """Tokens/s of all streams together while they decode: the sum of each stream's own decode rate, its tokens
+    after the first over the time from its first to its last token (the admission ramp and prefill left out).
+
+    Tokens are counted from the usage, not from the lines that arrived: a line carries text, and a token that
+    completes no character (a random model's partial UTF-8 bytes) sends none. The 100M random model's 8 streams
+    sent 12-33 lines for 48 tokens each, so counting lines in the window where all 8 decoded read ~390 tok/s
+    where the streams' tokens over the whole span, prefill included, were ~930. Each stream's rate assumes its
+    tokens came evenly between its first and last (exact for a stream alone in a steady batch; streams admitted
+    far apart would each run part of their time in a smaller, faster batch and read a little high)."""
+    return sum((s.produced - 1) / (s.last - s.first) for s in many if s.last > s.first)
 
 
 async def measure(url: str, model: str, tokens: int, streams: int) -> tuple[float, float, float]:

@@ -41,13 +41,14 @@ from skulk.types.models import ModelCard
 
 PREDICTED_BATCH = 8
 """The batch `predicted_aggregate_tps` is for: 8 concurrent streams, the figure bench/split.py measures."""
-PIPELINE_HOP_S = 0.0005
+PIPELINE_HOP_S = 0.0003
 """The torch engine's own cost per Pipeline message (hidden states to the next rank, tokens back to rank 0):
 torch.distributed's send and receive, the step header, the Python around them. Fitted 2026-11-26 on a quiet 2-core
-VM (load ~1.3, one core per node, speculation off, bench/split.py --links lan1g, latency emulated): with it and the
-nodes' own link figures, Pipeline 2's one stream predicted -25 % (100M int4) and -24 % (SmolLM2) at 0.5 ms RTT,
-then out of sample at 0.1 ms and 2 ms RTT -1 % / -19 % and +3 % / -12 %. (1.1 ms before, from an H200 host's
-veth without added latency, read the links' round trip from one end only; see one_way_s.)"""
+VM (load ~1.3, one core per node, speculation off, bench/split.py, latency emulated): 0.5 ms on the first run's
+one-stream rows, then 0.3 ms over all five quiet runs' 15 Pipeline 2 one-stream rows at 0.1, 0.5 and 2 ms RTT (both
+models): mean error -12 % (-15 % with 0.5 ms), every row but one within ±25 %; the one (100M int4, 0.1 ms, -31 %) is
+its one-rank figure's own -19 %. (1.1 ms before, from an H200 host's veth without added latency, read the links'
+round trip from one end only; see one_way_s.)"""
 COLLECTIVE_STEP_S = 0.0007
 """The engine's own cost per one-way step of a Tensor all-reduce (gloo, a few KB). Fitted on the same quiet run's
 Tensor 2 one stream at 0.5 ms RTT (100M int4: 17.2 tok/s, +1 %), then out of sample +6 % at 0.1 ms and -1 % at
