@@ -18,7 +18,7 @@ Measured 2026-11-26 on the 2-core VM (Sapphire Rapids; llama.cpp built without A
 --clock cpu (so the run could share the machine), --rounds 1, ours ÷ llama.cpp:
      512 tokens  bf16 5.66  int8 2.79  int4 2.34
    4,096 tokens  bf16 5.64  int8 3.97  int4 4.22
-  32,768 tokens  bf16 153.0 vs 23.5 tok/s 6.52   int4 114.5 vs 20.9 tok/s (Q4_0) 5.46
+  32,768 tokens  bf16 153.0 vs 23.5 tok/s 6.52  int8 161.1 vs 24.7 tok/s 6.52  int4 114.5 vs 20.9 tok/s 5.46
 """
 
 from __future__ import annotations
