@@ -20,6 +20,7 @@ from skulk.engines.torch.gguf_file import GGUFCheckpoint, decode_affine, unpermu
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.model import ModelSlice
 from skulk.engines.torch.quant import QuantizedLinear
+from skulk.models.cards import get_card
 from skulk.models.gguf_import import NotGGUF, import_gguf, import_source
 from skulk.models.ollama_store import MODEL_LAYER, OllamaModelNotFound, find_blob, model_id_for, parse_reference
 from skulk.models.packaged import SMOLLM2, ensure_packaged_model, fetch_gguf, shared_cache
@@ -209,6 +210,10 @@ def test_ollama_store_import_links_the_blob(tmp_path: Path, smol_gguf: Path, mon
     card = import_source("ollama:smollm2:135m", tmp_path / "models")
     assert card.model_id == model_id_for("ollama:smollm2:135m") == "ollama/smollm2-135m"
     assert card.n_layers == 30 and card.quantization == "4"
+    # what a decode step reads, from the blocks: Q4_1 layers, the tied Q8_0 head (placement balances by them)
+    assert (card.layer_bytes, card.head_bytes) == (66_493_440, 30_083_328)
+    builtin = get_card("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert (builtin.layer_bytes, builtin.head_bytes) == (card.layer_bytes, card.head_bytes)
     assert (tmp_path / "models" / "ollama--smollm2-135m" / "model.gguf").samefile(smol_gguf)
     with pytest.raises(OllamaModelNotFound):
         find_blob("ollama:smollm2:missing")

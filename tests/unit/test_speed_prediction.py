@@ -13,6 +13,7 @@ from skulk.master.speed import (
     predict_speed,
     step_s_per_gb,
 )
+from skulk.models.cards import get_card
 from skulk.types.ids import NodeId
 from skulk.types.instances import Sharding
 from skulk.types.links import DecodeCompute, LinkMeasurement
@@ -138,3 +139,21 @@ def test_one_rank_gets_its_measured_drafts_a_split_does_not() -> None:
     assert one is not None and split is not None
     assert one.decode_tps == pytest.approx(200.0)
     assert split.decode_tps == pytest.approx(1 / (0.010 + 2 * PIPELINE_HOP_S + 2 * SPLIT_TOKEN_S))
+
+
+def test_the_last_rank_reads_the_head() -> None:
+    smol = get_card("HuggingFaceTB/SmolLM2-135M-Instruct")  # 30 layers of 2.2 MB and a 30.1 MB head
+    gb = smol.storage_size.in_bytes / 1e9
+    figures = {A: compute(0.010 * ONE_GB / gb, 0.016 * ONE_GB / gb), B: compute(0.010 * ONE_GB / gb)}
+    links = {A: {B: link(0.0, None)}}
+    halves = predict_speed(smol, Sharding.Pipeline, [RankShare(A, 15), RankShare(B, 15)], figures, links,
+                           micro_batches=True)
+    balanced = predict_speed(smol, Sharding.Pipeline, [RankShare(A, 22), RankShare(B, 8)], figures, links,
+                             micro_batches=True)
+    assert halves is not None and balanced is not None and halves.aggregate_tps and balanced.aggregate_tps
+    layer, head = 66_493_440 // 30, 30_083_328
+    last = (15 * layer + head) / (30 * layer + head)  # 0.66 of the step, not half
+    four_rows = 0.010 + 0.006 * 3 / 7
+    assert halves.aggregate_tps == pytest.approx(8 / (2 * (four_rows * last + 4 * SPLIT_TOKEN_S)), rel=1e-3)
+    assert balanced.aggregate_tps > 1.2 * halves.aggregate_tps
+    assert balanced.decode_tps == pytest.approx(halves.decode_tps)  # one stream reads every byte either way

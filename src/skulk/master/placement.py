@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from skulk.master.balance import speed_costs
 from skulk.master.cycles import (
     MAX_CYCLE_NODES,
     Adjacency,
@@ -34,6 +35,7 @@ from skulk.master.shard_plan import (
     layer_ranges,
     plan_ring,
 )
+from skulk.master.speed import step_s_per_gb
 from skulk.models.cards import get_card
 from skulk.types.backends import EngineChoice, EngineName
 from skulk.types.ids import InstanceId, NodeId, RunnerId
@@ -219,12 +221,19 @@ def _evaluate(
     free = [usable_bytes(state, n) for n in ring]  # GTT on UMA nodes
     draft = draft_card(state, card)
     plans = plan_ring(card, sharding, ring, free, context=kv.context, kv_cache_bytes=kv.pool_bytes, engines=chosen,
-                      draft=draft)
+                      draft=draft, costs=_node_costs(state, ring))
     short = [p for p in plans if not p.fits]
     if short:
         worst = min(short, key=lambda p: p.left_after)
         return _Candidate(ring, plans, _insufficient(state, sharding, ring, worst), chosen)
     return _Candidate(ring, plans, engines=chosen)
+
+
+def _node_costs(state: State, ring: Ring) -> list[int] | None:
+    """Each ring node's decode cost per byte (balance.speed_costs, from the compute it measured serving single
+    streams); None, and equal speeds, unless every node has a figure."""
+    figures = [step_s_per_gb(c, 1) if (c := state.node_compute.get(n)) is not None else None for n in ring]
+    return speed_costs(figures)
 
 
 def draft_card(state: State, card: ModelCard) -> ModelCard | None:

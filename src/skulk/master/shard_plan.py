@@ -23,6 +23,7 @@ from skulk.engines.kv_pools import (
     local_pool_blocks,
     split_pool,
 )
+from skulk.master.balance import balanced_layers, decode_bytes, memory_costs, steps_toward
 from skulk.types.backends import EngineName
 from skulk.types.ids import NodeId
 from skulk.types.instances import Sharding
@@ -222,25 +223,49 @@ def weights_base(weights_share: int) -> int:
 def plan_ring(
     card: ModelCard, sharding: Sharding, ring: Sequence[NodeId], free: list[int], *, context: int | None = None,
     kv_cache_bytes: int | None = None, engines: Sequence[EngineName] | None = None, draft: ModelCard | None = None,
+    costs: Sequence[int] | None = None,
 ) -> tuple[NodePlan, ...]:
     """Each rank's layers and bytes: Tensor splits weights evenly, Pipeline in proportion to what each rank can
-    hold (free memory over the bytes its engine loads: loaded_bytes); every rank's KV pool holds the same
-    pool_tokens positions of its own layers (Pipeline) or heads (Tensor).
+    hold (free memory over the bytes its engine loads: loaded_bytes), then moved toward the split that balances
+    each rank's decode work (balance.balanced_layers: the head on the last rank; costs, each node's per-byte cost
+    from balance.speed_costs, None: speeds in proportion to what each holds, balance.memory_costs) as far as every
+    rank still fits; every rank's KV pool holds the same pool_tokens positions of its own layers (Pipeline) or
+    heads (Tensor).
     context: what the instance admits (admitted_context; None: the model's own). engines: each rank's (None: torch).
     draft: the card's draft model, counted on a single torch rank (the only one that speculates)."""
     size = len(ring)
     default: list[EngineName] = ["torch"] * size
     weights = [loaded_bytes(card, e) for e in (engines or default)]
     if sharding == Sharding.Tensor:
-        ranges = [(0, card.n_layers)] * size
-        shares = [-(-w // size) for w in weights]
-        ways = size
-    else:
-        most = max(weights)
-        ranges = layer_ranges(allocate_layers(card.n_layers, [f * most // max(1, w) for f, w in zip(free, weights,
-                                                                                                     strict=True)]))
+        return _plans(card, ring, free, [(0, card.n_layers)] * size, [-(-w // size) for w in weights], size,
+                      context, kv_cache_bytes, engines, draft)
+    most = max(weights)
+    capacity = [f * most // max(1, w) for f, w in zip(free, weights, strict=True)]
+    by_memory = allocate_layers(card.n_layers, capacity)
+
+    def plan(counts: Sequence[int]) -> tuple[NodePlan, ...]:
+        ranges = layer_ranges(counts)
         shares = [-(-w * (end - start) // card.n_layers) for w, (start, end) in zip(weights, ranges, strict=True)]
-        ways = 1
+        return _plans(card, ring, free, ranges, shares, 1, context, kv_cache_bytes, engines, draft)
+
+    best, work = plan(by_memory), decode_bytes(card)
+    if size < 2 or work.head == 0 or not all(p.fits for p in best):
+        return best  # no head to weigh, or tight memory: the memory split, and its 400 arithmetic, as they were
+    goal = balanced_layers(card.n_layers, work, costs or memory_costs(capacity))
+    for counts in steps_toward(by_memory, goal):
+        nearer = plan(counts)
+        if not all(p.fits for p in nearer):
+            break
+        best = nearer
+    return best
+
+
+def _plans(
+    card: ModelCard, ring: Sequence[NodeId], free: list[int], ranges: Sequence[tuple[int, int]],
+    shares: Sequence[int], ways: int, context: int | None, kv_cache_bytes: int | None,
+    engines: Sequence[EngineName] | None, draft: ModelCard | None,
+) -> tuple[NodePlan, ...]:
+    """The ring's plans for these ranges and weight shares: the KV pool's positions and each rank's bytes."""
     per_token = [group_bytes_per_token(card, start, end, ways) for start, end in ranges]
     tokens = pool_tokens(per_token, [weights_base(s) for s in shares], free, context or card.context_length,
                          kv_cache_bytes, group_bytes_per_token(card, 0, card.n_layers), local_cap(card))
@@ -249,7 +274,7 @@ def plan_ring(
                  kv_pool=pool_bytes(card, start, end, tokens, ways), free=f)
         for n, (start, end), share, f in zip(ring, ranges, shares, free, strict=True)
     )
-    if draft is not None and size == 1 and (engines or default)[0] == "torch":
+    if draft is not None and len(ring) == 1 and (engines or ["torch"])[0] == "torch":
         extra = weights_base(loaded_bytes(draft, "torch")) + tokens * kv_bytes_per_token(draft, draft.n_layers)
         plans = (replace(plans[0], draft=extra),)
     return plans

@@ -4,11 +4,11 @@ Inputs are what nodes measured (types/links.py): each node's seconds per decode 
 batches it has served (worker/compute.py) and each link's round trip and bandwidth (worker/links.py). The model:
 
 - A rank's step at batch b costs its node's `step_s_per_gb(b)` times the weight GB it holds: a Pipeline rank its
-  layers' share of the model, a Tensor rank 1/world of every layer. A split's ranks on the sampler's node and on
-  the serving node also pay the node path's extra work per token (SPLIT_TOKEN_S), which shares their cores.
-  Decode streams every weight once per step, so the time follows the bytes (the lm_head is counted as a layer's
-  share: a small error for models whose vocabulary is large against their layers, which only moves how the work
-  splits between Pipeline stages).
+  share of the bytes a decode step reads (balance.rank_work: its layers', and on the last rank the lm_head's and
+  final norm's; the embedding is a gather), a Tensor rank 1/world of every layer. Decode streams every weight
+  once per step, so the time follows the bytes; the shares add up to the whole model, which is what a node's
+  figure was learned on. A split's ranks on the sampler's node and on the serving node also pay the node path's
+  extra work per token (SPLIT_TOKEN_S), which shares their cores.
 - A hop costs one way of its link: half the measured round trip, the message's bytes over the bandwidth, and
   the engine's own work per message (PIPELINE_HOP_S, COLLECTIVE_STEP_S: measured with bench/split.py).
 - One rank: its step, times the tokens per step its node measured (speculative drafts accepted; a split does
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from skulk.engines.micro_batching import Hops, Shares, at_rows, micro_batches_for, period_s
+from skulk.master.balance import decode_bytes, rank_work
 from skulk.types.ids import NodeId
 from skulk.types.instances import Sharding
 from skulk.types.links import DecodeCompute, LinkMeasurement
@@ -126,16 +127,18 @@ def one_way_s(links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]], a: NodeI
 
 def _ring(card: ModelCard, ranks: Sequence[RankShare], compute: Mapping[NodeId, DecodeCompute],
           links: Mapping[NodeId, Mapping[NodeId, LinkMeasurement]]) -> tuple[Shares, Hops]:
-    """Each rank's seconds at r rows (its node's figure at r times its layers' share of the weights; a node without
+    """Each rank's seconds at r rows (its node's figure at r times its share of the bytes a step reads; a node without
     a figure borrows the median of those that have one) and the hops' seconds at r rows, as micro_batching wants."""
     gb = card.storage_size.in_bytes / 1e9
     width = 4 if card.dtype == "float32" else 2
+    work = rank_work(decode_bytes(card), [r.layers for r in ranks])
+    total = max(1, sum(work))
 
     def shares(rows: int) -> list[float] | None:
         figures = _figures([r.node_id for r in ranks], compute, rows)
         if figures is None:
             return None
-        each = [figures[0][r.node_id] * gb * r.layers / card.n_layers for r in ranks]
+        each = [figures[0][r.node_id] * gb * w / total for r, w in zip(ranks, work, strict=True)]
         if len(ranks) > 1:  # the node path's own work per token that a split adds (SPLIT_TOKEN_S)
             each[0] += rows * SPLIT_TOKEN_S
             each[-1] += rows * SPLIT_TOKEN_S

@@ -65,6 +65,8 @@ def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, 
         _write_json(tmp / "config.json", config)
         _write_tokenizer(tmp)
         card = card_from_config(model_id, config, gguf_path.stat().st_size)
+        card = card.model_copy(update=dict(zip(("layer_bytes", "head_bytes"), decode_bytes(config["gguf"]),
+                                               strict=True)))
         if "rope_freq_factors" in config:
             card = card.model_copy(update={"compatible_backends": TORCH_BACKENDS})
         else:
@@ -78,6 +80,23 @@ def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, 
         shutil.rmtree(tmp, ignore_errors=True)
     write_marker(target, model_id, {p.name: p.stat().st_size for p in target.iterdir() if p.is_file()})
     return card
+
+
+def decode_bytes(layout: dict[str, Any]) -> tuple[int, int]:
+    """(every layer's bytes, the head's) as stored in the file (read_layout's tensors): the blocks of `blk.*`, and
+    `output` (else the tied `token_embd`) with `output_norm`, which the last rank reads each decode step
+    (card.layer_bytes, card.head_bytes: placement balances a Pipeline by them, master/balance.py)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    def size(name: str) -> int:
+        qtype, shape, _ = layout["tensors"][name]
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        return math.prod(shape) // block * block_bytes
+
+    names = layout["tensors"]
+    layers = sum(size(n) for n in names if n.startswith("blk."))
+    head = size("output.weight" if "output.weight" in names else "token_embd.weight") if names else 0
+    return layers, head + (size("output_norm.weight") if "output_norm.weight" in names else 0)
 
 
 def bf16_export_bytes(path: Path) -> int:

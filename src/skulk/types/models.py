@@ -33,6 +33,12 @@ class ModelCard(CamelModel):
     """The model's own context (max_position_embeddings); a placement's max_context can only lower it."""
     vocab_size: int | None = None
     """Tokens the model knows; bounds a request's top_k at the API (None: unknown, the engine clamps)."""
+    layer_bytes: int | None = None
+    """All decoder layers' weight bytes as the engine reads them, and head_bytes the lm_head's (tied or not) and
+    final norm's, which the last rank reads every decode step: measured from the tensors where an import read them
+    (a GGUF file's layers and head are often quantized apart). None: placement estimates both from storage_size
+    and vocab_size (master/balance.decode_bytes)."""
+    head_bytes: int | None = None
     head_dim: int | None = None
     """Width of one attention head when the config sets it apart from hidden_size / heads (Qwen3, Gemma 3):
     the KV cache is sized by it. None: hidden_size // num_attention_heads."""
