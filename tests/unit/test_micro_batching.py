@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from skulk.engines.micro_batching import Hops, Shares, micro_batches_for, period_s
-from skulk.engines.torch.pace import BLOCKED_S, Pace
+from skulk.engines.torch.pace import BLOCKED_S, Pace, head_in_layers
 from skulk.master.speed import RankShare, predict_speed
 from skulk.types.ids import NodeId
 from skulk.types.instances import Sharding
@@ -72,6 +73,20 @@ def test_the_pace_is_rank_zeros_part_and_the_trip_less_the_later_parts() -> None
     assert pace.hops(4) == pytest.approx(0.006 - 0.0048)
     pace.part(8, 0.003)
     assert pace.shares(6) == pytest.approx([0.0027, 0.0054])  # between the row counts measured
+
+
+def test_the_pace_weighs_the_samplers_lm_head_by_bytes() -> None:
+    """The last rank's lm_head counts as its bytes in rank 0's layers: SmolLM2's 8-bit head is ~16 of its 4-bit
+    layers, so over 15/15 layers the sampler's part is about twice rank 0's, and a middle rank holds no head."""
+    pace = Pace(world_size=3, own_layers=4, total_layers=12, head_layers=2.0)
+    pace.part(4, 0.004)
+    assert pace.shares(4) == pytest.approx([0.004, 0.004, 0.006])
+    layer = torch.nn.Linear(8, 8, bias=False)  # 256 bytes of float32
+    fused, whole = torch.nn.Module(), torch.zeros(128)  # 512 bytes, and a view of them counted once
+    fused.register_buffer("whole", whole)
+    fused.register_buffer("part", whole[:64])
+    assert head_in_layers(fused, [layer, layer]) == pytest.approx(2.0)
+    assert head_in_layers(None, [layer]) == 0.0
 
 
 A, B = NodeId("a"), NodeId("b")

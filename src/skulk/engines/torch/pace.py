@@ -5,15 +5,20 @@ Rank 0 times two things per decode step of r rows: its own part (embedding, its 
 the Python around them: the step's seconds less any wait on a peer) and the step's trip, from the end of its part
 to its tokens' arrival (the later ranks' parts and every hop), timed only when rank 0 had to wait for them (a wait
 of more than BLOCKED_S: the tokens were not there yet, so the wait ended on their arrival). The later ranks' parts
-are taken as rank 0's own per layer (like machines, the common case; rank 0 cannot see them), and the hops as what
-is left of the trip. That understates the sampler, which also computes the lm_head and samples (SmolLM2's lm_head
-is a fifth of its weights), so the rule can take micro-batches that only break even: SmolLM2's 8 streams over
-Pipeline 2 measured the same with and without them (bench/split_engine.py --forced, quiet). Figures at row counts
+are taken as rank 0's own per byte of weights it reads (like machines, the common case; rank 0 cannot see them):
+the rest of the layers shared evenly among them, and the last rank's lm_head on top, which rank 0 weighs by its
+own embedding (the same vocabulary-by-hidden matrix, the very one where they are tied). The hops are what is left
+of the trip. Counting by layers alone understated the sampler: SmolLM2's lm_head (8-bit, as its embedding) is 28 MB
+against 1.8 MB for each of its 4-bit layers, so over Pipeline 2 with 15 layers each its last rank's forward took
+4.5 ms against rank 0's 2.5 (bench/split_engine.py, one stream). Figures at row counts
 never run are interpolated (micro_batching.at_rows): a batch grows a stream at a time, so the counts around both R
 and R/ranks are usually measured.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 from skulk.engines.micro_batching import at_rows
 
@@ -27,11 +32,14 @@ WEIGHT = 0.2
 class Pace:
     """Rank 0's running averages by decode rows (module docstring)."""
 
-    def __init__(self, world_size: int, own_layers: int, total_layers: int) -> None:
+    def __init__(self, world_size: int, own_layers: int, total_layers: int, head_layers: float = 0.0) -> None:
+        """head_layers: the last rank's lm_head in rank 0's layers' worth of weight bytes (head_in_layers)."""
         self.world_size = world_size
         others = max(1, world_size - 1)
-        self.ratio = (total_layers - own_layers) / others / max(1, own_layers)
-        """A later rank's part against rank 0's own (by layers)."""
+        each = (total_layers - own_layers) / others
+        own = max(1, own_layers)
+        self.ratios = [each / own] * (others - 1) + [(each + head_layers) / own]
+        """Each later rank's part against rank 0's own (by weight bytes)."""
         self.own: dict[int, float] = {}
         self.trip: dict[int, float] = {}
 
@@ -45,12 +53,30 @@ class Pace:
     def shares(self, rows: int) -> list[float] | None:
         """Every rank's seconds for its part of a step of `rows` rows (micro_batching.Shares)."""
         own = at_rows(self.own, rows)
-        return None if own is None else [own, *[own * self.ratio] * (self.world_size - 1)]
+        return None if own is None else [own, *(own * ratio for ratio in self.ratios[: self.world_size - 1])]
 
     def hops(self, rows: int) -> float | None:
         """The messages' seconds round the ring for `rows` rows: the trip less the later ranks' parts."""
         trip, shares = at_rows(self.trip, rows), self.shares(rows)
         return None if trip is None or shares is None else max(0.0, trip - sum(shares[1:]))
+
+
+def head_in_layers(embedding: Any, layers: Sequence[Any]) -> float:
+    """The lm_head's weight bytes in layers' worth, judged on rank 0 from its embedding (the head's shape, and
+    format where they are tied) against its own layers' mean (torch modules; parameters and buffers)."""
+    if embedding is None or not layers:
+        return 0.0
+    per_layer = sum(_bytes(layer) for layer in layers) / len(layers)
+    return _bytes(embedding) / per_layer if per_layer else 0.0
+
+
+def _bytes(module: Any) -> int:
+    """Bytes of the memory a module's tensors view, each storage once (fused projections' parts are views)."""
+    storages = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _average(table: dict[int, float], rows: int, seconds: float) -> None:
