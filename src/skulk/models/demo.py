@@ -65,11 +65,19 @@ BENCH_100M_SHAPE: dict[str, int] = {
     "hidden_size": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "intermediate_size": 3072,
 }
 
+# ~720M parameters (16 layers of a 1B-class Llama: hidden 2048, 5632-wide MLP): a token takes tens of ms on one
+# core, the regime a split is for, where bench/split.py's hops are small against the compute.
+BENCH_700M_SHAPE: dict[str, int] = {
+    "hidden_size": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 4, "intermediate_size": 5632,
+}
+
 BENCH_MODEL_ID = ModelId("skulk/bench-random-100m")
+BENCH_700M_MODEL_ID = ModelId("skulk/bench-random-700m")
 BENCH_SEED = 1
 BUILTIN_MODELS: dict[str, tuple[dict[str, int], int]] = {
     DEMO_MODEL_ID: (DEMO_SHAPE, DEMO_SEED),
     BENCH_MODEL_ID: (BENCH_100M_SHAPE, BENCH_SEED),
+    BENCH_700M_MODEL_ID: (BENCH_700M_SHAPE, BENCH_SEED),
 }
 """Models any node can generate on first need instead of downloading: same bytes on every machine."""
 
