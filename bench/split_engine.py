@@ -12,7 +12,10 @@ Speculative decoding is off everywhere (a split never speculates: like for like)
 SKULK_LINK_DELAY_MS (engines/torch/delay.py) at RTT/2, default 0.5 ms RTT. Placements alternate (1, P2, T2, 1, P2,
 T2, ...) so a load that drifts (a shared machine) hits each alike; each ratio is medians over the rounds, and each
 round's own ratios are printed beside them (a load spike in one placement's turn shows as one outlying round).
-Tensor 2 is skipped for a model whose heads do not split in two (SmolLM2: 9 heads).
+Tensor 2 is skipped for a model whose heads do not split in two (SmolLM2: 9 heads). Pipeline ranks get the layers
+placement gives two like nodes (shard_plan.plan_ring: balanced by decode work, the lm_head on the last rank; the
+ranges are printed); --halves adds Pipeline 2 on equal layer counts, the split before that balance, in the same
+rounds.
 
 Measured 2026-11-26, quiet 2-core VM (load 1.1-1.5), ÷ one rank, one stream / 8 streams / CPU per token: 100M int4
 Pipeline 2 as decided (2 micro-batches) 0.60 / 0.82 / 1.96, plain 0.59 / 0.82 / 1.20, always 0.66 / 1.03 / 1.55,
@@ -22,7 +25,7 @@ Tensor 2 0.06 / 0.15 / 7.45 (1 round); SmolLM2 Pipeline 2 0.95 / 0.96 / 1.63 (3 
 SmolLM2 reaches at 16 rows (1.69).
 
 Run: .venv/bin/python bench/split_engine.py [--models bench,smollm2] [--rtt-ms 0.5] [--rounds 2] [--tokens 48]
-     [--forced]
+     [--forced] [--halves]
      .venv/bin/python bench/split_engine.py --rows 1,2,4,8,16   (t(R): one rank's step and forward CPU by rows)
 """
 
@@ -43,6 +46,8 @@ PLACEMENTS = (("1 rank", 1, "pipeline"), ("Pipeline 2", 2, "pipeline"), ("Tensor
 FORCED = (("P2 plain", 2, "plain"), ("P2 always", 2, "always"))
 """--forced: Pipeline 2 without micro-batches and with them always (Flight.micro_batches False / True), beside
 Pipeline 2 as the engine decides (micro_batching's rule, from its measured pace)."""
+HALVES = ("P2 halves", 2, "halves-pipeline")
+"""--halves: Pipeline 2 on equal layer counts beside Pipeline 2 on placement's split, in the same rounds."""
 STREAMS = 8
 PROMPT = b"Write a short story about a fox who learns to split a model across two machines. "
 
@@ -138,13 +143,34 @@ def rank_main(model_dir: Path, quant: str | None, rank: int, world: int, kind: s
     results.put((rank, clocked.samples))
 
 
-def measure(model_dir: Path, quant: str | None, n_layers: int, world: int, kind: str, tokens: int
+def placed_card(model_id: str, quant: str | None) -> Any:
+    """The card placement plans this model with (quantized at load as the bench runs it)."""
+    from skulk.models.cards import get_card, with_quantization
+
+    return with_quantization(get_card(model_id), quant)  # type: ignore[arg-type]
+
+
+def pipeline_ranges(card: Any, world: int, halves: bool) -> list[tuple[int, int]]:
+    """The layers placement gives each rank of a Pipeline over `world` like nodes with room to spare
+    (shard_plan.plan_ring, as master/placement.py calls it: the split balanced by decode work, the head on the last
+    rank); halves: equal layer counts instead (the split before the balance)."""
+    from skulk.master.shard_plan import allocate_layers, layer_ranges, plan_ring
+    from skulk.types.ids import NodeId
+    from skulk.types.instances import Sharding
+
+    if halves:
+        return layer_ranges(allocate_layers(card.n_layers, [1] * world))
+    plans = plan_ring(card, Sharding.Pipeline, [NodeId(f"n{r}") for r in range(world)], [64 << 30] * world)
+    return [(p.start_layer, p.end_layer) for p in plans]
+
+
+def measure(model_dir: Path, quant: str | None, card: Any, world: int, kind: str, tokens: int
             ) -> tuple[float, float, float, float]:
     """(single tok/s, TTFT ms, 8-stream tok/s, CPU ms per token of all ranks together in the 8-stream window)."""
     from skulk.testing.nodes import free_port
 
-    half = n_layers // 2
-    layers = [(0, n_layers)] if world == 1 else [(0, half), (half, n_layers)]
+    layers = pipeline_ranges(card, world, halves=kind.startswith("halves"))
+    kind = kind.removeprefix("halves-")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -236,6 +262,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--forced", action="store_true", help="also Pipeline 2 with micro-batches off and always on")
+    parser.add_argument("--halves", action="store_true",
+                        help="also Pipeline 2 on equal layer counts (the split before placement balanced the work)")
     parser.add_argument("--rows", help="instead: t(R), one rank's step and forward CPU at these row counts (1,2,4,8)")
     args = parser.parse_args()
     os.environ["SKULK_LINK_DELAY_MS"] = f"{args.rtt_ms / 2:g}"  # the ranks inherit it (engines/torch/delay.py)
@@ -256,14 +284,17 @@ def main() -> None:
                 print_forwards(key, model_dir, quant, [int(r) for r in args.rows.split(",")])
                 continue
             config = AutoConfig.from_pretrained(model_dir)
-            n_layers = config.num_hidden_layers
+            card = placed_card(model_id, quant)
             heads = (config.num_attention_heads, getattr(config, "num_key_value_heads", None) or 0)
             placements = [p for p in PLACEMENTS if p[2] != "tensor" or all(h % p[1] == 0 for h in heads)]
             placements += list(FORCED) if args.forced else []
+            placements += [HALVES] if args.halves else []
+            print(f"  {key:8} Pipeline 2 layers {pipeline_ranges(card, 2, False)} (halves: "
+                  f"{pipeline_ranges(card, 2, True)})", flush=True)
             got: dict[str, list[tuple[float, float, float, float]]] = {label: [] for label, _, _ in placements}
             for _ in range(args.rounds):
                 for label, world, kind in placements:
-                    got[label].append(measure(model_dir, quant, n_layers, world, kind, args.tokens))
+                    got[label].append(measure(model_dir, quant, card, world, kind, args.tokens))
                     load.append(os.getloadavg()[0])
                     print(f"  {key:8} {label:10} single {got[label][-1][0]:7.1f}  ttft {got[label][-1][1]:7.1f} ms"
                           f"  8-stream {got[label][-1][2]:7.1f}  cpu {got[label][-1][3]:5.2f} ms/token", flush=True)
