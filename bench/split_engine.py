@@ -6,7 +6,8 @@ one core per node, that path shares the rank's core and dominates at 8 streams. 
 directly (rank 0's script steps the engine; later ranks step until it closes), each process pinned to its core, so
 the figures are the engine's: single-stream decode tok/s, the 8-stream aggregate (all 8 decoding), TTFT (one stream,
 prompt to first token), and the CPU every rank together spent per token of the 8 streams (process CPU time, all
-threads: on a shared machine the wall-clock rates follow the load, this does not). --forced adds Pipeline 2 with
+threads: on a shared machine the wall-clock rates follow the load, this does not; "busiest": the rank that spent
+the most, which sets a micro-batched round where each rank has its own core). --forced adds Pipeline 2 with
 micro-batches off and always on beside Pipeline 2 as the engine decides (engines/micro_batching.py).
 Speculative decoding is off everywhere (a split never speculates: like for like). Latency:
 SKULK_LINK_DELAY_MS (engines/torch/delay.py) at RTT/2, default 0.5 ms RTT. Placements alternate (1, P2, T2, 1, P2,
@@ -165,8 +166,9 @@ def pipeline_ranges(card: Any, world: int, halves: bool) -> list[tuple[int, int]
 
 
 def measure(model_dir: Path, quant: str | None, card: Any, world: int, kind: str, tokens: int
-            ) -> tuple[float, float, float, float]:
-    """(single tok/s, TTFT ms, 8-stream tok/s, CPU ms per token of all ranks together in the 8-stream window)."""
+            ) -> tuple[float, float, float, float, float]:
+    """(single tok/s, TTFT ms, 8-stream tok/s, CPU ms per token of all ranks together in the 8-stream window, and
+    of the busiest rank: with micro-batches in flight, what sets the round where each rank has its own core)."""
     from skulk.testing.nodes import free_port
 
     layers = pipeline_ranges(card, world, halves=kind.startswith("halves"))
@@ -189,8 +191,8 @@ def measure(model_dir: Path, quant: str | None, card: Any, world: int, kind: str
                     raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}") from None
         single, ttft, aggregate, (start, end, count) = got[0]
         samples = [got[-1]] + [got[r] for r in range(1, world)]
-        cpu = sum(cpu_between(s, start, end) for s in samples)
-        return single, ttft, aggregate, cpu * 1000 / count
+        cpu = [cpu_between(s, start, end) for s in samples]
+        return single, ttft, aggregate, sum(cpu) * 1000 / count, max(cpu) * 1000 / count
     finally:
         for proc in procs:
             proc.join(60)
@@ -291,21 +293,22 @@ def main() -> None:
             placements += [HALVES] if args.halves else []
             print(f"  {key:8} Pipeline 2 layers {pipeline_ranges(card, 2, False)} (halves: "
                   f"{pipeline_ranges(card, 2, True)})", flush=True)
-            got: dict[str, list[tuple[float, float, float, float]]] = {label: [] for label, _, _ in placements}
+            got: dict[str, list[tuple[float, float, float, float, float]]] = {label: [] for label, _, _ in placements}
             for _ in range(args.rounds):
                 for label, world, kind in placements:
                     got[label].append(measure(model_dir, quant, card, world, kind, args.tokens))
                     load.append(os.getloadavg()[0])
                     print(f"  {key:8} {label:10} single {got[label][-1][0]:7.1f}  ttft {got[label][-1][1]:7.1f} ms"
-                          f"  8-stream {got[label][-1][2]:7.1f}  cpu {got[label][-1][3]:5.2f} ms/token", flush=True)
-            base = [statistics.median(x[i] for x in got["1 rank"]) for i in range(4)]
+                          f"  8-stream {got[label][-1][2]:7.1f}  cpu {got[label][-1][3]:5.2f} ms/token (busiest rank "
+                          f"{got[label][-1][4]:5.2f})", flush=True)
+            base = [statistics.median(x[i] for x in got["1 rank"]) for i in range(5)]
             for label, _, _ in placements:
-                med = [statistics.median(x[i] for x in got[label]) for i in range(4)]
+                med = [statistics.median(x[i] for x in got[label]) for i in range(5)]
                 pairs = zip(got[label], got["1 rank"], strict=True)
                 rounds = " ".join(f"{x[0] / one[0]:.2f}/{x[2] / one[2]:.2f}" for x, one in pairs)
                 lines.append(f"{key:8} {label:10} | {med[0]:7.1f} {med[0] / base[0]:5.2f} | {med[1]:7.1f} "
                              f"{med[1] / base[1]:5.2f} | {med[2]:7.1f} {med[2] / base[2]:5.2f} | {med[3]:6.2f} "
-                             f"{med[3] / base[3]:5.2f} | {rounds}")
+                             f"{med[3] / base[3]:5.2f} | {med[4]:6.2f} {med[4] / base[4]:5.2f} | {rounds}")
     if args.rows:
         print(f"one rank, one thread on core 0, CPU time (thread clock); load average (1 min) {os.getloadavg()[0]:.1f}")
         return
@@ -313,7 +316,7 @@ def main() -> None:
           f"{args.tokens} tokens, medians of {args.rounds} alternating rounds; load average (1 min) "
           f"{min(load):.1f}-{max(load):.1f}")
     print(f"{'model':8} {'placement':10} | {'single':>7} {'÷1':>5} | {'ttft ms':>7} {'÷1':>5} | {'8-str':>7} {'÷1':>5} "
-          f"| {'cpu/tok':>6} {'÷1':>5} | each round's single/8-stream ÷1 (same round's 1 rank)")
+          f"| {'cpu/tok':>6} {'÷1':>5} | {'busiest':>6} {'÷1':>5} | rounds' single/8-str ÷1 (same round's 1 rank)")
     print("\n".join(lines))
 
 
