@@ -192,6 +192,8 @@ def measure(model_dir: Path, quant: str | None, card: Any, world: int, kind: str
         single, ttft, aggregate, (start, end, count) = got[0]
         samples = [got[-1]] + [got[r] for r in range(1, world)]
         cpu = [cpu_between(s, start, end) for s in samples]
+        print(f"    {layers}: each rank's CPU per token {' / '.join(f'{c * 1000 / count:.2f}' for c in cpu)} ms",
+              flush=True)
         return single, ttft, aggregate, sum(cpu) * 1000 / count, max(cpu) * 1000 / count
     finally:
         for proc in procs:
