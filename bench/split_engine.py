@@ -25,8 +25,15 @@ Tensor 2 0.06 / 0.15 / 7.45 (1 round); SmolLM2 Pipeline 2 0.95 / 0.96 / 1.63 (3 
 (SmolLM2), so 8 streams over two ranks can gain at most that: the issue's 1.6x needs t(R)/t(R/2) >= 1.6, which
 SmolLM2 reaches at 16 rows (1.69).
 
+Placement's balanced split (SmolLM2: 22 + 8 layers, the 30 MB head on rank 1) against equal halves, 2026-11-26,
+quiet 2-core VM (load 1.4-1.8), --halves --rounds 3 --tokens 160: 8 streams 712.5 against 580.8 tok/s (1.23; each
+round 1.20 / 1.15 / 1.27), the busiest rank's CPU 1.37 against 1.60 ms a token (halves: rank 0 1.03-1.16, rank 1
+1.59-1.99); one stream 129.5 against 128.5 (1.01); TTFT 15.4 against 12.4 ms (rank 0 prefills 22 layers; --layers
+8,22 reads 14.4-14.9, so TTFT follows rank 0's layers). --layers 21,9 measured 1.22-1.29 ms on its busiest rank
+against 22/8's 1.26-1.43 (rank 0's own work per step, besides its layers, is not in placement's bytes).
+
 Run: .venv/bin/python bench/split_engine.py [--models bench,smollm2] [--rtt-ms 0.5] [--rounds 2] [--tokens 48]
-     [--forced] [--halves]
+     [--forced] [--halves [--layers 21,9]]
      .venv/bin/python bench/split_engine.py --rows 1,2,4,8,16   (t(R): one rank's step and forward CPU by rows)
 """
 
@@ -132,11 +139,11 @@ def rank_main(model_dir: Path, quant: str | None, rank: int, world: int, kind: s
     clocked = Clocked(engine)
     if rank == 0:
         run_streams(clocked, 2, 8, "warm")
-        single, ttft, _ = run_streams(clocked, 1, tokens, "one")
+        single, ttft, one = run_streams(clocked, 1, tokens, "one")
         aggregate, _, window = run_streams(clocked, STREAMS, tokens, "many")
         if world > 1 and kind == "pipeline" and engine.micro_batches is None:
             print(f"    the rule keeps {engine.micro} micro-batch(es) in flight at 8 streams", flush=True)
-        results.put((0, (single, ttft, aggregate, window)))
+        results.put((0, (single, ttft, aggregate, window, one)))
         engine.close()
     else:
         while not engine.closed:
@@ -160,7 +167,9 @@ def pipeline_ranges(card: Any, world: int, halves: bool) -> list[tuple[int, int]
     from skulk.types.instances import Sharding
 
     if halves:
-        return layer_ranges(allocate_layers(card.n_layers, [1] * world))
+        forced = os.environ.get("SKULK_BENCH_LAYERS")  # --layers: counts per rank instead of equal ones
+        return layer_ranges([int(c) for c in forced.split(",")] if forced else allocate_layers(card.n_layers,
+                                                                                                 [1] * world))
     plans = plan_ring(card, Sharding.Pipeline, [NodeId(f"n{r}") for r in range(world)], [64 << 30] * world)
     return [(p.start_layer, p.end_layer) for p in plans]
 
@@ -189,8 +198,10 @@ def measure(model_dir: Path, quant: str | None, card: Any, world: int, kind: str
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs):
                     raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}") from None
-        single, ttft, aggregate, (start, end, count) = got[0]
+        single, ttft, aggregate, (start, end, count), one = got[0]
         samples = [got[-1]] + [got[r] for r in range(1, world)]
+        alone = sum(cpu_between(s, one[0], one[1]) for s in samples) * 1000 / one[2]
+        print(f"    one stream: every rank's CPU per token {alone:.2f} ms", flush=True)
         cpu = [cpu_between(s, start, end) for s in samples]
         print(f"    {layers}: each rank's CPU per token {' / '.join(f'{c * 1000 / count:.2f}' for c in cpu)} ms",
               flush=True)
@@ -268,8 +279,11 @@ def main() -> None:
     parser.add_argument("--forced", action="store_true", help="also Pipeline 2 with micro-batches off and always on")
     parser.add_argument("--halves", action="store_true",
                         help="also Pipeline 2 on equal layer counts (the split before placement balanced the work)")
+    parser.add_argument("--layers", help="with --halves: these layer counts per rank instead (e.g. 21,9)")
     parser.add_argument("--rows", help="instead: t(R), one rank's step and forward CPU at these row counts (1,2,4,8)")
     args = parser.parse_args()
+    if args.layers:
+        os.environ["SKULK_BENCH_LAYERS"] = args.layers
     os.environ["SKULK_LINK_DELAY_MS"] = f"{args.rtt_ms / 2:g}"  # the ranks inherit it (engines/torch/delay.py)
     from transformers import AutoConfig
 
