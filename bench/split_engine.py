@@ -30,7 +30,9 @@ quiet 2-core VM (load 1.4-1.8), --halves --rounds 3 --tokens 160: 8 streams 712.
 round 1.20 / 1.15 / 1.27), the busiest rank's CPU 1.37 against 1.60 ms a token (halves: rank 0 1.03-1.16, rank 1
 1.59-1.99); one stream 129.5 against 128.5 (1.01); TTFT 15.4 against 12.4 ms (rank 0 prefills 22 layers; --layers
 8,22 reads 14.4-14.9, so TTFT follows rank 0's layers). --layers 21,9 measured 1.22-1.29 ms on its busiest rank
-against 22/8's 1.26-1.43 (rank 0's own work per step, besides its layers, is not in placement's bytes).
+against 22/8's 1.26-1.43 (rank 0's own work per step, besides its layers, is not in placement's bytes). Again with
+rank 0's pace counting the head (3ea756c; load 1.0-1.3): 8 streams 659.1 against 472.5 (1.39; rounds 1.15 / 1.49 /
+1.50), 1.36 x one rank; one stream 102.5 against 107.9 (rounds 0.95 / 1.02 / 1.07); TTFT 17.7 against 16.1 ms.
 
 Run: .venv/bin/python bench/split_engine.py [--models bench,smollm2] [--rtt-ms 0.5] [--rounds 2] [--tokens 48]
      [--forced] [--halves [--layers 21,9]]
