@@ -51,7 +51,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODELS = {"bench": ("skulk/bench-random-100m", "int4"), "smollm2": ("", None)}  # "": packaged.DEFAULT_MODEL_ID
+MODELS = {"bench": ("skulk/bench-random-100m", "int4"), "smollm2": ("", None),  # "": packaged.DEFAULT_MODEL_ID
+          "bench700m": ("skulk/bench-random-700m", "int4")}
 PLACEMENTS = (("1 rank", 1, "pipeline"), ("Pipeline 2", 2, "pipeline"), ("Tensor 2", 2, "tensor"))
 FORCED = (("P2 plain", 2, "plain"), ("P2 always", 2, "always"))
 """--forced: Pipeline 2 without micro-batches and with them always (Flight.micro_batches False / True), beside
@@ -289,7 +290,7 @@ def main() -> None:
     os.environ["SKULK_LINK_DELAY_MS"] = f"{args.rtt_ms / 2:g}"  # the ranks inherit it (engines/torch/delay.py)
     from transformers import AutoConfig
 
-    from skulk.models.demo import ensure_builtin_model
+    from skulk.models.demo import BUILTIN_MODELS, ensure_builtin_model
     from skulk.models.packaged import DEFAULT_MODEL_ID, ensure_packaged_model, shared_cache
 
     load = [os.getloadavg()[0]]
@@ -298,7 +299,7 @@ def main() -> None:
         for key in args.models.split(","):
             model_id, quant = MODELS[key]
             model_id = model_id or DEFAULT_MODEL_ID
-            model_dir = ensure_builtin_model(model_id, Path(tmp)) if key == "bench" else \
+            model_dir = ensure_builtin_model(model_id, Path(tmp)) if model_id in BUILTIN_MODELS else \
                 ensure_packaged_model(model_id, Path(tmp), cache=shared_cache())
             if args.rows:
                 print_forwards(key, model_dir, quant, [int(r) for r in args.rows.split(",")])
