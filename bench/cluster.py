@@ -118,12 +118,12 @@ ENGINE = ["torch"]
 """The engine every placement of this run asks for (--engine)."""
 
 
-def place_on(api: LocalNode, members: list[LocalNode], everyone: list[LocalNode], quantization: str | None = None
-             ) -> tuple[str, set[str]]:
+def place_on(api: LocalNode, members: list[LocalNode], everyone: list[LocalNode], quantization: str | None = None,
+             model: str = BENCH_MODEL_ID) -> tuple[str, set[str]]:
     """Place a Pipeline instance on exactly `members` (the rest excluded), quantized at load when asked; check the
     reply says so."""
     body: dict[str, object] = {
-        "model_id": BENCH_MODEL_ID,
+        "model_id": model,
         "sharding": "Pipeline",
         "min_nodes": len(members),
         "engine": ENGINE[0],
@@ -158,9 +158,10 @@ def stream_decode(api: LocalNode, tokens: int) -> float:
     return decode_tokens_per_s(api.url, BENCH_MODEL_ID, PROMPT, tokens, timeout=300)
 
 
-async def _timed_stream(client: httpx.AsyncClient, index: int, tokens: int) -> tuple[int, float]:
+async def _timed_stream(client: httpx.AsyncClient, index: int, tokens: int, model: str = BENCH_MODEL_ID
+                        ) -> tuple[int, float]:
     """(tokens, last-token time) of one greedy stream with its own prompt."""
-    body = {"model": BENCH_MODEL_ID, "messages": [{"role": "user", "content": f"stream {index}: {PROMPT}"}],
+    body = {"model": model, "messages": [{"role": "user", "content": f"stream {index}: {PROMPT}"}],
             "max_tokens": tokens, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     last = 0.0
     produced = 0
@@ -178,13 +179,13 @@ async def _timed_stream(client: httpx.AsyncClient, index: int, tokens: int) -> t
     return produced, last
 
 
-def aggregate_decode(api: LocalNode, tokens: int, streams: int) -> float:
+def aggregate_decode(api: LocalNode, tokens: int, streams: int, model: str = BENCH_MODEL_ID) -> float:
     """Tokens/s of `streams` concurrent streams together: all their tokens over the time from sending them to the
     last token (prefill included; streamed text can arrive in bursts, so no first-token clock is trusted)."""
 
     async def run() -> list[tuple[int, float]]:
         async with httpx.AsyncClient(base_url=api.url, timeout=600, trust_env=False) as client:
-            return await asyncio.gather(*(_timed_stream(client, i, tokens) for i in range(streams)))
+            return await asyncio.gather(*(_timed_stream(client, i, tokens, model) for i in range(streams)))
 
     sent = time.perf_counter()
     results = asyncio.run(run())

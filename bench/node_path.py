@@ -41,8 +41,10 @@ Run: .venv/bin/python bench/node_path.py [--streams 8] [--tokens 64] [--rounds 2
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -50,13 +52,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cluster import Fleet, aggregate_decode, delete_instance, place_on
+from skulk.models.demo import BENCH_MODEL_ID
+from skulk.models.packaged import DEFAULT_MODEL_ID, shared_cache
 from skulk.testing.convergence import formed
 from skulk.testing.nodes import LocalNode
+from skulk.testing.streams import stream_chunk
 from skulk.testing.waiting import wait_until
 
 SPY = os.environ.get("PY_SPY", str(Path(sys.executable).parent / "py-spy"))
@@ -81,12 +88,14 @@ def cpu_s(pid: int) -> float:
     return times.user + times.system
 
 
-def spy(pids: dict[str, int], out: Path) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
+def spy(pids: dict[str, int], out: Path, gil: bool = False) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
+    """py-spy on every process; gil: sample only the thread holding the GIL (Python's own CPU, without the
+    kernels that run with it released)."""
     spies = []
     for name, pid in pids.items():
         path = out / f"{name}.txt"
         cmd = [SPY, "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--nonblocking",
-               "--output", str(path)]
+               *(["--gil"] if gil else []), "--output", str(path)]
         spies.append((name, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
     time.sleep(1.0)  # py-spy attaches
     return spies
@@ -108,19 +117,111 @@ def top_functions(path: Path, count: int) -> list[tuple[float, str]]:
     return [(n / total, f) for f, n in own.most_common(count)] if total else []
 
 
+MODELS = {"bench": BENCH_MODEL_ID, "smollm2": DEFAULT_MODEL_ID}
+PROMPT = "Write a short story about a fox who learns to split a model across two machines."
+
+
+async def _single(url: str, model: str, tokens: int, pids: dict[str, int]
+                  ) -> tuple[int, float, dict[str, float], dict[str, float]]:
+    """One greedy stream: (tokens after the first, seconds from first to last token, each process's CPU seconds at
+    the first token, and at the last)."""
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    first = last = 0.0
+    at_first: dict[str, float] = {}
+    at_last: dict[str, float] = {}
+    produced = 0
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client, \
+            client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        async for line in reply.aiter_lines():
+            chunk = stream_chunk(line)
+            if chunk is None:
+                continue
+            if chunk >= 0:
+                produced = chunk
+                continue
+            last = time.perf_counter()
+            if not first:
+                first, at_first = last, {name: cpu_s(pid) for name, pid in pids.items()}
+            else:
+                at_last = {name: cpu_s(pid) for name, pid in pids.items()}
+                last = time.perf_counter()  # psutil's reads are the client's, not the node path's
+    if produced < 2 or not at_last:
+        raise RuntimeError(f"too few tokens streamed ({produced})")
+    return produced - 1, last - first, at_first, at_last
+
+
+def _engine_stream(model_dir: Path, quantization: str | None, tokens: int, results: Any) -> None:
+    """Spawned: one greedy stream stepped directly on core 0 with one thread, as the runner's engine would be
+    (warmed up, collector frozen); puts (tokens after the first, wall s, process CPU s) from its first token on."""
+    os.sched_setaffinity(0, {0})
+    import gc
+
+    import torch
+
+    from skulk.engines.torch.engine import TorchEngine
+    from skulk.types.chat import SamplingParams
+
+    torch.set_num_threads(1)
+    engine = TorchEngine(model_dir, quantize=quantization, speculate=False)
+    engine.warmup()
+    gc.freeze()
+    figures = []
+    for label, count in (("warm", 8), ("timed", tokens)):
+        engine.add_request(label, list(PROMPT.encode()), SamplingParams(max_tokens=count, temperature=0))
+        produced, start = 0, (0.0, 0.0)
+        while engine.has_work():
+            produced += len(engine.step())
+            engine.take_events()
+            if produced == 1 and not start[0]:
+                start = (time.perf_counter(), time.process_time())
+        figures.append((produced - 1, time.perf_counter() - start[0], time.process_time() - start[1]))
+    results.put(figures[-1])
+
+
+def engine_alone(model: str, quantization: str | None, tokens: int) -> tuple[float, float]:
+    """One stream's (decode tok/s, CPU ms per token) with the engine driven directly on core 0 with one thread:
+    what the node path would reach if it cost nothing."""
+    import multiprocessing as mp
+
+    from skulk.models.demo import ensure_builtin_model
+    from skulk.models.packaged import ensure_packaged_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = ensure_builtin_model(model, Path(tmp)) if model == BENCH_MODEL_ID else \
+            ensure_packaged_model(model, Path(tmp), cache=shared_cache())
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        proc = ctx.Process(target=_engine_stream, args=(model_dir, quantization, tokens, results))
+        proc.start()
+        count, wall, cpu = results.get(timeout=600)
+        proc.join(60)
+        return count / wall, 1000 * cpu / count
+
+
 def measure(nodes: list[LocalNode], ranks: int, tokens: int, streams: int, spy_dir: Path | None,
-            quantization: str | None = None) -> tuple[float, dict[str, float], dict[str, list[tuple[float, str]]]]:
-    """(tokens/s, CPU ms per token per process, top functions per process) of one placement's streams."""
+            quantization: str | None = None, model: str = BENCH_MODEL_ID, gil: bool = False
+            ) -> tuple[float, dict[str, float], dict[str, list[tuple[float, str]]]]:
+    """(tokens/s, CPU ms per token per process, top functions per process) of one placement's streams. One stream
+    is timed, and its CPU read, from its first token to its last: the per-token path alone, without the request's
+    admission and prefill; several are timed from sending them to the last token."""
     api = nodes[0]
-    instance_id, runners = place_on(api, nodes[:ranks], nodes, quantization)
+    instance_id, runners = place_on(api, nodes[:ranks], nodes, quantization, model)
     try:
-        aggregate_decode(api, 8, streams)  # warm-up
         pids = roles(nodes)
-        spies = spy(pids, spy_dir) if spy_dir is not None else []
-        before = {name: cpu_s(pid) for name, pid in pids.items()}
-        rate = aggregate_decode(api, tokens, streams)
-        produced = tokens * streams  # greedy streams of a random model run to max_tokens
-        after = {name: cpu_s(pid) for name, pid in pids.items()}
+        if streams == 1:
+            asyncio.run(_single(api.url, model, 8, pids))  # warm-up
+        else:
+            aggregate_decode(api, 8, streams, model)
+        spies = spy(pids, spy_dir, gil) if spy_dir is not None else []
+        if streams == 1:
+            produced, seconds, before, after = asyncio.run(_single(api.url, model, tokens, pids))
+            rate = produced / seconds
+        else:
+            before = {name: cpu_s(pid) for name, pid in pids.items()}
+            rate = aggregate_decode(api, tokens, streams, model)
+            produced = tokens * streams  # greedy streams of a random model run to max_tokens
+            after = {name: cpu_s(pid) for name, pid in pids.items()}
         tops: dict[str, list[tuple[float, str]]] = {}
         for name, proc, path in spies:
             proc.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
@@ -132,11 +233,22 @@ def measure(nodes: list[LocalNode], ranks: int, tokens: int, streams: int, spy_d
         delete_instance(api, instance_id, runners)
 
 
-def start(root: Path, src: str | None) -> tuple[Fleet, list[LocalNode]]:
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of a node onto `cores`; the runners it spawns later inherit them."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cores)
+
+
+def start(root: Path, src: str | None, cores: list[set[int]] | None = None) -> tuple[Fleet, list[LocalNode]]:
     env = {"PYTHONPATH": os.path.abspath(src)} if src else {}
-    fleet = Fleet(root, env={**env, "SKULK_SPECULATE": "0", "OMP_NUM_THREADS": "1"})
+    fleet = Fleet(root, env={**env, "SKULK_SPECULATE": "0", "OMP_NUM_THREADS": "1",
+                             "SKULK_MODEL_CACHE": str(shared_cache())})
     for index in range(2):
         fleet.nodes.append(fleet.spawn(index, [n.endpoint for n in fleet.nodes]))
+        if cores:
+            node = fleet.nodes[-1]
+            assert node.process is not None
+            pin(node.process.pid, cores[index % len(cores)])
     wait_until(lambda: all(n.node_id for n in fleet.nodes), 60, "two nodes to print ready")
     wait_until(lambda: formed(fleet.nodes), 60, "two nodes to form one cluster", poll=0.05)
     return fleet, fleet.nodes
@@ -148,14 +260,22 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--spy", action="store_true", help="py-spy every process: top functions")
+    parser.add_argument("--spy-keep", type=Path, help="copy py-spy's collapsed stacks into this folder")
+    parser.add_argument("--spy-gil", action="store_true", help="py-spy only the GIL's holder: Python's own CPU")
     parser.add_argument("--src", action="append", default=[])
     parser.add_argument("--quantization", choices=["int4", "int8"], help="quantize the model at load")
     parser.add_argument("--ranks", default="1,2", help="placements to measure: 1 rank, Pipeline 2, or both")
+    parser.add_argument("--model", choices=list(MODELS), default="bench")
+    parser.add_argument("--cores", help="each node's cores (node0/node1), e.g. 0/1: a core per node, its runner too")
+    parser.add_argument("--engine", action="store_true", help="also one stream with the engine driven directly")
     args = parser.parse_args()
     trees = args.src or [None]
     rank_counts = [int(r) for r in args.ranks.split(",")]
+    model = str(MODELS[args.model])
+    cores = [{int(c) for c in part.split(",")} for part in args.cores.split("/")] if args.cores else None
+    alone = engine_alone(model, args.quantization, args.tokens) if args.engine else None
     with tempfile.TemporaryDirectory() as tmp:
-        fleets = [start(Path(tmp) / f"tree{i}", src) for i, src in enumerate(trees)]
+        fleets = [start(Path(tmp) / f"tree{i}", src, cores) for i, src in enumerate(trees)]
         results: dict[tuple[int, int], list[tuple[float, dict[str, float]]]] = collections.defaultdict(list)
         try:
             for round_no in range(args.rounds):
@@ -167,8 +287,10 @@ def main() -> None:
                         if spy_dir is not None:
                             spy_dir.mkdir()
                         rate, per_token, tops = measure(fleets[tree][1], ranks, args.tokens, args.streams, spy_dir,
-                                                         args.quantization)
+                                                         args.quantization, model, args.spy_gil)
                         results[(tree, ranks)].append((rate, per_token))
+                        if spy_dir is not None and args.spy_keep is not None:
+                            shutil.copytree(spy_dir, args.spy_keep / spy_dir.name, dirs_exist_ok=True)
                         cells = "  ".join(f"{k} {v:5.2f}" for k, v in per_token.items())
                         print(f"round {round_no + 1} tree {tree} ranks {ranks}: {rate:6.1f} tok/s | CPU ms/token "
                               f"{cells} | load {os.getloadavg()[0]:.1f}", flush=True)
@@ -177,8 +299,11 @@ def main() -> None:
         finally:
             for fleet, _ in fleets:
                 fleet.stop_all()
-    print(f"\nmedians over {args.rounds} rounds, {args.streams} streams x {args.tokens} tokens, "
+    print(f"\nmedians over {args.rounds} rounds, {args.streams} streams x {args.tokens} tokens of {model}, "
           f"load {os.getloadavg()}")
+    if alone is not None:
+        print(f"  engine alone (one rank on core 0, one thread): {alone[0]:6.1f} tok/s, one stream | CPU ms/token "
+              f"{alone[1]:5.2f}")
     for ranks in rank_counts:
         base = None
         for tree, src in enumerate(trees):
@@ -187,6 +312,8 @@ def main() -> None:
             names = rows[0][1].keys()
             cpu = {n: statistics.median(p[n] for _, p in rows) for n in names}
             ratio = "" if base is None else f" ({rate / base:.2f} of tree 0)"
+            if alone and ranks == 1 and args.streams == 1:
+                ratio += f" ({rate / alone[0]:.2f} of the engine alone)"
             base = base or rate
             cells = "  ".join(f"{n} {v:5.2f}" for n, v in cpu.items())
             print(f"  {'1 rank' if ranks == 1 else 'Pipeline 2'} tree {tree} ({src or 'installed'}): "

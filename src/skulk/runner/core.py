@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import queue
 import threading
 import time
 from multiprocessing.queues import Queue
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from skulk.engines.base import Engine, TokenOut
 from skulk.engines.errors import PromptRejected
 from skulk.runner.admission import admit
+from skulk.runner.channel import Inbox, Outbox
 from skulk.runner.fault import Fault, FaultInjector, engine_hook, fault_from_setting
 from skulk.runner.messages import (
     CancelTask,
@@ -75,9 +75,9 @@ class _Active:
 
 
 class Runner:
-    def __init__(self, spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunner]) -> None:
+    def __init__(self, spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Outbox) -> None:
         self.spec = spec
-        self.inbox = inbox
+        self.inbox = Inbox(inbox)
         self.outbox = outbox
         self.recorder = FlightRecorder(spec.context(os.getpid()), enabled=spec.record)
         self.engine: TorchEngine | MlxEngine | None = None
@@ -243,16 +243,9 @@ class Runner:
         self.flush()
 
     def _take_messages(self, *, block: bool) -> None:
-        try:
-            message: Any = self.inbox.get(timeout=IDLE_POLL_S) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
+        """Handle what the supervisor sent; while busy an empty inbox costs one in-memory check (channel.Inbox)."""
+        for message in self.inbox.take(IDLE_POLL_S if block else None):
             self._handle(message)
-            try:
-                message = self.inbox.get_nowait()
-            except queue.Empty:
-                return
 
     def _handle(self, message: ToRunner) -> None:
         match message:
@@ -408,6 +401,8 @@ class Runner:
     def _follow_requests(self, events: list[RequestEvent]) -> None:
         """Report what the step headers admitted, started and released; idempotent, so rank 0, which already
         reported from its inbox, and the sampler, which reported completions when publishing, skip them."""
+        if not events:  # most steps: not even the import below
+            return
         from skulk.engines.torch.wire import Admitted, Started
 
         for event in events:

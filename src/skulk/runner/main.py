@@ -10,17 +10,21 @@ import os
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from multiprocessing.queues import Queue
 
+from skulk.runner.channel import Outbox
 from skulk.runner.core import Runner
-from skulk.runner.messages import RUNNER_HEARTBEAT_S, FromRunner, Heartbeat, ToRunner
+from skulk.runner.messages import RUNNER_HEARTBEAT_S, Heartbeat, ToRunner
 from skulk.runner.spec import RunnerSpec
 
 log = logging.getLogger("skulk.runner")
 
 
-def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunner]) -> None:
-    """Process entry point (multiprocessing spawn target)."""
+def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], pipe: Connection) -> None:
+    """Process entry point (multiprocessing spawn target): tasks come in on `inbox`, everything the runner says
+    goes out on the write end of `pipe` (channel.Outbox)."""
+    outbox = Outbox(pipe)
     _heartbeat(outbox)  # first: the supervisor's hung-runner clock starts with the first message it hears
     configure_logging()
     _exit_with_parent()
@@ -63,17 +67,16 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
-def _leave(outbox: Queue[FromRunner], code: int = 0) -> None:
+def _leave(outbox: Outbox, code: int = 0) -> None:
     """A stop skips the interpreter's teardown, which spends seconds collecting torch's objects on a loaded
     machine (past the supervisor's stop grace) and can wait forever on MLX's ring threads after a peer died:
-    once the queue's feeder has written everything the supervisor is owed, the process ends."""
+    every message was written whole when it was sent, so the process ends once the pipe is closed."""
     outbox.close()
-    outbox.join_thread()
     logging.shutdown()
     os._exit(code)
 
 
-def _new_runner(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Queue[FromRunner]) -> Runner:
+def _new_runner(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Outbox) -> Runner:
     """An embedding model's runner answers embeddings with its encoder; every other runner generates text."""
     if spec.shard.model_card.embeds:
         from skulk.runner.embedder import EmbeddingRunner
@@ -87,7 +90,7 @@ def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)-7s runner: %(message)s")
 
 
-def _heartbeat(outbox: Queue[FromRunner]) -> None:
+def _heartbeat(outbox: Outbox) -> None:
     """Tell the supervisor every RUNNER_HEARTBEAT_S that the process is alive, from a daemon thread of its own:
     a long prefill keeps it going, a frozen (SIGSTOPped) or dead process does not."""
 

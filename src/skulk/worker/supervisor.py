@@ -1,13 +1,14 @@
 """One runner process: spawn it, feed it tasks, relay what it says, restart or fail it when it dies.
 
-The supervisor lives on the node's event loop; a reader thread blocks on the runner's queue and hands each
-message to the loop. It keeps the runner's local diagnostics (flight recorder, milestones), never gossiped.
+The supervisor lives on the node's event loop, which reads the runner's outbox pipe itself (runner.channel: a
+token's message costs no thread hop on either side). It keeps the runner's local diagnostics (flight recorder,
+milestones), never gossiped.
 
-A runner heartbeats from a thread of its own; the reader thread declares it hung when it has heard nothing
-for `hung_s` (counted from its first message, so spawn and imports never count), kills it, and the exit is
-handled like a crash. A single-rank runner is restarted with back-off while its budget lasts (`restart_budget`
-restarts within `restart_window_s`), then left failed; a multi-rank one is restarted by the master, as a whole
-instance.
+A runner heartbeats from a thread of its own; a watch thread of the supervisor's declares it hung when nothing
+came for `hung_s` (counted from its first message, so spawn and imports never count; bytes the loop has not read
+yet count as heard), kills it, and the exit is handled like a crash. A single-rank runner is restarted with
+back-off while its budget lasts (`restart_budget` restarts within `restart_window_s`), then left failed; a
+multi-rank one is restarted by the master, as a whole instance.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
-import queue
+import os
+import select
 import signal
 import threading
 import time
@@ -23,9 +25,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from multiprocessing.connection import Connection
 from typing import Any
 
 from skulk.diagnostics.clock import now_iso
+from skulk.runner.channel import Frames
 from skulk.runner.messages import (
     CancelTask,
     FromRunner,
@@ -55,6 +59,10 @@ MILESTONES_KEPT = 32
 RESTART_BACKOFF_S = 0.5  # doubled for each restart already inside the window
 STOP_GRACE_S = 5.0
 TERMINATE_GRACE_S = 2.0
+READ_POLL_S = 0.2
+"""How often the watch thread checks that the runner is alive and not hung."""
+READ_BYTES = 1 << 16
+"""The most the loop reads from a runner's pipe at once (it is called again while more waits)."""
 
 
 def exit_cause(code: int | None, crash: str | None = None) -> str:
@@ -107,6 +115,24 @@ class SupervisorView:
     last_event_received_at: str | None = None
     last_event_type: str | None = None
     exit_code: int | None = None
+
+
+class _Reading:
+    """One runner process's outbox pipe, as the loop reads it and the watch thread checks it."""
+
+    def __init__(self, process: Any, outbox: Connection) -> None:
+        self.process = process
+        self.outbox = outbox
+        self.frames = Frames()
+        self.heard: float | None = None  # monotonic time of its last message (None: none yet)
+        self.finished = threading.Event()  # set by the loop once the pipe is closed here
+
+    def unread(self) -> bool:
+        """Bytes wait in the pipe (the loop has not read them yet); never raises."""
+        try:
+            return bool(select.select([self.outbox.fileno()], [], [], 0)[0])
+        except (OSError, ValueError):
+            return False
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], arg: Any) -> bool:
@@ -182,39 +208,80 @@ class RunnerSupervisor:
 
         self._loop = asyncio.get_running_loop()
         self._inbox = self._ctx.Queue()
-        outbox = self._ctx.Queue()
+        outbox, pipe = self._ctx.Pipe(duplex=False)  # the runner writes; runner.channel says why not a Queue
         self._process = self._ctx.Process(
             target=runner_main,
-            args=(self.spec, self._inbox, outbox),
+            args=(self.spec, self._inbox, pipe),
             name=f"skulk-runner-{self.runner_id[:8]}",
         )
         self._hung = None
         self.view.exit_code = None  # a fresh process: the previous one's exit code no longer describes it
-        self._process.start()
+        try:
+            self._process.start()
+        finally:
+            pipe.close()  # the runner holds the write end now: its exit reads as the end of the pipe here
         self.milestone("spawned", f"pid {self._process.pid}")
-        threading.Thread(target=self._read, args=(self._process, outbox), daemon=True).start()
+        reading = _Reading(self._process, outbox)
+        os.set_blocking(outbox.fileno(), False)
+        self._loop.add_reader(outbox.fileno(), self._on_readable, reading)
+        threading.Thread(target=self._watch, args=(reading,), daemon=True).start()
 
-    def _read(self, process: Any, outbox: Any) -> None:
+    def _on_readable(self, reading: _Reading) -> None:
+        """Loop: what the runner wrote, straight to its handler (no thread between the pipe and the loop)."""
+        try:
+            data = os.read(reading.outbox.fileno(), READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the runner's end is closed: it exited
+            self._end_reading(reading)
+            return
+        reading.heard = time.monotonic()
+        for message in reading.frames.feed(data):
+            if not isinstance(message, Heartbeat):
+                self._on_message(message)
+
+    def _end_reading(self, reading: _Reading) -> None:
+        """Loop: the pipe is done (or its runner is gone): read what is left, then let the watch thread end it."""
+        if reading.finished.is_set():
+            return
+        while not reading.finished.is_set():
+            try:
+                data = os.read(reading.outbox.fileno(), READ_BYTES)
+            except OSError:  # BlockingIOError too: nothing more now, and the process is gone
+                data = b""
+            if not data:
+                break
+            for message in reading.frames.feed(data):
+                if not isinstance(message, Heartbeat):
+                    self._on_message(message)
+        assert self._loop is not None
+        self._loop.remove_reader(reading.outbox.fileno())
+        reading.outbox.close()
+        reading.finished.set()
+
+    def _watch(self, reading: _Reading) -> None:
+        """Watch thread: every READ_POLL_S, is the runner alive, and has it said anything (a heartbeat at least)
+        within hung_s? Unread bytes count as heard: a busy event loop is not a hung runner. Once the pipe is
+        done, wait for the process and report its exit to the loop."""
         loop = self._loop
         assert loop is not None
-        heard: float | None = None  # the hung clock starts with the first message: spawn time never counts
-        while True:
-            try:
-                message = outbox.get(timeout=0.2)
-            except queue.Empty:
-                if not process.is_alive():
-                    break
-                if heard is not None and time.monotonic() - heard > self.hung_s and not self.stopping:
-                    self._kill_hung(process, time.monotonic() - heard)
-                    heard = None
-                continue
-            except (EOFError, OSError):
+        process = reading.process
+        while not reading.finished.wait(READ_POLL_S):
+            if not process.is_alive():  # gone with its pipe still open (a child of it may hold the write end)
+                if not _deliver(loop, self._end_reading, reading):
+                    return
+                while not reading.finished.wait(READ_POLL_S):
+                    if loop.is_closed():
+                        return
                 break
-            heard = time.monotonic()
-            if isinstance(message, Heartbeat):
-                continue
-            if not _deliver(loop, self._on_message, message):
-                return
+            if reading.unread():
+                reading.heard = time.monotonic()
+            heard = reading.heard  # the hung clock starts with the first message: spawn time never counts
+            if heard is not None and time.monotonic() - heard > self.hung_s and not self.stopping:
+                self._kill_hung(process, time.monotonic() - heard)
+                reading.heard = None
         process.join()
         _deliver(loop, self._on_exit, process)
 

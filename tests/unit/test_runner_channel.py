@@ -1,0 +1,85 @@
+"""The runner's pipes to its supervisor (runner.channel): messages whole and in order, never a half message, no
+wait for an empty inbox, and a closed outbox that stops its senders."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+
+from skulk.runner.channel import Frames, Inbox, Outbox
+from skulk.runner.messages import CancelTask, Heartbeat, Shutdown, TaskEnded, Tokens
+from skulk.types.chunks import TokenChunk
+from skulk.types.ids import CommandId, TaskId
+from skulk.types.tasks import TaskStatus
+from skulk.worker.supervisor import _Reading
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _messages() -> list[object]:
+    chunk = TokenChunk(command_id=CommandId("c1"), text="hé", token_id=7, completion_tokens=3)
+    return [Tokens([chunk]), Heartbeat(), TaskEnded(TaskId("t1"), CommandId("c1"), TaskStatus.Complete),
+            Tokens([chunk] * 200)]
+
+
+def _drain(reader: Connection) -> bytes:
+    """Every byte waiting in the pipe now."""
+    os.set_blocking(reader.fileno(), False)
+    data = b""
+    while True:
+        try:
+            data += os.read(reader.fileno(), 1 << 16)
+        except BlockingIOError:
+            return data
+
+
+def test_messages_cross_the_pipe_whole_and_in_order_however_the_bytes_are_cut() -> None:
+    reader, writer = mp.get_context("spawn").Pipe(duplex=False)
+    outbox = Outbox(writer)
+    sent = _messages()
+    for message in sent:
+        outbox.put(message)  # type: ignore[arg-type]
+    data = _drain(reader)
+    for cut in (1, 3, 64, len(data)):  # a byte at a time, odd sizes, all at once
+        frames, got = Frames(), []
+        for start in range(0, len(data), cut):
+            got += frames.feed(data[start:start + cut])
+        assert got == sent
+    frames = Frames()
+    assert frames.feed(data[:-1]) == sent[:-1]  # the last message half there: nothing of it yet
+    assert frames.feed(data[-1:]) == sent[-1:]
+    outbox.close()
+    with pytest.raises(OSError):
+        outbox.put(Heartbeat())  # the heartbeat thread stops on this
+    reader.close()
+
+
+def test_unread_bytes_are_seen_without_reading_them() -> None:
+    reader, writer = mp.get_context("spawn").Pipe(duplex=False)
+    reading = _Reading(None, reader)
+    assert not reading.unread()
+    Outbox(writer).put(Heartbeat())
+    assert reading.unread() and reading.unread()  # looking does not consume
+    assert Frames().feed(_drain(reader)) == [Heartbeat()]
+    reader.close()
+    assert not reading.unread()  # a closed pipe reads as nothing, never raises
+
+
+def test_the_inbox_hands_messages_over_in_order_and_an_empty_one_costs_no_wait() -> None:
+    source = mp.get_context("spawn").Queue()
+    inbox = Inbox(source)
+    started = time.monotonic()
+    assert inbox.take() == []
+    assert inbox.take(0.01) == []
+    assert time.monotonic() - started < 5
+    sent = [CancelTask(TaskId(f"t{i}")) for i in range(5)] + [Shutdown()]
+    for message in sent:
+        source.put(message)
+    got = inbox.take(10)  # waits for the first; whatever else is there comes with it
+    while len(got) < len(sent):
+        got += inbox.take(10)
+    assert got == sent
