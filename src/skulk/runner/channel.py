@@ -11,6 +11,10 @@ critical path. Now:
 - the outbox: a plain pipe; a message is pickled and written whole (length, then pickle) by the thread that sends
   it (the loop, or the heartbeat thread) under a lock, and the node's event loop reads the pipe itself
   (`Frames`, worker/supervisor.py).
+Measured (SmolLM2, one stream, runner and node on one core, `bench/node_path.py --streams 1 --cores 0/1` with the
+loop timed by thread CPU clocks; 2-core VM, load about 1): the runner's CPU per step outside `engine.step()` went
+from 0.23-0.24 ms (0.13 on the loop's thread, 0.10 on the others: the feeder) to 0.13-0.16 (0.003 on the others);
+the sampling rank of Pipeline 2, 0.28-0.29 -> 0.21-0.22 ms.
 A full pipe would hold the sender: the node's loop must then have stopped reading for thousands of steps, and the
 pipe is widened (Linux: 1 MiB) so that a loop busy for seconds is absorbed long before that.
 """
