@@ -1,4 +1,4 @@
-"""CPU per generated token in each process of the node path, with real node processes and 8 concurrent streams.
+"""CPU per generated token in each process of the node path, with real node processes: one stream, or 8 at once.
 
 The per-token path runs runner -> supervisor (pipe) -> worker -> zenoh (when the API node is another node) -> API
 node -> SSE. This bench places a 1-rank instance (runner and API on one node) and a Pipeline 2 instance (API node
@@ -34,8 +34,30 @@ machine, 2026-11-26): 730 tok/s, CPU ms per token node0 0.16, runner0 1.28; ever
 this bench's client too) 642 tok/s. (bench/split.py's ~300 for the same placement that day was its own count of
 text lines, not tokens; fixed there.)
 
-Run: .venv/bin/python bench/node_path.py [--streams 8] [--tokens 64] [--rounds 2] [--spy]
-         [--src /path/to/main/src --src src] [--quantization int4] [--ranks 1,2]
+--streams 1 times one stream from its first token to its last and reads each process's CPU over that window only
+(the request's admission and prefill left out); --model smollm2 places the default model; --cores 0/1 pins each node
+(all its threads, and so its runner) to its cores, as bench/split.py does; --engine adds one stream stepped by the
+engine alone on core 0 (what the node path would reach if it cost nothing); --spy-gil samples only the GIL's holder
+(Python's own CPU, SPY_RATE=1000 for more samples). Each placement prints which node samples: the last rank's node,
+when it is not the API node, sends every token over zenoh.
+
+Measured 2026-11-26 (2-core VM, quiet window, load 1.4-1.9; SmolLM2, --cores 0/1, 400 tokens; CPU ms per token):
+  one stream, 1 rank: engine alone 111-147 tok/s (CPU 6.8-9.0 ms/token); nodes 88-105 tok/s, 0.80-0.81 of the
+  engine alone in the same run, node0 (API + runner's node) 0.53-0.65, runner0 8.8-10.5. The runner's own loop
+  (thread CPU clocks around engine.step()) costs 0.13-0.16 ms a step (0.23-0.24 before runner/channel.py: the
+  mp.Queue feeder thread's 0.10 is gone); the rest of the gap is node0's Python per token (py-spy --gil: its
+  pipe read and unpickle ~18 %, the SSE send through the middleware chain ~14 %, the event log's writer ~10 %,
+  background probes and state polls the rest) and, mostly, noise: the same engine alone, started afresh, decodes
+  at 108-162 tok/s from one process to the next (identical configuration, quiet machine), so a node path's
+  runner lands anywhere in that range too.
+  before/after runner/channel.py (trees interleaved, 4 rounds, medians): one stream, 1 rank 105.6 -> 104.2 tok/s
+  (0.99), Pipeline 2 110.9 -> 117.8 (1.06); 8 streams x 64 tokens (3 rounds), 1 rank 367 -> 401 (1.09), Pipeline
+  2 315 -> 434 (1.38, but the new tree's placements put the sampling rank on node1 and its ranks' CPU per token
+  fell 1.8 -> 1.3 ms: a different split/schedule, not the pipe).
+
+Run: .venv/bin/python bench/node_path.py [--streams 8] [--tokens 64] [--rounds 2] [--spy] [--spy-gil]
+         [--src /path/to/main/src --src src] [--quantization int4] [--ranks 1,2] [--model smollm2] [--cores 0/1]
+         [--engine]
 """
 
 from __future__ import annotations
@@ -61,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cluster import Fleet, aggregate_decode, delete_instance, place_on
 from skulk.models.demo import BENCH_MODEL_ID
 from skulk.models.packaged import DEFAULT_MODEL_ID, shared_cache
-from skulk.testing.convergence import formed
+from skulk.testing.convergence import formed, state_of
 from skulk.testing.nodes import LocalNode
 from skulk.testing.streams import stream_chunk
 from skulk.testing.waiting import wait_until
@@ -94,8 +116,8 @@ def spy(pids: dict[str, int], out: Path, gil: bool = False) -> list[tuple[str, s
     spies = []
     for name, pid in pids.items():
         path = out / f"{name}.txt"
-        cmd = [SPY, "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--nonblocking",
-               *(["--gil"] if gil else []), "--output", str(path)]
+        cmd = [SPY, "record", "--pid", str(pid), "--format", "raw", "--rate", os.environ.get("SPY_RATE", "200"),
+               "--nonblocking", *(["--gil"] if gil else []), "--output", str(path)]
         spies.append((name, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
     time.sleep(1.0)  # py-spy attaches
     return spies
@@ -199,6 +221,18 @@ def engine_alone(model: str, quantization: str | None, tokens: int) -> tuple[flo
         return count / wall, 1000 * cpu / count
 
 
+def sampler_node(nodes: list[LocalNode], instance_id: str) -> int:
+    """The index of the node whose runner samples (the last rank): when it is not the API node (0), every token
+    crosses zenoh, which moves CPU per token from one node to the other."""
+    state = state_of(nodes[0]) or {}
+    assignments = next(iter(state["instances"][instance_id].values()))["shardAssignments"]
+    shards = assignments["runnerToShard"]
+    rank = {runner: next(iter(shard.values()))["deviceRank"] for runner, shard in shards.items()}
+    last = max(rank, key=lambda runner: rank[runner])
+    node_id = next(node for node, runner in assignments["nodeToRunner"].items() if runner == last)
+    return next(i for i, node in enumerate(nodes) if node.node_id == node_id)
+
+
 def measure(nodes: list[LocalNode], ranks: int, tokens: int, streams: int, spy_dir: Path | None,
             quantization: str | None = None, model: str = BENCH_MODEL_ID, gil: bool = False
             ) -> tuple[float, dict[str, float], dict[str, list[tuple[float, str]]]]:
@@ -208,6 +242,7 @@ def measure(nodes: list[LocalNode], ranks: int, tokens: int, streams: int, spy_d
     api = nodes[0]
     instance_id, runners = place_on(api, nodes[:ranks], nodes, quantization, model)
     try:
+        print(f"    sampler on node{sampler_node(nodes, instance_id)}", flush=True)
         pids = roles(nodes)
         if streams == 1:
             asyncio.run(_single(api.url, model, 8, pids))  # warm-up
