@@ -81,12 +81,13 @@ def test_the_pace_weighs_the_samplers_lm_head_by_bytes() -> None:
     pace = Pace(world_size=3, own_layers=4, total_layers=12, head_layers=2.0)
     pace.part(4, 0.004)
     assert pace.shares(4) == pytest.approx([0.004, 0.004, 0.006])
-    layer = torch.nn.Linear(8, 8, bias=False)  # 256 bytes of float32
-    fused, whole = torch.nn.Module(), torch.zeros(128)  # 512 bytes, and a view of them counted once
-    fused.register_buffer("whole", whole)
-    fused.register_buffer("part", whole[:64])
-    assert head_in_layers(fused, [layer, layer]) == pytest.approx(2.0)
-    assert head_in_layers(None, [layer]) == 0.0
+    model, whole = torch.nn.Module(), torch.zeros(128)  # 512 bytes, and a view of them counted once
+    model.embed_tokens = torch.nn.Module()
+    model.embed_tokens.register_buffer("whole", whole)
+    model.embed_tokens.register_buffer("part", whole[:64])
+    model.layers = torch.nn.ModuleDict({str(i): torch.nn.Linear(8, 8, bias=False) for i in range(2)})  # 256 bytes
+    assert head_in_layers(model) == pytest.approx(2.0)
+    assert head_in_layers(object()) == 0.0  # an MLX stage: no torch embedding, its pace counts layers alone
 
 
 A, B = NodeId("a"), NodeId("b")

@@ -53,7 +53,7 @@ class Flight(EngineCore):
         total = self.model.args.num_hidden_layers
         end = kwargs.get("end_layer")
         own = (total if end is None else end) - kwargs.get("start_layer", 0)
-        head = head_in_layers(self.model.embed_tokens, list(self.model.layers.values())) if self.is_scheduler else 0
+        head = head_in_layers(self.model) if self.is_scheduler else 0
         self.pace = Pace(self.world_size, own, total, head)  # rank 0: its own part and the tokens' trip, by rows
         self.micro = self.world_size  # rank 0: micro-batches in flight now (until the pace says otherwise)
         self._decided: tuple[int, int] = (0, 0)  # rank 0: (decoding rows, decode steps left) of the last decision

@@ -17,7 +17,6 @@ and R/ranks are usually measured.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from skulk.engines.micro_batching import at_rows
@@ -61,12 +60,14 @@ class Pace:
         return None if trip is None or shares is None else max(0.0, trip - sum(shares[1:]))
 
 
-def head_in_layers(embedding: Any, layers: Sequence[Any]) -> float:
-    """The lm_head's weight bytes in layers' worth, judged on rank 0 from its embedding (the head's shape, and
-    format where they are tied) against its own layers' mean (torch modules; parameters and buffers)."""
-    if embedding is None or not layers:
+def head_in_layers(model: Any) -> float:
+    """The lm_head's weight bytes in layers' worth, judged on rank 0 of a torch slice (model.ModelSlice) from its
+    embedding (the head's shape, and format where they are tied) against its own layers' mean (parameters and
+    buffers). 0 for a stage without them (an MLX rank 0 of a mixed pipeline: its pace counts layers alone)."""
+    embedding, layers = getattr(model, "embed_tokens", None), getattr(model, "layers", None)
+    if embedding is None or layers is None or not hasattr(layers, "values") or not len(layers):
         return 0.0
-    per_layer = sum(_bytes(layer) for layer in layers) / len(layers)
+    per_layer = sum(_bytes(layer) for layer in layers.values()) / len(layers)
     return _bytes(embedding) / per_layer if per_layer else 0.0
 
 
