@@ -28,23 +28,26 @@ Firecracker kernel without netem, so the rates alone were shaped and every link 
 stream ÷ one rank: Pipeline 2 0.57-0.60, Tensor 2 0.15; 8 streams ÷ one rank: Pipeline 2 0.48-1.28,
 Tensor 2 0.31-0.64 (one rank decoded 369-385 tok/s, one stream; 366-465 tok/s, 8 streams; that run timed the
 aggregate from the first first-token to the last token, ramp and tail included; one rank also speculated then).
-Measured 2026-11-26 on the 2-core Firecracker VM, quiet (load 1-2.7, `--models bench,smollm2 --cores 0/1`, latency
-emulated, speculation off everywhere, the 8-stream aggregate counted from the usage: steady_aggregate), ÷ one rank
-under the same link, one stream / 8 streams, and the previews' error (one stream / 8 streams):
-  0.1 ms RTT  100M int4  Pipeline 2 0.86 / 0.96 (-31 % / -13 %)  Tensor 2 0.06 / 0.15 (+18 % / +22 %)
-              SmolLM2    Pipeline 2 1.00 / 0.92 (-18 % / -1 %)
-  0.5 ms RTT  100M int4  Pipeline 2 0.74 / 0.87 (-17 % / -10 %)  Tensor 2 0.05 / 0.10 (+18 % / +28 %)
-              SmolLM2    Pipeline 2 0.80 / 0.93 (-7 % / +3 %)
-  2 ms RTT    100M int4  Pipeline 2 0.58 / 0.82 (-9 % / -23 %)   Tensor 2 0.04 / 0.08 (+13 % / +9 %)
-              SmolLM2    Pipeline 2 0.90 / 0.96 (-15 % / -15 %)
-(errors with PIPELINE_HOP_S 0.3 ms, `--repredict` of the saved runs). One rank's own predictions: -19..+3 % one
-stream, -8..+10 % 8 streams. Earlier quiet runs the same day, one stream: 100M Pipeline 2 0.74-0.85 at 0.5 ms, 0.76
-at 0.1 ms, 0.50 at 2 ms; SmolLM2 0.80-1.09. Tensor 2 loses everywhere here: ~2 gloo all-reduces per layer at ~0.7 ms
-each of gloo's own cost (master/speed.py COLLECTIVE_STEP_S) outweigh half the compute of a model this small,
-whatever the link. Those earlier runs counted the 8-stream aggregate in text lines, and the random 100M model's
-tokens often complete no character (12-33 lines for 48 tokens): they read its 8 streams at ~260-310 tok/s where the
-usage says ~750-930, and its predictions +93..+183 % off.
-Run: sudo .venv/bin/python bench/split.py [--models bench,smollm2] [--links lan10g,lan1g,wifi] [--tokens 48]
+Measured 2026-11-26 (afternoon) on the 2-core Firecracker VM, quiet (load 1.3-1.5, `--cores 0/1`, latency emulated,
+speculation off everywhere, the 8-stream aggregate from the usage), after placement began balancing a Pipeline by
+decode work (master/balance.py: SmolLM2 22 + 8 layers, its 8-bit lm_head on the last rank) and the runner's pipe
+lost its thread hops (runner/channel.py). ÷ one rank under the same link, one stream / 8 streams, then the previews'
+error (one stream / 8 streams), predictions read from live previews before measuring:
+  0.1 ms RTT  100M int4  Pipeline 2 0.87 / 0.94 (-20 % / -19 %)  Tensor 2 0.06 / 0.15 (+12 % / -1 %)
+              SmolLM2    Pipeline 2 1.07 / 1.19 (-22 % / -22 %)
+  0.5 ms RTT  100M int4  Pipeline 2 0.75 / 0.85 (-16 % / -8 %)   Tensor 2 0.05 / 0.13 (+7 % / -4 %)
+              SmolLM2    Pipeline 2 0.86 / 1.08 (-22 % / -12 %)
+              700M int4  Pipeline 2 1.01 / 1.10 (-6 % / -15 %)   Tensor 2 0.38 / 0.48 (+6 % / +4 %)
+  2 ms RTT    100M int4  Pipeline 2 0.51 / 0.87 (-6 % / -27 %)   Tensor 2 0.03 / 0.07 (+11 % / +6 %)
+              SmolLM2    Pipeline 2 0.71 / 1.19 (-6 % / -25 %)
+              700M int4  Pipeline 2 0.95 / 1.07 (-3 % / -12 %)   Tensor 2 0.26 / 0.31 (+1 % / -6 %)
+One rank decoded (one stream / 8 streams) 100M int4 300-306 / 990-1006 tok/s, SmolLM2 128-161 / 505-537, 700M int4
+25.3-25.5 / 143-148; one rank's own predictions -18..+16 % / -8..+14 %. 40 of the 42 cells are within ±25 %; the two
+outside are 8 streams over Pipeline 2 at 2 ms, predicted too slow. The same morning, before the balance, SmolLM2's 8
+streams over Pipeline 2 read 0.92-0.96 at every link. Tensor 2 loses everywhere here: ~2 gloo all-reduces per layer
+at ~0.6-0.7 ms each of gloo's own cost (master/speed.py COLLECTIVE_STEP_S) outweigh half the compute of these
+models, whatever the link. Single-stream figures move ±20 % between runs of identical processes (bench/node_path.py).
+Run: sudo .venv/bin/python bench/split.py [--models bench,smollm2,bench700m] [--links lan10g,lan1g,wifi] [--tokens 48]
      [--streams 3] [--cores 0/1] [--save run.json]   (--cores: each node's cores, taskset lists separated by '/')
      .venv/bin/python bench/split.py --repredict run.json   (the saved run's rows, predicted again by this tree
      from the states the run predicted from: a change to the prediction checked against measured figures)
