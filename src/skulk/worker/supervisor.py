@@ -238,6 +238,10 @@ class RunnerSupervisor:
             self._end_reading(reading)
             return
         reading.heard = time.monotonic()
+        self._relay(reading, data)
+
+    def _relay(self, reading: _Reading, data: bytes) -> None:
+        """Loop: every whole message these bytes complete, heartbeats aside, to its handler."""
         for message in reading.frames.feed(data):
             if not isinstance(message, Heartbeat):
                 self._on_message(message)
@@ -246,16 +250,14 @@ class RunnerSupervisor:
         """Loop: the pipe is done (or its runner is gone): read what is left, then let the watch thread end it."""
         if reading.finished.is_set():
             return
-        while not reading.finished.is_set():
+        while True:
             try:
                 data = os.read(reading.outbox.fileno(), READ_BYTES)
             except OSError:  # BlockingIOError too: nothing more now, and the process is gone
                 data = b""
             if not data:
                 break
-            for message in reading.frames.feed(data):
-                if not isinstance(message, Heartbeat):
-                    self._on_message(message)
+            self._relay(reading, data)
         assert self._loop is not None
         self._loop.remove_reader(reading.outbox.fileno())
         reading.outbox.close()
