@@ -65,7 +65,7 @@ def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, 
         _write_json(tmp / "config.json", config)
         _write_tokenizer(tmp)
         card = card_from_config(model_id, config, gguf_path.stat().st_size)
-        card = card.model_copy(update=dict(zip(("layer_bytes", "head_bytes"), decode_bytes(config["gguf"]),
+        card = card.model_copy(update=dict(zip(("layer_bytes", "head_bytes"), stored_decode_bytes(config["gguf"]),
                                                strict=True)))
         if "rope_freq_factors" in config:
             card = card.model_copy(update={"compatible_backends": TORCH_BACKENDS})
@@ -82,7 +82,7 @@ def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, 
     return card
 
 
-def decode_bytes(layout: dict[str, Any]) -> tuple[int, int]:
+def stored_decode_bytes(layout: dict[str, Any]) -> tuple[int, int]:
     """(every layer's bytes, the head's) as stored in the file (read_layout's tensors): the blocks of `blk.*`, and
     `output` (else the tied `token_embd`) with `output_norm`, which the last rank reads each decode step
     (card.layer_bytes, card.head_bytes: placement balances a Pipeline by them, master/balance.py)."""
