@@ -132,6 +132,7 @@ class Node:
             cluster_key=settings.cluster_key))
         transport.open()
         node_id = NodeId(transport.zenoh_id())
+        internal_auth.configure(settings.cluster_key, settings.admin_keys, node_id)  # before anything listens
         structured_log.install(settings.logging, node_id)
         structured_log.set_level(settings.logging.level)
         log.info("node %s starting (cluster %r)", node_id, settings.cluster)
@@ -396,7 +397,7 @@ class Node:
         return node_info.differs(last.model_copy(update=strip), info.model_copy(update=strip))
 
     async def _probe_topology_forever(self) -> None:
-        async with httpx.AsyncClient(headers=internal_auth.headers()) as client:
+        async with httpx.AsyncClient() as client:
             while True:
                 state = self.store.state
                 reachable = await topology.probe(client, state, self.node_id, self.links)
@@ -441,7 +442,7 @@ class Node:
             if connection is None or rtt is None or port is None or not self.links.bandwidth_due(peer, now):
                 continue
             self.links.bandwidth_tried(peer, now)  # a peer that cannot answer is asked again only when due
-            mbps = await links.read_bandwidth(client, connection.sink_address, port, rtt)
+            mbps = await links.read_bandwidth(client, connection.sink_address, port, rtt, peer)
             if mbps is not None:
                 self.links.add_bandwidth(peer, mbps)
 
@@ -520,9 +521,8 @@ def _worker(settings: Settings, node_id: NodeId, local: LocalEvents, requests: R
 
 
 def _harden(settings: Settings) -> None:
-    """Before anything listens: enough descriptors for many clients, and the secret of internal calls."""
+    """Before anything listens: enough descriptors for many clients, and no secret in the log."""
     soft, _ = raise_open_file_limit()
-    internal_auth.configure(settings.cluster_key, settings.admin_keys)
     redact.register([settings.cluster_key, settings.hf_token, *settings.api_keys, *settings.admin_keys])
     log.info("open-file limit %d; API keys %s", soft, "on" if settings.api_keys or settings.admin_keys
              else "off (anyone who can reach the API may use it)")

@@ -1,9 +1,11 @@
 """The model store's file server serves only its cluster (issue 27): with a cluster key set, a worker stages its
 shard from the store host (its requests carry the internal token), while a request without the token, or with a
-wrong one, gets a typed 401 for the registry, a model's file list and a weight file alike."""
+wrong one, gets a typed 401 for the registry, a model's file list and a weight file alike; and the worker's own
+signed reads, captured off the wire and replayed (issue 38), get 401 too."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import httpx
@@ -14,6 +16,7 @@ from skulk.testing.nodes import free_port
 from tests.fake_hub import write_random_model
 
 from .harness import Cluster, instance_ready, place, wait_until
+from .wire_capture import LoopbackCapture, can_capture
 
 pytestmark = pytest.mark.timeout(240)
 MODEL = "org/tiny-store"
@@ -51,7 +54,16 @@ def test_the_store_serves_only_its_cluster(cluster: Cluster, tmp_path: Path) -> 
     assert host.get("/store/registry")["entries"][0]["model_id"] == MODEL, "the node's own API reaches it"
     assert worker.get("/store/health")["store_reachable"] is True
 
-    instance_id = place(host, MODEL, min_nodes=2)["instanceId"]
-    wait_until(lambda: instance_ready(host, instance_id), 120, "the instance to be ready", worker.log_tail)
+    with contextlib.ExitStack() as stack:
+        capture = stack.enter_context(LoopbackCapture(frozenset({port}))) if can_capture() is None else None
+        instance_id = place(host, MODEL, min_nodes=2)["instanceId"]
+        wait_until(lambda: instance_ready(host, instance_id), 120, "the instance to be ready", worker.log_tail)
     progress = (host.get("/state") or {})["downloads"][worker.node_id][MODEL]
     assert (progress["status"], progress["source"]) == ("Completed", "store")
+    if capture is not None:  # the worker's signed reads, taken off the wire, replayed by a keyless listener
+        reads = [r for r in capture.requests() if r.header("x-skulk-internal")]
+        assert any("safetensors" in r.target for r in reads), [r.target for r in reads]
+        for read in reads:
+            headers = {k: v for k, v in read.headers if k.lower() in ("x-skulk-internal", "range")}
+            reply = httpx.get(base + read.target, headers=headers, timeout=10)
+            assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_internal_token", read

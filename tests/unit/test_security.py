@@ -12,7 +12,6 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from skulk import internal_auth
 from skulk.api.config_routes import effective
 from skulk.api.errors import install_error_handlers
 from skulk.api.security import Access, KeyRing, LocalNames, host_name_of, install_security, required_access
@@ -103,17 +102,6 @@ def test_body_limit_while_reading_and_typed_errors(client: TestClient) -> None:
     wrong = client.get("/v1/chat/completions", headers={"x-api-key": "a"})
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST" and "error" in wrong.json()
     assert client.get("/healthz").json() == {"status": "ok"}
-
-
-def test_internal_calls_carry_a_token_derived_from_the_shared_secret() -> None:
-    internal_auth.configure(None, ["a"])
-    try:
-        token = internal_auth.headers()[internal_auth.HEADER].encode()
-        assert internal_auth.is_internal(token) and not internal_auth.is_internal(b"forged")
-        internal_auth.configure(None, [])
-        assert internal_auth.headers() == {} and not internal_auth.is_internal(token)
-    finally:
-        internal_auth.configure(None, [])
 
 
 def _request(**extra: Any) -> dict[str, Any]:

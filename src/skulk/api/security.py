@@ -4,8 +4,9 @@ Without keys the API stays open (zero-config), as before. With `--api-key`/`--ad
 (`Authorization: Bearer …` as OpenAI and Ollama clients send it, or `x-api-key` as Anthropic clients do) except
 the liveness routes. An inference key may chat, list models, read the cluster's state and cancel its own
 requests; everything else (placing and deleting instances and MetaInstances, cancelling someone else's request,
-diagnostics, the store, config) needs an admin key. Calls between nodes (diagnostics fan-out, store purge) carry
-the cluster's internal token instead of a user's key (`skulk.internal_auth`).
+diagnostics, the store, config) needs an admin key. Calls between nodes (probes, diagnostics and trace fan-out,
+store purge) are signed per request instead (`skulk.internal_auth`) and may reach only the routes nodes call on
+each other (`internal_gate`).
 
 A browser page cannot be turned against a node: a Host header that names neither this machine nor an allowed
 host is refused (DNS rebinding), and a state-changing request whose Origin is neither this node nor an allowed
@@ -34,13 +35,15 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from skulk import internal_auth
+from skulk.api import internal_gate
 from skulk.api.dashboard import is_dashboard_path
 from skulk.api.limits import BodyLimitMiddleware, send_error
 from skulk.api.openapi import declare_common_errors, documented
 from skulk.cluster.seal import Sealer, reachable_beyond_loopback
 from skulk.config import Settings
+from skulk.internal_auth import Refusal
 from skulk.types.answers import Health, SecurityView
-from skulk.types.errors import ApiError, ErrorCode
+from skulk.types.errors import ApiError, ErrorCode, kind_for
 
 
 class Access(IntEnum):
@@ -50,7 +53,9 @@ class Access(IntEnum):
 
 
 EXEMPT = {("GET", "/healthz"), ("GET", "/node_id")}
-"""Liveness, and the topology probe's node id (nothing else is said there)."""
+"""Liveness, and this node's id for a person or script (nodes probe each other on the signed /node/probe)."""
+NODE_ID_RATE, NODE_ID_BURST = 20.0, 40.0
+"""Keyless GET /node_id answers a second on a keyed node, and the burst: a flood costs a cheap 429 each."""
 _INFERENCE = [
     ("POST", r"/v1/chat/completions"), ("POST", r"/bench/chat/completions"), ("POST", r"/v1/completions"),
     ("POST", r"/v1/messages(/count_tokens)?"), ("POST", r"/v1/responses"), ("POST", r"/v1/embeddings"),
@@ -155,6 +160,8 @@ class Principal:
 
 
 OPEN = Principal(Access.ADMIN, None)
+INTERNAL = Principal(Access.ADMIN, None)
+"""A verified node-to-node call: admin, but only on internal_gate.INTERNAL_ROUTES (the gate refuses the rest)."""
 CURRENT: ContextVar[Principal] = ContextVar("skulk_principal", default=OPEN)
 
 
@@ -187,6 +194,25 @@ class Owners:
 OWNERS = Owners()
 
 
+@dataclass
+class TokenBucket:
+    """`rate` takes a second, up to `burst` at once (monotonic clock)."""
+
+    rate: float
+    burst: float
+    _tokens: float = -1.0
+    _at: float = 0.0
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = self.burst if self._tokens < 0 else min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+
 def same_origin(origin: str, host_header: str) -> bool:
     parts = urlsplit(origin)
     return bool(parts.netloc) and parts.netloc.lower() == host_header.lower()
@@ -200,12 +226,19 @@ class SecurityMiddleware:
         self.keys = KeyRing(tuple(settings.api_keys), tuple(settings.admin_keys))
         self.names = LocalNames(frozenset(h.lower() for h in settings.allowed_hosts))
         self.origins = frozenset(o.rstrip("/").lower() for o in settings.cors_origins)
+        self.max_body_bytes = settings.max_body_bytes
+        self.guarded = self.keys.enabled or settings.cluster_key is not None
+        self.node_id_bucket = TokenBucket(NODE_ID_RATE, NODE_ID_BURST)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", ()))
+        signed = headers.get(internal_auth.HEADER_BYTES)
+        if signed is not None and internal_auth.required():
+            await self._internal(scope, receive, send, headers, signed)
+            return
         refusal = self.refusal(scope["method"], scope["path"], headers)
         if refusal is not None:
             status, message, code, kind = refusal
@@ -217,14 +250,36 @@ class SecurityMiddleware:
         finally:
             CURRENT.reset(token)
 
+    async def _internal(self, scope: Scope, receive: Receive, send: Send, headers: dict[bytes, bytes],
+                        signed: bytes) -> None:
+        """A call signed by a node of the cluster: verified per request, limited to the routes nodes call on each
+        other, its body checked against the signed digest; it acts as admin on that route only."""
+        refusal = self.place_refusal(scope["method"], headers)
+        if refusal is not None:
+            await send_error(send, *refusal)
+            return
+        verdict = internal_gate.check(scope, signed)
+        if verdict.claim is None:
+            await send_error(send, verdict.status, verdict.message, verdict.code, kind_for(verdict.status))
+            return
+        checked = await internal_gate.verified_body(verdict.claim, receive, self.max_body_bytes)
+        if checked is None:
+            await send_error(send, 401, Refusal.body.value, "invalid_internal_token", "authentication_error")
+            return
+        token = CURRENT.set(INTERNAL)
+        try:
+            await self.app(scope, checked, internal_gate.with_proof(send, verdict.claim))
+        finally:
+            CURRENT.reset(token)
+
     def principal(self, headers: dict[bytes, bytes]) -> Principal:
-        if not self.keys.enabled or internal_auth.is_internal(headers.get(internal_auth.HEADER_BYTES)):
+        if not self.keys.enabled:
             return OPEN
         key = presented_key(headers)
         return Principal(self.keys.access_of(key), fingerprint(key) if key else None)
 
-    def refusal(self, method: str, path: str, headers: dict[bytes, bytes]) -> tuple[int, str, str, str] | None:
-        """None, or (status, message, code, kind) for the first check the request fails."""
+    def place_refusal(self, method: str, headers: dict[bytes, bytes]) -> tuple[int, str, str, str] | None:
+        """The Host and Origin checks every request passes, a signed node's call too."""
         host = headers.get(b"host", b"").decode("latin-1")
         if not self.names.allows(host_name_of(host)):
             return (400, f"Host {host!r} is not this node; add it with --allowed-host (SKULK_ALLOWED_HOSTS) if it "
@@ -234,8 +289,17 @@ class SecurityMiddleware:
                 origin, host):
             return (403, f"Origin {origin!r} may not change anything here; allow it with --cors-origin",
                     "origin_not_allowed", "permission_error")
+        return None
+
+    def refusal(self, method: str, path: str, headers: dict[bytes, bytes]) -> tuple[int, str, str, str] | None:
+        """None, or (status, message, code, kind) for the first check the request fails."""
+        if (placed := self.place_refusal(method, headers)) is not None:
+            return placed
         needed = required_access(method, path)
         if needed is Access.NONE or method == "OPTIONS":
+            if (method, path) == ("GET", "/node_id") and self.guarded and not self.node_id_bucket.take():
+                return (429, "GET /node_id is answered at most a few times a second on a keyed node; retry later",
+                        "rate_limited", "rate_limit_error")
             return None
         got = self.principal(headers).access
         if got is Access.NONE:

@@ -53,6 +53,11 @@ def state_router(node: ApiServices) -> APIRouter:
     async def get_node_id() -> str:
         return node.node_id
 
+    @router.get("/node/probe", response_model=None, include_in_schema=False)  # node to node, signed
+    async def probe_node_id() -> str:
+        """The topology probe: this node's id, answered with the proof of the caller's nonce (internal_gate)."""
+        return node.node_id
+
     @router.get("/node/link_probe", response_model=None, include_in_schema=False)  # node to node, not a client's
     async def link_probe(size: int = Query(alias="bytes", ge=1, le=LINK_PROBE_MAX_BYTES)) -> Response:
         """`bytes` zero bytes: what a peer reads to measure its bandwidth to this node (worker/links.py)."""

@@ -36,7 +36,7 @@ from skulk.types.answers import (
     StoreRegistry,
 )
 from skulk.types.errors import ApiError, ErrorCode
-from skulk.types.ids import ModelId
+from skulk.types.ids import ModelId, NodeId
 
 PEER_TIMEOUT_S = 10.0
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -155,7 +155,8 @@ def store_router(node: ApiServices) -> APIRouter:
         results: dict[str, Any] = {node.node_id: {"ok": True, "removed": mine}}
         peers = known_peers(node.state, node.node_id)
         ours = local_addresses()
-        answers = await asyncio.gather(*(_purge_peer(peer_url(node.state, node.node_id, p, ours), body) for p in peers))
+        answers = await asyncio.gather(*(_purge_peer(p, peer_url(node.state, node.node_id, p, ours), body)
+                                         for p in peers))
         results.update(zip(peers, answers, strict=True))
         return {"model_id": body.model_id, "nodes": results}
 
@@ -170,11 +171,11 @@ async def at_store_host(node: ApiServices, method: str, path: str) -> JSONRespon
         return None
     host = next((n for n, i in node.state.node_identities.items() if i.friendly_name == store.store_host), None)
     url = peer_url(node.state, node.node_id, host, local_addresses()) if host is not None else None
-    if url is None:
+    if url is None or host is None:
         raise ApiError(ErrorCode.store_unreachable, f"the store host {store.store_host} is not in the cluster")
     try:
-        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S * 6, headers=internal_auth.headers()) as client:
-            response = await client.request(method, url + path)
+        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S * 6) as client:
+            response = await client.request(method, url + path, auth=internal_auth.signer(host))
         return JSONResponse(response.json(), status_code=response.status_code)
     except (httpx.HTTPError, ValueError) as exc:
         raise ApiError(ErrorCode.store_unreachable, f"the store host {store.store_host} did not answer: {exc}") from exc
@@ -189,21 +190,23 @@ def _keep(task: asyncio.Task[None]) -> None:
 
 
 async def _get_json(url: str) -> Any:
+    """The store server's JSON answer (signed for the store), or None."""
     try:
-        async with httpx.AsyncClient(timeout=3.0, headers=internal_auth.headers()) as client:
-            response = await client.get(url)
+        async with httpx.AsyncClient(timeout=3.0) as client:
+            response = await client.get(url, auth=internal_auth.signer(internal_auth.STORE_TARGET))
         return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
 
 
-async def _purge_peer(url: str | None, body: PurgeRequest) -> dict[str, Any]:
+async def _purge_peer(peer: NodeId, url: str | None, body: PurgeRequest) -> dict[str, Any]:
     """Never raises: a peer that cannot be reached is reported, the others are still purged."""
     if url is None:
         return {"ok": False, "error": "no API address known for this node"}
     try:
-        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, headers=internal_auth.headers()) as client:
-            response = await client.post(url + "/store/purge-staging/local", json=body.model_dump(by_alias=True))
+        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S) as client:
+            response = await client.post(url + "/store/purge-staging/local", json=body.model_dump(by_alias=True),
+                                         auth=internal_auth.signer(peer))
         if response.status_code != 200:
             return {"ok": False, "error": f"HTTP {response.status_code}: {response.text[:200]}"}
         return {"ok": True, "removed": response.json().get("removed", [])}

@@ -41,11 +41,6 @@ class DeleteTracesRequest(BaseModel):
     task_ids: list[str] = Field(min_length=1, max_length=10_000)
 
 
-def peer_headers() -> dict[str, str]:
-    """The cluster's internal token, as the diagnostics fan-out sends it: with API keys, peers answer it."""
-    return internal_auth.headers()
-
-
 def tracing_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["tracing"])
 
@@ -62,9 +57,10 @@ def tracing_router(node: ApiServices) -> APIRouter:
 
     async def peers_get(path: str) -> list[Any]:
         state, ours = node.state, local_addresses()
-        urls = [peer_url(state, node.node_id, p, ours) for p in known_peers(state, node.node_id)]
-        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, trust_env=False, headers=peer_headers()) as client:
-            return await asyncio.gather(*(_get(client, url + path) for url in urls if url is not None))
+        urls = {p: peer_url(state, node.node_id, p, ours) for p in known_peers(state, node.node_id)}
+        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, trust_env=False) as client:
+            return await asyncio.gather(*(_get(client, url + path, internal_auth.signer(p))
+                                          for p, url in urls.items() if url is not None))
 
     def local_spans(task_id: str) -> list[TraceSpan]:
         found = node.traces.spans(task_id)
@@ -144,10 +140,10 @@ def _trace_body(task_id: str, spans: list[TraceSpan]) -> dict[str, Any]:
     }
 
 
-async def _get(client: httpx.AsyncClient, url: str) -> Any:
+async def _get(client: httpx.AsyncClient, url: str, auth: httpx.Auth) -> Any:
     """A peer's JSON, or None: a peer that is down or has no such trace leaves the others' answers whole."""
     try:
-        response = await client.get(url)
+        response = await client.get(url, auth=auth)
         return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None

@@ -92,7 +92,7 @@ async def fetch_peer(
         return ClusterNodeDiagnostics(node_id=node_id, ok=False, error="no API address known for this node")
     try:
         async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can drop a cancel
-            response = await client.get(url + NODE_PATH, timeout=timeout)
+            response = await client.get(url + NODE_PATH, timeout=timeout, auth=internal_auth.signer(node_id))
         if response.status_code != 200:
             return ClusterNodeDiagnostics(
                 node_id=node_id,
@@ -119,7 +119,7 @@ async def fetch_peers(
 ) -> list[ClusterNodeDiagnostics]:
     """All peers at once; total time is one timeout, not one per peer."""
     ours = local_addresses() if ours is None else ours
-    async with httpx.AsyncClient(trust_env=False, headers=internal_auth.headers()) as client:
+    async with httpx.AsyncClient(trust_env=False) as client:
         return list(
             await asyncio.gather(*(fetch_peer(client, p, peer_url(state, local, p, ours), timeout) for p in peers))
         )
@@ -135,7 +135,7 @@ class DepartedPeer:
 
 async def fetch_departed(departed: Mapping[NodeId, DepartedPeer], timeout: float) -> list[ClusterNodeDiagnostics]:
     """Departed nodes are always reported ok: false, with why they could not be read."""
-    async with httpx.AsyncClient(trust_env=False, headers=internal_auth.headers()) as client:
+    async with httpx.AsyncClient(trust_env=False) as client:
         found = await asyncio.gather(*(fetch_peer(client, n, d.url, timeout) for n, d in departed.items()))
     return [
         ClusterNodeDiagnostics(

@@ -45,7 +45,7 @@ def store_listing(base: str, model_id: str) -> tuple[dict[str, int], dict[str, s
     """The files of the store's complete copy of model_id and their SHA-256; NotInStore when it has none. The
     first listing of a model makes the store hash it (once), hence the long read timeout."""
     try:
-        response = httpx.get(f"{base}/models/{model_id}/files", headers=internal_auth.headers(),
+        response = httpx.get(f"{base}/models/{model_id}/files", auth=internal_auth.signer(internal_auth.STORE_TARGET),
                              timeout=httpx.Timeout(10.0, read=HASH_TIMEOUT_S))
     except httpx.TransportError as exc:
         raise StoreUnreachable(f"the model store at {base} is unreachable: {exc}") from exc
@@ -96,7 +96,8 @@ def open_store_stream(url: str, start: int) -> Iterator[tuple[int, Pump]]:
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=TIMEOUT_S)
     try:
-        headers = {**internal_auth.headers(), **({"Range": f"bytes={start}-"} if start else {})}
+        signed = internal_auth.signed_headers("GET", parts.path, internal_auth.STORE_TARGET)
+        headers = {**signed, **({"Range": f"bytes={start}-"} if start else {})}
         conn.request("GET", parts.path, headers=headers)
         response = conn.getresponse()
         if response.status == 404:

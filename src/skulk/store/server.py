@@ -139,13 +139,19 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(exc.status, error_body(exc.message, kind=exc.kind, code=exc.code))
 
     def _authenticate(self) -> None:
-        if not internal_auth.required():
+        """Every call signed for the store by a node of the cluster, once (internal_auth: a captured read
+        replayed, or its path altered, is refused)."""
+        auth = internal_auth.current()
+        if auth is None:
             return
-        token = self.headers.get(internal_auth.HEADER)
-        if not internal_auth.is_internal(token.encode() if token else None):
-            code = ErrorCode.invalid_internal_token if token else ErrorCode.missing_internal_token
-            raise ApiError(code, "the model store serves only nodes of its cluster (the internal token is missing "
-                           "or wrong: start this node with the cluster's --cluster-key)")
+        value = self.headers.get(internal_auth.HEADER)
+        if value is None:
+            raise ApiError(ErrorCode.missing_internal_token, "the model store serves only nodes of its cluster (the "
+                           "internal signature is missing: start this node with the cluster's --cluster-key)")
+        found = auth.verify(self.command, self.path, value, frozenset({internal_auth.STORE_TARGET}))
+        if isinstance(found, internal_auth.Refusal):
+            raise ApiError(ErrorCode.invalid_internal_token, f"the model store serves only nodes of its cluster: "
+                           f"{found.value}")
 
     def _not_allowed(self) -> None:
         try:

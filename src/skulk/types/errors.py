@@ -44,9 +44,12 @@ class ErrorCode(StrEnum):
     missing_internal_token = "missing_internal_token"
     invalid_internal_token = "invalid_internal_token"
     forbidden = "forbidden"
+    internal_route_forbidden = "internal_route_forbidden"
+    """A signed node-to-node call to a route nodes never call on each other (placing, deleting, config...)."""
     origin_not_allowed = "origin_not_allowed"
     admin_key_required = "admin_key_required"
     gated_model = "gated_model"
+    rate_limited = "rate_limited"
     # 404: nothing by that name
     not_found = "not_found"
     model_not_found = "model_not_found"
@@ -150,13 +153,14 @@ for _status, _codes in {
          "InsufficientMemory NoConnectedCycle AllCandidatesExcluded TensorNotSupported "
          "InstanceKindUnsupported EngineUnavailable NotEnoughLayers SingleNodeOnly KvPoolTooSmall",
     401: "missing_api_key invalid_api_key missing_internal_token invalid_internal_token gated_model",
-    403: "forbidden origin_not_allowed admin_key_required",
+    403: "forbidden internal_route_forbidden origin_not_allowed admin_key_required",
     404: "not_found model_not_found instance_not_found node_not_found runner_not_found trace_not_found "
          "model_not_in_store response_not_found file_not_in_store event_log_disabled",
     405: "method_not_allowed",
     408: "request_timeout",
     409: "conflict config_unreadable model_exists",
     413: "request_too_large",
+    429: "rate_limited",
     416: "range_not_satisfiable",
     422: "invalid_config tool_choice_unmet",
     500: "internal_error task_failed cancelled",

@@ -1,8 +1,9 @@
 """Round trip and bandwidth to each peer, measured on the probes the node sends anyway.
 
-The topology probe asks every peer for its node id once a second on a kept-alive connection: timing that reply
-is the round-trip sample, at no extra cost. Every BANDWIDTH_EVERY_S a peer is also asked for BANDWIDTH_BYTES
-(GET /node/link_probe), the round trip taken off the read time: half a megabyte per peer every half minute.
+The topology probe asks every peer for its node id (a signed GET /node/probe) once a second on a kept-alive
+connection: timing that reply is the round-trip sample, at no extra cost. Every BANDWIDTH_EVERY_S a peer is also
+asked for BANDWIDTH_BYTES (GET /node/link_probe, signed too), the round trip taken off the read time: half a
+megabyte per peer every half minute. Only exchanges the peer proves it answered are samples.
 `LinkMeter` keeps the samples; what is worth a node-info event (`worth_reporting`) is decided purely.
 
 Under a benchmark's emulated latency (SKULK_LINK_DELAY_MS, engines/torch/delay.py: only the ranks' messages are
@@ -18,6 +19,7 @@ from collections import deque
 
 import httpx
 
+from skulk import internal_auth
 from skulk.engines.link_delay import emulated_delay_s
 from skulk.types.ids import NodeId
 from skulk.types.links import RTT_FLOOR_MS, LinkMeasurement
@@ -109,23 +111,25 @@ async def time_self(client: httpx.AsyncClient, host: str, port: int, me: NodeId)
     """Seconds this node's own API takes to name it: the probe's cost without a network (None on failure)."""
     started = time.perf_counter()
     try:
-        reply = await client.get(f"http://{host}:{port}/node_id", timeout=1.0)
+        reply = await client.get(f"http://{host}:{port}/node/probe", timeout=1.0, auth=internal_auth.signer(me))
     except httpx.HTTPError:
         return None
-    ok = reply.status_code == 200 and reply.text.strip('"') == me
+    ok = reply.status_code == 200 and reply.text.strip('"') == me and internal_auth.answered_by(reply, me)
     return time.perf_counter() - started if ok else None
 
 
-async def read_bandwidth(client: httpx.AsyncClient, address: str, port: int, rtt_s: float) -> float | None:
-    """Megabits per second of one bulk read from the peer's API, its round trip taken off; None on failure."""
+async def read_bandwidth(client: httpx.AsyncClient, address: str, port: int, rtt_s: float,
+                         peer: NodeId) -> float | None:
+    """Megabits per second of one bulk read from the peer's API, its round trip taken off; None on failure (or
+    when someone other than the peer answered: only a signed exchange is a measurement)."""
     url = f"http://{address}:{port}/node/link_probe"
     started = time.perf_counter()
     try:
-        reply = await client.get(url, params={"bytes": BANDWIDTH_BYTES}, timeout=5.0)
+        reply = await client.get(url, params={"bytes": BANDWIDTH_BYTES}, timeout=5.0, auth=internal_auth.signer(peer))
     except httpx.HTTPError:
         return None
     elapsed = time.perf_counter() - started
-    if reply.status_code != 200 or len(reply.content) != BANDWIDTH_BYTES:
+    if reply.status_code != 200 or len(reply.content) != BANDWIDTH_BYTES or not internal_auth.answered_by(reply, peer):
         return None
     transfer = max(elapsed - rtt_s, elapsed * 0.05)  # a read can never be free: keep the figure finite
     return round(BANDWIDTH_BYTES * 8 / transfer / 1e6, 1)

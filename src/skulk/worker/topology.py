@@ -1,8 +1,8 @@
 """Which peers this node can reach, and at which address: the edges placement builds rings from.
 
 The decision (what to probe, which edge events follow from the answers) is pure; the probing is a thin
-httpx shell that asks each candidate address for the peer's node id, so a reused address is never mistaken
-for the peer.
+httpx shell that asks each candidate address for the peer's node id on a signed call (`internal_auth`), so a
+reused address, or a keyless host answering in the peer's name, is never mistaken for the peer.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import httpx
 
+from skulk import internal_auth
 from skulk.types.events import Event, TopologyEdgeCreated, TopologyEdgeDeleted
 from skulk.types.ids import NodeId
 from skulk.types.node_info import Connection
@@ -56,9 +57,11 @@ async def _reaches(client: httpx.AsyncClient, address: str, port: int, node: Nod
     """Seconds the peer took to name itself at this address (the round-trip sample), None if it did not."""
     try:
         started = time.perf_counter()
-        reply = await client.get(f"http://{address}:{port}/node_id", timeout=PROBE_TIMEOUT_S)
+        reply = await client.get(f"http://{address}:{port}/node/probe", timeout=PROBE_TIMEOUT_S,
+                                 auth=internal_auth.signer(node))
         elapsed = time.perf_counter() - started
-        return elapsed if reply.status_code == 200 and reply.json() == node else None
+        genuine = reply.status_code == 200 and reply.json() == node and internal_auth.answered_by(reply, node)
+        return elapsed if genuine else None
     except (httpx.HTTPError, ValueError):
         return None
 
