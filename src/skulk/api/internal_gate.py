@@ -22,10 +22,11 @@ _INTERNAL = [
     ("GET", r"/node/probe"), ("GET", r"/node/link_probe"), ("GET", r"/v1/diagnostics/node"),
     ("GET", r"/v1/traces"), ("GET", r"/v1/traces/[^/]+"), ("POST", r"/store/purge-staging/local"),
     ("POST", r"/store/models/.+/download"), ("GET", r"/store/models/.+/download/status"),
+    ("GET", r"/internal/responses/[^/]+"), ("DELETE", r"/internal/responses/[^/]+"),
 ]
 INTERNAL_ROUTES = [(method, re.compile(pattern + r"/?")) for method, pattern in _INTERNAL]
 """What one node calls on another (topology/link probes, diagnostics and trace fan-out, staging purge, a download
-forwarded to the store host). Anything else refuses a signed call."""
+forwarded to the store host, a stored response looked up or deleted). Anything else refuses a signed call."""
 
 
 def is_internal_route(method: str, path: str) -> bool:

@@ -5,9 +5,9 @@ A response is stored (unless its request said `store: false`) on the node that a
 conversation it ended: the earlier turns, its input, and its output as an assistant turn. Bounds, so a client
 cannot grow a node without end: a response is kept for `MAX_AGE_S` (1 hour) after it was created, at most
 `MAX_RESPONSES` (1024) of them and `MAX_BYTES` (64 MiB of their JSON) together; past either bound the oldest go
-first. A node restart forgets them, and another node of the cluster does not know them: a client continues a
-response through the node that answered it (a 404 in OpenAI's shape says so otherwise). With API keys on, a
-response belongs to the key that created it: another inference key gets the same 404 (an admin key reads all)."""
+first. A node restart forgets them. Any other node finds them on their holder (response_peers.py), so a client
+may continue a response through any node. With API keys on, a response belongs to the key that created it:
+another inference key gets the same 404 (an admin key reads all)."""
 
 from __future__ import annotations
 
@@ -68,21 +68,6 @@ class ResponseStore:
         self._expire()
         return self._drop(response_id)
 
-    def require(self, response_id: str, *, param: str | None = None) -> Stored:
-        """The stored response, or the 404 that says why it may be missing (also for another key's response)."""
-        found = self.get(response_id)
-        viewer = CURRENT.get()
-        if found is not None and found.owner is not None and viewer.access < Access.ADMIN \
-                and viewer.key_id != found.owner:
-            found = None
-        if found is None:
-            what = f"previous_response_id: no response found with id {response_id!r}" if param else \
-                f"no response found with id {response_id!r}"
-            raise ApiError(ErrorCode.response_not_found,
-                           f"{what} on this node (responses are kept where they were answered, for "
-                           f"{int(self.max_age_s)} s, unless created with store: false)")
-        return found
-
     def _expire(self) -> None:
         oldest = self.clock() - self.max_age_s
         while self._items and next(iter(self._items.values())).created < oldest:
@@ -93,3 +78,20 @@ class ResponseStore:
         if gone is not None:
             self._bytes -= gone.size
         return gone is not None
+
+
+def check_owner(found: Stored | None) -> Stored | None:
+    """The response if the request's key may see it: its creator's key, or an admin key (keys off: anyone)."""
+    viewer = CURRENT.get()
+    if found is not None and found.owner is not None and viewer.access < Access.ADMIN and viewer.key_id != found.owner:
+        return None
+    return found
+
+
+def not_found(response_id: str, param: str | None, max_age_s: float) -> ApiError:
+    """The 404 that says why a response may be missing (the same for another key's response)."""
+    what = f"previous_response_id: no response found with id {response_id!r}" if param else \
+        f"no response found with id {response_id!r}"
+    return ApiError(ErrorCode.response_not_found,
+                    f"{what} on any node of the cluster (a response is kept for {int(max_age_s)} s on the node that "
+                    "answered it, unless created with store: false, and is lost when that node restarts or leaves)")

@@ -16,7 +16,7 @@ from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
 from skulk.api.openapi import documented
-from skulk.api.response_store import ResponseStore
+from skulk.api.response_peers import ClusterResponses, internal_router
 from skulk.api.responses_api import respond, start_response_stream
 from skulk.api.services import ApiServices
 from skulk.types.answers import ResponseAnswer, ResponseDeleted, TextCompletionAnswer
@@ -104,13 +104,14 @@ async def _collect_or_raise(session: ChatSession) -> Finished:
         raise ApiError(failed.chunk.code, failed.chunk.message, status=max(failed.chunk.status, 500)) from failed
 
 
-async def _response(node: ApiServices, body: ResponsesRequest, store: ResponseStore) -> JSONResponse:
+async def _response(node: ApiServices, body: ResponsesRequest, store: ClusterResponses) -> JSONResponse:
     return JSONResponse(await respond(node, body, store))
 
 
 def responses_router(node: ApiServices) -> APIRouter:
     router = APIRouter(tags=["openai"])
-    store = ResponseStore()
+    store = ClusterResponses(node)
+    router.include_router(internal_router(store))
 
     @router.post("/v1/completions", response_model=None,
                  responses=documented(TextCompletionAnswer, 400, 404, 422, 500, 503, 504, stream="sse"))
@@ -132,12 +133,11 @@ def responses_router(node: ApiServices) -> APIRouter:
     @router.get("/v1/responses/{response_id}", response_model=None, responses=documented(ResponseAnswer, 404))
     async def retrieve(response_id: str) -> Response:
         """A stored response, as it was answered (api/response_store.py says which are kept, and how long)."""
-        return Response(store.require(response_id).response, media_type="application/json")
+        return Response((await store.require(response_id)).response, media_type="application/json")
 
     @router.delete("/v1/responses/{response_id}", response_model=None, responses=documented(ResponseDeleted, 404))
     async def delete(response_id: str) -> dict[str, Any]:
-        store.require(response_id)
-        store.delete(response_id)
+        await store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     return router

@@ -23,7 +23,7 @@ from skulk.api.chat_options import (
 )
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
-from skulk.api.response_store import ResponseStore
+from skulk.api.response_peers import ClusterResponses
 from skulk.api.security import CURRENT
 from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
@@ -100,9 +100,9 @@ class ResponseBuilder:
         reply = ChatMessage(role="assistant", content=text, tool_calls=calls or None)
         return [*self.history, *self.body.input_messages(), reply]
 
-    def keep(self, store: ResponseStore, response: dict[str, Any], text: str, calls: list[ToolCall]) -> None:
+    def keep(self, store: ClusterResponses, response: dict[str, Any], text: str, calls: list[ToolCall]) -> None:
         if self.body.store:
-            store.put(self.id, json.dumps(response), self.conversation(text, calls), self.owner)
+            store.local.put(self.id, json.dumps(response), self.conversation(text, calls), self.owner)
 
     def obj(self, status: str, done: Finished | None = None, items: list[dict[str, Any]] | None = None
             ) -> dict[str, Any]:
@@ -162,7 +162,8 @@ def _status(done: Finished) -> str:
     return "incomplete" if done.finish_reason == "length" else "completed"
 
 
-async def response_events(session: ChatSession, r: ResponseBuilder, store: ResponseStore) -> AsyncIterator[str]:
+async def response_events(session: ChatSession, r: ResponseBuilder, store: ClusterResponses
+                          ) -> AsyncIterator[str]:
     yield r.event("response.created", response=r.obj("in_progress"))
     yield r.event("response.in_progress", response=r.obj("in_progress"))
     held = ToolCallStream(r.family, hold_all=r.forced is not None) if r.family is not None else None
@@ -214,14 +215,14 @@ async def response_events(session: ChatSession, r: ResponseBuilder, store: Respo
                   response=response)
 
 
-def _history(body: ResponsesRequest, store: ResponseStore) -> list[ChatMessage]:
+async def _history(body: ResponsesRequest, store: ClusterResponses) -> list[ChatMessage]:
     if body.previous_response_id is None:
         return []
-    return list(store.require(body.previous_response_id, param="previous_response_id").conversation)
+    return list((await store.require(body.previous_response_id, param="previous_response_id")).conversation)
 
 
-async def respond(node: ApiServices, body: ResponsesRequest, store: ResponseStore) -> dict[str, Any]:
-    history = _history(body, store)
+async def respond(node: ApiServices, body: ResponsesRequest, store: ClusterResponses) -> dict[str, Any]:
+    history = await _history(body, store)
     chat = responses_to_chat(body, history)
     session = await start_chat(node, chat)
     r = ResponseBuilder(session, body, tool_family(node, chat), forced_tool(chat), history)
@@ -240,10 +241,10 @@ async def respond(node: ApiServices, body: ResponsesRequest, store: ResponseStor
     return response
 
 
-async def start_response_stream(node: ApiServices, body: ResponsesRequest, store: ResponseStore
+async def start_response_stream(node: ApiServices, body: ResponsesRequest, store: ClusterResponses
                                 ) -> AsyncIterator[str]:
     """Starts the request (errors before the first token raise ApiError) and returns its event stream."""
-    history = _history(body, store)
+    history = await _history(body, store)
     chat = responses_to_chat(body, history)
     session = await start_chat(node, chat)
     builder = ResponseBuilder(session, body, tool_family(node, chat), forced_tool(chat), history)
