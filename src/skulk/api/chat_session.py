@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from skulk.api.model_facts import card_of, not_served
 from skulk.api.model_kinds import refuse_embedding_model
 from skulk.api.requests import FIRST_CHUNK_TIMEOUT_S, NEXT_CHUNK_TIMEOUT_S, Silent, WrongKind, stream_error
+from skulk.api.schema_check import check_output_schema
 from skulk.api.security import OWNERS
 from skulk.api.services import ApiServices
 from skulk.cluster.dataplane import ChunkStream
@@ -99,6 +100,7 @@ def check_top_k(node: ApiServices, request: ChatCompletionRequest) -> None:
 async def start_chat(node: ApiServices, request: ChatCompletionRequest) -> ChatSession:
     """Raises ApiError with the runner's status (e.g. 400 context_length_exceeded) before anything streams."""
     refuse_embedding_model(node, request.model)
+    await check_output_schema(request)  # before admission: a 400 of its own, never an error mid-stream
     require_instance(node, request.model)
     check_top_k(node, request)
     command_id = CommandId(new_id())

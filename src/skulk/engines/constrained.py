@@ -22,12 +22,14 @@ import functools
 import json
 import threading
 from collections.abc import Collection, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from skulk.engines.errors import PromptRejected
+from skulk.engines.schema_refs import rebased
 from skulk.types.chat import OutputConstraint
+
+if TYPE_CHECKING:  # torch only for annotations: the API node imports call_schema to check a schema first
+    import torch
 
 HERMES, LLAMA_JSON, MISTRAL_LIST = "hermes", "llama", "mistral"
 
@@ -50,17 +52,18 @@ def tool_call_style(model_type: str, template_has_tools: bool, template: str) ->
 
 def call_schema(constraint: OutputConstraint, style: str) -> dict[str, Any]:
     """The JSON schema of one call to an allowed tool: {"name": <that tool>, "arguments" (Llama: "parameters"):
-    its parameters' schema}."""
+    its parameters' schema}. The parameters' local references are moved with them (`#/$defs/x` becomes
+    `#/properties/arguments/$defs/x`), so they still point into the parameters."""
     key = "parameters" if style == LLAMA_JSON else "arguments"
+    tools = [t for t in constraint.tools if not constraint.tool_name or t.get("name") == constraint.tool_name]
+    if not tools:
+        raise ConstraintError("tool_choice names no tool that was offered")
     options = []
-    for tool in constraint.tools:
-        if constraint.tool_name and tool.get("name") != constraint.tool_name:
-            continue
-        params = tool.get("parameters") or {"type": "object"}
+    for i, tool in enumerate(tools):
+        at = f"/properties/{key}" if len(tools) == 1 else f"/anyOf/{i}/properties/{key}"
+        params = rebased(tool.get("parameters") or {"type": "object"}, at)
         options.append({"type": "object", "properties": {"name": {"const": tool["name"]}, key: params},
                         "required": ["name", key], "additionalProperties": False})
-    if not options:
-        raise ConstraintError("tool_choice names no tool that was offered")
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 

@@ -303,7 +303,12 @@ class Runner:
             self.send_after_step()
             self._fail(task.task_id, task.command_id, message, code=ErrorCode.context_length_exceeded)
             return None
-        self.engine.add_request(task.task_id, prompt, sampling, command_id=task.command_id)
+        try:
+            self.engine.add_request(task.task_id, prompt, sampling, command_id=task.command_id)
+        except PromptRejected as refused:  # e.g. an output schema the grammar library cannot compile: a 400
+            self.send_after_step()
+            self._fail(task.task_id, task.command_id, str(refused), code=ErrorCode.invalid_request)
+            return None
         return prompt
 
     def _fail_in_engine(self, task_id: TaskId, command_id: CommandId, why: BaseException | str) -> None:
