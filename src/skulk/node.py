@@ -188,6 +188,7 @@ class Node:
             restart=self.restart, master=lambda: self.elector.master_id, runners=lambda: self.worker.supervisors,
             departed=self.peers.departed, sealer=lambda: self.transport.sealer,
             members=lambda: (self.membership.alive, self.membership.tokens),
+            desired_skipped=lambda: self.desired.skipped,
         )
 
     # -- lifecycle --------------------------------------------------------------------------------

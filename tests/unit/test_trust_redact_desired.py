@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 from pathlib import Path
+
+from _pytest.logging import LogCaptureFixture
 
 from skulk import redact
 from skulk.state.desired import DesiredStateFile, desired_of, restore_events
@@ -69,3 +73,53 @@ async def test_the_file_is_written_once_per_burst_and_read_back_at_start(tmp_pat
     keeper.observe(State())  # no master: never saved over a good file
     keeper.flush()
     assert MetaInstanceId("a") in (DesiredStateFile(tmp_path).saved or desired_of(State())).meta_instances
+
+
+def _write(home: Path, body: object) -> None:
+    (home / "desired.json").write_text(body if isinstance(body, str) else json.dumps(body))
+
+
+def test_one_bad_entry_is_skipped_named_and_the_rest_restored(tmp_path: Path, caplog: LogCaptureFixture) -> None:
+    good = meta("good").model_dump(mode="json", by_alias=True)
+    bad = {**meta("bad").model_dump(mode="json", by_alias=True), "minNodes": 1000000}
+    _write(tmp_path, {"metaInstances": {"good": good, "bad": bad}, "modelCards": {"x/y": {"nope": 1}},
+                      "tracingEnabled": True})
+    original = (tmp_path / "desired.json").read_bytes()
+    with caplog.at_level(logging.ERROR, logger="skulk.state.desired"):
+        keeper = DesiredStateFile(tmp_path)
+    assert keeper.saved is not None and list(keeper.saved.meta_instances) == ["good"]
+    assert keeper.saved.tracing_enabled is True and keeper.saved.model_cards == {}
+    named = {s.entry: s for s in keeper.skipped}
+    assert set(named) == {"metaInstances.bad", "modelCards.x/y"} and "minNodes" in named["metaInstances.bad"].reason
+    assert "metaInstances.bad" in caplog.text and "minNodes" in caplog.text
+    (aside,) = tmp_path.glob("desired.json.corrupt-*")
+    assert aside.read_bytes() == original and named["metaInstances.bad"].kept_at == str(aside)
+
+
+def test_an_unreadable_file_is_kept_aside_before_anything_is_written(tmp_path: Path) -> None:
+    for garbage in ("\x00\xff garbage {", "[1, 2]"):
+        for old in tmp_path.glob("desired.json*"):
+            old.unlink()
+        _write(tmp_path, garbage)
+        keeper = DesiredStateFile(tmp_path)
+        assert keeper.saved is None and [s.entry for s in keeper.skipped] == ["file"]
+        (aside,) = tmp_path.glob("desired.json.corrupt-*")
+        assert aside.read_text() == garbage
+        keeper._pending = State(master_node_id=NodeId("m"), meta_instances={MetaInstanceId("a"): meta("a")})
+        keeper.flush()  # now, not after the delay
+        assert aside.read_text() == garbage and DesiredStateFile(tmp_path).skipped == []
+
+
+def test_the_skipped_entries_reach_the_diagnostics_bundle(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from skulk.api.app import create_app
+
+    from .factories import api_services
+
+    _write(tmp_path, {"metaInstances": {"bad": {"minNodes": 0}}})
+    keeper = DesiredStateFile(tmp_path)
+    services = dataclasses.replace(api_services(), desired_skipped=lambda: keeper.skipped)
+    bundle = TestClient(create_app(services), base_url="http://127.0.0.1").get("/v1/diagnostics/node").json()
+    (skipped,) = bundle["desiredStateSkipped"]
+    assert skipped["entry"] == "metaInstances.bad" and skipped["keptAt"].startswith(str(tmp_path))

@@ -6,7 +6,7 @@ gate and runners. Tests build the same object (tests/unit/factories.py), with th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from skulk.api.requests import Requests
@@ -20,6 +20,7 @@ from skulk.state.store import StateStore
 from skulk.store.service import ModelFiles
 from skulk.tracing.store import TraceStore
 from skulk.types.commands import Command
+from skulk.types.diagnostics_bundle import SkippedDesiredEntry
 from skulk.types.ids import NodeId, RunnerId
 from skulk.types.state import State
 
@@ -46,6 +47,8 @@ class ApiServices:
     sealer: Callable[[], Sealer | None]
     members: Callable[[], tuple[frozenset[str], frozenset[str]]]
     """The zenoh ids alive in the cluster and those holding its liveliness tokens (the security diagnostics)."""
+    desired_skipped: Callable[[], Sequence[SkippedDesiredEntry]] = tuple
+    """What this node's start skipped of its saved desired state (state/desired.py), for its diagnostics."""
 
     @property
     def state(self) -> State:

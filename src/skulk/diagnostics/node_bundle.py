@@ -183,6 +183,7 @@ def assemble(
         placements=placements(state, source.node_id, master, found),
         warnings=[str(w) for w in found if w.instance_id is None],
         warning_details=found,
+        desired_state_skipped=list(getattr(source, "desired_skipped", tuple)()),
     )
 
 

@@ -17,11 +17,15 @@ import asyncio
 import json
 import logging
 import os
+import shutil
+import time
 from pathlib import Path
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from skulk.types.base import CamelModel
+from skulk.types.diagnostics_bundle import SkippedDesiredEntry
 from skulk.types.events import Event, MetaInstanceCreated, ModelCardAdded, TracingStateChanged
 from skulk.types.ids import MetaInstanceId, ModelId
 from skulk.types.meta_instances import MetaInstance
@@ -29,6 +33,7 @@ from skulk.types.models import ModelCard
 from skulk.types.state import State
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 
 FILE_NAME = "desired.json"
 SAVE_DELAY_S = 0.5
@@ -70,6 +75,46 @@ def restore_events(state: State, desired: DesiredState) -> list[Event]:
     return [*cards, *metas, *tracing]
 
 
+def parse_desired(raw: bytes) -> tuple[DesiredState | None, list[SkippedDesiredEntry]]:
+    """The desired state in a file's bytes, entry by entry (pure): each MetaInstance, model card and the tracing
+    switch validated on its own, so one bad entry costs that entry. (None, [file]) when the bytes are not a JSON
+    object at all."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        return None, [SkippedDesiredEntry(entry="file", reason=f"not JSON: {exc}")]
+    if not isinstance(data, dict):
+        return None, [SkippedDesiredEntry(entry="file", reason=f"not a JSON object but {type(data).__name__}")]
+    skipped: list[SkippedDesiredEntry] = []
+    metas = _entries(data, "metaInstances", MetaInstance, skipped)
+    cards = _entries(data, "modelCards", ModelCard, skipped)
+    tracing = data.get("tracingEnabled")
+    if tracing is not None and not isinstance(tracing, bool):
+        skipped.append(SkippedDesiredEntry(entry="tracingEnabled", reason=f"not a boolean: {tracing!r}"[:200]))
+        tracing = None
+    desired = DesiredState(meta_instances={MetaInstanceId(k): v for k, v in metas.items()},
+                           model_cards={ModelId(k): v for k, v in cards.items()}, tracing_enabled=tracing)
+    return desired, skipped
+
+
+def _entries(data: dict[str, Any], key: str, model: type[M],
+             skipped: list[SkippedDesiredEntry]) -> dict[str, M]:
+    """The valid entries of one map of the file; each invalid one added to `skipped` with its first error."""
+    found = data.get(key) or {}
+    if not isinstance(found, dict):
+        skipped.append(SkippedDesiredEntry(entry=key, reason=f"not an object but {type(found).__name__}"))
+        return {}
+    kept: dict[str, M] = {}
+    for name, value in found.items():
+        try:
+            kept[name] = model.model_validate(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "entry"
+            skipped.append(SkippedDesiredEntry(entry=f"{key}.{name}", reason=f"{where}: {first['msg']}"))
+    return kept
+
+
 class DesiredStateFile:
     """`<home>/desired.json`: read once when the node starts (`saved`, what a first master restores), rewritten
     (atomically, fsynced) when the desired part of the state changed, at most every SAVE_DELAY_S: a restarted
@@ -78,6 +123,8 @@ class DesiredStateFile:
 
     def __init__(self, home: Path) -> None:
         self.path = home / FILE_NAME
+        self.skipped: list[SkippedDesiredEntry] = []
+        """What the start could not restore from the file (diagnostics' desiredStateSkipped)."""
         self.saved = self._load()
         self._last: DesiredState | None = self.saved
         self._last_seen: tuple[object, object, object] | None = None
@@ -85,14 +132,36 @@ class DesiredStateFile:
         self._timer: asyncio.TimerHandle | None = None
 
     def _load(self) -> DesiredState | None:
-        """What was saved, or None (no file, or one that does not parse: logged, never fatal)."""
+        """What was saved, entry by entry (None: no file). A bad entry is skipped and named (log, diagnostics),
+        the rest restored; a file not read whole is first kept aside (`desired.json.corrupt-<time>`), since the
+        next save rewrites it with what was restored. Never fatal."""
         try:
-            return DesiredState.model_validate_json(self.path.read_bytes())
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return None
-        except (OSError, ValidationError, ValueError) as exc:
-            log.warning("ignoring %s: %s", self.path, exc)
+        except OSError as exc:
+            raw, self.skipped = None, [SkippedDesiredEntry(entry="file", reason=f"unreadable: {exc}")]
+        desired = None
+        if raw is not None:
+            desired, self.skipped = parse_desired(raw)
+        if self.skipped:
+            kept = self._keep_aside()
+            self.skipped = [s.model_copy(update={"kept_at": kept}) for s in self.skipped]
+            for skipped in self.skipped:
+                log.error("desired state: skipped %s of %s (%s); the file was kept as %s", skipped.entry,
+                          self.path, skipped.reason, kept)
+        return desired
+
+    def _keep_aside(self) -> str | None:
+        """A copy of the file as it was read, beside it; None when even that failed (logged)."""
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{os.getpid()}")
+        try:
+            shutil.copy2(self.path, aside)
+        except OSError as exc:
+            log.error("could not keep a copy of %s aside: %s", self.path, exc)
             return None
+        return str(aside)
 
     def observe(self, state: State) -> None:
         """After each change of state, on the event loop; cheap when nothing desired changed (apply keeps

@@ -206,6 +206,16 @@ class DiagnosticWarning(DiagModel):
         return f"[{self.severity}] {self.code}: {self.message}"
 
 
+class SkippedDesiredEntry(DiagModel):
+    """One part of `<home>/desired.json` the node could not restore (state/desired.py), and where the file it
+    read was kept aside (`desired.json.corrupt-<time>`), so the operator can mend it by hand."""
+
+    entry: str
+    """`metaInstances.<id>`, `modelCards.<id>`, `tracingEnabled`, or `file` when the whole file was unreadable."""
+    reason: str
+    kept_at: str | None = None
+
+
 class NodeDiagnostics(DiagModel):
     generated_at: str
     runtime: RuntimeDiagnostics
@@ -216,6 +226,8 @@ class NodeDiagnostics(DiagModel):
     placements: list[PlacementDiagnostics] = []
     warnings: list[str] = []
     warning_details: list[DiagnosticWarning] = []
+    desired_state_skipped: list[SkippedDesiredEntry] = []
+    """Not in seed 002: entries of this node's saved desired state it skipped at start (empty when all came back)."""
 
 
 class ClusterNodeDiagnostics(DiagModel):
