@@ -98,7 +98,14 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
                         f"(SKULK_MAX_CONNECTIONS, {_default('max_connections')})")
     parser.add_argument("--cluster-key",
                         help="shared secret that seals every message between nodes; `skulk keygen` makes one "
-                        "(SKULK_CLUSTER_KEY, cluster_key in skulk.yaml; none = open cluster)")
+                        "(SKULK_CLUSTER_KEY, cluster_key in skulk.yaml; none = open cluster); visible in ps: "
+                        "prefer --cluster-key-file")
+    for name, what in (("cluster-key", "the cluster key"), ("api-key", "inference API keys, one a line,"),
+                       ("admin-key", "admin API keys, one a line,")):
+        parser.add_argument(f"--{name}-file", metavar="PATH",
+                            help=f"read {what} from a file kept out of the command line (chmod 600; a group- or "
+                            f"world-readable file is read with a warning) (SKULK_{name.upper().replace('-', '_')}"
+                            "_FILE)")
 
 
 def main(argv: list[str] | None = None) -> None:

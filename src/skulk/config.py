@@ -8,6 +8,7 @@ operator believing a budget is in force that is not. Every environment variable 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from pathlib import Path
@@ -17,6 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skulk.types.backends import EngineName
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -342,10 +345,50 @@ def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
+KEY_FILES = {"cluster_key_file": "cluster_key", "api_key_file": "api_keys", "admin_key_file": "admin_keys"}
+"""--cluster-key-file, --api-key-file, --admin-key-file (and their SKULK_<NAME>_FILE twins): a secret read from a
+file, one key per line (# comments and blank lines skipped), so that no process's command line shows it (`ps` is
+readable by every local user; the environment and a 0600 file are not)."""
+SHARED_BITS = 0o044
+"""Group- or world-readable: a key file with these bits is read, with a warning."""
+
+
+def _with_key_files(chosen: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
+    """The flags with each key file's keys in their field, as flags (they beat the environment). A key file and
+    its key on the command line together: the API and admin keys are joined; two cluster keys are an error."""
+    out = {k: v for k, v in chosen.items() if k not in KEY_FILES}
+    for flag, field in KEY_FILES.items():
+        path = chosen.get(flag) or environ.get(ENV_PREFIX + flag.upper())
+        if not path:
+            continue
+        keys = read_key_file(Path(path).expanduser())
+        if field != "cluster_key":
+            out[field] = [*(out.get(field) or []), *keys]
+        elif out.get(field) is not None or len(keys) > 1:
+            raise ConfigError(f"{path}: one cluster key, from --cluster-key or from its file, not both or several")
+        else:
+            out[field] = keys[0]
+    return out
+
+
+def read_key_file(path: Path) -> list[str]:
+    """The keys in a key file; a ConfigError naming the file when it cannot be read or holds none."""
+    try:
+        text, mode = path.read_text(), path.stat().st_mode
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the key file {path}: {exc}") from exc
+    if mode & SHARED_BITS:
+        log.warning("key file %s is readable by other users (mode %03o); run chmod 600 %s", path, mode & 0o777, path)
+    keys = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise ConfigError(f"the key file {path} holds no key")
+    return keys
+
+
 def resolve(flags: dict[str, Any], environ: dict[str, str] | os._Environ[str] = os.environ) -> Settings:
     """Flags beat environment, environment beats skulk.yaml, skulk.yaml beats defaults."""
     from_env = env_values(environ)
-    chosen = {k: v for k, v in flags.items() if v is not None}
+    chosen = _with_key_files({k: v for k, v in flags.items() if v is not None}, environ)
     config_path = Path(chosen.get("config") or from_env.get("config") or "skulk.yaml").expanduser()
     home = Path(chosen.get("home") or from_env.get("home") or "~/.skulk").expanduser()
     if not config_path.is_absolute() and not config_path.exists() and (home / config_path).exists():
