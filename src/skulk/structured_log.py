@@ -61,6 +61,16 @@ _installed: list[logging.Handler] = []
 """The JSON handler this process added (at most one), so a live change of logging.* replaces it."""
 
 
+_live: list[LoggingConfig] = []
+"""The logging section last installed in this process (at start, then by each PUT /config that changed it)."""
+
+
+def live_config() -> LoggingConfig | None:
+    """The logging section in force in this process now; None before the first install (diagnostics then read
+    the settings the node was started with)."""
+    return _live[-1] if _live else None
+
+
 def level_of(name: str) -> int:
     level = logging.getLevelName(name.upper())
     return level if isinstance(level, int) else logging.INFO
@@ -73,6 +83,7 @@ def install(config: LoggingConfig, node_id: str) -> logging.Handler | None:
     for old in _installed:
         root.removeHandler(old)
     _installed.clear()
+    _live[:] = [config]
     if not config.enabled:
         return None
     handler = logging.StreamHandler(sys.stdout)

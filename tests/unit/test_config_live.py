@@ -53,9 +53,15 @@ def test_live_keys_apply_now_and_are_written(node: tuple[TestClient, list[Comman
     assert yaml.safe_load(path.read_text())["logging"] == {"level": "WARNING", "enabled": True}
     effective = client.get("/config").json()["effective"]
     assert effective["logging"]["level"] == "WARNING" and effective["tracing"]["enabled"] is True
+    assert _configured(client) is True, "diagnostics read the live state, not the start's settings"
     off = client.put("/config", json={**body, "logging": {"level": "WARNING", "enabled": False}})
     assert off.json()["applied"] == ["logging.enabled"]
     assert not any(isinstance(h.formatter, structured_log.JsonLines) for h in logging.getLogger().handlers)
+    assert _configured(client) is False
+
+
+def _configured(client: TestClient) -> bool:
+    return client.get("/v1/diagnostics/node").json()["runtime"]["structuredLoggingConfigured"]
 
 
 def test_restart_required_names_only_the_keys_that_need_it(node: tuple[TestClient, list[Command], Path]) -> None:

@@ -81,7 +81,8 @@ def test_a_directly_placed_instance_names_its_failed_node_too() -> None:
 
 
 def test_exit_causes_read_as_causes() -> None:
-    assert exit_cause(-signal.SIGKILL).startswith("killed by SIGKILL (likely OOM")
+    assert exit_cause(-signal.SIGKILL, oom=False).startswith("killed by signal 9 (SIGKILL) from outside")
+    assert exit_cause(-signal.SIGKILL, oom=True).startswith("OOM")
     assert exit_cause(-signal.SIGSEGV) == "runner process killed by SIGSEGV"
     assert exit_cause(1, "FileNotFoundError('config.json')") == "runner crashed: FileNotFoundError('config.json')"
     assert exit_cause(1, "OutOfMemoryError('CUDA')").startswith("OOM")

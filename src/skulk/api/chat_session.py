@@ -119,5 +119,5 @@ async def start_chat(node: ApiServices, request: ChatCompletionRequest) -> ChatS
         raise
     if isinstance(first, ErrorChunk):
         node.requests.cancel(stream)
-        raise ApiError(first.code, first.message, status=first.status)
+        raise ApiError(first.code, first.message, status=first.status, retryable=first.retryable)
     return ChatSession(node, stream, first, request.model)

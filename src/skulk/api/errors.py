@@ -24,7 +24,8 @@ log = logging.getLogger("skulk.api")
 
 def openai_error(exc: ApiError) -> JSONResponse:
     """OpenAI's shape (Skulk's own): {"error": {"message", "type", "code"}}."""
-    return JSONResponse(error_body(exc.message, kind=exc.kind, code=exc.code), status_code=exc.status)
+    extra = {} if exc.retryable is None else {"retryable": exc.retryable}
+    return JSONResponse(error_body(exc.message, kind=exc.kind, code=exc.code, **extra), status_code=exc.status)
 
 
 _CLAUDE_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

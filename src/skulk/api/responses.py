@@ -101,7 +101,8 @@ async def _collect_or_raise(session: ChatSession) -> Finished:
     try:
         return await collect(session)
     except GenerationFailed as failed:
-        raise ApiError(failed.chunk.code, failed.chunk.message, status=max(failed.chunk.status, 500)) from failed
+        raise ApiError(failed.chunk.code, failed.chunk.message, status=max(failed.chunk.status, 500),
+                       retryable=failed.chunk.retryable) from failed
 
 
 async def _response(node: ApiServices, body: ResponsesRequest, store: ClusterResponses) -> JSONResponse:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Protocol
 
-from skulk import __version__
+from skulk import __version__, structured_log
 from skulk.config import Settings
 from skulk.diagnostics.clock import iso, utc_now
 from skulk.diagnostics.meta import meta_status
@@ -63,7 +63,7 @@ def runtime_diagnostics(source: BundleSource) -> RuntimeDiagnostics:
     """The process's view of itself: the first thing to compare when two nodes behave differently."""
     state, settings, master = source.state, source.settings, source.master_id
     ident = state.node_identities.get(source.node_id)
-    logging_config = settings.logging
+    logging_config = structured_log.live_config() or settings.logging  # what PUT /config turned on or off
     return RuntimeDiagnostics(
         node_id=source.node_id,
         hostname=socket.gethostname(),

@@ -36,7 +36,7 @@ from skulk.runner.spans import SpanBook
 from skulk.runner.spec import RunnerSpec
 from skulk.runner.stats import RequestClock
 from skulk.types.chunks import ErrorChunk, TokenChunk
-from skulk.types.errors import ErrorCode
+from skulk.types.errors import ErrorCode, clip_text
 from skulk.types.ids import CommandId, TaskId
 from skulk.types.runners import (
     RunnerConnected,
@@ -322,7 +322,7 @@ class Runner:
         chunk = ErrorChunk(command_id=command_id, message=message, code=code, status=code.status, retryable=False)
         self.send(Tokens([chunk]))
         self.send(TaskEnded(task_id, command_id, TaskStatus.Failed, message, retryable=False))
-        self.recorder.record("error", code, message[:120], task_id=task_id, command_id=command_id)
+        self.recorder.record("error", code, clip_text(message, 120), task_id=task_id, command_id=command_id)
 
     def _cancel(self, task_id: TaskId) -> None:
         active = self.active.pop(task_id, None)

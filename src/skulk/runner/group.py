@@ -26,6 +26,7 @@ import torch.distributed as dist
 from skulk.engines.torch.engine import TorchEngine
 from skulk.runner.recorder import FlightRecorder
 from skulk.runner.spec import RunnerSpec
+from skulk.types.errors import clip_text
 from skulk.types.instances import Sharding
 
 # A hung peer must be noticed in <= 10 s; idle ranks exchange heartbeats well inside this. A stage whose
@@ -143,7 +144,7 @@ def connect_group(
             backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=op_timeout)
         )
     except (RuntimeError, ValueError, OSError) as exc:
-        recorder.record("connect_group", "connect_failed", repr(exc)[:200])
+        recorder.record("connect_group", "connect_failed", clip_text(repr(exc), 200))
         raise GroupError(f"could not form the group at {where} within {spec.connect_deadline_s:.0f} s") from exc
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=op_timeout)) if backend != "gloo" else None
     recorder.record("connect_group", "connected", where, seconds=round(time.monotonic() - started, 3))

@@ -17,6 +17,7 @@ from skulk.runner.channel import Outbox
 from skulk.runner.core import Runner
 from skulk.runner.messages import RUNNER_HEARTBEAT_S, Heartbeat, ToRunner
 from skulk.runner.spec import RunnerSpec
+from skulk.types.errors import clip_text
 
 log = logging.getLogger("skulk.runner")
 
@@ -40,7 +41,7 @@ def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], pipe: Connection) -> N
         runner.start()
         runner.serve()
     except Exception as exc:  # the supervisor turns a non-zero exit into RunnerFailed
-        runner.recorder.record("error", "runner_crashed", repr(exc)[:200])
+        runner.recorder.record("error", "runner_crashed", clip_text(repr(exc), 200))
         runner.flush()
         if peer_gone(exc):  # expected when a node of the instance dies: one line, not a stack trace
             log.error("runner %s stopped: a peer rank is gone (%s)", spec.runner_id, first_line(exc))
@@ -64,7 +65,7 @@ def peer_gone(exc: BaseException) -> bool:
 
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {clip_text(text[0], 200)}" if text else type(exc).__name__
 
 
 def _leave(outbox: Outbox, code: int = 0) -> None:

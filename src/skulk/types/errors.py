@@ -117,12 +117,16 @@ class ApiError(Exception):
     about it, and the status (the code's own, unless `status` says otherwise: a validation bound's 422, or the
     status a runner's ErrorChunk already chose)."""
 
-    def __init__(self, code: ErrorCode, message: str, *, status: int | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, *, status: int | None = None,
+                 retryable: bool | None = None) -> None:
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a client's lone surrogate, echoed
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = code.status if status is None else status
+        self.retryable = retryable
+        """A runner's ErrorChunk says whether the same request may succeed if sent again (its body's
+        `retryable`); None for a refusal, which the same request meets again."""
 
     @property
     def kind(self) -> str:
@@ -138,6 +142,19 @@ def kind_for(status: int) -> str:
     if status in _KINDS:
         return _KINDS[status]
     return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
+def clip_text(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters: whole when it fits, else cut at the last word boundary before the
+    limit (mid-word only when one word is longer than half of it) and ended with an ellipsis, so a failure
+    message never stops in the middle of a word or reads as complete when it is not."""
+    if len(text) <= limit:
+        return text
+    head = text[: max(limit - 1, 0)]
+    cut = max(head.rfind(" "), head.rfind("\n"))
+    if cut >= limit // 2:
+        head = head[:cut]
+    return head.rstrip(" ,;:.-(\n") + "…"
 
 
 def error_body(message: str, *, kind: str, code: str | None = None, **extra: Any) -> dict[str, Any]:

@@ -46,11 +46,13 @@ from skulk.runner.messages import (
 from skulk.runner.spec import RunnerSpec
 from skulk.types.chunks import Chunk, ErrorChunk
 from skulk.types.diagnostics import FlightRecorderEntry, Milestone
+from skulk.types.errors import ErrorCode, clip_text
 from skulk.types.ids import TaskId
 from skulk.types.runners import RunnerFailed, RunnerIdle, RunnerPhase, RunnerStatus
 from skulk.types.state import State
 from skulk.types.tasks import Task, TaskStatus
 from skulk.types.tracing import TraceSpan
+from skulk.worker.oom import oom_evidence, oom_kills
 
 log = logging.getLogger("skulk.supervisor")
 
@@ -65,15 +67,20 @@ READ_BYTES = 1 << 16
 """The most the loop reads from a runner's pipe at once (it is called again while more waits)."""
 
 
-def exit_cause(code: int | None, crash: str | None = None) -> str:
+def exit_cause(code: int | None, crash: str | None = None, oom: bool | None = None) -> str:
     """Why a runner process ended, in an operator's words: the exception it reported before exiting, or what
-    its exit code means (the kernel's OOM killer sends SIGKILL, so -9 is most often out of memory)."""
+    its exit code means. SIGKILL is called out of memory only with evidence (`oom`: an OOM-kill counter went up
+    while it ran, worker/oom.py); without it, the kill came from outside."""
     if crash:
         if "MemoryError" in crash or "OutOfMemory" in crash:
             return f"OOM ({crash})"
         return f"runner crashed: {crash}"
     if code == -signal.SIGKILL:
-        return "killed by SIGKILL (likely OOM: the kernel's out-of-memory killer sends it)"
+        if oom:
+            return "OOM: killed by SIGKILL from the kernel's out-of-memory killer (an OOM kill was recorded)"
+        if oom is None:
+            return "killed by signal 9 (SIGKILL): from outside or out of memory (no OOM-kill counter is readable here)"
+        return "killed by signal 9 (SIGKILL) from outside (no OOM kill was recorded while it ran)"
     if code is not None and code < 0:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
         return f"runner process killed by {name}"
@@ -176,6 +183,7 @@ class RunnerSupervisor:
         self.hung_s = hung_s
         self.restarts: list[float] = []  # monotonic times of the restarts inside the window
         self._hung: str | None = None  # why the reader thread killed the current process
+        self._oom_before: int | None = None
         self.stopping = False
         self._ctx = mp.get_context("spawn")
         self._process: Any = None
@@ -215,6 +223,7 @@ class RunnerSupervisor:
             name=f"skulk-runner-{self.runner_id[:8]}",
         )
         self._hung = None
+        self._oom_before = oom_kills()  # an OOM-kill counter, so a SIGKILL is called OOM only when it went up
         self.view.exit_code = None  # a fresh process: the previous one's exit code no longer describes it
         try:
             self._process.start()
@@ -373,7 +382,7 @@ class RunnerSupervisor:
         if self.stopping:
             return
         crash = next((e.detail for e in reversed(self.view.flight_recorder) if e.event == "runner_crashed"), None)
-        reason = self._hung or exit_cause(code, crash)
+        reason = self._hung or exit_cause(code, crash, oom_evidence(self._oom_before, oom_kills()))
         log.warning("runner %s: %s", self.runner_id[:8], reason, extra=self._log_ids)
         delay, gave_up = None, None
         if self.spec.shard.world_size == 1 and self.restarts_locally:
@@ -390,7 +399,7 @@ class RunnerSupervisor:
             self._schedule_restart(delay, reason)
         elif gave_up is not None:
             log.warning("runner %s failed for good: %s", self.runner_id[:8], gave_up, extra=self._log_ids)
-            self.milestone("failed_for_good", gave_up[:200])
+            self.milestone("failed_for_good", clip_text(gave_up, 200))
             if self.callbacks.on_gave_up is not None:
                 self.callbacks.on_gave_up(gave_up)
 
@@ -412,9 +421,9 @@ class RunnerSupervisor:
         for task in open_tasks.values():
             message = f"{reason}; retry the request"
             self.callbacks.on_chunks(
-                [ErrorChunk(command_id=task.command_id, message=message, retryable=True)]
+                [ErrorChunk(command_id=task.command_id, message=message, code=ErrorCode.task_failed, retryable=True)]
             )
-            self._on_task_ended(TaskEnded(task.task_id, task.command_id, TaskStatus.Failed, message))
+            self._on_task_ended(TaskEnded(task.task_id, task.command_id, TaskStatus.Failed, message, retryable=True))
 
     async def stop(self) -> None:
         """Ask nicely, then terminate, then kill: no runner outlives its supervisor."""
