@@ -90,6 +90,12 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
                         "(SKULK_ALLOWED_HOSTS; this machine's names and addresses are always allowed)")
     parser.add_argument("--cors-origin", dest="cors_origins", action="append",
                         help="browser origin allowed to call the API, repeatable (SKULK_CORS_ORIGINS, none)")
+    parser.add_argument("--memory-limit",
+                        help="the most memory this node offers: a size (8GB, 2500MiB) or a fraction of the machine's "
+                        "RAM (0.5, 50%%); the machine and its cgroup's limit bind anyway (SKULK_MEMORY_LIMIT, none)")
+    parser.add_argument("--memory-reserve",
+                        help="memory kept back from placement under the limit: a size or a fraction of the limit "
+                        f"(SKULK_MEMORY_RESERVE, {_default('memory_reserve')})")
     parser.add_argument("--max-body-bytes", type=int,
                         help="largest request body read, in bytes "
                         f"(SKULK_MAX_BODY_BYTES, {_default('max_body_bytes')})")

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from skulk.memory_limit import parse_amount
 from skulk.types.backends import EngineName
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,12 @@ class Settings(BaseModel):
     """A runner whose heartbeat thread is silent this long is declared hung, killed and restarted."""
     rejoin_wait_seconds: float = Field(default=10.0, ge=0)
     """After a pause (a laptop lid), how long a node waits to hear its old peers before it may elect itself."""
+    memory_limit: str | None = None
+    """SKULK_MEMORY_LIMIT, --memory-limit: the most memory this node offers (a size such as 8GB, or a fraction of
+    the machine's RAM such as 0.5 or 50%); the machine's RAM and its cgroup's limit bind anyway (memory_limit.py)."""
+    memory_reserve: str = "512MiB"
+    """SKULK_MEMORY_RESERVE, --memory-reserve: kept back from placement under the limit (a size, or a fraction of
+    the limit)."""
     link_bandwidth_seconds: float = Field(default=30.0, gt=0)
     """How often a node reads each peer's bandwidth (512 KiB; the round trip is sampled every second anyway)."""
     engines: list[EngineName] = []
@@ -202,6 +209,14 @@ class Settings(BaseModel):
         if base.node_cache_path is None:
             return base.model_copy(update={"node_cache_path": self.home / "staging"})
         return base.model_copy(update={"node_cache_path": base.node_cache_path.expanduser()})
+
+    @field_validator("memory_limit", "memory_reserve")
+    @classmethod
+    def _an_amount(cls, value: str | None) -> str | None:
+        """A size or fraction memory_limit.parse_amount reads (its ValueError says what is wrong)."""
+        if value is not None:
+            parse_amount(value)
+        return value
 
     @property
     def is_store_host(self) -> bool:

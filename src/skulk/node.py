@@ -380,6 +380,8 @@ class Node:
                 home=self.settings.home,
                 api_port=self.api_port,
                 engines=tuple(self.settings.engines),
+                limit=self.settings.memory_limit,
+                reserve=self.settings.memory_reserve,
             )
             info = info.model_copy(update={"links": self.links.snapshot(), "compute": self.worker.compute.snapshot()})
             if self._info_worth_sending(last, info) or time.monotonic() - last_sent > INFO_HEARTBEAT_S:

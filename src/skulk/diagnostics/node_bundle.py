@@ -195,17 +195,19 @@ def snapshot_runners(source: BundleSource, now: datetime) -> list[RunnerSupervis
 
 
 def _os_reads(
-    state: State, node_id: NodeId, runners: list[RunnerSupervisorDiagnostics]
+    source: BundleSource, runners: list[RunnerSupervisorDiagnostics]
 ) -> tuple[list[ProcessDiagnostics], ResourceDiagnostics]:
     pids = {r.pid for r in runners if r.pid is not None}
-    return scan_processes(runner_pids=pids), gather_resources(state, node_id)
+    settings = source.settings
+    return scan_processes(runner_pids=pids), gather_resources(source.state, source.node_id, settings.memory_limit,
+                                                              settings.memory_reserve)
 
 
 def build_node_bundle(source: BundleSource, now: datetime | None = None) -> NodeDiagnostics:
     """Synchronous variant for tests and scripts; blocks on OS reads."""
     now = now or utc_now()
     runners = snapshot_runners(source, now)
-    processes, resources = _os_reads(source.state, source.node_id, runners)
+    processes, resources = _os_reads(source, runners)
     return assemble(source, now, runners, processes, resources)
 
 
@@ -213,5 +215,5 @@ async def collect_node_bundle(source: BundleSource) -> NodeDiagnostics:
     """For the API: supervisor copies on the loop, OS reads in a thread, so the loop never stalls."""
     now = utc_now()
     runners = snapshot_runners(source, now)
-    processes, resources = await asyncio.to_thread(_os_reads, source.state, source.node_id, runners)
+    processes, resources = await asyncio.to_thread(_os_reads, source, runners)
     return assemble(source, now, runners, processes, resources)

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+from skulk import memory_limit
 from skulk.types.diagnostics_bundle import ResourceDiagnostics, SystemDiagnostics
 from skulk.types.ids import NodeId
 from skulk.types.memory import Memory
@@ -35,21 +36,22 @@ def current_wired() -> Memory | None:
     return Memory.from_bytes(int(page.group(1)) * int(wired.group(1)))
 
 
-def _current_memory() -> MemoryUsage | None:
+def _current_memory(limit: str | None, reserve: str) -> MemoryUsage | None:
     try:
-        return node_info.memory()
+        return node_info.memory(limit, reserve)
     except Exception:
         return None
 
 
-def gather_resources(state: State, node_id: NodeId) -> ResourceDiagnostics:
+def gather_resources(state: State, node_id: NodeId, limit: str | None = None,
+                     reserve: str = memory_limit.DEFAULT_RESERVE) -> ResourceDiagnostics:
     """Event-sourced readings come from state; the accelerator is read live if it was never gossiped."""
     accelerator = state.node_accelerator.get(node_id) or node_info.accelerator()
     perf = state.node_system.get(node_id)
     system = SystemDiagnostics(**(perf.model_dump(by_alias=False) if perf else {}), accelerator=accelerator)
     return ResourceDiagnostics(
         gathered_memory=state.node_memory.get(node_id),
-        current_memory=_current_memory(),
+        current_memory=_current_memory(limit, reserve),
         current_wired=current_wired(),
         disk=state.node_disk.get(node_id),
         system=system,

@@ -187,7 +187,10 @@ def _insufficient(state: State, sharding: Sharding, ring: Ring, plan: NodePlan) 
     """Name the node the way the operator knows it, with the numbers that refused it."""
     identity = state.node_identities.get(plan.node_id)
     name = identity.friendly_name if identity and identity.friendly_name != "Unknown" else None
+    memory = state.node_memory.get(plan.node_id)
     return InsufficientMemory(
+        limit=memory.ram_total if memory is not None else None,
+        limit_source=memory.limit_source if memory is not None else None,
         node_id=plan.node_id,
         node_name=name,
         node_ids=list(ring),

@@ -23,9 +23,19 @@ class NodeIdentity(CamelModel):
 
 class MemoryUsage(CamelModel):
     ram_total: Memory
+    """The node's memory limit: the smallest of the machine's RAM, its cgroup's limit, a Mac's GPU working set and
+    --memory-limit (memory_limit.py); `limit_source` says which."""
     ram_available: Memory
+    """Free under that limit, less the reserve: what placement plans shards and KV pools into."""
     swap_total: Memory = Memory()
     swap_available: Memory = Memory()
+    ram_used: Memory | None = None
+    """What is counted as used against the limit (the group's usage less reclaimable page cache, the machine's
+    used memory, or Skulk's own processes under an operator's --memory-limit)."""
+    ram_reserved: Memory | None = None
+    """Kept back from placement (--memory-reserve)."""
+    limit_source: str | None = None
+    """Where the limit came from: machine, cgroup v1, cgroup v2, gpu working set or --memory-limit."""
 
 
 class DiskUsage(CamelModel):

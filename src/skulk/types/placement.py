@@ -79,14 +79,20 @@ class InsufficientMemory(PlacementError):
     available: Memory
     draft: Memory | None = None
     """The card's draft model on this rank (its weights with overhead, and its KV), when it has one."""
+    limit: Memory | None = None
+    """The node's memory limit (its ramTotal), which `available` is counted under."""
+    limit_source: str | None = None
+    """Where that limit came from (machine, cgroup v1/v2, gpu working set, --memory-limit)."""
 
     def describe(self) -> str:
         name = f"{self.node_id} ({self.node_name})" if self.node_name else self.node_id
         draft = f" + {_gb(self.draft)} draft model" if self.draft else ""
+        limit = f" under its {_gb(self.limit)} limit ({self.limit_source})" if self.limit and self.limit_source \
+            else ""
         return (
             f"node {name} needs {_gb(self.needed)} ({_gb(self.weights_share)} weights share × "  # noqa: RUF001
             f"{self.overhead_factor:g} + {_gb(self.kv_pool)} KV pool{draft}) but has "
-            f"{_gb(self.available)} free ({self.sharding.value} over {len(self.node_ids)} node(s); weights and "
+            f"{_gb(self.available)} free{limit} ({self.sharding.value} over {len(self.node_ids)} node(s); weights and "
             "KV pool must fit strictly below free memory). Use a smaller model or a more aggressive quant, lower "
             "kv_cache_gb or max_context (the pool holds at least one request of the whole context), add nodes so "
             f"the per-node share shrinks, or free memory on node {name} and retry."

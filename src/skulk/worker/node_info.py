@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from skulk import __version__
+from skulk import __version__, memory_limit
 from skulk.types.backends import BackendTag, EngineName, engine_of
 from skulk.types.memory import Memory
 from skulk.types.node_info import (
@@ -70,18 +70,22 @@ def gpu_working_set() -> int | None:
         return None
 
 
-def memory() -> MemoryUsage:
-    """RAM, capped on a Mac by the GPU's working set (the memory an MLX rank can really use)."""
+def memory(limit: str | None = None, reserve: str = memory_limit.DEFAULT_RESERVE) -> MemoryUsage:
+    """The node's memory as it may use it (memory_limit.budget): its limit (the machine, its cgroup, a Mac's GPU
+    working set or `limit`, the smallest) and what is free under it less `reserve`."""
     vm, sw = psutil.virtual_memory(), psutil.swap_memory()
-    total, available = vm.total, vm.available
-    working_set = gpu_working_set()
-    if working_set is not None:
-        total, available = min(total, working_set), min(available, working_set)
+    configured = memory_limit.parse_amount(limit) if limit else None
+    found = memory_limit.budget(vm.total, vm.available, memory_limit.this_cgroup(), gpu_working_set(), configured,
+                                memory_limit.parse_amount(reserve),
+                                memory_limit.own_use() if configured is not None else 0)
     return MemoryUsage(
-        ram_total=Memory.from_bytes(total),
-        ram_available=Memory.from_bytes(available),
+        ram_total=Memory.from_bytes(found.limit),
+        ram_available=Memory.from_bytes(found.free),
         swap_total=Memory.from_bytes(sw.total),
         swap_available=Memory.from_bytes(sw.free),
+        ram_used=Memory.from_bytes(found.used),
+        ram_reserved=Memory.from_bytes(found.reserved),
+        limit_source=found.source,
     )
 
 
@@ -198,11 +202,12 @@ def backends(only: tuple[EngineName, ...] = ()) -> list[BackendTag]:
     return tags
 
 
-def gather(*, friendly_name: str | None, home: Path, api_port: int, engines: tuple[EngineName, ...] = ()) -> NodeInfo:
+def gather(*, friendly_name: str | None, home: Path, api_port: int, engines: tuple[EngineName, ...] = (),
+           limit: str | None = None, reserve: str = memory_limit.DEFAULT_RESERVE) -> NodeInfo:
     return NodeInfo(
         backends=backends(engines),
         identity=identity(friendly_name),
-        memory=memory(),
+        memory=memory(limit, reserve),
         disk=disk(home),
         system=system(),
         accelerator=accelerator(),

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
+from skulk import memory_limit
 from skulk.engines.kv_pools import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_PREFILL_CHUNK,
@@ -143,7 +143,7 @@ class EngineCore:
         per_token = self.model.group_bytes_per_token()
         if kv_bytes is None:
             ceiling = group_pool_bytes(per_token, size, context, streams, self.local_window, self.prefill_chunk)
-            kv_bytes = min(int(psutil.virtual_memory().available * DEFAULT_KV_FRACTION), ceiling)
+            kv_bytes = min(int(memory_limit.available_now() * DEFAULT_KV_FRACTION), ceiling)
         return group_pools(kv_bytes, per_token, size, context, streams, self.local_window, self.prefill_chunk)
 
     def _make_cache(self) -> Any:

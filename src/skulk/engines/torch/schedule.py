@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-import psutil
+from skulk import memory_limit
 
 from .blocks import blocks_for
 from .wire import MAX_ADMITS, StepKind
@@ -124,6 +124,6 @@ def pool_blocks(kv_bytes: int | None, per_token: int, block_size: int, context: 
     block_bytes = max(1, per_token * block_size)
     least = blocks_for(context + 1, block_size)
     if kv_bytes is None:
-        free = psutil.virtual_memory().available if available is None else available
+        free = memory_limit.available_now() if available is None else available
         kv_bytes = min(int(free * DEFAULT_KV_FRACTION), per_token * context * streams)
     return max(least, kv_bytes // block_bytes)

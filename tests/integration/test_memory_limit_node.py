@@ -1,0 +1,69 @@
+"""A node knows its limit (issue 41), with real node processes: one inside a 1.6 GB memory cgroup (as a
+container would run it) advertises the group's limit, not the host's RAM, and its runner stays in the group;
+one started with SKULK_MEMORY_LIMIT advertises that; a placement that cannot fit is refused naming the node's
+limit and where it came from."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from skulk.testing.cgroups import MemoryGroup, why_not
+from skulk.testing.cluster import DEMO
+
+from .harness import Cluster, place_and_wait, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+GROUP_LIMIT = 1_600_000_000
+CONFIGURED = 3_000_000_000
+
+
+@pytest.fixture
+def group() -> Iterator[MemoryGroup]:
+    if (why := why_not()) is not None:
+        pytest.skip(why)
+    with MemoryGroup(GROUP_LIMIT) as made:
+        yield made
+
+
+def _memory(node_url: str) -> dict[str, dict[str, object]]:
+    try:
+        return httpx.get(f"{node_url}/state", timeout=10).json().get("nodeMemory", {})
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def test_a_node_advertises_its_limit_and_placement_names_it(cluster: Cluster, group: MemoryGroup,
+                                                            tmp_path: Path) -> None:
+    capped = cluster.start(1)[0]
+    assert capped.process is not None
+    group.add(capped.process.pid)
+    configured = cluster.start(1, extra_env={"SKULK_MEMORY_LIMIT": "3GB"})[0]
+
+    def limits() -> dict[str, tuple[object, object]]:
+        return {n: (m["ramTotal"], m.get("limitSource")) for n, m in _memory(capped.url).items()}
+
+    want = {capped.node_id: ({"inBytes": group.limit}, "cgroup v1"),
+            configured.node_id: ({"inBytes": CONFIGURED}, "--memory-limit")}
+    wait_until(lambda: limits() == want, 60, "each node's own limit in /state", lambda: str(limits()))
+    for node_id, memory in _memory(capped.url).items():
+        total, free = memory["ramTotal"], memory["ramAvailable"]
+        assert isinstance(total, dict) and isinstance(free, dict) and free["inBytes"] < total["inBytes"]
+        assert memory["ramReserved"] == {"inBytes": 512 * 1024**2}, node_id
+
+    status, refused = capped.post("/place_instance", {"model_id": DEMO, "kv_cache_gb": 6})
+    assert status == 400 and refused["error"]["code"] == "InsufficientMemory", refused
+    message = refused["error"]["message"]
+    assert "limit (cgroup v1)" in message or "limit (--memory-limit)" in message, message
+
+    place_and_wait(capped, DEMO, excluded_nodes=[configured.node_id])
+    runners = capped.runner_pids()
+    assert runners, "a runner was started"
+    for pid in runners:
+        assert str(pid) in (group.path / "cgroup.procs").read_text().split(), "the runner runs inside the limit"
+    status, reply = capped.post("/v1/chat/completions", {"model": DEMO, "max_tokens": 4,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200, reply
