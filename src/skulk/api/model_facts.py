@@ -13,12 +13,13 @@ Anthropic's model lists all read them here, so the three never disagree.
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
+import math
 from datetime import UTC, datetime
 from pathlib import Path
 
 from skulk.api.services import ApiServices
+from skulk.formats import InvalidModelFile
+from skulk.formats.checkpoint import read_config, safetensors_header
 from skulk.models.cards import all_cards, get_card
 from skulk.store.files import model_dir_name
 from skulk.types.ids import ModelId
@@ -27,7 +28,6 @@ from skulk.types.models import ModelCard
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 BYTES_PER_PARAMETER = {"int4": 0.5, "int8": 1.0, "4": 0.5, "8": 1.0}
 DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
-MAX_HEADER = 64 * 1024 * 1024
 
 
 def card_of(node: ApiServices, model_id: str) -> ModelCard | None:
@@ -96,7 +96,7 @@ def config_parameters(path: Path) -> int:
     """A decoder's weights from its config: embeddings, per layer attention (q, k, v, o), the MLP (or its
     experts and router) and two norms, the final norm, and an untied head (0 when the config is unreadable)."""
     try:
-        config = json.loads(path.read_text())
+        config = read_config(path)
         c = config.get("text_config") or config
         hidden, layers, vocab = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
         heads = int(c["num_attention_heads"])
@@ -118,19 +118,12 @@ def safetensors_parameters(paths: list[Path]) -> int:
     total = 0
     for path in paths:
         try:
-            with path.open("rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                if length > MAX_HEADER:
-                    return 0
-                header = json.loads(f.read(length))
-        except (OSError, ValueError, struct.error):
+            header = safetensors_header(path)  # every shape checked against the file (skulk.formats)
+        except InvalidModelFile:
             return 0
         for name, entry in header.items():
-            if name != "__metadata__" and isinstance(entry, dict):
-                count = 1
-                for dim in entry.get("shape", []):
-                    count *= int(dim)
-                total += count
+            if name != "__metadata__":
+                total += math.prod(entry["shape"])
     return total
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,8 @@ from pydantic.alias_generators import to_camel
 from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.api.store import valid_model_id
+from skulk.formats import InvalidModelFile
+from skulk.formats.checkpoint import MAX_CONFIG, parse_config, read_config
 from skulk.models.cards import add_custom_card, all_cards, get_card, is_custom
 from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry, weight_bytes
 from skulk.state.queries import served_context
@@ -60,20 +61,15 @@ def models_router(node: ApiServices) -> APIRouter:
     @router.post("/models/import", response_model=None, responses=documented(CatalogEntry, 400, 409))
     async def import_model(body: ImportModelRequest) -> dict[str, Any]:
         """A GGUF file (or an Ollama model) into this node's store and the catalog; the store stages it to
-        other nodes like any model. 400 for a source that is not a GGUF file the engine runs."""
-        from skulk.models.gguf_import import import_source
+        other nodes like any model. 400 for a source that is not a GGUF file the engine runs. The import runs
+        in a child process under a memory and time budget (models/import_worker.py): a hostile file costs one
+        400 and never this node's event loop."""
+        from skulk.models.import_worker import import_in_child
 
         if body.model_id is not None and get_card(body.model_id) is not None and not is_custom(body.model_id):
             raise ApiError(ErrorCode.model_exists,
                            f"{body.model_id} is a catalog model; import under another id")
-        try:
-            card = await asyncio.to_thread(import_source, body.source, node.settings.store_path, body.model_id)
-        except UnsupportedArchitecture as exc:
-            raise ApiError(ErrorCode.unsupported_architecture,
-                           str(exc)) from exc
-        except ValueError as exc:
-            raise ApiError(ErrorCode.invalid_model_file,
-                           str(exc)) from exc
+        card = await import_in_child(body.source, node.settings.store_path, body.model_id)
         add_custom_card(node.settings.home / "cards", card)
         node.send_command(AddModelCard(command_id=CommandId(new_id()), card=card))
         return list_entry(card, created=0, where=_where(files, card))
@@ -95,6 +91,8 @@ async def known_card(node: ApiServices, model_id: str) -> ModelCard:
         raise ApiError(exc.code, exc.message, status=exc.status) from exc
     except UnsupportedArchitecture as exc:
         raise ApiError(ErrorCode.unsupported_architecture, str(exc)) from exc
+    except InvalidModelFile as exc:
+        raise ApiError(ErrorCode.invalid_model_file, f"{model_id}: {exc}") from exc
     except Exception as exc:
         raise ApiError(ErrorCode.hub_unreachable, f"the model hub could not be reached for {model_id}: {exc}") from exc
     add_custom_card(node.settings.home / "cards", known)
@@ -105,9 +103,9 @@ async def known_card(node: ApiServices, model_id: str) -> ModelCard:
 def build_card(hub: Hub, model_id: str, local: Path | None) -> ModelCard:
     """From this node's store copy when it has one, else from the hub (config.json and the index only)."""
     if local is not None and is_complete(local):
-        config = json.loads((local / "config.json").read_text())
+        config = read_config(local / "config.json")
         index_path = local / INDEX_FILE
-        index = json.loads(index_path.read_text()) if index_path.exists() else None
+        index = read_config(index_path) if index_path.exists() else None
         return card_from_config(model_id, config, weight_bytes(local_files(local), index))
     repo = list_files(hub, model_id)
     if "config.json" not in repo.files:
@@ -118,13 +116,21 @@ def build_card(hub: Hub, model_id: str, local: Path | None) -> ModelCard:
 
 
 def _fetch_json(hub: Hub, model_id: str, commit: str, name: str) -> dict[str, Any]:
+    """A small JSON file of the repo, read no further than MAX_CONFIG bytes and checked (formats/checkpoint.py)."""
     url = hf_hub_url(model_id, name, revision=commit, endpoint=hub.endpoint)
-    response = httpx.get(url, headers=build_hf_headers(token=hub.token or False), follow_redirects=True, timeout=30)
-    if response.status_code in (401, 403):
-        raise HubError(ErrorCode.gated_model, f"model {model_id} is gated; set hf_token in skulk.yaml (or HF_TOKEN)")
-    if response.status_code != 200:
-        raise HubError(ErrorCode.hub_error, f"fetching {name} of {model_id}: HTTP {response.status_code}")
-    return response.json()
+    headers = build_hf_headers(token=hub.token or False)
+    with httpx.stream("GET", url, headers=headers, follow_redirects=True, timeout=30) as response:
+        if response.status_code in (401, 403):
+            raise HubError(ErrorCode.gated_model,
+                           f"model {model_id} is gated; set hf_token in skulk.yaml (or HF_TOKEN)")
+        if response.status_code != 200:
+            raise HubError(ErrorCode.hub_error, f"fetching {name} of {model_id}: HTTP {response.status_code}")
+        raw = bytearray()
+        for chunk in response.iter_bytes():
+            raw += chunk
+            if len(raw) > MAX_CONFIG:
+                break
+    return parse_config(bytes(raw), name)
 
 
 def _where(files: ModelFiles | None, card: ModelCard) -> dict[str, Any]:

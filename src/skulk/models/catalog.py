@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from skulk.formats import InvalidModelFile
+from skulk.formats.checkpoint import check_config_numbers
 from skulk.models.cards import is_custom
 from skulk.types.ids import ModelId
 from skulk.types.memory import Memory
@@ -60,6 +62,7 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
     from skulk.engines.torch.config import SLIDING, SUPPORTED_MODEL_TYPES, text_config, window_fields
     from skulk.engines.torch.quant import quant_spec
 
+    check_config_numbers(config, f"{model_id}'s config.json")
     model_type = str(config.get("model_type", ""))
     if model_type in ENCODER_MODEL_TYPES:
         return encoder_card(model_id, config, weight_bytes)
@@ -76,6 +79,9 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
         raise UnsupportedArchitecture(f"{model_id}: {exc}") from exc
     quantization = config.get("quantization_config") or config.get("quantization")
     config = text_config(config)
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if not config.get(k)]
+    if missing:
+        raise InvalidModelFile(f"{model_id}'s config.json has no {', '.join(missing)}")
     heads = int(config["num_attention_heads"])
     window = window_fields(config, str(config.get("model_type", "")))
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")

@@ -24,6 +24,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from skulk.engines.torch.gguf_file import PERMUTED_ARCHS, hf_name, read_layout, unpermute_order
+from skulk.formats.checkpoint import read_config
 from skulk.models.gguf_import import GGUF_NAME
 
 EXPORT_DIR = "bf16-export"
@@ -65,7 +66,7 @@ def float_checkpoint(model_dir: Path) -> Path:
 
 def export_bf16(model_dir: Path, out: Path) -> None:
     """Write the import in model_dir as a bf16 safetensors checkpoint into the existing folder out."""
-    config: dict[str, Any] = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    config: dict[str, Any] = read_config(model_dir / "config.json")
     if config.get("rope_freq_factors") is not None:
         raise NotExportable("this GGUF file's Llama 3 rope scaling (rope_freqs) has no mlx-lm form here; "
                             "serve it with the torch engine")

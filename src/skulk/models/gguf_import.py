@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from skulk.formats import InvalidModelFile
 from skulk.models.catalog import card_from_config
 from skulk.store.files import model_dir_name, write_marker
 from skulk.types.backends import BackendTag
@@ -39,7 +40,7 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
-class NotGGUF(ValueError):
+class NotGGUF(InvalidModelFile):
     """The file is not a GGUF file, or one whose architecture or tokenizer the engine cannot run."""
 
 
@@ -52,9 +53,13 @@ def default_model_id(gguf_path: Path) -> str:
 def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, *, copy: bool = False) -> ModelCard:
     """Stage gguf_path as model_id under models_dir (written whole, then renamed) and return its card.
     The GGUF file is hard-linked when it can be, else symlinked (copy=False) or copied. NotGGUF for a file
-    that is not one, or that the engine cannot run."""
+    that is not one, or that the engine cannot run; InvalidModelFile for a header out of bounds (checked before
+    transformers reads a byte of it: skulk.formats.gguf_header)."""
+    from skulk.formats.gguf_header import check_gguf
+
     if not is_gguf(gguf_path):
         raise NotGGUF(f"{gguf_path} is not a GGUF file")
+    check_gguf(gguf_path)
     model_id = model_id or default_model_id(gguf_path)
     target = models_dir / model_dir_name(model_id)
     models_dir.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,6 @@ taken from transformers, so the runner needs nothing but torch and safetensors, 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
+
+from skulk.formats.checkpoint import read_config, safetensors_header
 
 ENCODER_MODEL_TYPES = ("bert",)
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -179,7 +180,7 @@ class BertEncoder(nn.Module):
 
 def load_bert(model_dir: Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> BertEncoder:
     """The encoder of model_dir with every weight it needs; ValueError naming what is missing or unsupported."""
-    args = BertArgs.from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+    args = BertArgs.from_config(read_config(model_dir / "config.json"))
     with torch.device("meta"):
         model = BertEncoder(args)
     wanted = dict(model.state_dict())
@@ -203,6 +204,7 @@ def _read_weights(model_dir: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
         raise ValueError(f"{model_dir.name}: no .safetensors weights")
     found: dict[str, torch.Tensor] = {}
     for file in files:
+        safetensors_header(file)  # bounds first (skulk.formats.checkpoint)
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = _our_name(key)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from skulk.formats.checkpoint import read_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3", "qwen3_moe")
 
@@ -132,7 +133,7 @@ class ModelArgs:
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelArgs:
-        return cls.from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+        return cls.from_config(read_config(model_dir / "config.json"))
 
 
 def _global_rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:

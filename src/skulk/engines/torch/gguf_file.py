@@ -32,6 +32,9 @@ from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
+from skulk.formats import InvalidModelFile
+from skulk.formats.gguf_header import check_gguf
+
 GROUP = 32
 FLOAT_TYPES = {QT.F32: np.float32, QT.F16: np.float16}
 FOUR_BIT = {QT.Q4_0, QT.Q4_1, QT.Q4_K}
@@ -228,8 +231,17 @@ _HF_FIELDS = {
 def read_layout(path: Path) -> dict[str, Any]:
     """What the loader needs of a GGUF file's header (architecture, heads, each tensor's type, shape, offset),
     read once with the gguf package. Kept in the imported model's config.json ("gguf"), so a runner maps the
-    tensors without parsing the header again (its tokenizer arrays make that seconds)."""
-    reader = GGUFReader(path)
+    tensors without parsing the header again (its tokenizer arrays make that seconds). The header is walked
+    with bounds first: the gguf package trusts its counts and lengths."""
+    check_gguf(path)
+    try:
+        return _layout(GGUFReader(path), path.stat().st_size)
+    except (ValueError, TypeError, KeyError, IndexError) as exc:  # a field of the wrong type, bounds already held
+        raise InvalidModelFile(f"{path.name}: a header field is not what GGUF says it should be: {exc}") from exc
+
+
+def _layout(reader: GGUFReader, size: int) -> dict[str, Any]:
+    """read_layout's reading of a header whose bounds hold."""
 
     def scalar(key: str, default: Any) -> Any:
         field = reader.get_field(key)
@@ -240,7 +252,7 @@ def read_layout(path: Path) -> dict[str, Any]:
     extra = {key: scalar(f"{arch}.{field}", None) for key, field in _HF_FIELDS.items()}
     return {
         "arch": arch, "heads": heads, "kv_heads": int(scalar(f"{arch}.attention.head_count_kv", 0)) or heads,
-        "size": path.stat().st_size, "config": {k: v for k, v in extra.items() if v is not None},
+        "size": size, "config": {k: v for k, v in extra.items() if v is not None},
         "tensors": {t.name: [int(t.tensor_type), [int(d) for d in reversed(t.shape.tolist())], int(t.data_offset)]
                     for t in reader.tensors},
     }
@@ -270,10 +282,13 @@ class GGUFCheckpoint:
         layout = layout or read_layout(path)
         self.arch, self.heads, self.kv_heads = str(layout["arch"]), int(layout["heads"]), int(layout["kv_heads"])
         self.tensors: dict[str, TensorInfo] = {}
+        size = path.stat().st_size
         for gguf_name, (qtype, shape, offset) in layout["tensors"].items():
             name = hf_name(gguf_name, self.arch)
             if name is not None:
-                self.tensors[name] = TensorInfo(gguf_name, QT(qtype), tuple(shape), offset)
+                self.tensors[name] = tensor = TensorInfo(gguf_name, QT(qtype), tuple(shape), int(offset))
+                if tensor.offset < 0 or tensor.offset + tensor.nbytes() > size:  # a layout kept in config.json
+                    raise InvalidModelFile(f"{path.name}: tensor {gguf_name!r} ends past the file's {size} bytes")
         self._lock = threading.Lock()
         self._last: tuple[tuple[str, int | None], dict[str, torch.Tensor]] | None = None
 

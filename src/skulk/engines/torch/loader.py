@@ -7,7 +7,6 @@ reads layers 0-7, and a tensor-parallel rank reads only its rows or columns of e
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Iterable
 from contextlib import ExitStack
@@ -18,6 +17,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from skulk.formats import InvalidModelFile
+from skulk.formats.checkpoint import read_config, safetensors_header
 
 from .config import ModelArgs, parse_dtype
 from .gguf_file import open_gguf
@@ -54,7 +56,7 @@ def load_model(
 
     An MLX-quantized checkpoint loads quantized as it ships; `quantize` ("int4"/"int8") quantizes a float one
     while loading (engines/torch/quant.py). Quantized models compute in bfloat16, what the kernels want."""
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    config = read_config(model_dir / "config.json")
     quant = quant_spec(config, quantize)
     args = ModelArgs.from_config(config)
     if dtype is not None or quant is not None:
@@ -269,13 +271,19 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name → the safetensors file holding it, from the index when the checkpoint is sharded."""
     index = model_dir / _INDEX_FILE
     if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = read_config(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f == Path(f).name and
+                                                       f.endswith(".safetensors") for f in weight_map.values()):
+            raise InvalidModelFile(f"{index.name}: weight_map must name .safetensors files of the directory")
+        for file in set(weight_map.values()):
+            safetensors_header(model_dir / file)
         return {name: model_dir / file for name, file in weight_map.items()}
     files = {}
     gguf = sorted(model_dir.glob(f"*{GGUF_SUFFIX}"))
     if gguf and not any(model_dir.glob("*.safetensors")):  # a GGUF model: one file, read natively
         return dict.fromkeys(open_gguf(gguf[0]).names(), gguf[0])
     for path in sorted(model_dir.glob("*.safetensors")):
+        safetensors_header(path)  # bounds first: a runner refuses a hostile header as the node does
         with safe_open(str(path), framework="pt") as f:
             files.update(dict.fromkeys(f.keys(), path))
     if not files:

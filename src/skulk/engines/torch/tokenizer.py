@@ -19,6 +19,8 @@ from transformers import AutoTokenizer
 
 from skulk.engines.errors import PromptRejected
 from skulk.engines.tool_prompt import PROBE_TOOL, inline_tools
+from skulk.formats import InvalidModelFile
+from skulk.formats.checkpoint import read_config
 from skulk.types.chat import ChatMessage
 
 _REPLACEMENT = "\ufffd"
@@ -126,9 +128,11 @@ def _eos_ids(model_dir: Path, tokenizer_eos: int | None) -> set[int]:
     for name in ("config.json", "generation_config.json"):
         path = model_dir / name
         if path.exists():
-            value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+            value = read_config(path).get("eos_token_id")
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
-    return {int(i) for i in ids}
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise InvalidModelFile(f"{model_dir.name}: eos_token_id must be token ids, not {sorted(map(repr, ids))}")
+    return set(ids)
 
 
 class IncrementalDecoder:
