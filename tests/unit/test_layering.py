@@ -33,6 +33,8 @@ FORBIDDEN = {
     "types": ("skulk.api", "skulk.node", "skulk.master", "skulk.worker", "skulk.runner", "skulk.store",
               "skulk.cluster", "skulk.models", "skulk.engines"),
     "store": ("skulk.api", "skulk.node", "skulk.models"),
+    "formats": ("skulk.api", "skulk.node", "skulk.master", "skulk.worker", "skulk.runner", "skulk.store",
+                "skulk.cluster", "skulk.models", "skulk.engines", "skulk.state"),
     "cluster": ("skulk.api", "skulk.node"),
     "master": ("skulk.api", "skulk.node"),
     "state": ("skulk.api", "skulk.node", "skulk.master", "skulk.worker"),
