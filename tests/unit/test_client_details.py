@@ -183,9 +183,13 @@ def test_a_stored_response_belongs_to_its_key() -> None:
 
 
 def test_parameter_counts_come_from_safetensors_headers(tmp_path: Path) -> None:
-    header = json.dumps({"__metadata__": {}, "a": {"dtype": "BF16", "shape": [576, 49152], "data_offsets": [0, 0]},
-                         "b": {"dtype": "BF16", "shape": [576], "data_offsets": [0, 0]}}).encode()
-    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    a_bytes = 576 * 49152 * 2
+    header = json.dumps({"__metadata__": {},
+                         "a": {"dtype": "BF16", "shape": [576, 49152], "data_offsets": [0, a_bytes]},
+                         "b": {"dtype": "BF16", "shape": [576], "data_offsets": [a_bytes, a_bytes + 1152]}}).encode()
+    with (tmp_path / "model.safetensors").open("wb") as f:  # the data sparse: the header's offsets must fit the file
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + a_bytes + 1152)
     assert safetensors_parameters([tmp_path / "model.safetensors"]) == 576 * 49152 + 576
     smollm2 = {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152, "num_attention_heads": 9,
                "num_key_value_heads": 3, "intermediate_size": 1536, "tie_word_embeddings": True}
