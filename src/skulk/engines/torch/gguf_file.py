@@ -19,7 +19,6 @@ undone on the affine rows here, so the engine sees Hugging Face's layout. Gemma 
 from __future__ import annotations
 
 import functools
-import json
 import re
 import threading
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
 from skulk.formats import InvalidModelFile
+from skulk.formats.checkpoint import read_config
 from skulk.formats.gguf_header import check_gguf
 
 GROUP = 32
@@ -382,7 +382,7 @@ def _open(path: Path, size: int) -> GGUFCheckpoint:
     layout: dict[str, Any] | None = None
     config = path.parent / "config.json"
     if config.is_file():
-        layout = json.loads(config.read_text(encoding="utf-8")).get("gguf")
+        layout = read_config(config).get("gguf")
     return GGUFCheckpoint(path, layout if layout and layout.get("size") == size else None)
 
 

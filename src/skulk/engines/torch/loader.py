@@ -143,6 +143,8 @@ class CheckpointNames:
         path = self.files[real]
         if path not in self.handles:
             gguf = path.suffix == GGUF_SUFFIX
+            if not gguf:
+                safetensors_header(path)  # bounds first (a pipeline stage opens only the files it holds)
             self.handles[path] = open_gguf(path) if gguf else self.stack.enter_context(
                 safe_open(str(path), framework="pt"))
         return _shard(self.handles[path].get_slice(real), dim, split.rank, split.size, expert)
@@ -275,8 +277,6 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f == Path(f).name and
                                                        f.endswith(".safetensors") for f in weight_map.values()):
             raise InvalidModelFile(f"{index.name}: weight_map must name .safetensors files of the directory")
-        for file in set(weight_map.values()):
-            safetensors_header(model_dir / file)
         return {name: model_dir / file for name, file in weight_map.items()}
     files = {}
     gguf = sorted(model_dir.glob(f"*{GGUF_SUFFIX}"))
