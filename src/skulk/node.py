@@ -39,12 +39,14 @@ from skulk.models.demo import ensure_builtin_model, is_builtin
 from skulk.restart import RestartGate, exec_self
 from skulk.runner.fault import recording_enabled
 from skulk.state.desired import DesiredStateFile
+from skulk.state.desired_offer import OFFER_WINDOW_S
 from skulk.state.store import StateStore
 from skulk.store.server import StoreServer, bind_address
 from skulk.store.service import ModelFiles
 from skulk.store.staging import startable
 from skulk.tracing.service import NodeTracing
-from skulk.types.commands import Command, CreateMetaInstance
+from skulk.types.commands import Command, CreateMetaInstance, OfferDesiredState
+from skulk.types.desired import rank_of
 from skulk.types.events import (
     Event,
     IndexedEvent,
@@ -76,6 +78,10 @@ TAIL_CHECK_S = 1.0
 RESTATE_AFTER_S = 0.5
 """After a master change, runner statuses are restated this much later: long enough for the new master's intake
 to be subscribed (every node adopts the new term within a heartbeat of the others)."""
+OFFER_TRIES = 4
+OFFER_RETRY_S = 2.0
+"""A follower's saved desired state is offered a new master up to OFFER_TRIES times, this far apart, until the
+cluster restored a copy at least as good (a command can be lost; state/desired_offer.py)."""
 
 
 class LocalEvents:
@@ -314,10 +320,12 @@ class Node:
                 restart_budget=self.settings.runner_restart_budget,
                 restart_window_s=self.settings.runner_restart_window_seconds,
                 desired=self.desired.saved,
+                desired_copy=self.desired.copy_of(self.node_id),
             )
             self.master.start()
         elif master is not None and master != self.node_id:
             self._spawn(self._resync())
+            self._spawn(self._offer_desired(term))
         if master is not None:
             asyncio.get_running_loop().call_later(RESTATE_AFTER_S, self._restate_runners, term)
 
@@ -330,6 +338,22 @@ class Node:
         for runner_id, supervisor in self.worker.supervisors.items():
             if not isinstance(supervisor.view.status, RunnerFailed):
                 self.local.emit(RunnerStatusUpdated(runner_id=runner_id, runner_status=supervisor.view.status))
+
+    async def _offer_desired(self, term: int) -> None:
+        """Offer a new master this node's saved desired state while it ranks above what the cluster restored
+        (state/desired_offer.py): a first master with no copy or a corrupt one then restores the operator's
+        MetaInstances from here. Sent after the master's intake is listening, and again while unanswered (a
+        command can be lost); a master that is not starting a cluster afresh ignores it."""
+        copy, raw = self.desired.copy_of(self.node_id), self.desired.raw
+        if copy is None or raw is None:
+            return
+        for attempt in range(OFFER_TRIES):
+            await asyncio.sleep(RESTATE_AFTER_S if attempt == 0 else OFFER_RETRY_S)
+            if self.elector.term != term or self.elector.master_id in (None, self.node_id):
+                return
+            if rank_of(copy) <= rank_of(self.store.state.desired_restored):
+                return
+            self.send_command(OfferDesiredState(command_id=CommandId(new_id()), origin=self.node_id, saved=raw))
 
     async def _resync(self) -> None:
         try:
@@ -472,6 +496,8 @@ class Node:
                 log.error("cannot obtain the default model %s: %s (place another with SKULK_DEFAULT_MODEL)",
                           model_id, exc)
                 return
+        if self.desired.skipped:
+            await self._await_restore()
         if not (self.elector.is_master and self.elector.settled):
             return
         if any(m.model_id == model_id for m in self.state.meta_instances.values()):
@@ -479,6 +505,15 @@ class Node:
         meta = MetaInstance(meta_instance_id=MetaInstanceId(new_id()), model_id=model_id)
         self.send_command(CreateMetaInstance(command_id=CommandId(new_id()), meta_instance=meta))
         log.info("placed %s as MetaInstance %s", model_id, meta.meta_instance_id[:8])
+
+
+    async def _await_restore(self) -> None:
+        """This node's own desired state was not read whole: before a default MetaInstance is added, give the
+        followers' offers their window (state/desired_offer.py), so the operator's MetaInstance comes back
+        first and the default is not placed beside it."""
+        deadline = time.monotonic() + OFFER_WINDOW_S
+        while self.store.state.desired_restored is None and time.monotonic() < deadline and self.elector.is_master:
+            await asyncio.sleep(0.2)
 
 
 class _ApiServer(uvicorn.Server):

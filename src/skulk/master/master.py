@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -22,7 +23,8 @@ from skulk.master.decide import (
 )
 from skulk.models.cards import get_card
 from skulk.state.apply import apply
-from skulk.state.desired import DesiredState, restore_events
+from skulk.state.desired import DesiredState
+from skulk.state.desired_offer import OFFER_WINDOW_S, offer_events, own_copy_events
 from skulk.structured_log import log_context
 from skulk.types.chunks import ErrorChunk
 from skulk.types.commands import (
@@ -31,8 +33,10 @@ from skulk.types.commands import (
     CreateMetaInstance,
     DeleteMetaInstance,
     ForwardedCommand,
+    OfferDesiredState,
     PlaceInstance,
 )
+from skulk.types.desired import RestoredCopy
 from skulk.types.events import (
     Event,
     InstanceCreated,
@@ -66,9 +70,15 @@ class Master:
         restart_budget: int = RESTART_BUDGET,
         restart_window_s: float = RESTART_WINDOW_S,
         desired: DesiredState | None = None,
+        desired_copy: RestoredCopy | None = None,
     ) -> None:
         self.desired = desired
         """This node's saved desired state: restored if this master starts a cluster afresh (state/desired)."""
+        self.desired_copy = desired_copy
+        """How that copy ranks (whole or not, when saved): a follower's offer must rank above it to add to it."""
+        self._offers_until: float | None = None
+        """Until when (monotonic) followers' offered copies count: set when this master starts a cluster afresh,
+        closed by the first DeleteMetaInstance (state/desired_offer.py)."""
         self.restart_budget = restart_budget
         self.restart_window_s = restart_window_s
         self.ids = reconcile.Ids()
@@ -104,20 +114,36 @@ class Master:
         self.sequencer.start()
         self.intake.start()
         self.emit(session)
-        if fresh and self.desired is not None:
-            self._restore(self.desired)
+        if fresh:
+            self._offers_until = time.monotonic() + OFFER_WINDOW_S
+            self._restore()
         self.reconcile()
         self._reconciler = self._spawn(self._reconcile_forever())
 
-    def _restore(self, desired: DesiredState) -> None:
+    def _restore(self) -> None:
         """The first master of a (re)started cluster brings back what an operator created: every node saved it,
-        and nobody had state to hand this one (it was elected with no event applied)."""
-        events = restore_events(self.state, desired)
+        and nobody had state to hand this one (it was elected with no event applied). Its own copy first; the
+        followers' offers may add to it (`_offer`)."""
+        events = own_copy_events(self.state, self.desired, self.desired_copy)
         if events:
             metas = sum(isinstance(e, MetaInstanceCreated) for e in events)
             log.info("restoring the saved desired state: %d MetaInstances, %d model cards", metas,
                      sum(isinstance(e, ModelCardAdded) for e in events))
             self.emit(events)
+
+    @property
+    def offers_open(self) -> bool:
+        return self._offers_until is not None and time.monotonic() < self._offers_until
+
+    def _offer(self, offer: OfferDesiredState) -> list[Event]:
+        """A follower's saved copy: restored (what is missing) if this cluster's start is fresh and it ranks
+        above what was restored so far; otherwise left alone. Never a refusal to the follower: it only waits."""
+        if not self.offers_open:
+            log.info("desired state offered by %s ignored: this cluster did not just start", offer.origin[:8])
+            return []
+        events, why = offer_events(self.state, offer)
+        log.info("desired state offered by %s: %s", offer.origin[:8], why if events else f"not restored, {why}")
+        return events
 
     def stop(self) -> None:
         if self._reconciler is not None:
@@ -164,7 +190,10 @@ class Master:
                 log.info("MetaInstance %s created: %s, min_nodes %d, %s", meta.meta_instance_id[:8], meta.model_id,
                          meta.min_nodes, meta.sharding.value)
                 return [MetaInstanceCreated(meta_instance=meta)]
+            case OfferDesiredState():
+                return self._offer(command)
             case DeleteMetaInstance():
+                self._offers_until = None  # an offer must not bring back what the operator just deleted
                 events = commands.delete_meta_instance(self.state, command)
                 cascade = sum(isinstance(e, InstanceDeleted) for e in events)
                 if events:

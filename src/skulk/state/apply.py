@@ -7,6 +7,7 @@ from typing import Any
 from skulk.state import meta
 from skulk.types.downloads import DownloadProgress
 from skulk.types.events import (
+    DesiredStateRestored,
     Event,
     IndexedEvent,
     InstanceCreated,
@@ -103,6 +104,8 @@ def _changes(state: State, event: Event) -> dict[str, Any]:
             return {"tracing_enabled": enabled}
         case NodeRestartRequested():
             return {}
+        case DesiredStateRestored(restored=restored):
+            return {"desired_restored": restored}
     raise TypeError(f"no rule to apply {type(event).__name__}")
 
 

@@ -14,20 +14,23 @@ ids comes back unpinned, for the same reason.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import shutil
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from skulk.types.base import CamelModel
+from skulk.types.desired import RestoredCopy, rank_of
 from skulk.types.diagnostics_bundle import SkippedDesiredEntry
 from skulk.types.events import Event, MetaInstanceCreated, ModelCardAdded, TracingStateChanged
-from skulk.types.ids import MetaInstanceId, ModelId
+from skulk.types.ids import MetaInstanceId, ModelId, NodeId
 from skulk.types.meta_instances import MetaInstance
 from skulk.types.models import ModelCard
 from skulk.types.state import State
@@ -37,6 +40,11 @@ M = TypeVar("M", bound=BaseModel)
 
 FILE_NAME = "desired.json"
 SAVE_DELAY_S = 0.5
+MAX_ENTRIES = 4096
+"""Per map of the file: far beyond any operator's, and a bound on what a peer's offered copy may cost."""
+HOLD_S = 45.0
+"""How long a node keeps its own good file unwritten while the cluster restored a worse copy (or none): time for
+its offer to reach the first master (state/desired_offer.OFFER_WINDOW_S), plus slack."""
 
 
 class DesiredState(CamelModel):
@@ -76,13 +84,18 @@ def restore_events(state: State, desired: DesiredState) -> list[Event]:
 
 
 def parse_desired(raw: bytes) -> tuple[DesiredState | None, list[SkippedDesiredEntry]]:
-    """The desired state in a file's bytes, entry by entry (pure): each MetaInstance, model card and the tracing
-    switch validated on its own, so one bad entry costs that entry. (None, [file]) when the bytes are not a JSON
-    object at all."""
+    """The desired state in a file's bytes, entry by entry (pure); (None, [file]) when not JSON."""
     try:
         data = json.loads(raw)
     except ValueError as exc:
         return None, [SkippedDesiredEntry(entry="file", reason=f"not JSON: {exc}")]
+    return parse_desired_object(data)
+
+
+def parse_desired_object(data: object) -> tuple[DesiredState | None, list[SkippedDesiredEntry]]:
+    """The desired state in a file's JSON value, entry by entry (pure): each MetaInstance, model card and the
+    tracing switch validated on its own, so one bad entry costs that entry. (None, [file]) when the value is not
+    a JSON object at all. The same check for a node's own file and for a copy a peer offers (never trusted)."""
     if not isinstance(data, dict):
         return None, [SkippedDesiredEntry(entry="file", reason=f"not a JSON object but {type(data).__name__}")]
     skipped: list[SkippedDesiredEntry] = []
@@ -92,9 +105,32 @@ def parse_desired(raw: bytes) -> tuple[DesiredState | None, list[SkippedDesiredE
     if tracing is not None and not isinstance(tracing, bool):
         skipped.append(SkippedDesiredEntry(entry="tracingEnabled", reason=f"not a boolean: {tracing!r}"[:200]))
         tracing = None
-    desired = DesiredState(meta_instances={MetaInstanceId(k): v for k, v in metas.items()},
-                           model_cards={ModelId(k): v for k, v in cards.items()}, tracing_enabled=tracing)
+    desired = DesiredState(
+        meta_instances={MetaInstanceId(k): v for k, v in metas.items()
+                        if _named(f"metaInstances.{k}", k, v.meta_instance_id, skipped)},
+        model_cards={ModelId(k): v for k, v in cards.items() if _named(f"modelCards.{k}", k, v.model_id, skipped)},
+        tracing_enabled=tracing)
     return desired, skipped
+
+
+def saved_at_of(data: object) -> datetime | None:
+    """When the file was written (`savedAt`), or None: a file from before the field, or one that says nothing
+    usable (it then ranks oldest; that is no reason to skip an entry)."""
+    if not isinstance(data, dict) or not isinstance(data.get("savedAt"), str):
+        return None
+    try:
+        saved = datetime.fromisoformat(data["savedAt"])
+    except ValueError:
+        return None
+    return saved if saved.tzinfo is not None else saved.replace(tzinfo=UTC)
+
+
+def _named(entry: str, key: str, own_id: str, skipped: list[SkippedDesiredEntry]) -> bool:
+    """An entry is filed under its own id; one filed under another would be created twice or never deleted."""
+    if key == own_id:
+        return True
+    skipped.append(SkippedDesiredEntry(entry=entry[:200], reason=f"filed under another id ({own_id!r})"[:200]))
+    return False
 
 
 def _entries(data: dict[str, Any], key: str, model: type[M],
@@ -105,7 +141,10 @@ def _entries(data: dict[str, Any], key: str, model: type[M],
         skipped.append(SkippedDesiredEntry(entry=key, reason=f"not an object but {type(found).__name__}"))
         return {}
     kept: dict[str, M] = {}
-    for name, value in found.items():
+    for index, (name, value) in enumerate(found.items()):
+        if index >= MAX_ENTRIES:
+            skipped.append(SkippedDesiredEntry(entry=key, reason=f"over {MAX_ENTRIES} entries: the rest skipped"))
+            break
         try:
             kept[name] = model.model_validate(value)
         except ValidationError as exc:
@@ -116,20 +155,33 @@ def _entries(data: dict[str, Any], key: str, model: type[M],
 
 
 class DesiredStateFile:
-    """`<home>/desired.json`: read once when the node starts (`saved`, what a first master restores), rewritten
-    (atomically, fsynced) when the desired part of the state changed, at most every SAVE_DELAY_S: a restarted
-    cluster's first events (an empty session, then the restore) coalesce into one write, so a follower never
-    leaves its good file empty in between."""
+    """`<home>/desired.json`: read once when the node starts (`saved`, what a first master restores and a
+    follower offers), rewritten (atomically, fsynced, stamped `savedAt`) when the desired part of the state
+    changed, at most every SAVE_DELAY_S: a restarted cluster's first events (an empty session, then the restore)
+    coalesce into one write. A follower whose copy ranks above what the cluster restored keeps its file as it is
+    (up to HOLD_S) until its offer is restored, so a master with no copy or a corrupt one never costs it its
+    good file."""
 
     def __init__(self, home: Path) -> None:
         self.path = home / FILE_NAME
         self.skipped: list[SkippedDesiredEntry] = []
         """What the start could not restore from the file (diagnostics' desiredStateSkipped)."""
+        self.raw: dict[str, Any] | None = None
+        """The file's JSON object as read, what this node offers a master (which validates it itself)."""
+        self.saved_at: datetime | None = None
         self.saved = self._load()
         self._last: DesiredState | None = self.saved
-        self._last_seen: tuple[object, object, object] | None = None
+        self._last_seen: tuple[object, ...] | None = None
         self._pending: State | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._hold_until = time.monotonic() + HOLD_S
+        self._held = False
+
+    def copy_of(self, node_id: NodeId) -> RestoredCopy | None:
+        """How this node's saved copy ranks (None: it has none): whole when nothing was skipped."""
+        if self.saved is None:
+            return None
+        return RestoredCopy(source=node_id, whole=not self.skipped, saved_at=self.saved_at)
 
     def _load(self) -> DesiredState | None:
         """What was saved, entry by entry (None: no file). A bad entry is skipped and named (log, diagnostics),
@@ -144,6 +196,8 @@ class DesiredStateFile:
         desired = None
         if raw is not None:
             desired, self.skipped = parse_desired(raw)
+            if desired is not None:
+                self.raw, self.saved_at = json.loads(raw), saved_at_of(json.loads(raw))
         if self.skipped:
             kept = self._keep_aside()
             self.skipped = [s.model_copy(update={"kept_at": kept}) for s in self.skipped]
@@ -166,7 +220,7 @@ class DesiredStateFile:
     def observe(self, state: State) -> None:
         """After each change of state, on the event loop; cheap when nothing desired changed (apply keeps
         unchanged maps as they were, so identity says it). A state without a master is never saved."""
-        seen = (state.meta_instances, state.model_cards, state.tracing_enabled)
+        seen = (state.meta_instances, state.model_cards, state.tracing_enabled, state.desired_restored)
         if self._last_seen is not None and all(a is b for a, b in zip(seen, self._last_seen, strict=True)):
             return
         self._last_seen = seen
@@ -177,10 +231,16 @@ class DesiredStateFile:
             self._timer = asyncio.get_running_loop().call_later(SAVE_DELAY_S, self.flush)
 
     def flush(self) -> None:
-        """Write the latest observed state's desired part if it differs from what is on disk."""
+        """Write the latest observed state's desired part if it differs from what is on disk, unless this
+        node's own copy is still the better one (`_holding`): then try again a little later."""
         self._timer = None
         state, self._pending = self._pending, None
         if state is None:
+            return
+        if self._holding(state):
+            self._pending = state
+            with contextlib.suppress(RuntimeError):  # no loop: a unit test's or the last flush at shutdown
+                self._timer = asyncio.get_running_loop().call_later(SAVE_DELAY_S, self.flush)
             return
         desired = desired_of(state)
         if desired == self._last:
@@ -191,11 +251,30 @@ class DesiredStateFile:
         except OSError as exc:
             log.warning("could not save the desired state to %s: %s", self.path, exc)
 
+    def _holding(self, state: State) -> bool:
+        """True while this node's own copy is better than the one the cluster restored (whole against partial,
+        any against none: the age is left out, so a node rejoining a running cluster does not hold) and HOLD_S
+        has not passed since the start: its offer may still be restored, and writing now would replace a good
+        file with less."""
+        better = rank_of(self.copy_of(NodeId("")))[:2] > rank_of(state.desired_restored)[:2]
+        if better and time.monotonic() < self._hold_until:
+            if not self._held:
+                log.info("keeping %s as it is until the cluster restores it (it holds more than the cluster has)",
+                         self.path)
+            self._held = True
+            return True
+        if better and self._held:
+            log.warning("the cluster did not restore this node's copy of the desired state within %.0f s; "
+                        "%s now follows the cluster's", HOLD_S, self.path)
+        self._held = False
+        return False
+
     def _write(self, desired: DesiredState) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "w") as f:
-            json.dump(desired.model_dump(mode="json", by_alias=True), f)
+            stamp = datetime.now(UTC).isoformat()
+            json.dump({"savedAt": stamp, **desired.model_dump(mode="json", by_alias=True)}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)

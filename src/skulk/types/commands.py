@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Discriminator, Tag
+from pydantic import Discriminator, JsonValue, Tag
 
 from .backends import EngineChoice
 from .base import TaggedModel, tag_of
@@ -111,6 +111,18 @@ class RestartNode(TaggedModel):
     node_id: NodeId
 
 
+class OfferDesiredState(TaggedModel):
+    """A follower's saved desired state (`<home>/desired.json` as it read it at start), offered to the first
+    master of a restarted cluster, which restores what its own copy lacked (state/desired_offer.py).
+
+    `saved` is the file's JSON object as it is, unvalidated on purpose: the master validates it entry by entry,
+    as a node does its own file, so one bad entry costs that entry and never the offer (or the master)."""
+
+    command_id: CommandId
+    origin: NodeId
+    saved: dict[str, JsonValue]
+
+
 Command = Annotated[
     Annotated[CreateInstance, Tag("CreateInstance")]
     | Annotated[DeleteInstance, Tag("DeleteInstance")]
@@ -122,7 +134,8 @@ Command = Annotated[
     | Annotated[PlaceInstance, Tag("PlaceInstance")]
     | Annotated[AddModelCard, Tag("AddModelCard")]
     | Annotated[SetTracingEnabled, Tag("SetTracingEnabled")]
-    | Annotated[RestartNode, Tag("RestartNode")],
+    | Annotated[RestartNode, Tag("RestartNode")]
+    | Annotated[OfferDesiredState, Tag("OfferDesiredState")],
     Discriminator(tag_of),
 ]
 

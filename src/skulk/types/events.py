@@ -8,6 +8,7 @@ from typing import Annotated
 from pydantic import Discriminator, Field, Tag
 
 from .base import CamelModel, TaggedModel, tag_of
+from .desired import RestoredCopy
 from .downloads import DownloadProgress
 from .ids import InstanceId, MetaInstanceId, ModelId, NodeId, RunnerId, TaskId
 from .instances import Instance
@@ -137,6 +138,13 @@ class NodeRestartRequested(TaggedModel):
     node_id: NodeId
 
 
+class DesiredStateRestored(TaggedModel):
+    """The first master of a restarted cluster restored (what was missing of) this saved copy of the desired
+    state, its own or a follower's: later offers must rank above it to add anything (state/desired_offer.py)."""
+
+    restored: RestoredCopy
+
+
 Event = Annotated[
     Annotated[InstanceCreated, Tag("InstanceCreated")]
     | Annotated[InstanceDeleted, Tag("InstanceDeleted")]
@@ -158,7 +166,8 @@ Event = Annotated[
     | Annotated[ModelCardAdded, Tag("ModelCardAdded")]
     | Annotated[NodeDownloadProgress, Tag("NodeDownloadProgress")]
     | Annotated[TracingStateChanged, Tag("TracingStateChanged")]
-    | Annotated[NodeRestartRequested, Tag("NodeRestartRequested")],
+    | Annotated[NodeRestartRequested, Tag("NodeRestartRequested")]
+    | Annotated[DesiredStateRestored, Tag("DesiredStateRestored")],
     Discriminator(tag_of),
 ]
 

@@ -6,6 +6,7 @@ from datetime import datetime
 
 from .backends import BackendTag
 from .base import CamelModel
+from .desired import RestoredCopy
 from .downloads import DownloadProgress
 from .ids import InstanceId, MetaInstanceId, ModelId, NodeId, RunnerId, TaskId
 from .instances import Instance
@@ -71,6 +72,9 @@ class State(CamelModel):
     last_event_applied_idx: int = -1
     tracing_enabled: bool | None = None
     """Runtime tracing for new tasks; None until someone set it (a node then applies its tracing.enabled)."""
+    desired_restored: RestoredCopy | None = None
+    """The best saved copy of the desired state this cluster life restored from (None: none yet); a follower
+    keeps its own file unwritten while its copy ranks above it (state/desired_offer.py)."""
     downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = {}
     """Per node, where each model's files stand (store.service reports them; an instance is ready to start only
     when every node of it has its files)."""
