@@ -11,7 +11,7 @@ machine shared with other work). Reading is a thin shell (`read_cgroup`, `measur
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -176,3 +176,53 @@ def available_now() -> int:
     if group is not None and group.limit is not None:
         free = min(free, max(0, group.limit - (group.usage - group.reclaimable)))
     return free
+
+
+def major_faults(pids: list[int]) -> int:
+    """Major page faults of these processes so far: pages read back from disk (Linux; 0 where unreadable)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[9])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def family() -> list[int]:
+    """This process and its children (the node and its runners)."""
+    me = psutil.Process()
+    try:
+        return [me.pid, *(c.pid for c in me.children(recursive=True))]
+    except psutil.Error:
+        return [me.pid]
+
+
+@dataclass
+class MemoryWatch:
+    """Signs of memory trouble on this node, sampled with its facts: major faults a second of the node and its
+    runners over the last `window_s` (weights read back from disk, over and over, when they do not fit), and OOM
+    kills counted since the first sample (in its group, or on the machine: worker/oom.py reads the counters)."""
+
+    window_s: float = 30.0
+    oom_window_s: float = 600.0
+    _faults: list[tuple[float, int]] = field(default_factory=list)
+    _ooms: list[tuple[float, int]] = field(default_factory=list)
+
+    def sample(self, now: float, faults: int, oom: int | None) -> tuple[float | None, int | None]:
+        """(major faults a second over the last window_s, OOM kills over the last oom_window_s); None where
+        unknown. Trouble that stopped leaves the figures, and the node's health clears."""
+        then, first = _windowed(self._faults, now, faults, self.window_s)
+        rate = round((faults - first) / (now - then), 1) if now > then else None
+        if oom is None:
+            return rate, None
+        return rate, oom - _windowed(self._ooms, now, oom, self.oom_window_s)[1]
+
+
+def _windowed(samples: list[tuple[float, int]], now: float, value: int, window_s: float) -> tuple[float, int]:
+    """Append (now, value) and return the oldest sample still within the window (the first, if none is older)."""
+    samples.append((now, value))
+    while len(samples) > 2 and samples[1][0] <= now - window_s:
+        samples.pop(0)
+    return samples[0]

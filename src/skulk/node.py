@@ -34,6 +34,7 @@ from skulk.diagnostics.peers import PeerBook
 from skulk.eventlog import EventLog, open_for
 from skulk.loops import Loops
 from skulk.master.master import Master
+from skulk.memory_limit import MemoryWatch
 from skulk.models.cards import know_card, load_custom_cards
 from skulk.models.demo import ensure_builtin_model, is_builtin
 from skulk.restart import RestartGate, exec_self
@@ -120,6 +121,7 @@ class Node:
     loops: Loops = field(default_factory=lambda: Loops("node"))
     restart: RestartGate = field(default_factory=RestartGate)
     links: LinkMeter = field(default_factory=LinkMeter)
+    memory_watch: MemoryWatch = field(default_factory=MemoryWatch)
     """Round trip and bandwidth to each peer, sampled by the topology probes (node info reports them)."""
     master: Master | None = None
     """This node's master role, while the election gives it one."""
@@ -406,6 +408,7 @@ class Node:
                 engines=tuple(self.settings.engines),
                 limit=self.settings.memory_limit,
                 reserve=self.settings.memory_reserve,
+                watch=self.memory_watch,
             )
             info = info.model_copy(update={"links": self.links.snapshot(), "compute": self.worker.compute.snapshot()})
             if self._info_worth_sending(last, info) or time.monotonic() - last_sent > INFO_HEARTBEAT_S:

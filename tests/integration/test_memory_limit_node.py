@@ -67,3 +67,38 @@ def test_a_node_advertises_its_limit_and_placement_names_it(cluster: Cluster, gr
     status, reply = capped.post("/v1/chat/completions", {"model": DEMO, "max_tokens": 4,
                                                         "messages": [{"role": "user", "content": "hi"}]})
     assert status == 200, reply
+
+
+def test_a_runner_killed_for_memory_shows_in_health_and_names_the_limit(cluster: Cluster) -> None:
+    """A runner that outgrows its node's 1.2 GB group (SKULK_FAULT=crash:hog on a poisoned request) is ended by
+    the kernel's OOM killer: its failure says OOM and names the node and its limit, the node's health turns
+    unhealthy with memory_oom, and the chat ends with a retryable error rather than hanging."""
+    if (why := why_not()) is not None:
+        pytest.skip(why)
+    with MemoryGroup(1_200_000_000) as tight:
+        node = cluster.start(1, extra_env={"SKULK_FAULT": "crash:hog"})[0]
+        assert node.process is not None
+        tight.add(node.process.pid)
+        wait_until(lambda: (_memory(node.url).get(node.node_id) or {}).get("limitSource") == "cgroup v1", 60,
+                   "the group's limit in /state")
+        place_and_wait(node, DEMO)
+        status, reply = node.post("/v1/chat/completions", {"model": DEMO, "max_tokens": 4, "messages": [
+            {"role": "user", "content": "SKULK_POISON eat"}]}, timeout=120)
+        assert status >= 500 and reply["error"].get("retryable") is True, (status, reply)
+        assert tight.oom_kills() >= 1, "the kernel's OOM killer ended it"
+
+        def failures() -> list[str]:
+            runners = (node.get("/state") or {}).get("runners", {})
+            return [s["RunnerFailed"].get("errorMessage") or "" for s in runners.values() if "RunnerFailed" in s]
+
+        def health() -> dict[str, object]:
+            return ((node.get("/state") or {}).get("nodeHealth") or {}).get(node.node_id) or {}
+
+        wait_until(lambda: any("OOM" in f for f in failures()) or "memory_oom" in str(health()), 60,
+                   "the OOM in state", lambda: f"{failures()} {health()}")
+        wait_until(lambda: health().get("level") == "unhealthy" and "memory_oom" in str(health()), 60,
+                   "memory_oom in the node's health", lambda: str(health()))
+        assert "1.20 GB limit (cgroup v1)" in str(health())
+        said = [f for f in failures() if "OOM" in f]
+        assert not said or ("whose memory limit is 1.20 GB (cgroup v1)" in said[0] and node.node_id[:8] in said[0])
+        node.stop()

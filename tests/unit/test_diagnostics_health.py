@@ -7,7 +7,7 @@ from datetime import timedelta
 from skulk.diagnostics.health import cluster_health, node_health
 from skulk.types.ids import NodeId
 from skulk.types.memory import Memory
-from skulk.types.node_info import DiskUsage
+from skulk.types.node_info import DiskUsage, MemoryUsage
 from skulk.types.state import State
 
 from .diagnostics_fakes import NOW, cluster_state
@@ -53,3 +53,22 @@ def test_cluster_health_covers_every_node_and_serialises_camel_case() -> None:
     wire = health[N1].model_dump(mode="json")
     assert wire["level"] == "unhealthy"
     assert set(wire["reasons"][0]) == {"code", "message", "remediation"}
+
+
+def _with_memory(**trouble: object) -> State:
+    state = cluster_state()
+    memory = MemoryUsage(ram_total=Memory.from_bytes(2_500_000_000), ram_available=Memory.from_bytes(10**8),
+                         limit_source="cgroup v2", **trouble)  # type: ignore[arg-type]
+    return state.model_copy(update={"node_memory": {**state.node_memory, N1: memory}})
+
+
+def test_an_oom_kill_is_unhealthy_and_names_the_limit() -> None:
+    health = node_health(_with_memory(oom_kills=2), N1, NOW)
+    assert health.level == "unhealthy" and [r.code for r in health.reasons] == ["memory_oom"]
+    assert "2.50 GB limit (cgroup v2)" in health.reasons[0].message and health.reasons[0].remediation
+
+
+def test_paging_is_degraded_below_the_threshold_nothing() -> None:
+    assert [r.code for r in node_health(_with_memory(major_faults_per_s=46.0), N1, NOW).reasons] == ["memory_paging"]
+    assert node_health(_with_memory(major_faults_per_s=3.0), N1, NOW).level == "healthy"
+    assert node_health(_with_memory(oom_kills=0, major_faults_per_s=None), N1, NOW).level == "healthy"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from skulk.config import Settings
-from skulk.memory_limit import Amount, CgroupMemory, budget, parse_amount, read_cgroup
+from skulk.memory_limit import Amount, CgroupMemory, MemoryWatch, budget, parse_amount, read_cgroup
 
 GB = 1000**3
 NO_LIMIT_V1 = 9223372036854771712
@@ -84,3 +84,19 @@ def test_the_smallest_limit_binds_and_usage_counts_against_it() -> None:
     assert (mac.limit, mac.source, mac.free) == (48 * GB, "gpu working set", 24 * GB)
     tight = budget(25 * GB, 23 * GB, CgroupMemory(2, 1 * GB, 2 * GB, 0), None, None, reserve, 0)
     assert tight.free == 0, "over its limit a node offers nothing, never a negative"
+
+
+def test_the_watch_reports_a_windowed_fault_rate_and_recent_oom_kills() -> None:
+    watch = MemoryWatch(window_s=30, oom_window_s=600)
+    assert watch.sample(0.0, 1000, 5) == (None, 0)
+    assert watch.sample(10.0, 1500, 5) == (50.0, 0)
+    assert watch.sample(40.0, 1500, 6) == (0.0, 1), "faults older than the window drop out; a new OOM kill counts"
+    assert watch.sample(700.0, 1500, 6) == (0.0, 0), "an OOM kill 10 minutes ago no longer does"
+    assert watch.sample(710.0, 1500, None) == (0.0, None)
+
+
+def test_the_hog_fault_is_a_crash_of_its_own() -> None:
+    from skulk.runner.fault import CrashFault, parse_fault
+
+    assert parse_fault("crash:hog:rank=0") == CrashFault(rank=0, hog=True)
+    assert parse_fault("crash:poison") == CrashFault()

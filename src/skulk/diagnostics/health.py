@@ -18,7 +18,7 @@ DISK_FULL_BYTES = 2 * GB
 DISK_LOW_BYTES = 10 * GB
 UNREACHABLE_AFTER = timedelta(seconds=30)
 
-_SEVERE = {"disk_full", "unreachable", "download_failed"}
+_SEVERE = {"disk_full", "unreachable", "download_failed", "memory_oom"}
 
 
 def _disk_reason(state: State, node_id: NodeId) -> HealthReason | None:
@@ -77,7 +77,7 @@ def node_health(
         r
         for r in (_reach_reason(state, node_id, now, unreachable_after), _disk_reason(state, node_id))
         if r is not None
-    ] + list(local)
+    ] + memory_reasons(state, node_id) + list(local)
     level: HealthLevel = "healthy"
     if reasons:
         level = "unhealthy" if any(r.code in _SEVERE for r in reasons) else "degraded"
@@ -92,3 +92,33 @@ def cluster_health(
     local = local or {}
     nodes = {*state.last_seen, *state.topology.nodes, *state.node_disk}
     return {node: node_health(state, node, now, local=local.get(node, ())) for node in sorted(nodes)}
+
+
+_BUSY_LOADING = {"RunnerConnecting", "RunnerConnected", "RunnerLoading", "RunnerLoaded", "RunnerWarmingUp"}
+_MEMORY_REMEDY = ("place the model over more nodes (min_nodes), with a smaller quantization or a smaller kv_cache_gb, "
+                  "or raise this node's limit (its container's or cgroup's memory, or --memory-limit)")
+
+
+def _loading(state: State, node_id: NodeId) -> bool:
+    """Whether a runner of this node is loading: its first read of the weights faults every page in once."""
+    runners = [i.shard_assignments.node_to_runner.get(node_id) for i in state.instances.values()]
+    return any(type(state.runners.get(r)).__name__ in _BUSY_LOADING for r in runners if r is not None)
+
+
+def memory_reasons(state: State, node_id: NodeId) -> list[HealthReason]:
+    """The kernel killed for memory here lately (memory_oom), or the served weights are being read back from
+    disk (memory_paging); each names the node's limit and where it came from."""
+    memory = state.node_memory.get(node_id)
+    if memory is None:
+        return []
+    limit = f"{memory.ram_total.in_bytes / 1e9:.2f} GB limit ({memory.limit_source or 'machine'})"
+    reasons = []
+    if memory.oom_kills:
+        reasons.append(HealthReason(code="memory_oom", remediation=_MEMORY_REMEDY,
+                                    message=f"the kernel's OOM killer ended {memory.oom_kills} process(es) under "
+                                    f"this node's {limit} in the last 10 minutes"))
+    if memory.paging and not _loading(state, node_id):
+        reasons.append(HealthReason(code="memory_paging", remediation=_MEMORY_REMEDY,
+                                    message=f"reading {memory.major_faults_per_s:g} pages a second back from disk: "
+                                    f"the served weights do not fit this node's {limit}"))
+    return reasons

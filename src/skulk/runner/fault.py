@@ -27,6 +27,8 @@ the user message), so a test can send one bad request among good ones:
   token into text). The request must end alone with a 500 error; its batch-mates and the runner go on.
 - `crash:poison` makes the runner process exit at once (`os._exit(70)`, no clean-up: a crash) the first time
   the engine touches a poisoned request on that rank (admission on rank 0, sampling on the last rank).
+- `crash:hog` instead makes it allocate (and touch) memory without end on that request, as a model too big for
+  its node would: inside a memory-limited cgroup the kernel's OOM killer ends it (the memory-trouble tests).
 
 One more makes a model say what a test needs it to say (a random model never writes a tool call):
 
@@ -87,9 +89,11 @@ class RaiseFault:
 
 @dataclass(frozen=True)
 class CrashFault:
-    """`crash:poison[:rank=<n>]`: the runner process dies when the engine touches a poisoned request."""
+    """`crash:poison|hog[:rank=<n>]`: the runner process dies (exits, or eats memory until the OOM killer comes)
+    when the engine touches a poisoned request."""
 
     rank: int | None = None
+    hog: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,9 +144,9 @@ def parse_fault(value: str | None) -> AnyFault | None:
             raise FaultError(f"unknown script target {what!r} (only 'reply')")
         return ScriptFault(_options(value, parts[2:], ("rank",))[0])
     if kind == "crash":
-        if what != "poison":
-            raise FaultError(f"unknown crash trigger {what!r} (only 'poison')")
-        return CrashFault(_options(value, parts[2:], ("rank",))[0])
+        if what not in ("poison", "hog"):
+            raise FaultError(f"unknown crash trigger {what!r} (poison or hog)")
+        return CrashFault(_options(value, parts[2:], ("rank",))[0], hog=what == "hog")
     if kind != "stall":
         raise FaultError(f"unknown fault kind {kind!r} (one of: stall, raise, crash, script)")
     if what not in PHASES:
@@ -197,6 +201,15 @@ class FaultInjector:
             pass
 
 
+def _eat_memory(chunk: int = 64 * 1024 * 1024) -> None:
+    """Touch new memory until the kernel refuses or kills the process (a page touched is a page charged)."""
+    held = []
+    while True:
+        block = bytearray(chunk)
+        block[::4096] = b"\x01" * len(range(0, chunk, 4096))
+        held.append(block)
+
+
 @dataclass
 class PoisonHook:
     """The engine's fault hook for `raise:` and `crash:` faults: acts on requests whose prompt decodes to text
@@ -223,6 +236,8 @@ class PoisonHook:
             return
         if isinstance(fault, CrashFault):
             log.warning("SKULK_FAULT: rank %d crashes on poisoned request %s (injected)", self.rank, where)
+            if fault.hog:
+                _eat_memory()
             os._exit(CRASH_EXIT_CODE)
         elif fault.where == where:
             raise InjectedFault(f"injected fault at {where} on rank {self.rank} (SKULK_FAULT)")

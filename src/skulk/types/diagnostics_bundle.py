@@ -265,7 +265,8 @@ class ClusterTimeline(DiagModel):
 # -- /state nodeHealth ------------------------------------------------------------------------------------
 
 HealthLevel = Literal["healthy", "degraded", "unhealthy"]
-HealthCode = Literal["download_failed", "disk_full", "disk_low", "unreachable", "event_log_counting_only"]
+HealthCode = Literal["download_failed", "disk_full", "disk_low", "unreachable", "event_log_counting_only", "memory_oom",
+                     "memory_paging"]
 
 
 class HealthReason(DiagModel):

@@ -21,6 +21,11 @@ class NodeIdentity(CamelModel):
     skulk_commit: str = "Unknown"
 
 
+PAGING_FAULTS_PER_S = 20.0
+"""Major faults a second, over 30 s, that read as paging: a node whose weights fit takes none once loaded (a
+1B model over a 2.5 GB limit took about 46 a second, at a tenth of its speed)."""
+
+
 class MemoryUsage(CamelModel):
     ram_total: Memory
     """The node's memory limit: the smallest of the machine's RAM, its cgroup's limit, a Mac's GPU working set and
@@ -36,6 +41,17 @@ class MemoryUsage(CamelModel):
     """Kept back from placement (--memory-reserve)."""
     limit_source: str | None = None
     """Where the limit came from: machine, cgroup v1, cgroup v2, gpu working set or --memory-limit."""
+    major_faults_per_s: float | None = None
+    """Pages the node and its runners read back from disk a second, over the last 30 s: weights that do not fit
+    the limit are evicted and read again every step (health says `memory_paging`)."""
+    oom_kills: int | None = None
+    """OOM kills in the node's cgroup (or on its machine) over the last 10 minutes (health says `memory_oom`)."""
+
+    @property
+    def paging(self) -> bool:
+        """Reading pages back from disk steadily: a served model that does not fit (a load's one pass reads its
+        file once; health ignores a node whose runners are loading)."""
+        return (self.major_faults_per_s or 0.0) >= PAGING_FAULTS_PER_S
 
 
 class DiskUsage(CamelModel):

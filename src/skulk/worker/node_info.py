@@ -7,6 +7,7 @@ import platform
 import socket
 import subprocess
 import sys
+import time
 from functools import cache
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from skulk.types.node_info import (
     NodeInfo,
     SystemPerformance,
 )
+from skulk.worker.oom import oom_kills
 
 
 @cache
@@ -70,15 +72,17 @@ def gpu_working_set() -> int | None:
         return None
 
 
-def memory(limit: str | None = None, reserve: str = memory_limit.DEFAULT_RESERVE) -> MemoryUsage:
+def memory(limit: str | None = None, reserve: str = memory_limit.DEFAULT_RESERVE,
+           watch: memory_limit.MemoryWatch | None = None) -> MemoryUsage:
     """The node's memory as it may use it (memory_limit.budget): its limit (the machine, its cgroup, a Mac's GPU
-    working set or `limit`, the smallest) and what is free under it less `reserve`."""
+    working set or `limit`, the smallest) and what is free under it less `reserve`; with `watch`, the signs of
+    trouble too (paging, OOM kills)."""
     vm, sw = psutil.virtual_memory(), psutil.swap_memory()
     configured = memory_limit.parse_amount(limit) if limit else None
     found = memory_limit.budget(vm.total, vm.available, memory_limit.this_cgroup(), gpu_working_set(), configured,
                                 memory_limit.parse_amount(reserve),
                                 memory_limit.own_use() if configured is not None else 0)
-    return MemoryUsage(
+    usage = MemoryUsage(
         ram_total=Memory.from_bytes(found.limit),
         ram_available=Memory.from_bytes(found.free),
         swap_total=Memory.from_bytes(sw.total),
@@ -87,6 +91,10 @@ def memory(limit: str | None = None, reserve: str = memory_limit.DEFAULT_RESERVE
         ram_reserved=Memory.from_bytes(found.reserved),
         limit_source=found.source,
     )
+    if watch is not None:
+        rate, kills = watch.sample(time.monotonic(), memory_limit.major_faults(memory_limit.family()), oom_kills())
+        usage = usage.model_copy(update={"major_faults_per_s": rate, "oom_kills": kills})
+    return usage
 
 
 def disk(path: Path) -> DiskUsage:
@@ -203,11 +211,12 @@ def backends(only: tuple[EngineName, ...] = ()) -> list[BackendTag]:
 
 
 def gather(*, friendly_name: str | None, home: Path, api_port: int, engines: tuple[EngineName, ...] = (),
-           limit: str | None = None, reserve: str = memory_limit.DEFAULT_RESERVE) -> NodeInfo:
+           limit: str | None = None, reserve: str = memory_limit.DEFAULT_RESERVE,
+           watch: memory_limit.MemoryWatch | None = None) -> NodeInfo:
     return NodeInfo(
         backends=backends(engines),
         identity=identity(friendly_name),
-        memory=memory(limit, reserve),
+        memory=memory(limit, reserve, watch),
         disk=disk(home),
         system=system(),
         accelerator=accelerator(),
@@ -224,5 +233,6 @@ def differs(old: NodeInfo | None, new: NodeInfo) -> bool:
     if old is None or old.memory is None or new.memory is None:
         return True
     moved = abs(old.memory.ram_available.in_bytes - new.memory.ram_available.in_bytes) > MEMORY_STEP
+    trouble = old.memory.oom_kills != new.memory.oom_kills or old.memory.paging != new.memory.paging
     strip = {"memory", "system"}
-    return moved or old.model_dump(exclude=strip) != new.model_dump(exclude=strip)
+    return moved or trouble or old.model_dump(exclude=strip) != new.model_dump(exclude=strip)

@@ -28,6 +28,9 @@ from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from typing import Any
 
+import psutil
+
+from skulk import memory_limit
 from skulk.diagnostics.clock import now_iso
 from skulk.runner.channel import Frames
 from skulk.runner.messages import (
@@ -65,6 +68,14 @@ READ_POLL_S = 0.2
 """How often the watch thread checks that the runner is alive and not hung."""
 READ_BYTES = 1 << 16
 """The most the loop reads from a runner's pipe at once (it is called again while more waits)."""
+
+
+def limit_words() -> str:
+    """The memory limit the kernel enforced on this runner, for an OOM's message (its cgroup's, else the RAM)."""
+    group = memory_limit.this_cgroup()
+    if group is not None and group.limit is not None:
+        return f"whose memory limit is {group.limit / 1e9:.2f} GB (cgroup v{group.version})"
+    return f"whose memory is {psutil.virtual_memory().total / 1e9:.2f} GB (the machine's RAM)"
 
 
 def exit_cause(code: int | None, crash: str | None = None, oom: bool | None = None) -> str:
@@ -383,6 +394,8 @@ class RunnerSupervisor:
             return
         crash = next((e.detail for e in reversed(self.view.flight_recorder) if e.event == "runner_crashed"), None)
         reason = self._hung or exit_cause(code, crash, oom_evidence(self._oom_before, oom_kills()))
+        if reason.startswith("OOM"):
+            reason += f" on node {self.spec.node_id[:8]}, {limit_words()}"
         log.warning("runner %s: %s", self.runner_id[:8], reason, extra=self._log_ids)
         delay, gave_up = None, None
         if self.spec.shard.world_size == 1 and self.restarts_locally:
