@@ -132,6 +132,9 @@ class Settings(BaseModel):
     """A runner whose heartbeat thread is silent this long is declared hung, killed and restarted."""
     rejoin_wait_seconds: float = Field(default=10.0, ge=0)
     """After a pause (a laptop lid), how long a node waits to hear its old peers before it may elect itself."""
+    calibrate_compute: bool = True
+    """SKULK_CALIBRATE_COMPUTE: measure this node's decode compute at start (worker/calibrate.py: a few seconds in
+    a niced child), so previews predict before it has served; served steps replace the figures."""
     memory_limit: str | None = None
     """SKULK_MEMORY_LIMIT, --memory-limit: the most memory this node offers (a size such as 8GB, or a fraction of
     the machine's RAM such as 0.5 or 50%); the machine's RAM and its cgroup's limit bind anyway (memory_limit.py)."""
@@ -226,7 +229,7 @@ class Settings(BaseModel):
 
 ENV_PREFIX = "SKULK_"
 LIST_FIELDS = {"bootstrap_peers", "zenoh_listen", "api_keys", "admin_keys", "allowed_hosts", "cors_origins", "engines"}
-BOOL_FIELDS = {"place_default", "multicast"}
+BOOL_FIELDS = {"place_default", "multicast", "calibrate_compute"}
 ENV_ALIASES = {"bootstrap_peers": "SKULK_BOOTSTRAP_PEERS", "zenoh_listen": "SKULK_ZENOH_LISTEN"}
 SECTION_FIELDS = {"model_store", "logging", "tracing", "event_log", "hf_token"}
 NESTED_ENV: dict[str, tuple[str, ...]] = {

@@ -62,7 +62,7 @@ from skulk.types.meta_instances import MetaInstance
 from skulk.types.node_info import Connection
 from skulk.types.runners import RunnerFailed
 from skulk.types.state import State
-from skulk.worker import links, node_info, topology
+from skulk.worker import calibrate, links, node_info, topology
 from skulk.worker.links import LinkMeter
 from skulk.worker.worker import Worker
 
@@ -229,6 +229,8 @@ class Node:
         if self.settings.place_default and self.elector.is_master:
             self._spawn(self._place_default())
         await self._announce(server)
+        if self.settings.calibrate_compute:
+            self._spawn(self._calibrate())
         self._spawn(self._gather_info_forever())
         self._spawn(self._probe_topology_forever())
         self._spawn(self._follow_tail_forever())
@@ -425,6 +427,11 @@ class Node:
             return True
         strip = {"links": None, "compute": None}
         return node_info.differs(last.model_copy(update=strip), info.model_copy(update=strip))
+
+    async def _calibrate(self) -> None:
+        """Once, after the API serves: this node's decode compute, so the first preview predicts."""
+        if (figures := await calibrate.calibrate()) is not None:
+            self.worker.compute.calibrated(figures)
 
     async def _probe_topology_forever(self) -> None:
         async with httpx.AsyncClient() as client:

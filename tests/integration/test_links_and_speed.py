@@ -80,3 +80,20 @@ def test_previews_predict_decode_speed_once_a_node_has_served(cluster: Cluster) 
         # same machine, same figure: a split adds hops and never beats one node, and says so
         assert split["predicted_decode_tps"] < one
         assert split["predicted_warning"] and "slower than fewer nodes" in split["predicted_warning"]
+
+
+def test_a_fresh_cluster_predicts_before_anything_was_served(cluster: Cluster) -> None:
+    """With the start-up calibration on (issue 41), each node reports its compute within seconds of starting and
+    the links are measured on join: the previews of a cluster that never served already predict."""
+    nodes = cluster.form(2, extra_env={"SKULK_CALIBRATE_COMPUTE": "1"})
+
+    def calibrated() -> bool:
+        compute = state_of(nodes[0]).get("nodeCompute", {})
+        return all((compute.get(n.node_id) or {}).get("calibrated") for n in nodes)
+
+    wait_until(calibrated, 90, "both nodes' calibrated compute in state", lambda: str(state_of(nodes[0])
+                                                                                        .get("nodeCompute")))
+    wait_until(lambda: measured_both_ways(nodes), 60, "the links to be measured")
+    found = previews(nodes[0])
+    assert found and all(p["predicted_decode_tps"] and p["predicted_aggregate_tps"] for p in found), found
+    assert state_of(nodes[0]).get("tasks", {}) == {}, "nothing was served"

@@ -114,8 +114,9 @@ class LocalNode:
 
     def start(self) -> Self:
         # the random demo model is the tests' default placement; a test placing the real one asks for it
-        env = {"SKULK_DEFAULT_MODEL": "skulk/tiny-random-llama", **os.environ, "PYTHONUNBUFFERED": "1",
-               **self.extra_env}
+        # no start-up compute calibration (a few CPU-seconds a node, hundreds of nodes a suite) unless a test asks
+        env = {"SKULK_DEFAULT_MODEL": "skulk/tiny-random-llama", "SKULK_CALIBRATE_COMPUTE": "0", **os.environ,
+               "PYTHONUNBUFFERED": "1", **self.extra_env}
         self.home.mkdir(parents=True, exist_ok=True)
         self.node_id = ""
         self.paused = False

@@ -40,3 +40,6 @@ class DecodeCompute(CamelModel):
     (prompt lookup) were accepted; a multi-rank instance does not speculate."""
     steps: int = 0
     """Steps the figures were learned from."""
+    calibrated: bool = False
+    """The figures come from the start-up calibration (worker/calibrate.py: the decode kernels alone, so a step
+    predicted from them is a little short), not from served steps; the first served steps replace them."""

@@ -45,6 +45,11 @@ class ComputeLearner:
     _samples: dict[int, deque[float]] = field(default_factory=dict)
     _tokens: dict[int, deque[float]] = field(default_factory=dict)
     _steps: int = 0
+    _calibrated: dict[int, float] = field(default_factory=dict)
+
+    def calibrated(self, figures: dict[int, float]) -> None:
+        """The start-up calibration's figures (worker/calibrate.py), reported until steps are learned."""
+        self._calibrated = dict(figures)
 
     def on_step(self, runner: RunnerId, streams: int, model_bytes: int, now: float, *, tokens: int | None = None,
                 decode_only: bool = True) -> None:
@@ -67,7 +72,10 @@ class ComputeLearner:
 
     def snapshot(self) -> DecodeCompute | None:
         if not self._samples:
-            return None
+            if not self._calibrated:
+                return None
+            return DecodeCompute(step_s_per_gb=dict(sorted(self._calibrated.items())),
+                                 tokens_per_step=dict.fromkeys(sorted(self._calibrated), 1.0), calibrated=True)
         figures = {batch: round(typical_step(s), 6) for batch, s in sorted(self._samples.items())}
         tokens = {batch: round(statistics.fmean(t), 3) for batch, t in sorted(self._tokens.items())}
         return DecodeCompute(step_s_per_gb=figures, tokens_per_step=tokens, steps=self._steps)
