@@ -53,7 +53,9 @@ from skulk.testing import netns
 from skulk.testing.chaos import instance_ids, pause_for
 from skulk.testing.cluster import Cluster, place_and_wait
 from skulk.testing.convergence import Reporter, converged, formed, one_master, view_of
+from skulk.testing.load import cpu_load, default_load, load_average
 from skulk.testing.nodes import LocalNode
+from skulk.testing.phases import last_seq, read_after, split
 from skulk.testing.streams import StreamLoop, StreamOutcome, StreamProbe, chat_body
 from skulk.testing.waiting import wait_until
 
@@ -102,6 +104,9 @@ class Result:
     """Longest pause between two tokens of any stream: a stream on a healthy instance should not stall."""
     chat_failure: str
     """The last failed chat before one succeeded: why service was out, for the report."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds from the end of the fault to detect, elect, place and load (ready), from the live nodes' event
+    logs (testing/phases.py); a phase the fault did not need (no election after a worker's loss) is absent."""
 
 
 @dataclass(frozen=True)
@@ -272,15 +277,28 @@ def diverged_count(nodes: Sequence[Reporter]) -> int:
     return len(nodes) - (agreeing if common is not None else 0)
 
 
+def phases_of(stage: Stage, cursors: dict[int, int], live: list[LocalNode], ended_at: float, fault: Fault,
+              old: set[str]) -> dict[str, float]:
+    """The recovery's phases from the live nodes' event logs, from the end of the fault (a monotonic time)."""
+    records = []
+    for node in live:
+        records += read_after(node, cursors.get(id(node), 0))[0]
+    t0 = time.time() - (time.monotonic() - ended_at)
+    return split(records, t0, victim=stage.victim.node_id, old=old, detect=fault.inflict is not restart_all)
+
+
 def measure(fault: Fault, stage: Stage) -> Result:
     probes = open_streams(stage)
     loop = StreamLoop(stage.api.url, chat_body(MODEL, STREAM_TOKENS), setup=stage.enter)
+    cursors = {id(n): last_seq(n) for n in stage.nodes}
+    old = set().union(*(instance_ids(n) for n in stage.nodes))
     fault_at = time.monotonic()
     try:
         ended_at, live = fault.inflict(stage)
         chat_s, agree_s, failure = recover(stage.api, live, ended_at)
     finally:
         looped = loop.stop()
+    phases = phases_of(stage, cursors, live, ended_at, fault, old)
     at_fault = [p.wait(RECOVERY_BOUND_S) for p in probes]
     ends = [o.ended - fault_at for o in at_fault if o.ended is not None]
     outcomes: list[StreamOutcome] = [*at_fault, *looped]
@@ -296,6 +314,7 @@ def measure(fault: Fault, stage: Stage) -> Result:
         diverged=0 if agree_s is not None and agree_s <= AGREE_TARGET_S else diverged_count(live),
         stall_s=max((o.longest_gap for o in outcomes), default=0.0),
         chat_failure=failure,
+        phases=phases,
     )
 
 
@@ -337,21 +356,32 @@ def bridged(root: Path, _setup: Callable[[Cluster], Stage]) -> Iterator[Stage]:
         lan.delete()
 
 
-def run(faults: list[Fault], rounds: int, root: Path) -> dict[str, list[Result] | str]:
+def label(fault: Fault, load: int, loads: list[int]) -> str:
+    if len(loads) == 1 and load == default_load():
+        return fault.name
+    return f"{fault.name} ({'quiet' if load == 0 else f'load {load}'})"
+
+
+def run(faults: list[Fault], rounds: int, root: Path, loads: list[int]) -> dict[str, list[Result] | str]:
+    """Each fault `rounds` times per load, the loads interleaved (quiet, loaded, quiet, ...) so the shared
+    machine's own noise lands on every row alike."""
     results: dict[str, list[Result] | str] = {}
     for fault in faults:
         if fault.needs_root and (reason := netns.skip_reason()):
             results[fault.name] = f"skipped ({'needs root' if 'root' in reason else reason})"
             continue
-        runs: list[Result] = []
         for round_no in range(rounds):
-            print(f"{fault.name}, round {round_no + 1}/{rounds} ...", flush=True)
-            where = root / f"{fault.name}-{round_no}"
-            environment = bridged if fault.needs_root else loopback
-            with environment(where, fault.setup) as stage:
-                runs.append(measure(fault, stage))
-            print(f"  {runs[-1]}", flush=True)
-        results[fault.name] = runs
+            for load in loads:
+                name = label(fault, load, loads)
+                print(f"{name}, round {round_no + 1}/{rounds} (loadavg {load_average()}) ...", flush=True)
+                where = root / f"{fault.name}-{load}-{round_no}"
+                environment = bridged if fault.needs_root else loopback
+                with cpu_load(load), environment(where, fault.setup) as stage:
+                    result = measure(fault, stage)
+                runs = results.setdefault(name, [])
+                assert isinstance(runs, list)
+                runs.append(result)
+                print(f"  {result}", flush=True)
     return results
 
 
@@ -384,20 +414,33 @@ def row_of(runs: list[Result], fault: Fault) -> Row:
         total = sum(getattr(r, count) for r in runs)
         row.add(str(total), count == "errored" or total == 0)
     row.add(f"{max(r.stall_s for r in runs):.1f}")
+    row.add(phase_cell(runs))
     row.add("; ".join(sorted({r.chat_failure for r in runs if r.chat_failure})) or "-")
     return row
 
 
+PHASE_NAMES = ("detect", "elect", "place", "load")
+
+
+def phase_cell(runs: list[Result]) -> str:
+    """Median seconds from the fault's end to each phase's end, 'detect/elect/place/load'; '-' not reached."""
+    cells = []
+    for phase in PHASE_NAMES:
+        values = [r.phases[phase] for r in runs if phase in r.phases]
+        cells.append(f"{statistics.median(values):.1f}" if values else "-")
+    return "/".join(cells)
+
+
 def print_table(results: dict[str, list[Result] | str], rounds: int) -> None:
-    table = Table(title=f"chaos on 3 nodes ({rounds} round{'s' * (rounds > 1)} per fault)")
+    table = Table(title=f"chaos on 3 nodes ({rounds} round{'s' * (rounds > 1)} per fault); loadavg {load_average()}")
     columns = ["fault", "streams end s", "chat again s", "agree s (≤ 10)", "hung (0)", "errored", "lost (0)"]
-    for name in [*columns, "diverged (0)", "stall s", "last chat failure", "result"]:
+    for name in [*columns, "diverged (0)", "stall s", "detect/elect/place/load s", "last chat failure", "result"]:
         table.add_column(name, justify="left" if name in ("fault", "result") else "right")
     for name, runs in results.items():
         if isinstance(runs, str):
-            table.add_row(name, *["-"] * 9, runs)
+            table.add_row(name, *["-"] * 10, runs)
             continue
-        row = row_of(runs, next(f for f in FAULTS if f.name == name))
+        row = row_of(runs, next(f for f in FAULTS if name.split(" (")[0] == f.name))
         table.add_row(name, *row.cells, "PASS" if row.ok else "[red]FAIL[/red]")
     Console(width=max(Console().width, 180)).print(table)  # a pipe gets 80 columns: too narrow
 
@@ -406,11 +449,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1, help="runs of each fault, each on a fresh cluster")
     parser.add_argument("--only", default="", help="comma-separated fault names: " + ", ".join(f.name for f in FAULTS))
+    parser.add_argument("--load", type=int, default=default_load(),
+                        help="CPU spinners beside the nodes (default: one per core; 0: a quiet run)")
+    parser.add_argument("--compare", action="store_true", help="a quiet row beside each loaded one, one run")
     args = parser.parse_args()
     wanted = {name for name in args.only.split(",") if name}
     faults = [f for f in FAULTS if not wanted or f.name in wanted]
+    loads = [0, args.load] if args.compare and args.load else [args.load]
     with tempfile.TemporaryDirectory() as tmp:
-        results = run(faults, args.rounds, Path(tmp))
+        results = run(faults, args.rounds, Path(tmp), loads)
     print_table(results, args.rounds)
 
 

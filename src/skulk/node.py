@@ -211,6 +211,10 @@ class Node:
             raise SystemExit(1)
 
     async def _serve(self) -> None:
+        # The backend probe (MLX asks a child interpreter: 2.7 CPU-s) runs while the node joins and its API
+        # starts, not after: placement waits for every node's first info, and a restarted cluster's first
+        # info came 6 s after its master was elected on a busy machine (bench/recovery.py, issue 38).
+        probing = asyncio.create_task(asyncio.to_thread(node_info.backends, tuple(self.settings.engines)))
         self._spawn(self.elector.run())
         await self._join()
         if (initial := self.tracing.initial_command(self.settings.tracing.enabled)) is not None:
@@ -231,7 +235,7 @@ class Node:
         await self._announce(server)
         if self.settings.calibrate_compute:
             self._spawn(self._calibrate())
-        self._spawn(self._gather_info_forever())
+        self._spawn(self._gather_info_forever(probing))
         self._spawn(self._probe_topology_forever())
         self._spawn(self._follow_tail_forever())
         await serving
@@ -398,7 +402,8 @@ class Node:
         self.worker.reconcile(startable(self.store.state, lambda i: self.files.ready(i) or self.worker.runs(i)))
 
     # -- this node's facts ------------------------------------------------------------------------
-    async def _gather_info_forever(self) -> None:
+    async def _gather_info_forever(self, probing: asyncio.Future[Any]) -> None:
+        await probing  # the first gather reads its (cached) answer
         last: node_info.NodeInfo | None = None
         last_sent = 0.0
         while True:
