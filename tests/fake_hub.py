@@ -6,6 +6,8 @@ It serves what the client asks for: model info (`/api/models/<id>[/revision/<rev
 commit headers and Range). Repositories are directories `<root>/<org>--<name>`; a `.gated` file inside
 makes the repo gated (files need a bearer token). `--stall-after N` sends the first N bytes of a big file
 and then hangs, so a test can kill the server mid-file; every request is appended to `<root>/requests.log`.
+An endpoint `<url>/~<client>` is the same hub with its requests logged as `... @<client>`: one endpoint per node
+tells which node fetched which file.
 Run: python -m tests.fake_hub --root DIR --port P [--stall-after N]
 """
 
@@ -54,8 +56,10 @@ def create_app(root: Path, stall_after: int | None) -> FastAPI:
 
     @app.middleware("http")
     async def record(request: Request, call_next):  # type: ignore[no-untyped-def]
+        path, client = _untag(request.url.path)
+        request.scope["path"] = path
         with log.open("a") as out:
-            out.write(f"{request.method} {request.url.path} {request.headers.get('range', '-')}\n")
+            out.write(f"{request.method} {path} {request.headers.get('range', '-')}{f' @{client}' if client else ''}\n")
         return await call_next(request)
 
     @app.get("/api/models/{org}/{name}")
@@ -113,6 +117,15 @@ def create_app(root: Path, stall_after: int | None) -> FastAPI:
         return StreamingResponse(_body(path, start, stall_after), status, headers=headers)
 
     return app
+
+
+def _untag(path: str) -> tuple[str, str | None]:
+    """An endpoint of `<hub>/~<client>` serves as the hub itself and logs each request with `@<client>`, so a test
+    giving each node its own endpoint tells which node fetched which file."""
+    if not path.startswith("/~"):
+        return path, None
+    client, _, rest = path[2:].partition("/")
+    return "/" + rest, client
 
 
 def _range_start(header: str | None) -> int:
@@ -196,6 +209,10 @@ class RunningHub:
             self.process.kill()
             self.process.wait(10)
             self.process = None
+
+    def client_url(self, client: str) -> str:
+        """This hub as one client's endpoint: its requests are logged with `@<client>`."""
+        return f"{self.url}/~{client}"
 
     def requests(self) -> list[str]:
         log = self.root / "requests.log"

@@ -179,6 +179,22 @@ def test_route_a_store_worker_stages_the_store_host_loads_in_place(tmp_path: Pat
     assert route(worker, store_copy_complete=True) == Route.FromStore
     assert (route(host, True), route(host, False)) == (Route.LocalStore, Route.FromHub)
     assert (route(alone, True), route(alone, False)) == (Route.LocalStore, Route.FromHub)
+    # a partial pipeline stage without a store downloads only its files (into staging); the store host, which
+    # serves every rank, and a complete store copy are unchanged
+    assert route(alone, False, shard_only=True) == Route.ShardFromHub
+    assert route(alone, True, shard_only=True) == Route.LocalStore
+    assert route(host, False, shard_only=True) == Route.FromHub
+    assert route(worker, False, shard_only=True) == Route.FromStore
+
+
+def test_a_need_is_partial_only_for_a_stage_short_of_every_layer() -> None:
+    from skulk.store.staging import Need
+    from skulk.types.ids import ModelId
+
+    model = ModelId("org/m")
+    assert [Need(model, layers).partial for layers in ((0, 2, 6), (2, 4, 6), (4, 6, 6))] == [True] * 3
+    assert not Need(model, (0, 6, 6)).partial, "a one-rank pipeline needs the whole model"
+    assert not Need(model, None).partial, "a tensor shard reads every layer"
 
 
 def test_staging_resumes_a_partial_and_splices_the_rest(tmp_path: Path) -> None:

@@ -10,6 +10,8 @@ the /state progress all tell the operator the same thing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +26,17 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import build_hf_headers
 
-from skulk.store.fetch import InsufficientDisk, Progress, check_disk, fetch_all, httpx_opener, present_bytes
-from skulk.store.files import is_needed
+from skulk.store.fetch import (
+    InsufficientDisk,
+    Opener,
+    Progress,
+    check_disk,
+    fetch_all,
+    fetch_file,
+    httpx_opener,
+    present_bytes,
+)
+from skulk.store.files import INDEX_FILE, is_needed
 from skulk.types.errors import ApiError, ErrorCode
 
 hf_constants.HF_HUB_DISABLE_TELEMETRY = True
@@ -100,14 +111,36 @@ def gated_error(model_id: str) -> HubError:
 def download(hub: Hub, repo: RepoFiles, model_dir: Path, on_progress: Progress | None = None) -> None:
     """Every file of repo into model_dir, then the completion marker; finished files are skipped and a partial
     one resumes where the last attempt stopped."""
+    with _hub_opener(hub, repo) as opener:
+        urls = {name: _url(hub, repo, name) for name in repo.files}
+        fetch_all(urls, repo.files, model_dir, model_id=repo.model_id, on_progress=on_progress, opener=opener)
+
+
+def fetch_index(hub: Hub, repo: RepoFiles, target: Path) -> Path | None:
+    """The safetensors index alone into target, when the repo has one: it says which files hold which layers,
+    so a pipeline rank fetches only its own (no completion marker: the directory is not complete yet)."""
+    if INDEX_FILE not in repo.files:
+        return None
+    target.mkdir(parents=True, exist_ok=True)
+    with _hub_opener(hub, repo) as opener:
+        fetch_file(opener, _url(hub, repo, INDEX_FILE), target / INDEX_FILE, repo.files[INDEX_FILE],
+                   on_bytes=lambda _n: None)
+    return target / INDEX_FILE
+
+
+def _url(hub: Hub, repo: RepoFiles, name: str) -> str:
+    return hf_hub_url(repo.model_id, name, revision=repo.commit, endpoint=hub.endpoint)
+
+
+@contextmanager
+def _hub_opener(hub: Hub, repo: RepoFiles) -> Iterator[Opener]:
+    """An opener for repo's files with the hub's auth headers; transfer failures become HubErrors."""
     if repo.gated and not hub.token:
         raise gated_error(repo.model_id)
-    urls = {name: hf_hub_url(repo.model_id, name, revision=repo.commit, endpoint=hub.endpoint) for name in repo.files}
     headers = build_hf_headers(token=hub.token or False)
     try:
         with httpx.Client(follow_redirects=True, timeout=httpx.Timeout(30.0, connect=10.0)) as client:
-            opener = httpx_opener(client, lambda r: _check(repo.model_id, r), headers)
-            fetch_all(urls, repo.files, model_dir, model_id=repo.model_id, on_progress=on_progress, opener=opener)
+            yield httpx_opener(client, lambda r: _check(repo.model_id, r), headers)
     except InsufficientDisk as exc:
         raise HubError(ErrorCode.insufficient_disk, f"{repo.model_id}: {exc}") from exc
     except (httpx.TransportError, OSError) as exc:

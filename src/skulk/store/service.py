@@ -24,7 +24,6 @@ from typing import Any
 from skulk.config import Settings
 from skulk.store import client, eviction
 from skulk.store.files import (
-    INDEX_FILE,
     files_for_shard,
     has_files,
     is_complete,
@@ -32,7 +31,7 @@ from skulk.store.files import (
     read_marker,
     tree_bytes,
 )
-from skulk.store.hub import Hub, HubError, RepoFiles, download, list_files
+from skulk.store.hub import Hub, HubError, RepoFiles, download, fetch_index, list_files
 from skulk.store.staging import Need, Route, in_use, my_needs, route
 from skulk.types.downloads import DownloadProgress, DownloadSource, DownloadStatus
 from skulk.types.errors import ErrorCode
@@ -196,13 +195,16 @@ class ModelFiles:
 
     def _prepare_locked(self, need: Need) -> Path:
         store_copy = self.store_dir(need.model_id)
-        chosen = route(self.settings, is_complete(store_copy))
+        shard_only = need.partial and self._evictable_root()
+        chosen = route(self.settings, is_complete(store_copy), shard_only=shard_only)
         if chosen == Route.LocalStore:
             self._report(need.model_id, DownloadSource.Local, DownloadStatus.Completed, tree_bytes(store_copy))
             return store_copy
         if chosen == Route.FromHub:
             self._download_locked(need.model_id)
             return store_copy
+        if chosen == Route.ShardFromHub:
+            return self._stage_from_hub(need, self.staging_root / model_dir_name(need.model_id))
         return self._stage(need)
 
     def _stage(self, need: Need) -> Path:
@@ -229,16 +231,14 @@ class ModelFiles:
         return target
 
     def _stage_from_hub(self, need: Need, target: Path) -> Path:
+        """A shard's files from Hugging Face into target: the index first, then only the weight files holding
+        the shard's layers (files_for_shard, the store's own choice); progress counts just those bytes."""
         repo = list_files(self.hub, need.model_id)
-        index_path = None
-        if INDEX_FILE in repo.files:
-            download(
-                self.hub,
-                RepoFiles(repo.model_id, repo.commit, {INDEX_FILE: repo.files[INDEX_FILE]}, repo.gated),
-                target,
-            )
-            index_path = target / INDEX_FILE
+        self._report(need.model_id, DownloadSource.HuggingFace, DownloadStatus.Pending)
+        index_path = fetch_index(self.hub, repo, target)
         wanted = self._shard_files(repo.files, index_path, need)
+        self._report(need.model_id, DownloadSource.HuggingFace, DownloadStatus.Downloading, 0, sum(wanted.values()),
+                     0, len(wanted))
         subset = RepoFiles(repo.model_id, repo.commit, wanted, repo.gated)
         download(self.hub, subset, target, self._meter(need.model_id, DownloadSource.HuggingFace, wanted))
         self._finish(need.model_id, DownloadSource.HuggingFace, target, wanted)

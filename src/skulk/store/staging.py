@@ -24,6 +24,9 @@ class Route(StrEnum):
     """Stage the shard's files from the LAN store host (Hugging Face if the store lacks it and fallback is on)."""
     FromHub = "from_hub"
     """No store (or this node is the store host): download the whole model into store_path."""
+    ShardFromHub = "shard_from_hub"
+    """No store, a pipeline rank holding part of the layers: download only the files that hold them (and the
+    small ones) from Hugging Face into the staging root, as a rank staged from a store host gets them."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,11 @@ class Need:
     model_id: ModelId
     layers: tuple[int, int, int] | None
     """(start, end, n_layers) of a pipeline shard; None: every layer (tensor sharding, or the whole model)."""
+
+    @property
+    def partial(self) -> bool:
+        """A pipeline stage short of the whole model: it needs only some of the weight files."""
+        return self.layers is not None and (self.layers[0], self.layers[1]) != (0, self.layers[2])
 
 
 def my_needs(state: State, node_id: NodeId) -> dict[ModelId, Need]:
@@ -64,13 +72,18 @@ def in_use(state: State, node_id: NodeId) -> set[str]:
     return used
 
 
-def route(settings: Settings, store_copy_complete: bool) -> Route:
+def route(settings: Settings, store_copy_complete: bool, *, shard_only: bool = False) -> Route:
     """With a store host configured, every other node stages from it (its own store_path is not a store);
-    the store host, or a node without a store, loads its store_path copy or downloads into it."""
+    the store host, or a node without a store, loads its store_path copy when it is complete. Else the store
+    host downloads the whole model into it (it serves every rank), and a node without a store downloads the
+    whole model only when its shard needs every layer; shard_only (a partial pipeline stage, with a staging root
+    apart from store_path) downloads just that stage's files into staging, never a partial copy in store_path."""
     store = settings.model_store
     if store.enabled and store.store_host and not settings.is_store_host:
         return Route.FromStore
-    return Route.LocalStore if store_copy_complete else Route.FromHub
+    if store_copy_complete:
+        return Route.LocalStore
+    return Route.ShardFromHub if shard_only and not settings.is_store_host else Route.FromHub
 
 
 def files_ready(state: State, instance: MlxRingInstance) -> bool:
