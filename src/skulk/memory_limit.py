@@ -67,6 +67,11 @@ class CgroupMemory:
     reclaimable: int
     """Inactive file pages: the kernel drops these before it would kill anything in the group."""
 
+    @property
+    def used(self) -> int:
+        """What counts against the group's limit: its usage less the page cache it can reclaim."""
+        return max(0, self.usage - self.reclaimable)
+
 
 def _number(path: Path) -> int | None:
     try:
@@ -140,7 +145,7 @@ def budget(machine_total: int, machine_available: int, cgroup: CgroupMemory | No
         candidates.append((configured.of(machine_total), "--memory-limit"))
     limit, source = min(candidates, key=lambda c: c[0])
     machine_used = machine_total - machine_available
-    group_used = max(0, cgroup.usage - cgroup.reclaimable) if cgroup is not None else 0
+    group_used = cgroup.used if cgroup is not None else 0
     used = {"--memory-limit": own_use, "machine": machine_used, "gpu working set": machine_used}.get(source,
                                                                                                     group_used)
     room = [limit - used, machine_available]
@@ -174,7 +179,7 @@ def available_now() -> int:
     free = psutil.virtual_memory().available
     group = this_cgroup()
     if group is not None and group.limit is not None:
-        free = min(free, max(0, group.limit - (group.usage - group.reclaimable)))
+        free = min(free, max(0, group.limit - group.used))
     return free
 
 
