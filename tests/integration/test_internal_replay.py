@@ -57,11 +57,22 @@ def test_a_listener_cannot_reuse_what_nodes_send_each_other(cluster: Cluster, tm
         wait_until(lambda: paths() >= set(WANTED), 30, "every kind of node-to-node call captured",
                    lambda: str(sorted(paths())))
     captured = seen()
-    links = (nodes[0].get("/state") or {}).get("nodeLinks", {})
-    for node in nodes:
-        peer = next(p for p in nodes if p is not node)
-        measured = links.get(node.node_id, {}).get(peer.node_id) or {}
-        assert measured.get("rttMs") is not None and measured.get("bandwidthMbps"), f"signed probes: {links}"
+
+    def links() -> dict:
+        return (nodes[0].get("/state") or {}).get("nodeLinks", {})
+
+    def both_measured() -> bool:
+        """Each node's signed probes of its peer reached the state: a probe seen on the wire lands in /state a
+        moment later (the master orders the measurement), so the test waits for the state, not the wire."""
+        table = links()
+        for node in nodes:
+            peer = next(p for p in nodes if p is not node)
+            measured = table.get(node.node_id, {}).get(peer.node_id) or {}
+            if measured.get("rttMs") is None or not measured.get("bandwidthMbps"):
+                return False
+        return True
+
+    wait_until(both_measured, 30, "signed probes measured both links", lambda: f"signed probes: {links()}")
 
     other = {a: b for a, b in zip(sorted(ports), sorted(ports, reverse=True), strict=True)}
     first = captured[0]

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 import psutil
@@ -64,6 +65,7 @@ MILESTONES_KEPT = 32
 RESTART_BACKOFF_S = 0.5  # doubled for each restart already inside the window
 STOP_GRACE_S = 5.0
 TERMINATE_GRACE_S = 2.0
+REAP_WAIT_S = 1.0  # an exited child's code is stored within microseconds of its reaping, in whichever thread
 READ_POLL_S = 0.2
 """How often the watch thread checks that the runner is alive and not hung."""
 READ_BYTES = 1 << 16
@@ -151,6 +153,22 @@ class _Reading:
             return bool(select.select([self.outbox.fileno()], [], [], 0)[0])
         except (OSError, ValueError):
             return False
+
+
+def exited(process: Any, timeout: float) -> bool:
+    """Whether the process has exited, waiting up to timeout, without reaping it: its sentinel becomes readable
+    at exit. is_alive() and join() reap (waitpid), and two threads reaping one child race: the loser gets
+    ECHILD and reads the child as alive, with no exit code."""
+    return bool(mp_wait([process.sentinel], timeout))
+
+
+def exit_code(process: Any) -> int | None:
+    """The exit code of a process that has exited (see exited): another thread may be between its waitpid and
+    storing the code, so a missing code is read again for a moment rather than reported as None."""
+    deadline = time.monotonic() + REAP_WAIT_S
+    while (code := process.exitcode) is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return code
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], arg: Any) -> bool:
@@ -387,7 +405,7 @@ class RunnerSupervisor:
     def _on_exit(self, process: Any) -> None:
         if process is not self._process:
             return
-        code = process.exitcode
+        code = exit_code(process)
         self.view.exit_code = code
         self.milestone("exited", f"code {code}")
         if self.stopping:
@@ -444,17 +462,17 @@ class RunnerSupervisor:
         process = self._process
         if process is None:
             return
-        if process.is_alive():
+        if not exited(process, 0):
             try:
                 self._inbox.put(Shutdown())
             except (OSError, ValueError):
                 pass
         for grace, escalate in ((STOP_GRACE_S, process.terminate), (TERMINATE_GRACE_S, process.kill)):
-            await asyncio.to_thread(process.join, grace)
-            if not process.is_alive():
+            if await asyncio.to_thread(exited, process, grace):
                 break
             self.milestone("escalating", escalate.__name__)
             escalate()
-        await asyncio.to_thread(process.join, TERMINATE_GRACE_S)
-        self.view.exit_code = process.exitcode
-        self.milestone("stopped", f"code {process.exitcode}")
+        code = await asyncio.to_thread(exit_code, process) if await asyncio.to_thread(
+            exited, process, TERMINATE_GRACE_S) else None
+        self.view.exit_code = code
+        self.milestone("stopped", f"code {code}")
