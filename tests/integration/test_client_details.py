@@ -170,6 +170,17 @@ def test_ollama_model_facts_are_the_models_not_now(node: LocalNode) -> None:
     assert running.digest == listed.digest
 
 
+def test_ollama_show_reads_the_models_template_and_capabilities(node: LocalNode) -> None:
+    import ollama
+
+    from skulk.models.demo import CHATML_TEMPLATE
+
+    shown = ollama.Client(host=f"{node.url}/ollama", timeout=60).show(MODEL)
+    assert shown.capabilities == ["completion", "tools"]  # its template has a tools section
+    assert shown.template == CHATML_TEMPLATE
+    assert shown.details and (shown.details.format, shown.details.quantization_level) == ("safetensors", "F32")
+
+
 def test_ollama_done_line_repeats_nothing_and_durations_add_up(node: LocalNode) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi SKULK_SCRIPT<<<Hello there, friend.>>>"}]}
     with node.client() as raw, raw.stream("POST", "/ollama/api/chat", json=body) as reply:

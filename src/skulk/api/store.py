@@ -8,7 +8,6 @@ store host.
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Any
 
 import httpx
@@ -21,7 +20,7 @@ from skulk import internal_auth
 from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
-from skulk.store.files import is_complete
+from skulk.store.files import MODEL_ID, is_complete
 from skulk.store.hub import HubError, preflight
 from skulk.store.staging import in_use
 from skulk.types.answers import (
@@ -39,13 +38,14 @@ from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import ModelId, NodeId
 
 PEER_TIMEOUT_S = 10.0
-_MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def valid_model_id(model_id: str) -> str:
-    """org/name, nothing that could address a path outside the store or staging root."""
-    if not _MODEL_ID.fullmatch(model_id) or ".." in model_id:
-        raise ApiError(ErrorCode.invalid_model_id, f"invalid model id {model_id!r}; expected org/name")
+    """org/name (or an Ollama import's name:tag), nothing that could address a path outside the store or staging
+    root."""
+    if not MODEL_ID.fullmatch(model_id) or ".." in model_id:
+        raise ApiError(ErrorCode.invalid_model_id,
+                       f"invalid model id {model_id!r}; expected org/name (or an Ollama import's name:tag)")
     return model_id
 
 
