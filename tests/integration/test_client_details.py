@@ -52,6 +52,26 @@ def test_anthropic_models_list_is_anthropics_shape(node: LocalNode) -> None:
     assert (model.id, model.type, model.display_name) == (MODEL, "model", "tiny-random-llama")
     assert datetime(2020, 1, 1, tzinfo=UTC) < model.created_at <= datetime.now(UTC) + timedelta(seconds=5)
     assert client.models.retrieve(MODEL).created_at == model.created_at  # the files' time, not now
+    admits = node.get("/v1/models")["data"][0]["context_length"]
+    assert model.max_input_tokens == model.max_tokens == admits > 0
+
+
+def test_anthropic_stop_sequence_is_named_streamed_and_not(node: LocalNode) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=node.url, api_key="unused", timeout=60, max_retries=0)
+    asked = {"model": MODEL, "max_tokens": 64, "stop_sequences": ["9", "3"],
+             "messages": [{"role": "user", "content": "Count. SKULK_SCRIPT<<<1 2 3 4 5>>>"}]}
+    whole = client.messages.create(**asked)  # type: ignore[call-overload]
+    assert (whole.stop_reason, whole.stop_sequence) == ("stop_sequence", "3")
+    assert whole.content[0].text == "1 2 "
+    with client.messages.stream(**asked) as stream:  # type: ignore[arg-type]
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == "1 2 " and (final.stop_reason, final.stop_sequence) == ("stop_sequence", "3")
+    ended = client.messages.create(model=MODEL, max_tokens=64, stop_sequences=["9"],
+                                   messages=[{"role": "user", "content": "Hi. SKULK_SCRIPT<<<Hello.>>>"}])
+    assert (ended.stop_reason, ended.stop_sequence) == ("end_turn", None)
 
 
 def test_anthropic_streamed_tool_use_has_no_empty_text_block(node: LocalNode) -> None:
@@ -148,6 +168,17 @@ def test_ollama_model_facts_are_the_models_not_now(node: LocalNode) -> None:
     assert again.digest == listed.digest
     (running,) = client.ps().models
     assert running.digest == listed.digest
+
+
+def test_ollama_show_reads_the_models_template_and_capabilities(node: LocalNode) -> None:
+    import ollama
+
+    from skulk.models.demo import CHATML_TEMPLATE
+
+    shown = ollama.Client(host=f"{node.url}/ollama", timeout=60).show(MODEL)
+    assert shown.capabilities == ["completion", "tools"]  # its template has a tools section
+    assert shown.template == CHATML_TEMPLATE
+    assert shown.details and (shown.details.format, shown.details.quantization_level) == ("safetensors", "F32")
 
 
 def test_ollama_done_line_repeats_nothing_and_durations_add_up(node: LocalNode) -> None:

@@ -444,6 +444,46 @@ def test_memory_says_used_and_free_and_cluster_and_placing_agree(scenario: Scena
     dash.assert_clean()
 
 
+SPILLS = """(selector) => [...document.querySelectorAll(selector)].flatMap((card) => {
+  const box = card.getBoundingClientRect();
+  return [...card.querySelectorAll('.bar-row, .bar-text, [data-testid=preview-context], h3')].flatMap((el) => {
+    const range = document.createRange();
+    range.selectNodeContents(el);  // the text's own extent: a caption that does not wrap runs past its box
+    return [el.getBoundingClientRect(), range.getBoundingClientRect()]
+      .filter((r) => r.width > 0 && (r.left < box.left - 0.5 || r.right > box.right + 0.5))
+      .map((r) => `${el.textContent.trim()}: ${Math.round(r.left)}..${Math.round(r.right)} outside `
+        + `${Math.round(box.left)}..${Math.round(box.right)}`);
+  });
+})"""
+
+
+def test_memory_captions_stay_inside_their_cards_and_previews_name_their_nodes(
+    scenario: Scenario, dash: Dash
+) -> None:
+    node = scenario.nodes[0]
+    names = {i: body["friendlyName"] for i, body in get(node, "/state")["nodeIdentities"].items()}
+    page = dash.open(node, "/")
+    sync_api.expect(page.locator("[data-testid=node-card][data-state=live] .bar-text")).to_have_count(4)
+    dash.nav("Placing")
+    page.get_by_test_id("place-model").select_option(MODEL)
+    singles = page.locator('[data-testid=preview][data-ok=true][data-nodes="1"]')
+    sync_api.expect(singles.locator(".bar-text").first).to_contain_text("this model")
+    for width in (1024, 1400, 1920):
+        page.set_viewport_size({"width": width, "height": 900})
+        for path, cards in (("/", "[data-testid=node-card]"), ("/placing", "[data-testid=preview]")):
+            dash.nav("Cluster" if path == "/" else "Placing")
+            page.locator(f"{cards} .bar-text").first.wait_for()
+            assert page.evaluate(SPILLS, cards) == [], f"captions spill out of their cards at {width} px on {path}"
+    contexts = page.get_by_test_id("preview-context").all_inner_texts()
+    assert contexts and all(re.match(r"admits a context of \d+ tokens", c) for c in contexts), contexts
+    titles = singles.get_by_test_id("preview-title").all_inner_texts()
+    by_sharding = [t for t in titles if t.startswith("Pipeline")]
+    assert len(by_sharding) == 2 and len(set(by_sharding)) == 2, titles  # one per node, each named
+    named = [t.rpartition(" on ")[2] for t in by_sharding]  # the dashboard's node names (a short id on a clash)
+    assert all(n.startswith(tuple(names.values())) for n in named), (titles, names)
+    dash.assert_clean()
+
+
 def test_the_settings_page_applies_the_log_level_live_and_marks_what_needs_a_restart(
     scenario: Scenario, dash: Dash
 ) -> None:

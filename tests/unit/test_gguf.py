@@ -208,13 +208,16 @@ def test_ollama_store_import_links_the_blob(tmp_path: Path, smol_gguf: Path, mon
     assert parse_reference("ollama:smollm2:135m") == ("library", "smollm2", "135m")
     assert find_blob("ollama:smollm2:135m").samefile(smol_gguf)
     card = import_source("ollama:smollm2:135m", tmp_path / "models")
-    assert card.model_id == model_id_for("ollama:smollm2:135m") == "ollama/smollm2-135m"
+    assert card.model_id == model_id_for("ollama:smollm2:135m") == "smollm2:135m"  # Ollama's own name
+    assert model_id_for("ollama:someone/smollm2:135m") == "someone/smollm2:135m"
     assert card.n_layers == 30 and card.quantization == "4"
     # what a decode step reads, from the blocks: Q4_1 layers, the tied Q8_0 head (placement balances by them)
     assert (card.layer_bytes, card.head_bytes) == (66_493_440, 30_083_328)
     builtin = get_card("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert (builtin.layer_bytes, builtin.head_bytes) == (card.layer_bytes, card.head_bytes)
-    assert (tmp_path / "models" / "ollama--smollm2-135m" / "model.gguf").samefile(smol_gguf)
+    assert (tmp_path / "models" / "smollm2:135m" / "model.gguf").samefile(smol_gguf)
+    monkeypatch.delenv("OLLAMA_MODELS")  # a store named by the caller (the CLI's OLLAMA_MODELS) wins over none
+    assert import_source("ollama:smollm2:135m", tmp_path / "given", None, str(store)).model_id == "smollm2:135m"
     with pytest.raises(OllamaModelNotFound):
         find_blob("ollama:smollm2:missing")
     with pytest.raises(ValueError, match="not an Ollama model reference"):

@@ -309,11 +309,13 @@ def test_stop_matcher_holds_back_a_split_stop_string() -> None:
     matcher = StopMatcher(["END", "xyz"])
     assert matcher.push("hello E") == ("hello ", False)
     assert matcher.push("N") == ("", False)
-    assert matcher.push("Dless") == ("", True)
+    assert matcher.push("Dless") == ("", True) and matcher.matched == "END"
+    matcher = StopMatcher(["b", "a"])  # the earliest in the text ends it, whatever the list's order
+    assert matcher.push("xxaxb") == ("xx", True) and matcher.matched == "a"
     matcher = StopMatcher(["END"])
     assert matcher.push("EN") == ("", False)
     assert matcher.push("tity") == ("ENtity", False)
-    assert matcher.flush() == ""
+    assert matcher.flush() == "" and matcher.matched is None
 
 
 # --- cards ----------------------------------------------------------------------------------------

@@ -105,11 +105,21 @@ def _sse(event: str, data: dict[str, Any]) -> str:
     return sse.frame(sse.compact({"type": event, **data}), event=event)
 
 
-def _message(msg_id: str, model: str, content: list[dict[str, Any]], stop: str | None, usage: dict[str, int]) -> dict[
-    str, Any
-]:
+def stop_fields(finish_reason: str | None, stop_sequence: str | None, calls: list[ToolCall]) -> dict[str, str | None]:
+    """Anthropic's `stop_reason` and `stop_sequence` for how the generation ended: a tool call is `tool_use`, one of
+    the request's `stop_sequences` is `stop_sequence` naming it, the model's own end `end_turn`, the token limit
+    `max_tokens`."""
+    if calls:
+        return {"stop_reason": "tool_use", "stop_sequence": None}
+    if finish_reason == "stop" and stop_sequence is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_sequence}
+    return {"stop_reason": STOP_REASONS.get(finish_reason or "stop", "end_turn"), "stop_sequence": None}
+
+
+def _message(msg_id: str, model: str, content: list[dict[str, Any]], stop: dict[str, str | None],
+             usage: dict[str, int]) -> dict[str, Any]:
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop, "stop_sequence": None, "usage": usage}
+            **stop, "usage": usage}
 
 
 class _TextBlock:
@@ -142,9 +152,10 @@ async def _events(
     when there is text, a tool_use block per call, message_delta, message_stop: the order Anthropic's SDKs expect."""
     msg_id = f"msg_{session.command_id}"
     usage = {"input_tokens": session.first.prompt_tokens, "output_tokens": 0}
-    yield _sse("message_start", {"message": _message(msg_id, model, [], None, usage)})
+    yield _sse("message_start", {"message": _message(msg_id, model, [], {"stop_reason": None, "stop_sequence": None},
+                                                     usage)})
     yield _sse("ping", {})
-    stop = "end_turn"
+    finish: tuple[str | None, str | None] = (None, None)
     held = ToolCallStream(family, hold_all=forced is not None) if family is not None else None
     block = _TextBlock()
     try:
@@ -154,7 +165,7 @@ async def _events(
                 yield event
             if chunk.finish_reason is not None:
                 usage["output_tokens"] = chunk.completion_tokens
-                stop = STOP_REASONS.get(chunk.finish_reason, "end_turn")
+                finish = (chunk.finish_reason, chunk.stop_sequence)
     except GenerationFailed as failed:
         yield _sse("error", {"error": claude_error_body(failed.chunk.status, failed.chunk.message)["error"]})
         return
@@ -171,8 +182,7 @@ async def _events(
         delta = {"type": "input_json_delta", "partial_json": json.dumps(tool["input"])}
         yield _sse("content_block_delta", {"index": index, "delta": delta})
         yield _sse("content_block_stop", {"index": index})
-    stop = "tool_use" if calls else stop
-    yield _sse("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None},
+    yield _sse("message_delta", {"delta": stop_fields(*finish, calls),
                                  "usage": {"output_tokens": usage["output_tokens"]}})
     yield _sse("message_stop", {})
 
@@ -192,7 +202,7 @@ async def _complete(node: ApiServices, body: ClaudeRequest) -> JSONResponse:
     if unmet is not None:
         return JSONResponse(claude_error_body(UNMET_STATUS, unmet), status_code=UNMET_STATUS)
     content = ([{"type": "text", "text": text}] if text or not calls else []) + tool_use_blocks(calls)
-    stop = "tool_use" if calls else STOP_REASONS.get(done.finish_reason, "end_turn")
+    stop = stop_fields(done.finish_reason, done.stop_sequence, calls)
     return JSONResponse(_message(f"msg_{session.command_id}", body.model, content, stop, usage))
 
 

@@ -33,6 +33,8 @@ class Finished:
     """time.monotonic() when the request was started, for APIs that report durations."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """One per generated token when the request asked for logprobs."""
+    stop_sequence: str | None = None
+    """The stop string that ended the reply, if one did (TokenChunk.stop_sequence)."""
 
     @property
     def total_ns(self) -> int:
@@ -62,4 +64,4 @@ async def collect(session: ChatSession) -> Finished:
         last = chunk
     assert last is not None and last.finish_reason is not None
     return Finished("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.stats,
-                    started, logprobs)
+                    started, logprobs, last.stop_sequence)

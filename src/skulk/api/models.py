@@ -21,7 +21,7 @@ from skulk.formats.checkpoint import MAX_CONFIG, parse_config, read_config
 from skulk.models.cards import add_custom_card, all_cards, get_card, is_custom
 from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry, weight_bytes
 from skulk.state.queries import served_context
-from skulk.store.files import INDEX_FILE, is_complete, local_files, model_dir_name
+from skulk.store.files import INDEX_FILE, MODEL_ID_PATTERN, is_complete, local_files, model_dir_name
 from skulk.store.hub import Hub, HubError, list_files
 from skulk.store.service import ModelFiles
 from skulk.types.answers import Catalog, CatalogEntry
@@ -40,7 +40,10 @@ class ImportModelRequest(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
     source: str = Field(min_length=1, max_length=4096)
     """An absolute path to a .gguf file on this node, or ollama:<name>[:tag] from its local Ollama store."""
-    model_id: str | None = Field(default=None, min_length=3, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+    model_id: str | None = Field(default=None, min_length=3, pattern=MODEL_ID_PATTERN)
+    ollama_models: str | None = Field(default=None, min_length=1, max_length=4096)
+    """For an `ollama:` source: the Ollama store to look in on this node (`skulk models import` sends its own
+    OLLAMA_MODELS); else the node's $OLLAMA_MODELS, else ~/.ollama/models."""
 
 
 def models_router(node: ApiServices) -> APIRouter:
@@ -69,7 +72,8 @@ def models_router(node: ApiServices) -> APIRouter:
         if body.model_id is not None and get_card(body.model_id) is not None and not is_custom(body.model_id):
             raise ApiError(ErrorCode.model_exists,
                            f"{body.model_id} is a catalog model; import under another id")
-        card = await import_in_child(body.source, node.settings.store_path, body.model_id)
+        card = await import_in_child(body.source, node.settings.store_path, body.model_id,
+                                     ollama_models=body.ollama_models)
         add_custom_card(node.settings.home / "cards", card)
         node.send_command(AddModelCard(command_id=CommandId(new_id()), card=card))
         return list_entry(card, created=0, where=_where(files, card))

@@ -24,6 +24,7 @@ from skulk.api.errors import ollama_error
 from skulk.api.generation import Finished, GenerationFailed, collect, deltas
 from skulk.api.model_facts import digest, modified, parameter_count, parameter_size, rfc3339
 from skulk.api.ollama_pull import OllamaPullRequest, pull
+from skulk.api.ollama_show import capabilities, file_facts, template
 from skulk.api.openapi import Family, documented
 from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
@@ -192,9 +193,8 @@ async def _generate(node: ApiServices, http: Request, kind: type[Body], shape: S
 
 
 def _details(node: ApiServices, card: ModelCard) -> dict[str, Any]:
-    return {"parent_model": "", "format": "safetensors", "family": card.family,
-            "families": [card.family], "parameter_size": parameter_size(parameter_count(node, card)),
-            "quantization_level": card.quantization}
+    return {"parent_model": "", **file_facts(node, card), "family": card.family,
+            "families": [card.family], "parameter_size": parameter_size(parameter_count(node, card))}
 
 
 def _tag(node: ApiServices, card: ModelCard) -> dict[str, Any]:
@@ -267,9 +267,9 @@ def ollama_router(node: ApiServices) -> APIRouter:
                 f"{card.family}.context_length": served_context(node.state, card),
                 f"{card.family}.block_count": card.n_layers,
                 f"{card.family}.embedding_length": card.hidden_size}
-        return JSONResponse({"modelfile": f"FROM {card.model_id}", "parameters": "", "template": "{{ .Prompt }}",
-                             "details": _details(node, card), "model_info": info,
-                             "capabilities": ["embedding"] if card.embeds else ["completion"],
+        return JSONResponse({"modelfile": f"FROM {card.model_id}", "parameters": "",
+                             "template": await template(node, card), "details": _details(node, card),
+                             "model_info": info, "capabilities": await capabilities(node, card),
                              "modified_at": rfc3339(modified(node, card))})
 
     @router.get("/api/ps", response_model=None, responses=documented(OllamaTags))

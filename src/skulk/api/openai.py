@@ -187,9 +187,12 @@ def _openai_model(node: ApiServices, card: ModelCard) -> dict[str, Any]:
 
 
 def _claude_model(node: ApiServices, card: ModelCard) -> dict[str, Any]:
-    """Anthropic's model object: `created_at` is when this node's copy of the files was written."""
+    """Anthropic's model object: `created_at` is when this node's copy of the files was written; `max_input_tokens`
+    and `max_tokens` are the context the placed instances admit (the card's own while none is placed), which bounds
+    the prompt and the reply alike (a prompt plus an explicit max_tokens beyond it is refused)."""
+    context = served_context(node.state, card)
     return {"type": "model", "id": card.model_id, "display_name": card.model_id.rpartition("/")[2],
-            "created_at": rfc3339(modified(node, card))}
+            "created_at": rfc3339(modified(node, card)), "max_input_tokens": context, "max_tokens": context}
 
 
 def openai_router(node: ApiServices) -> APIRouter:

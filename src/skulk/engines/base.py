@@ -31,6 +31,8 @@ class TokenOut:
     error: str | None = None
     logprobs: TokenLogprob | None = None
     """Only for a request whose sampling asked for logprobs."""
+    stop_sequence: str | None = None
+    """The request's stop string that ended it (finish_reason "stop" with this set: not the model's own end)."""
 
 
 class Engine(Protocol):

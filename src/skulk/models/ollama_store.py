@@ -23,8 +23,10 @@ class OllamaModelNotFound(ValueError):
     """No manifest for the name and tag, or one without a readable GGUF model layer."""
 
 
-def ollama_store() -> Path:
-    return Path(os.environ.get("OLLAMA_MODELS") or "~/.ollama/models").expanduser()
+def ollama_store(given: str | None = None) -> Path:
+    """The store a reference is looked up in: the one given (the CLI passes its own OLLAMA_MODELS), else this
+    process's $OLLAMA_MODELS, else ~/.ollama/models."""
+    return Path(given or os.environ.get("OLLAMA_MODELS") or "~/.ollama/models").expanduser()
 
 
 def parse_reference(reference: str) -> tuple[str, str, str]:
@@ -40,9 +42,10 @@ def parse_reference(reference: str) -> tuple[str, str, str]:
 
 
 def model_id_for(reference: str) -> str:
-    """The catalog id an Ollama import gets: ollama/<name>-<tag> (namespace kept when not library)."""
+    """The catalog id an Ollama import gets: Ollama's own name, <name>:<tag> (<namespace>/<name>:<tag> outside
+    the library), so the name `ollama run` and Ollama's clients send is the model on every API."""
     namespace, name, tag = parse_reference(reference)
-    return f"ollama/{name}-{tag}" if namespace == "library" else f"ollama/{namespace}.{name}-{tag}"
+    return f"{name}:{tag}" if namespace == "library" else f"{namespace}/{name}:{tag}"
 
 
 def find_blob(reference: str, store: Path | None = None) -> Path:

@@ -357,6 +357,7 @@ class Runner:
                     text=out.text,
                     token_id=out.token_id,
                     finish_reason=out.finish_reason,
+                    stop_sequence=out.stop_sequence,
                     logprobs=out.logprobs,
                     prompt_tokens=active.prompt_tokens,
                     completion_tokens=active.completion_tokens,

@@ -42,6 +42,10 @@ NEEDED_PATTERNS = (
 )
 NEEDED_NESTED = ("1_Pooling/config.json",)
 """The only files below the top level that are fetched: a sentence encoder's pooling (its mode: mean or CLS)."""
+MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9_.-]+|(/[A-Za-z0-9_.-]+)?:[A-Za-z0-9_.-]+)$"
+"""A model id the store and the APIs take: Hugging Face's org/name, or an Ollama import's own name,
+[namespace/]name:tag (models/ollama_store.model_id_for). Neither can climb out of a directory."""
+MODEL_ID = re.compile(MODEL_ID_PATTERN)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

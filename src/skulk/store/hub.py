@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import httpx2
 from huggingface_hub import HfApi, hf_hub_url
 from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import (
@@ -82,6 +83,8 @@ def list_files(hub: Hub, model_id: str) -> RepoFiles:
                        f"model {model_id} was not found on Hugging Face; check the id") from exc
     except HfHubHTTPError as exc:
         raise HubError(ErrorCode.hub_error, f"Hugging Face answered for {model_id}: {exc}") from exc
+    except (httpx.TransportError, httpx2.TransportError) as exc:  # huggingface_hub's own client is httpx2
+        raise unreachable_error(hub, model_id, exc) from exc
     files = {s.rfilename: int(s.size or 0) for s in info.siblings or [] if is_needed(s.rfilename)}
     if not any(name.endswith(".safetensors") for name in files):
         raise HubError(ErrorCode.no_safetensors,
@@ -100,6 +103,15 @@ def preflight(hub: Hub, model_id: str, model_dir: Path) -> RepoFiles:
     except InsufficientDisk as exc:
         raise HubError(ErrorCode.insufficient_disk, f"{model_id}: {exc}") from exc
     return repo
+
+
+def unreachable_error(hub: Hub, model_id: str, exc: Exception) -> HubError:
+    """502 hub_unreachable: the hub did not answer at all (no network, a wrong endpoint, a firewall)."""
+    where = hub.endpoint or "https://huggingface.co"
+    return HubError(ErrorCode.hub_unreachable,
+                    f"the model hub at {where} could not be reached for {model_id} ({type(exc).__name__}: {exc}); "
+                    "check this node's network, or set HF_ENDPOINT (model_store.download.hf_endpoint in skulk.yaml) "
+                    "to a hub or mirror it can reach, or copy the model's files into its store_path")
 
 
 def gated_error(model_id: str) -> HubError:

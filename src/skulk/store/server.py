@@ -29,7 +29,15 @@ from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 from skulk import internal_auth
-from skulk.store.files import NEEDED_NESTED, file_hashes, is_complete, local_files, model_dir_name, read_marker
+from skulk.store.files import (
+    MODEL_ID,
+    NEEDED_NESTED,
+    file_hashes,
+    is_complete,
+    local_files,
+    model_dir_name,
+    read_marker,
+)
 from skulk.types.errors import ApiError, ErrorCode, error_body
 
 log = logging.getLogger(__name__)
@@ -50,15 +58,26 @@ def safe_part(part: str, what: str) -> str:
 
 
 def model_path(store_path: Path, model_id: str) -> Path:
-    org, _, name = model_id.partition("/")
-    if not name:
+    """The store's folder of a model id (org/name, or an Ollama import's [namespace/]name:tag)."""
+    if not MODEL_ID.fullmatch(model_id) or ".." in model_id:
         raise ApiError(ErrorCode.invalid_path,
                        f"invalid model id {model_id!r}; expected org/name")
-    path = store_path / model_dir_name(f"{safe_part(org, 'model id')}/{safe_part(name, 'model id')}")
+    path = store_path / model_dir_name(model_id)
     if store_path.resolve() not in path.resolve().parents:
         raise ApiError(ErrorCode.invalid_path,
                        f"invalid model id {model_id!r}")
     return path
+
+
+def _split_files_route(parts: list[str]) -> tuple[str, list[str]] | None:
+    """`models/<id>/files[/<file>]` → (the id, what follows `files`): an id is org/name, or an Ollama name with a
+    tag (`smollm2:135m`, one part: no Hugging Face org or name has a colon)."""
+    if len(parts) < 3 or parts[0] != "models":
+        return None
+    width = 1 if ":" in parts[1] else 2
+    if len(parts) < 2 + width or parts[1 + width] != "files":
+        return None
+    return "/".join(parts[1 : 1 + width]), parts[2 + width :]
 
 
 def registry(store_path: Path) -> list[dict[str, Any]]:
@@ -97,21 +116,22 @@ def route(store_path: Path, raw_path: str) -> dict[str, Any] | Path:
     parts = [unquote(p) for p in urlsplit(raw_path).path.split("/")[1:]]
     if parts == ["registry"]:
         return {"entries": registry(store_path)}
-    if len(parts) == 6 and "/".join(parts[4:]) in NEEDED_NESTED:  # a sentence encoder's 1_Pooling/config.json
-        parts = [*parts[:4], "/".join(parts[4:])]
-    if len(parts) in (4, 5) and parts[0] == "models" and parts[3] == "files":
-        org, name = parts[1], parts[2]
-        folder = model_path(store_path, f"{org}/{name}")
-        if len(parts) == 4:
+    split = _split_files_route(parts)
+    if split is not None and len(split[1]) == 2 and "/".join(split[1]) in NEEDED_NESTED:  # 1_Pooling/config.json
+        split = (split[0], ["/".join(split[1])])
+    if split is not None and len(split[1]) <= 1:
+        model_id, rest = split
+        folder = model_path(store_path, model_id)
+        if not rest:
             if not folder.is_dir() or not is_complete(folder):
                 raise ApiError(ErrorCode.model_not_in_store,
-                               f"the store has no complete copy of {org}/{name}")
+                               f"the store has no complete copy of {model_id}")
             files = local_files(folder)
-            return {"model_id": f"{org}/{name}", "files": files, "sha256": file_hashes(folder, files)}
-        path = folder / (parts[4] if parts[4] in NEEDED_NESTED else safe_part(parts[4], "file name"))
+            return {"model_id": model_id, "files": files, "sha256": file_hashes(folder, files)}
+        path = folder / (rest[0] if rest[0] in NEEDED_NESTED else safe_part(rest[0], "file name"))
         if not path.is_file() or not is_complete(folder):
             raise ApiError(ErrorCode.file_not_in_store,
-                           f"the store has no file {parts[4]} of {org}/{name}")
+                           f"the store has no file {rest[0]} of {model_id}")
         return path
     raise ApiError(ErrorCode.not_found,
                    f"no such store route {raw_path!r}")

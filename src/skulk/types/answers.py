@@ -123,6 +123,8 @@ class ClaudeModel(_Answer):
     id: str
     display_name: str
     created_at: str
+    max_input_tokens: int
+    max_tokens: int
 
 
 class ClaudeModelList(_Answer):
@@ -374,6 +376,8 @@ class ClaudeMessage(_Answer):
     type: Literal["message"]
     role: Literal["assistant"]
     content: list[Json]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
 
 
 class OllamaReply(_Answer):

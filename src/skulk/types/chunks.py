@@ -57,6 +57,8 @@ class TokenChunk(TaggedModel):
     text: str
     token_id: int
     finish_reason: Literal["stop", "length"] | None = None
+    stop_sequence: str | None = None
+    """With finish_reason "stop": the request's stop string that ended it (None: the model's own end of turn)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     stats: RequestStats | None = None

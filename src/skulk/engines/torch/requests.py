@@ -74,7 +74,7 @@ def accept_token(req: Request, token: int, eos_ids: Collection[int], context_len
             text += tail if stopped else tail + req.stops.flush()
             finish = "stop" if stopped else "length"
     req.finished = finish is not None
-    return TokenOut(req.request_id, token, text, finish)
+    return TokenOut(req.request_id, token, text, finish, stop_sequence=req.stops.matched if finish == "stop" else None)
 
 
 def row_sampling(

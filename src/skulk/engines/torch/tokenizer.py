@@ -170,19 +170,24 @@ class IncrementalDecoder:
 
 
 class StopMatcher:
-    """Cuts the stream before the first stop string, holding back tails that may be one's beginning."""
+    """Cuts the stream before the first stop string, holding back tails that may be one's beginning.
+
+    `matched` names the stop string that ended the text (the earliest in it, the first listed on a tie): APIs that
+    report which sequence stopped a reply (Anthropic's `stop_sequence`) need it, and the cut text no longer shows it."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = [s for s in stops if s]
         self._held = ""
+        self.matched: str | None = None
 
     def push(self, text: str) -> tuple[str, bool]:
         """The text safe to emit now, and whether a stop string was reached (emit nothing after it)."""
         pending = self._held + text
-        hits = [i for i in (pending.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, n) for n, i in enumerate(pending.find(s) for s in self._stops) if i >= 0]
         if hits:
-            self._held = ""
-            return pending[: min(hits)], True
+            at, which = min(hits)
+            self._held, self.matched = "", self._stops[which]
+            return pending[:at], True
         keep = self._longest_stop_prefix_suffix(pending)
         self._held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep], False

@@ -81,18 +81,28 @@ function Prediction({ predicted }) {
   </div>`;
 }
 
+// A preview's title names its nodes: two previews over the same number of nodes (one per node of the cluster)
+// read differently, and the name says where Launch places it before the card's details do.
+function previewTitle(state, preview) {
+  const names = preview.nodeIds.map((n) => nodeName(state, n));
+  const size = preview.size;
+  const over = size > 1 ? `over ${size} nodes: ${names.join(', ')}` : `on ${names[0] || '?'}`;
+  return `${preview.sharding} ${over}`;
+}
+
 function PreviewCard({ state, preview, onLaunch, busy }) {
   const size = preview.size;
   return html`<li class="card preview" data-testid="preview" data-ok=${preview.error ? 'false' : 'true'}
       data-nodes=${size} data-sharding=${preview.sharding} data-node-ids=${preview.nodeIds.join(',')}>
     <header class="card-head">
-      <h3>${preview.sharding} over ${size || '?'} node${size === 1 ? '' : 's'}</h3>
+      <h3 data-testid="preview-title">${previewTitle(state, preview)}</h3>
       ${preview.error ? html`<${Badge} kind="error">does not fit<//>` : html`<${Badge} kind="ok">fits<//>`}
     </header>
     ${preview.error ? html`<${Refusal} state=${state} refusal=${preview.error} />` : html`
       <${Prediction} predicted=${preview.predicted} />
-      ${preview.contextLength ? html`<p class="muted small" data-testid="preview-context">admits a context of
-        ${preview.contextLength} tokens; each node's KV pool is part of what it needs</p>` : null}
+      ${preview.contextLength ? html`<p class="muted small" data-testid="preview-context">${
+        `admits a context of ${preview.contextLength} tokens; each node's KV pool is part of what it needs`}</p>`
+        : null}
       ${preview.nodes.map((n) => {
         // the node's memory as the Cluster page shows it (state.nodeMemory), plus what this model needs; the
         // "leaves" figure is placement's, which also counts shards committed but not loaded yet
