@@ -103,3 +103,15 @@ def test_the_tensor_all_reduce_adds_float32_parts() -> None:
     assert reduce(torch.tensor([1.0], dtype=torch.bfloat16)).dtype == torch.bfloat16  # a MoE block's bf16 part
     assert reduce(torch.tensor([1.0])).dtype == torch.bfloat16  # o_proj/down_proj's f32 partial sum
     assert seen == [torch.float32, torch.float32]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_cuda_linear_returns_the_f32_accumulator() -> None:
+    from skulk.engines.torch.matmul import cuda_linear
+
+    x = torch.ones(2, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    weight = torch.full((VOCAB, HIDDEN), 20.0 / HIDDEN, dtype=torch.bfloat16, device="cuda")
+    weight[HIGH, 0] += 0.03125
+    logits = cuda_linear(x, weight, None, torch.float32)
+    assert logits.dtype == torch.float32
+    assert float(logits[0, HIGH] - logits[0, LOW]) == pytest.approx(0.03125, abs=1e-4)
