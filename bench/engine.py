@@ -20,7 +20,8 @@ f16↔f16, bf16↔bf16, int8↔q8_0, int4↔Q4_0 (targets: decode >= 0.9 everywh
 
 Run: .venv/bin/python bench/engine.py [--rounds 3] [--tokens 32] [--threads 2] [--formats f16,int4] [--no-llama]
                                   [--clock wall|cpu] [--context 16]
-     (formats: f32 f16 bf16 int8 int4, f16-native / bf16-native: see NATIVE, *-avx2: see AVX2)
+     (formats: f32 f16 bf16 int8 int4, f16-native / bf16-native: see NATIVE, *-avx2: see AVX2,
+      *-head16: see HEAD16)
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ AVX2 = "-avx2"
 """A format named bf16-avx2 / int8-avx2 / int4-avx2 runs what a CPU with AVX2 alone runs, on a CPU that has more:
 the kernels built without extensions (cpu_kernels.extension_flags: VNNI, AVX-512 BF16) and bf16 prefill as an f32
 GEMM (matmul.native_bf16_gemm), side by side with the vpdpbusd / vdpbf16ps / bf16-GEMM paths."""
+HEAD16 = "-head16"
+"""A format named bf16-head16 / int4-head16 rounds the head's logits to the activations' dtype before they are
+widened to f32 (what the engine did before issue 41: lm_head's out_dtype unset), side by side with the f32 head's
+output the engine keeps now: the decode cost of unrounded logits, measured in the same rounds."""
 PREFILL = 512
 PAGE = 32  # engine.DEFAULT_BLOCK_SIZE
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -121,7 +126,7 @@ def prefill_tps(model: ModelSlice, length: int = PREFILL) -> float:
 
 def base_format(name: str) -> str:
     """The FORMATS entry a format name loads (f16 for f16-native, int4 for int4-avx2)."""
-    return name.removesuffix(NATIVE).removesuffix(AVX2)
+    return name.removesuffix(HEAD16).removesuffix(NATIVE).removesuffix(AVX2)
 
 
 @contextlib.contextmanager
@@ -138,6 +143,21 @@ def matmuls_for(name: str) -> Iterator[None]:
     finally:
         matmul.FLOAT_GEMM_ROWS, matmul.native_bf16_gemm = saved_rows, saved_bf16
         cpu_kernels.set_enabled(True)
+
+
+@contextlib.contextmanager
+def head_for(name: str, *models: ModelSlice) -> Iterator[None]:
+    """Inside: for a -head16 name, the models' lm_head returning the activations' dtype (then widened) instead of
+    its f32 accumulator."""
+    heads = [m.lm_head for m in models if m.lm_head is not None] if name.endswith(HEAD16) else []
+    saved = [head.out_dtype for head in heads]
+    for head in heads:
+        head.out_dtype = None
+    try:
+        yield
+    finally:
+        for head, dtype in zip(heads, saved, strict=True):
+            head.out_dtype = dtype
 
 
 def weight_bytes(model: ModelSlice) -> int:
@@ -185,7 +205,7 @@ def run_rounds(models: dict[str, ModelSlice], tiny: dict[str, ModelSlice], their
     for round_ in range(args.rounds):
         print(f"round {round_ + 1} of {args.rounds}", file=sys.stderr, flush=True)
         for name, model in models.items():
-            with matmuls_for(name):
+            with matmuls_for(name), head_for(name, model, tiny[name]):
                 figures = measure_ours(model, tiny[name], args.tokens, args.context)
             their = theirs.get(llama_cpp_side.PAIRS.get(name, ""))
             if their is not None:

@@ -24,7 +24,7 @@ from .config import ModelArgs
 from .loader import load_model
 from .model import ModelSlice
 from .requests import Request
-from .sampling import distribution, draw
+from .sampling import distribution, draw, greedy
 
 Draws = torch.Tensor | None
 """The distributions a sampled request's draft tokens were drawn from, [tokens, V] (None: greedy, or no draft)."""
@@ -83,7 +83,7 @@ class Drafter:
               dists: list[list[torch.Tensor]]) -> None:
         """Append each row's next draft token (logits[j] is reqs[rows[j]]'s) and, for a sampled request, the
         distribution it was drawn from."""
-        picks = logits.argmax(-1).tolist()
+        picks = greedy(logits).tolist()
         sampled = [j for j, i in enumerate(rows) if reqs[i].sampling.temperature > 0]
         if sampled:
             settings = [reqs[rows[j]].sampling for j in sampled]

@@ -13,7 +13,7 @@ from .cache import MixedBatch, StepBatch
 from .drafter import DRAFT_TOKENS, Draws
 from .model import MIXED_STACK_ROWS
 from .requests import Request, accept_each
-from .sampling import distribution
+from .sampling import distribution, greedy
 from .speculate import MAX_DRAFT, PromptLookup, accepted_prefix, verify_sampled
 from .step import PHASES, Step
 from .wire import Release, StepKind
@@ -78,7 +78,7 @@ class LocalStep(Step):
                                          local=self._local_tables([req])))
         logits = self._forward(torch.tensor([ids], device=self.device), MixedBatch(tuple(parts)), (1, len(ids)))
         assert logits is not None
-        greedy = logits[0].argmax(-1).tolist()
+        greedy_ids = greedy(logits[0]).tolist()
         outs: list[TokenOut] = []
         at = 0
         for req, draft, q in zip(list(self._running), drafts, draws, strict=True):
@@ -87,7 +87,7 @@ class LocalStep(Step):
                 p = distribution(rows, [req.sampling] * len(rows))
                 tokens = verify_sampled(draft, q, p, req.sampling.generator)
             else:
-                tokens = greedy[at : at + len(draft) + 1]
+                tokens = greedy_ids[at : at + len(draft) + 1]
                 tokens = tokens[: accepted_prefix(draft, tokens) + 1]
             keep = len(tokens) - 1
             if req.lookup is not None:

@@ -67,15 +67,19 @@ class Linear(nn.Linear):
 
     _kernel: cpu_kernels.HalfMatrix | None = None
     out_dtype: torch.dtype | None = None
-    """Set (float32) on a tensor-parallel rank's o_proj/down_proj: its partial sum stays unrounded until the
-    all_reduce has added the ranks' parts (model.ModelSlice), so the sum is rounded once, as one rank's is."""
+    """Set (float32) on lm_head, whose logits are sampled unrounded, and on a tensor-parallel rank's
+    o_proj/down_proj, whose partial sum stays unrounded until the all_reduce has added the ranks' parts
+    (model.ModelSlice), so the sum is rounded once, as one rank's is. Every path returns the f32 accumulator as it
+    is, never a half result widened afterwards."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not wants_float_gemm(input, self.weight):
             if uses_kernel(input, self.weight):
                 return self._matrix()(input, self.out_dtype)
-            y = F.linear(input, self.weight, self.bias)
-            return y if self.out_dtype is None else y.to(self.out_dtype)
+            if self.out_dtype is None or self.out_dtype == self.weight.dtype == input.dtype:
+                return F.linear(input, self.weight, self.bias)
+            if input.device.type == "cuda":
+                return cuda_linear(input, self.weight, self.bias, self.out_dtype)
         return float_linear(input, self.weight, self.bias, self.out_dtype or input.dtype)
 
     def _matrix(self) -> cpu_kernels.HalfMatrix:
@@ -102,6 +106,19 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         part = torch.mm(flat, block.t()) if bias is None else torch.addmm(bias[start:stop].float(), flat, block.t())
         out[:, start:stop] = part
     return out.reshape(*x.shape[:-1], n)
+
+
+def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x @ weight.T (+ bias) on CUDA with the result in dtype straight from the GEMM's accumulator (torch.mm's
+    out_dtype: f16/bf16 inputs, f32 out), so no f32 copy of the weight is made per call."""
+    flat = x.reshape(-1, x.shape[-1])
+    if x.dtype == weight.dtype and x.dtype in _HALF and dtype == torch.float32:
+        out = torch.mm(flat, weight.t(), out_dtype=dtype)
+    else:
+        out = torch.mm(flat.to(dtype), weight.t().to(dtype))
+    if bias is not None:
+        out += bias.to(dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def stack_rows(parts: list[Linear]) -> Linear | None:

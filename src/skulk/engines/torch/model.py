@@ -75,6 +75,8 @@ class ModelSlice(nn.Module):
             )
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.is_gemma) if self.is_last else None
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if self.is_last else None
+        if self.lm_head is not None:
+            self.lm_head.out_dtype = torch.float32  # logits unrounded: bf16's steps (0.125 near 20) made exact ties
         if tp_size > 1:
             for name, module in self.named_modules():
                 if _PARTIAL_SUM.search(name) and isinstance(module, Linear):
@@ -124,8 +126,9 @@ class ModelSlice(nn.Module):
 
         last_only keeps only the final position before lm_head, which is all sampling needs after a prefill.
         A MixedBatch's tokens come as one sequence ([1, rows]); last_only then keeps each of its rows' final
-        position (every row of a decode part, a chunk's last token), in order. Logits come back in float32 so
-        sampling is identical whatever dtype the weights are in.
+        position (every row of a decode part, a chunk's last token), in order. Logits come back in float32, as
+        the head's matmul accumulated them (lm_head.out_dtype: never rounded to the activations' dtype on the way),
+        so near-equal candidates stay apart and every placement samples from the same numbers.
         """
         h = scale_embeddings(self.embed_tokens(x), self.args) if self.embed_tokens is not None else x
         if isinstance(batch, StepBatch) and h.shape[1] == 1 and (stack := self._layer_stack(h, batch, cache)):
@@ -205,11 +208,12 @@ def _last_rows(batch: MixedBatch) -> list[int]:
 
 
 def _rounded(all_reduce: AllReduce, dtype: torch.dtype) -> AllReduce:
-    """The all_reduce a tensor-parallel slice's layers call: it adds float32 partial sums and rounds the total
-    to the activations' dtype once, so a split model rounds where the whole one does."""
+    """The all_reduce a tensor-parallel slice's layers call: it adds float32 partial sums (a part in another dtype,
+    a MoE block's, is reduced as a float32 copy) and rounds the total to the activations' dtype once, so a split
+    model rounds where the whole one does."""
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(x).to(dtype)
+        return all_reduce(x.float()).to(dtype)  # o_proj/down_proj's parts come as float32 (no copy); a MoE's are cast
 
     return reduce
 

@@ -24,14 +24,23 @@ class RowSampling:
     """None: no log-probabilities; n: the sampled token's and the n most likely tokens' (0...20)."""
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely token [..., V] -> [...], compared in float32, a tie going to the lowest token id.
+
+    The logits arrive in float32 (model.ModelSlice: the head's accumulator, unrounded), so a tie is an exact one;
+    torch's argmax returns the first maximal index on every backend (documented), which makes the tie-break the
+    same on one node, a Pipeline and a Tensor split. .float() is a no-op on float32 input: no copy per step."""
+    return logits.float().argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
     """One token id per row of logits [B, V] (float32)."""
-    greedy = logits.argmax(dim=-1)
+    greedy_ids = greedy(logits)
     if all(r.temperature <= 0 for r in rows):
-        return greedy.tolist()
+        return greedy_ids.tolist()
     drawn = draw(distribution(logits, rows), [r.generator for r in rows])
     is_greedy = torch.tensor([r.temperature <= 0 for r in rows], device=logits.device)
-    return torch.where(is_greedy, greedy, drawn).tolist()
+    return torch.where(is_greedy, greedy_ids, drawn).tolist()
 
 
 def distribution(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
