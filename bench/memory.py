@@ -9,10 +9,15 @@ runtime overhead itself (its weights are a few MB).
 Not yet here (issue 41's Benchmark, other parts): predicted vs measured per rank, capped nodes, tok/s, major
 faults per token, KV bits rows.
 
-Measured 2026-12-05 on the 2-core x86 VM (shared, loaded), `--models bench100m`, kv_cache_gb 0.05, MiB:
-  before (safe_open's mapping kept, q/k/v and gate/up stacked by torch.cat):
-  after (pread into the kept buffers, stacked in place):
-  (see the report of branch h-share for the figures)
+Measured 2026-12-05 on the 2-core x86 VM (shared, loaded), default flags (kv_cache_gb 0.05), the 100M bench model
+(float32 as it ships; int4 at load), MiB, before (safe_open's mapping kept, q/k/v and gate/up stacked by torch.cat)
+-> after (pread into the kept buffers, stacked in place):
+  f32  1 rank   shard 397.6  RSS 1140.5 -> 879.2 (file-backed 567.5 -> 169.6)  peak 1140.5 -> 879.2  ratio 2.87 -> 2.21
+  f32  2 ranks  shard 198.8  RSS  787.4 -> 655.8 / 691.2 -> 560.9            peak 787.4 / 691.2 -> 655.8 / 669.6
+  int4 1 rank   shard  56.2  RSS  553.1 -> 539.8                             peak  891.1 -> 539.8
+  int4 2 ranks  shard  28.2  RSS  519.8 -> 487.5 / 391.3 -> 391.0            peak 705.9 / 547.5 -> 490.2 / 391.0
+The demo model's runners (1.3 MiB of weights) hold 362-483 MiB: the runtime overhead, the same before and after;
+RSS less shard is 457-484 MiB after, at every placement.
 Run: .venv/bin/python bench/memory.py [--models demo,bench100m,bench700m] [--quant none,int4] [--ranks 1,2]
 """
 

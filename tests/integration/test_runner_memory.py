@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from skulk.engines.torch.footprint import checkpoint_tensors
+from skulk.engines.torch.footprint import RUNTIME_OVERHEAD_BYTES, checkpoint_tensors
 from skulk.models.demo import BENCH_MODEL_ID
 from skulk.testing.memory import delete_instance, place_and_measure
 
@@ -42,6 +42,7 @@ def test_a_runner_holds_its_shard_once(node: Cluster) -> None:
         assert rank.shard > 400_000_000, rank.row()
         assert rank.rss <= rank.bound, rank.row()
         assert rank.peak <= rank.bound + largest, rank.row()
-        assert rank.file < rank.shard / 4, f"weights kept as mapped file pages: {rank.row()}"
+        # file-backed pages are the libraries' (~170 MiB here), not the weights' (mapped, they were 567 MiB)
+        assert rank.file < RUNTIME_OVERHEAD_BYTES / 2, f"weights kept as mapped file pages: {rank.row()}"
     finally:
         delete_instance(api, instance_id, [api])
