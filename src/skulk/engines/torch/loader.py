@@ -1,13 +1,20 @@
 """Load one slice and one tensor-parallel shard of a Hugging Face checkpoint, reading only the bytes it owns.
 
-safetensors files are memory-mapped and sliced per tensor, so a pipeline stage holding layers 8-15 never
-reads layers 0-7, and a tensor-parallel rank reads only its rows or columns of each split weight.
+Each tensor is read from its safetensors file with plain reads straight into the buffer the model keeps
+(tensor_file.py), so a pipeline stage holding layers 8-15 never reads layers 0-7, a tensor-parallel rank reads
+only its rows or columns of each split weight, and a rank holds its shard once: q/k/v and gate/up are read into
+consecutive rows of one buffer that fuse_projections then uses as it is, a weight quantized while loading
+replaces its float original one tensor at a time, and no mapping of the file outlives the load (issue 41).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
 import re
+import sys
 from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -15,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from skulk.formats import InvalidModelFile
@@ -23,7 +29,7 @@ from skulk.formats.checkpoint import read_config, safetensors_header
 
 from .config import ModelArgs, parse_dtype
 from .gguf_file import open_gguf
-from .layers import AllReduce, fuse_projections
+from .layers import MLP, AllReduce, Attention, fuse_projections
 from .model import ModelSlice, tp_split_dim
 from .quant import (
     QuantizedEmbedding,
@@ -35,6 +41,7 @@ from .quant import (
     quant_spec,
     unpack_mlx,
 )
+from .tensor_file import TensorFile, TensorSlice
 
 _INDEX_FILE = "model.safetensors.index.json"
 GGUF_SUFFIX = ".gguf"
@@ -73,9 +80,12 @@ def load_model(
         if quant is not None:
             _quantize_modules(model, names, quant, Split(tp_rank, tp_size))
         expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if t.is_meta}
-        tensors = _read_tensors(model_dir.name, names, expected, args, tp_rank, tp_size, torch.device(device))
+        tensors = _read_tensors(model_dir.name, names, expected, _stacked_destinations(model, expected, args.dtype,
+                                torch.device(device)), Split(tp_rank, tp_size))
     model.load_state_dict(tensors, strict=False, assign=True)
+    del tensors
     fuse_projections(model)
+    release_free_memory()
     return model.eval().requires_grad_(False)
 
 
@@ -111,8 +121,7 @@ def _stacked_experts(files: dict[str, Path]) -> dict[str, tuple[str, int]]:
 def _leading_dim(path: Path, name: str) -> int:
     if path.suffix == GGUF_SUFFIX:
         return open_gguf(path).shape(name)[0]
-    with safe_open(str(path), framework="pt") as f:
-        return int(f.get_slice(name).get_shape()[0])
+    return int(safetensors_header(path)[name]["shape"][0])
 
 
 @dataclass
@@ -135,19 +144,18 @@ class CheckpointNames:
         """Quantized values come packed in uint32 words (MLX's safetensors), not one per byte (a GGUF file)."""
         return not any(path.suffix == GGUF_SUFFIX for path in self.files.values())
 
-    def read(self, tensor: str, dim: int | None, split: Split) -> torch.Tensor:
-        """A whole tensor, or this rank's block along dim; one expert's matrix of a stacked tensor."""
+    def read(self, tensor: str, dim: int | None, split: Split, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A whole tensor, or this rank's block along dim; one expert's matrix of a stacked tensor. Into out
+        (its dtype and device) when given, else a new tensor in the file's dtype."""
         real, expert = self.stacked.get(tensor, (tensor, None))
         if real not in self.files:
             raise ValueError(f"checkpoint has no tensor {tensor}")
         path = self.files[real]
         if path not in self.handles:
-            gguf = path.suffix == GGUF_SUFFIX
-            if not gguf:
-                safetensors_header(path)  # bounds first (a pipeline stage opens only the files it holds)
-            self.handles[path] = open_gguf(path) if gguf else self.stack.enter_context(
-                safe_open(str(path), framework="pt"))
-        return _shard(self.handles[path].get_slice(real), dim, split.rank, split.size, expert)
+            # a safetensors header is checked against its file as it opens (a stage opens only the files it holds)
+            self.handles[path] = open_gguf(path) if path.suffix == GGUF_SUFFIX else self.stack.enter_context(
+                TensorFile(path))
+        return _shard(self.handles[path].get_slice(real), dim, split.rank, split.size, expert, out)
 
     def quant_path(self, base: str) -> str:
         """The module path a per-module quantization entry names: a stacked expert's is its switch_mlp tensor."""
@@ -170,21 +178,72 @@ def _read_tensors(
     name: str,
     names: CheckpointNames,
     expected: dict[str, tuple[int, ...]],
-    args: ModelArgs,
-    tp_rank: int,
-    tp_size: int,
-    device: torch.device,
+    destinations: dict[str, torch.Tensor],
+    split: Split,
 ) -> dict[str, torch.Tensor]:
+    """Every parameter still on the meta device, read into its destination: its rows of a stacked buffer, or a
+    buffer of its own in the slice's dtype."""
     loaded: dict[str, torch.Tensor] = {}
-    for param in expected:
-        source = names.source(param)
+    read: dict[tuple[str, int | None], torch.Tensor] = {}
+    for param, out in destinations.items():
+        source, dim = names.source(param), tp_split_dim(param)
         if source not in names:
             raise ValueError(f"{name}: checkpoint has no tensor {source}")
-        tensor = names.read(source, tp_split_dim(param), Split(tp_rank, tp_size))
-        if tuple(tensor.shape) != expected[param]:
-            raise ValueError(f"{source}: shape {tuple(tensor.shape)}, expected {expected[param]}")
-        loaded[param] = tensor.to(device=device, dtype=args.dtype)
+        if (same := read.get((source, dim))) is not None and same.shape == out.shape:
+            loaded[param] = same  # a tied lm_head beside its embedding: one tensor, not a copy
+            continue
+        try:
+            loaded[param] = read[(source, dim)] = names.read(source, dim, split, out)
+        except ShapeMismatch as exc:
+            raise ValueError(f"{source}: {exc}") from None
     return loaded
+
+
+class ShapeMismatch(ValueError):
+    """A checkpoint tensor (this rank's block of it) is not the shape its parameter has."""
+
+
+_STACKED = {Attention: ("q_proj", "k_proj", "v_proj"), MLP: ("gate_proj", "up_proj")}
+"""The projections fuse_projections stacks (layers.py), in its order."""
+
+
+def _stacked_destinations(model: ModelSlice, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                          device: torch.device) -> dict[str, torch.Tensor]:
+    """Where each parameter is read to (new tensors are allocated, not yet touched): the float projections that
+    fuse_projections stacks get consecutive rows of one buffer, which it then keeps as the stacked weight
+    instead of copying them (matmul.stack_rows); the others a buffer each."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        parts = next((p for kind, p in _STACKED.items() if isinstance(module, kind)), None)
+        for suffix in ("weight", "bias") if parts else ():
+            keys = [f"{name}.{part}.{suffix}" for part in parts or ()]
+            if not all(k in expected for k in keys):
+                continue  # a quantized or absent part: nothing stacks as float
+            rows = [expected[k][0] for k in keys]
+            buffer = torch.empty((sum(rows), *expected[keys[0]][1:]), dtype=dtype, device=device)
+            for key, block in zip(keys, buffer.split(rows), strict=True):
+                out[key] = block
+    return {param: out[param] if param in out else torch.empty(shape, dtype=dtype, device=device)
+            for param, shape in expected.items()}
+
+
+def release_free_memory() -> None:
+    """Hand the C allocator's free pages back to the system (glibc's malloc_trim): the temporaries of a load (a
+    tensor converted or quantized, parts replaced by their stacked form) leave free holes in the heap, which
+    would otherwise stay resident. Elsewhere a no-op."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return None
 
 
 @dataclass(frozen=True)
@@ -214,6 +273,7 @@ def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpe
             if isinstance(replacement, QuantizedLinear) and isinstance(module, nn.Linear):
                 replacement.out_dtype = getattr(module, "out_dtype", None)
             model.set_submodule(name, replacement)
+        release_free_memory()  # the float original and the quantizer's temporaries: holes the next one may not fit
 
 
 def _packed_embedding(names: CheckpointNames, base: str, quant: QuantSpec, dtype: torch.dtype) -> nn.Module | None:
@@ -257,16 +317,25 @@ def _quantized_float_linear(names: CheckpointNames, base: str, dim: int | None, 
 _PARTS = ("weight", "scales", "biases")
 
 
-def _shard(view: object, dim: int | None, rank: int, size: int, expert: int | None = None) -> torch.Tensor:
-    """Read a whole tensor, or this rank's contiguous block along dim, from a lazy safetensors slice; of a
-    stacked [experts, out, in] tensor, expert's matrix (dim counts within it)."""
-    shape = view.get_shape()  # type: ignore[attr-defined]
+def _shard(view: Any, dim: int | None, rank: int, size: int, expert: int | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Read a whole tensor, or this rank's contiguous block along dim, from a lazy slice (a TensorFile's or a
+    GGUF file's); of a stacked [experts, out, in] tensor, expert's matrix (dim counts within it). Into out when
+    given (ShapeMismatch before reading if the block is not its shape)."""
+    shape = view.get_shape()
     lead: list[int | slice] = [] if expert is None else [expert]
     index: list[int | slice] = lead + [slice(None)] * (len(shape) - len(lead))
     if dim is not None and size > 1:
         block = shape[len(lead) + dim] // size
         index[len(lead) + dim] = slice(rank * block, (rank + 1) * block)
-    return view[tuple(index)]  # type: ignore[index]
+    if out is None:
+        return view[tuple(index)]
+    block_shape = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape, strict=True) if isinstance(i, slice))
+    if block_shape != tuple(out.shape):
+        raise ShapeMismatch(f"shape {block_shape}, expected {tuple(out.shape)}")
+    if isinstance(view, TensorSlice):
+        return view.read(tuple(index), out)
+    return out.copy_(view[tuple(index)])
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:
@@ -283,9 +352,8 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     if gguf and not any(model_dir.glob("*.safetensors")):  # a GGUF model: one file, read natively
         return dict.fromkeys(open_gguf(gguf[0]).names(), gguf[0])
     for path in sorted(model_dir.glob("*.safetensors")):
-        safetensors_header(path)  # bounds first: a runner refuses a hostile header as the node does
-        with safe_open(str(path), framework="pt") as f:
-            files.update(dict.fromkeys(f.keys(), path))
+        # bounds first: a runner refuses a hostile header as the node does
+        files.update(dict.fromkeys((k for k in safetensors_header(path) if k != "__metadata__"), path))
     if not files:
         raise FileNotFoundError(f"no safetensors weights in {model_dir}")
     return files

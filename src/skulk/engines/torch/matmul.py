@@ -123,16 +123,17 @@ def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def stack_rows(parts: list[Linear]) -> Linear | None:
     """One Linear whose output is the parts' outputs side by side (q/k/v, gate/up), so a decode step makes one
-    kernel call where it made several; the parts' parameters become views of it (no memory is added). None when
-    their dtypes, devices or biases differ."""
+    kernel call where it made several; the parts' parameters become views of it (no memory is kept twice: the
+    loader reads the parts into consecutive rows of one buffer, which is used as it is). None when their
+    dtypes, devices or biases differ."""
     first = parts[0]
     if len({(p.weight.dtype, p.weight.device, p.bias is None) for p in parts}) != 1:
         return None
-    weight = torch.cat([p.weight for p in parts])
+    weight = stacked([p.weight for p in parts])
     fused = Linear(first.in_features, weight.shape[0], bias=first.bias is not None, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
     if first.bias is not None:
-        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)  # type: ignore[misc]
+        fused.bias = nn.Parameter(stacked([p.bias for p in parts]), requires_grad=False)  # type: ignore[misc]
     start = 0
     for part in parts:
         rows = slice(start, start + part.out_features)
@@ -141,3 +142,17 @@ def stack_rows(parts: list[Linear]) -> Linear | None:
             part.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
         start += part.out_features
     return fused
+
+
+def stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts one after another along their first dimension: the buffer they already are consecutive rows of
+    (loader.py reads stacked projections that way), else a new one (torch.cat)."""
+    first = parts[0]
+    at, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+    for part in parts:
+        if (not part.is_contiguous() or part.data_ptr() != at or part.untyped_storage().data_ptr() != storage
+                or part.dtype != first.dtype or part.shape[1:] != first.shape[1:]):
+            return torch.cat(parts)
+        at += part.numel() * part.element_size()
+    shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+    return first.detach().as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())

@@ -84,8 +84,26 @@ def fitting_group(columns: int, preferred: int) -> int | None:
 
 
 # --- MLX's affine format --------------------------------------------------------------------------------------
+QUANTIZE_ELEMENTS = 1 << 20
+"""Values quantized at a time: the float32 temporaries of quantizing one block of rows stay a few MiB, not
+several float32 copies of the whole matrix (a load's peak is one tensor above what it keeps, issue 41)."""
+
+
 def affine_quantize(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q uint8 [N, K], scales [N, K/group], biases [N, K/group]) with w ≈ scales * q + biases, as MLX does."""
+    """(q uint8 [N, K], scales [N, K/group], biases [N, K/group]) with w ≈ scales * q + biases, as MLX does;
+    rows are independent, so they are quantized a block at a time."""
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.uint8)
+    scales = torch.empty(n, k // group)
+    low = torch.empty(n, k // group)
+    rows = max(1, QUANTIZE_ELEMENTS // max(k, 1))
+    for start in range(0, n, rows):
+        block = slice(start, min(n, start + rows))
+        q[block], scales[block], low[block] = _affine_block(w[block], bits, group)
+    return q, scales, low
+
+
+def _affine_block(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, k = w.shape
     groups = w.float().reshape(n, k // group, group)
     low, high = groups.amin(-1), groups.amax(-1)
