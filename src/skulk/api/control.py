@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
@@ -13,6 +13,7 @@ from skulk.api.openapi import documented
 from skulk.api.previews import skulk_previews
 from skulk.api.security import OWNERS
 from skulk.api.services import ApiServices
+from skulk.engines.kv_pools import KV_BITS
 from skulk.master.engine_choice import instance_engine_error
 from skulk.master.placement import new_rendezvous_port, place
 from skulk.models.cards import get_card, with_quantization
@@ -235,7 +236,7 @@ def control_router(node: ApiServices) -> APIRouter:
         quantization: QuantizeAtLoad | None = None,
         kv_cache_gb: float | None = Query(default=None, gt=0, le=65536),
         max_context: int | None = Query(default=None, ge=2, le=1 << 24),
-        kv_cache_bits: KvCacheBits | None = None,
+        kv_cache_bits: int | None = Query(default=None, description="16, 8 or 4"),
     ) -> dict[str, Any]:
         """Skulk's shape: `{"previews": [{model_id, sharding, instance_meta, instance, memory_delta_by_node,
         error}]}`; `downloads` (each node's copy of the model) rides along for this project's own clients.
@@ -249,8 +250,10 @@ def control_router(node: ApiServices) -> APIRouter:
                 raise ApiError(ErrorCode.invalid_quantization, str(exc)) from exc
         shardings = [sharding] if sharding else list(Sharding)
         metas = [instance_meta] if instance_meta else list(InstanceMeta)
-        sizing = KvSizing(kv_cache_gb=kv_cache_gb, max_context=max_context,
-                          kv_cache_bits=kv_cache_bits if kv_cache_bits is not None else node.settings.kv_cache_bits)
+        if kv_cache_bits is not None and kv_cache_bits not in KV_BITS:  # a query's text: the Literal takes no "8"
+            raise ApiError(ErrorCode.invalid_request, f"kv_cache_bits must be one of {KV_BITS}, not {kv_cache_bits}")
+        bits = cast(KvCacheBits | None, kv_cache_bits) if kv_cache_bits is not None else node.settings.kv_cache_bits
+        sizing = KvSizing(kv_cache_gb=kv_cache_gb, max_context=max_context, kv_cache_bits=bits)
         found = skulk_previews(node.state, card, shardings, metas, set(excluded_node_ids), engine, sizing)
         wanted = ModelId(model_id)
         downloads = {n: d[wanted].model_dump(mode="json") for n, d in node.state.downloads.items() if wanted in d}
