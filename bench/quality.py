@@ -170,6 +170,7 @@ def kv_decode_tps(model: ModelSlice, ids: list[int], bits: int) -> float:
     table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
     with torch.inference_mode():
         prompt = torch.tensor([ids[:KV_CONTEXT]])
+        logits = torch.zeros(1, 1, model.args.vocab_size)
         for start in range(0, KV_CONTEXT, CHUNK):
             positions = torch.arange(start, min(start + CHUNK, KV_CONTEXT)).unsqueeze(0)
             logits = model(prompt[:, start : start + CHUNK], StepBatch.build(positions, table), cache, last_only=True)
