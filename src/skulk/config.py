@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from skulk.memory_limit import parse_amount
 from skulk.types.backends import EngineName
+from skulk.types.models import KvCacheBits
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,10 @@ class Settings(BaseModel):
     memory_reserve: str = "512MiB"
     """SKULK_MEMORY_RESERVE, --memory-reserve: kept back from placement under the limit (a size, or a fraction of
     the limit)."""
+    kv_cache_bits: KvCacheBits | None = None
+    """SKULK_KV_CACHE_BITS: 16, 8 or 4, the KV cache bits of a placement (or MetaInstance, or preview) made through
+    this node's API that sets no kv_cache_bits (None: the card's, else 16). The torch engine built outside placement
+    reads the same variable (engines/torch/core.kv_bits_or_default)."""
     link_bandwidth_seconds: float = Field(default=30.0, gt=0)
     """How often a node reads each peer's bandwidth (512 KiB; the round trip is sampled every second anyway)."""
     engines: list[EngineName] = []
@@ -212,6 +217,12 @@ class Settings(BaseModel):
         if base.node_cache_path is None:
             return base.model_copy(update={"node_cache_path": self.home / "staging"})
         return base.model_copy(update={"node_cache_path": base.node_cache_path.expanduser()})
+
+    @field_validator("kv_cache_bits", mode="before")
+    @classmethod
+    def _bits(cls, value: Any) -> Any:
+        """The environment's text "8" as the number 8 (the Literal takes numbers only)."""
+        return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
     @field_validator("memory_limit", "memory_reserve")
     @classmethod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
@@ -13,6 +13,7 @@ from skulk.api.openapi import documented
 from skulk.api.previews import skulk_previews
 from skulk.api.security import OWNERS
 from skulk.api.services import ApiServices
+from skulk.engines.kv_pools import KV_BITS
 from skulk.master.engine_choice import instance_engine_error
 from skulk.master.placement import new_rendezvous_port, place
 from skulk.models.cards import get_card, with_quantization
@@ -30,7 +31,7 @@ from skulk.types.commands import CancelCommand, Command, CreateInstance, DeleteI
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, new_id
 from skulk.types.instances import Instance, InstanceMeta, MlxRingInstance, Sharding
-from skulk.types.models import ModelCard, QuantizeAtLoad
+from skulk.types.models import KvCacheBits, ModelCard, QuantizeAtLoad
 from skulk.types.placement import InfoPending, KvCacheGb, KvSizing, MaxContext, NoConnectedCycle, PlacementError
 from skulk.types.state import State
 
@@ -57,10 +58,14 @@ class PlaceInstanceRequest(BaseModel):
     max_context: MaxContext | None = None
     """The longest context (prompt plus generation) the instance admits, capped by the model's own
     max_position_embeddings (unset: the model's own). Longer requests get a 400 naming the limit."""
+    kv_cache_bits: KvCacheBits | None = None
+    """16, 8 or 4: keys and values in the model's dtype, or quantized to int8 / int4 with float16 scales (about 1/2
+    or 1/3.5 of bf16's bytes a position, so a pool holds that much more context); torch engine only (unset: this
+    node's SKULK_KV_CACHE_BITS, else the card's, else 16)."""
 
     @property
     def sizing(self) -> KvSizing:
-        return KvSizing(kv_cache_gb=self.kv_cache_gb, max_context=self.max_context)
+        return KvSizing(kv_cache_gb=self.kv_cache_gb, max_context=self.max_context, kv_cache_bits=self.kv_cache_bits)
 
 
 class CreateInstanceRequest(BaseModel):
@@ -150,6 +155,7 @@ async def place_on_master(
         model_card=card_for(request),
         kv_cache_gb=request.kv_cache_gb,
         max_context=request.max_context,
+        kv_cache_bits=request.kv_cache_bits,
     )
     return await send_and_await_instance(node, command, planned.instance_id)
 
@@ -184,6 +190,8 @@ def control_router(node: ApiServices) -> APIRouter:
 
     @router.post("/place_instance", response_model=None, responses=documented(PlacedInstance, 400, 404, 503))
     async def place_instance(body: PlaceInstanceRequest) -> dict[str, Any]:
+        if body.kv_cache_bits is None and node.settings.kv_cache_bits is not None:
+            body = body.model_copy(update={"kv_cache_bits": node.settings.kv_cache_bits})
         planned = await place_with_grace(node, body)
         command_id = CommandId(new_id())
         instance = await place_on_master(node, body, planned, command_id)
@@ -228,11 +236,12 @@ def control_router(node: ApiServices) -> APIRouter:
         quantization: QuantizeAtLoad | None = None,
         kv_cache_gb: float | None = Query(default=None, gt=0, le=65536),
         max_context: int | None = Query(default=None, ge=2, le=1 << 24),
+        kv_cache_bits: int | None = Query(default=None, description="16, 8 or 4"),
     ) -> dict[str, Any]:
         """Skulk's shape: `{"previews": [{model_id, sharding, instance_meta, instance, memory_delta_by_node,
         error}]}`; `downloads` (each node's copy of the model) rides along for this project's own clients.
         `quantization`: the placements of the model quantized at load, as POST /place_instance would run it;
-        kv_cache_gb and max_context size the KV pool and context as a placement's would."""
+        kv_cache_gb, max_context and kv_cache_bits size the KV pool and context as a placement's would."""
         card = card_or_404(model_id)
         if quantization is not None:
             try:
@@ -241,7 +250,10 @@ def control_router(node: ApiServices) -> APIRouter:
                 raise ApiError(ErrorCode.invalid_quantization, str(exc)) from exc
         shardings = [sharding] if sharding else list(Sharding)
         metas = [instance_meta] if instance_meta else list(InstanceMeta)
-        sizing = KvSizing(kv_cache_gb=kv_cache_gb, max_context=max_context)
+        if kv_cache_bits is not None and kv_cache_bits not in KV_BITS:  # a query's text: the Literal takes no "8"
+            raise ApiError(ErrorCode.invalid_request, f"kv_cache_bits must be one of {KV_BITS}, not {kv_cache_bits}")
+        bits = cast(KvCacheBits | None, kv_cache_bits) if kv_cache_bits is not None else node.settings.kv_cache_bits
+        sizing = KvSizing(kv_cache_gb=kv_cache_gb, max_context=max_context, kv_cache_bits=bits)
         found = skulk_previews(node.state, card, shardings, metas, set(excluded_node_ids), engine, sizing)
         wanted = ModelId(model_id)
         downloads = {n: d[wanted].model_dump(mode="json") for n, d in node.state.downloads.items() if wanted in d}

@@ -22,6 +22,7 @@ from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId, new_id
 from skulk.types.instances import InstanceMeta, Sharding
 from skulk.types.meta_instances import MetaInstance
+from skulk.types.models import KvCacheBits
 from skulk.types.placement import KvCacheGb, MaxContext
 
 
@@ -39,6 +40,8 @@ class CreateMetaInstanceRequest(BaseModel):
     """The instance's KV pool in GiB, all ranks together (unset: the card's, else a share of free memory)."""
     max_context: MaxContext | None = None
     """The longest context the instance admits, capped by the model's own (unset: the model's own)."""
+    kv_cache_bits: KvCacheBits | None = None
+    """16, 8 or 4: the KV cache's bits (unset: this node's SKULK_KV_CACHE_BITS, else the card's, else 16)."""
 
 
 def meta_instances_router(node: ApiServices) -> APIRouter:
@@ -57,6 +60,7 @@ def meta_instances_router(node: ApiServices) -> APIRouter:
             node_ids=body.node_ids,
             kv_cache_gb=body.kv_cache_gb,
             max_context=body.max_context,
+            kv_cache_bits=body.kv_cache_bits if body.kv_cache_bits is not None else node.settings.kv_cache_bits,
         )
         command_id = CommandId(new_id())
         node.send_command(CreateMetaInstance(command_id=command_id, meta_instance=meta,

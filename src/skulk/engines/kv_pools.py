@@ -82,3 +82,31 @@ def group_pool_bytes(per_token: tuple[int, int], block_size: int, context: int, 
     least = blocks_for(context + 1, block_size)
     local = min(streams * least, local_pool_blocks(window, block_size, streams, chunk))
     return (per_token[0] * streams * least + per_token[1] * local) * block_size
+
+
+KV_BITS = (16, 8, 4)
+"""What a KV cache may be stored in: 16 (the model's own float dtype, unquantized; 4 bytes an element for a float32
+model), 8 (int8, symmetric, one scale per position and head) or 4 (int4 packed two a byte, symmetric, one scale per
+group of KV_GROUP elements of a position's head). llama.cpp's -ctk/-ctv q8_0/q4_0, vLLM's fp8 KV."""
+KV_GROUP = 32
+"""Elements of a head's key or value sharing one int4 scale (llama.cpp's q4_0 blocks are 32 too)."""
+SCALE_BYTES = 2
+"""A quantized cache's scales are float16."""
+
+
+def int4_group(head_dim: int) -> int:
+    """The int4 scale group for a head of head_dim elements: KV_GROUP where it divides head_dim, else the largest
+    even divisor of head_dim at most KV_GROUP (a head of 80 gets groups of 20)."""
+    return next(g for g in range(min(KV_GROUP, head_dim), 1, -1) if head_dim % g == 0 and g % 2 == 0)
+
+
+def kv_head_bytes(head_dim: int, bits: int, float_bytes: int) -> int:
+    """Bytes one position of one head's keys (or values) takes at `bits`: the model's floats at 16, else the
+    quantized elements and their float16 scales. The one rule for the engine's pools and placement's sizing."""
+    if bits == 16:
+        return head_dim * float_bytes
+    if bits == 8:
+        return head_dim + SCALE_BYTES
+    if bits == 4:
+        return head_dim // 2 + SCALE_BYTES * (head_dim // int4_group(head_dim))
+    raise ValueError(f"kv_cache_bits must be one of {KV_BITS}, not {bits}")

@@ -139,3 +139,31 @@ def instance_engine_error(
         if isinstance(chosen, EngineUnavailable):
             return chosen
     return None
+
+
+def choose_kv_engines(
+    card: ModelCard,
+    choice: EngineChoice,
+    ring: Sequence[NodeId],
+    backends: Mapping[NodeId, list[BackendTag]],
+    names: Mapping[NodeId, str] | None = None,
+    sharding: Sharding | None = None,
+) -> tuple[EngineName, ...] | EngineUnavailable:
+    """choose_engines for a card whose KV cache is quantized (kv_cache_bits 8 or 4), which only the torch engine
+    stores: `auto` then takes torch where every node has it, and a ring that would put an MLX rank in is refused
+    with a message that names the engine and the way out."""
+    chosen = choose_engines(card, choice, ring, backends, names, sharding)
+    bits = card.kv_cache_bits or 16
+    if bits == 16 or not isinstance(chosen, tuple) or "mlx" not in chosen:
+        return chosen
+    if choice == "auto":
+        on_torch = choose_engines(card, "torch", ring, backends, names, sharding)
+        if isinstance(on_torch, tuple):
+            return on_torch
+    node = ring[chosen.index("mlx")]
+    return EngineUnavailable(
+        node_id=node, node_name=(names or {}).get(node), engine="mlx", requested=choice,
+        advertised=list(node_tags(backends, node)), model_id=card.model_id,
+        compatible_backends=card.compatible_backends,
+        detail=f"kv_cache_bits {bits}: the mlx engine keeps its KV cache in 16 bits, and node {node} would run "
+               f"{card.model_id} on mlx; place with kv_cache_bits 16, or with engine torch on nodes that have it.")

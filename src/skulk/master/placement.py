@@ -23,7 +23,7 @@ from skulk.master.cycles import (
     rendezvous_host,
     rings_of_size,
 )
-from skulk.master.engine_choice import choose_engines
+from skulk.master.engine_choice import choose_kv_engines
 from skulk.master.memory_pool import usable_bytes
 from skulk.master.shard_plan import (
     RUNTIME_OVERHEAD_FACTOR,
@@ -36,7 +36,7 @@ from skulk.master.shard_plan import (
     plan_ring,
 )
 from skulk.master.speed import step_s_per_gb
-from skulk.models.cards import get_card
+from skulk.models.cards import get_card, with_kv_bits
 from skulk.types.backends import EngineChoice, EngineName
 from skulk.types.ids import InstanceId, NodeId, RunnerId
 from skulk.types.instances import (
@@ -215,7 +215,7 @@ def _evaluate(
     shape = _shape_error(card, sharding, len(ring))
     if shape is not None:
         return _Candidate(ring, error=shape)
-    chosen = choose_engines(card, engine, ring, state.node_backends, _node_names(state), sharding)
+    chosen = choose_kv_engines(card, engine, ring, state.node_backends, _node_names(state), sharding)
     if not isinstance(chosen, tuple):
         return _Candidate(ring, error=chosen)
     pending = [n for n in ring if n not in state.node_memory]
@@ -376,7 +376,9 @@ def place(
     whose nodes cannot all run the engine (engine_choice.py) is refused with EngineUnavailable. `sizing` sets the
     instance's context and KV pool (shard_plan); each node must fit its weights and its rank's pool.
     Returns the instance to put in a CreateInstance command, or the typed reason it cannot be placed.
+    sizing.kv_cache_bits (else the card's) goes on the card the instance runs: its pools are sized at those bits.
     """
+    card = with_kv_bits(card, sizing.kv_cache_bits)
     kv = _Kv.of(card, sizing)
     refused = _kind_or_model_error(card, sharding, instance_meta, kv)
     if refused is not None:
@@ -437,6 +439,7 @@ def preview_placements(
 
     Ordered by ring size, then node ids. Rings are capped like placement (cycles.MAX_CYCLE_NODES).
     """
+    card = with_kv_bits(card, sizing.kv_cache_bits)
     kv = _Kv.of(card, sizing)
     refused = _kind_or_model_error(card, sharding, instance_meta, kv)
     nodes = live_nodes(state.topology, excluded_nodes)

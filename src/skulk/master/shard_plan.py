@@ -20,6 +20,7 @@ from skulk.engines.kv_pools import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_PREFILL_CHUNK,
     hybrid_window,
+    kv_head_bytes,
     local_pool_blocks,
     split_pool,
 )
@@ -55,7 +56,8 @@ def loaded_bytes(card: ModelCard, engine: EngineName) -> int:
 
 
 def kv_bytes_per_token(card: ModelCard, n_layers: int, tensor_ways: int = 1) -> int:
-    """What one token position costs in the KV cache of `n_layers` layers (keys and values, the card's dtype).
+    """What one token position costs in the KV cache of `n_layers` layers (keys and values, in the card's dtype, or
+    at its kv_cache_bits: kv_pools.kv_head_bytes, the rule the engine's pools follow).
 
     Tensor ranks hold 1/tensor_ways of the key/value heads, so their cache is that fraction. An embedding model
     keeps no KV cache.
@@ -64,7 +66,7 @@ def kv_bytes_per_token(card: ModelCard, n_layers: int, tensor_ways: int = 1) -> 
         return 0
     head_dim = card.head_dim or card.hidden_size // card.num_attention_heads
     kv_heads = card.num_key_value_heads // tensor_ways
-    return 2 * n_layers * kv_heads * head_dim * DTYPE_BYTES[card.dtype]
+    return 2 * n_layers * kv_heads * kv_head_bytes(head_dim, card.kv_cache_bits or 16, DTYPE_BYTES[card.dtype])
 
 
 def kv_headroom_bytes(card: ModelCard, n_layers: int, tensor_ways: int = 1, context: int | None = None) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from skulk.store.files import model_dir_name
 from skulk.types.memory import Memory
-from skulk.types.models import ModelCard, QuantizeAtLoad
+from skulk.types.models import KvCacheBits, ModelCard, QuantizeAtLoad
 
 log = logging.getLogger("skulk.models")
 
@@ -76,6 +76,14 @@ def with_quantization(card: ModelCard, kind: QuantizeAtLoad | None) -> ModelCard
         embed = card.vocab_size * card.hidden_size
         size = stored * ratio + embed * (_FLOAT_BYTES[card.dtype] * (1 - ratio) + _QUANT_BYTES[kind])
     return card.model_copy(update={"quantize_at_load": kind, "storage_size": Memory.from_bytes(int(size))})
+
+
+def with_kv_bits(card: ModelCard, bits: KvCacheBits | None) -> ModelCard:
+    """card as it will run with its KV cache at `bits` (None: as the card says, 16 unless it sets its own), the
+    setting riding on the card to the runners as quantize_at_load does."""
+    if bits is None or bits == (card.kv_cache_bits or 16):
+        return card
+    return card.model_copy(update={"kv_cache_bits": bits})
 
 
 def know_card(card: ModelCard) -> None:

@@ -185,7 +185,7 @@ class Runner:
         return TorchEngine(self.spec.model_dir, start_layer=shard.start_layer, end_layer=shard.end_layer,
                            quantize=shard.model_card.quantize_at_load, prefill_chunk=self.spec.prefill_chunk_tokens,
                            max_seq=self.spec.context_length, kv_cache_bytes=self.spec.kv_cache_bytes,
-                           draft_dir=self.spec.draft_dir)
+                           kv_cache_bits=shard.model_card.kv_cache_bits, draft_dir=self.spec.draft_dir)
 
     def _build_distributed_engine(self, group: Group) -> TorchEngine:
         from skulk.runner.group import build_engine

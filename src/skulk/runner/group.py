@@ -174,6 +174,7 @@ def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str =
         quantize=shard.model_card.quantize_at_load,
         max_seq=spec.context_length,
         kv_cache_bytes=spec.kv_cache_bytes,
+        kv_cache_bits=shard.model_card.kv_cache_bits,
     )
     if spec.mixed:
         engine.share_prefixes = False

@@ -60,7 +60,8 @@ def desired_of(state: State) -> DesiredState:
     metas = {
         mid: MetaInstance(meta_instance_id=m.meta_instance_id, model_id=m.model_id, sharding=m.sharding,
                           instance_meta=m.instance_meta, min_nodes=m.min_nodes, node_ids=m.node_ids,
-                          kv_cache_gb=m.kv_cache_gb, max_context=m.max_context)
+                          kv_cache_gb=m.kv_cache_gb, max_context=m.max_context,
+                          kv_cache_bits=m.kv_cache_bits)
         for mid, m in state.meta_instances.items()
     }
     return DesiredState(meta_instances=metas, model_cards=dict(state.model_cards),

@@ -11,7 +11,7 @@ from .base import TaggedModel, tag_of
 from .ids import CommandId, InstanceId, MetaInstanceId, ModelId, NodeId
 from .instances import Instance, InstanceMeta, Sharding
 from .meta_instances import MetaInstance
-from .models import ModelCard
+from .models import KvCacheBits, ModelCard
 from .placement import KvCacheGb, KvSizing, MaxContext
 
 
@@ -91,10 +91,11 @@ class PlaceInstance(TaggedModel):
     """The card as the API node knows it (a model added on that node may be unknown to the master's catalog)."""
     kv_cache_gb: KvCacheGb | None = None
     max_context: MaxContext | None = None
+    kv_cache_bits: KvCacheBits | None = None
 
     @property
     def sizing(self) -> KvSizing:
-        return KvSizing(kv_cache_gb=self.kv_cache_gb, max_context=self.max_context)
+        return KvSizing(kv_cache_gb=self.kv_cache_gb, max_context=self.max_context, kv_cache_bits=self.kv_cache_bits)
 
 
 class SetTracingEnabled(TaggedModel):

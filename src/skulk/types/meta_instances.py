@@ -12,6 +12,7 @@ from .backends import EngineChoice
 from .base import CamelModel
 from .ids import MetaInstanceId, ModelId, NodeId
 from .instances import InstanceMeta, Sharding
+from .models import KvCacheBits
 from .placement import KvCacheGb, KvSizing, MaxContext
 
 MAX_INSTANCE_RETRIES = 3
@@ -31,10 +32,11 @@ class MetaInstance(CamelModel):
     node_ids: list[NodeId] | None = None
     kv_cache_gb: KvCacheGb | None = None
     max_context: MaxContext | None = None
+    kv_cache_bits: KvCacheBits | None = None
     placement_error: str | None = None
     consecutive_failures: int = 0
     last_failure_error: str | None = None
 
     @property
     def sizing(self) -> KvSizing:
-        return KvSizing(kv_cache_gb=self.kv_cache_gb, max_context=self.max_context)
+        return KvSizing(kv_cache_gb=self.kv_cache_gb, max_context=self.max_context, kv_cache_bits=self.kv_cache_bits)

@@ -10,6 +10,9 @@ from .ids import ModelId
 from .memory import Memory
 
 DType = Literal["float32", "bfloat16", "float16"]
+KvCacheBits = Literal[16, 8, 4]
+"""kv_cache_bits: how an instance stores its KV cache: 16, the model's own float dtype; 8 or 4, quantized keys and
+values with float16 scales (engines/kv_pools.py: the bytes a position costs), about 1/2 or 1/3.5 of bf16's."""
 QuantizeAtLoad = Literal["int4", "int8"]
 ModelTask = Literal["TextGeneration", "TextEmbedding"]
 """What a model serves: text generation (chat, completions) or text embedding (POST /v1/embeddings)."""
@@ -52,6 +55,10 @@ class ModelCard(CamelModel):
     quantize_at_load: QuantizeAtLoad | None = None
     """Float weights the engine quantizes while loading (weight-only int4/int8); storage_size is then the
     quantized estimate, which placement fits into node memory."""
+    kv_cache_bits: KvCacheBits | None = None
+    """The KV cache as the instance keeps it (a placement's kv_cache_bits, set on the card placement runs, as
+    quantize_at_load is): placement sizes the pool at these bits and the torch engine stores keys and values so.
+    None: 16 (the model's dtype)."""
     builtin: bool = False
     compatible_backends: list[BackendTag] | None = None
     """Skulk's hard filter: only nodes advertising one of these tags may run the model (None: any engine)."""

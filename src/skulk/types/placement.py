@@ -16,6 +16,7 @@ from .errors import ErrorCode
 from .ids import ModelId, NodeId
 from .instances import InstanceMeta, Sharding
 from .memory import GB, Memory
+from .models import KvCacheBits
 
 
 def _gb(memory: Memory) -> str:
@@ -36,10 +37,12 @@ MaxContext = Annotated[int, Field(ge=2, le=1 << 24)]
 
 
 class KvSizing(CamelModel):
-    """A placement's two knobs on the KV cache, as a placement request or a MetaInstance carries them."""
+    """A placement's knobs on the KV cache, as a placement request or a MetaInstance carries them. kv_cache_bits:
+    16, 8 or 4 (models.KvCacheBits; None: the card's, else 16)."""
 
     kv_cache_gb: KvCacheGb | None = None
     max_context: MaxContext | None = None
+    kv_cache_bits: KvCacheBits | None = None
 
 
 class PlacementError(TaggedModel):

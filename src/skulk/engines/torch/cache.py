@@ -19,6 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from skulk.engines.kv_pools import kv_head_bytes
+
+from . import kv_quant
+
 
 @dataclass(frozen=True, slots=True)
 class StepBatch:
@@ -99,6 +103,58 @@ class LayerCache:
         values = self.values[used].transpose(1, 2).reshape(b, self.values.shape[1], n * size, -1)
         return keys[:, :, :length], values[:, :, :length]
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block dst gets block src's keys and values."""
+        for pool in self.tensors:
+            pool[dst] = pool[src]
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every pool this layer holds (what its bytes are)."""
+        return self.keys, self.values
+
+
+class QuantizedLayerCache(LayerCache):
+    """Keys and values of one layer in 8 or 4 bits (kv_quant.py): the same block pools and tables, the elements
+    quantized ([num_blocks, n_kv_heads, block_size, packed width]) beside their float16 scales.
+
+    A step's writes are quantized as they are stored; its gathered blocks are dequantized once, to the
+    activations' dtype, and attended by the torch path. The CPU kernels, which read a float pool in place, never
+    see such a cache: their dtype checks (layers.py) find int8/uint8 pools and step aside."""
+
+    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, bits: int) -> None:
+        blocks, heads, size, dim = shape
+        self.bits, self.dtype = bits, dtype
+        packed = (blocks, heads, size, kv_quant.packed_width(dim, bits))
+        store = torch.int8 if bits == 8 else torch.uint8
+        self.keys, self.values = _pool(packed, store, device), _pool(packed, store, device)
+        scales = (blocks, heads, size, kv_quant.scale_groups(dim, bits))
+        self.key_scales, self.value_scales = _pool(scales, torch.float16, device), _pool(scales, torch.float16, device)
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks, rows = batch.write_index(self.keys.shape[2])
+        for x, data, scales in ((k, self.keys, self.key_scales), (v, self.values, self.value_scales)):
+            q, s = kv_quant.quantize(x.transpose(1, 2), self.bits)
+            data[blocks, :, rows] = q
+            scales[blocks, :, rows] = s
+        return self.gather(batch.tables, batch.kv_len)
+
+    def gather(self, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.keys.shape[2]
+        used = tables[:, : -(-length // size)].long()
+        b, n = used.shape
+        out = []
+        for data, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
+            full = kv_quant.dequantize(data[used], scales[used], self.bits, self.dtype)  # [b, n, H, size, D]
+            out.append(full.transpose(1, 2).reshape(b, data.shape[1], n * size, -1)[:, :, :length])
+        return out[0], out[1]
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.keys, self.values, self.key_scales, self.value_scales
+
 
 def _pool(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed pool. A large one on the CPU comes from fresh pages the kernel maps zeroed on first touch, so memory
@@ -127,25 +183,33 @@ class KVCache:
         device: torch.device | str = "cpu",
         local: tuple[bool, ...] = (),
         local_blocks: int = 0,
+        bits: int = 16,
     ) -> None:
+        """bits: 16 keeps the model's float dtype; 8 or 4 quantize (QuantizedLayerCache)."""
         self.num_blocks, self.block_size, self.local_blocks = num_blocks, block_size, local_blocks
+        self.bits = bits
         self.groups = [int(g) for g in local] or [0] * n_layers
         sizes = (num_blocks, local_blocks)
-        self.layers = [LayerCache((sizes[g], n_kv_heads, block_size, head_dim), dtype, torch.device(device))
-                       for g in self.groups]
+        where = torch.device(device)
+        self.layers = [
+            LayerCache((sizes[g], n_kv_heads, block_size, head_dim), dtype, where) if bits == 16
+            else QuantizedLayerCache((sizes[g], n_kv_heads, block_size, head_dim), dtype, where, bits)
+            for g in self.groups
+        ]
 
     def copy_block(self, src: int, dst: int, group: int = 0) -> None:
         """Copy-on-write: block dst gets block src's keys and values in every layer of the group."""
         for layer, g in zip(self.layers, self.groups, strict=True):
             if g == group:
-                layer.keys[dst] = layer.keys[src]
-                layer.values[dst] = layer.values[src]
+                layer.copy_block(src, dst)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.layers for t in (layer.keys, layer.values))
+        return sum(t.nbytes for layer in self.layers for t in layer.tensors)
 
     @staticmethod
-    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """KV bytes one position costs in a slice: a key and a value per kv head per layer."""
-        return 2 * n_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, bits: int = 16) -> int:
+        """KV bytes one position costs in a slice: a key and a value per kv head per layer, at `bits`
+        (kv_pools.kv_head_bytes, the rule placement sizes pools by)."""
+        float_bytes = torch.empty((), dtype=dtype).element_size()
+        return 2 * n_layers * n_kv_heads * kv_head_bytes(head_dim, bits, float_bytes)

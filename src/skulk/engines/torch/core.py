@@ -22,6 +22,7 @@ from skulk import memory_limit
 from skulk.engines.kv_pools import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_PREFILL_CHUNK,
+    KV_BITS,
     group_pool_bytes,
     group_pools,
     hybrid_window,
@@ -45,6 +46,18 @@ SPECULATE_ENV = "SKULK_SPECULATE"
 """0/off: no speculative decoding on a single rank either. For benchmarks: bench/split.py compares one rank with a
 split like for like (a split never speculates)."""
 OFF = ("0", "off", "false", "no")
+
+
+KV_BITS_ENV = "SKULK_KV_CACHE_BITS"
+"""The node's default KV cache bits for an engine whose placement sets none (config.Settings.kv_cache_bits)."""
+
+
+def kv_bits_or_default(bits: int | None) -> int:
+    """bits, else SKULK_KV_CACHE_BITS, else 16; ValueError for anything but 16, 8 or 4."""
+    value = bits if bits is not None else int(os.environ.get(KV_BITS_ENV) or 16)
+    if value not in KV_BITS:
+        raise ValueError(f"kv_cache_bits must be one of {KV_BITS}, not {value}")
+    return value
 
 
 class EngineCore:
@@ -71,6 +84,7 @@ class EngineCore:
         device: str | torch.device = "cpu",
         quantize: str | None = None,
         kv_cache_bytes: int | None = None,
+        kv_cache_bits: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         speculate: bool = True,
         draft_dir: Path | None = None,
@@ -79,7 +93,8 @@ class EngineCore:
         """max_seq: an optional cap on the context below the model's max_position_embeddings (a placement's
         max_context). kv_cache_bytes: the block pool's size on this rank (None: schedule.pool_blocks' default
         share of free memory); it always holds at least one request of the whole context. speculate: prompt-lookup
-        drafting (speculate.py) on a single rank. draft_dir: a draft model of the target's
+        drafting (speculate.py) on a single rank. kv_cache_bits: 16 (the model's dtype), 8 or 4 (quantized keys
+        and values, kv_quant.py; None: SKULK_KV_CACHE_BITS, else 16). draft_dir: a draft model of the target's
         tokenizer (a card's draft model), which drafts instead of prompt lookup (drafter.py);
         draft_quantize: its own at-load quantization (None: the target's)."""
         if max_batch < 1 or prefill_chunk < 1 or block_size < 1:
@@ -96,6 +111,9 @@ class EngineCore:
         positions = self.model.args.max_position_embeddings
         self.context_length = min(positions, max_seq) if max_seq is not None else positions
         self.max_batch, self.prefill_chunk, self.block_size = max_batch, prefill_chunk, block_size
+        self.kv_bits = kv_bits_or_default(kv_cache_bits)
+        if self.kv_bits != 16 and not isinstance(self.model, ModelSlice):
+            raise ValueError(f"kv_cache_bits {self.kv_bits}: this rank's engine keeps its KV cache in 16 bits")
         args = self.model.args
         sliding = [args.is_sliding(i) for i in range(args.num_hidden_layers)]
         self.local_window = hybrid_window(args.sliding_window, sliding)  # a hybrid model's sliding group; 0: none
@@ -139,18 +157,25 @@ class EngineCore:
         for a model of one group)."""
         size, context, streams = self.block_size, self.context_length, self.max_batch
         if not self.local_window:
-            return pool_blocks(kv_bytes, self.model.kv_bytes_per_token(), size, context, streams), 0
-        per_token = self.model.group_bytes_per_token()
+            return pool_blocks(kv_bytes, self._per_token(), size, context, streams), 0
+        per_token = self.model.group_bytes_per_token(bits=self.kv_bits)
         if kv_bytes is None:
             ceiling = group_pool_bytes(per_token, size, context, streams, self.local_window, self.prefill_chunk)
             kv_bytes = min(int(memory_limit.available_now() * DEFAULT_KV_FRACTION), ceiling)
         return group_pools(kv_bytes, per_token, size, context, streams, self.local_window, self.prefill_chunk)
 
+    def _per_token(self) -> int:
+        """KV bytes a position costs on this rank (an MLX stage of a mixed group counts its own, at 16 bits)."""
+        if self.kv_bits == 16:
+            return self.model.kv_bytes_per_token()
+        return self.model.kv_bytes_per_token(bits=self.kv_bits)
+
     def _make_cache(self) -> Any:
-        """The KV cache for the allocators' pools (a hybrid model's sliding layers in their own)."""
-        if self.local_blocks is None:
+        """The KV cache for the allocators' pools (a hybrid model's sliding layers in their own), at kv_bits."""
+        local = None if self.local_blocks is None else self.local_blocks.num_blocks
+        if self.kv_bits == 16 and local is None:  # an MLX stage of a mixed group takes neither
             return self.model.make_cache(self.blocks.num_blocks, self.block_size)
-        return self.model.make_cache(self.blocks.num_blocks, self.block_size, local_blocks=self.local_blocks.num_blocks)
+        return self.model.make_cache(self.blocks.num_blocks, self.block_size, local_blocks=local, bits=self.kv_bits)
 
     def _load_model(self, model_dir: Path, **kwargs: Any) -> ModelSlice:
         """This rank's slice (loader.load_model); a rank of another engine in a torch group computes with its own."""

@@ -93,25 +93,26 @@ class ModelSlice(nn.Module):
         return self.args.num_key_value_heads // self.tp_size
 
     def make_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                   local_blocks: int | None = None) -> KVCache:
+                   local_blocks: int | None = None, bits: int = 16) -> KVCache:
         """A paged cache of num_blocks blocks for this slice's layers and shard's heads; local_blocks: a hybrid
         model's sliding layers get their own pools of that many blocks (None: one pool size for every layer, read
-        through one block table)."""
+        through one block table); bits: 16 keeps keys and values in the model's dtype, 8 or 4 quantizes them."""
         local = self._sliding() if local_blocks is not None else ()
         return KVCache(
             len(self.layers), num_blocks, self.n_kv_heads, block_size, self.args.head_dim,
             dtype=dtype or self.args.dtype, device=self.rope.inv_freq.device, local=local,
-            local_blocks=local_blocks or 0,
+            local_blocks=local_blocks or 0, bits=bits,
         )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
-        """What one position of one request costs in this slice's cache."""
-        return KVCache.bytes_per_token(len(self.layers), self.n_kv_heads, self.args.head_dim, dtype or self.args.dtype)
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None, bits: int = 16) -> int:
+        """What one position of one request costs in this slice's cache at `bits`."""
+        return KVCache.bytes_per_token(len(self.layers), self.n_kv_heads, self.args.head_dim, dtype or self.args.dtype,
+                                       bits)
 
-    def group_bytes_per_token(self, dtype: torch.dtype | None = None) -> tuple[int, int]:
+    def group_bytes_per_token(self, dtype: torch.dtype | None = None, bits: int = 16) -> tuple[int, int]:
         """What one position costs in this slice's (full group, sliding group) pools of a hybrid model."""
         sliding = sum(self._sliding())
-        per = [KVCache.bytes_per_token(n, self.n_kv_heads, self.args.head_dim, dtype or self.args.dtype)
+        per = [KVCache.bytes_per_token(n, self.n_kv_heads, self.args.head_dim, dtype or self.args.dtype, bits)
                for n in (len(self.layers) - sliding, sliding)]
         return per[0], per[1]
 
