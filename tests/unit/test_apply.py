@@ -34,10 +34,23 @@ def test_events_must_arrive_in_order() -> None:
 
 
 def test_apply_is_pure() -> None:
-    before = State()
-    after = applied(InstanceCreated(instance=instance()), state=before)
-    assert before.instances == {} and before.last_event_applied_idx == -1
-    assert "inst" in after.instances and after.last_event_applied_idx == 0
+    """Every step of a history leaves the state it was given exactly as it was (a branch that wrote into a nested
+    dict or list of the old state would show here), and the new state differs."""
+    history: list = [
+        InstanceCreated(instance=instance()),
+        RunnerStatusUpdated(runner_id=RunnerId("r-n1"), runner_status=RunnerReady()),
+        TaskCreated(task=chat_task()),
+        TaskStatusUpdated(task_id=TaskId("t1"), task_status=TaskStatus.Running),
+        TaskFailed(task_id=TaskId("t1"), error_message="boom"),
+        InstanceDeleted(instance_id=instance().instance_id),
+    ]
+    state = State()
+    for idx, event in enumerate(history):
+        snapshot = state.model_dump(mode="json")
+        after = apply(state, IndexedEvent(idx=idx, event=event))
+        assert state.model_dump(mode="json") == snapshot, type(event).__name__
+        assert after.model_dump(mode="json") != snapshot and after.last_event_applied_idx == idx
+        state = after
 
 
 def test_runner_status_only_for_runners_of_known_instances() -> None:

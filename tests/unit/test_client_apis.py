@@ -53,7 +53,14 @@ def test_wire_shape_checker() -> None:
     recorded = {"a": 1, "m": {"<any>": {"x": "s"}}, "o": "<number|null>", "l": [{"k": True}], "e": {"<extra_ok>": 1}}
     assert shape_mismatches(recorded, {"a": 2.5, "m": {"n1": {"x": "t"}}, "o": None, "l": [], "e": {"z": 1}}) == []
     problems = shape_mismatches(recorded, {"a": "1", "m": {"n1": {}}, "o": "x", "l": [{"k": 1}], "e": {}, "z": 0})
-    assert len(problems) == 5, problems
+    assert [p.split(": ", 1) for p in problems] == [
+        ["$.z", "not in the recorded shape"], ["$.a", "expected number, got string ('1')"], ["$.m.n1.x", "missing"],
+        ["$.o", "expected <number|null>, got string ('x')"], ["$.l[0].k", "expected boolean, got number (1)"],
+    ]
+    # an extra key is tolerated only where the recording says so (<extra_ok>), never below it
+    assert shape_mismatches({"e": {"y": 1}}, {"e": {"y": 1, "z": 1}}) == ["$.e.z: not in the recorded shape"]
+    assert shape_mismatches({"e": {"y": {"q": 1}}}, {"e": {"y": {"q": 1, "r": 2}}}, extra_ok=True) == [
+        "$.e.y.r: not in the recorded shape"]
 
 
 def test_claude_request_to_chat() -> None:

@@ -138,6 +138,7 @@ def drain(engine: TorchEngine) -> dict[str, list[int]]:
     return tokens
 
 
+@pytest.mark.slow  # a real engine (and rank processes): `make test`, not the fast lane
 def test_a_long_gemma_prompt_holds_only_its_windows_blocks_in_the_sliding_pool(gemma: Path,
                                                                               cold: dict[str, list[int]]) -> None:
     """Prompt and reply of 80 positions (5 windows): after each decode step the global pool holds every position's
@@ -164,6 +165,7 @@ def test_a_long_gemma_prompt_holds_only_its_windows_blocks_in_the_sliding_pool(g
         assert usage["kv_local_blocks_held"] == 0 and usage["kv_local_blocks_cached"] > 0
 
 
+@pytest.mark.slow  # a real engine (and rank processes): `make test`, not the fast lane
 def test_a_gemma_prefix_longer_than_the_window_is_shared_by_both_groups(gemma: Path,
                                                                         cold: dict[str, list[int]]) -> None:
     """A second prompt starting with the first's 40 tokens reuses them (its sliding table shares the last window's
@@ -183,6 +185,7 @@ def test_a_gemma_prefix_longer_than_the_window_is_shared_by_both_groups(gemma: P
     assert reused["b"] >= 40 - SIZE and reused["c"] >= 40 - SIZE  # past the window: both groups served it
 
 
+@pytest.mark.slow  # a real engine (and rank processes): `make test`, not the fast lane
 def test_preempted_gemma_requests_resume_to_the_same_tokens(gemma: Path, cold: dict[str, list[int]]) -> None:
     """Pools of one request each (the least a budget gets: 33 global blocks, the sliding pool one chunk past a
     window): three requests queue and preempt each other, in both pools, and still generate what they do alone."""
@@ -244,6 +247,7 @@ def test_placement_sizes_a_gemma_pool_by_each_groups_real_bytes() -> None:
     assert local_cap(mistral) == 0 and group_bytes_per_token(mistral, 0, 32)[1] == 0  # every layer slides: one group
 
 
+@pytest.mark.slow  # a real engine (and rank processes): `make test`, not the fast lane
 def test_two_tensor_ranks_keep_identical_sliding_tables(gemma: Path, tmp_path: Path) -> None:
     """Gemma with 2 KV heads split over 2 Tensor ranks (float32: the split's partial sums round like one rank's
     at this size): each rank holds every layer's half of the heads in both pools, through the same two tables per
@@ -271,6 +275,7 @@ def test_two_tensor_ranks_keep_identical_sliding_tables(gemma: Path, tmp_path: P
     assert json.loads(out.read_text())["tokens"] == expected
 
 
+@pytest.mark.slow  # a real engine (and rank processes): `make test`, not the fast lane
 def test_two_pipeline_ranks_keep_identical_sliding_tables(gemma: Path, tmp_path: Path) -> None:
     """Rank 0 holds only sliding layers (0-2: its global pool costs it nothing), rank 1 the global layer 5 among
     sliding ones: both follow rank 0's headers (micro-batched: rank 0 runs a step ahead) into the same two tables

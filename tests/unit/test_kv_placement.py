@@ -10,10 +10,10 @@ import math
 import pytest
 from pydantic import ValidationError
 
+from skulk.engines.kv_pools import DEFAULT_KV_FRACTION
 from skulk.master.placement import place, preview_placements
 from skulk.master.reconcile import with_committed
 from skulk.master.shard_plan import (
-    DEFAULT_KV_FRACTION,
     MAX_STREAMS,
     RUNTIME_OVERHEAD_FACTOR,
     kv_bytes_per_token,
@@ -204,11 +204,11 @@ def test_a_restart_keeps_the_meta_instances_sizing() -> None:
 
 
 def test_placements_defaults_are_the_engines() -> None:
-    """Placement never imports the engine (torch); the constants it mirrors must stay equal."""
+    """Placement never imports the engine (torch); the streams constant it mirrors must stay equal (the KV share
+    has one home both read, kv_pools.DEFAULT_KV_FRACTION)."""
     from skulk.engines.torch.engine import DEFAULT_MAX_BATCH
-    from skulk.engines.torch.schedule import DEFAULT_KV_FRACTION as ENGINE_FRACTION
 
-    assert (MAX_STREAMS, DEFAULT_KV_FRACTION) == (DEFAULT_MAX_BATCH, ENGINE_FRACTION)
+    assert MAX_STREAMS == DEFAULT_MAX_BATCH
 
 
 def test_the_instance_carries_its_sizing_over_the_wire() -> None:

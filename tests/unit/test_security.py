@@ -171,3 +171,20 @@ def test_an_error_echoing_a_lone_surrogate_still_encodes() -> None:
 
     error = ApiError(ErrorCode.model_not_found, "model 'a\ud800' not found")
     assert error.message.encode("utf-8") == b"model 'a\\ud800' not found"
+
+
+def test_the_node_app_refuses_keyless_requests_on_a_keyed_node(tmp_path: Any) -> None:
+    """create_app itself, not an app assembled here: removing install_security from it fails this test."""
+    from skulk.api.app import create_app
+
+    from .factories import api_services
+
+    settings = Settings(config=tmp_path / "skulk.yaml", home=tmp_path, api_keys=["u"], admin_keys=["a"])
+    app = create_app(api_services(settings=settings, home=tmp_path))
+    with TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1") as client:
+        assert client.get("/healthz").status_code == 200
+        for path in ("/state", "/v1/models", "/v1/diagnostics/node", "/config"):
+            refused = client.get(path)
+            assert refused.status_code == 401, (path, refused.status_code, refused.text[:200])
+            assert client.get(path, headers={"Authorization": "Bearer a"}).status_code == 200, path
+        assert client.get("/v1/diagnostics/node", headers={"Authorization": "Bearer u"}).status_code == 403

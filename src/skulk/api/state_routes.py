@@ -42,7 +42,7 @@ def state_router(node: ApiServices) -> APIRouter:
     @router.get("/state", response_model=None, responses=documented(StateView))
     async def get_state() -> dict[str, Any]:
         body = node.state.model_dump(mode="json")
-        event_log = getattr(node, "event_log", None)  # counting-only is this node's own fact, not state's
+        event_log = node.event_log  # counting-only is this node's own fact, not state's
         mine = [event_log_reason(event_log.counting_reason or "")] if event_log and event_log.counting_only else []
         health = cluster_health(node.state, datetime.now(UTC), {node.node_id: mine})
         body["nodeHealth"] = {n: h.model_dump(mode="json") for n, h in health.items()}

@@ -165,7 +165,7 @@ def store_router(node: ApiServices) -> APIRouter:
 
     @router.get("/store/storage", response_model=None, responses=documented(StorageView))
     async def storage() -> dict[str, Any]:
-        event_log = getattr(node, "event_log", None)  # the node's EventLog, None when it is off
+        event_log = node.event_log  # None when the event log is off
         used = event_log.bytes_on_disk if event_log is not None else 0
         return await asyncio.to_thread(files.storage, node.state, used)
 

@@ -17,6 +17,11 @@ from collections.abc import Sequence
 
 DEFAULT_BLOCK_SIZE = 32
 """Positions per KV block of the torch engine (placement sizes a hybrid model's local pool with it)."""
+DEFAULT_KV_FRACTION = 0.25
+"""With no kv_cache_gb (neither the placement's nor the card's), the share of the memory free after the weights
+that the KV pool takes: placement sizes each rank's pool with it (the tightest node of the ring), and the torch
+engine takes it of the memory available at load when built outside placement. The pool's pages are committed only
+as blocks are first used, so a mostly idle pool costs little."""
 DEFAULT_PREFILL_CHUNK = 512
 """Prompt tokens per prefill step of the torch engine (a local pool holds one chunk running ahead of its window)."""
 

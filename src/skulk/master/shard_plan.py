@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from skulk.engines.kv_pools import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_FRACTION,
     DEFAULT_PREFILL_CHUNK,
     hybrid_window,
     kv_head_bytes,
@@ -35,10 +36,6 @@ RUNTIME_OVERHEAD_FACTOR = 1.25
 
 DTYPE_BYTES: dict[DType, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-DEFAULT_KV_FRACTION = 0.25
-"""With no kv_cache_gb (neither the placement's nor the card's), the pool takes this share of what the tightest
-node of the ring has free after its weights: the same share the torch engine takes of free memory when built
-outside placement (engines/torch/schedule.DEFAULT_KV_FRACTION)."""
 MAX_STREAMS = 64
 """A default pool never holds more than this many requests of the whole context: the torch engine's concurrent
 streams per instance (engines/torch/engine.DEFAULT_MAX_BATCH); more positions would never be used."""

@@ -66,7 +66,7 @@ class ModelCard(CamelModel):
     """Skulk's soft order: under engine `auto`, the first of these every node of a ring can run wins."""
     kv_cache_gb: float | None = None
     """The KV pool a placement of this model reserves when the placement itself sets none (None: placement's
-    default share of free memory, shard_plan.DEFAULT_KV_FRACTION)."""
+    default share of free memory, kv_pools.DEFAULT_KV_FRACTION)."""
     draft_model: ModelId | None = None
     """A smaller model of the same tokenizer that drafts tokens for this one (speculative decoding, Skulk's
     "assistant drafter" companion). Used by a single-rank torch instance when the draft's files are on the node

@@ -30,7 +30,7 @@ def _ids(node_ids: list[NodeId]) -> str:
 
 KvCacheGb = Annotated[float, Field(gt=0, le=65536)]
 """kv_cache_gb: an instance's KV block pool in GiB, all ranks together (each rank holds its layers' or heads' share).
-Unset: the card's kv_cache_gb, else shard_plan.DEFAULT_KV_FRACTION of what each node has free after the weights."""
+Unset: the card's kv_cache_gb, else kv_pools.DEFAULT_KV_FRACTION of what each node has free after the weights."""
 MaxContext = Annotated[int, Field(ge=2, le=1 << 24)]
 """max_context: the longest context (prompt plus generation) an instance admits, capped by the model's own
 (max_position_embeddings). Unset: the model's own."""

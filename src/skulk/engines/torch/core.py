@@ -21,6 +21,7 @@ import torch
 from skulk import memory_limit
 from skulk.engines.kv_pools import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_FRACTION,
     DEFAULT_PREFILL_CHUNK,
     KV_BITS,
     group_pool_bytes,
@@ -35,7 +36,7 @@ from .links import GroupLink, Link, LocalLink, ShardKind, tensor_all_reduce
 from .loader import load_model
 from .model import ModelSlice
 from .requests import FaultHook, Request
-from .schedule import DEFAULT_KV_FRACTION, pool_blocks
+from .schedule import pool_blocks
 from .tokenizer import ChatTokenizer
 from .wire import NewRequest, Release, RequestEvent
 

@@ -13,13 +13,11 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from skulk import memory_limit
+from skulk.engines.kv_pools import DEFAULT_KV_FRACTION
 
 from .blocks import blocks_for
 from .wire import MAX_ADMITS, StepKind
 
-DEFAULT_KV_FRACTION = 0.25
-"""The share of the memory available at load that the KV pool takes when the placement sets no kv_cache_gb. The
-pool's pages are committed only as blocks are first used, so a mostly idle pool costs little."""
 MIN_CHUNK = 4
 """The smallest chunk riding on running streams' decode step. Below MIXED_STACK_ROWS a chunk token costs about the
 same from 1 token up (model.py), so the floor only bounds the steps a prompt takes; at 16 the floor itself put the
