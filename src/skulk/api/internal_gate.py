@@ -17,6 +17,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from skulk import internal_auth
 from skulk.internal_auth import Claim, Refusal
+from skulk.types.errors import ErrorCode
 
 _INTERNAL = [
     ("GET", r"/node/probe"), ("GET", r"/node/link_probe"), ("GET", r"/v1/diagnostics/node"),
@@ -57,10 +58,10 @@ def check(scope: Scope, value: bytes) -> Verdict:
     assert auth is not None
     found = auth.verify(scope["method"], target_path(scope), value.decode("latin-1"), frozenset({auth.node_id}))
     if isinstance(found, Refusal):
-        return Verdict(status=401, message=found.value, code="invalid_internal_token")
+        return Verdict(status=401, message=found.value, code=ErrorCode.invalid_internal_token.value)
     if not is_internal_route(scope["method"], scope["path"]):
         return Verdict(status=403, message=f"{scope['method']} {scope['path']} is not a call nodes make of each "
-                       "other; use an admin API key", code="internal_route_forbidden")
+                       "other; use an admin API key", code=ErrorCode.internal_route_forbidden.value)
     return Verdict(claim=found)
 
 

@@ -63,7 +63,7 @@ def _logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def _tool_choice_error(why: str) -> dict[str, Any]:
-    return error_body(why, kind="invalid_request_error", code="tool_choice_unmet", retryable=False)
+    return error_body(why, kind="invalid_request_error", code=ErrorCode.tool_choice_unmet.value, retryable=False)
 
 
 async def _stream_events(

@@ -192,7 +192,7 @@ async def response_events(session: ChatSession, r: ResponseBuilder, store: Clust
     tail, calls = held.finish(r.command_id) if held is not None else ("", [])
     unmet = unmet_tool_choice(r.forced, calls)
     if unmet is not None:
-        yield r.event("error", code="tool_choice_unmet", message=unmet, param=None)
+        yield r.event("error", code=ErrorCode.tool_choice_unmet.value, message=unmet, param=None)
         return
     if tail:
         for e in [] if opened else r.open_message():
