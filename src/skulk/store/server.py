@@ -179,8 +179,9 @@ class _Handler(BaseHTTPRequestHandler):
         except ApiError as exc:
             self._send_json(exc.status, error_body(exc.message, kind=exc.kind, code=exc.code))
             return
-        self._send_json(405, error_body(f"{self.command} is not allowed; the store is read-only",
-                                        kind="invalid_request_error", code=ErrorCode.method_not_allowed.value), allow="GET")
+        body = error_body(f"{self.command} is not allowed; the store is read-only", kind="invalid_request_error",
+                          code=ErrorCode.method_not_allowed.value)
+        self._send_json(405, body, allow="GET")
 
     do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed
 
