@@ -2,8 +2,12 @@
 
 skulk.yaml is validated strictly: an unknown key or a wrong type stops the node with a message that names the
 file, the key and what is allowed, because a silently ignored typo (`staging_keep_recnt_gb`) would leave an
-operator believing a budget is in force that is not. Every environment variable the node reads goes through
-`resolve`, so this module is the one place that says what a node can be told.
+operator believing a budget is in force that is not. Every setting of the node goes through `resolve` (file,
+environment, flag), so this module is the one place that says what a node can be told. Not settings, and read
+where they act: the runner's switches for tests and tuning (SKULK_FAULT, SKULK_POISON, SKULK_SCRIPT,
+SKULK_LINK_DELAY_MS, SKULK_AMX, SKULK_SPECULATE, SKULK_FLIGHT_RECORDER, SKULK_READY, SKULK_ENGINES,
+SKULK_GROUP_TIMEOUT_SECONDS, SKULK_WARMUP_DEADLINE_SECONDS, SKULK_MODEL_CACHE), the
+default KV bits (SKULK_KV_CACHE_BITS) and the CLI client's SKULK_API_KEY.
 """
 
 from __future__ import annotations
