@@ -56,6 +56,7 @@ from skulk.types.events import (
     NodeGatheredInfo,
     NodeRestartRequested,
     RunnerStatusUpdated,
+    TopologyEdgeDeleted,
 )
 from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId, new_id
 from skulk.types.meta_instances import MetaInstance
@@ -439,11 +440,20 @@ class Node:
             self.worker.compute.calibrated(figures)
 
     async def _probe_topology_forever(self) -> None:
+        misses: dict[NodeId, int] = {}
+        unreached: dict[NodeId, str] = {}  # why each peer without an answer had none, logged when it changes
         async with httpx.AsyncClient() as client:
             while True:
-                state = self.store.state
-                reachable = await topology.probe(client, state, self.node_id, self.links)
+                answers = await topology.probe(client, self.store.state, self.node_id, self.links)
+                reachable, misses = topology.debounced(self.store.state, self.node_id, answers, misses)
+                for peer, why in answers.items():
+                    if isinstance(why, str) and unreached.get(peer) != why:
+                        log.info("peer %s did not answer its probe: %s", peer[:8], why)
+                unreached = {p: why for p, why in answers.items() if isinstance(why, str)}
                 for event in topology.edge_events(self.store.state, self.node_id, reachable):
+                    if isinstance(event, TopologyEdgeDeleted):
+                        log.info("withdrawing the edge to %s: %s", event.connection.sink[:8],
+                                 answers.get(event.connection.sink))
                     self.local.emit(event)
                 self.links.forget_except({n for n, c in reachable.items() if c is not None})
                 if reachable and (own := await links.time_self(client, self._own_host(), self.api_port,

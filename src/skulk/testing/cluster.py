@@ -43,7 +43,9 @@ class Cluster:
     def form(self, count: int = 3, timeout: float = 60.0, **options: Any) -> list[LocalNode]:
         """Start `count` nodes (each bootstraps to the earlier ones) and wait until they form one cluster."""
         nodes = self.start(count, **options)
-        wait_until(lambda: formed(nodes), timeout, f"{count} nodes to form one cluster", lambda: why_not_formed(nodes))
+        wait_until(lambda: formed(nodes), timeout, f"{count} nodes to form one cluster",
+                   lambda: why_not_formed(nodes) + "".join(f"\n---- node{i} log ----\n{n.log_tail(15)}"
+                                                           for i, n in enumerate(nodes)))
         return nodes
 
     def master(self, nodes: list[LocalNode]) -> LocalNode:

@@ -21,6 +21,11 @@ from skulk.types.state import State
 from skulk.worker.links import LinkMeter
 
 PROBE_TIMEOUT_S = 1.0
+EDGE_MISSES = 3
+"""Consecutive failed probes (one a second) before this node withdraws its edge to a peer. One slow answer on a
+busy machine (a probe waits PROBE_TIMEOUT_S) withdrew the edge at once, and a withdrawn edge deletes every bound
+instance across it ("Network connection lost"); a cut cable still shows within a few seconds. A node that is gone
+is seen sooner anyway, by its liveliness token."""
 
 
 def probe_targets(state: State, me: NodeId) -> dict[NodeId, list[tuple[str, str | None]]]:
@@ -53,36 +58,61 @@ def edge_events(state: State, me: NodeId, reachable: dict[NodeId, Connection | N
     return events
 
 
-async def _reaches(client: httpx.AsyncClient, address: str, port: int, node: NodeId) -> float | None:
-    """Seconds the peer took to name itself at this address (the round-trip sample), None if it did not."""
+def debounced(
+    state: State, me: NodeId, reachable: dict[NodeId, Connection | str], misses: dict[NodeId, int]
+) -> tuple[dict[NodeId, Connection | None], dict[NodeId, int]]:
+    """Pure: the probe's answers as edge_events should take them, and the misses counted so far. A peer this node
+    has an edge to keeps it until EDGE_MISSES probes in a row failed (a str: why the last one did); a peer without
+    one gets it at its first answer."""
+    ours = {c.sink: c for c in state.topology.connections if c.source == me}
+    taken: dict[NodeId, Connection | None] = {}
+    counted: dict[NodeId, int] = {}
+    for node, found in reachable.items():
+        held = ours.get(node)
+        if isinstance(found, str) and held is not None and (missed := misses.get(node, 0) + 1) < EDGE_MISSES:
+            taken[node], counted[node] = held, missed
+        else:
+            taken[node] = found if isinstance(found, Connection) else None
+    return taken, counted
+
+
+async def _reaches(client: httpx.AsyncClient, address: str, port: int, node: NodeId) -> float | str:
+    """Seconds the peer took to name itself at this address (the round-trip sample), or why it did not."""
     try:
         started = time.perf_counter()
         reply = await client.get(f"http://{address}:{port}/node/probe", timeout=PROBE_TIMEOUT_S,
                                  auth=internal_auth.signer(node))
         elapsed = time.perf_counter() - started
-        genuine = reply.status_code == 200 and reply.json() == node and internal_auth.answered_by(reply, node)
-        return elapsed if genuine else None
-    except (httpx.HTTPError, ValueError):
-        return None
+        if reply.status_code != 200:
+            return f"{address}: HTTP {reply.status_code}"
+        if reply.json() != node or not internal_auth.answered_by(reply, node):
+            return f"{address}: answered by another node"
+        return elapsed
+    except (httpx.HTTPError, ValueError) as exc:
+        return f"{address}: {type(exc).__name__}"
 
 
 async def _first_reachable(
     client: httpx.AsyncClient, me: NodeId, node: NodeId, port: int, candidates: Iterable[tuple[str, str | None]],
     meter: LinkMeter | None,
-) -> Connection | None:
+) -> Connection | str:
+    why: list[str] = []
     for address, interface in candidates:
         rtt = await _reaches(client, address, port, node)
-        if rtt is not None:
-            if meter is not None:
-                meter.add_rtt(node, rtt)
-            return Connection(source=me, sink=node, sink_address=address, interface=interface)
-    return None
+        if isinstance(rtt, str):
+            why.append(rtt)
+            continue
+        if meter is not None:
+            meter.add_rtt(node, rtt)
+        return Connection(source=me, sink=node, sink_address=address, interface=interface)
+    return "; ".join(why) or "no address"
 
 
 async def probe(
     client: httpx.AsyncClient, state: State, me: NodeId, meter: LinkMeter | None = None
-) -> dict[NodeId, Connection | None]:
-    """Which peers answer, and at which address; each answer's time is a round-trip sample for `meter`."""
+) -> dict[NodeId, Connection | str]:
+    """Which peers answer, and at which address (else why not); each answer's time is a round-trip sample for
+    `meter`."""
     targets = probe_targets(state, me)
     found = await asyncio.gather(
         *(_first_reachable(client, me, node, state.node_api_ports[node], addrs, meter)
