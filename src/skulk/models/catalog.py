@@ -44,6 +44,7 @@ def list_entry(
         "tags": [card.family, card.dtype] + (["builtin"] if card.builtin else []),
         "storage_size_megabytes": round(card.storage_size.in_bytes / MB),
         "supports_tensor": card.supports_tensor,
+        "compatible_backends": card.compatible_backends,
         "tasks": list(card.tasks),
         "is_custom": is_custom(card.model_id),
         "family": card.family,

@@ -100,6 +100,3 @@ def attention_shape(config: Mapping[str, Any]) -> tuple[int, int | None]:
         return heads, int(config.get("qk_nope_head_dim") or 0) + int(config.get("qk_rope_head_dim") or 0) or None
     return int(config.get("num_key_value_heads") or heads), int(config["head_dim"]) if config.get("head_dim") else None
 
-
-def engine_names(engines: Collection[EngineName]) -> str:
-    return ", ".join(ENGINE_LABELS[e] for e in ENGINES if e in engines)
