@@ -214,13 +214,13 @@ def test_a_node_without_mlx_says_so_and_reports_only_torch(monkeypatch: pytest.M
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("mlx") else real(name))
-    mlx_engine.probe.cache_clear()
+    mlx_engine.probed.cache_clear()
     node_info.backends.cache_clear()
     try:
         assert mlx_engine.probe() == "mlx and mlx-lm are not installed"
         assert node_info.backends() == ["torch", "torch-cpu"]
     finally:
-        mlx_engine.probe.cache_clear()
+        mlx_engine.probed.cache_clear()
         node_info.backends.cache_clear()
 
 

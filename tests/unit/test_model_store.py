@@ -137,9 +137,9 @@ def test_card_from_config_and_unsupported_architecture() -> None:
     assert (card.family, card.n_layers, card.context_length) == ("qwen3", 28, 40960)
     entry = list_entry(card, created=0, where={})
     assert entry["storage_size_megabytes"] == 1434 and entry["hugging_face_id"] == "Qwen/Qwen3-0.6B"
-    with pytest.raises(UnsupportedArchitecture) as caught:
-        card_from_config("x/mamba", {"model_type": "mamba", "architectures": ["MambaForCausalLM"]}, 1)
-    assert "mamba" in str(caught.value) and "llama, qwen2, qwen3" in str(caught.value)
+    with pytest.raises(UnsupportedArchitecture) as caught:  # neither engine: torch's list nor mlx-lm's registry
+        card_from_config("x/none", {"model_type": "no_such_family", "architectures": ["NoSuchForCausalLM"]}, 1)
+    assert "no_such_family" in str(caught.value) and "llama, qwen2, qwen3" in str(caught.value)
     assert weight_bytes({"a.safetensors": 5, "b.safetensors": 6, "c.json": 100}, None) == 11
     assert weight_bytes({}, {"metadata": {"total_size": 42}}) == 42
 

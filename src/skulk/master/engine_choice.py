@@ -2,18 +2,18 @@
 and the request's `engine` (types/backends.py). Pure functions of their arguments, like placement.
 
 `auto` gives each node its best engine: the card's backend_preference, then MLX on Metal, then torch, then MLX;
-the first the node can run (and the card allows). Where the nodes of a Pipeline ring differ, the instance is
-mixed (`choose_engines`): each rank runs its node's engine and every rank speaks the torch engine's group wire
-(engines/mlx/mixed.py). Otherwise every rank runs one engine: for `auto` the first in that order (MLX first
-only when every node computes on Metal) that every node can run. A ring where none fits is refused with the
-node that lacks it and what to install there.
+the first the node can run and the card allows (a family only mlx-lm runs is carded MLX-only: models/families.py).
+Where the nodes of a Pipeline ring differ, the instance is mixed (`choose_engines`): each rank runs its node's
+engine and every rank speaks the torch engine's group wire (engines/mlx/mixed.py). Otherwise every rank runs one
+engine: for `auto` the first in that order (MLX first only when every node computes on Metal) that every node can
+run. A ring where none fits is refused with the node that lacks it and what to install there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from skulk.types.backends import ENGINES, BackendTag, EngineChoice, EngineName, engine_of
+from skulk.types.backends import ENGINES, BackendTag, EngineChoice, EngineName, allows, engine_of
 from skulk.types.ids import NodeId
 from skulk.types.instances import Sharding
 from skulk.types.models import ModelCard
@@ -57,7 +57,8 @@ def _order(card: ModelCard, choice: EngineChoice, ring_tags: Sequence[Sequence[s
     metal = bool(ring_tags) and all("mlx-metal" in tags for tags in ring_tags)
     order += ("mlx", "torch") if metal else ("torch", "mlx")
     order += ENGINES
-    return list(dict.fromkeys(order))
+    allowed: list[EngineName] = [e for e in order if allows(card.compatible_backends, e)]
+    return list(dict.fromkeys(allowed + order))  # a refusal names an engine the card allows
 
 
 def choose_engine(

@@ -12,6 +12,8 @@ from typing import Any
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import check_config_numbers
 from skulk.models.cards import is_custom
+from skulk.models.families import attention_shape, engines_running, refusal
+from skulk.types.backends import ENGINES, EngineName, backends_for
 from skulk.types.ids import ModelId
 from skulk.types.memory import Memory
 from skulk.types.models import ModelCard
@@ -42,6 +44,7 @@ def list_entry(
         "tags": [card.family, card.dtype] + (["builtin"] if card.builtin else []),
         "storage_size_megabytes": round(card.storage_size.in_bytes / MB),
         "supports_tensor": card.supports_tensor,
+        "compatible_backends": card.compatible_backends,
         "tasks": list(card.tasks),
         "is_custom": is_custom(card.model_id),
         "family": card.family,
@@ -53,36 +56,28 @@ def list_entry(
 
 
 def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -> ModelCard:
-    """A card from config.json and the bytes of the safetensors; UnsupportedArchitecture for anything the
-    torch engine (Llama 3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 3, Qwen3-MoE) cannot run. A multimodal Gemma 3
-    is carded by its language model (text_config, transformers' defaults filled in): the engine runs only that.
-    The engine's config readers are imported here, not at the top: they live beside torch, which the node process
-    never otherwise loads (6 s and ~280 MB at start on a loaded machine)."""
+    """A card from config.json and the bytes of the safetensors, accepted when some engine runs its family
+    (models/families.py: the torch engine its native families, the MLX engine what mlx-lm's registry loads);
+    its compatible_backends say which (None: every engine). UnsupportedArchitecture, naming the engines and what
+    to install, when none does. A multimodal Gemma 3 is carded by its language model (text_config,
+    transformers' defaults filled in): the engines run only that. The torch engine's config readers are
+    imported here, not at the top: they live beside torch, which the node process never otherwise loads (6 s
+    and ~280 MB at start on a loaded machine)."""
     from skulk.engines.torch.bert import ENCODER_MODEL_TYPES
-    from skulk.engines.torch.config import SLIDING, SUPPORTED_MODEL_TYPES, text_config, window_fields
-    from skulk.engines.torch.quant import quant_spec
 
     check_config_numbers(config, f"{model_id}'s config.json")
     model_type = str(config.get("model_type", ""))
     if model_type in ENCODER_MODEL_TYPES:
         return encoder_card(model_id, config, weight_bytes)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        architectures = ", ".join(config.get("architectures") or []) or "none given"
-        raise UnsupportedArchitecture(
-            f"{model_id} is a {model_type or 'model without model_type'} model (architectures: {architectures}); "
-            f"the engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models and {', '.join(ENCODER_MODEL_TYPES)} "
-            "sentence encoders"
-        )
-    try:
-        quant_spec(config, None)
-    except ValueError as exc:
-        raise UnsupportedArchitecture(f"{model_id}: {exc}") from exc
+    engines = _engines(model_id, config)
+    from skulk.engines.torch.config import SLIDING, text_config, window_fields
+
     quantization = config.get("quantization_config") or config.get("quantization")
     config = text_config(config)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if not config.get(k)]
     if missing:
         raise InvalidModelFile(f"{model_id}'s config.json has no {', '.join(missing)}")
-    heads = int(config["num_attention_heads"])
+    kv_heads, head_dim = attention_shape(config)
     window = window_fields(config, str(config.get("model_type", "")))
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     return ModelCard(
@@ -90,19 +85,43 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
         family=model_type,
         n_layers=int(config["num_hidden_layers"]),
         hidden_size=int(config["hidden_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        num_attention_heads=int(config["num_attention_heads"]),
+        num_key_value_heads=kv_heads,
         storage_size=Memory.from_bytes(weight_bytes),
         dtype=dtype if dtype in _DTYPES else "bfloat16",  # type: ignore[arg-type]
         quantization="none" if not quantization else str(quantization.get("bits", "quantized")),
         context_length=int(config.get("max_position_embeddings") or 4096),
         vocab_size=int(config["vocab_size"]) if config.get("vocab_size") else None,
-        head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
+        head_dim=head_dim,
         sliding_window=window.get("sliding_window"),
         sliding_layers=[i for i, kind in enumerate(window.get("layer_types", ())) if kind == SLIDING],
         supports_tensor=True,
         builtin=False,
+        compatible_backends=backends_for(engines),
     )
+
+
+def _engines(model_id: str, config: dict[str, Any]) -> tuple[EngineName, ...]:
+    """The engines that run this checkpoint (families.engines_running); UnsupportedArchitecture naming every
+    engine when none does. A torch-native family runs on every engine (mlx-lm loads each of them) unless its
+    quantization is one the torch kernels do not read; only then, or for a family torch does not run, is
+    mlx-lm's registry asked (the node's MLX probe, a child interpreter: a GGUF import never starts one)."""
+    from skulk.engines import mlx as mlx_engine
+    from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES
+    from skulk.engines.torch.quant import quant_spec
+
+    torch_reason = None
+    if str(config.get("model_type", "")) in SUPPORTED_MODEL_TYPES:
+        try:
+            quant_spec(config, None)
+            return ENGINES
+        except ValueError as exc:
+            torch_reason = f"the torch engine cannot load it: {exc}"
+    registry = mlx_engine.model_registry()
+    engines = engines_running(config, SUPPORTED_MODEL_TYPES if torch_reason is None else (), registry)
+    if not engines:
+        raise UnsupportedArchitecture(refusal(model_id, config, SUPPORTED_MODEL_TYPES, registry, torch_reason))
+    return engines
 
 
 def encoder_card(model_id: str, config: dict[str, Any], weight_bytes: int) -> ModelCard:

@@ -20,6 +20,12 @@ INSTALL: dict[EngineName, str] = {
     "mlx": "pip install mlx mlx-lm on macOS arm64, pip install 'mlx[cpu]' mlx-lm on Linux (x86_64, aarch64)",
 }
 """What to install on a node that lacks an engine, for the refusal that names it."""
+ENGINE_LABELS: dict[EngineName, str] = {"torch": "the torch engine", "mlx": "the MLX engine (mlx-lm)"}
+ENGINE_TAGS: dict[EngineName, tuple[BackendTag, ...]] = {
+    "torch": ("torch", "torch-cpu", "torch-cuda"),
+    "mlx": ("mlx", "mlx-metal", "mlx-cpu"),
+}
+"""Every tag of an engine: a card restricted to an engine allows each of them (its bare tag and computes)."""
 
 
 def engine_of(tag: str) -> EngineName | None:
@@ -30,3 +36,16 @@ def engine_of(tag: str) -> EngineName | None:
 
 def engines_of(tags: list[BackendTag] | list[str]) -> set[EngineName]:
     return {e for t in tags if (e := engine_of(t)) is not None}
+
+
+def backends_for(engines: tuple[EngineName, ...] | list[EngineName]) -> list[BackendTag] | None:
+    """A card's compatible_backends for the engines that run its family: None (any) when every engine does,
+    else every tag of those engines."""
+    if set(ENGINES) <= set(engines):
+        return None
+    return [t for e in ENGINES if e in engines for t in ENGINE_TAGS[e]]
+
+
+def allows(compatible: list[BackendTag] | None, engine: EngineName) -> bool:
+    """A card's compatible_backends admit some tag of this engine (None: every engine)."""
+    return compatible is None or any(engine_of(t) == engine for t in compatible)

@@ -10,7 +10,7 @@ from typing import Annotated, Literal, Self
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from .backends import INSTALL, BackendTag, EngineChoice, EngineName
+from .backends import INSTALL, BackendTag, EngineChoice, EngineName, allows
 from .base import CamelModel, TaggedModel, tag_of
 from .errors import ErrorCode
 from .ids import ModelId, NodeId
@@ -218,10 +218,11 @@ class EngineUnavailable(PlacementError):
                 f"{', '.join(self.compatible_backends)}; place it on nodes with one of those backends."
             )
         other = "torch" if self.engine == "mlx" else "mlx"
+        instead = f", place with engine {other}," if allows(self.compatible_backends, other) else ""
         return (
             f"node {name} cannot run the {self.engine} engine for model {self.model_id} (it advertises: {have}; "
             f"engine requested: {self.requested}). Install it on that node ({INSTALL[self.engine]}) and restart "
-            f"the node, place with engine {other}, or exclude the node."
+            f"the node{instead} or exclude the node."
         )
 
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import logging
 import platform
 import subprocess
 import sys
+
+from skulk.models.families import MlxRegistry
 
 log = logging.getLogger("skulk.engines.mlx")
 
@@ -38,26 +41,40 @@ def available() -> str | None:
     return None
 
 
-PROBE = "import mlx.core as mx, mlx_lm; mx.eval(mx.array([1.0]) + 1)"
+PROBE = [sys.executable, "-m", "skulk.engines.mlx.registry"]
+"""The probe's child: MLX computes here, and it prints mlx-lm's model registry (registry.py)."""
 PROBE_TIMEOUT_S = 60.0
 
 
 @functools.cache
-def probe() -> str | None:
-    """available(), answered by a child interpreter: None when MLX computes here, else why not (logged once)."""
+def probed() -> tuple[str | None, MlxRegistry | None]:
+    """available(), answered by a child interpreter: (None, mlx-lm's model registry) when MLX computes here,
+    else (why not, None), logged once. The node starts it once; the catalog reads the registry from it."""
+    registry = None
     if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
-        reason = "mlx and mlx-lm are not installed"
+        reason: str | None = "mlx and mlx-lm are not installed"
     else:
         try:
-            run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                                 timeout=PROBE_TIMEOUT_S, check=False)
+            run = subprocess.run(PROBE, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
             reason = None if run.returncode == 0 else (run.stderr.strip().splitlines() or ["exit"])[-1][:200]
-        except (OSError, subprocess.TimeoutExpired) as exc:
+            if reason is None:
+                registry = MlxRegistry.from_json(json.loads(run.stdout.strip().splitlines()[-1]))
+        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
     if reason is not None:
         log.info("the MLX engine is not available on this node (%s); it runs torch only. To add it: %s",
                  reason, install_hint())
-    return reason
+    return reason, registry
+
+
+def probe() -> str | None:
+    """None when MLX computes here (a child interpreter says so), else why not."""
+    return probed()[0]
+
+
+def model_registry() -> MlxRegistry | None:
+    """mlx-lm's model registry where the MLX engine runs here (None: it does not, so it claims no family)."""
+    return probed()[1]
 
 
 def is_metal() -> bool:

@@ -1,0 +1,102 @@
+"""Which engines run a model's family: a pure decision over its config.json.
+
+The torch engine runs its native families (engines/torch/config.SUPPORTED_MODEL_TYPES); the MLX engine runs every
+family mlx-lm's own registry loads: the model module `mlx_lm.models.<type>` after mlx-lm's remapping of model
+types (kimi_k2 → deepseek_v3, minimax_m2 → minimax, ...). That registry is read by the MLX probe's child
+interpreter (engines/mlx/registry.py), which the node starts anyway, so the node process never imports MLX.
+The catalog accepts a model some engine runs and writes which into the card (`compatible_backends`); a family
+none runs is refused with the engines that would and what to install.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from skulk.types.backends import ENGINE_LABELS, ENGINES, INSTALL, EngineName
+
+
+@dataclass(frozen=True, slots=True)
+class MlxRegistry:
+    """mlx-lm's model registry as its loader reads it (mlx_lm.utils._get_classes): the model modules it ships,
+    its model-type remapping and its (model type, architecture) remapping."""
+
+    version: str
+    modules: frozenset[str]
+    remapping: Mapping[str, str] = field(default_factory=dict)
+    architecture_remapping: Mapping[tuple[str, str], str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> MlxRegistry:
+        """The registry from the probe child's JSON (engines/mlx/registry.py)."""
+        return cls(
+            version=str(data.get("version", "?")),
+            modules=frozenset(str(m) for m in data.get("modules", ())),
+            remapping={str(k): str(v) for k, v in dict(data.get("remapping") or {}).items()},
+            architecture_remapping={(str(t), str(a)): str(m) for t, a, m in data.get("architecture_remapping", ())},
+        )
+
+    def module_for(self, model_type: str, architectures: Collection[str] = ()) -> str:
+        """The module mlx-lm would import for this config: an architecture remapping first, else the type's."""
+        for architecture in architectures:
+            found = self.architecture_remapping.get((model_type, architecture))
+            if found is not None:
+                return found
+        return self.remapping.get(model_type, model_type)
+
+    def runs(self, model_type: str, architectures: Collection[str] = ()) -> bool:
+        return bool(model_type) and self.module_for(model_type, architectures) in self.modules
+
+
+def architectures_of(config: Mapping[str, Any]) -> tuple[str, ...]:
+    found = config.get("architectures") or ()
+    return (found,) if isinstance(found, str) else tuple(str(a) for a in found)
+
+
+def engines_running(
+    config: Mapping[str, Any], torch_types: Collection[str], mlx: MlxRegistry | None
+) -> tuple[EngineName, ...]:
+    """The engines that run this config's family, in ENGINES order: torch when its model_type is one of
+    `torch_types`, MLX when mlx-lm's registry loads it (None: mlx-lm is not installed here, so MLX is not
+    claimed)."""
+    model_type = str(config.get("model_type") or "")
+    claims: dict[EngineName, bool] = {
+        "torch": model_type in torch_types,
+        "mlx": mlx is not None and mlx.runs(model_type, architectures_of(config)),
+    }
+    return tuple(e for e in ENGINES if claims[e])
+
+
+def refusal(
+    model_id: str, config: Mapping[str, Any], torch_types: Collection[str], mlx: MlxRegistry | None,
+    torch_reason: str | None = None,
+) -> str:
+    """Why no engine runs this model, naming each engine, what it runs and what to install: the 400 of
+    POST /models/add (unsupported_architecture). `torch_reason`: the torch engine knows the family but not
+    this checkpoint (its quantization)."""
+    model_type = str(config.get("model_type") or "")
+    architectures = ", ".join(architectures_of(config)) or "none given"
+    head = f"{model_id} is a {model_type or 'model without model_type'} model (architectures: {architectures})"
+    torch = torch_reason or f"{ENGINE_LABELS['torch']} runs {', '.join(torch_types)}"
+    if mlx is None:
+        how = (f"{ENGINE_LABELS['mlx']} runs the families mlx-lm loads, and mlx-lm is not installed on this node "
+               f"({INSTALL['mlx']})")
+    else:
+        how = (f"{ENGINE_LABELS['mlx']} runs {len(mlx.modules)} families and mlx-lm {mlx.version} has no model "
+               f"module {mlx.module_for(model_type, architectures_of(config))!r}; a newer mlx-lm may "
+               "(pip install -U mlx-lm)")
+    return f"{head}; no engine runs it: {torch}; {how}."
+
+
+def attention_shape(config: Mapping[str, Any]) -> tuple[int, int | None]:
+    """(KV heads, head width) for the card. Multi-head latent attention (DeepSeek V2/V3, Kimi K2) has no grouped
+    KV heads: every query head gets its own key (qk_nope_head_dim + qk_rope_head_dim wide) once the latent is
+    expanded, so the card says so rather than the config's num_key_value_heads/head_dim, which transformers
+    fills with other meanings (head_dim = the rope part). An upper bound on MLA's cache until the per-family
+    memory arithmetic sizes it."""
+    heads = int(config["num_attention_heads"])
+    if config.get("kv_lora_rank"):
+        return heads, int(config.get("qk_nope_head_dim") or 0) + int(config.get("qk_rope_head_dim") or 0) or None
+    return int(config.get("num_key_value_heads") or heads), int(config["head_dim"]) if config.get("head_dim") else None
+

@@ -1,0 +1,147 @@
+"""Which engines run a family (models/families.py): the torch engine its native list, the MLX engine what
+mlx-lm's own registry loads (read by the MLX probe's child interpreter). Published configs of the families people
+pool machines for, written down as the few keys the decision reads (no download); the cards built from them;
+the refusal that names the engines; and placement that keeps an MLX-only card off torch-only nodes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from skulk.engines import mlx as mlx_engine
+from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES
+from skulk.models.catalog import UnsupportedArchitecture, card_from_config
+from skulk.models.families import MlxRegistry, attention_shape, engines_running, refusal
+from skulk.types.backends import INSTALL, BackendTag, allows, backends_for
+from skulk.types.instances import MlxRingInstance
+from skulk.types.placement import EngineUnavailable
+from tests.unit.test_engine_choice import LINUX, LINUX_MLX, MAC, cluster, do_place
+from tests.unit.test_placement import card
+
+DEEPSEEK_V3: dict[str, Any] = {  # deepseek-ai/DeepSeek-V3's config.json (the keys read here)
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61,
+    "hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "vocab_size": 129280,
+    "max_position_embeddings": 163840, "torch_dtype": "bfloat16", "num_nextn_predict_layers": 1,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+}
+PUBLISHED: dict[str, dict[str, Any]] = {
+    "deepseek-ai/DeepSeek-V3": DEEPSEEK_V3,
+    "moonshotai/Kimi-K2-Instruct": {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]},
+    "zai-org/GLM-4.5-Air": {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]},
+    "openai/gpt-oss-20b": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+                           "quantization_config": {"quant_method": "mxfp4"}},
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]},
+    "MiniMaxAI/MiniMax-M2": {"model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"]},
+    "meta-llama/Llama-4-Scout-17B-16E-Instruct": {"model_type": "llama4",
+                                                  "architectures": ["Llama4ForConditionalGeneration"]},
+    "mistralai/Mixtral-8x7B-v0.1": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]},
+    "nvidia/Nemotron-H-8B-Base-8K": {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"]},
+}
+"""Each family's published model_type and architectures: every one is run by the MLX engine only."""
+MLX_ONLY: list[BackendTag] = ["mlx", "mlx-metal", "mlx-cpu"]
+TOY = MlxRegistry(version="0.0", modules=frozenset({"llama", "deepseek_v3", "minimax", "bailing_moe_v3"}),
+                  remapping={"mistral": "llama", "kimi_k2": "deepseek_v3", "minimax_m2": "minimax"},
+                  architecture_remapping={("bailing_hybrid", "BailingMoeV3ForCausalLM"): "bailing_moe_v3"})
+
+
+@pytest.fixture(scope="module")
+def registry() -> MlxRegistry:
+    """mlx-lm's own registry, as the node reads it: from the MLX probe's child interpreter."""
+    pytest.importorskip("mlx_lm")
+    found = mlx_engine.model_registry()
+    assert found is not None, mlx_engine.probe()
+    return found
+
+
+def test_mlx_lm_s_registry_decides_with_its_own_remapping() -> None:
+    """mlx-lm's lookup order: an architecture remapping, then the model-type remapping, then the type itself."""
+    assert TOY.module_for("kimi_k2") == "deepseek_v3" and TOY.runs("kimi_k2")
+    assert TOY.module_for("bailing_hybrid", ["BailingMoeV3ForCausalLM"]) == "bailing_moe_v3"
+    assert not TOY.runs("bailing_hybrid") and not TOY.runs("") and not TOY.runs("cache")
+    assert engines_running({"model_type": "mistral"}, SUPPORTED_MODEL_TYPES, TOY) == ("torch", "mlx")
+    assert engines_running({"model_type": "minimax_m2"}, SUPPORTED_MODEL_TYPES, TOY) == ("mlx",)
+    assert engines_running({"model_type": "deepseek_v3"}, SUPPORTED_MODEL_TYPES, None) == ()
+    assert MlxRegistry.from_json({"version": "0.0", "modules": sorted(TOY.modules),
+                                         "remapping": dict(TOY.remapping),
+                                         "architecture_remapping": [["bailing_hybrid", "BailingMoeV3ForCausalLM",
+                                                                     "bailing_moe_v3"]]}) == TOY
+
+
+@pytest.mark.parametrize("model_id", sorted(PUBLISHED))
+def test_the_families_that_need_a_cluster_run_on_the_mlx_engine(registry: MlxRegistry, model_id: str) -> None:
+    assert engines_running(PUBLISHED[model_id], SUPPORTED_MODEL_TYPES, registry) == ("mlx",), registry.version
+
+
+def test_the_torch_engine_s_own_families_run_everywhere(registry: MlxRegistry) -> None:
+    """Each native family: both engines (mlx-lm loads every one), and its card stays open to any backend."""
+    for model_type in SUPPORTED_MODEL_TYPES:
+        assert engines_running({"model_type": model_type}, SUPPORTED_MODEL_TYPES, registry) == ("torch", "mlx")
+    qwen3 = {"model_type": "qwen3", "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128}
+    made = card_from_config("Qwen/Qwen3-0.6B", qwen3, 1)
+    assert made.compatible_backends is None and (made.num_key_value_heads, made.head_dim) == (8, 128)
+
+
+def test_a_deepseek_v3_card_is_mlx_only_and_its_attention_is_not_llama_shaped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MLA: every query head has its own expanded key (nope + rope = 192 wide), not grouped KV heads; the FP8
+    checkpoint's quantization is not the torch engine's concern, since torch does not run the family."""
+    monkeypatch.setattr(mlx_engine, "model_registry", lambda: TOY)
+    made = card_from_config("deepseek-ai/DeepSeek-V3", DEEPSEEK_V3, 688_000_000_000)
+    assert made.compatible_backends == MLX_ONLY and made.family == "deepseek_v3" and made.n_layers == 61
+    assert (made.num_key_value_heads, made.head_dim) == (128, 192) == attention_shape(DEEPSEEK_V3)
+    assert made.model_dump(by_alias=True)["compatibleBackends"] == MLX_ONLY
+
+
+def test_a_family_no_engine_runs_is_refused_naming_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    unknown = {"model_type": "made_up", "architectures": ["MadeUpForCausalLM"], "num_hidden_layers": 2,
+               "hidden_size": 8, "num_attention_heads": 2}
+    monkeypatch.setattr(mlx_engine, "model_registry", lambda: TOY)
+    with pytest.raises(UnsupportedArchitecture) as caught:
+        card_from_config("x/made-up", unknown, 1)
+    said = str(caught.value)
+    assert "made_up" in said and "the torch engine runs llama, qwen2, qwen3" in said
+    assert "the MLX engine (mlx-lm)" in said and "mlx-lm 0.0 has no model module 'made_up'" in said
+    monkeypatch.setattr(mlx_engine, "model_registry", lambda: None)  # mlx-lm is not installed on this node
+    with pytest.raises(UnsupportedArchitecture) as caught:
+        card_from_config("deepseek-ai/DeepSeek-V3", DEEPSEEK_V3, 1)
+    assert "the MLX engine (mlx-lm) runs the families mlx-lm loads" in str(caught.value)
+    assert INSTALL["mlx"] in str(caught.value)
+    mlx4 = {**unknown, "model_type": "qwen3", "quantization": {"bits": 3, "group_size": 64}}
+    assert "the torch engine cannot load it" in refusal("x/q", mlx4, SUPPORTED_MODEL_TYPES, TOY, "the torch "
+                                                        "engine cannot load it: 3-bit")
+
+
+def test_a_quantization_torch_cannot_read_leaves_the_family_to_mlx(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mlx_engine, "model_registry", lambda: TOY)
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
+              "quantization": {"bits": 3, "group_size": 64}}
+    assert card_from_config("x/llama-3bit", config, 1).compatible_backends == MLX_ONLY
+
+
+def test_backend_tags_of_engines() -> None:
+    assert backends_for(("torch", "mlx")) is None and backends_for(("mlx",)) == MLX_ONLY
+    assert backends_for(("torch",)) == ["torch", "torch-cpu", "torch-cuda"]
+    assert allows(None, "torch") and allows(MLX_ONLY, "mlx") and not allows(MLX_ONLY, "torch")
+
+
+def test_an_mlx_only_card_is_placed_only_where_mlx_runs() -> None:
+    """Placement puts its ranks on MLX nodes (auto picks MLX even on Linux, where torch comes first), and a
+    cluster without the MLX engine is refused naming it and what to install, never suggesting torch."""
+    deepseek = card(family="deepseek_v3", compatible_backends=MLX_ONLY)
+    placed = do_place(cluster(a=LINUX, b=LINUX_MLX), c=deepseek)
+    assert isinstance(placed, MlxRingInstance) and placed.engines() == {"b": "mlx"}
+    on_a_mac = do_place(cluster(a=MAC), c=deepseek)
+    assert not isinstance(on_a_mac, EngineUnavailable)
+    refused = do_place(cluster(a=LINUX), c=deepseek)
+    assert isinstance(refused, EngineUnavailable) and refused.engine == "mlx" and refused.http_status == 400
+    said = refused.describe()
+    assert "cannot run the mlx engine" in said and INSTALL["mlx"] in said and "engine torch" not in said
+    explicit = do_place(cluster(a=LINUX_MLX), "torch", c=deepseek)
+    assert isinstance(explicit, EngineUnavailable) and "compatible only with mlx, mlx-metal, mlx-cpu" in (
+        explicit.describe())
