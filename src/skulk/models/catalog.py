@@ -12,6 +12,7 @@ from typing import Any
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import check_config_numbers
 from skulk.models.cards import is_custom
+from skulk.models.memory_math import card_memory
 from skulk.types.ids import ModelId
 from skulk.types.memory import Memory
 from skulk.types.models import ModelCard
@@ -78,6 +79,7 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
     except ValueError as exc:
         raise UnsupportedArchitecture(f"{model_id}: {exc}") from exc
     quantization = config.get("quantization_config") or config.get("quantization")
+    memory = card_memory(config, weight_bytes)
     config = text_config(config)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if not config.get(k)]
     if missing:
@@ -100,6 +102,7 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
         head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
         sliding_window=window.get("sliding_window"),
         sliding_layers=[i for i, kind in enumerate(window.get("layer_types", ())) if kind == SLIDING],
+        memory=memory,
         supports_tensor=True,
         builtin=False,
     )
