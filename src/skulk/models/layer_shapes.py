@@ -109,22 +109,30 @@ def layer_tensors(c: dict[str, Any], i: int, kind: LayerKind, moe: bool) -> list
     """Every weight of decoder layer i."""
     p = f"model.layers.{i}"
     h = int(c["hidden_size"])
-    norms = 4 if str(c.get("model_type", "")).startswith("gemma3") else 2
-    if c.get("hybrid_override_pattern") or c.get("layers_block_type"):
-        norms = 1  # Nemotron-H: one block per layer, one norm before it
+    blocks = bool(c.get("hybrid_override_pattern") or c.get("layers_block_type"))
+    norms = 1 if blocks else 4 if str(c.get("model_type", "")).startswith("gemma3") else 2
     out = [Tensor(f"{p}.norm{j}", (h,)) for j in range(norms)]
+    if blocks:  # Nemotron-H: each layer one block (Mamba 2, attention, MLP or MoE), one norm before it
+        return out + _block(c, p, kind, moe)
     if kind == "mla":
         out += _mla(c, p)
     elif kind == "linear":
         out += _gated_delta(c, p)
-    elif kind == "ssm":
-        return out + _mamba2(c, p)
-    elif kind != "mlp":
+    else:
         out += _attention(c, p)
-    if kind == "mlp" and not moe and (c.get("hybrid_override_pattern") or c.get("layers_block_type")):
-        inter = int(c["intermediate_size"])  # Nemotron-H's relu² MLP: up and down, no gate
-        return out + [Tensor(f"{p}.mixer.up_proj", (inter, h), True), Tensor(f"{p}.mixer.down_proj", (h, inter), True)]
     return out + (_moe(c, p) if moe else _mlp(c, p, _dense_inter(c)))
+
+
+def _block(c: dict[str, Any], p: str, kind: LayerKind, moe: bool) -> list[Tensor]:
+    """A Nemotron-H block's weights; its MLP is relu²: up and down, no gate."""
+    if kind == "ssm":
+        return _mamba2(c, p)
+    if kind != "mlp":
+        return list(_attention(c, p))
+    if moe:
+        return _moe(c, p)
+    h, inter = int(c["hidden_size"]), int(c["intermediate_size"])
+    return [Tensor(f"{p}.mixer.up_proj", (inter, h), True), Tensor(f"{p}.mixer.down_proj", (h, inter), True)]
 
 
 def _attention(c: dict[str, Any], p: str) -> Iterator[Tensor]:
