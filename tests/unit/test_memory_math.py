@@ -213,3 +213,22 @@ def test_deepseek_v3_4bit_previews_show_each_nodes_real_weights_and_kv(nodes: in
         assert r.needed.in_bytes < r.free.in_bytes
     assert tokens is not None and tokens >= c.context_length  # at least one whole 163,840-token context
     assert sum(r.weights.in_bytes for r in ranks) == m.loaded_bytes
+
+
+def test_a_store_copy_is_carded_from_its_safetensors_headers(tmp_path: Any) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from skulk.models.memory_math import checkpoint_tensor_bytes
+
+    config = {**MIXTRAL_8X7B, "model_type": "llama", "num_local_experts": 0, "num_hidden_layers": 2}
+    save_file({"model.embed_tokens.weight": np.zeros((8, 4), np.float16),
+               "model.layers.0.mlp.up_proj.weight": np.zeros((4, 4), np.float16),
+               "model.layers.1.mlp.up_proj.weight": np.zeros((4, 8), np.float16),
+               "model.norm.weight": np.zeros((4,), np.float16)}, str(tmp_path / "model.safetensors"))
+    tensors = checkpoint_tensor_bytes(tmp_path)
+    assert tensors["model.layers.1.mlp.up_proj.weight"] == 64
+    built = card_from_config("t/tiny", config, 64 + 32 + 64 + 8, tensors)
+    assert built.memory is not None and built.memory.source == "tensors"
+    # tied (no lm_head): rank 0 embedding 64 + layer 32; the last rank its layer 64, the norm 8 and the table 64
+    assert (built.memory.rank_weight_bytes(0, 1), built.memory.rank_weight_bytes(1, 2)) == (96, 136)

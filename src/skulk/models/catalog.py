@@ -7,6 +7,7 @@ refusing architectures the engine cannot run rather than failing later inside a 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from skulk.formats import InvalidModelFile
@@ -53,7 +54,9 @@ def list_entry(
     }
 
 
-def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -> ModelCard:
+def card_from_config(
+    model_id: str, config: dict[str, Any], weight_bytes: int, tensors: Mapping[str, int] | None = None
+) -> ModelCard:
     """A card from config.json and the bytes of the safetensors; UnsupportedArchitecture for anything the
     torch engine (Llama 3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 3, Qwen3-MoE) cannot run. A multimodal Gemma 3
     is carded by its language model (text_config, transformers' defaults filled in): the engine runs only that.
@@ -79,7 +82,7 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
     except ValueError as exc:
         raise UnsupportedArchitecture(f"{model_id}: {exc}") from exc
     quantization = config.get("quantization_config") or config.get("quantization")
-    memory = card_memory(config, weight_bytes)
+    memory = card_memory(config, weight_bytes, tensors)  # tensors: name -> bytes, where the headers were read
     config = text_config(config)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if not config.get(k)]
     if missing:

@@ -199,10 +199,14 @@ FILES_TOLERANCE = 0.03
 """How far the config's arithmetic may stray from the files' bytes and still be trusted for a card."""
 
 
-def card_memory(config: dict[str, Any], files_bytes: int) -> ModelMemory | None:
-    """The per-layer memory a card carries: the config's arithmetic when it accounts for the checkpoint's bytes
-    (loaded plus unrun within FILES_TOLERANCE of the files), else None and placement keeps its storage_size
-    estimate (a layout or companion this arithmetic does not know, a vision tower, a GGUF import's file)."""
+def card_memory(config: dict[str, Any], files_bytes: int, tensors: Mapping[str, int] | None = None
+                ) -> ModelMemory | None:
+    """The per-layer memory a card carries: the checkpoint's own tensor bytes where they were read (tensors:
+    name -> bytes), else the config's arithmetic when it accounts for the checkpoint's bytes (loaded plus unrun
+    within FILES_TOLERANCE of the files), else None and placement keeps its storage_size estimate (a layout or
+    companion this arithmetic does not know, a vision tower, a GGUF import's file)."""
+    if tensors:
+        return memory_from_tensors(config, tensors)
     memory = model_memory(config)
     if memory is None or files_bytes <= 0:
         return None
