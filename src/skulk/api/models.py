@@ -20,6 +20,7 @@ from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import MAX_CONFIG, parse_config, read_config
 from skulk.models.cards import add_custom_card, all_cards, get_card, is_custom
 from skulk.models.catalog import UnsupportedArchitecture, card_from_config, list_entry, weight_bytes
+from skulk.models.memory_math import checkpoint_tensor_bytes
 from skulk.state.queries import served_context
 from skulk.store.files import INDEX_FILE, MODEL_ID_PATTERN, is_complete, local_files, model_dir_name
 from skulk.store.hub import Hub, HubError, list_files
@@ -110,7 +111,8 @@ def build_card(hub: Hub, model_id: str, local: Path | None) -> ModelCard:
         config = read_config(local / "config.json")
         index_path = local / INDEX_FILE
         index = read_config(index_path) if index_path.exists() else None
-        return card_from_config(model_id, config, weight_bytes(local_files(local), index))
+        tensors = checkpoint_tensor_bytes(local)  # the real per-layer bytes (bounded header reads)
+        return card_from_config(model_id, config, weight_bytes(local_files(local), index), tensors)
     repo = list_files(hub, model_id)
     if "config.json" not in repo.files:
         raise HubError(ErrorCode.no_config, f"model {model_id} has no config.json")

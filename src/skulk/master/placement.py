@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from skulk.engines.torch.footprint import RUNTIME_OVERHEAD_BYTES, SHARD_SLACK
 from skulk.master.balance import speed_costs
 from skulk.master.cycles import (
     MAX_CYCLE_NODES,
@@ -197,7 +198,8 @@ def _insufficient(state: State, sharding: Sharding, ring: Ring, plan: NodePlan) 
         sharding=sharding,
         needed=Memory.from_bytes(plan.needed),
         weights_share=Memory.from_bytes(plan.weights_share),
-        overhead_factor=RUNTIME_OVERHEAD_FACTOR,
+        overhead_factor=SHARD_SLACK if plan.exact else RUNTIME_OVERHEAD_FACTOR,
+        runtime_overhead=Memory.from_bytes(RUNTIME_OVERHEAD_BYTES) if plan.exact else None,
         kv_pool=Memory.from_bytes(plan.kv_pool),
         available=Memory.from_bytes(plan.free),
         draft=Memory.from_bytes(plan.draft) if plan.draft else None,
@@ -411,6 +413,7 @@ def _preview(card: ModelCard, sharding: Sharding, meta: InstanceMeta, cand: _Can
             free=Memory.from_bytes(p.free),
             left_after=Memory.from_bytes(p.left_after),
             kv_pool=Memory.from_bytes(p.kv_pool),
+            weights=Memory.from_bytes(p.weights_share),
             engine=cand.engines[cand.ring.index(p.node_id)],
         )
         for rank, p in enumerate(cand.plans)

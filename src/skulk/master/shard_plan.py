@@ -25,10 +25,12 @@ from skulk.engines.kv_pools import (
     local_pool_blocks,
     split_pool,
 )
+from skulk.engines.torch.footprint import resident_bound
 from skulk.master.balance import balanced_layers, decode_bytes, memory_costs, steps_toward
 from skulk.types.backends import EngineName
 from skulk.types.ids import NodeId
 from skulk.types.instances import Sharding
+from skulk.types.model_memory import LayerMemory
 from skulk.types.models import DType, ModelCard
 
 RUNTIME_OVERHEAD_FACTOR = 1.25
@@ -66,20 +68,59 @@ def kv_bytes_per_token(card: ModelCard, n_layers: int, tensor_ways: int = 1) -> 
     return 2 * n_layers * kv_heads * kv_head_bytes(head_dim, card.kv_cache_bits or 16, DTYPE_BYTES[card.dtype])
 
 
+def layer_kv_bytes(card: ModelCard, layer: LayerMemory, tensor_ways: int = 1) -> int:
+    """What one position costs one layer of a card with per-layer memory (ModelCard.memory): keys and values of
+    its KV heads (a tensor rank's share of them), or MLA's one latent, whole on every rank; nothing for a layer
+    that keeps a state instead (stream_state_bytes) or no cache at all."""
+    if card.embeds or layer.kv_heads == 0:
+        return 0
+    head = kv_head_bytes(layer.head_dim, card.kv_cache_bits or 16, DTYPE_BYTES[card.dtype])
+    return head if layer.latent else 2 * (layer.kv_heads // tensor_ways) * head
+
+
+def stream_state_bytes(card: ModelCard, start: int, end: int, tensor_ways: int = 1) -> int:
+    """The constant state one stream keeps in layers [start, end): linear attention's and SSMs' (its heads split
+    among tensor ranks); 0 for a card without per-layer memory."""
+    if card.memory is None or card.embeds:
+        return 0
+    return sum(layer.state_bytes for layer in card.memory.layers[start:end]) // tensor_ways
+
+
 def kv_headroom_bytes(card: ModelCard, n_layers: int, tensor_ways: int = 1, context: int | None = None) -> int:
     """KV cache for one request of the whole context over `n_layers`: the least pool a placed model can serve with."""
     return pool_bytes(card, 0, n_layers, context or card.context_length, tensor_ways)
 
 
+def _windowed(card: ModelCard) -> tuple[int | None, list[bool]]:
+    """The window and which layers it bounds: ModelCard.memory's sliding and chunked layers (the widest window
+    where they differ: a bound for each), else sliding_window and sliding_layers."""
+    if card.memory is not None:
+        windows = [layer.window for layer in card.memory.layers if layer.kv_heads]
+        bounded = [layer.kv_heads > 0 and layer.window is not None for layer in card.memory.layers]
+        return max((w for w in windows if w is not None), default=None), bounded
+    sliding = set(card.sliding_layers)
+    return card.sliding_window, [i in sliding for i in range(card.n_layers)]
+
+
 def local_window(card: ModelCard) -> int:
     """The window of a hybrid model's sliding layer group (engines/kv_pools.py); 0 for a model of one group."""
-    sliding = set(card.sliding_layers)
-    return hybrid_window(card.sliding_window, [i in sliding for i in range(card.n_layers)])
+    window, bounded = _windowed(card)
+    return hybrid_window(window, bounded)
 
 
 def group_bytes_per_token(card: ModelCard, start: int, end: int, tensor_ways: int = 1) -> tuple[int, int]:
     """What one position costs a rank holding layers [start, end) in its (global, sliding) pools: every layer in the
     first for a model of one group."""
+    if card.memory is not None:
+        hybrid = local_window(card) > 0
+        full = local = 0
+        for layer in card.memory.layers[start:end]:
+            cost = layer_kv_bytes(card, layer, tensor_ways)
+            if hybrid and layer.window is not None:
+                local += cost
+            else:
+                full += cost
+        return full, local
     sliding = sum(1 for i in card.sliding_layers if start <= i < end) if local_window(card) else 0
     return kv_bytes_per_token(card, end - start - sliding, tensor_ways), kv_bytes_per_token(card, sliding, tensor_ways)
 
@@ -92,11 +133,12 @@ def local_cap(card: ModelCard) -> int:
     return blocks * DEFAULT_BLOCK_SIZE
 
 
-def pool_bytes(card: ModelCard, start: int, end: int, tokens: int, tensor_ways: int = 1) -> int:
+def pool_bytes(card: ModelCard, start: int, end: int, tokens: int, tensor_ways: int = 1, streams: int = 1) -> int:
     """A rank's pool of `tokens` positions for layers [start, end): a hybrid model's sliding layers hold at most
-    local_cap of them."""
+    local_cap of them; and the constant state of `streams` streams in its linear-attention and SSM layers."""
     full, local = group_bytes_per_token(card, start, end, tensor_ways)
-    return tokens * full + min(tokens, local_cap(card)) * local
+    states = streams * stream_state_bytes(card, start, end, tensor_ways)
+    return tokens * full + min(tokens, local_cap(card)) * local + states
 
 
 def tokens_for(kv_bytes: int, per_token: tuple[int, int], cap: int, most: int) -> int:
@@ -116,6 +158,7 @@ def explicit_pool_tokens(card: ModelCard, kv_cache_bytes: int) -> int:
     """Token positions an instance-wide pool of kv_cache_bytes holds (over every layer and head)."""
     if card.embeds:
         return 0
+    kv_cache_bytes = max(0, kv_cache_bytes - MAX_STREAMS * stream_state_bytes(card, 0, card.n_layers))
     return tokens_for(kv_cache_bytes, group_bytes_per_token(card, 0, card.n_layers), local_cap(card), _UNBOUNDED)
 
 
@@ -184,6 +227,9 @@ class NodePlan:
     weights_share: int
     kv_pool: int
     free: int
+    exact: bool = False
+    """weights_share is the rank's real bytes (ModelCard.memory): the runner holds it with footprint's measured
+    overhead (engines/torch/footprint.resident_bound), not the estimate's RUNTIME_OVERHEAD_FACTOR."""
     draft: int = 0
     """A draft model's weights (with their overhead) and its KV for the pool's positions: rank 0 of a single-rank
     torch instance whose card names one (the engine's draft cache has the target's blocks)."""
@@ -191,7 +237,7 @@ class NodePlan:
     @property
     def base(self) -> int:
         """The weights with their runtime overhead: what the rank needs before any KV."""
-        return weights_base(self.weights_share)
+        return resident_bound(self.weights_share) if self.exact else weights_base(self.weights_share)
 
     @property
     def needed(self) -> int:
@@ -219,6 +265,20 @@ def weights_base(weights_share: int) -> int:
     return math.ceil(weights_share * RUNTIME_OVERHEAD_FACTOR)
 
 
+def exact_weights(card: ModelCard, engines: Sequence[EngineName]) -> bool:
+    """Whether every rank loads the weights ModelCard.memory counts: the files as they are (no quantizing at
+    load, no MLX rank reading a GGUF import's float export)."""
+    return card.memory is not None and card.quantize_at_load is None and not (
+        card.mlx_storage_size is not None and "mlx" in engines)
+
+
+def rank_weights(card: ModelCard, start: int, end: int) -> int:
+    """A rank's real weight bytes for layers [start, end) (ModelCard.memory: its layers, the embedding on the
+    first rank, the head on the last)."""
+    assert card.memory is not None
+    return card.memory.rank_weight_bytes(start, end)
+
+
 def plan_ring(
     card: ModelCard, sharding: Sharding, ring: Sequence[NodeId], free: list[int], *, context: int | None = None,
     kv_cache_bytes: int | None = None, engines: Sequence[EngineName] | None = None, draft: ModelCard | None = None,
@@ -234,18 +294,20 @@ def plan_ring(
     draft: the card's draft model, counted on a single torch rank (the only one that speculates)."""
     size = len(ring)
     default: list[EngineName] = ["torch"] * size
-    weights = [loaded_bytes(card, e) for e in (engines or default)]
+    exact = exact_weights(card, engines or default)
+    weights = [rank_weights(card, 0, card.n_layers) if exact else loaded_bytes(card, e) for e in engines or default]
     if sharding == Sharding.Tensor:
         return _plans(card, ring, free, [(0, card.n_layers)] * size, [-(-w // size) for w in weights], size,
-                      context, kv_cache_bytes, engines, draft)
+                      context, kv_cache_bytes, engines, draft, exact)
     most = max(weights)
     capacity = [f * most // max(1, w) for f, w in zip(free, weights, strict=True)]
     by_memory = allocate_layers(card.n_layers, capacity)
 
     def plan(counts: Sequence[int]) -> tuple[NodePlan, ...]:
         ranges = layer_ranges(counts)
-        shares = [-(-w * (end - start) // card.n_layers) for w, (start, end) in zip(weights, ranges, strict=True)]
-        return _plans(card, ring, free, ranges, shares, 1, context, kv_cache_bytes, engines, draft)
+        shares = [rank_weights(card, start, end) if exact else -(-w * (end - start) // card.n_layers)
+                  for w, (start, end) in zip(weights, ranges, strict=True)]
+        return _plans(card, ring, free, ranges, shares, 1, context, kv_cache_bytes, engines, draft, exact)
 
     best, work = plan(by_memory), decode_bytes(card)
     if size < 2 or work.head == 0 or not all(p.fits for p in best):
@@ -262,15 +324,20 @@ def plan_ring(
 def _plans(
     card: ModelCard, ring: Sequence[NodeId], free: list[int], ranges: Sequence[tuple[int, int]],
     shares: Sequence[int], ways: int, context: int | None, kv_cache_bytes: int | None,
-    engines: Sequence[EngineName] | None, draft: ModelCard | None,
+    engines: Sequence[EngineName] | None, draft: ModelCard | None, exact: bool = False,
 ) -> tuple[NodePlan, ...]:
-    """The ring's plans for these ranges and weight shares: the KV pool's positions and each rank's bytes."""
+    """The ring's plans for these ranges and weight shares: the KV pool's positions and each rank's bytes, its
+    linear-attention and SSM layers' states for MAX_STREAMS streams beside them (counted first, like weights)."""
     per_token = [group_bytes_per_token(card, start, end, ways) for start, end in ranges]
-    tokens = pool_tokens(per_token, [weights_base(s) for s in shares], free, context or card.context_length,
+    states = [MAX_STREAMS * stream_state_bytes(card, start, end, ways) for start, end in ranges]
+    bases = [(resident_bound(s) if exact else weights_base(s)) + st for s, st in zip(shares, states, strict=True)]
+    if kv_cache_bytes is not None:
+        kv_cache_bytes = max(0, kv_cache_bytes - MAX_STREAMS * stream_state_bytes(card, 0, card.n_layers))
+    tokens = pool_tokens(per_token, bases, free, context or card.context_length,
                          kv_cache_bytes, group_bytes_per_token(card, 0, card.n_layers), local_cap(card))
     plans = tuple(
         NodePlan(node_id=n, start_layer=start, end_layer=end, weights_share=share,
-                 kv_pool=pool_bytes(card, start, end, tokens, ways), free=f)
+                 kv_pool=pool_bytes(card, start, end, tokens, ways, MAX_STREAMS), free=f, exact=exact)
         for n, (start, end), share, f in zip(ring, ranges, shares, free, strict=True)
     )
     if draft is not None and len(ring) == 1 and (engines or ["torch"])[0] == "torch":

@@ -7,12 +7,14 @@ refusing architectures the engine cannot run rather than failing later inside a 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import check_config_numbers
 from skulk.models.cards import is_custom
 from skulk.models.families import attention_shape, engines_running, refusal
+from skulk.models.memory_math import card_memory
 from skulk.types.backends import ENGINES, EngineName, backends_for
 from skulk.types.ids import ModelId
 from skulk.types.memory import Memory
@@ -55,14 +57,17 @@ def list_entry(
     }
 
 
-def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -> ModelCard:
+def card_from_config(
+    model_id: str, config: dict[str, Any], weight_bytes: int, tensors: Mapping[str, int] | None = None
+) -> ModelCard:
     """A card from config.json and the bytes of the safetensors, accepted when some engine runs its family
     (models/families.py: the torch engine its native families, the MLX engine what mlx-lm's registry loads);
     its compatible_backends say which (None: every engine). UnsupportedArchitecture, naming the engines and what
     to install, when none does. A multimodal Gemma 3 is carded by its language model (text_config,
     transformers' defaults filled in): the engines run only that. The torch engine's config readers are
     imported here, not at the top: they live beside torch, which the node process never otherwise loads (6 s
-    and ~280 MB at start on a loaded machine)."""
+    and ~280 MB at start on a loaded machine). `tensors` (name -> bytes, where the safetensors headers were
+    read) gives the card's per-layer memory its real bytes (models/memory_math.py)."""
     from skulk.engines.torch.bert import ENCODER_MODEL_TYPES
 
     check_config_numbers(config, f"{model_id}'s config.json")
@@ -73,6 +78,7 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
     from skulk.engines.torch.config import SLIDING, text_config, window_fields
 
     quantization = config.get("quantization_config") or config.get("quantization")
+    memory = card_memory(config, weight_bytes, tensors)  # tensors: name -> bytes, where the headers were read
     config = text_config(config)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if not config.get(k)]
     if missing:
@@ -95,6 +101,7 @@ def card_from_config(model_id: str, config: dict[str, Any], weight_bytes: int) -
         head_dim=head_dim,
         sliding_window=window.get("sliding_window"),
         sliding_layers=[i for i, kind in enumerate(window.get("layer_types", ())) if kind == SLIDING],
+        memory=memory,
         supports_tensor=True,
         builtin=False,
         compatible_backends=backends_for(engines),

@@ -8,6 +8,7 @@ from .backends import BackendTag
 from .base import CamelModel
 from .ids import ModelId
 from .memory import Memory
+from .model_memory import ModelMemory
 
 DType = Literal["float32", "bfloat16", "float16"]
 KvCacheBits = Literal[16, 8, 4]
@@ -51,6 +52,11 @@ class ModelCard(CamelModel):
     placement sizes it so. None: no window."""
     sliding_layers: list[int] = []
     """The layers attending through sliding_window (Gemma 3's local layers; Mistral v0.1's every layer)."""
+    memory: ModelMemory | None = None
+    """Each decoder layer's kind, KV or state, and real weight bytes, with the embedding, head and unrun layers
+    apart (models/memory_math.py, from config.json or the tensors): placement sums a rank's own layers instead of
+    splitting storage_size evenly and sizing KV as a Llama's. None: the Llama-shaped estimate (every layer alike,
+    weights storage_size x layers / n_layers, KV from the heads above)."""
     supports_tensor: bool = True
     quantize_at_load: QuantizeAtLoad | None = None
     """Float weights the engine quantizes while loading (weight-only int4/int8); storage_size is then the

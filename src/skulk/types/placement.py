@@ -77,6 +77,10 @@ class InsufficientMemory(PlacementError):
     needed: Memory
     weights_share: Memory
     overhead_factor: float
+    runtime_overhead: Memory | None = None
+    """A fixed runtime overhead beside weights_share x overhead_factor: where the card carries its real per-layer
+    bytes, the runner's measured overhead (engines/torch/footprint: x 1.05 + 576 MiB) instead of the estimate's
+    x 1.25."""
     kv_pool: Memory
     """This rank's KV block pool (its layers' or heads' share of the instance's pool)."""
     available: Memory
@@ -92,9 +96,10 @@ class InsufficientMemory(PlacementError):
         draft = f" + {_gb(self.draft)} draft model" if self.draft else ""
         limit = f" under its {_gb(self.limit)} limit ({self.limit_source})" if self.limit and self.limit_source \
             else ""
+        runtime = f" + {_gb(self.runtime_overhead)} runtime" if self.runtime_overhead else ""
         return (
             f"node {name} needs {_gb(self.needed)} ({_gb(self.weights_share)} weights share × "  # noqa: RUF001
-            f"{self.overhead_factor:g} + {_gb(self.kv_pool)} KV pool{draft}) but has "
+            f"{self.overhead_factor:g}{runtime} + {_gb(self.kv_pool)} KV pool{draft}) but has "
             f"{_gb(self.available)} free{limit} ({self.sharding.value} over {len(self.node_ids)} node(s); weights and "
             "KV pool must fit strictly below free memory). Use a smaller model or a more aggressive quant, lower "
             "kv_cache_gb or max_context (the pool holds at least one request of the whole context), add nodes so "
@@ -295,7 +300,11 @@ class PreviewNode(CamelModel):
     free: Memory
     left_after: Memory
     kv_pool: Memory = Memory()
-    """This rank's KV block pool, part of `needed`."""
+    """This rank's KV block pool, part of `needed` (with its linear-attention and SSM layers' stream states)."""
+    weights: Memory = Memory()
+    """This rank's weight bytes before runtime overhead, part of `needed`: its own layers' real bytes, the
+    embedding on the first rank and the head on the last, where the card carries per-layer memory; else its
+    layers' share of storage_size."""
     engine: EngineName = "torch"
     """The engine this rank would run (placement's choice for the ring)."""
 
