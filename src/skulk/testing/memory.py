@@ -2,7 +2,7 @@
 tests/integration/test_runner_memory.py and bench/memory.py.
 
 Resident memory is read from the runner process itself (/proc: VmRSS, VmHWM, RssAnon, RssFile; psutil's USS and
-PSS), its shard's bytes from the checkpoint's safetensors headers (engines/torch/footprint.py), with the layers
+PSS), its shard's bytes from the checkpoint's safetensors headers (engines/footprint.py), with the layers
 the placement gave that runner.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from skulk.engines.torch.footprint import resident_bound, shard_bytes
+from skulk.engines.footprint import resident_bound, shard_bytes
 
 from .cluster import instance_ready
 from .nodes import LocalNode

@@ -79,7 +79,7 @@ class InsufficientMemory(PlacementError):
     overhead_factor: float
     runtime_overhead: Memory | None = None
     """A fixed runtime overhead beside weights_share x overhead_factor: where the card carries its real per-layer
-    bytes, the runner's measured overhead (engines/torch/footprint: x 1.05 + 576 MiB) instead of the estimate's
+    bytes, the runner's measured overhead (engines/footprint: x 1.05 + 576 MiB) instead of the estimate's
     x 1.25."""
     kv_pool: Memory
     """This rank's KV block pool (its layers' or heads' share of the instance's pool)."""
