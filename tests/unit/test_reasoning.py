@@ -9,7 +9,7 @@ from skulk.engines.reasoning import ReasoningMode, ReasoningSplitter, reasoning_
 
 QWEN3_TAIL = "<|im_start|>assistant\n"
 QWEN3_NO_THINK_TAIL = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-R1_TAIL = "<｜Assistant｜><think>\n"
+R1_TAIL = "<\uff5cAssistant\uff5c><think>\n"  # DeepSeek-R1's full-width bars
 THINK_TEMPLATE = "{% if reasoning_content %}<think>\n{{ reasoning_content }}\n</think>{% endif %}"
 
 

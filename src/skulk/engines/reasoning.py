@@ -24,7 +24,9 @@ OPEN, CLOSE = "<think>", "</think>"
 HARMONY_MARK = "<|channel|>"
 
 
-def reasoning_mode(template: str | None, prompt_tail: str, override: ReasoningOverride | None = None) -> ReasoningMode | None:
+def reasoning_mode(
+    template: str | None, prompt_tail: str, override: ReasoningOverride | None = None
+) -> ReasoningMode | None:
     """How this reply's reasoning is split (None: not at all). `template`: the chat template's text; `prompt_tail`:
     the end of the rendered prompt, which says whether the block is already open (thinking turned off the
     template's way, e.g. Qwen3's `<think>\\n\\n</think>\\n\\n`, ends in a closed block: the reply is content)."""
