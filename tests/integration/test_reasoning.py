@@ -178,3 +178,29 @@ def test_responses_reasoning_items(node: LocalNode) -> None:
     assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == ANSWER
     added = [e.output_index for e in events if e.type == "response.output_item.added"]  # type: ignore[union-attr]
     assert added == [0, 1]
+
+
+def test_pipeline_over_two_nodes_splits_on_the_sampling_rank(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The last rank, which samples and publishes, did not render the prompt: it decides the split from the
+    prompt's tail that the step header carried (engines/torch/wire.py's Admitted)."""
+    root = tmp_path_factory.mktemp("reasoning-pipeline")
+    repo = write_random_model(root / "hub", MODEL)
+    set_chat_template(repo, THINKING_TEMPLATE)
+    hub = RunningHub(root / "hub").start()
+    cluster = Cluster(root / "nodes", extra_env={"HF_ENDPOINT": hub.url, "SKULK_FAULT": "script:reply"})
+    try:
+        first, _ = cluster.form(2)
+        assert first.post("/models/add", {"model_id": MODEL})[0] == 200
+        instance_id = place(first, MODEL, min_nodes=2, sharding="Pipeline")["instanceId"]
+        wait_until(lambda: instance_ready(first, instance_id), 120, "the instance to be ready", first.log_tail)
+        for script, extra in ((THOUGHT, {}), (OPENED, {"chat_template_kwargs": {"open_think": True}})):
+            code, reply = first.post("/v1/chat/completions", {"model": MODEL, "messages": ask(script),
+                                                              "max_tokens": 200, **extra})
+            assert code == 200, reply
+            message = reply["choices"][0]["message"]
+            assert (message.get("reasoning_content"), message["content"]) == (REASONING, ANSWER), message
+    finally:
+        try:
+            assert cluster.stop_all() == [], "runner processes outlived their node"
+        finally:
+            hub.kill()

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.queues import Queue
 from typing import TYPE_CHECKING, Any
 
@@ -284,8 +285,9 @@ class Runner:
             return
         if prompt is None:
             return
+        constrained = task.task_params is not None and task.task_params.sampling.constraint is not None
         self.active[task.task_id] = _Active(task.command_id, len(prompt), len(self.active),
-                                            reasoning=self._reasoning_mode(task, prompt))
+                                            reasoning=self._reasoning_mode(prompt, constrained))
         self.recorder.record("prefill_stream", "prefill_queued", prompt_tokens=len(prompt), **ids)
         self.spans.span(task.task_id, "tokenize", started, time.time(), prompt_tokens=len(prompt))
         self._new_tasks.append(task.task_id)
@@ -315,12 +317,11 @@ class Runner:
             return None
         return prompt
 
-    def _reasoning_mode(self, task: ChatCompletion, prompt: list[int]) -> ReasoningMode | None:
+    def _reasoning_mode(self, prompt: Sequence[int], constrained: bool) -> ReasoningMode | None:
         """How the API node splits this reply's reasoning: the card's reasoning_parser, else the template's. A
         constrained reply (JSON, a forced call) is held to its grammar from the first token, so it has no
         reasoning to split: its text is the answer."""
         tokenizer = getattr(self.engine, "tokenizer", None)
-        constrained = task.task_params is not None and task.task_params.sampling.constraint is not None
         if constrained or tokenizer is None or not hasattr(tokenizer, "reasoning_mode"):
             return None
         mode: ReasoningMode | None = tokenizer.reasoning_mode(prompt, self.spec.shard.model_card.reasoning_parser)
@@ -445,7 +446,8 @@ class Runner:
                 self.send(TaskAccepted(task_id))
                 # from when the header arrived, not now: the prefill already ran (prompt_tps read 10^6 tok/s)
                 self.active[task_id] = _Active(CommandId(event.command_id), event.prompt_tokens,
-                                               admitted_at=event.at or None)
+                                               admitted_at=event.at or None,
+                                               reasoning=self._reasoning_mode(event.prompt_tail, event.constrained))
                 self._new_tasks.append(task_id)
                 self.set_status(RunnerRunning())
                 continue

@@ -255,7 +255,8 @@ class MlxEngine:
         for add in header.adds:
             self._pending.append(self._new_request(add))
             if add.request_id != WARMUP_ID:
-                self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt)))
+                self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt), 0.0,
+                                             tuple(add.prompt[-8:]), add.sampling.constraint is not None))
         return header
 
     def _new_request(self, add: NewRequest) -> Request:
