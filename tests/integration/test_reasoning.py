@@ -25,9 +25,9 @@ THINKING_TEMPLATE = (  # Qwen3's generation prompt and reasoning history, over p
     "{%- if message['role'] == 'assistant' and message.get('reasoning_content') %}"
     "<think>\n{{ message['reasoning_content'] }}\n</think>\n\n{%- endif %}"
     "{{ message['content'] }}<|im_end|>\n{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{%- elif open_think is defined and open_think %}<think>\n{%- endif %}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- elif open_think is defined and open_think %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
 )
 REASONING, ANSWER = "The user greets me. I should greet back.", "Hello there!"
 THOUGHT = f"<think>\n{REASONING}\n</think>\n\n{ANSWER}"

@@ -3,6 +3,8 @@ exactly, however the tags are cut, and the mode comes from the template and the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from skulk.engines.reasoning import ReasoningMode, ReasoningSplitter, reasoning_mode
@@ -70,3 +72,29 @@ def test_mode_from_template_and_prompt_tail() -> None:
     assert reasoning_mode("{{ messages }}", R1_TAIL, "think") == "think_open"  # the card's override
     assert reasoning_mode(THINK_TEMPLATE, R1_TAIL, "none") is None
     assert reasoning_mode("<|start|>assistant<|channel|>analysis", "<|start|>assistant") is None  # harmony: not here
+
+
+def test_template_switches_reach_the_template_and_decide_the_mode(tmp_path: Path) -> None:
+    """enable_thinking and chat_template_kwargs are template variables; apply_chat_template's own arguments are
+    not (a client cannot make it tokenize or swap the template); the mode comes from the rendered prompt."""
+    from skulk.engines.torch.tokenizer import ChatTokenizer
+    from skulk.models.demo import ensure_demo_model
+    from skulk.types.chat import ChatMessage
+    from tests.fake_hub import set_chat_template
+
+    model = ensure_demo_model(tmp_path)
+    set_chat_template(model, "{{ messages[0]['content'] }}<|im_start|>assistant\n"
+                             "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+                             "{% elif open_think %}<think>\n{% endif %}")
+    tokenizer = ChatTokenizer(model)
+    hi = [ChatMessage(role="user", content="hi")]
+
+    def rendered(kwargs: dict[str, object]) -> str:
+        return str(tokenizer.hf.decode(tokenizer.encode_chat(hi, None, kwargs)))
+
+    assert rendered({}).endswith("assistant\n")
+    assert rendered({"enable_thinking": False}).endswith("</think>\n\n")
+    assert rendered({"open_think": True, "tokenize": True, "chat_template": "x"}).endswith("<think>\n")
+    assert tokenizer.reasoning_mode(tokenizer.encode_chat(hi, None, {"open_think": True})) == "think_open"
+    assert tokenizer.reasoning_mode(tokenizer.encode_chat(hi, None, {"enable_thinking": False})) == "think"
+    assert tokenizer.reasoning_mode(tokenizer.encode_chat(hi), "none") is None

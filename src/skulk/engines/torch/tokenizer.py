@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from skulk.engines.errors import PromptRejected
 from skulk.engines.reasoning import ReasoningMode, ReasoningOverride, reasoning_mode
@@ -25,9 +26,8 @@ from skulk.formats.checkpoint import read_config
 from skulk.types.chat import ChatMessage
 
 _REPLACEMENT = "\ufffd"
-_TEMPLATE_OWN = frozenset({"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "documents",
-                           "continue_final_message", "return_dict", "tokenizer_kwargs", "chat_template"})
-"""apply_chat_template's own arguments: a client's chat_template_kwargs cannot set them."""
+_TEMPLATE_OWN = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) | {"messages"}
+"""apply_chat_template's own arguments (and the messages): a client's chat_template_kwargs cannot set them."""
 
 
 class ChatTokenizer:
