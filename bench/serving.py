@@ -7,6 +7,11 @@ Prints three ratios, each from runs interleaved with its baseline so machine noi
   streaming decode tokens/s of /v1/messages and /ollama/api/chat ÷ /v1/chat/completions (target ≥ 0.98 each;
   the routes run back to back in every round, each going first in turn)
   streaming decode tokens/s with logprobs (top 5) ÷ without, the same way
+  streaming decode tokens/s with the reasoning splitter inside a <think> block on every token ÷ off (target
+  ≥ 0.98): the model's template gains a test switch that opens the block in the prompt, so every token of the
+  reply is reasoning (streamed as reasoning_content); off, the same template's reply is content after its first
+  token. The two prompts differ (the opened block), so the model's own speed on each is divided out: the row is
+  (API on ÷ API off) ÷ (bare engine on ÷ bare engine off), the same prompts in-process without any splitter
 
 Run: .venv/bin/python bench/serving.py [--tokens 64] [--rounds 3] [--quantization int4|int8]
      (--quantization: the same model quantized at load, in the node's instance and the bare engine alike)
@@ -34,9 +39,9 @@ from skulk.types.chat import ChatMessage, SamplingParams
 PROMPT = "Benchmark the serving path of a distributed inference cluster, please."
 
 
-def bare_run(engine: TorchEngine, tokens: int) -> tuple[float, float]:
+def bare_run(engine: TorchEngine, tokens: int, template_kwargs: dict[str, Any] | None = None) -> tuple[float, float]:
     """(prefill seconds, decode tokens/s) for one greedy stream in-process."""
-    ids = engine.encode_chat([ChatMessage(role="user", content=PROMPT)])
+    ids = engine.encode_chat([ChatMessage(role="user", content=PROMPT)], None, template_kwargs)
     engine.add_request("bare", ids, SamplingParams(max_tokens=tokens, temperature=0.0))
     start = time.perf_counter()
     engine.step()
@@ -131,6 +136,18 @@ async def api_single_aggregate(url: str, tokens: int) -> float:
     return produced / (time.perf_counter() - start)
 
 
+OPEN_THINK = {"chat_template_kwargs": {"open_think": True}}
+
+
+def add_thinking_switch(model_dir: Path) -> None:
+    """The template ends the prompt with `<think>\\n` when `open_think` is set (as DeepSeek-R1's does always):
+    the reply is then all reasoning, and the splitter runs its reasoning path on every token."""
+    path = model_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] += "{% if open_think %}<think>\n{% endif %}"
+    path.write_text(json.dumps(config))
+
+
 def start_node(root: Path, quantization: str | None) -> LocalNode:
     node = LocalNode(home=root / "node", cluster=f"bench{int(time.time())}").start().wait_ready()
     with node.client(timeout=120) as client:
@@ -157,6 +174,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model_dir = ensure_builtin_model(BENCH_MODEL_ID, root / "node" / "models")
+        add_thinking_switch(model_dir)
         node = start_node(root, args.quantization)
         try:
             engine = TorchEngine(model_dir, quantize=args.quantization)
@@ -178,22 +196,25 @@ def measure(engine: TorchEngine, url: str, tokens: int, rounds: int) -> None:
         prefill.append(bare_run(engine, 2)[0])
         ttft.append(asyncio.run(api_single(url, 2))[0])
     bare_tps, api_tps, one_agg, eight_agg = [], [], [], []
-    claude_tps, ollama_tps, logprobs_tps = [], [], []
+    claude_tps, ollama_tps, logprobs_tps, thinking_tps, bare_think_tps = [], [], [], [], []
     logprobs = {"logprobs": True, "top_logprobs": 5}
     streams: dict[str, Callable[[], float]] = {
         "openai": lambda: asyncio.run(api_single(url, tokens))[1],
         "logprobs": lambda: asyncio.run(api_single(url, tokens, logprobs))[1],
+        "thinking": lambda: asyncio.run(api_single(url, tokens, OPEN_THINK))[1],
         "claude": lambda: asyncio.run(compat_single(url, tokens, "claude")),
         "ollama": lambda: asyncio.run(compat_single(url, tokens, "ollama")),
     }
     for i in range(rounds):
         bare_tps.append(bare_run(engine, tokens)[1])
+        bare_think_tps.append(bare_run(engine, tokens, OPEN_THINK["chat_template_kwargs"])[1])
         order = list(streams)[i % len(streams) :] + list(streams)[: i % len(streams)]  # each goes first in turn
         got = {route: streams[route]() for route in order}
         api_tps.append(got["openai"])
         claude_tps.append(got["claude"])
         ollama_tps.append(got["ollama"])
         logprobs_tps.append(got["logprobs"])
+        thinking_tps.append(got["thinking"])
         one_agg.append(asyncio.run(api_single_aggregate(url, tokens)))
         eight_agg.append(asyncio.run(api_concurrent(url, tokens, 8)))
     print(f"model {BENCH_MODEL_ID}, {tokens} tokens, medians of interleaved rounds")
@@ -213,6 +234,10 @@ def measure(engine: TorchEngine, url: str, tokens: int, rounds: int) -> None:
           f"/ollama/api/chat {med(ollama_tps):.1f}")
     print(f"logprobs (top 5) / none {med(logprobs_tps) / med(api_tps):8.3f}   (OpenAI streaming decode with "
           f"logprobs=true, top_logprobs=5; the cost of asking)")
+    model_ratio = med(bare_think_tps) / med(bare_tps)
+    print(f"reasoning split / off   {med(thinking_tps) / med(api_tps) / model_ratio:8.3f}   (streaming decode, every "
+          f"token inside <think>, the prompts' own speed divided out; target >= 0.98; API on/off "
+          f"{med(thinking_tps) / med(api_tps):.3f}, bare engine on/off {model_ratio:.3f})")
 
 
 if __name__ == "__main__":

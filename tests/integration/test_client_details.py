@@ -85,16 +85,6 @@ def test_anthropic_streamed_tool_use_has_no_empty_text_block(node: LocalNode) ->
     assert [e["index"] for e in events if e["type"] == "content_block_start"] == [0]
 
 
-def test_anthropic_thinking_is_refused_not_ignored(node: LocalNode) -> None:
-    import anthropic
-
-    client = anthropic.Anthropic(base_url=node.url, api_key="unused", timeout=60, max_retries=0)
-    with pytest.raises(anthropic.BadRequestError) as refused:
-        client.messages.create(model=MODEL, max_tokens=64, thinking={"type": "enabled", "budget_tokens": 32},
-                               messages=[{"role": "user", "content": "hi"}])
-    assert "thinking" in refused.value.body["error"]["message"]  # type: ignore[index]
-
-
 # ------------------------------------------------------------------------------------------------- Responses
 
 

@@ -73,16 +73,15 @@ def test_an_image_is_text_only_in_claudes_and_ollamas_shapes(client: TestClient)
 
 
 @pytest.mark.parametrize(("path", "body", "says"), [
-    ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ("/v1/messages", {"thinking": {"type": "enabled"}}, "thinking"),
     ("/v1/messages", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools"),
     ("/v1/messages", {"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
-    ("/ollama/api/chat", {"think": True}, "think"),
     ("/ollama/api/generate", {"raw": True}, "raw"),
     ("/ollama/api/generate", {"suffix": "}"}, "suffix"),
     ("/ollama/api/chat", {"options": {"repeat_penalty": 1.3}}, "repetition penalties"),
     ("/ollama/api/generate", {"options": {"mirostat": 2}}, "mirostat"),
     ("/v1/responses", {"background": True}, "background"),
-    ("/v1/responses", {"reasoning": {"effort": "high"}}, "reasoning"),
+    ("/v1/responses", {"reasoning": {"effort": "high", "summary": "detailed"}}, "reasoning.summary"),
     ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
     ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),

@@ -29,6 +29,8 @@ class ChatSession:
         self.first = first
         self.model = model
         self.finished = False
+        self.reasoning_tokens = 0
+        """Tokens of the reply spent reasoning (api/generation.py's `pieces` counts them)."""
 
     @property
     def command_id(self) -> CommandId:
@@ -108,6 +110,7 @@ async def start_chat(node: ApiServices, request: ChatCompletionRequest) -> ChatS
     card = card_of(node, request.model)
     params = ChatCompletionTaskParams(model=ModelId(request.model), messages=request.messages,
                                       sampling=request.sampling(), tools=request.tool_specs(),
+                                      template_kwargs=request.template_kwargs(),
                                       context_limit=served_context(node.state, card) if card else None)
     stream = node.requests.open(command_id, params)  # the prompt stays here; runners fetch it point to point
     node.send_command(StartChatCompletion(command_id=command_id, model=ModelId(request.model),

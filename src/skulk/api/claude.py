@@ -26,7 +26,7 @@ from skulk.api.chat_options import (
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import claude_error, claude_error_body, text_only_error
-from skulk.api.generation import GenerationFailed, collect, deltas
+from skulk.api.generation import GenerationFailed, collect, pieces
 from skulk.api.openapi import Family, documented
 from skulk.api.services import ApiServices
 from skulk.api.tokens import check_context, count_chat_tokens
@@ -85,6 +85,7 @@ def to_chat_request(body: ClaudeRequest) -> ChatCompletionRequest:
         top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop_sequences or None, stream=body.stream,
         tools=[t.to_openai() for t in body.tools] if body.tools else None,
         tool_choice=_chat_tool_choice(body),
+        enable_thinking=body.thinking.template_switch() if body.thinking is not None else None,
     )
     check_supported(chat)
     return prepared(chat)
@@ -122,34 +123,51 @@ def _message(msg_id: str, model: str, content: list[dict[str, Any]], stop: dict[
             **stop, "usage": usage}
 
 
-class _TextBlock:
-    """The text block of a streamed message, opened at its first piece of text: a reply that is only tool calls
-    has no empty text block before its tool_use blocks (Anthropic's own streams have none)."""
+def thinking_block(thinking: str) -> dict[str, Any]:
+    """A thinking block; its signature is empty (Anthropic signs its own thinking; a local model's is not)."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
+BlockKind = Literal["thinking", "text"]
+_EMPTY: dict[str, dict[str, Any]] = {"thinking": thinking_block(""), "text": {"type": "text", "text": ""}}
+
+
+class _Blocks:
+    """The thinking and text blocks of a streamed message, each opened at its first piece: a reply that is only
+    tool calls has no empty text block before its tool_use blocks (Anthropic's own streams have none)."""
 
     def __init__(self) -> None:
-        self.open = False
+        self.index = -1
+        self.kind: BlockKind | None = None
 
-    def piece(self, text: str) -> list[str]:
-        head = [] if self.open else [_sse("content_block_start", {"index": 0,
-                                                                   "content_block": {"type": "text", "text": ""}})]
-        self.open = True
-        return [*head, _sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})]
+    def piece(self, kind: BlockKind, text: str) -> list[str]:
+        head = [] if self.kind == kind else [*self._stop(), *self._start(kind)]
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta",
+                                                                                         "text": text}
+        return [*head, _sse("content_block_delta", {"index": self.index, "delta": delta})]
+
+    def _start(self, kind: BlockKind) -> list[str]:
+        self.index, self.kind = self.index + 1, kind
+        return [_sse("content_block_start", {"index": self.index, "content_block": _EMPTY[kind]})]
+
+    def _stop(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [_sse("content_block_stop", {"index": self.index})]
 
     def close(self, calls: list[ToolCall]) -> list[str]:
-        """The block's stop, opening an empty one first only for a reply with neither text nor calls."""
-        if not self.open and calls:
-            return []
-        head = [] if self.open else [_sse("content_block_start", {"index": 0,
-                                                                   "content_block": {"type": "text", "text": ""}})]
-        self.open = True
-        return [*head, _sse("content_block_stop", {"index": 0})]
+        """The open block's stop, opening an empty text block first only for a reply with no block and no calls."""
+        head = self._start("text") if self.index < 0 and not calls else []
+        return [*head, *self._stop()]
 
 
 async def _events(
-    session: ChatSession, model: str, family: str | None, forced: str | None = None
+    session: ChatSession, model: str, family: str | None, forced: str | None = None, budget: int | None = None
 ) -> AsyncIterator[str]:
-    """message_start, ping, then a text block (content_block_start, content_block_delta..., content_block_stop)
-    when there is text, a tool_use block per call, message_delta, message_stop: the order Anthropic's SDKs expect."""
+    """message_start, ping, then a thinking block when the model reasons and a text block when there is text
+    (each content_block_start, content_block_delta..., content_block_stop), a tool_use block per call,
+    message_delta, message_stop: the order Anthropic's SDKs expect."""
     msg_id = f"msg_{session.command_id}"
     usage = {"input_tokens": session.first.prompt_tokens, "output_tokens": 0}
     yield _sse("message_start", {"message": _message(msg_id, model, [], {"stop_reason": None, "stop_sequence": None},
@@ -157,11 +175,14 @@ async def _events(
     yield _sse("ping", {})
     finish: tuple[str | None, str | None] = (None, None)
     held = ToolCallStream(family, hold_all=forced is not None) if family is not None else None
-    block = _TextBlock()
+    block = _Blocks()
     try:
-        async for chunk in deltas(session):
-            text = held.push(chunk.text) if held is not None else chunk.text
-            for event in block.piece(text) if text else []:
+        async for piece in pieces(session, budget):
+            chunk = piece.chunk
+            for event in block.piece("thinking", piece.reasoning) if piece.reasoning else []:
+                yield event
+            text = held.push(piece.text) if held is not None else piece.text
+            for event in block.piece("text", text) if text else []:
                 yield event
             if chunk.finish_reason is not None:
                 usage["output_tokens"] = chunk.completion_tokens
@@ -174,10 +195,9 @@ async def _events(
     if unmet is not None:
         yield _sse("error", {"error": claude_error_body(UNMET_STATUS, unmet)["error"]})
         return
-    for event in [*(block.piece(tail) if tail else []), *block.close(calls)]:
+    for event in [*(block.piece("text", tail) if tail else []), *block.close(calls)]:
         yield event
-    first = 1 if block.open else 0
-    for index, tool in enumerate(tool_use_blocks(calls), start=first):
+    for index, tool in enumerate(tool_use_blocks(calls), start=block.index + 1):
         yield _sse("content_block_start", {"index": index, "content_block": {**tool, "input": {}}})
         delta = {"type": "input_json_delta", "partial_json": json.dumps(tool["input"])}
         yield _sse("content_block_delta", {"index": index, "delta": delta})
@@ -191,7 +211,7 @@ async def _complete(node: ApiServices, body: ClaudeRequest) -> JSONResponse:
     chat = to_chat_request(body)
     session = await start_chat(node, chat)
     try:
-        done = await collect(session)
+        done = await collect(session, _budget(body))
     except GenerationFailed as failed:
         status = failed.chunk.status if failed.chunk.status >= 500 else 500
         return JSONResponse(claude_error_body(status, failed.chunk.message), status_code=status)
@@ -201,9 +221,16 @@ async def _complete(node: ApiServices, body: ClaudeRequest) -> JSONResponse:
     unmet = unmet_tool_choice(forced_tool(chat), calls)
     if unmet is not None:
         return JSONResponse(claude_error_body(UNMET_STATUS, unmet), status_code=UNMET_STATUS)
-    content = ([{"type": "text", "text": text}] if text or not calls else []) + tool_use_blocks(calls)
+    thinking = [thinking_block(done.reasoning)] if done.reasoning else []
+    content = thinking + ([{"type": "text", "text": text}] if text or not (calls or thinking) else []) \
+        + tool_use_blocks(calls)
     stop = stop_fields(done.finish_reason, done.stop_sequence, calls)
     return JSONResponse(_message(f"msg_{session.command_id}", body.model, content, stop, usage))
+
+
+def _budget(body: ClaudeRequest) -> int | None:
+    """The reasoning tokens `thinking.budget_tokens` allows (api/generation.py ends the reply when they run out)."""
+    return body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
 
 
 def claude_router(node: ApiServices) -> APIRouter:
@@ -220,7 +247,8 @@ def claude_router(node: ApiServices) -> APIRouter:
             session = await start_chat(node, chat)
         except ApiError as exc:
             return claude_error(exc)
-        return StreamingResponse(_events(session, body.model, tool_family(node, chat), forced_tool(chat)),
+        return StreamingResponse(_events(session, body.model, tool_family(node, chat), forced_tool(chat),
+                                         _budget(body)),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -21,7 +21,7 @@ from skulk.api.claude import parse_body
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.embeddings import embed_for_ollama, legacy_embedding_for_ollama
 from skulk.api.errors import ollama_error
-from skulk.api.generation import Finished, GenerationFailed, collect, deltas
+from skulk.api.generation import Finished, GenerationFailed, collect, pieces
 from skulk.api.model_facts import digest, modified, parameter_count, parameter_size, rfc3339
 from skulk.api.ollama_pull import OllamaPullRequest, pull
 from skulk.api.ollama_show import capabilities, file_facts, template
@@ -44,13 +44,14 @@ from skulk.types.chunks import RequestStats, TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode
 from skulk.types.ids import ModelId
 from skulk.types.models import ModelCard
-from skulk.types.ollama import OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
+from skulk.types.ollama import OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest, think_kwargs
 
 NEVER = "9999-12-31T23:59:59Z"
 """A placed instance stays until it is deleted: Ollama's keep-alive never runs out."""
 Body = OllamaChatRequest | OllamaGenerateRequest
-Shape = Callable[[str], dict[str, Any]]
-"""Puts a piece of text where the endpoint carries it: chat's `message`, generate's `response`."""
+Shape = Callable[[str, str], dict[str, Any]]
+"""Puts a piece of text and of thinking where the endpoint carries them: chat's `message.content` and
+`message.thinking`, generate's `response` and `thinking` (the thinking only when there is some)."""
 
 
 def _now() -> str:
@@ -62,7 +63,9 @@ def to_chat_request(body: Body, stream: bool) -> ChatCompletionRequest:
         raise ApiError(ErrorCode.unsupported_field, why)
     o = body.options
     tools = body.tools if isinstance(body, OllamaChatRequest) else None
+    enable_thinking, effort = think_kwargs(body.think)
     return ChatCompletionRequest(
+        enable_thinking=enable_thinking, reasoning_effort=effort,
         model=body.model, messages=body.chat_messages(), max_tokens=o.num_predict, temperature=o.temperature,
         top_p=o.top_p, top_k=o.top_k, seed=o.seed, stop=o.stop or None, stream=stream, tools=tools,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs if body.logprobs else None,
@@ -96,12 +99,12 @@ def _object(arguments: str) -> Any:
         return {}
 
 
-def _chat_shape(text: str) -> dict[str, Any]:
-    return {"message": {"role": "assistant", "content": text}}
+def _chat_shape(text: str, thinking: str = "") -> dict[str, Any]:
+    return {"message": {"role": "assistant", "content": text, **({"thinking": thinking} if thinking else {})}}
 
 
-def _generate_shape(text: str) -> dict[str, Any]:
-    return {"response": text}
+def _generate_shape(text: str, thinking: str = "") -> dict[str, Any]:
+    return {"response": text, **({"thinking": thinking} if thinking else {})}
 
 
 def _timings(stats: RequestStats | None, prompt: int, generated: int, total_ns: int) -> dict[str, Any]:
@@ -118,7 +121,8 @@ def _timings(stats: RequestStats | None, prompt: int, generated: int, total_ns: 
 
 
 def _final(model: str, shape: Shape, done: Finished, calls: list[ToolCall] | None = None) -> dict[str, Any]:
-    line = {"model": model, "created_at": _now(), **shape(done.text), "done": True, "done_reason": done.finish_reason,
+    line = {"model": model, "created_at": _now(), **shape(done.text, done.reasoning), "done": True,
+            "done_reason": done.finish_reason,
             **_timings(done.stats, done.prompt_tokens, done.completion_tokens, done.total_ns)}
     if calls:
         line["message"]["tool_calls"] = _ollama_calls(calls)
@@ -142,15 +146,16 @@ async def _ndjson(session: ChatSession, model: str, shape: Shape, family: str | 
     that appends every line's content must not see the last piece twice) but the tool calls and the counts."""
     held = ToolCallStream(family) if family is not None else None
     try:
-        async for chunk in deltas(session):
-            text = held.push(chunk.text) if held is not None else chunk.text
+        async for piece in pieces(session):
+            chunk = piece.chunk
+            text = held.push(piece.text) if held is not None else piece.text
             logprobs = [chunk.logprobs] if chunk.logprobs is not None else []
             calls: list[ToolCall] = []
             if chunk.finish_reason is not None and held is not None:
                 tail, calls = held.finish(session.command_id)
                 text += tail if not calls else ""
-            if text or logprobs:
-                line = {"model": model, "created_at": _now(), **shape(text), "done": False}
+            if text or piece.reasoning or logprobs:
+                line = {"model": model, "created_at": _now(), **shape(text, piece.reasoning), "done": False}
                 if logprobs:
                     line["logprobs"] = _logprobs(logprobs)
                 yield _line(line)

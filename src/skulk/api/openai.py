@@ -22,7 +22,7 @@ from skulk.api.chat_options import (
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import claude_error, openai_error
-from skulk.api.generation import GenerationFailed, collect, deltas
+from skulk.api.generation import GenerationFailed, collect, pieces
 from skulk.api.model_facts import modified, not_served, rfc3339, served_cards
 from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
@@ -41,8 +41,10 @@ def _context_fields(context: int) -> dict[str, int]:
     return {"context_length": context, "max_model_len": context}
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, reasoning: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; completion_tokens_details.reasoning_tokens counts the completion's reasoning tokens."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
 def generation_stats_comment(stats: RequestStats | None) -> str:
@@ -80,12 +82,14 @@ async def _stream_events(
     forced = forced_tool(request)
     held = ToolCallStream(family, hold_all=forced is not None) if family is not None else None
     try:
-        async for chunk in deltas(session):
-            last = chunk
-            text = held.push(chunk.text) if held is not None else chunk.text
-            if not text and role_sent and chunk.logprobs is None:
+        async for piece in pieces(session):
+            chunk = last = piece.chunk
+            text = held.push(piece.text) if held is not None else piece.text
+            if not text and not piece.reasoning and role_sent and chunk.logprobs is None:
                 continue
             delta: dict[str, Any] = {"content": text}
+            if piece.reasoning:
+                delta["reasoning_content"] = piece.reasoning
             if not role_sent:
                 delta["role"], role_sent = "assistant", True
             logprobs = None if chunk.logprobs is None else _logprobs([chunk.logprobs])
@@ -113,7 +117,8 @@ async def _stream_events(
         finish = "tool_calls" if calls else finish
     yield sse.data({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
     if request.stream_options is not None and request.stream_options.include_usage:
-        yield sse.data({**head, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens)})
+        yield sse.data({**head, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens,
+                                                                session.reasoning_tokens)})
     yield generation_stats_comment(last.stats)
     yield sse.DONE
 
@@ -128,6 +133,13 @@ def _bench_fields(stats: RequestStats | None) -> dict[str, Any]:
 
 
 def _message(
+    text: str, finish: str, family: str | None, call_id: str, forced: str | None = None, reasoning: str = ""
+) -> tuple[dict[str, Any], str]:
+    message, finish = _answer(text, finish, family, call_id, forced)
+    return ({**message, "reasoning_content": reasoning} if reasoning else message), finish
+
+
+def _answer(
     text: str, finish: str, family: str | None, call_id: str, forced: str | None = None
 ) -> tuple[dict[str, Any], str]:
     """The reply message and finish_reason, with tool calls parsed out of the text when tools were offered.
@@ -154,7 +166,8 @@ async def _complete(
         return JSONResponse(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable),
                             status_code=c.status if c.status >= 500 else 500)
     try:
-        message, finish = _message(done.text, done.finish_reason, family, session.command_id, forced_tool(request))
+        message, finish = _message(done.text, done.finish_reason, family, session.command_id, forced_tool(request),
+                                   done.reasoning)
     except ValueError as unmet:
         return JSONResponse(_tool_choice_error(str(unmet)), status_code=UNMET_STATUS)
     return JSONResponse(
@@ -172,7 +185,7 @@ async def _complete(
                     "finish_reason": finish,
                 }
             ],
-            "usage": _usage(done.prompt_tokens, done.completion_tokens),
+            "usage": _usage(done.prompt_tokens, done.completion_tokens, done.reasoning_tokens),
         }
     )
 

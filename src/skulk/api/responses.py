@@ -99,7 +99,7 @@ async def _completion(node: ApiServices, body: CompletionRequest) -> JSONRespons
 
 async def _collect_or_raise(session: ChatSession) -> Finished:
     try:
-        return await collect(session)
+        return await collect(session, split=False)  # a text completion has no place for reasoning
     except GenerationFailed as failed:
         raise ApiError(failed.chunk.code, failed.chunk.message, status=max(failed.chunk.status, 500),
                        retryable=failed.chunk.retryable) from failed

@@ -4,7 +4,9 @@ Function tools go to the chat template like chat's; the reply is parsed per mode
 `function_call` output item (streamed as output_item.added, function_call_arguments.delta/.done and
 output_item.done after any message item). `function_call` and `function_call_output` input items go back into the
 template as the assistant's tool calls and tool messages. Without tools the text streams as it comes; with tools
-it is held only while it could still be a call (api/tool_calls.py)."""
+it is held only while it could still be a call (api/tool_calls.py). A thinking model's reasoning is a `reasoning`
+output item before the message (its text in `content` as `reasoning_text`, streamed as
+response.reasoning_text.delta/.done), and its tokens are counted in output_tokens_details.reasoning_tokens."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from skulk.api.chat_options import (
     unmet_tool_choice,
 )
 from skulk.api.chat_session import ChatSession, start_chat
-from skulk.api.generation import Finished, GenerationFailed, collect, deltas
+from skulk.api.generation import Finished, GenerationFailed, collect, pieces
 from skulk.api.response_peers import ClusterResponses
 from skulk.api.security import CURRENT
 from skulk.api.services import ApiServices
@@ -54,6 +56,7 @@ def responses_to_chat(body: ResponsesRequest, history: list[ChatMessage] | None 
         tool_choice=body.chat_tool_choice(), logprobs=body.wants_logprobs(),
         top_logprobs=(body.top_logprobs or 0) if body.wants_logprobs() else None,
         response_format=body.text.format.to_chat() if body.text is not None else None,
+        reasoning_effort=body.reasoning_effort(),
     )
     check_supported(request)
     return prepared(request)
@@ -75,6 +78,10 @@ class ResponseBuilder:
         self.owner = CURRENT.get().key_id  # the request's key, read before any streaming
         self.command_id = session.command_id
         self.item_id = f"msg_{session.command_id}"
+        self.reasoning_id = f"rs_{session.command_id}"
+        self.first = 0
+        """The message's output index: 1 once a reasoning item went before it."""
+        self.reasoning_closed = False
         self.body, self.family, self.forced = body, family, forced
         self.created = int(time.time())
         self.seq = 0
@@ -83,17 +90,23 @@ class ResponseBuilder:
         content = [] if text is None else [_part(text, logprobs)]
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
+    def reasoning(self, text: str, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}]}
+
     def call(self, index: int, call: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
         return {"type": "function_call", "id": f"fc_{self.command_id}_{index}", "call_id": call.id,
                 "name": call.function.name,
                 "arguments": call.function.arguments if arguments is None else arguments, "status": status}
 
     def items(self, text: str, calls: list[ToolCall], logprobs: list[TokenLogprob] | None = None,
-              status: str = "completed") -> list[dict[str, Any]]:
-        """The finished output: the message (left out when the reply is only calls), then one item per call. The
-        message is `incomplete` when the response is (cut by max_output_tokens)."""
-        message = [self.message(text, status, logprobs)] if text or not calls else []
-        return [*message, *(self.call(i, c, "completed") for i, c in enumerate(calls))]
+              status: str = "completed", reasoning: str = "") -> list[dict[str, Any]]:
+        """The finished output: the reasoning (when the model reasoned), the message (left out when the reply is
+        only calls, or only reasoning), then one item per call. The message is `incomplete` when the response is
+        (cut by max_output_tokens)."""
+        thought = [self.reasoning(reasoning, "completed" if text or calls else status)] if reasoning else []
+        message = [self.message(text, status, logprobs)] if text or not (calls or thought) else []
+        return [*thought, *message, *(self.call(i, c, "completed") for i, c in enumerate(calls))]
 
     def conversation(self, text: str, calls: list[ToolCall]) -> list[ChatMessage]:
         """What a later previous_response_id continues: the earlier turns, this input and this output."""
@@ -110,7 +123,8 @@ class ResponseBuilder:
         if done is not None:
             usage = {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
                      "total_tokens": done.prompt_tokens + done.completion_tokens,
-                     "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+                     "input_tokens_details": {"cached_tokens": 0},
+                     "output_tokens_details": {"reasoning_tokens": done.reasoning_tokens}}
         incomplete = {"reason": "max_output_tokens"} if done is not None and done.finish_reason == "length" else None
         b = self.body
         choice = b.tool_choice.model_dump() if b.tool_choice is not None and not isinstance(b.tool_choice, str) \
@@ -130,18 +144,36 @@ class ResponseBuilder:
     # ---- streaming: the events of one message item and of one function call item
 
     def where(self) -> dict[str, Any]:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.item_id, "output_index": self.first, "content_index": 0}
 
     def open_message(self) -> list[str]:
-        return [self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress")),
+        return [self.event("response.output_item.added", output_index=self.first,
+                           item=self.message(None, "in_progress")),
                 self.event("response.content_part.added", **self.where(), part=_part("", None))]
 
     def close_message(self, text: str, logprobs: list[TokenLogprob], status: str) -> list[str]:
         part = _part(text, logprobs)
         return [self.event("response.output_text.done", **self.where(), text=text, logprobs=part["logprobs"]),
                 self.event("response.content_part.done", **self.where(), part=part),
-                self.event("response.output_item.done", output_index=0,
+                self.event("response.output_item.done", output_index=self.first,
                            item=self.message(text, status, logprobs))]
+
+    def reasoning_delta(self, text: str) -> list[str]:
+        """A piece of reasoning, the reasoning item opened before its first."""
+        head = [] if self.first else [self.event("response.output_item.added", output_index=0,
+                                                 item={**self.reasoning("", "in_progress"), "content": []})]
+        self.first = 1
+        return [*head, self.event("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=0,
+                                  content_index=0, delta=text)]
+
+    def close_reasoning(self, text: str, status: str) -> list[str]:
+        """The reasoning item's last events, once (nothing when there was no reasoning)."""
+        if not self.first or self.reasoning_closed:
+            return []
+        self.reasoning_closed = True
+        return [self.event("response.reasoning_text.done", item_id=self.reasoning_id, output_index=0,
+                           content_index=0, text=text),
+                self.event("response.output_item.done", output_index=0, item=self.reasoning(text, status))]
 
     def delta(self, text: str, logprobs: list[TokenLogprob]) -> str:
         return self.event("response.output_text.delta", **self.where(), delta=text,
@@ -167,25 +199,35 @@ async def response_events(session: ChatSession, r: ResponseBuilder, store: Clust
     yield r.event("response.created", response=r.obj("in_progress"))
     yield r.event("response.in_progress", response=r.obj("in_progress"))
     held = ToolCallStream(r.family, hold_all=r.forced is not None) if r.family is not None else None
-    opened, parts, logprobs, sent = held is None, [], [], 0
-    for e in r.open_message() if opened else []:
-        yield e
+    opened, parts, thoughts, logprobs, sent = False, [], [], [], 0
     done = Finished("", "stop", 0, 0, None, time.monotonic())
+
+    def open_message() -> list[str]:
+        """The message item, opened at its first text (after the reasoning item, closed first)."""
+        nonlocal opened
+        events = [] if opened else [*r.close_reasoning("".join(thoughts), "completed"), *r.open_message()]
+        opened = True
+        return events
+
     try:
-        async for chunk in deltas(session):
-            text = held.push(chunk.text) if held is not None else chunk.text
+        async for piece in pieces(session):
+            chunk = piece.chunk
+            if piece.reasoning:
+                thoughts.append(piece.reasoning)
+                for e in r.reasoning_delta(piece.reasoning):
+                    yield e
+            text = held.push(piece.text) if held is not None else piece.text
             if chunk.logprobs is not None:
                 logprobs.append(chunk.logprobs)
             if text:
-                for e in [] if opened else r.open_message():
+                for e in open_message():
                     yield e
-                opened = True
                 parts.append(text)
                 yield r.delta(text, logprobs[sent:])
                 sent = len(logprobs)
             if chunk.finish_reason is not None:
                 done = Finished("", chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens, chunk.stats,
-                                done.started)
+                                done.started, reasoning_tokens=session.reasoning_tokens)
     except GenerationFailed as failed:
         yield r.event("error", code=failed.chunk.code, message=failed.chunk.message, param=None)
         return
@@ -195,21 +237,22 @@ async def response_events(session: ChatSession, r: ResponseBuilder, store: Clust
         yield r.event("error", code=ErrorCode.tool_choice_unmet.value, message=unmet, param=None)
         return
     if tail:
-        for e in [] if opened else r.open_message():
+        for e in open_message():
             yield e
-        opened = True
         parts.append(tail)
         yield r.delta(tail, logprobs[sent:])
-    text = "".join(parts)
-    message = opened or not calls
-    closing = [*([] if opened else r.open_message()), *r.close_message(text, logprobs, _status(done))] \
-        if message else []
+    text, reasoning = "".join(parts), "".join(thoughts)
+    message = opened or not (calls or reasoning)
+    status = _status(done)
+    closing = r.close_reasoning(reasoning, "completed" if text or calls else status)
+    if message:
+        closing += [*open_message(), *r.close_message(text, logprobs, status)]
     for e in closing:
         yield e
     for i, call in enumerate(calls):
-        for e in r.call_events(i + int(message), i, call):
+        for e in r.call_events(i + int(message) + r.first, i, call):
             yield e
-    response = r.obj("completed", done, r.items(text, calls, logprobs, _status(done)))
+    response = r.obj("completed", done, r.items(text, calls, logprobs, status, reasoning))
     r.keep(store, response, text, calls)
     yield r.event("response.incomplete" if response["status"] == "incomplete" else "response.completed",
                   response=response)
@@ -236,7 +279,7 @@ async def respond(node: ApiServices, body: ResponsesRequest, store: ClusterRespo
     unmet = unmet_tool_choice(r.forced, calls)
     if unmet is not None:
         raise ApiError(ErrorCode.tool_choice_unmet, unmet)
-    response = r.obj("completed", done, r.items(text, calls, done.logprobs, _status(done)))
+    response = r.obj("completed", done, r.items(text, calls, done.logprobs, _status(done), done.reasoning))
     r.keep(store, response, text, calls)
     return response
 

@@ -40,8 +40,10 @@ class Engine(Protocol):
 
     context_length: int
 
-    def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Apply the model's chat template (with the generation prompt and the tools offered) and tokenize."""
+    def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Apply the model's chat template (with the generation prompt, the tools offered and the request's template
+        variables: enable_thinking, reasoning_effort, chat_template_kwargs) and tokenize."""
         ...
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None: ...

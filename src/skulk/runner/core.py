@@ -10,11 +10,13 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.queues import Queue
 from typing import TYPE_CHECKING, Any
 
 from skulk.engines.base import Engine, TokenOut
 from skulk.engines.errors import PromptRejected
+from skulk.engines.reasoning import ReasoningMode
 from skulk.runner.admission import admit
 from skulk.runner.channel import Inbox, Outbox
 from skulk.runner.fault import Fault, FaultInjector, engine_hook, fault_from_setting
@@ -64,11 +66,13 @@ IDLE_POLL_S = 0.25
 
 
 class _Active:
-    __slots__ = ("clock", "command_id", "completion_tokens", "prompt_tokens")
+    __slots__ = ("clock", "command_id", "completion_tokens", "prompt_tokens", "reasoning")
+    reasoning: ReasoningMode | None
 
     def __init__(self, command_id: CommandId, prompt_tokens: int, in_flight: int = 0,
-                 admitted_at: float | None = None) -> None:
+                 admitted_at: float | None = None, reasoning: ReasoningMode | None = None) -> None:
         self.command_id = command_id
+        self.reasoning = reasoning
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.clock = RequestClock(in_flight, admitted_at)
@@ -281,7 +285,9 @@ class Runner:
             return
         if prompt is None:
             return
-        self.active[task.task_id] = _Active(task.command_id, len(prompt), len(self.active))
+        constrained = task.task_params is not None and task.task_params.sampling.constraint is not None
+        self.active[task.task_id] = _Active(task.command_id, len(prompt), len(self.active),
+                                            reasoning=self._reasoning_mode(prompt, constrained))
         self.recorder.record("prefill_stream", "prefill_queued", prompt_tokens=len(prompt), **ids)
         self.spans.span(task.task_id, "tokenize", started, time.time(), prompt_tokens=len(prompt))
         self._new_tasks.append(task.task_id)
@@ -293,7 +299,7 @@ class Runner:
         params = task.task_params  # attached by the worker from the API node's payload; never in state
         assert params is not None, "a task reached the runner without its payload"
         try:
-            prompt = self.engine.encode_chat(params.messages, params.tools or None)
+            prompt = self.engine.encode_chat(params.messages, params.tools or None, params.template_kwargs)
         except PromptRejected as refused:
             self.send_after_step()
             self._fail(task.task_id, task.command_id, str(refused), code=ErrorCode.invalid_request)
@@ -310,6 +316,16 @@ class Runner:
             self._fail(task.task_id, task.command_id, str(refused), code=ErrorCode.invalid_request)
             return None
         return prompt
+
+    def _reasoning_mode(self, prompt: Sequence[int], constrained: bool) -> ReasoningMode | None:
+        """How the API node splits this reply's reasoning: the card's reasoning_parser, else the template's. A
+        constrained reply (JSON, a forced call) is held to its grammar from the first token, so it has no
+        reasoning to split: its text is the answer."""
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if constrained or tokenizer is None or not hasattr(tokenizer, "reasoning_mode"):
+            return None
+        mode: ReasoningMode | None = tokenizer.reasoning_mode(prompt, self.spec.shard.model_card.reasoning_parser)
+        return mode
 
     def _fail_in_engine(self, task_id: TaskId, command_id: CommandId, why: BaseException | str) -> None:
         """A request that raised inside the engine ends with a 500; the others are untouched."""
@@ -359,6 +375,7 @@ class Runner:
                     finish_reason=out.finish_reason,
                     stop_sequence=out.stop_sequence,
                     logprobs=out.logprobs,
+                    reasoning=active.reasoning if active.completion_tokens == 1 else None,
                     prompt_tokens=active.prompt_tokens,
                     completion_tokens=active.completion_tokens,
                     stats=None if out.finish_reason is None else active.clock.stats(
@@ -429,7 +446,8 @@ class Runner:
                 self.send(TaskAccepted(task_id))
                 # from when the header arrived, not now: the prefill already ran (prompt_tps read 10^6 tok/s)
                 self.active[task_id] = _Active(CommandId(event.command_id), event.prompt_tokens,
-                                               admitted_at=event.at or None)
+                                               admitted_at=event.at or None,
+                                               reasoning=self._reasoning_mode(event.prompt_tail, event.constrained))
                 self._new_tasks.append(task_id)
                 self.set_status(RunnerRunning())
                 continue

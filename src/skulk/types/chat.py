@@ -174,6 +174,11 @@ class ChatCompletionRequest(BaseModel):
     audio: Any = None
     prediction: Any = None
     reasoning_effort: str | None = None
+    """Reaches the chat template as `reasoning_effort` (gpt-oss reads it); "none" also turns thinking off."""
+    enable_thinking: bool | None = None
+    """Reaches the chat template (Qwen3's switch; vLLM and SGLang take it at the top level too)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More variables for the chat template, as vLLM takes them."""
     web_search_options: Any = None
 
     _ranges = field_validator(*RANGES, mode="wrap")(_say_range)
@@ -191,8 +196,6 @@ class ChatCompletionRequest(BaseModel):
             ("modalities", any(m != "text" for m in self.modalities or []), 'only ["text"] is served'),
             ("audio", self.audio is not None, "audio output is not supported; leave audio out"),
             ("prediction", self.prediction is not None, "predicted outputs are not supported; leave prediction out"),
-            ("reasoning_effort", self.reasoning_effort is not None,
-             "Skulk's models have no reasoning settings; leave reasoning_effort out"),
             ("web_search_options", self.web_search_options is not None, "web search is not supported"),
         )
         return next((f"{name}: {why}" for name, refused, why in refusals if refused), None)
@@ -211,6 +214,17 @@ class ChatCompletionRequest(BaseModel):
         if not any(m.text for m in self.messages):
             raise ValueError("messages must contain at least one message with non-empty content")
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The variables the chat template gets besides messages and tools; chat_template_kwargs wins."""
+        out: dict[str, Any] = {}
+        if self.reasoning_effort is not None:
+            out["reasoning_effort"] = self.reasoning_effort
+            if self.reasoning_effort == "none":
+                out["enable_thinking"] = False
+        if self.enable_thinking is not None:
+            out["enable_thinking"] = self.enable_thinking
+        return {**out, **(self.chat_template_kwargs or {})}
 
     def tool_specs(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's JSON)."""

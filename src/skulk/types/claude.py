@@ -28,7 +28,14 @@ class ToolUseBlock(_Block):
     input: dict[str, Any] = {}
 
 
-TEXT_BLOCKS = frozenset({"text", "tool_use", "tool_result"})
+class ThinkingBlock(_Block):
+    """An earlier turn's thinking, sent back as the client received it: accepted and left out of the prompt
+    (thinking templates drop earlier turns' reasoning too)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+TEXT_BLOCKS = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
 
 
 def _text_only(content: Any) -> Any:
@@ -50,7 +57,8 @@ def _block_type(value: Any) -> str:
 
 Block = Annotated[
     Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
-    | Annotated[ToolResultBlock, Tag("tool_result")],
+    | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[ThinkingBlock, Tag("redacted_thinking")],
     Discriminator(_block_type),
 ]
 
@@ -75,7 +83,7 @@ class ClaudeMessage(_Block):
             elif isinstance(block, ToolUseBlock):
                 calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name,
                                                                          arguments=json.dumps(block.input))))
-            else:
+            elif isinstance(block, ToolResultBlock):
                 body = block.content if isinstance(block.content, str) else "".join(b.text for b in block.content)
                 out.append(ChatMessage(role="tool", content=body, tool_call_id=block.tool_use_id))
         if text or calls:
@@ -100,13 +108,19 @@ class ClaudeToolChoice(_Block):
 
 
 class ClaudeThinking(_Block):
+    """Extended thinking: enabled (the template's thinking switch on, the reasoning capped at budget_tokens),
+    adaptive (on, no cap) or disabled (the template's switch off)."""
+
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    budget_tokens: int | None = Field(default=None, ge=1)
+
+    def template_switch(self) -> bool:
+        return self.type != "disabled"
 
 
 class ClaudeRequest(BaseModel):
     """The body of POST /v1/messages. `metadata` (a user id for Anthropic's abuse checks) is accepted and unused;
-    what would change the answer and is not served (`thinking`, server tools, MCP servers, containers) is refused
+    what would change the answer and is not served (server tools, MCP servers, containers) is refused
     by `unsupported` with a 400 rather than silently ignored."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -128,9 +142,8 @@ class ClaudeRequest(BaseModel):
 
     def unsupported(self) -> str | None:
         """Why a field this request sets is not served (None: every field it sets is)."""
-        if self.thinking is not None and self.thinking.type != "disabled":
-            return ("thinking: extended thinking is not supported (Skulk's models return no thinking blocks); "
-                    'leave thinking out or send {"type": "disabled"}')
+        if self.thinking is not None and self.thinking.type == "enabled" and self.thinking.budget_tokens is None:
+            return 'thinking: {"type": "enabled"} needs budget_tokens (the most tokens the reasoning may take)'
         for i, tool in enumerate(self.tools or []):
             if tool.type not in (None, "custom"):
                 return (f"tools.{i}: {tool.type!r} is one of Anthropic's server tools, which Skulk does not run; "

@@ -78,6 +78,9 @@ class ModelCard(CamelModel):
     "assistant drafter" companion). Used by a single-rank torch instance when the draft's files are on the node
     (the store, staging or models folder, like the target's); placement counts its weights and KV on that rank.
     Never downloaded for the target: place it once, or copy it in. None: prompt lookup drafts."""
+    reasoning_parser: Literal["think", "none"] | None = None
+    """How replies split into reasoning and content (engines/reasoning.py): "think" reads <think> blocks, "none"
+    never splits. None: decided from the chat template (a template that writes <think> thinks in it)."""
     tasks: list[ModelTask] = ["TextGeneration"]
     """Skulk's `tasks` of the card. An embedding model (TextEmbedding) answers only embeddings, runs on one
     node, and a chat model answers no embeddings: the API refuses either mix-up with a 400."""

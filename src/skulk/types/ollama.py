@@ -89,11 +89,15 @@ class OllamaChatRequest(_Loose):
 
     def unsupported(self) -> str | None:
         """Why a field this request sets is not served (None: every field it sets is)."""
-        return _THINK if self.think not in (None, False) else self.options.unsupported()
+        return self.options.unsupported()
 
 
-_THINK = ("think: Skulk returns no separate thinking; leave think out or false (a model that thinks writes its "
-          "thinking into the content)")
+def think_kwargs(think: bool | str | None) -> tuple[bool | None, str | None]:
+    """Ollama's `think` as the chat template's switches (enable_thinking, reasoning_effort): a bool turns thinking
+    on or off; "low" / "medium" / "high" (gpt-oss's levels) turns it on at that effort."""
+    if think is None or isinstance(think, bool):
+        return think, None
+    return True, think
 
 
 class OllamaGenerateRequest(_Loose):
@@ -127,7 +131,7 @@ class OllamaGenerateRequest(_Loose):
             return "template: the model's own chat template is always used; leave template out"
         if self.context:
             return "context: send the conversation as /api/chat messages instead of a context from an earlier reply"
-        return _THINK if self.think not in (None, False) else self.options.unsupported()
+        return self.options.unsupported()
 
     def chat_messages(self) -> list[ChatMessage]:
         head = [ChatMessage(role="system", content=self.system)] if self.system else []

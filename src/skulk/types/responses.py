@@ -102,6 +102,13 @@ class FunctionCallOutputItem(_Loose):
     output: str
 
 
+class ReasoningItem(_Loose):
+    """An earlier reply's reasoning, sent back in the input as the Responses API returned it: accepted and left
+    out of the prompt (thinking templates drop earlier turns' reasoning too)."""
+
+    type: Literal["reasoning"]
+
+
 def _item_type(value: Any) -> str:
     """Easy input messages may leave out "type": they are messages."""
     if isinstance(value, dict):
@@ -112,7 +119,8 @@ def _item_type(value: Any) -> str:
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 
@@ -164,7 +172,8 @@ class ResponseText(_Loose):
 class ResponsesRequest(_Loose):
     """POST /v1/responses. Stateful: `previous_response_id` continues a stored response (api/response_store.py),
     `store: false` keeps this one out of the store. Fields that would change the answer and are not served
-    (`background`, `conversation`, `reasoning`, `prompt`) are refused by `unsupported`, not ignored."""
+    (`background`, `conversation`, `reasoning.summary`, `prompt`) are refused by `unsupported`, not ignored.
+    `reasoning.effort` reaches the chat template as reasoning_effort."""
 
     model: ModelText
     input: str | list[InputItem] = Field(min_length=1)
@@ -193,8 +202,9 @@ class ResponsesRequest(_Loose):
             return "background: responses run in the foreground only; leave background out or false"
         if self.conversation is not None:
             return "conversation: conversations are not stored; continue a response with previous_response_id"
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            return "reasoning: Skulk's models have no reasoning settings or summaries; leave reasoning out"
+        if (self.reasoning or {}).get("summary") not in (None, "auto"):
+            return ("reasoning.summary: reasoning is returned as it was written, not summarised; leave summary out "
+                    'or "auto"')
         if self.prompt is not None:
             return "prompt: stored prompt templates are not supported; send instructions and input"
         return None
@@ -208,6 +218,10 @@ class ResponsesRequest(_Loose):
         head = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         return [*head, *(history or []), *self.input_messages()]
 
+    def reasoning_effort(self) -> str | None:
+        effort = (self.reasoning or {}).get("effort")
+        return effort if isinstance(effort, str) else None
+
     def input_messages(self) -> list[ChatMessage]:
         """The input as chat messages: an assistant message and the function calls after it become one assistant
         turn with tool_calls, each output a tool message."""
@@ -219,7 +233,7 @@ class ResponsesRequest(_Loose):
                 messages.append(item.to_chat())
             elif isinstance(item, FunctionCallOutputItem):
                 messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
-            else:
+            elif isinstance(item, FunctionCallItem):
                 call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
                 last = messages[-1] if messages else None
                 if last is not None and last.role == "assistant":  # the same turn's text and earlier calls

@@ -38,6 +38,8 @@ class ChatCompletionTaskParams(CamelModel):
     """The context every API surface advertised for the model when the request came (state.queries.served_context):
     the runner admits and generates no more, so where instances of one model differ in max_context a request is
     held to the number clients were shown. None: the instance's own."""
+    template_kwargs: dict[str, Any] = {}
+    """Variables for the chat template (enable_thinking, reasoning_effort, a client's chat_template_kwargs)."""
 
 
 class _TaskFields(TaggedModel):

@@ -149,8 +149,9 @@ class MlxEngine:
 
     # --- the Engine protocol -------------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return self.tokenizer.encode_chat(messages, tools)
+    def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return self.tokenizer.encode_chat(messages, tools, template_kwargs)
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, command_id: str = ""
@@ -254,7 +255,8 @@ class MlxEngine:
         for add in header.adds:
             self._pending.append(self._new_request(add))
             if add.request_id != WARMUP_ID:
-                self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt)))
+                self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt), 0.0,
+                                             tuple(add.prompt[-8:]), add.sampling.constraint is not None))
         return header
 
     def _new_request(self, add: NewRequest) -> Request:

@@ -182,7 +182,8 @@ class Admission(Flight):
         for add in header.adds:
             self._pending.append(self._new_request(add))
             if add.request_id != WARMUP_ID:
-                self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt), time.perf_counter()))
+                self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt), time.perf_counter(),
+                                             tuple(add.prompt[-8:]), add.sampling.constraint is not None))
 
     def _new_request(self, add: NewRequest) -> Request:
         s = add.sampling_params()

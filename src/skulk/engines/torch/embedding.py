@@ -169,7 +169,8 @@ class EmbeddingEngine:
 
     # The runner's engine interface: an embedding model has no chat, and no work between steps.
 
-    def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         raise ValueError(f"{self.model_dir.name} is an embedding model: it cannot chat; use POST /v1/embeddings")
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:

@@ -54,8 +54,9 @@ class TorchEngine(LocalStep):
 
     # --- the Engine protocol -------------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return self.tokenizer.encode_chat(messages, tools)
+    def encode_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return self.tokenizer.encode_chat(messages, tools, template_kwargs)
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, command_id: str = ""

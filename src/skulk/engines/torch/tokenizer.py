@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from skulk.engines.errors import PromptRejected
+from skulk.engines.reasoning import ReasoningMode, ReasoningOverride, reasoning_mode
 from skulk.engines.tool_prompt import PROBE_TOOL, inline_tools
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import read_config
 from skulk.types.chat import ChatMessage
 
 _REPLACEMENT = "\ufffd"
+_TEMPLATE_OWN = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) | {"messages"}
+"""apply_chat_template's own arguments (and the messages): a client's chat_template_kwargs cannot set them."""
 
 
 class ChatTokenizer:
@@ -50,10 +54,13 @@ class ChatTokenizer:
             return False
         return bool(plain != with_tool)
 
-    def encode_chat(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Render the chat template with the generation prompt and the tools offered; a template without a tools
         section gets them in the system message (engines/tool_prompt.py), never silently dropped. Tokenized
-        without adding specials twice."""
+        without adding specials twice. template_kwargs are the request's template variables (Qwen3's
+        enable_thinking, gpt-oss's reasoning_effort, a client's chat_template_kwargs); a template ignores the ones
+        it does not read."""
         items = template_messages(messages)
         if tools and not self.renders_tools:
             items, tools = inline_tools(items, tools), None
@@ -63,12 +70,26 @@ class ChatTokenizer:
                 tools=tools or None,
                 add_generation_prompt=True,
                 tokenize=False,
+                **{k: v for k, v in (template_kwargs or {}).items() if k not in _TEMPLATE_OWN},
             )
         except TemplateSyntaxError:
             raise  # the model's template is broken: not the client's to fix
         except TemplateError as exc:  # the template's own raise_exception, or a message it cannot read
             raise PromptRejected(f"the model's chat template rejected the messages: {exc}") from exc
         return self.encode(rendered)
+
+    @functools.cached_property
+    def template_text(self) -> str:
+        """The chat template's text (all of a named set's, joined), for the format choices made from it."""
+        template = getattr(self._tok, "chat_template", None)
+        if isinstance(template, dict):
+            return "\n".join(str(t) for t in template.values())
+        return str(template or "")
+
+    def reasoning_mode(self, prompt: Sequence[int], override: ReasoningOverride | None = None) -> ReasoningMode | None:
+        """How the reply to this rendered prompt is split into reasoning and content (engines/reasoning.py)."""
+        tail = self._tok.decode(list(prompt[-8:]), skip_special_tokens=False)
+        return reasoning_mode(self.template_text, tail, override)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))

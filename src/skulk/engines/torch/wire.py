@@ -122,6 +122,10 @@ class Admitted:
     at: float = 0.0
     """perf_counter() when this rank applied the header that admitted it: where its prefill clock starts (the
     runner learns of it only after the step, by when the prefill is done; issue 27's prompt_tps)."""
+    prompt_tail: tuple[int, ...] = ()
+    """The prompt's last tokens and whether the reply is constrained: a rank that did not render the prompt (the
+    sampler of a group) decides from them how the reply's reasoning splits (engines/reasoning.py)."""
+    constrained: bool = False
 
 
 @dataclass(frozen=True, slots=True)
