@@ -15,6 +15,7 @@ from skulk.api.embeddings import embeddings_router
 from skulk.api.errors import install_error_handlers
 from skulk.api.events import events_router
 from skulk.api.meta_instances import meta_instances_router
+from skulk.api.metrics import metrics_router
 from skulk.api.models import models_router
 from skulk.api.ollama import ollama_router
 from skulk.api.openai import openai_router
@@ -39,7 +40,7 @@ def create_app(services: ApiServices) -> FastAPI:
                    openai_router(services), diagnostics_router(services), config_router(services),
                    claude_router(services), ollama_router(services), responses_router(services),
                    embeddings_router(services), events_router(services), tracing_router(services),
-                   admin_router(services), models_router(services), store_router(services),
+                   admin_router(services), models_router(services), metrics_router(services), store_router(services),
                    sealing_router(services.sealer, settings.api_host, settings.zenoh_listen, services.members)):
         app.include_router(declare_common_errors(router))
     return app
