@@ -38,6 +38,14 @@ class NodeCollector(Collector):
         runners = GaugeMetricFamily("skulk_runners", "Runner supervisors on this node.")
         runners.add_metric([], len(services.runners()))
         yield runners
+        log = services.event_log
+        if log is not None:  # off (event_log.enabled false): no series rather than a misleading zero
+            events = GaugeMetricFamily("skulk_event_log_last_seq", "Events this node's event log has numbered.")
+            events.add_metric([], log.seq)
+            yield events
+            size = GaugeMetricFamily("skulk_event_log_bytes", "The event log's bytes on disk, archive included.")
+            size.add_metric([], log.bytes_on_disk)
+            yield size
 
 
 def metrics_router(services: ApiServices) -> APIRouter:
