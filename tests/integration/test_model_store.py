@@ -173,8 +173,9 @@ def test_hugging_face_download_progress_errors_and_chat(cluster: Cluster, tmp_pa
     write_repo(root, "org/pickles", {"config.json": {"model_type": "llama"}, "pytorch_model.bin": b"x"})
     write_repo(
         root,
-        "org/mamba",
-        {"config.json": {"model_type": "mamba", "architectures": ["MambaForCausalLM"]}, "model.safetensors": b"x"},
+        "org/strange",
+        {"config.json": {"model_type": "no_such_family", "architectures": ["StrangeForCausalLM"]},
+         "model.safetensors": b"x"},
     )
     hub = RunningHub(root).start()
     try:
@@ -191,8 +192,9 @@ def test_hugging_face_download_progress_errors_and_chat(cluster: Cluster, tmp_pa
         assert code == 404 and "org/nope" in reply["error"]["message"]
         code, reply = node.post("/store/models/org/pickles/download", {})
         assert code == 400 and "safetensors" in reply["error"]["message"]
-        code, reply = node.post("/models/add", {"model_id": "org/mamba"})
-        assert code == 400 and "mamba" in reply["error"]["message"] and "qwen3" in reply["error"]["message"]
+        code, reply = node.post("/models/add", {"model_id": "org/strange"})  # a family no engine runs
+        message = reply["error"]["message"]
+        assert code == 400 and "no_such_family" in message and "qwen3" in message and "mlx" in message.lower(), reply
 
         assert node.post("/models/add", {"model_id": "org/placed"})[0] == 200
         instance_id = place(node, "org/placed")["instanceId"]
