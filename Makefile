@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test test-fast lint bench clean chromium
+.PHONY: run test test-fast lint bench dist clean chromium
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Skulk needs Python 3.11 or newer;" \
@@ -41,5 +41,14 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/serving.py
 
+# The wheel (dashboard, model cards and kernel sources inside) and the sdist, built offline with the venv's
+# setuptools (a dev dependency): `pipx install dist/skulk-*.whl` or `uv tool install dist/skulk-*.whl` then gives
+# a working `skulk`. build/ goes first so a module deleted since the last build cannot ride along in the wheel.
+dist: $(STAMP)
+	rm -rf dist build
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w dist .
+	$(PY) -c 'from setuptools.build_meta import build_sdist; build_sdist("dist")' >/dev/null
+	@ls dist
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build dist

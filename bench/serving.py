@@ -7,13 +7,23 @@ Prints three ratios, each from runs interleaved with its baseline so machine noi
   streaming decode tokens/s of /v1/messages and /ollama/api/chat ÷ /v1/chat/completions (target ≥ 0.98 each;
   the routes run back to back in every round, each going first in turn)
   streaming decode tokens/s with logprobs (top 5) ÷ without, the same way
+  streaming decode tokens/s while another client scrapes GET /metrics every 0.1 s ÷ unscraped (issue 44: target
+  ≥ 0.99 at one scrape a second; ten times that here, so short streams meet several during their decode)
   streaming decode tokens/s with the reasoning splitter inside a <think> block on every token ÷ off (target
   ≥ 0.98): the model's template gains a test switch that opens the block in the prompt, so every token of the
   reply is reasoning (streamed as reasoning_content); off, the same template's reply is content after its first
   token. The two prompts differ (the opened block), so the model's own speed on each is divided out: the row is
   (API on ÷ API off) ÷ (bare engine on ÷ bare engine off), the same prompts in-process without any splitter
 
-Run: .venv/bin/python bench/serving.py [--tokens 64] [--rounds 3] [--quantization int4|int8]
+Under load (`--load N`, issue 43): N CPU-bound processes beside the node (testing/load.py's spinners, nice 0,
+reaped at exit), then at 1, 16 and 64 concurrent streams each request's latency (sent to last token) as p50, p95
+and p99, its TTFT p50 and p95, the aggregate tok/s, failed streams, and p95 ÷ p50 (target <= 3: no request waits
+far longer than its share). `--load-only` skips the ratios above.
+
+The bench runs with the runners' OpenMP spin (GOMP_SPINCOUNT, runner/main.py) unless the caller set one, so the
+bare engine in this process and the runner behind the API spin alike.
+
+Run: .venv/bin/python bench/serving.py [--tokens 64] [--rounds 3] [--quantization int4|int8] [--load N [--load-only]]
      (--quantization: the same model quantized at load, in the node's instance and the bare engine alike)
 """
 
@@ -22,7 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,6 +45,8 @@ import httpx
 
 from skulk.engines.torch.engine import TorchEngine
 from skulk.models.demo import BENCH_MODEL_ID, ensure_builtin_model
+from skulk.runner.main import GOMP_SPINCOUNT
+from skulk.testing.load import cpu_load, load_average
 from skulk.testing.nodes import LocalNode
 from skulk.types.chat import ChatMessage, SamplingParams
 
@@ -89,6 +103,38 @@ async def api_single(url: str, tokens: int, extra: dict[str, Any] | None = None)
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         ttft, produced, first, last = await api_stream(client, tokens, extra=extra)
     return ttft, (produced - 1) / max(last - first, 1e-9)
+
+
+SCRAPE_EVERY_S = 0.1
+"""The scraped row's /metrics period: ten times the issue's once a second (issue 44), so that a 64-token stream of
+a fraction of a second meets several scrapes during its decode, not one at best."""
+
+
+async def api_scraped(url: str, tokens: int) -> float:
+    """Streaming decode tok/s of one greedy stream while another client scrapes GET /metrics every SCRAPE_EVERY_S."""
+    done = asyncio.Event()
+
+    async def scrape(client: httpx.AsyncClient) -> int:
+        count = 0
+        while not done.is_set():
+            reply = await client.get("/metrics")
+            assert reply.status_code == 200, reply.text
+            count += 1
+            try:
+                await asyncio.wait_for(done.wait(), SCRAPE_EVERY_S)
+            except TimeoutError:
+                pass
+        return count
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client, \
+            httpx.AsyncClient(base_url=url, timeout=300) as scraper:
+        scraping = asyncio.create_task(scrape(scraper))
+        try:
+            _ttft, produced, first, last = await api_stream(client, tokens)
+        finally:
+            done.set()
+        assert await scraping >= 1
+    return (produced - 1) / max(last - first, 1e-9)
 
 
 async def api_concurrent(url: str, tokens: int, streams: int) -> float:
@@ -166,10 +212,15 @@ def start_node(root: Path, quantization: str | None) -> LocalNode:
 
 
 def main() -> None:
+    if "GOMP_SPINCOUNT" not in os.environ:  # the bare engine spins as the runner's does (read when torch loads)
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GOMP_SPINCOUNT": GOMP_SPINCOUNT})
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quantization", choices=["int4", "int8"], default=None)
+    parser.add_argument("--load", type=int, default=None, metavar="N",
+                        help="CPU-bound processes beside the node for the latency table under load")
+    parser.add_argument("--load-only", action="store_true", help="with --load: only the table under load")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -177,10 +228,13 @@ def main() -> None:
         add_thinking_switch(model_dir)
         node = start_node(root, args.quantization)
         try:
-            engine = TorchEngine(model_dir, quantize=args.quantization)
-            engine.warmup()
             print(f"weights: {args.quantization or 'as the checkpoint ships'}")
-            measure(engine, node.url, args.tokens, args.rounds)
+            if not (args.load_only and args.load is not None):
+                engine = TorchEngine(model_dir, quantize=args.quantization)
+                engine.warmup()
+                measure(engine, node.url, args.tokens, args.rounds)
+            if args.load is not None:
+                measure_load(node.url, args.tokens, args.rounds, args.load)
         except BaseException:
             print(f"---- node output ----\n{node.log_tail(80)}")
             raise
@@ -196,7 +250,7 @@ def measure(engine: TorchEngine, url: str, tokens: int, rounds: int) -> None:
         prefill.append(bare_run(engine, 2)[0])
         ttft.append(asyncio.run(api_single(url, 2))[0])
     bare_tps, api_tps, one_agg, eight_agg = [], [], [], []
-    claude_tps, ollama_tps, logprobs_tps, thinking_tps, bare_think_tps = [], [], [], [], []
+    claude_tps, ollama_tps, logprobs_tps, thinking_tps, bare_think_tps, scraped_tps = [], [], [], [], [], []
     logprobs = {"logprobs": True, "top_logprobs": 5}
     streams: dict[str, Callable[[], float]] = {
         "openai": lambda: asyncio.run(api_single(url, tokens))[1],
@@ -204,6 +258,7 @@ def measure(engine: TorchEngine, url: str, tokens: int, rounds: int) -> None:
         "thinking": lambda: asyncio.run(api_single(url, tokens, OPEN_THINK))[1],
         "claude": lambda: asyncio.run(compat_single(url, tokens, "claude")),
         "ollama": lambda: asyncio.run(compat_single(url, tokens, "ollama")),
+        "scraped": lambda: asyncio.run(api_scraped(url, tokens)),
     }
     for i in range(rounds):
         bare_tps.append(bare_run(engine, tokens)[1])
@@ -215,6 +270,7 @@ def measure(engine: TorchEngine, url: str, tokens: int, rounds: int) -> None:
         ollama_tps.append(got["ollama"])
         logprobs_tps.append(got["logprobs"])
         thinking_tps.append(got["thinking"])
+        scraped_tps.append(got["scraped"])
         one_agg.append(asyncio.run(api_single_aggregate(url, tokens)))
         eight_agg.append(asyncio.run(api_concurrent(url, tokens, 8)))
     print(f"model {BENCH_MODEL_ID}, {tokens} tokens, medians of interleaved rounds")
@@ -234,10 +290,77 @@ def measure(engine: TorchEngine, url: str, tokens: int, rounds: int) -> None:
           f"/ollama/api/chat {med(ollama_tps):.1f}")
     print(f"logprobs (top 5) / none {med(logprobs_tps) / med(api_tps):8.3f}   (OpenAI streaming decode with "
           f"logprobs=true, top_logprobs=5; the cost of asking)")
+    print(f"scraped / not scraped   {med(scraped_tps) / med(api_tps):8.3f}   (OpenAI streaming decode while GET "
+          f"/metrics is scraped every {SCRAPE_EVERY_S} s; target >= 0.99)")
     model_ratio = med(bare_think_tps) / med(bare_tps)
     print(f"reasoning split / off   {med(thinking_tps) / med(api_tps) / model_ratio:8.3f}   (streaming decode, every "
           f"token inside <think>, the prompts' own speed divided out; target >= 0.98; API on/off "
           f"{med(thinking_tps) / med(api_tps):.3f}, bare engine on/off {model_ratio:.3f})")
+
+
+
+async def timed_stream(client: httpx.AsyncClient, tokens: int, seed: int) -> tuple[float, float, int, bool]:
+    """(latency: sent to last token, ttft, tokens, ok) for one streamed request; not ok: an HTTP error status or
+    an SSE error event (the 503 "produced nothing" of issue 43 is one)."""
+    body: dict[str, Any] = {"model": BENCH_MODEL_ID, "messages": [{"role": "user", "content": PROMPT}],
+                            "max_tokens": tokens, "temperature": 0.7, "seed": seed, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    first = last = 0.0
+    produced, ok = 0, True
+    async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        ok = reply.status_code == 200
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            payload = json.loads(line[6:])
+            if "error" in payload:
+                ok = False
+            elif "usage" in payload and payload.get("choices") == []:
+                produced = payload["usage"]["completion_tokens"]
+                continue
+            last = time.perf_counter()
+            first = first or last
+    return (last or time.perf_counter()) - sent, (first or sent) - sent, produced, ok
+
+
+async def load_round(url: str, tokens: int, streams: int, seed: int) -> tuple[list[tuple[float, float, int, bool]],
+                                                                               float]:
+    """One round of `streams` concurrent requests: each request's outcome, and the round's wall seconds."""
+    limits = httpx.Limits(max_connections=streams + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(timed_stream(client, tokens, seed + n) for n in range(streams)))
+    return list(results), time.perf_counter() - start
+
+
+def pct(values: list[float], q: int) -> float:
+    """The q-th percentile (inclusive method: at most the largest value, also for a handful of samples)."""
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def measure_load(url: str, tokens: int, rounds: int, processes: int) -> None:
+    """The latency table under load: `rounds` rounds at each concurrency, N spinners running throughout."""
+    with cpu_load(processes):
+        print(f"\nunder load: {processes} CPU-bound processes beside the node, {tokens} tokens a request, "
+              f"{rounds} round(s) per concurrency, load average {load_average()}")
+        print(f"{'streams':>7} {'p50 s':>7} {'p95 s':>7} {'p99 s':>7} {'TTFT p50':>9} {'TTFT p95':>9} "
+              f"{'tok/s':>7} {'failed':>6} {'p95/p50':>7}")
+        for streams in (1, 16, 64):
+            outcomes: list[tuple[float, float, int, bool]] = []
+            produced = seconds = 0.0
+            for r in range(rounds):
+                got, took = asyncio.run(load_round(url, tokens, streams, seed=1 + r * streams))
+                outcomes += got
+                produced += sum(o[2] for o in got)
+                seconds += took
+            latency = [o[0] for o in outcomes]
+            ttft = [o[1] for o in outcomes]
+            failed = sum(1 for o in outcomes if not o[3])
+            p50, p95 = pct(latency, 50), pct(latency, 95)
+            print(f"{streams:>7} {p50:7.2f} {p95:7.2f} {pct(latency, 99):7.2f} {pct(ttft, 50):9.2f} "
+                  f"{pct(ttft, 95):9.2f} {produced / seconds:7.1f} {failed:>6} {p95 / p50:7.2f}")
+        print(f"(target: p95/p50 <= 3, no failed stream; load average now {load_average()})")
 
 
 if __name__ == "__main__":

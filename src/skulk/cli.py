@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--multicast-interface",
         help="interface to scout on, e.g. lo on a loopback-only host (SKULK_MULTICAST_INTERFACE, auto)",
     )
+    parser.add_argument(
+        "--data-ports",
+        help="FIRST-LAST: the ports a multi-rank instance's rendezvous is given from; give every node the same "
+        f"range and open it between the nodes (SKULK_DATA_PORTS, default {_default('data_ports')})",
+    )
     add_security_flags(parser)
     return parser
 

@@ -6,7 +6,7 @@ operator believing a budget is in force that is not. Every setting of the node g
 environment, flag), so this module is the one place that says what a node can be told. Not settings, and read
 where they act: the runner's switches for tests and tuning (SKULK_FAULT, SKULK_POISON, SKULK_SCRIPT,
 SKULK_LINK_DELAY_MS, SKULK_AMX, SKULK_SPECULATE, SKULK_FLIGHT_RECORDER, SKULK_READY, SKULK_ENGINES,
-SKULK_GROUP_TIMEOUT_SECONDS, SKULK_WARMUP_DEADLINE_SECONDS, SKULK_MODEL_CACHE), the
+SKULK_GROUP_TIMEOUT_SECONDS, SKULK_WARMUP_DEADLINE_SECONDS, SKULK_MODEL_CACHE, SKULK_SPARE_AFTER_S), the
 default KV bits (SKULK_KV_CACHE_BITS) and the CLI client's SKULK_API_KEY.
 """
 
@@ -30,6 +30,25 @@ log = logging.getLogger(__name__)
 
 class ConfigError(ValueError):
     """A setting that cannot be used; the message is what the operator reads before the node exits."""
+
+
+DEFAULT_DATA_PORTS = "29500-29999"
+"""torch.distributed's customary range."""
+
+
+def parse_port_range(text: str) -> range:
+    """`FIRST-LAST` (inclusive, 1024-65535, FIRST <= LAST) or a single port, as a range; ValueError naming the
+    text and the form otherwise. Privileged ports are refused: a runner never runs as root."""
+    first, sep, last = text.strip().partition("-")
+    form = f"data ports {text!r}: expected FIRST-LAST, two ports from 1024 to 65535 with FIRST <= LAST (e.g. " \
+           f"{DEFAULT_DATA_PORTS})"
+    try:
+        low, high = int(first), int(last) if sep else int(first)
+    except ValueError:
+        raise ValueError(form) from None
+    if not 1024 <= low <= high <= 65535:
+        raise ValueError(form)
+    return range(low, high + 1)
 
 
 class _Section(BaseModel):
@@ -137,9 +156,17 @@ class Settings(BaseModel):
     """A runner whose heartbeat thread is silent this long is declared hung, killed and restarted."""
     rejoin_wait_seconds: float = Field(default=10.0, ge=0)
     """After a pause (a laptop lid), how long a node waits to hear its old peers before it may elect itself."""
+    data_ports: str = DEFAULT_DATA_PORTS
+    """SKULK_DATA_PORTS, --data-ports: the ports a multi-rank instance's rendezvous (rank 0's torch.distributed
+    store) is given from, as FIRST-LAST. The master draws it from its own range, and rank 0's node binds it: give
+    every node the same range. `data_port_range` is the parsed range."""
     calibrate_compute: bool = True
     """SKULK_CALIBRATE_COMPUTE: measure this node's decode compute at start (worker/calibrate.py: a few seconds in
     a niced child), so previews predict before it has served; served steps replace the figures."""
+    spare_runner: bool = True
+    """SKULK_SPARE_RUNNER: keep one runner process started ahead of need, its engine imported (worker/spare.py), so a
+    replacement runner after a failure or a restart skips seconds of imports; about 265 MB, and only where 4 GiB
+    is available."""
     memory_limit: str | None = None
     """SKULK_MEMORY_LIMIT, --memory-limit: the most memory this node offers (a size such as 8GB, or a fraction of
     the machine's RAM such as 0.5 or 50%); the machine's RAM and its cgroup's limit bind anyway (memory_limit.py)."""
@@ -228,6 +255,16 @@ class Settings(BaseModel):
         """The environment's text "8" as the number 8 (the Literal takes numbers only)."""
         return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
+    @field_validator("data_ports")
+    @classmethod
+    def _a_port_range(cls, value: str) -> str:
+        parse_port_range(value)  # its ValueError says what is wrong
+        return value
+
+    @property
+    def data_port_range(self) -> range:
+        return parse_port_range(self.data_ports)
+
     @field_validator("memory_limit", "memory_reserve")
     @classmethod
     def _an_amount(cls, value: str | None) -> str | None:
@@ -244,7 +281,7 @@ class Settings(BaseModel):
 
 ENV_PREFIX = "SKULK_"
 LIST_FIELDS = {"bootstrap_peers", "zenoh_listen", "api_keys", "admin_keys", "allowed_hosts", "cors_origins", "engines"}
-BOOL_FIELDS = {"place_default", "multicast", "calibrate_compute"}
+BOOL_FIELDS = {"place_default", "multicast", "calibrate_compute", "spare_runner"}
 ENV_ALIASES = {"bootstrap_peers": "SKULK_BOOTSTRAP_PEERS", "zenoh_listen": "SKULK_ZENOH_LISTEN"}
 SECTION_FIELDS = {"model_store", "logging", "tracing", "event_log", "hf_token"}
 NESTED_ENV: dict[str, tuple[str, ...]] = {

@@ -134,8 +134,11 @@ class Budget:
 
 
 def budget(machine_total: int, machine_available: int, cgroup: CgroupMemory | None, working_set: int | None,
-           configured: Amount | None, reserve: Amount, own_use: int) -> Budget:
-    """The binding limit (the smallest) and free memory under it, less the reserve (pure)."""
+           configured: Amount | None, reserve: Amount, own_use: int, standby: int = 0) -> Budget:
+    """The binding limit (the smallest) and free memory under it, less the reserve (pure). standby: bytes a spare
+    runner holds (worker/spare.py), counted free, not used: the next runner takes that process, and placement
+    counts that runner's runtime already (1.05 x its share + 576 MiB), so counting the spare too would count the
+    same memory twice."""
     candidates = [(machine_total, "machine")]
     if cgroup is not None and cgroup.limit is not None:
         candidates.append((cgroup.limit, f"cgroup v{cgroup.version}"))
@@ -152,7 +155,8 @@ def budget(machine_total: int, machine_available: int, cgroup: CgroupMemory | No
     if cgroup is not None and cgroup.limit is not None:
         room.append(cgroup.limit - group_used)
     reserved = min(reserve.of(limit), limit)
-    return Budget(limit, source, used, reserved, max(0, min(room) - reserved))
+    standby = max(0, min(standby, used))
+    return Budget(limit, source, used - standby, reserved, max(0, min(room) - reserved) + standby)
 
 
 def own_use() -> int:

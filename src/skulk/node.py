@@ -21,6 +21,7 @@ from skulk.api.app import create_app
 from skulk.api.limits import guarded_protocol, raise_open_file_limit
 from skulk.api.requests import MasterChanged, Requests, ShuttingDown
 from skulk.api.services import ApiServices
+from skulk.api.serving_metrics import ServingMetrics
 from skulk.cluster.election import Elector
 from skulk.cluster.intake import send_command, send_local_event
 from skulk.cluster.membership import Membership
@@ -65,6 +66,7 @@ from skulk.types.runners import RunnerFailed
 from skulk.types.state import State
 from skulk.worker import calibrate, links, node_info, topology
 from skulk.worker.links import LinkMeter
+from skulk.worker.spare import SpareRunner, spare_engine
 from skulk.worker.worker import Worker
 
 log = logging.getLogger("skulk.node")
@@ -127,6 +129,8 @@ class Node:
     master: Master | None = None
     """This node's master role, while the election gives it one."""
     api_port: int = 0
+    serving: ServingMetrics = field(default_factory=ServingMetrics)
+    """The metrics counted as things happen (api/serving_metrics.py), which GET /metrics serves."""
     _reconcile_pending: bool = False
 
     @classmethod
@@ -197,7 +201,7 @@ class Node:
             restart=self.restart, master=lambda: self.elector.master_id, runners=lambda: self.worker.supervisors,
             departed=self.peers.departed, sealer=lambda: self.transport.sealer,
             members=lambda: (self.membership.alive, self.membership.tokens),
-            desired_skipped=lambda: self.desired.skipped,
+            desired_skipped=lambda: self.desired.skipped, serving=self.serving,
         )
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -312,6 +316,8 @@ class Node:
         rebuilding from its snapshot (never a mix of two masters' events)."""
         if master is None:
             log.warning("node %s has no master while it rejoins the cluster", self.node_id[:8])
+        else:
+            self.serving.master_changes.inc()
         self.requests.react(self.store.state, MasterChanged(master, term))
         self.follower.follow(master, term)
         if self.master is not None and (master != self.node_id or term != self.master.term):
@@ -330,6 +336,7 @@ class Node:
                 restart_window_s=self.settings.runner_restart_window_seconds,
                 desired=self.desired.saved,
                 desired_copy=self.desired.copy_of(self.node_id),
+                data_ports=self.settings.data_port_range,
             )
             self.master.start()
         elif master is not None and master != self.node_id:
@@ -417,11 +424,13 @@ class Node:
                 limit=self.settings.memory_limit,
                 reserve=self.settings.memory_reserve,
                 watch=self.memory_watch,
+                standby=self.worker.spare.resident() if self.worker.spare is not None else 0,
             )
             info = info.model_copy(update={"links": self.links.snapshot(), "compute": self.worker.compute.snapshot()})
             if self._info_worth_sending(last, info) or time.monotonic() - last_sent > INFO_HEARTBEAT_S:
                 self.local.emit(NodeGatheredInfo(node_id=self.node_id, info=info, when=datetime.now(UTC)))
                 last, last_sent = info, time.monotonic()
+            self.worker.warm_spare()  # once the start is behind the node (worker/spare.py), and none is loading
             await asyncio.sleep(INFO_EVERY_S)
 
     @staticmethod
@@ -502,7 +511,7 @@ class Node:
         """The store host serves store_path to the LAN (store.server) on its own threads until the node stops."""
         store = self.settings.model_store
         host = bind_address(self.settings.api_host, store.store_address or store.store_host, local_addresses())
-        server = StoreServer(self.settings.store_path, host, store.store_port).start()
+        server = StoreServer(self.settings.store_path, host, store.store_port, self.serving.store_bytes.inc).start()
         log.info("model store serving %s on port %d", self.settings.store_path, server.server_address[1])
         try:
             await asyncio.Event().wait()
@@ -580,6 +589,7 @@ def _worker(settings: Settings, node_id: NodeId, local: LocalEvents, requests: R
         runner_hung_s=settings.runner_hung_seconds,
         on_spans=tracing.on_spans,
         payloads=PayloadFetcher(transport),
+        spare=SpareRunner(spare_engine(settings.engines), enabled=settings.spare_runner),
     )
 
 

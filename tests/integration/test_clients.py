@@ -108,7 +108,8 @@ def test_stream_ends_with_a_generation_stats_comment(served: Served) -> None:
     with served.node.client() as client, client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
         lines = [line for line in r.iter_lines() if line]
     comments = [line for line in lines if line.startswith(": generation_stats ")]
-    assert len(comments) == 1 and lines[-1] == "data: [DONE]" and lines[-2] == comments[0]
+    assert len(comments) == 1 and lines[-1] == "data: [DONE]" and lines[-2] == comments[0]  # Skulk's place
+    assert lines[-3].startswith(": serving_stats ")  # ours comes before it, so Skulk's readers see theirs last
     stats = json.loads(comments[0].removeprefix(": generation_stats "))
     assert shape_mismatches(recorded("generation_stats.json"), stats) == []
     assert stats["prompt_tokens"] > 0 and 1 <= stats["generation_tokens"] <= 8 and stats["prompt_tps"] > 0
@@ -357,7 +358,9 @@ def test_ollama_tool_calls(served: Served) -> None:
     calls = reply.message.tool_calls or []
     assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
     parts = list(client.chat(model=MODEL, messages=ask, tools=WEATHER, stream=True, options={"num_predict": 300}))
-    assert "".join(p.message.content or "" for p in parts) == "" and parts[-1].message.tool_calls
+    assert "".join(p.message.content or "" for p in parts) == ""
+    streamed = [c for p in parts for c in p.message.tool_calls or []]  # in the line that closed it, as Ollama's
+    assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == [("get_weather", {"city": "Paris"})]
     follow = [*ask, reply.message, {"role": "tool", "content": "sunny SKULK_SCRIPT<<<Sunny.>>>"}]
     answer = client.chat(model=MODEL, messages=follow, tools=WEATHER, options={"num_predict": 300})
     assert answer.message.content == "Sunny." and not answer.message.tool_calls

@@ -229,7 +229,8 @@ def test_a_refused_placement_shows_the_gb_arithmetic(scenario: Scenario, dash: D
     page.get_by_test_id("place-model").select_option(TOO_BIG)
     sync_api.expect(page.get_by_test_id("cannot-place")).to_be_visible()
     first = page.get_by_test_id("gb-arithmetic").first
-    sync_api.expect(first).to_contain_text("weights share \u00d7 1.25")
+    sync_api.expect(first).to_contain_text("weights share \u00d7 1.05 + ")
+    sync_api.expect(first).to_contain_text(" runtime")
     text = first.inner_text()
     assert "needs" in text and "KV pool" in text and "but has" in text and "GB free" in text, text
     previews = get(node, f"/instance/previews?model_id={TOO_BIG}")["previews"]
@@ -432,6 +433,11 @@ def test_memory_says_used_and_free_and_cluster_and_placing_agree(scenario: Scena
     card = page.locator(f'[data-testid=node-card][data-node-id="{node.node_id}"] .bar-row').first
     sync_api.expect(card).to_contain_text("GB used")
     on_cluster = used_gb(card.inner_text())
+    memory = get(node, "/state")["nodeMemory"][node.node_id]
+    limit = page.locator(f'[data-testid=node-card][data-node-id="{node.node_id}"] [data-testid=memory-limit]')
+    sync_api.expect(limit).to_contain_text(f"limit ({memory['limitSource']})")  # where the limit came from
+    for shown in ("used", "reserved", "free"):
+        sync_api.expect(limit).to_contain_text(f" {shown}")
     dash.nav("Placing")
     preview = page.locator(f'[data-testid=preview][data-ok=true][data-node-ids="{node.node_id}"] .bar-row').first
     sync_api.expect(preview).to_contain_text("this model")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from skulk.testing.convergence import formed, why_not_formed
@@ -25,7 +26,9 @@ MODEL = "skulk/tiny-random-llama"
 pytestmark = pytest.mark.timeout(240)
 NAMESPACE = "day-two-ns"
 INGEST = "http://127.0.0.1:9428/insert/jsonline"
-ENV = {"SKULK_LIBP2P_NAMESPACE": NAMESPACE, "SKULK_LOGGING_ENABLED": "1", "SKULK_LOGGING_INGEST_URL": INGEST}
+DATA_PORTS = range(31200, 31210)  # below Linux's ephemeral ports and outside the default, so nothing else takes them
+ENV = {"SKULK_LIBP2P_NAMESPACE": NAMESPACE, "SKULK_LOGGING_ENABLED": "1", "SKULK_LOGGING_INGEST_URL": INGEST,
+       "SKULK_DATA_PORTS": f"{DATA_PORTS.start}-{DATA_PORTS.stop - 1}"}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +105,28 @@ def test_runtime_diagnostics_come_from_settings(pair: tuple[LocalNode, LocalNode
     runtime = writer.get("/v1/diagnostics/node")["runtime"]
     assert runtime["libp2PNamespace"] == NAMESPACE
     assert runtime["structuredLoggingConfigured"] is True and runtime["loggingIngestUrl"] == INGEST
+
+
+def test_the_rendezvous_listens_inside_the_data_ports(pair: tuple[LocalNode, LocalNode]) -> None:
+    """The 2-rank instance's rendezvous port comes from SKULK_DATA_PORTS, and rank 0's runner listens on it."""
+    writer, full = pair
+    assert writer.get("/v1/diagnostics/node")["runtime"]["dataPorts"] == "31200-31209"
+    instances = writer.get("/state")["instances"]
+    ports = [inner["rendezvous"]["port"] for tagged in instances.values() for inner in tagged.values()
+             if inner.get("rendezvous")]
+    assert len(ports) == 1 and ports[0] in DATA_PORTS, ports
+
+    def listening() -> set[int]:
+        found: set[int] = set()
+        for pid in writer.runner_pids() | full.runner_pids():
+            try:
+                found |= {c.laddr.port for c in psutil.Process(pid).net_connections("tcp")
+                          if c.status == psutil.CONN_LISTEN}
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+    assert ports[0] in listening()
 
 
 def task_of(node: LocalNode, answer: dict[str, Any]) -> str:

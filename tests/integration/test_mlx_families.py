@@ -1,11 +1,14 @@
-"""A family only the MLX engine runs, end to end on real node processes: a seeded random DeepSeek-V3 checkpoint in
-its real Hugging Face layout (transformers 5's DeepseekV3ForCausalLM: 3 layers, the first dense and two MoE with 8
-routed experts and a shared one, MLA attention; float32, since mlx[cpu]'s GatherMM takes float32 only), served from
-the local stand-in hub. POST /models/add accepts it carded MLX-only; it is placed on MLX, on one rank and as a
-Pipeline over two nodes (mlx-lm's deepseek_v3 slices by layers), and each gives the 16 greedy tokens, with their
-logprobs, of transformers' own forward on the same prompt ids; Tensor is refused (the catalog's MLX Tensor families
-do not include it). A cluster whose only node runs torch accepts the card but refuses its placement naming the MLX
-engine and what to install. One hub and one set of nodes for the module."""
+"""Families only the MLX engine runs, end to end on real node processes: seeded random checkpoints in their real
+Hugging Face layouts (float32, since mlx[cpu]'s GatherMM takes float32 only), served from the local stand-in hub:
+- DeepSeek-V3 (transformers 5's DeepseekV3ForCausalLM: 3 layers, the first dense and two MoE with 8 routed experts
+  and a shared one, MLA attention): on one rank, as a Pipeline over two nodes and as Tensor over two (mlx-lm's
+  deepseek_v3 has shard());
+- Qwen3-Next (Qwen3NextForCausalLM: 3 gated-DeltaNet layers and 1 attention layer, MoE): as a Pipeline over two
+  nodes (mlx-lm's stack re-indexes its first attention layer in the second rank's slice), and Tensor refused (no
+  shard()).
+Each gives the 16 greedy tokens, with their logprobs, of transformers' own forward on the same prompt ids. A
+cluster whose only node runs torch accepts the card but refuses its placement naming the MLX engine and what to
+install. One hub and one set of nodes for the module."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.timeout(240)
 
 MODEL = "org/tiny-deepseek-v3"
+NEXT = "org/tiny-qwen3-next"
 MLX_ONLY = ["mlx", "mlx-metal", "mlx-cpu"]
 TOKENS = 16
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -38,13 +42,14 @@ class Served:
     hub: RunningHub
     mlx: list[LocalNode]
     torch_only: LocalNode
-    expected: list[tuple[str, float]]
-    """transformers' greedy tokens for MESSAGES: each token's text (as logprobs report it) and its logprob."""
+    expected: dict[str, list[tuple[str, float]]]
+    """Per model, transformers' greedy tokens for MESSAGES: each token's text (as logprobs report it) and its
+    logprob."""
 
 
 def write_deepseek_v3(repo: Path) -> Path:
-    """A seeded random DeepSeek-V3 as transformers saves it, with the demo model's byte tokenizer (vocabulary 260)
-    and ChatML template; the router's correction bias spread so experts are not picked by ties."""
+    """A seeded random DeepSeek-V3 as transformers saves it; the router's correction bias spread so experts are
+    not picked by ties."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -64,6 +69,34 @@ def write_deepseek_v3(repo: Path) -> Path:
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith("e_score_correction_bias"):
                 tensor.normal_(0, 0.1)
+    return with_tokenizer(model, repo)
+
+
+def write_qwen3_next(repo: Path) -> Path:
+    """A seeded random Qwen3-Next as transformers 5 saves it (rope settings inside rope_parameters): layers 0-2
+    gated DeltaNet, layer 3 full attention, every layer MoE with a shared expert."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from skulk.models import demo
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        vocab_size=demo.BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        full_attention_interval=4,  # pyright: ignore[reportCallIssue]  (kept in config.json: mlx-lm reads it)
+        num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=demo.BOS_ID, eos_token_id=demo.EOS_ID, initializer_range=0.2,
+    )
+    return with_tokenizer(Qwen3NextForCausalLM(config).float().eval(), repo)
+
+
+def with_tokenizer(model: Any, repo: Path) -> Path:
+    """Save the model with the demo model's byte tokenizer (vocabulary 260) and ChatML template."""
+    from skulk.models import demo
+
     model.save_pretrained(repo)
     tokenizer = demo.generate_random_llama(repo.parent / "tokenizer-source", hidden_size=16, n_layers=1, n_heads=2,
                                            n_kv_heads=1, intermediate_size=32, seed=1)
@@ -76,14 +109,14 @@ def reference(repo: Path) -> list[tuple[str, float]]:
     """Greedy decoding with transformers' own forward (the whole sequence each step) from the prompt ids the
     engines build (the project's chat tokenizer, which the MLX engine uses)."""
     import torch
-    from transformers import DeepseekV3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from skulk.engines.torch.tokenizer import ChatTokenizer
     from skulk.types.chat import ChatMessage
 
     tokenizer = ChatTokenizer(repo)
     ids = tokenizer.encode_chat([ChatMessage(role="user", content="hi")])
-    model = DeepseekV3ForCausalLM.from_pretrained(str(repo), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(repo), dtype=torch.float32).eval()
     out: list[tuple[str, float]] = []
     with torch.no_grad():
         for _ in range(TOKENS):
@@ -98,7 +131,8 @@ def reference(repo: Path) -> list[tuple[str, float]]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("families")
-    expected = reference(write_deepseek_v3(root / "hub" / MODEL.replace("/", "--")))
+    expected = {model: reference(write(root / "hub" / model.replace("/", "--")))
+                for model, write in ((MODEL, write_deepseek_v3), (NEXT, write_qwen3_next))}
     hub = RunningHub(root / "hub").start()
     clusters = [Cluster(root / "mlx", extra_env={"HF_ENDPOINT": hub.url}),
                 Cluster(root / "torch", extra_env={"HF_ENDPOINT": hub.url, "SKULK_ENGINES": "torch"})]
@@ -113,8 +147,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         assert [pid for cluster in clusters for pid in cluster.stop_all()] == [], "runner processes outlived nodes"
 
 
-def greedy(node: LocalNode) -> list[tuple[str, float]]:
-    status, reply = node.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": TOKENS,
+def greedy(node: LocalNode, model: str) -> list[tuple[str, float]]:
+    status, reply = node.post("/v1/chat/completions", {"model": model, "messages": MESSAGES, "max_tokens": TOKENS,
                                                        "temperature": 0, "logprobs": True, "top_logprobs": 1})
     assert status == 200, reply
     return [(t["token"], t["logprob"]) for t in reply["choices"][0]["logprobs"]["content"]]
@@ -127,13 +161,18 @@ def assert_same_tokens(got: list[tuple[str, float]], expected: list[tuple[str, f
     assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(got, expected, strict=True)), (got, expected)
 
 
-def serve_and_compare(node: LocalNode, expected: list[tuple[str, float]], **body: Any) -> dict[str, Any]:
-    placed = place(node, MODEL, **body)
+def serve_and_compare(served: Served, model: str = MODEL, **body: Any) -> dict[str, Any]:
+    """Place the model, compare its greedy tokens with transformers', and delete the instance, waiting for its
+    runners to stop (the next test's placement needs the memory)."""
+    node = served.mlx[0]
+    assert node.post("/models/add", {"model_id": model})[0] == 200
+    wait_until(lambda: not any(n.runner_pids() for n in served.mlx) or None, 60, "the earlier instance to stop")
+    placed = place(node, model, **body)
     instance = next(iter(placed["instance"].values()))
     try:
-        wait_until(lambda: instance_ready(node, placed["instanceId"]), 150, "the DeepSeek-V3 instance to be ready",
+        wait_until(lambda: instance_ready(node, placed["instanceId"]), 150, f"the {model} instance to be ready",
                    lambda: node.log_tail(30))
-        assert_same_tokens(greedy(node), expected)
+        assert_same_tokens(greedy(node, model), served.expected[model])
     finally:
         with node.client() as client:
             assert client.delete(f"/instance/{placed['instanceId']}").status_code == 200
@@ -151,25 +190,31 @@ def test_the_card_is_mlx_only(served: Served) -> None:
 
 
 def test_one_mlx_rank_gives_transformers_tokens(served: Served) -> None:
-    node = served.mlx[0]
-    assert node.post("/models/add", {"model_id": MODEL})[0] == 200
-    instance = serve_and_compare(node, served.expected, min_nodes=1)
+    instance = serve_and_compare(served, min_nodes=1)
     assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 1
 
 
 def test_a_pipeline_over_two_mlx_nodes_gives_the_same_tokens(served: Served) -> None:
-    node = served.mlx[0]
-    assert node.post("/models/add", {"model_id": MODEL})[0] == 200
-    wait_until(lambda: not any(n.runner_pids() for n in served.mlx) or None, 60, "the earlier instance to stop")
-    instance = serve_and_compare(node, served.expected, min_nodes=2, sharding="Pipeline")
+    instance = serve_and_compare(served, min_nodes=2, sharding="Pipeline")
     assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
 
 
-def test_tensor_is_refused_naming_why(served: Served) -> None:
+def test_tensor_over_two_mlx_nodes_gives_the_same_tokens(served: Served) -> None:
+    """mlx-lm's deepseek_v3 has shard(): heads and experts split, an all_sum after each block."""
+    instance = serve_and_compare(served, min_nodes=2, sharding="Tensor")
+    assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
+
+
+def test_qwen3_next_over_two_mlx_nodes_gives_transformers_tokens(served: Served) -> None:
+    """The second rank holds a DeltaNet layer and the attention layer: its slice's masks must come from the right
+    caches."""
     node = served.mlx[0]
-    assert node.post("/models/add", {"model_id": MODEL})[0] == 200
-    status, reply = node.post("/place_instance", {"model_id": MODEL, "min_nodes": 2, "sharding": "Tensor"})
-    assert status == 400 and "mlx-lm cannot split model" in str(reply) and "Tensor" in str(reply), reply
+    status, added = node.post("/models/add", {"model_id": NEXT})
+    assert status == 200 and added["compatible_backends"] == MLX_ONLY and added["family"] == "qwen3_next", added
+    instance = serve_and_compare(served, NEXT, min_nodes=2, sharding="Pipeline")
+    assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
+    status, reply = node.post("/place_instance", {"model_id": NEXT, "min_nodes": 2, "sharding": "Tensor"})
+    assert status == 400 and "mlx-lm cannot split model" in str(reply) and "no shard()" in str(reply), reply
 
 
 def test_a_torch_only_cluster_refuses_it_naming_the_mlx_engine(served: Served) -> None:

@@ -6,8 +6,10 @@ token, so every tag arrives split across several tokens. One node serves every t
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,24 +36,31 @@ THOUGHT = f"<think>\n{REASONING}\n</think>\n\n{ANSWER}"
 OPENED = f"{REASONING}\n</think>\n\n{ANSWER}"  # the prompt opened the block: only the close tag comes
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
-    root = tmp_path_factory.mktemp("reasoning")
+@contextlib.contextmanager
+def thinking_model_served(root: Path) -> Iterator[Cluster]:
+    """A random model with the thinking template on a stand-in hub, and a cluster (no node started yet) whose
+    engines reply with the scripted text: every runner process is checked gone when the block ends."""
     repo = write_random_model(root / "hub", MODEL)
     set_chat_template(repo, THINKING_TEMPLATE)
     hub = RunningHub(root / "hub").start()
     cluster = Cluster(root / "nodes", extra_env={"HF_ENDPOINT": hub.url, "SKULK_FAULT": "script:reply"})
     try:
-        (started,) = cluster.start(1)
-        assert started.post("/models/add", {"model_id": MODEL})[0] == 200
-        instance_id = place(started, MODEL)["instanceId"]
-        wait_until(lambda: instance_ready(started, instance_id), 90, "the instance to be ready", started.log_tail)
-        yield started
+        yield cluster
     finally:
         try:
             assert cluster.stop_all() == [], "runner processes outlived their node"
         finally:
             hub.kill()
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
+    with thinking_model_served(tmp_path_factory.mktemp("reasoning")) as cluster:
+        (started,) = cluster.start(1)
+        assert started.post("/models/add", {"model_id": MODEL})[0] == 200
+        instance_id = place(started, MODEL)["instanceId"]
+        wait_until(lambda: instance_ready(started, instance_id), 90, "the instance to be ready", started.log_tail)
+        yield started
 
 
 def ask(script: str) -> list[dict[str, Any]]:
@@ -133,17 +142,21 @@ def test_anthropic_thinking_blocks(node: LocalNode) -> None:
     assert again.content[1].text == ANSWER  # type: ignore[union-attr]  # a thinking block sent back is accepted
 
 
-def test_anthropic_budget_tokens_ends_the_reasoning(node: LocalNode) -> None:
-    body = {"model": MODEL, "max_tokens": 500, "thinking": {"type": "enabled", "budget_tokens": 15},
+def test_anthropic_budget_tokens_closes_the_reasoning_and_the_answer_follows(node: LocalNode) -> None:
+    """The engine forces the close when the reasoning reaches the budget; the scripted model then answers. A token
+    is a byte here: the open tag and the close take 17 of the 30, the reasoning is cut after some 13 characters."""
+    body = {"model": MODEL, "max_tokens": 500, "thinking": {"type": "enabled", "budget_tokens": 30},
             "messages": ask(THOUGHT)}
     code, reply = node.post("/v1/messages", body)
     assert code == 200, reply
-    assert [b["type"] for b in reply["content"]] == ["thinking"] and reply["stop_reason"] == "max_tokens", reply
+    assert [b["type"] for b in reply["content"]] == ["thinking", "text"] and reply["stop_reason"] == "end_turn", reply
     assert REASONING.startswith(reply["content"][0]["thinking"]) and reply["content"][0]["thinking"] != REASONING
-    assert reply["usage"]["output_tokens"] == 15
+    assert reply["content"][1]["text"] == ANSWER
     events = sse_data(node, "/v1/messages", {**body, "stream": True})
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
-    assert starts == ["thinking"] and events[-2]["delta"]["stop_reason"] == "max_tokens"
+    assert starts == ["thinking", "text"] and events[-2]["delta"]["stop_reason"] == "end_turn"
+    texts = [e["delta"]["text"] for e in events if e["type"] == "content_block_delta" and "text" in e["delta"]]
+    assert "".join(texts) == ANSWER
 
 
 def test_ollama_thinking(node: LocalNode) -> None:
@@ -182,13 +195,9 @@ def test_responses_reasoning_items(node: LocalNode) -> None:
 
 def test_pipeline_over_two_nodes_splits_on_the_sampling_rank(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The last rank, which samples and publishes, did not render the prompt: it decides the split from the
-    prompt's tail that the step header carried (engines/torch/wire.py's Admitted)."""
-    root = tmp_path_factory.mktemp("reasoning-pipeline")
-    repo = write_random_model(root / "hub", MODEL)
-    set_chat_template(repo, THINKING_TEMPLATE)
-    hub = RunningHub(root / "hub").start()
-    cluster = Cluster(root / "nodes", extra_env={"HF_ENDPOINT": hub.url, "SKULK_FAULT": "script:reply"})
-    try:
+    prompt's tail that the step header carried (engines/torch/wire.py's Admitted), and keeps a reasoning budget
+    (chat's `reasoning_budget`, Claude's budget_tokens) by forcing the close there."""
+    with thinking_model_served(tmp_path_factory.mktemp("reasoning-pipeline")) as cluster:
         first, _ = cluster.form(2)
         assert first.post("/models/add", {"model_id": MODEL})[0] == 200
         instance_id = place(first, MODEL, min_nodes=2, sharding="Pipeline")["instanceId"]
@@ -199,8 +208,10 @@ def test_pipeline_over_two_nodes_splits_on_the_sampling_rank(tmp_path_factory: p
             assert code == 200, reply
             message = reply["choices"][0]["message"]
             assert (message.get("reasoning_content"), message["content"]) == (REASONING, ANSWER), message
-    finally:
-        try:
-            assert cluster.stop_all() == [], "runner processes outlived their node"
-        finally:
-            hub.kill()
+        capped = {"model": MODEL, "messages": ask(THOUGHT), "max_tokens": 200, "reasoning_budget": 30}
+        code, reply = first.post("/v1/chat/completions", capped)  # the budget is kept on the sampling rank too
+        assert code == 200, reply
+        message = reply["choices"][0]["message"]
+        assert message["content"] == ANSWER and REASONING.startswith(message["reasoning_content"]), message
+        assert message["reasoning_content"] != REASONING
+        assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] <= 30, reply["usage"]

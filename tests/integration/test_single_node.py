@@ -12,6 +12,7 @@ import openai
 import psutil
 import pytest
 import zenoh
+from prometheus_client.parser import text_string_to_metric_families
 
 from skulk.testing.nodes import LocalNode
 
@@ -60,38 +61,120 @@ def test_openai_sdk_non_streaming(node: LocalNode) -> None:
     assert [m.id for m in client.models.list().data].count(MODEL) == 1
 
 
-async def _stream_one(client: httpx.AsyncClient, n: int) -> tuple[int, str | None]:
-    tokens, finish = 0, None
+# Greedy, the demo model writes all 2000 tokens of these streams; sampled with seeds 1 and 2 it ended after 41 and
+# 149 tokens, which on the f32 kernel under a loaded run could be before the disconnect or the cancel landed.
+LONG_STREAM = {"max_tokens": 2000, "stream": True, "temperature": 0.0}
+
+
+async def _stream_one(client: httpx.AsyncClient, n: int) -> tuple[int, str | None, int]:
+    """(content chunks, finish reason, requests the runner was already serving when it admitted this one)."""
+    tokens, finish, in_flight = 0, None, -1
     body = chat_body(max_tokens=24, temperature=0.8, seed=n, stream=True)
     async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
         assert reply.status_code == 200
         async for line in reply.aiter_lines():
+            if line.startswith(": serving_stats "):
+                in_flight = json.loads(line.removeprefix(": serving_stats "))["in_flight_at_admission"]
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             choice = json.loads(line[6:])["choices"][0]
             tokens += 1 if choice["delta"].get("content") is not None else 0
             finish = choice["finish_reason"] or finish
-    return tokens, finish
+    return tokens, finish, in_flight
+
+
+def scrape(node: LocalNode) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """GET /metrics parsed by prometheus_client's own parser: (sample name, labels) -> value."""
+    reply = httpx.get(node.url + "/metrics", timeout=10, trust_env=False)
+    assert reply.status_code == 200, reply.text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(reply.text) for s in family.samples}
+
+
+def moved(before: dict[tuple[str, frozenset[tuple[str, str]]], float],
+          after: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    """How far the samples called `name` whose labels include `labels` moved between two scrapes."""
+    def total(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> float:
+        return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls)
+    return total(after) - total(before)
+
+
+def test_metrics_move_when_a_chat_streams(node: LocalNode) -> None:
+    before = scrape(node)
+    client = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=60)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens >= 2
+    after = scrape(node)
+    assert moved(before, after, "skulk_http_requests_total", route="/v1/chat/completions", status="200") == 1
+    assert moved(before, after, "skulk_generated_tokens_total", model=MODEL) == usage.completion_tokens
+    assert moved(before, after, "skulk_prompt_tokens_total", model=MODEL) == usage.prompt_tokens
+    assert moved(before, after, "skulk_generations_total", model=MODEL) == 1
+    assert moved(before, after, "skulk_time_to_first_token_seconds_count", model=MODEL) == 1
+    assert moved(before, after, "skulk_inter_token_latency_seconds_count", model=MODEL) == 1
+    assert moved(before, after, "skulk_time_to_first_token_seconds_sum", model=MODEL) > 0
+    assert after[("skulk_active_streams", frozenset({("model", MODEL)}))] == 0
+    instances = {dict(ls).get("instance_id") for (n, ls) in after if n == "skulk_generated_tokens_total"}
+    assert instances and "" not in instances, instances  # the serving instance is named
+    assert moved(before, after, "skulk_http_requests_total", route="/metrics", status="200") == 1
+    assert after[("skulk_memory_limit_bytes", frozenset())] > 0  # this node's budget, from its node info
+    assert after[("skulk_memory_free_bytes", frozenset())] >= 0
+    kv_free = {ls: v for (n, ls), v in after.items() if n == "skulk_kv_blocks_free"}
+    assert kv_free and all(v > 0 for v in kv_free.values()), kv_free  # as of the chat's admission
+    assert all(dict(ls)["model"] == MODEL and dict(ls)["instance_id"] for ls in kv_free)
+    drafted = [v for (n, ls), v in after.items() if n == "skulk_speculative_drafted_tokens_total"]
+    assert drafted and all(v >= 0 for v in drafted), drafted  # the engine's totals reach the node
+    held = {dict(ls)["waiting_on"]: v for (n, ls), v in after.items()
+            if n == "skulk_api_held_requests" and ("model", MODEL) in ls}
+    assert held == {"unassigned": 0, "loading": 0, "queue": 0}, held  # the placed model's series, none held now
+
+    def pool_released() -> bool:
+        used = [v for (n, ls), v in scrape(node).items() if n == "skulk_kv_blocks_used" and ("model", MODEL) in ls]
+        return bool(used) and all(v == 0 for v in used)
+    # the step that released the chat's blocks records the pool again: the used blocks fall back after traffic
+    wait_until(pool_released, 30, "the KV used blocks to fall back to 0 after the chat")
+    # the runner goes back to Ready once the chat ended (its state series says so, labelled by its model)
+    wait_until(lambda: any(n == "skulk_runner_state" and ("state", "Ready") in ls and ("model", MODEL) in ls
+                           for (n, ls) in scrape(node)), 30, "the runner's state series to say Ready")
 
 
 def test_eight_concurrent_streams_all_complete(node: LocalNode) -> None:
-    async def run() -> list[tuple[int, str | None]]:
+    """Eight streams at once all finish, and the runner served them together: they are sent while a long greedy
+    stream is running (its first token seen), so each is admitted beside it at least (one at a time, every
+    in_flight_at_admission would be 0). Without the holder, a loaded machine could admit the eight short streams
+    one after another and the test would say nothing about batching."""
+    async def hold(client: httpx.AsyncClient, running: asyncio.Event) -> None:
+        """The long stream, read as it comes (a reader that stops would be a slow consumer, not a running
+        request); `running` is set at its first content, which the runner writes once it has admitted it."""
+        async with client.stream("POST", "/v1/chat/completions", json=chat_body(**LONG_STREAM)) as holder:
+            assert holder.status_code == 200
+            async for line in holder.aiter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    running.set()
+
+    async def run() -> list[tuple[int, str | None, int]]:
         async with httpx.AsyncClient(base_url=node.url, timeout=120) as client:
-            return await asyncio.gather(*(_stream_one(client, n) for n in range(8)))
+            running = asyncio.Event()
+            holder = asyncio.create_task(hold(client, running))
+            await running.wait()
+            try:
+                return await asyncio.gather(*(_stream_one(client, n) for n in range(8)))
+            finally:
+                holder.cancel()
+                await asyncio.gather(holder, return_exceptions=True)
 
     results = asyncio.run(run())
     assert len(results) == 8
-    assert all(finish in ("length", "stop") and tokens >= 1 for tokens, finish in results), results
+    assert all(finish in ("length", "stop") and tokens >= 1 for tokens, finish, _ in results), results
+    assert all(in_flight >= 0 for _, _, in_flight in results), "every stream ends with its serving_stats"
+    assert min(in_flight for _, _, in_flight in results) >= 1, results
 
 
 def _task_statuses(node: LocalNode) -> dict[str, str]:
     tasks = httpx.get(f"{node.url}/state", timeout=10).json()["tasks"]
     return {t["ChatCompletion"]["commandId"]: t["ChatCompletion"]["taskStatus"] for t in tasks.values()}
-
-
-# Greedy, the demo model writes all 2000 tokens of these streams; sampled with seeds 1 and 2 it ended after 41 and
-# 149 tokens, which on the f32 kernel under a loaded run could be before the disconnect or the cancel landed.
-LONG_STREAM = {"max_tokens": 2000, "stream": True, "temperature": 0.0}
 
 
 def test_disconnect_cancels_the_task(node: LocalNode) -> None:
@@ -198,7 +281,7 @@ def test_does_not_fit_names_the_node_and_the_arithmetic(node: LocalNode) -> None
             "/place_instance", json={"model_id": "meta-llama/Llama-3.3-70B-Instruct"}
         ).json()
     text = message["error"]["message"]
-    assert node.node_id in text and "1.25" in text and "free" in text
+    assert node.node_id in text and "× 1.05 + " in text and " GB runtime" in text and "free" in text  # noqa: RUF001
 
 
 def test_read_endpoints(node: LocalNode) -> None:

@@ -1,10 +1,11 @@
-"""Numerics that survive a split (issue 41): the real default model (SmolLM2-135M-Instruct, the packaged GGUF `make
-run` serves) gives the same greedy text on one node, as a Pipeline over 2 and 3 nodes and as a Tensor split over 3,
-for the README's curl question and "What is the capital of France?", and that text answers Paris. While the logits
-were rounded to bf16, 'The' and 'L' tied on the second question: the issue measured Tensor 3 of the bf16 checkpoint
-answering "L'Étoile, la Marseillaise," where one node said "The capital of France is Paris."; with this GGUF one node
-itself answered "L'Étoile, la Marseillaise, la femme, la femme au martyre, la" (which placement picks which token of
-a tie is the accident this removes). Tensor over 2 cannot split SmolLM2's 9 attention heads; placement refuses it.
+"""Numerics that survive a split (issue 41): the real default model (SmolLM2-135M-Instruct, the packaged GGUF `make run`
+serves) gives the same greedy text on one node, as a Pipeline over 3 nodes and as a Tensor split over 3 (Pipeline
+over 2 is a sub-case of 3: one boundary instead of two; test_cluster covers it through nodes), for the README's curl
+question and "What is the capital of France?", and that text answers Paris. While the logits were rounded to bf16,
+'The' and 'L' tied on the second question: the issue measured Tensor 3 of the bf16 checkpoint answering "L'Étoile, la
+Marseillaise," where one node said "The capital of France is Paris."; with this GGUF one node itself answered
+"L'Étoile, la Marseillaise, la femme, la femme au martyre, la" (which placement picks which token of a tie is the
+accident this removes). Tensor over 2 cannot split SmolLM2's 9 attention heads; placement refuses it.
 
 Three node processes serve every placement in turn (one instance at a time), started once for the file."""
 
@@ -82,8 +83,7 @@ def one_node(nodes: list[LocalNode]) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize(("sharding", "ranks"), [("Pipeline", 2), ("Pipeline", 3), ("Tensor", 3)],
-                         ids=["pipeline2", "pipeline3", "tensor3"])
+@pytest.mark.parametrize(("sharding", "ranks"), [("Pipeline", 3), ("Tensor", 3)], ids=["pipeline3", "tensor3"])
 def test_a_split_gives_the_one_node_text(nodes: list[LocalNode], one_node: list[str], sharding: str,
                                          ranks: int) -> None:
     instance_id = _replace(nodes[0], sharding=sharding, min_nodes=ranks)

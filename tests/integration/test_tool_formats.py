@@ -1,7 +1,8 @@
 """Tool calls in a family's own format through a real node: a Mistral checkpoint (random weights, Mistral's
 tool template with its nine-character id check) added from a local fake of the hub, its replies scripted
-(SKULK_FAULT=script:reply) because a random model never writes a call. The Qwen/Hermes format is covered
-through every client SDK in test_clients.py."""
+(SKULK_FAULT=script:reply) because a random model never writes a call; and a checkpoint whose template writes
+Kimi K2's call tokens, read by the parser that template picks. The Qwen/Hermes format is covered through every
+client SDK in test_clients.py; every format's text, streamed and not, in tests/unit/test_tool_formats_api.py."""
 
 from __future__ import annotations
 
@@ -75,5 +76,50 @@ def test_mistral_tool_calls_round_trip_from_openai_and_ollama_clients(cluster: C
         code, answer = node.post("/ollama/api/chat", {**ollama, "messages": follow})
         assert code == 200, answer
         assert answer["message"]["content"] == "Sunny.", answer
+    finally:
+        hub.kill()
+
+
+KIMI_MODEL = "org/tiny-kimi"
+KIMI_TEMPLATE = (  # ChatML with Kimi K2's call tokens in its tools section: the API picks the Kimi parser from it
+    "{%- if tools %}<|im_start|>system\n# Tools\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n"
+    "Call as <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>JSON"
+    "<|tool_call_end|><|tool_calls_section_end|><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+DAYS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+KIMI_CALL = ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+             '<|tool_call_argument_begin|>{"city": "Paris", "days": "3"}<|tool_call_end|><|tool_calls_section_end|>')
+
+
+def test_a_kimi_template_gets_kimi_calls_with_typed_arguments(cluster: Cluster, tmp_path: Path) -> None:
+    """The template on the node says which parser reads the reply (the family, llama, would read bare JSON):
+    the call in Kimi K2's tokens becomes tool_calls with `days` an integer as the tool's schema has it, streamed
+    and not. The byte-level test vocabulary splits each token's text across several tokens."""
+    repo = write_random_model(tmp_path / "hub", KIMI_MODEL)
+    set_chat_template(repo, KIMI_TEMPLATE)
+    hub = RunningHub(tmp_path / "hub").start()
+    try:
+        node = cluster.start(1, extra_env={"HF_ENDPOINT": hub.url, "SKULK_FAULT": "script:reply"})[0]
+        assert node.post("/models/add", {"model_id": KIMI_MODEL})[0] == 200
+        instance_id = place(node, KIMI_MODEL)["instanceId"]
+        wait_until(lambda: instance_ready(node, instance_id), 90, "the instance to be ready", node.log_tail)
+        ask = [{"role": "user", "content": f"Weather? SKULK_SCRIPT<<<{KIMI_CALL}>>>"}]
+        body = {"model": KIMI_MODEL, "messages": ask, "tools": DAYS, "max_tokens": 300}
+        code, reply = node.post("/v1/chat/completions", body)
+        assert code == 200, reply
+        choice = reply["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking.", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city":"Paris","days":3}'}
+        with node.client() as client, client.stream("POST", "/v1/chat/completions",
+                                                    json={**body, "stream": True}) as streamed:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in streamed.iter_lines()
+                      if line.startswith("data: {") and '"choices":[{' in line]
+        assert "".join(d.get("content") or "" for d in deltas).strip() == "Checking.", deltas
+        calls = [c["function"] for d in deltas for c in d.get("tool_calls") or []]
+        assert calls == [call["function"]]
     finally:
         hub.kill()

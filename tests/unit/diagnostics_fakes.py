@@ -43,6 +43,7 @@ class FakeSupervisor:
     view: SupervisorView = field(default_factory=SupervisorView)
     pid: int | None = 4242
     alive: bool = True
+    restart_count: int = 0
     cancel_calls: list[TaskId] = field(default_factory=list)
 
     def cancel(self, task_id: TaskId) -> None:

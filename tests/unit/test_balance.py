@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from skulk.engines.footprint import RUNTIME_OVERHEAD_BYTES
 from skulk.master.balance import (
     DecodeBytes,
     balanced_layers,
@@ -61,17 +62,20 @@ def test_tiny_vocabulary_keeps_the_memory_split() -> None:
     assert counts(plan_ring(tiny, Sharding.Pipeline, RING, [ROOMY, ROOMY])) == [15, 15]
     unknown = card(vocab=None)
     uneven = [ROOMY, 3 * ROOMY]
-    assert counts(plan_ring(unknown, Sharding.Pipeline, RING, uneven)) == allocate_layers(30, uneven)
+    held = [f - RUNTIME_OVERHEAD_BYTES for f in uneven]  # what each node gives layers beside its runner
+    assert counts(plan_ring(unknown, Sharding.Pipeline, RING, uneven)) == allocate_layers(30, held)
 
 
 def test_tight_memory_keeps_the_memory_split_and_its_arithmetic() -> None:
-    big = card(vocab=30_000)  # 90.7 MB; the balanced split (23/7) needs 87.7 MB on rank 0 with its pool
-    snug = plan_ring(big, Sharding.Pipeline, RING, [80_000_000, 80_000_000])
+    big = card(vocab=30_000)  # 90.7 MB; the balanced split (23/7) needs 73.8 MB on rank 0 with its pool
+    runner = RUNTIME_OVERHEAD_BYTES  # every rank's, beside its share
+    snug = plan_ring(big, Sharding.Pipeline, RING, [60_000_000 + runner] * 2)
     assert all(p.fits for p in snug) and 15 < counts(snug)[0] < 23  # moved only as far as rank 0 still fits
-    assert counts(plan_ring(big, Sharding.Pipeline, RING, [60_000_000, 60_000_000])) == [15, 15]  # 16 would not fit
+    assert counts(plan_ring(big, Sharding.Pipeline, RING, [50_000_000 + runner] * 2)) == [15, 15]  # 16: no fit
     # a ring that does not fit is planned, and refused, exactly as the memory split has it
-    short = plan_ring(big, Sharding.Pipeline, RING, [40_000_000, 50_000_000])
-    plain = plan_ring(big.model_copy(update={"vocab_size": None}), Sharding.Pipeline, RING, [40_000_000, 50_000_000])
+    free = [40_000_000 + runner, 50_000_000 + runner]
+    short = plan_ring(big, Sharding.Pipeline, RING, free)
+    plain = plan_ring(big.model_copy(update={"vocab_size": None}), Sharding.Pipeline, RING, free)
     assert not all(p.fits for p in short) and short == plain
 
 

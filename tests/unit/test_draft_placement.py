@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from skulk.master.shard_plan import kv_bytes_per_token, loaded_bytes, plan_ring, weights_base
+from skulk.engines.footprint import RUNTIME_OVERHEAD_BYTES, resident_bound
+from skulk.master.shard_plan import draft_weights, kv_bytes_per_token, plan_ring
 from skulk.store.staging import in_use
 from skulk.types.ids import ModelId, NodeId
 from skulk.types.instances import Sharding
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.timeout(30)
 
 DRAFT = card(model_id=ModelId("test/draft"), n_layers=2, storage_size=Memory.from_bytes(WEIGHTS // 4))
 TARGET = card(draft_model=DRAFT.model_id)
-FREE = 64 * 1024 * 1024
+FREE = 64 * 1024 * 1024 + RUNTIME_OVERHEAD_BYTES  # 64 MiB beside the runner
 
 
 def test_a_single_torch_rank_counts_the_drafts_weights_and_kv() -> None:
@@ -26,7 +27,7 @@ def test_a_single_torch_rank_counts_the_drafts_weights_and_kv() -> None:
     (rank,) = plan_ring(TARGET, Sharding.Pipeline, [NodeId("a")], [FREE], draft=DRAFT)
     tokens = plain.kv_pool // kv_bytes_per_token(TARGET, TARGET.n_layers)
     assert rank.kv_pool == plain.kv_pool  # the target's pool (what the runner is told) is unchanged
-    assert rank.draft == weights_base(loaded_bytes(DRAFT, "torch")) + tokens * kv_bytes_per_token(DRAFT, 2) > 0
+    assert rank.draft == draft_weights(DRAFT) + tokens * kv_bytes_per_token(DRAFT, 2) > 0
     assert rank.needed == plain.needed + rank.draft
 
 
@@ -48,7 +49,7 @@ def test_a_node_that_holds_the_target_but_not_its_draft_refuses_it() -> None:
     refused = do_place(s, TARGET)
     assert isinstance(refused, InsufficientMemory), refused
     assert refused.draft is not None and refused.draft.in_bytes > 0 and "draft model" in refused.message
-    assert refused.needed.in_bytes == refused.draft.in_bytes + refused.kv_pool.in_bytes + weights_base(WEIGHTS)
+    assert refused.needed.in_bytes == refused.draft.in_bytes + refused.kv_pool.in_bytes + resident_bound(WEIGHTS)
     placed(do_place(s.model_copy(update={"model_cards": {}}), TARGET))  # a draft the cluster does not know: none
 
 

@@ -73,7 +73,7 @@ def test_nodes_kept_to_one_engine_each_mix_in_a_pipeline_only() -> None:
     tensor = place(kept, card(), Sharding.Tensor, InstanceMeta.MlxRing, instance_id=InstanceId("i"),
                    new_runner_id=runner_ids(), rendezvous_port=29500, min_nodes=2)
     assert isinstance(tensor, EngineUnavailable) and tensor.node_id == "a" and tensor.http_status == 400
-    gemma = do_place(kept, c=card(family="gemma3_text"), min_nodes=2)
+    gemma = do_place(kept, c=card(family="gemma3_text", mlx_splits=[]), min_nodes=2)
     assert isinstance(gemma, EngineUnavailable)  # mlx-lm cannot slice it: no MLX stage to mix in
     previews = preview_placements(kept, card(), Sharding.Pipeline, InstanceMeta.MlxRing)
     two = next(p for p in previews if len(p.node_ids) == 2)
@@ -242,7 +242,7 @@ def test_mlx_is_not_chosen_for_a_split_mlx_lm_cannot_run() -> None:
     """Gemma 3 (window layers indexed by position) is no Pipeline slice for mlx-lm and has no shard(): over two
     Macs auto runs it on torch, and engine mlx is a 400 that says how to place it instead; Llama splits either way."""
     macs = cluster(a=MAC, b=MAC)
-    gemma = card(family="gemma3_text")
+    gemma = card(family="gemma3_text", mlx_splits=[])
     auto = do_place(macs, c=gemma, min_nodes=2)
     assert isinstance(auto, MlxRingInstance) and auto.engine == "torch"
     refused = do_place(macs, "mlx", c=gemma, min_nodes=2)
@@ -252,3 +252,22 @@ def test_mlx_is_not_chosen_for_a_split_mlx_lm_cannot_run() -> None:
     llama = place(macs, card(), Sharding.Tensor, InstanceMeta.MlxRing, instance_id=InstanceId("i"),
                   new_runner_id=runner_ids(), rendezvous_port=29500, min_nodes=2, engine="mlx")
     assert isinstance(llama, MlxRingInstance) and llama.engine == "mlx"
+
+
+def test_mlx_splits_come_from_the_card_and_an_old_card_is_judged_by_its_layers() -> None:
+    """A card that read mlx-lm's module says which splits it has (Qwen3-Next: Pipeline only, no shard()). A card
+    from an older build read nothing: Pipeline where every layer is alike, never Tensor (it says to add the model
+    again), and no Pipeline for a stack that mixes window layers."""
+    macs = cluster(a=MAC, b=MAC)
+    nxt = card(family="qwen3_next", mlx_splits=["Pipeline"])
+    assert do_place(macs, "mlx", c=nxt, min_nodes=2).engine == "mlx"  # type: ignore[union-attr]
+    tensor = place(macs, nxt, Sharding.Tensor, InstanceMeta.MlxRing, instance_id=InstanceId("i"),
+                   new_runner_id=runner_ids(), rendezvous_port=29500, min_nodes=2, engine="mlx")
+    assert isinstance(tensor, EngineUnavailable) and "has no shard()" in tensor.message
+    old = card(mlx_splits=None)
+    assert do_place(macs, "mlx", c=old, min_nodes=2).engine == "mlx"  # type: ignore[union-attr]
+    old_tensor = place(macs, old, Sharding.Tensor, InstanceMeta.MlxRing, instance_id=InstanceId("i"),
+                       new_runner_id=runner_ids(), rendezvous_port=29500, min_nodes=2, engine="mlx")
+    assert isinstance(old_tensor, EngineUnavailable) and "add the model again" in old_tensor.message
+    windows = card(mlx_splits=None, sliding_layers=[0, 2])
+    assert isinstance(do_place(macs, "mlx", c=windows, min_nodes=2), EngineUnavailable)

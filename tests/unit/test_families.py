@@ -145,3 +145,60 @@ def test_an_mlx_only_card_is_placed_only_where_mlx_runs() -> None:
     explicit = do_place(cluster(a=LINUX_MLX), "torch", c=deepseek)
     assert isinstance(explicit, EngineUnavailable) and "compatible only with mlx, mlx-metal, mlx-cpu" in (
         explicit.describe())
+
+
+def test_a_module_s_source_says_how_it_splits() -> None:
+    """mlx-lm's sharded models define `shard(self, group)` on Model; its pipeline models build their stack on
+    PipelineMixin. A module-level helper named shard_* or a mixin merely imported says neither."""
+    from skulk.engines.mlx.registry import splits_of
+
+    sharded = "class Model(nn.Module):\n    def shard(self, group: Optional[mx.distributed.Group] = None):\n"
+    piped = "from .pipeline import PipelineMixin\nclass Qwen3NextModel(PipelineMixin, nn.Module):\n"
+    helper = "from .pipeline import PipelineMixin\ndef shard_experts_inplace(x):\n    def shard_heads(w):\n"
+    assert splits_of(sharded) == {"tensor": True, "pipeline": False}
+    assert splits_of(piped) == {"tensor": False, "pipeline": True}
+    assert splits_of(helper) == {"tensor": False, "pipeline": False}
+
+
+def test_splits_follow_the_module_mlx_lm_loads() -> None:
+    """Remapped types take their module's splits (mistral -> llama); a plain stack is cut only when every layer
+    is alike; a pipeline model is cut whatever its layers; a family the registry lacks gets none."""
+    toy = MlxRegistry(version="0.0", modules=frozenset({"llama", "qwen3_next", "gpt_oss"}),
+                      remapping={"mistral": "llama"}, tensor=frozenset({"llama", "gpt_oss"}),
+                      pipeline=frozenset({"qwen3_next"}))
+    assert toy.splits("mistral", (), uniform=True) == ["Pipeline", "Tensor"]
+    assert toy.splits("gpt_oss", (), uniform=False) == ["Tensor"]
+    assert toy.splits("qwen3_next", (), uniform=False) == ["Pipeline"]
+    assert toy.splits("gemma3", (), uniform=True) == []
+    same = MlxRegistry.from_json({"version": "0.0", "modules": ["llama"], "tensor": ["llama"], "pipeline": []})
+    assert same.tensor == {"llama"} and same.pipeline == frozenset()
+
+
+@pytest.mark.parametrize(("config", "splits"), [
+    ("DEEPSEEK_V3", ["Pipeline", "Tensor"]),  # a PipelineMixin stack with shard()
+    ("QWEN3_NEXT_80B", ["Pipeline"]),  # DeltaNet and attention mixed, but a PipelineMixin: it re-indexes itself
+    ("GPT_OSS_120B", ["Tensor"]),  # alternate windows, its cache list read from layer_types: not cut
+    ("NEMOTRON_H_8B", []),  # Mamba, attention and MLP layers in a plain stack, no shard()
+    ("LLAMA4_SCOUT", []),  # chunked and NoPE layers; its decoder's numbers read from text_config
+    ("GEMMA3_27B", []),
+    ("MIXTRAL_8X7B", ["Pipeline"]),
+])
+def test_the_flagships_splits_are_read_from_mlx_lm(registry: MlxRegistry, config: str, splits: list[str]) -> None:
+    from tests.unit import flagship_configs
+
+    assert card_from_config(config, getattr(flagship_configs, config), 1).mlx_splits == splits
+
+
+def test_transformers_5_config_names_are_given_to_mlx_lm_as_published(tmp_path: Any) -> None:
+    """transformers 5 saves rope_theta inside rope_parameters; mlx-lm's Qwen3-Next reads it at the top level."""
+    import json
+
+    pytest.importorskip("mlx_lm")
+    from skulk.engines.mlx.engine import published_fields
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"rope_theta": 5.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                 "partial_rotary_factor": 0.25}}))
+    assert published_fields(tmp_path) == {"partial_rotary_factor": 0.25, "rope_scaling": None}  # theta stays
+    (tmp_path / "config.json").write_text("{not json")
+    assert published_fields(tmp_path) == {}

@@ -7,19 +7,19 @@ and its scale) at 4: 1024, 576 and 320 bytes a position over the whole model."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from skulk.config import ConfigError, Settings, resolve
+from skulk.engines.footprint import resident_bound
 from skulk.engines.kv_pools import int4_group, kv_head_bytes
 from skulk.engines.torch import kv_quant
 from skulk.engines.torch.cache import KVCache, LayerCache, QuantizedLayerCache, StepBatch
 from skulk.engines.torch.core import kv_bits_or_default
 from skulk.master.placement import place, preview_placements
-from skulk.master.shard_plan import RUNTIME_OVERHEAD_FACTOR, kv_bytes_per_token
+from skulk.master.shard_plan import kv_bytes_per_token
 from skulk.state.desired import desired_of
 from skulk.types.backends import BackendTag, EngineChoice
 from skulk.types.ids import InstanceId, MetaInstanceId, ModelId, NodeId
@@ -35,7 +35,7 @@ from .test_placement import WEIGHTS, card, runner_ids, state
 pytestmark = pytest.mark.timeout(60)
 
 PER_TOKEN = {16: 1024, 8: 576, 4: 320}
-BASE = math.ceil(WEIGHTS * RUNTIME_OVERHEAD_FACTOR)
+BASE = resident_bound(WEIGHTS)
 MLX_NODE: list[BackendTag] = ["torch", "torch-cpu", "mlx", "mlx-cpu"]
 
 

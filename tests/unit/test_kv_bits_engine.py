@@ -14,6 +14,7 @@ from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.loader import load_model
 from skulk.models.demo import ensure_demo_model
 from skulk.types.chat import ChatMessage, SamplingParams
+from tests.unit.test_paged_cache import drain
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -24,14 +25,6 @@ PREFIX = [258, *(b"Quantized keys and values hold more context in the same memor
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_demo_model(tmp_path_factory.mktemp("models"))
-
-
-def drain(engine: TorchEngine) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_work():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).append(out.token_id)
-    return tokens
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -22,6 +22,7 @@ from skulk.engines.torch.windows import drop_behind, pack, unpack, window_hit
 from skulk.engines.torch.wire import Header, Started, StepKind, decode_changes, encode_changes
 from skulk.models.demo import ensure_demo_model
 from skulk.types.chat import SamplingParams
+from tests.unit.test_paged_cache import drain
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -128,14 +129,6 @@ PROMPTS = {"a": PROMPT, "b": [*PROMPT, 7, 9, 11, 13, 15, 17, 19, 21, 23], "c": [
 def paged(path: Path, **kwargs: Any) -> TorchEngine:
     """float32: a row's arithmetic is the same whatever its batch-mates, so tokens compare across schedules."""
     return TorchEngine(path, **({"max_seq": 128, "block_size": SIZE, "prefill_chunk": 8, "dtype": "float32"} | kwargs))
-
-
-def drain(engine: TorchEngine) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_work():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).append(out.token_id)
-    return tokens
 
 
 @pytest.mark.slow  # a real engine (and rank processes): `make test`, not the fast lane

@@ -5,17 +5,15 @@ per layer (1024 for the whole model) and its 16-token context 16 KiB."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from pydantic import ValidationError
 
+from skulk.engines.footprint import resident_bound
 from skulk.engines.kv_pools import DEFAULT_KV_FRACTION
 from skulk.master.placement import place, preview_placements
 from skulk.master.reconcile import with_committed
 from skulk.master.shard_plan import (
     MAX_STREAMS,
-    RUNTIME_OVERHEAD_FACTOR,
     kv_bytes_per_token,
 )
 from skulk.runner.admission import admit
@@ -34,7 +32,7 @@ from skulk.types.state import State
 from .test_placement import WEIGHTS, card, runner_ids, state
 
 PER_TOKEN = 2 * 8 * 2 * 16 * 2  # keys and values, 8 layers, 2 KV heads of 16, bf16
-BASE = math.ceil(WEIGHTS * RUNTIME_OVERHEAD_FACTOR)
+BASE = resident_bound(WEIGHTS)
 
 
 def put(s: State, c: ModelCard | None = None, sharding: Sharding = Sharding.Pipeline, *, min_nodes: int = 1,
@@ -89,7 +87,7 @@ def test_the_default_pool_holds_at_least_one_whole_context_and_the_fit_check_cou
 
 def test_pipeline_ranks_hold_the_same_positions_of_their_own_layers() -> None:
     kv = 1 << 20  # 1 MiB for the instance: 1024 positions of every layer
-    instance = placed(put(state({"a": 1 << 30, "b": 1 << 29}), card(), min_nodes=2, kv_cache_gb=kv / GB))
+    instance = placed(put(state({"a": 2 << 30, "b": 1 << 30}), card(), min_nodes=2, kv_cache_gb=kv / GB))
     shards = instance.shard_assignments.runner_to_shard
     layers = [shards[r].end_layer - shards[r].start_layer for r in sorted(shards, key=lambda r: shards[r].device_rank)]
     assert layers != [4, 4]  # proportional to free memory, so the ranks' pools differ
@@ -107,7 +105,7 @@ def test_tensor_ranks_hold_their_heads_share() -> None:
 def test_the_default_pool_is_sized_by_the_tightest_rank() -> None:
     free = {"a": BASE + (8 << 20), "b": 1 << 40}
     instance = placed(put(state(free), card(context_length=4096), Sharding.Tensor, min_nodes=2))
-    tokens = int(DEFAULT_KV_FRACTION * (free["a"] - math.ceil(-(-WEIGHTS // 2) * RUNTIME_OVERHEAD_FACTOR))) \
+    tokens = int(DEFAULT_KV_FRACTION * (free["a"] - resident_bound(-(-WEIGHTS // 2)))) \
         // (PER_TOKEN // 2)
     assert pools(instance) == [tokens * PER_TOKEN // 2] * 2
 

@@ -36,6 +36,7 @@ FORBIDDEN = {
     "formats": ("skulk.api", "skulk.node", "skulk.master", "skulk.worker", "skulk.runner", "skulk.store",
                 "skulk.cluster", "skulk.models", "skulk.engines", "skulk.state"),
     "cluster": ("skulk.api", "skulk.node"),
+    "engines": ("skulk.api", "skulk.node", "skulk.master", "skulk.worker", "skulk.cluster", "skulk.store"),
     "master": ("skulk.api", "skulk.node"),
     "state": ("skulk.api", "skulk.node", "skulk.master", "skulk.worker"),
 }

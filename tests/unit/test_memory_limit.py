@@ -100,3 +100,14 @@ def test_the_hog_fault_is_a_crash_of_its_own() -> None:
 
     assert parse_fault("crash:hog:rank=0") == CrashFault(rank=0, hog=True)
     assert parse_fault("crash:poison") == CrashFault()
+
+
+def test_a_spare_runner_is_offered_as_free_not_used() -> None:
+    """Its process becomes the next runner, whose runtime placement counts already (worker/spare.py)."""
+    reserve = Amount(bytes=512 * 1024**2)
+    group = CgroupMemory(1, int(1.6 * GB), int(0.9 * GB), 0)
+    without = budget(25 * GB, 23 * GB, group, None, None, reserve, 0)
+    spare = int(0.25 * GB)
+    held = budget(25 * GB, 23 * GB, group, None, None, reserve, 0, standby=spare)
+    assert held.free == without.free + spare and held.used == without.used - spare
+    assert budget(25 * GB, 23 * GB, None, None, None, reserve, 0, standby=10 * GB).used == 0  # never below nothing

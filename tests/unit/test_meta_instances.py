@@ -253,7 +253,7 @@ def test_health_ignores_directly_placed_instances_and_is_idempotent() -> None:
 def test_two_meta_instances_in_one_pass_do_not_take_the_same_memory() -> None:
     """Each node fits one copy of the model, not two: the second placement must go elsewhere."""
     state = applied(MetaInstanceCreated(meta_instance=meta(M1)), MetaInstanceCreated(meta_instance=meta(M2)),
-                    state=cluster(("n1", "n2"), free_gb=1.6))
+                    state=cluster(("n1", "n2"), free_gb=2.2))
     events = reconcile.unsatisfied_placements(state, cards, ids())
     created = [e.instance for e in events if isinstance(e, InstanceCreated)]
     assert len(created) == 2
@@ -314,7 +314,7 @@ def test_cascade_cancels_pending_and_running_tasks_and_skips_finished_ones() -> 
 
 def test_concurrent_place_commands_cannot_double_book_a_node() -> None:
     """Each node fits one copy: the second PlaceInstance is refused with the memory arithmetic."""
-    state = cluster(("n1",), free_gb=1.6)
+    state = cluster(("n1",), free_gb=2.2)
 
     def command(name: str) -> PlaceInstance:
         return PlaceInstance(command_id=CommandId(name), instance_id=InstanceId(name), model_id=CARD.model_id)

@@ -8,9 +8,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from skulk.api.app import create_app
+from skulk.engines.footprint import RUNTIME_OVERHEAD_BYTES, resident_bound
 from skulk.master.placement import place, preview_placements
 from skulk.master.reconcile import with_committed
-from skulk.master.shard_plan import loaded_bytes, plan_ring, weights_base
+from skulk.master.shard_plan import loaded_bytes, plan_ring
 from skulk.models.cards import get_card
 from skulk.types.backends import BackendTag, EngineChoice
 from skulk.types.ids import InstanceId, NodeId
@@ -59,7 +60,7 @@ def _place(s: State, engine: EngineChoice, c: ModelCard = GGUF) -> MlxRingInstan
 def test_a_node_that_holds_the_gguf_file_but_not_its_export_refuses_mlx_only() -> None:
     """Room for the file (and a small KV pool), not for the export: torch places, mlx is InsufficientMemory
     quoting the export's bytes; the same node places an mlx-community checkpoint of the file's size on MLX."""
-    s = state({"a": 2 * WEIGHTS}).model_copy(update={"node_backends": {NodeId("a"): MLX_NODE}})
+    s = state({"a": 2 * WEIGHTS + RUNTIME_OVERHEAD_BYTES}).model_copy(update={"node_backends": {NodeId("a"): MLX_NODE}})
     assert isinstance(_place(s, "torch"), MlxRingInstance)
     refused = _place(s, "mlx")
     assert isinstance(refused, InsufficientMemory) and refused.weights_share.in_bytes == EXPORT
@@ -92,6 +93,6 @@ def test_the_preview_over_http_counts_the_packaged_ggufs_export_for_an_mlx_rank(
         assert got.status_code == 200, got.text
         (preview,) = got.json()["previews"]
         delta[engine] = preview["memory_delta_by_node"]["a"]
-    assert delta["mlx"] - delta["torch"] == (weights_base(smollm2.mlx_storage_size.in_bytes)
-                                             - weights_base(smollm2.storage_size.in_bytes))
+    assert delta["mlx"] - delta["torch"] == (resident_bound(smollm2.mlx_storage_size.in_bytes)
+                                             - resident_bound(smollm2.storage_size.in_bytes))
     assert smollm2.mlx_storage_size.in_bytes > 2.5 * smollm2.storage_size.in_bytes

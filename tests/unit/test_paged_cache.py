@@ -367,6 +367,31 @@ def test_speculative_decoding_gives_the_tokens_of_plain_decoding(demo_dir: Path,
             tokens.setdefault(out.request_id, []).append(out.token_id)
     assert tokens == plain
     assert steps < 48  # drafts were accepted: fewer steps than tokens
+    usage = engine.kv_usage()  # the totals GET /metrics reads (api/runner_metrics.py), added at each release
+    assert 0 < usage["spec_accepted"] <= usage["spec_drafted"], usage
+
+
+def test_speculative_decoding_reports_the_logprobs_of_plain_decoding(demo_dir: Path) -> None:
+    """A request that asks for top logprobs drafts too (issue 43): its tokens are plain decoding's, each with the
+    log-probability and top candidates plain decoding reports, in fewer steps than tokens."""
+    repeated = prompt(200, salt=2)
+    sampling = SamplingParams(max_tokens=48, temperature=0, logprobs=3)
+
+    def reported(engine: TorchEngine) -> tuple[list[tuple[int, float, list[int]]], int]:
+        engine.add_request("echo", repeated, sampling)
+        got, steps = [], 0
+        while engine.has_work():
+            steps += 1
+            for out in engine.step():
+                assert out.logprobs is not None
+                got.append((out.token_id, out.logprobs.logprob, [c.token for c in out.logprobs.top_logprobs]))
+        return got, steps
+
+    plain, plain_steps = reported(TorchEngine(demo_dir, max_seq=512, speculate=False))
+    drafted, steps = reported(TorchEngine(demo_dir, max_seq=512))
+    assert [(t, top) for t, _, top in drafted] == [(t, top) for t, _, top in plain]
+    assert [lp for _, lp, _ in drafted] == pytest.approx([lp for _, lp, _ in plain], abs=1e-3)
+    assert len(drafted) == 48 and steps < 48 <= plain_steps  # drafts were accepted: fewer steps than tokens
 
 
 # --- sliding windows ------------------------------------------------------------------------------------------

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Iterable, Mapping
 
 import pytest
 from pydantic import TypeAdapter
 
+from skulk.engines.footprint import RUNTIME_OVERHEAD_BYTES, resident_bound
 from skulk.master.cycles import find_ring
 from skulk.master.placement import (
-    RUNTIME_OVERHEAD_FACTOR,
     allocate_layers,
     kv_headroom_bytes,
     place,
@@ -52,6 +51,7 @@ def card(**overrides: object) -> ModelCard:
         "num_key_value_heads": 2,
         "storage_size": Memory.from_bytes(WEIGHTS),
         "context_length": 16,
+        "mlx_splits": ["Pipeline", "Tensor"],  # mlx-lm's llama, as the catalog cards it
     }
     fields.update(overrides)
     return ModelCard.model_validate(fields)
@@ -59,7 +59,18 @@ def card(**overrides: object) -> ModelCard:
 
 def needed_whole(c: ModelCard) -> int:
     """What one node needs for the whole model: the number the exactly-equal test pivots on."""
-    return math.ceil(c.storage_size.in_bytes * RUNTIME_OVERHEAD_FACTOR) + kv_headroom_bytes(c, c.n_layers)
+    return resident_bound(c.storage_size.in_bytes) + kv_headroom_bytes(c, c.n_layers)
+
+
+def layers_need(c: ModelCard) -> int:
+    """What the whole model needs beside the runner every rank pays (RUNTIME_OVERHEAD_BYTES): the part that a
+    split divides."""
+    return needed_whole(c) - RUNTIME_OVERHEAD_BYTES
+
+
+def beside_runner(nbytes: int) -> int:
+    """Free memory that leaves `nbytes` once a rank's runner is counted."""
+    return nbytes + RUNTIME_OVERHEAD_BYTES
 
 
 def addr(node: str) -> str:
@@ -158,7 +169,8 @@ def test_insufficient_memory_message_shows_the_gb_arithmetic() -> None:
     result = do_place(state({"x": Memory.from_gb(1.5).in_bytes}), c)
     assert isinstance(result, InsufficientMemory)
     assert result.message.startswith(
-        "node x needs 1.90 GB (1.40 GB weights share × 1.25 + 0.15 GB KV pool) but has 1.50 GB free"  # noqa: RUF001
+        "node x needs 2.18 GB (1.40 GB weights share × 1.05 + 0.56 GB runtime + 0.15 GB KV pool) but has 1.50 GB "  # noqa: RUF001
+        "free"
     )
     assert "free memory on node x" in result.message
 
@@ -167,7 +179,7 @@ def test_memory_is_checked_per_node_not_summed_pipeline() -> None:
     """a + b together exceed the whole model's need, but b cannot hold even one layer."""
     c = card()
     whole = needed_whole(c)
-    one_layer = math.ceil(WEIGHTS / N_LAYERS * RUNTIME_OVERHEAD_FACTOR) + kv_headroom_bytes(c, 1)
+    one_layer = resident_bound(WEIGHTS // N_LAYERS) + kv_headroom_bytes(c, 1)
     s = state({"a": whole - 1, "b": one_layer // 2})
     assert (whole - 1) + one_layer // 2 > whole
     result = do_place(s, c, min_nodes=2)
@@ -178,7 +190,7 @@ def test_memory_is_checked_per_node_not_summed_pipeline() -> None:
 
 def test_pipeline_accepts_two_nodes_whose_shares_fit_though_neither_holds_the_model() -> None:
     c = card()
-    free = needed_whole(c) * 6 // 10
+    free = beside_runner(layers_need(c) * 6 // 10)
     instance = placed(do_place(state({"a": free, "b": free}), c))
     assert sorted(nodes_in_rank_order(instance)) == ["a", "b"]
 
@@ -196,8 +208,9 @@ def test_tensor_refuses_when_one_node_cannot_hold_half_though_the_sum_is_enough(
 
 
 def test_pipeline_layers_follow_free_memory_proportions() -> None:
-    unit = needed_whole(card())
-    instance = placed(do_place(state({"a": unit // 2, "b": unit, "c": unit // 2}), card(), min_nodes=3))
+    unit = layers_need(card())
+    free = {"a": beside_runner(unit // 2), "b": beside_runner(unit), "c": beside_runner(unit // 2)}
+    instance = placed(do_place(state(free), card(), min_nodes=3))
     layers = {
         n: instance.shard_assignments.runner_to_shard[r].end_layer
         - instance.shard_assignments.runner_to_shard[r].start_layer
@@ -222,8 +235,8 @@ def test_allocate_layers(n_layers: int, free: list[int], expected: list[int]) ->
 
 
 def test_pipeline_shards_are_contiguous_and_cover_every_layer_once() -> None:
-    unit = needed_whole(card())
-    s = state({"a": unit // 3, "b": unit // 2, "c": unit // 5, "d": unit})
+    unit = layers_need(card())
+    s = state({n: beside_runner(unit // k) for n, k in (("a", 3), ("b", 2), ("c", 5), ("d", 1))})
     instance = placed(do_place(s, card(), min_nodes=4))
     shards = sorted(instance.shard_assignments.runner_to_shard.values(), key=lambda sh: sh.device_rank)
     assert [sh.device_rank for sh in shards] == [0, 1, 2, 3]
@@ -398,7 +411,8 @@ def test_find_ring_prefers_an_order_where_rank_one_reaches_rank_zero() -> None:
 
 def test_previews_list_every_combination() -> None:
     whole = needed_whole(card())
-    s = state({"a": whole + 1, "b": whole // 2, "c": whole // 2})
+    half = beside_runner(layers_need(card()) // 2)
+    s = state({"a": whole + 1, "b": half, "c": half})
     previews = preview_placements(s, card(), Sharding.Pipeline, InstanceMeta.MlxRing, excluded_nodes=[])
     assert [p.node_ids for p in previews] == [
         ["a"],

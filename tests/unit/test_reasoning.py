@@ -71,7 +71,7 @@ def test_mode_from_template_and_prompt_tail() -> None:
     assert reasoning_mode(None, R1_TAIL) is None
     assert reasoning_mode("{{ messages }}", R1_TAIL, "think") == "think_open"  # the card's override
     assert reasoning_mode(THINK_TEMPLATE, R1_TAIL, "none") is None
-    assert reasoning_mode("<|start|>assistant<|channel|>analysis", "<|start|>assistant") is None  # harmony: not here
+    assert reasoning_mode("<|start|>assistant<|channel|>analysis", "<|start|>assistant") == "harmony"  # its channels
 
 
 def test_template_switches_reach_the_template_and_decide_the_mode(tmp_path: Path) -> None:

@@ -226,11 +226,17 @@ def test_prompt_lookup_drafts_for_sampled_requests_too(models: tuple[Path, Path]
     distribution, checked above): a near-greedy request on a prompt it repeats accepts most drafts."""
     target, _ = models
     engine = TorchEngine(target, max_seq=256)
-    greedy = generate(engine, {"g": (PROMPT, SamplingParams(max_tokens=30, temperature=0))})["g"]
-    echo = [*PROMPT, *greedy, *PROMPT]  # the greedy continuation follows the prompt once already
+    # a prompt whose greedy continuation has a few tokens before end-of-sequence (what the random model writes can
+    # differ between CPUs' kernels; a continuation of one token would leave no decode step to draft in)
+    for prompt in (PROMPT, *([256, *range(first, first + 5)] for first in range(80, 120, 5))):
+        greedy = generate(engine, {"g": (prompt, SamplingParams(max_tokens=30, temperature=0))})["g"]
+        if len(greedy) >= 4:
+            break
+    assert len(greedy) >= 4, "no candidate prompt has a greedy continuation of 4 tokens"
+    echo = [*prompt, *greedy, *prompt]  # the greedy continuation follows the prompt once already
     cold = SamplingParams(max_tokens=30, temperature=0.05, seed=3)
     with caplog.at_level(logging.INFO, logger="skulk.engines.torch.admission"):
         generate(engine, {"s": (echo, cold)})
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MTP acceptance")]
-    assert len(lines) == 1 and "prompt-lookup" in lines[0], lines
+    assert len(lines) == 1 and "prompt-lookup" in lines[0], (lines, prompt, greedy)
     assert int(lines[0].split()[2]) >= 50

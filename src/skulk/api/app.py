@@ -23,6 +23,7 @@ from skulk.api.openapi import declare_common_errors
 from skulk.api.responses import responses_router
 from skulk.api.security import install_security, sealing_router
 from skulk.api.services import ApiServices
+from skulk.api.serving_metrics import RequestCountMiddleware
 from skulk.api.state_routes import state_router
 from skulk.api.store import store_router
 from skulk.api.tracing import tracing_router
@@ -43,4 +44,5 @@ def create_app(services: ApiServices) -> FastAPI:
                    admin_router(services), models_router(services), metrics_router(services), store_router(services),
                    sealing_router(services.sealer, settings.api_host, settings.zenoh_listen, services.members)):
         app.include_router(declare_common_errors(router))
+    app.add_middleware(RequestCountMiddleware, metrics=services.serving)  # outermost: refusals count too
     return app

@@ -10,9 +10,15 @@ it now, answered with a non-retryable 422, since the same request would be cut s
 
 from __future__ import annotations
 
+import functools
 import json
+from pathlib import Path
 
+from skulk.api.model_facts import model_dir
+from skulk.api.ollama_show import TEMPLATE_FILES, chat_template_text
 from skulk.api.services import ApiServices
+from skulk.api.tool_calls import ToolFormat
+from skulk.formats.tool_parsers import pick_parser
 from skulk.models.cards import get_card
 from skulk.types.chat import ChatCompletionRequest, ChatMessage, ToolCall
 from skulk.types.errors import ApiError, ErrorCode
@@ -104,9 +110,33 @@ def unmet_tool_choice(forced: str | None, calls: list[ToolCall]) -> str | None:
     return None
 
 
-def tool_family(node: ApiServices, request: ChatCompletionRequest) -> str | None:
-    """The model family whose tool-call format the reply is parsed with; None when no tools are offered."""
+def tool_family(node: ApiServices, request: ChatCompletionRequest) -> ToolFormat | None:
+    """How the reply's tool calls are read (tool_parsers/): the card's `tool_parser`, else the markers of the
+    chat template on this node, else the family name; with the offered tools' schemas. None: no tools offered."""
     if not request.tools or request.tool_choice == "none":
         return None
+    schemas = {t.function.name: t.function.parameters for t in request.tools if t.function.parameters}
     card = get_card(request.model) or node.state.model_cards.get(ModelId(request.model))
-    return card.family if card is not None else ""
+    if card is None:
+        return ToolFormat("", schemas)
+    template = "" if card.tool_parser is not None else _template_of(model_dir(node, card))
+    return ToolFormat(pick_parser(template, card.family, card.tool_parser).name, schemas)
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _template_of(where: Path | None) -> str:
+    """The model's chat template text on this node ("" without a copy), read again only when its files change."""
+    if where is None:
+        return ""
+    return _read_template(str(where), tuple(_mtime(where / n) for n in TEMPLATE_FILES))
+
+
+@functools.lru_cache(maxsize=32)
+def _read_template(where: str, stamps: tuple[int, ...]) -> str:
+    return chat_template_text(Path(where))

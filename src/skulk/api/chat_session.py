@@ -6,16 +6,18 @@ from collections.abc import AsyncIterator
 
 from skulk.api.model_facts import card_of, not_served
 from skulk.api.model_kinds import refuse_embedding_model
-from skulk.api.requests import FIRST_CHUNK_TIMEOUT_S, NEXT_CHUNK_TIMEOUT_S, Silent, WrongKind, stream_error
+from skulk.api.patience import next_chunk
+from skulk.api.requests import Silent, WrongKind, stream_error
 from skulk.api.schema_check import check_output_schema
 from skulk.api.security import OWNERS
 from skulk.api.services import ApiServices
+from skulk.api.serving_metrics import Generation, instance_of
 from skulk.cluster.dataplane import ChunkStream
 from skulk.master.decide import failed_for_good, instance_failed_message
 from skulk.models.cards import get_card
 from skulk.state.queries import served_context
 from skulk.types.chat import ChatCompletionRequest
-from skulk.types.chunks import EmbeddingChunk, ErrorChunk, TokenChunk
+from skulk.types.chunks import Chunk, EmbeddingChunk, ErrorChunk, TokenChunk
 from skulk.types.commands import StartChatCompletion
 from skulk.types.errors import VALIDATION_STATUS, ApiError, ErrorCode
 from skulk.types.ids import CommandId, ModelId, new_id
@@ -23,11 +25,14 @@ from skulk.types.tasks import ChatCompletionTaskParams
 
 
 class ChatSession:
-    def __init__(self, node: ApiServices, stream: ChunkStream, first: TokenChunk, model: str) -> None:
+    def __init__(self, node: ApiServices, stream: ChunkStream, first: TokenChunk, model: str,
+                 generation: Generation) -> None:
         self.node = node
         self.stream = stream
         self.first = first
         self.model = model
+        self.generation = generation
+        """The request's metrics record (api/serving_metrics.py): one int added per token, observed at its end."""
         self.finished = False
         self.reasoning_tokens = 0
         """Tokens of the reply spent reasoning (api/generation.py's `pieces` counts them)."""
@@ -37,33 +42,54 @@ class ChatSession:
         return self.stream.command_id
 
     async def chunks(self) -> AsyncIterator[TokenChunk | ErrorChunk]:
-        """Token chunks up to the one with a finish_reason, or one ErrorChunk. Always closes the stream."""
+        """Token chunks up to the one with a finish_reason, or one ErrorChunk. Always closes the stream. The
+        request is finished before its last chunk is yielded: a reader that stops there (generation.pieces, once
+        the reply is whole) leaves this generator suspended, and its close must not cancel what completed."""
+        generation = self.generation
         try:
             chunk: TokenChunk | ErrorChunk = self.first
             while True:
-                yield chunk
-                if isinstance(chunk, ErrorChunk) or chunk.finish_reason is not None:
+                if isinstance(chunk, ErrorChunk):
                     self.finished = True
+                    generation.end("error", completion_tokens=generation.tokens - 1)  # this chunk was no token
+                    yield chunk
                     return
-                chunk = await next_text(self.node, self.stream, self.model, first=False)
+                if chunk.finish_reason is not None:
+                    self.finished = True
+                    generation.end(chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens)
+                    yield chunk
+                    return
+                yield chunk
+                waiting = self.stream.take_waiting()  # a fast stream's next chunk usually is: no wait to arm
+                chunk = (await next_text(self.node, self.stream, self.model, first=False) if waiting is None
+                         else _as_text(self.node, self.stream, waiting))
+                generation.tokens += 1  # the per-token cost of the metrics: one int add
         finally:
             self.close()
+
+    def ready(self) -> bool:
+        """A chunk waits on the stream: reading it will not wait (api/generation.py's `piece_batches`)."""
+        return self.stream.waiting > 0
 
     def close(self) -> None:
         if self.finished:
             self.node.requests.close(self.stream)
         else:
             self.finished = True
+            self.generation.end("cancelled")
             self.node.requests.cancel(self.stream)
 
 
 async def next_text(node: ApiServices, stream: ChunkStream, model: str, *, first: bool) -> TokenChunk | ErrorChunk:
     """The stream's next chunk as a chat reads it: text, or the error a silence or a chunk of vectors means."""
-    waited = FIRST_CHUNK_TIMEOUT_S if first else NEXT_CHUNK_TIMEOUT_S
-    try:
-        chunk = await stream.next(waited)
-    except TimeoutError:
-        return _error(node, stream, Silent(model=model, first=first, waited_s=waited))
+    chunk = await next_chunk(lambda: node.state, node.requests, stream, model, first=first)
+    if isinstance(chunk, Silent):
+        return _error(node, stream, chunk)
+    return _as_text(node, stream, chunk)
+
+
+def _as_text(node: ApiServices, stream: ChunkStream, chunk: Chunk) -> TokenChunk | ErrorChunk:
+    """A chunk as a chat reads it: vectors where text was asked for end the stream."""
     if isinstance(chunk, EmbeddingChunk):
         return _error(node, stream, WrongKind(wanted="text"))
     return chunk
@@ -77,7 +103,7 @@ def _error(node: ApiServices, stream: ChunkStream, happening: Silent | WrongKind
 
 def require_instance(node: ApiServices, model: str) -> None:
     """404 without an instance; 503 at once when every instance of the model failed for good (it would
-    otherwise wait FIRST_CHUNK_TIMEOUT_S for a runner that is not coming back)."""
+    otherwise wait out its patience (api/patience.py) for a runner that is not coming back)."""
     state = node.state
     instances = [i for i in state.instances.values() if i.model_id == model]
     if not instances:
@@ -112,15 +138,19 @@ async def start_chat(node: ApiServices, request: ChatCompletionRequest) -> ChatS
                                       sampling=request.sampling(), tools=request.tool_specs(),
                                       template_kwargs=request.template_kwargs(),
                                       context_limit=served_context(node.state, card) if card else None)
+    generation = Generation(node.serving, request.model)  # admitted: the model is served (require_instance)
     stream = node.requests.open(command_id, params)  # the prompt stays here; runners fetch it point to point
     node.send_command(StartChatCompletion(command_id=command_id, model=ModelId(request.model),
                                           origin_node_id=node.node_id))
     try:
         first = await next_text(node, stream, request.model, first=True)
     except BaseException:
+        generation.end("cancelled")
         node.requests.cancel(stream)
         raise
     if isinstance(first, ErrorChunk):
+        generation.end("error")
         node.requests.cancel(stream)
         raise ApiError(first.code, first.message, status=first.status, retryable=first.retryable)
-    return ChatSession(node, stream, first, request.model)
+    generation.first(instance_of(node.state, command_id))
+    return ChatSession(node, stream, first, request.model, generation)

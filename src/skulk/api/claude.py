@@ -26,11 +26,11 @@ from skulk.api.chat_options import (
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import claude_error, claude_error_body, text_only_error
-from skulk.api.generation import GenerationFailed, collect, pieces
+from skulk.api.generation import GenerationFailed, collect, piece_batches
 from skulk.api.openapi import Family, documented
 from skulk.api.services import ApiServices
 from skulk.api.tokens import check_context, count_chat_tokens
-from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
+from skulk.api.tool_calls import ToolCallStream, ToolSpec, parse_tool_calls
 from skulk.types.answers import ClaudeMessage, TokenCount
 from skulk.types.chat import ChatCompletionRequest, ToolCall
 from skulk.types.claude import ClaudeCountRequest, ClaudeRequest
@@ -86,6 +86,7 @@ def to_chat_request(body: ClaudeRequest) -> ChatCompletionRequest:
         tools=[t.to_openai() for t in body.tools] if body.tools else None,
         tool_choice=_chat_tool_choice(body),
         enable_thinking=body.thinking.template_switch() if body.thinking is not None else None,
+        reasoning_budget=_budget(body),
     )
     check_supported(chat)
     return prepared(chat)
@@ -133,8 +134,9 @@ _EMPTY: dict[str, dict[str, Any]] = {"thinking": thinking_block(""), "text": {"t
 
 
 class _Blocks:
-    """The thinking and text blocks of a streamed message, each opened at its first piece: a reply that is only
-    tool calls has no empty text block before its tool_use blocks (Anthropic's own streams have none)."""
+    """The thinking, text and tool_use blocks of a streamed message, each opened at its first piece (a tool_use
+    block as its call closes): a reply that is only tool calls has no empty text block before its tool_use blocks
+    (Anthropic's own streams have none)."""
 
     def __init__(self) -> None:
         self.index = -1
@@ -156,6 +158,17 @@ class _Blocks:
         self.kind = None
         return [_sse("content_block_stop", {"index": self.index})]
 
+    def tools(self, calls: list[ToolCall]) -> list[str]:
+        """A whole tool_use block per call (its input in one delta), after the open block's stop."""
+        events = self._stop() if calls else []
+        for tool in tool_use_blocks(calls):
+            self.index += 1
+            events += [_sse("content_block_start", {"index": self.index, "content_block": {**tool, "input": {}}}),
+                       _sse("content_block_delta", {"index": self.index, "delta": {
+                           "type": "input_json_delta", "partial_json": json.dumps(tool["input"])}}),
+                       _sse("content_block_stop", {"index": self.index})]
+        return events
+
     def close(self, calls: list[ToolCall]) -> list[str]:
         """The open block's stop, opening an empty text block first only for a reply with no block and no calls."""
         head = self._start("text") if self.index < 0 and not calls else []
@@ -163,7 +176,7 @@ class _Blocks:
 
 
 async def _events(
-    session: ChatSession, model: str, family: str | None, forced: str | None = None, budget: int | None = None
+    session: ChatSession, model: str, family: ToolSpec | None, forced: str | None = None
 ) -> AsyncIterator[str]:
     """message_start, ping, then a thinking block when the model reasons and a text block when there is text
     (each content_block_start, content_block_delta..., content_block_stop), a tool_use block per call,
@@ -171,47 +184,44 @@ async def _events(
     msg_id = f"msg_{session.command_id}"
     usage = {"input_tokens": session.first.prompt_tokens, "output_tokens": 0}
     yield _sse("message_start", {"message": _message(msg_id, model, [], {"stop_reason": None, "stop_sequence": None},
-                                                     usage)})
-    yield _sse("ping", {})
+                                                     usage)}) + _sse("ping", {})
     finish: tuple[str | None, str | None] = (None, None)
     held = ToolCallStream(family, hold_all=forced is not None) if family is not None else None
     block = _Blocks()
     try:
-        async for piece in pieces(session, budget):
-            chunk = piece.chunk
-            for event in block.piece("thinking", piece.reasoning) if piece.reasoning else []:
-                yield event
-            text = held.push(piece.text) if held is not None else piece.text
-            for event in block.piece("text", text) if text else []:
-                yield event
-            if chunk.finish_reason is not None:
-                usage["output_tokens"] = chunk.completion_tokens
-                finish = (chunk.finish_reason, chunk.stop_sequence)
+        async for batch in piece_batches(session):
+            out: list[str] = []  # the events of the pieces waiting together, written at once
+            for piece in batch:
+                chunk = piece.chunk
+                out += block.piece("thinking", piece.reasoning) if piece.reasoning else []
+                text = held.push(piece.text) if held is not None else piece.text
+                out += block.piece("text", text) if text else []
+                out += block.tools(held.take(session.command_id)) if held is not None else []  # each call once closed
+                if chunk.finish_reason is not None:
+                    usage["output_tokens"] = chunk.completion_tokens
+                    finish = (chunk.finish_reason, chunk.stop_sequence)
+            if out:
+                yield "".join(out)
     except GenerationFailed as failed:
         yield _sse("error", {"error": claude_error_body(failed.chunk.status, failed.chunk.message)["error"]})
         return
-    tail, calls = held.finish(session.command_id) if held is not None else ("", [])
+    tail, rest = held.finish(session.command_id) if held is not None else ("", [])
+    calls = [*held.sent, *rest] if held is not None else []
     unmet = unmet_tool_choice(forced, calls)
     if unmet is not None:
         yield _sse("error", {"error": claude_error_body(UNMET_STATUS, unmet)["error"]})
         return
-    for event in [*(block.piece("text", tail) if tail else []), *block.close(calls)]:
-        yield event
-    for index, tool in enumerate(tool_use_blocks(calls), start=block.index + 1):
-        yield _sse("content_block_start", {"index": index, "content_block": {**tool, "input": {}}})
-        delta = {"type": "input_json_delta", "partial_json": json.dumps(tool["input"])}
-        yield _sse("content_block_delta", {"index": index, "delta": delta})
-        yield _sse("content_block_stop", {"index": index})
-    yield _sse("message_delta", {"delta": stop_fields(*finish, calls),
-                                 "usage": {"output_tokens": usage["output_tokens"]}})
-    yield _sse("message_stop", {})
+    yield "".join([*(block.piece("text", tail) if tail else []), *block.close(calls), *block.tools(rest),
+                   _sse("message_delta", {"delta": stop_fields(*finish, calls),
+                                          "usage": {"output_tokens": usage["output_tokens"]}}),
+                   _sse("message_stop", {})])
 
 
 async def _complete(node: ApiServices, body: ClaudeRequest) -> JSONResponse:
     chat = to_chat_request(body)
     session = await start_chat(node, chat)
     try:
-        done = await collect(session, _budget(body))
+        done = await collect(session)
     except GenerationFailed as failed:
         status = failed.chunk.status if failed.chunk.status >= 500 else 500
         return JSONResponse(claude_error_body(status, failed.chunk.message), status_code=status)
@@ -229,7 +239,8 @@ async def _complete(node: ApiServices, body: ClaudeRequest) -> JSONResponse:
 
 
 def _budget(body: ClaudeRequest) -> int | None:
-    """The reasoning tokens `thinking.budget_tokens` allows (api/generation.py ends the reply when they run out)."""
+    """The reasoning tokens `thinking.budget_tokens` allows: the engine closes the reasoning there and the answer
+    follows (engines/reasoning.py's ReasoningBudget)."""
     return body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
 
 
@@ -247,8 +258,7 @@ def claude_router(node: ApiServices) -> APIRouter:
             session = await start_chat(node, chat)
         except ApiError as exc:
             return claude_error(exc)
-        return StreamingResponse(_events(session, body.model, tool_family(node, chat), forced_tool(chat),
-                                         _budget(body)),
+        return StreamingResponse(_events(session, body.model, tool_family(node, chat), forced_tool(chat)),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -27,7 +27,8 @@ from skulk.api.claude import parse_body
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.model_kinds import check_dimensions, embedding_card
 from skulk.api.openapi import documented
-from skulk.api.requests import FIRST_CHUNK_TIMEOUT_S, Silent, WrongKind, stream_error
+from skulk.api.patience import next_chunk
+from skulk.api.requests import Silent, WrongKind, stream_error
 from skulk.api.security import OWNERS
 from skulk.api.services import ApiServices
 from skulk.cluster.dataplane import ChunkStream
@@ -73,13 +74,12 @@ async def embed(node: ApiServices, model: str, inputs: list[str] | list[list[int
 
 
 async def _first(node: ApiServices, stream: ChunkStream, model: str) -> EmbeddingChunk | ErrorChunk:
-    try:
-        chunk = await stream.next(FIRST_CHUNK_TIMEOUT_S)
-    except TimeoutError:
-        happening: Silent | WrongKind = Silent(model=model, first=True, waited_s=FIRST_CHUNK_TIMEOUT_S)
+    chunk = await next_chunk(lambda: node.state, node.requests, stream, model, first=True)
+    if isinstance(chunk, Silent):
+        happening: Silent | WrongKind = chunk
+    elif not isinstance(chunk, TokenChunk):
+        return chunk
     else:
-        if not isinstance(chunk, TokenChunk):
-            return chunk
         happening = WrongKind(wanted="vectors")
     error = stream_error(node.state, happening, stream.command_id)
     assert error is not None

@@ -6,9 +6,9 @@ formats. The chunk loop, the cancel-on-abandon behaviour (ChatSession.close) and
 reasoning from its answer (`pieces`, engines/reasoning.py: the runner's first chunk says how the reply splits) live
 here once.
 
-A reasoning budget (Anthropic's `thinking.budget_tokens`) ends the generation when the reasoning reaches it: the
-reply then finishes as if max_tokens had been hit (finish_reason "length"), its reasoning cut there and no answer.
-Forcing `</think>` into the engine's output instead would let the model answer; that is not done here."""
+A reasoning budget (Anthropic's `thinking.budget_tokens`) is not kept here: it travels in the sampling parameters
+to the rank that samples, which forces the family's close of the reasoning when the budget is reached, so the model
+answers after it (engines/reasoning.py's ReasoningBudget). The count here is the same one (ReasoningTally)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from skulk.api.chat_session import ChatSession
-from skulk.engines.reasoning import ReasoningSplitter
+from skulk.engines.reasoning import ReasoningTally
 from skulk.types.chunks import ErrorChunk, RequestStats, TokenChunk, TokenLogprob
 
 
@@ -70,41 +70,74 @@ class Piece:
     reasoning: str
 
 
-async def pieces(session: ChatSession, budget: int | None = None) -> AsyncIterator[Piece]:
+class _Split:
+    """`pieces`' reading of one chunk after another: the reasoning split from the text, the reasoning tokens counted
+    on the session. `done` once a reply that splits has its last piece. split=False reads every chunk as `deltas`
+    does, the reasoning left in the text (legacy completions)."""
+
+    def __init__(self, session: ChatSession, split: bool = True) -> None:
+        self.session = session
+        reasoning = session.first.reasoning
+        self.tally = ReasoningTally(reasoning) if split and reasoning is not None else None
+        self.done = False
+
+    def take(self, chunk: TokenChunk) -> Piece | None:
+        tally = self.tally
+        if tally is None:
+            if chunk.text or chunk.finish_reason is not None or chunk.logprobs is not None:
+                return Piece(chunk, chunk.text, "")
+            return None
+        reasoning, text = tally.push(chunk.text)
+        self.session.reasoning_tokens = tally.tokens
+        if chunk.finish_reason is not None:
+            held_reasoning, held_text = tally.splitter.finish()
+            reasoning, text = reasoning + held_reasoning, text + held_text
+            self.done = True
+        if text or reasoning or chunk.finish_reason is not None or chunk.logprobs is not None:
+            return Piece(chunk, text, reasoning)
+        return None
+
+
+async def pieces(session: ChatSession) -> AsyncIterator[Piece]:
     """Like `deltas`, with the reasoning split from the text; session.reasoning_tokens counts the tokens spent
-    inside the reasoning (its tags included). `budget`: the most reasoning tokens (the module's docstring)."""
-    splitter = ReasoningSplitter(session.first.reasoning) if session.first.reasoning is not None else None
-    pending = 0
+    inside the reasoning (its tags included)."""
+    split = _Split(session)
     async for chunk in session.chunks():
         if isinstance(chunk, ErrorChunk):
             raise GenerationFailed(chunk)
-        if splitter is None:
-            if chunk.text or chunk.finish_reason is not None or chunk.logprobs is not None:
-                yield Piece(chunk, chunk.text, "")
-            continue
-        was, undecided = splitter.in_reasoning, splitter.state == "start"
-        reasoning, text = splitter.push(chunk.text) if chunk.text else ("", "")
-        if splitter.state == "start":
-            pending += 1  # maybe the open tag's first pieces: counted once the block opens
-        elif was or splitter.in_reasoning or (undecided and splitter.state == "after"):
-            session.reasoning_tokens += 1 + pending
-            pending = 0
-        elif undecided:
-            pending = 0
-        if chunk.finish_reason is None and budget is not None and splitter.in_reasoning \
-                and session.reasoning_tokens >= budget:
-            session.close()  # cancels the generation: the budget is spent
-            chunk = chunk.model_copy(update={"finish_reason": "length", "stop_sequence": None})
-        if chunk.finish_reason is not None:
-            held_reasoning, held_text = splitter.finish()
-            reasoning, text = reasoning + held_reasoning, text + held_text
-        if text or reasoning or chunk.finish_reason is not None or chunk.logprobs is not None:
-            yield Piece(chunk, text, reasoning)
-        if chunk.finish_reason is not None:
+        piece = split.take(chunk)
+        if piece is not None:
+            yield piece
+        if split.done:
             return
 
 
-async def collect(session: ChatSession, budget: int | None = None, *, split: bool = True) -> Finished:
+async def piece_batches(session: ChatSession, *, split: bool = True) -> AsyncIterator[list[Piece]]:
+    """`pieces` in batches: every piece of the chunks already waiting on the stream, so that a stream behind its
+    runner (a speculative step's several tokens, a busy event loop) writes them to its client at once, each
+    still its own event (issue 43: a socket write per token was most of the API's cost per token). A batch goes
+    out before any wait for the next chunk and before an error, so no piece ever waits on a later one.
+    split=False: `deltas` in batches, each chunk's text whole in its piece, reasoning included (as `collect`'s)."""
+    reader = _Split(session, split)
+    batch: list[Piece] = []
+    async for chunk in session.chunks():
+        if isinstance(chunk, ErrorChunk):
+            if batch:
+                yield batch
+            raise GenerationFailed(chunk)
+        piece = reader.take(chunk)
+        if piece is not None:
+            batch.append(piece)
+        if reader.done:
+            break
+        if batch and not session.ready():
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+async def collect(session: ChatSession, *, split: bool = True) -> Finished:
     """The whole answer of a non-streaming request; split=False keeps any reasoning in the text (legacy
     completions, which have no place for it)."""
     started = time.monotonic()
@@ -112,7 +145,7 @@ async def collect(session: ChatSession, budget: int | None = None, *, split: boo
     thoughts: list[str] = []
     logprobs: list[TokenLogprob] = []
     last: TokenChunk | None = None
-    stream = pieces(session, budget) if split else (Piece(c, c.text, "") async for c in deltas(session))
+    stream = pieces(session) if split else (Piece(c, c.text, "") async for c in deltas(session))
     async for piece in stream:
         parts.append(piece.text)
         thoughts.append(piece.reasoning)

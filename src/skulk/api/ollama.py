@@ -21,13 +21,13 @@ from skulk.api.claude import parse_body
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.embeddings import embed_for_ollama, legacy_embedding_for_ollama
 from skulk.api.errors import ollama_error
-from skulk.api.generation import Finished, GenerationFailed, collect, pieces
+from skulk.api.generation import Finished, GenerationFailed, Piece, collect, piece_batches
 from skulk.api.model_facts import digest, modified, parameter_count, parameter_size, rfc3339
 from skulk.api.ollama_pull import OllamaPullRequest, pull
 from skulk.api.ollama_show import capabilities, file_facts, template
 from skulk.api.openapi import Family, documented
 from skulk.api.services import ApiServices
-from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
+from skulk.api.tool_calls import ToolCallStream, ToolSpec, parse_tool_calls
 from skulk.models.cards import all_cards, get_card
 from skulk.state.queries import served_context
 from skulk.types.answers import (
@@ -86,10 +86,10 @@ def _response_format(fmt: str | dict[str, Any] | None) -> ResponseFormat | None:
     return None
 
 
-def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    """Ollama writes a call's arguments as an object."""
+def _ollama_calls(calls: list[ToolCall], start: int = 0) -> list[dict[str, Any]]:
+    """Ollama writes a call's arguments as an object; `index` is the call's place in the reply (from `start`)."""
     return [{"function": {"index": i, "name": c.function.name, "arguments": _object(c.function.arguments)}}
-            for i, c in enumerate(calls)]
+            for i, c in enumerate(calls, start)]
 
 
 def _object(arguments: str) -> Any:
@@ -120,12 +120,13 @@ def _timings(stats: RequestStats | None, prompt: int, generated: int, total_ns: 
             "prompt_eval_duration": prompt_ns, "eval_count": generated, "eval_duration": eval_ns}
 
 
-def _final(model: str, shape: Shape, done: Finished, calls: list[ToolCall] | None = None) -> dict[str, Any]:
+def _final(model: str, shape: Shape, done: Finished, calls: list[ToolCall] | None = None, start: int = 0
+           ) -> dict[str, Any]:
     line = {"model": model, "created_at": _now(), **shape(done.text, done.reasoning), "done": True,
             "done_reason": done.finish_reason,
             **_timings(done.stats, done.prompt_tokens, done.completion_tokens, done.total_ns)}
     if calls:
-        line["message"]["tool_calls"] = _ollama_calls(calls)
+        line["message"]["tool_calls"] = _ollama_calls(calls, start)
     if done.logprobs:
         line["logprobs"] = _logprobs(done.logprobs)
     return line
@@ -140,31 +141,46 @@ def _line(fields: dict[str, Any]) -> str:
     return json.dumps(fields, separators=(",", ":")) + "\n"
 
 
-async def _ndjson(session: ChatSession, model: str, shape: Shape, family: str | None, started: float
+async def _ndjson(session: ChatSession, model: str, shape: Shape, family: ToolSpec | None, started: float
                   ) -> AsyncIterator[str]:
     """One line per piece of text, then the `done` line, which carries no text of its own (as Ollama's: a client
-    that appends every line's content must not see the last piece twice) but the tool calls and the counts."""
+    that appends every line's content must not see the last piece twice) but the counts and the tool calls still
+    held. A call goes out in the line of the piece that closed it (/api/chat: `message.tool_calls`). The lines of
+    the pieces waiting together go out in one write (api/generation.py's `piece_batches`)."""
     held = ToolCallStream(family) if family is not None else None
     try:
-        async for piece in pieces(session):
-            chunk = piece.chunk
-            text = held.push(piece.text) if held is not None else piece.text
-            logprobs = [chunk.logprobs] if chunk.logprobs is not None else []
-            calls: list[ToolCall] = []
-            if chunk.finish_reason is not None and held is not None:
-                tail, calls = held.finish(session.command_id)
-                text += tail if not calls else ""
-            if text or piece.reasoning or logprobs:
-                line = {"model": model, "created_at": _now(), **shape(text, piece.reasoning), "done": False}
-                if logprobs:
-                    line["logprobs"] = _logprobs(logprobs)
-                yield _line(line)
-            if chunk.finish_reason is not None:
-                done = Finished("", chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens, chunk.stats,
-                                started)
-                yield _line(_final(model, shape, done, calls))
+        async for batch in piece_batches(session):
+            yield "".join([line for piece in batch for line in _piece_lines(session, piece, model, shape, held,
+                                                                             started)])
     except GenerationFailed as failed:
         yield json.dumps({"error": failed.chunk.message}) + "\n"
+
+
+def _piece_lines(session: ChatSession, piece: Piece, model: str, shape: Shape, held: ToolCallStream | None,
+                 started: float) -> list[str]:
+    """A piece's line (when it has text, reasoning, logprobs or a call that closed), and the `done` line after
+    the last piece."""
+    chunk = piece.chunk
+    lines: list[str] = []
+    text = held.push(piece.text) if held is not None else piece.text
+    logprobs = [chunk.logprobs] if chunk.logprobs is not None else []
+    taken = held.take(session.command_id) if held is not None else []  # each call once its text closed
+    calls: list[ToolCall] = []
+    if chunk.finish_reason is not None and held is not None:
+        tail, calls = held.finish(session.command_id)
+        text += tail if not calls else ""
+    if text or piece.reasoning or logprobs or taken:
+        line = {"model": model, "created_at": _now(), **shape(text, piece.reasoning), "done": False}
+        if taken and held is not None and "message" in line:
+            line["message"]["tool_calls"] = _ollama_calls(taken, len(held.sent) - len(taken))
+        if logprobs:
+            line["logprobs"] = _logprobs(logprobs)
+        lines.append(_line(line))
+    if chunk.finish_reason is not None:
+        done = Finished("", chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens, chunk.stats,
+                        started)
+        lines.append(_line(_final(model, shape, done, calls, len(held.sent) if held else 0)))
+    return lines
 
 
 async def _complete(node: ApiServices, body: Body, shape: Shape) -> JSONResponse:

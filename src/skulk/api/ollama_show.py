@@ -56,6 +56,10 @@ def card_quantization(card: ModelCard) -> str:
     return f"Q{bits.removeprefix('int')}"
 
 
+TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
+"""Where a model's files carry its chat template (the first wins)."""
+
+
 def chat_template_text(where: Path | None) -> str:
     """The model's chat template as its files carry it (a separate chat_template.jinja wins, as transformers')."""
     if where is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,14 +23,14 @@ from skulk.api.chat_options import (
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import claude_error, openai_error
-from skulk.api.generation import GenerationFailed, collect, pieces
+from skulk.api.generation import GenerationFailed, collect, piece_batches
 from skulk.api.model_facts import modified, not_served, rfc3339, served_cards
 from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
-from skulk.api.tool_calls import ToolCallStream, openai_tool_calls, parse_tool_calls
+from skulk.api.tool_calls import ToolCallStream, ToolSpec, openai_tool_calls, parse_tool_calls
 from skulk.state.queries import served_context
 from skulk.types.answers import ChatCompletionAnswer, ClaudeModel, ClaudeModelList, OpenAIModel, OpenAIModelList
-from skulk.types.chat import ChatCompletionRequest
+from skulk.types.chat import ChatCompletionRequest, ToolCall
 from skulk.types.chunks import RequestStats, TokenChunk, TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode, error_body
 from skulk.types.models import ModelCard
@@ -48,11 +49,17 @@ def _usage(prompt: int, completion: int, reasoning: int = 0) -> dict[str, Any]:
 
 
 def generation_stats_comment(stats: RequestStats | None) -> str:
-    """Skulk's `: generation_stats {...}` SSE comment (clients that do not know it skip comments)."""
-    return "" if stats is None else sse.comment(f"generation_stats {stats.generation.model_dump_json()}")
+    """Our `: serving_stats {...}` SSE comment (how the runner batched the request: the bench route's
+    in_flight_at_admission and serving_batches), then Skulk's `: generation_stats {...}`, kept the last line before
+    `data: [DONE]` as Skulk writes it. Clients skip comments."""
+    if stats is None:
+        return ""
+    serving = {"in_flight_at_admission": stats.in_flight_at_admission, "serving_batches": stats.serving_batches}
+    return (sse.comment(f"serving_stats {sse.compact(serving)}")
+            + sse.comment(f"generation_stats {stats.generation.model_dump_json()}"))
 
 
-def _prepared(node: ApiServices, request: ChatCompletionRequest) -> tuple[ChatCompletionRequest, str | None]:
+def _prepared(node: ApiServices, request: ChatCompletionRequest) -> tuple[ChatCompletionRequest, ToolSpec | None]:
     """The request as sent (refusals first, JSON and tool-choice instructions added) and the tool-call format to
     parse, if any."""
     check_supported(request)
@@ -68,8 +75,31 @@ def _tool_choice_error(why: str) -> dict[str, Any]:
     return error_body(why, kind="invalid_request_error", code=ErrorCode.tool_choice_unmet.value, retryable=False)
 
 
+def _calls_chunk(head: dict[str, Any], calls: list[ToolCall], start: int) -> str:
+    """One chunk whose delta carries whole tool calls, indexed from `start` (the calls sent before them)."""
+    delta = {"tool_calls": openai_tool_calls(calls, start)}
+    return sse.data({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+
+
+def _chunk_prefix(head: dict[str, Any]) -> str:
+    """The bytes every chunk of a reply starts with, up to its choice's delta: encoded once per reply."""
+    return f'data: {sse.compact(head)[:-1]},"choices":[{{"index":0,"delta":'
+
+
+def _token_event(prefix: str, text: str, reasoning: str, role: bool, logprobs: TokenLogprob | None) -> str:
+    """One token's chunk, written as sse.data writes {**head, "choices": [{"index": 0, "delta": {...}, "logprobs":
+    ..., "finish_reason": None}]} (the same bytes), without building and encoding the whole dict per token."""
+    delta = '{"content":' + json.dumps(text)
+    if reasoning:
+        delta += ',"reasoning_content":' + json.dumps(reasoning)
+    if role:
+        delta += ',"role":"assistant"'
+    encoded = "null" if logprobs is None else sse.compact(_logprobs([logprobs]))
+    return f'{prefix}{delta}}},"logprobs":{encoded},"finish_reason":null}}]}}\n\n'
+
+
 async def _stream_events(
-    session: ChatSession, request: ChatCompletionRequest, family: str | None
+    session: ChatSession, request: ChatCompletionRequest, family: ToolSpec | None
 ) -> AsyncIterator[str]:
     head = {
         "id": f"chatcmpl-{session.command_id}",
@@ -77,50 +107,50 @@ async def _stream_events(
         "created": int(time.time()),
         "model": request.model,
     }
+    prefix = _chunk_prefix(head)
     role_sent = False
     last: TokenChunk | None = None
     forced = forced_tool(request)
     held = ToolCallStream(family, hold_all=forced is not None) if family is not None else None
     try:
-        async for piece in pieces(session):
-            chunk = last = piece.chunk
-            text = held.push(piece.text) if held is not None else piece.text
-            if not text and not piece.reasoning and role_sent and chunk.logprobs is None:
-                continue
-            delta: dict[str, Any] = {"content": text}
-            if piece.reasoning:
-                delta["reasoning_content"] = piece.reasoning
-            if not role_sent:
-                delta["role"], role_sent = "assistant", True
-            logprobs = None if chunk.logprobs is None else _logprobs([chunk.logprobs])
-            yield sse.data({**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                             "finish_reason": None}]})
+        async for batch in piece_batches(session):
+            out: list[str] = []  # the batch's events, written at once (each still its own event)
+            for piece in batch:
+                chunk = last = piece.chunk
+                text = held.push(piece.text) if held is not None else piece.text
+                taken = held.take(session.command_id) if held is not None else []
+                if text or piece.reasoning or not role_sent or chunk.logprobs is not None:
+                    out.append(_token_event(prefix, text, piece.reasoning, not role_sent, chunk.logprobs))
+                    role_sent = True
+                if taken and held is not None:  # each call as soon as its text closed, numbered on over the reply
+                    out.append(_calls_chunk(head, taken, len(held.sent) - len(taken)))
+            if out:
+                yield "".join(out)
     except GenerationFailed as failed:
         c = failed.chunk
-        yield sse.data(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable))
-        yield sse.DONE
+        yield sse.data(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable)) + sse.DONE
         return
     assert last is not None and last.finish_reason is not None
     finish = last.finish_reason
+    tail: list[str] = []  # the reply's last events, written at once
     if held is not None:
-        tail, calls = held.finish(session.command_id)
-        unmet = unmet_tool_choice(forced, calls)
+        text, calls = held.finish(session.command_id)
+        unmet = unmet_tool_choice(forced, [*held.sent, *calls])
         if unmet is not None:
-            yield sse.data(_tool_choice_error(unmet))
-            yield sse.DONE
+            yield sse.data(_tool_choice_error(unmet)) + sse.DONE
             return
-        delta = {"tool_calls": openai_tool_calls(calls)} if calls else {"content": tail}
-        if calls and tail:
-            yield sse.data({**head, "choices": [{"index": 0, "delta": {"content": tail}, "finish_reason": None}]})
-        if calls or tail:
-            yield sse.data({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-        finish = "tool_calls" if calls else finish
-    yield sse.data({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+        if text:
+            tail.append(sse.data({**head, "choices": [{"index": 0, "delta": {"content": text},
+                                                       "finish_reason": None}]}))
+        if calls:
+            tail.append(_calls_chunk(head, calls, len(held.sent)))
+        finish = "tool_calls" if calls or held.sent else finish
+    tail.append(sse.data({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}))
     if request.stream_options is not None and request.stream_options.include_usage:
-        yield sse.data({**head, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens,
-                                                                session.reasoning_tokens)})
-    yield generation_stats_comment(last.stats)
-    yield sse.DONE
+        tail.append(sse.data({**head, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens,
+                                                                     session.reasoning_tokens)}))
+    tail += [generation_stats_comment(last.stats), sse.DONE]
+    yield "".join(tail)
 
 
 def _bench_fields(stats: RequestStats | None) -> dict[str, Any]:
@@ -133,14 +163,14 @@ def _bench_fields(stats: RequestStats | None) -> dict[str, Any]:
 
 
 def _message(
-    text: str, finish: str, family: str | None, call_id: str, forced: str | None = None, reasoning: str = ""
+    text: str, finish: str, family: ToolSpec | None, call_id: str, forced: str | None = None, reasoning: str = ""
 ) -> tuple[dict[str, Any], str]:
     message, finish = _answer(text, finish, family, call_id, forced)
     return ({**message, "reasoning_content": reasoning} if reasoning else message), finish
 
 
 def _answer(
-    text: str, finish: str, family: str | None, call_id: str, forced: str | None = None
+    text: str, finish: str, family: ToolSpec | None, call_id: str, forced: str | None = None
 ) -> tuple[dict[str, Any], str]:
     """The reply message and finish_reason, with tool calls parsed out of the text when tools were offered.
     ValueError (why) when a forced tool choice is not met."""
@@ -157,7 +187,7 @@ def _answer(
 
 
 async def _complete(
-    session: ChatSession, request: ChatCompletionRequest, family: str | None = None, *, bench: bool = False
+    session: ChatSession, request: ChatCompletionRequest, family: ToolSpec | None = None, *, bench: bool = False
 ) -> JSONResponse:
     try:
         done = await collect(session)
@@ -231,7 +261,9 @@ def openai_router(node: ApiServices) -> APIRouter:
         body, family = _prepared(node, body.model_copy(update={"stream": False}))
         return await unless_disconnected(http, _start_and_complete(body, family, True))
 
-    async def _start_and_complete(body: ChatCompletionRequest, family: str | None, bench: bool = False) -> JSONResponse:
+    async def _start_and_complete(
+        body: ChatCompletionRequest, family: ToolSpec | None, bench: bool = False
+    ) -> JSONResponse:
         return await _complete(await start_chat(node, body), body, family, bench=bench)
 
     @router.get("/v1/models", response_model=None, responses=documented(OpenAIModelList | ClaudeModelList))

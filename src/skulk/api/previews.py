@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable
 
-from skulk.master.placement import place, preview_placements
+from skulk.master.placement import new_rendezvous_port, place, preview_placements
 from skulk.master.speed import RankShare, SpeedPrediction, predict_speed
 from skulk.types.backends import EngineChoice
 from skulk.types.ids import InstanceId, NodeId, RunnerId, new_id
@@ -19,12 +18,13 @@ from skulk.types.state import State
 def _instance_on_ring(
     state: State, card: ModelCard, preview: PlacementPreview, engine: EngineChoice, sizing: KvSizing
 ) -> MlxRingInstance | None:
-    """The instance placement builds on exactly this ring (every other node excluded), with fresh ids."""
+    """The instance placement builds on exactly this ring (every other node excluded), with fresh ids (its
+    rendezvous port is never bound: a preview is not placed)."""
     others = set(state.topology.nodes) - set(preview.node_ids)
     placed = place(
         state, card, preview.sharding, preview.instance_meta,
         instance_id=InstanceId(new_id()), new_runner_id=lambda: RunnerId(new_id()),
-        rendezvous_port=random.randint(29500, 29999), min_nodes=len(preview.node_ids), excluded_nodes=others,
+        rendezvous_port=new_rendezvous_port(), min_nodes=len(preview.node_ids), excluded_nodes=others,
         engine=engine, sizing=sizing,
     )
     return placed if isinstance(placed, MlxRingInstance) else None

@@ -7,6 +7,7 @@ itself comes from there."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,14 +19,18 @@ from skulk.types.chunks import Chunk, ErrorChunk
 from skulk.types.commands import CancelCommand, Command
 from skulk.types.errors import ErrorCode
 from skulk.types.events import Event, TaskFailed, TaskStatusUpdated
-from skulk.types.ids import CommandId, NodeId, new_id
+from skulk.types.ids import CommandId, InstanceId, NodeId, new_id
 from skulk.types.state import State
 from skulk.types.tasks import TaskParams, TaskStatus
+from skulk.types.waiting import WaitingOn
 
 FIRST_CHUNK_TIMEOUT_S = 120.0
 """How long a new request waits for its first chunk (a loading instance answers late, not never)."""
 NEXT_CHUNK_TIMEOUT_S = 300.0
-"""How long an open stream waits for its next chunk."""
+"""How long an open stream waits for its next chunk while its instance produces nothing for anyone."""
+QUEUED_TIMEOUT_S = 900.0
+"""How long a request waits while its instance serves others (queued behind them, or preempted): a busy
+instance answers late, so this bound is long; api/patience.py decides which bound a silence is judged by."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +48,14 @@ class ShuttingDown:
 
 @dataclass(frozen=True, slots=True)
 class Silent:
-    """A stream heard nothing for `waited_s`: before its first chunk (`first`) or between two."""
+    """A stream heard nothing for `waited_s`: before its first chunk (`first`) or between two; `on` is what it
+    waited for (api/patience.py), `ahead` how many requests were ahead of it on its instance."""
 
     model: str
     first: bool
     waited_s: float
+    on: WaitingOn = WaitingOn.silent_runner
+    ahead: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,18 +95,33 @@ def stream_error(state: State, happening: Happening, command_id: CommandId | Non
         case ShuttingDown():
             return StreamError(None, ErrorCode.node_shutting_down, "this node is shutting down; retry the request "
                                "(another node, or this one once it is back)")
-        case Silent(first=True, model=model, waited_s=waited):
-            return StreamError(command_id, ErrorCode.instance_not_ready,
-                               f"the instance for {model} produced nothing in {waited:.0f} s; "
-                               "it may still be loading, retry shortly")
-        case Silent(waited_s=waited):
-            return StreamError(command_id, ErrorCode.timeout, f"no token for {waited:.0f} s; retry the request")
+        case Silent():
+            return StreamError(command_id, *_silence(happening))
         case WrongKind(wanted="text"):
             return StreamError(command_id, ErrorCode.internal_error, "the instance answered with embeddings, not text")
         case WrongKind():
             return StreamError(command_id, ErrorCode.internal_error, "the instance answered with text, not vectors")
         case _:
             return None
+
+
+def _silence(silent: Silent) -> tuple[ErrorCode, str]:
+    """Pure: the code and message of a stream ended by silence, naming what it waited for."""
+    model, waited = silent.model, f"{silent.waited_s:.0f} s"
+    match silent.on:
+        case WaitingOn.unassigned:
+            return ErrorCode.instance_not_ready, f"no instance of {model} took the request in {waited}; retry shortly"
+        case WaitingOn.loading:
+            return ErrorCode.instance_not_ready, (f"the instance for {model} is still loading after {waited}; "
+                                                  "retry shortly")
+        case WaitingOn.queue:
+            return ErrorCode.timeout, (f"the request waited {waited} queued behind {silent.ahead} requests on the "
+                                       f"instance for {model}, which is serving them; retry later")
+    if silent.first:
+        return ErrorCode.instance_not_ready, (f"the instance for {model} reports ready but produced nothing for any "
+                                              f"request in {waited}; retry shortly")
+    return ErrorCode.timeout, (f"no token for {waited} and the instance for {model} produced nothing for any "
+                               "request; retry the request")
 
 
 class Requests:
@@ -116,6 +139,8 @@ class Requests:
         self._on_open = on_open
         self._on_close = on_close
         self._streams: dict[CommandId, ChunkStream] = {}
+        self._models: dict[CommandId, str] = {}
+        """The model of each open request that carries a payload (a chat or an embedding; a placement has none)."""
 
     def open(self, command_id: CommandId, payload: TaskParams | None = None) -> ChunkStream:
         """The stream of `command_id`, and its payload offered to the runners; send the command after this."""
@@ -123,6 +148,7 @@ class Requests:
         self._streams[command_id] = stream
         if payload is not None:
             self._payloads.offer(command_id, payload)
+            self._models[command_id] = payload.model
         if self._on_open is not None:
             self._on_open(command_id)
         return stream
@@ -140,6 +166,7 @@ class Requests:
     def close(self, stream: ChunkStream) -> None:
         self._payloads.withdraw(stream.command_id)
         self._streams.pop(stream.command_id, None)
+        self._models.pop(stream.command_id, None)
         stream.close()
         if self._on_close is not None:
             self._on_close(stream.command_id)
@@ -158,6 +185,19 @@ class Requests:
             s for s in (self._streams.get(error.command_id),) if s is not None]
         for stream in targets:
             stream.inject(error.chunk(stream.command_id))
+
+    def heard_ago(self, state: State, instance_id: InstanceId, now: float | None = None) -> float | None:
+        """Seconds since any open stream of `instance_id` on this node received a chunk; None: none has yet.
+        Runs only when a stream's wait ran out, never per token."""
+        on_instance = {t.command_id for t in state.tasks.values() if t.instance_id == instance_id}
+        heard = [s.heard_at for c, s in self._streams.items() if c in on_instance and s.heard_at is not None]
+        return (time.monotonic() if now is None else now) - max(heard) if heard else None
+
+    def unheard(self) -> list[tuple[CommandId, str]]:
+        """(command, model) of the open requests that have heard no chunk yet: the ones a runner may not have
+        yet (GET /metrics reads them at scrape time, api/patience.py's `held_on` says what each waits for)."""
+        streams = self._streams
+        return [(c, m) for c, m in self._models.items() if (s := streams.get(c)) is not None and s.heard_at is None]
 
     @property
     def open_count(self) -> int:

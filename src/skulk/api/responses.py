@@ -14,7 +14,7 @@ from starlette.responses import Response
 from skulk.api import sse
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
-from skulk.api.generation import Finished, GenerationFailed, collect, deltas
+from skulk.api.generation import Finished, GenerationFailed, collect, piece_batches
 from skulk.api.openapi import documented
 from skulk.api.response_peers import ClusterResponses, internal_router
 from skulk.api.responses_api import respond, start_response_stream
@@ -69,22 +69,34 @@ def _text_choice(text: str, finish: str | None, logprobs: dict[str, Any] | None 
 
 
 async def _completion_events(session: ChatSession, body: CompletionRequest) -> AsyncIterator[str]:
+    """One chunk per token, the usage after the last when asked, then [DONE]; the events of the tokens waiting
+    together go out in one write (api/generation.py's `piece_batches`), the same bytes as one by one."""
     head = {"id": f"cmpl-{session.command_id}", "object": "text_completion", "created": int(time.time()),
             "model": body.model}
-    offset = 0
+    usage = body.stream_options is not None and body.stream_options.include_usage
+    offset, done = 0, False
     try:
-        async for chunk in deltas(session):
-            logprobs = None
-            if chunk.logprobs is not None:
-                logprobs = legacy_logprobs([chunk.logprobs], offset)
-                offset += len(chunk.logprobs.token)
-            yield sse.data({**head, "choices": [_text_choice(chunk.text, chunk.finish_reason, logprobs)]})
-            if chunk.finish_reason is not None and body.stream_options and body.stream_options.include_usage:
-                yield sse.data({**head, "choices": [], "usage": _usage(chunk.prompt_tokens, chunk.completion_tokens)})
+        async for batch in piece_batches(session, split=False):  # a text completion has no place for reasoning
+            out: list[str] = []
+            for piece in batch:
+                chunk, logprobs = piece.chunk, None
+                if chunk.logprobs is not None:
+                    logprobs = legacy_logprobs([chunk.logprobs], offset)
+                    offset += len(chunk.logprobs.token)
+                out.append(sse.data({**head, "choices": [_text_choice(chunk.text, chunk.finish_reason, logprobs)]}))
+                if chunk.finish_reason is not None:  # the last chunk (ChatSession.chunks): [DONE] goes with it
+                    if usage:
+                        out.append(sse.data({**head, "choices": [],
+                                             "usage": _usage(chunk.prompt_tokens, chunk.completion_tokens)}))
+                    out.append(sse.DONE)
+                    done = True
+            yield "".join(out)
     except GenerationFailed as failed:
         c = failed.chunk
-        yield sse.data(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable))
-    yield sse.DONE
+        yield sse.data(error_body(c.message, kind="server_error", code=c.code, retryable=c.retryable)) + sse.DONE
+        return
+    if not done:
+        yield sse.DONE
 
 
 async def _completion(node: ApiServices, body: CompletionRequest) -> JSONResponse:

@@ -2,11 +2,12 @@
 
 Function tools go to the chat template like chat's; the reply is parsed per model family, and each call becomes a
 `function_call` output item (streamed as output_item.added, function_call_arguments.delta/.done and
-output_item.done after any message item). `function_call` and `function_call_output` input items go back into the
-template as the assistant's tool calls and tool messages. Without tools the text streams as it comes; with tools
-it is held only while it could still be a call (api/tool_calls.py). A thinking model's reasoning is a `reasoning`
-output item before the message (its text in `content` as `reasoning_text`, streamed as
-response.reasoning_text.delta/.done), and its tokens are counted in output_tokens_details.reasoning_tokens."""
+output_item.done after any message item, which closes first), each as soon as its text has closed.
+`function_call` and `function_call_output` input items go back into the template as the assistant's tool calls
+and tool messages. Without tools the text streams as it comes; with tools it is held only while it could still be
+a call (api/tool_calls.py). A thinking model's reasoning is a `reasoning` output item before the message (its text
+in `content` as `reasoning_text`, streamed as response.reasoning_text.delta/.done), and its tokens are counted in
+output_tokens_details.reasoning_tokens."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ from skulk.api.chat_options import (
     unmet_tool_choice,
 )
 from skulk.api.chat_session import ChatSession, start_chat
-from skulk.api.generation import Finished, GenerationFailed, collect, pieces
+from skulk.api.generation import Finished, GenerationFailed, Piece, collect, piece_batches
 from skulk.api.response_peers import ClusterResponses
 from skulk.api.security import CURRENT
 from skulk.api.services import ApiServices
-from skulk.api.tool_calls import ToolCallStream, parse_tool_calls
+from skulk.api.tool_calls import ToolCallStream, ToolSpec, parse_tool_calls
 from skulk.types.chat import ChatCompletionRequest, ChatMessage, Tool, ToolCall
 from skulk.types.chunks import TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode
@@ -71,7 +72,7 @@ def _part(text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
 class ResponseBuilder:
     """One response object as it grows: ids, output items, status and usage."""
 
-    def __init__(self, session: ChatSession, body: ResponsesRequest, family: str | None, forced: str | None,
+    def __init__(self, session: ChatSession, body: ResponsesRequest, family: ToolSpec | None, forced: str | None,
                  history: list[ChatMessage] | None = None) -> None:
         self.id = f"resp_{session.command_id}"
         self.history = history or []
@@ -100,13 +101,31 @@ class ResponseBuilder:
                 "arguments": call.function.arguments if arguments is None else arguments, "status": status}
 
     def items(self, text: str, calls: list[ToolCall], logprobs: list[TokenLogprob] | None = None,
-              status: str = "completed", reasoning: str = "") -> list[dict[str, Any]]:
+              status: str = "completed", reasoning: str = "", late: str = "") -> list[dict[str, Any]]:
         """The finished output: the reasoning (when the model reasoned), the message (left out when the reply is
-        only calls, or only reasoning), then one item per call. The message is `incomplete` when the response is
-        (cut by max_output_tokens)."""
+        only calls, or only reasoning), then one item per call, then `late` text (a malformed call's, after calls
+        that were streamed) as a message of its own. The message is `incomplete` when the response is (cut by
+        max_output_tokens)."""
         thought = [self.reasoning(reasoning, "completed" if text or calls else status)] if reasoning else []
         message = [self.message(text, status, logprobs)] if text or not (calls or thought) else []
-        return [*thought, *message, *(self.call(i, c, "completed") for i, c in enumerate(calls))]
+        after = [{**self.message(late, status), "id": self.late_id}] if late else []
+        return [*thought, *message, *(self.call(i, c, "completed") for i, c in enumerate(calls)), *after]
+
+    @property
+    def late_id(self) -> str:
+        return f"{self.item_id}_late"
+
+    def late_message(self, text: str, output_index: int) -> list[str]:
+        """The events of the message item that carries text after streamed calls (all of it at once)."""
+        where = {"item_id": self.late_id, "output_index": output_index, "content_index": 0}
+        return [self.event("response.output_item.added", output_index=output_index,
+                           item={**self.message(None, "in_progress"), "id": self.late_id}),
+                self.event("response.content_part.added", **where, part=_part("", None)),
+                self.event("response.output_text.delta", **where, delta=text, logprobs=[]),
+                self.event("response.output_text.done", **where, text=text, logprobs=[]),
+                self.event("response.content_part.done", **where, part=_part(text, None)),
+                self.event("response.output_item.done", output_index=output_index,
+                           item={**self.message(text, "completed"), "id": self.late_id})]
 
     def conversation(self, text: str, calls: list[ToolCall]) -> list[ChatMessage]:
         """What a later previous_response_id continues: the earlier turns, this input and this output."""
@@ -194,68 +213,114 @@ def _status(done: Finished) -> str:
     return "incomplete" if done.finish_reason == "length" else "completed"
 
 
-async def response_events(session: ChatSession, r: ResponseBuilder, store: ClusterResponses
-                          ) -> AsyncIterator[str]:
-    yield r.event("response.created", response=r.obj("in_progress"))
-    yield r.event("response.in_progress", response=r.obj("in_progress"))
-    held = ToolCallStream(r.family, hold_all=r.forced is not None) if r.family is not None else None
-    opened, parts, thoughts, logprobs, sent = False, [], [], [], 0
-    done = Finished("", "stop", 0, 0, None, time.monotonic())
+class _Sent:
+    """What one streamed response has sent: the message's text and logprobs, the reasoning, the calls. The message
+    item closes at the first call (no text follows a call but a malformed call's, which gets an item of its own)."""
 
-    def open_message() -> list[str]:
+    def __init__(self, r: ResponseBuilder) -> None:
+        self.r = r
+        self.opened = self.closed = False
+        self.parts: list[str] = []
+        self.thoughts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.sent = 0
+        self.calls: list[ToolCall] = []
+
+    def open_message(self) -> list[str]:
         """The message item, opened at its first text (after the reasoning item, closed first)."""
-        nonlocal opened
-        events = [] if opened else [*r.close_reasoning("".join(thoughts), "completed"), *r.open_message()]
-        opened = True
+        events = [] if self.opened else [*self.r.close_reasoning("".join(self.thoughts), "completed"),
+                                         *self.r.open_message()]
+        self.opened = True
         return events
 
+    def text(self, text: str) -> list[str]:
+        if not text:
+            return []
+        events = self.open_message()
+        self.parts.append(text)
+        events.append(self.r.delta(text, self.logprobs[self.sent:]))
+        self.sent = len(self.logprobs)
+        return events
+
+    def close_message(self, status: str) -> list[str]:
+        if self.closed:
+            return []
+        self.closed = True
+        return [*self.open_message(), *self.r.close_message("".join(self.parts), self.logprobs, status)]
+
+    def tools(self, calls: list[ToolCall]) -> list[str]:
+        """A whole function_call item per call, after the reasoning and the message items."""
+        if not calls:
+            return []
+        events = self.r.close_reasoning("".join(self.thoughts), "completed")
+        events += self.close_message("completed") if self.opened else []
+        for call in calls:
+            events += self.r.call_events(self.r.first + int(self.opened) + len(self.calls), len(self.calls), call)
+            self.calls.append(call)
+        return events
+
+
+async def response_events(session: ChatSession, r: ResponseBuilder, store: ClusterResponses
+                          ) -> AsyncIterator[str]:
+    """The response's typed events. The events of the pieces waiting together go out in one write
+    (api/generation.py's `piece_batches`), as do the two opening and the closing events: the same bytes, in the
+    same order, as one event per write."""
+    yield r.event("response.created", response=r.obj("in_progress")) + r.event(
+        "response.in_progress", response=r.obj("in_progress"))
+    held = ToolCallStream(r.family, hold_all=r.forced is not None) if r.family is not None else None
+    out = _Sent(r)
+    done = Finished("", "stop", 0, 0, None, time.monotonic())
     try:
-        async for piece in pieces(session):
-            chunk = piece.chunk
-            if piece.reasoning:
-                thoughts.append(piece.reasoning)
-                for e in r.reasoning_delta(piece.reasoning):
-                    yield e
-            text = held.push(piece.text) if held is not None else piece.text
-            if chunk.logprobs is not None:
-                logprobs.append(chunk.logprobs)
-            if text:
-                for e in open_message():
-                    yield e
-                parts.append(text)
-                yield r.delta(text, logprobs[sent:])
-                sent = len(logprobs)
-            if chunk.finish_reason is not None:
-                done = Finished("", chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens, chunk.stats,
-                                done.started, reasoning_tokens=session.reasoning_tokens)
+        async for batch in piece_batches(session):
+            events: list[str] = []
+            for piece in batch:
+                events += _piece_events(r, out, held, piece)
+                chunk = piece.chunk
+                if chunk.finish_reason is not None:
+                    done = Finished("", chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens,
+                                    chunk.stats, done.started, reasoning_tokens=session.reasoning_tokens)
+            if events:
+                yield "".join(events)
     except GenerationFailed as failed:
         yield r.event("error", code=failed.chunk.code, message=failed.chunk.message, param=None)
         return
-    tail, calls = held.finish(r.command_id) if held is not None else ("", [])
+    yield "".join(_closing(r, out, held, done, store))
+
+
+def _piece_events(r: ResponseBuilder, out: _Sent, held: ToolCallStream | None, piece: Piece) -> list[str]:
+    """One piece's events: its reasoning delta, its text delta (with the logprobs since the last), and each call
+    whose text it closed, as soon as it closed."""
+    events: list[str] = []
+    if piece.reasoning:
+        out.thoughts.append(piece.reasoning)
+        events += r.reasoning_delta(piece.reasoning)
+    text = held.push(piece.text) if held is not None else piece.text
+    if piece.chunk.logprobs is not None:
+        out.logprobs.append(piece.chunk.logprobs)
+    return [*events, *out.text(text), *out.tools(held.take(r.command_id) if held is not None else [])]
+
+
+def _closing(r: ResponseBuilder, out: _Sent, held: ToolCallStream | None, done: Finished, store: ClusterResponses
+             ) -> list[str]:
+    """The last events once the generation ended: the held tail and calls, the items' ends, the response."""
+    tail, rest = held.finish(r.command_id) if held is not None else ("", [])
+    calls = [*out.calls, *rest]
     unmet = unmet_tool_choice(r.forced, calls)
     if unmet is not None:
-        yield r.event("error", code=ErrorCode.tool_choice_unmet.value, message=unmet, param=None)
-        return
-    if tail:
-        for e in open_message():
-            yield e
-        parts.append(tail)
-        yield r.delta(tail, logprobs[sent:])
-    text, reasoning = "".join(parts), "".join(thoughts)
-    message = opened or not (calls or reasoning)
+        return [r.event("error", code=ErrorCode.tool_choice_unmet.value, message=unmet, param=None)]
+    late = tail if out.calls else ""  # a malformed call's text after calls that went out
+    events = out.text(tail) if not late else []
+    text, reasoning = "".join(out.parts), "".join(out.thoughts)
     status = _status(done)
-    closing = r.close_reasoning(reasoning, "completed" if text or calls else status)
-    if message:
-        closing += [*open_message(), *r.close_message(text, logprobs, status)]
-    for e in closing:
-        yield e
-    for i, call in enumerate(calls):
-        for e in r.call_events(i + int(message) + r.first, i, call):
-            yield e
-    response = r.obj("completed", done, r.items(text, calls, logprobs, status, reasoning))
-    r.keep(store, response, text, calls)
-    yield r.event("response.incomplete" if response["status"] == "incomplete" else "response.completed",
-                  response=response)
+    events += r.close_reasoning(reasoning, "completed" if text or calls else status)
+    if out.opened or not (calls or reasoning):
+        events += out.close_message(status)
+    events += out.tools(rest)
+    events += r.late_message(late, r.first + int(out.opened) + len(calls)) if late else []
+    response = r.obj("completed", done, r.items(text, calls, out.logprobs, status, reasoning, late))
+    r.keep(store, response, text + late, calls)
+    kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+    return [*events, r.event(kind, response=response)]
 
 
 async def _history(body: ResponsesRequest, store: ClusterResponses) -> list[ChatMessage]:

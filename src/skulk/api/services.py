@@ -7,9 +7,10 @@ gate and runners. Tests build the same object (tests/unit/factories.py), with th
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from skulk.api.requests import Requests
+from skulk.api.serving_metrics import ServingMetrics
 from skulk.cluster.seal import Sealer
 from skulk.config import Settings
 from skulk.diagnostics.cluster import DepartedPeer
@@ -49,6 +50,8 @@ class ApiServices:
     """The zenoh ids alive in the cluster and those holding its liveliness tokens (the security diagnostics)."""
     desired_skipped: Callable[[], Sequence[SkippedDesiredEntry]] = tuple
     """What this node's start skipped of its saved desired state (state/desired.py), for its diagnostics."""
+    serving: ServingMetrics = field(default_factory=ServingMetrics)
+    """The request path's metrics (api/serving_metrics.py), which GET /metrics serves."""
 
     @property
     def state(self) -> State:

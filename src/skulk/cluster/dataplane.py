@@ -6,6 +6,7 @@ Tokens never touch the master or the event log.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,15 +41,20 @@ class ChunkStream:
         self._queue: asyncio.Queue[Chunk] = asyncio.Queue()
         self._tap = tap
         """Sees every chunk this stream sees (the event log's O(1) append); must never block."""
+        self.heard_at: float | None = None
+        """When the stream last received a chunk (monotonic): api/patience.py tells a queued request on a busy
+        instance from one on a silent instance by it."""
         self._sub: Any = transport.subscribe(data_key(command_id), self._on_message)
 
     def _on_message(self, _key: str, payload: bytes) -> None:
         chunk = _chunk_json.validate_json(payload)
+        self.heard_at = time.monotonic()
         if self._tap is not None:
             self._tap(chunk)
         self._queue.put_nowait(chunk)
 
     def inject(self, chunk: Chunk) -> None:
+        self.heard_at = time.monotonic()
         if self._tap is not None:
             self._tap(chunk)
         self._queue.put_nowait(chunk)
@@ -63,6 +69,15 @@ class ChunkStream:
             return self._queue.get_nowait()
         async with asyncio.timeout(timeout):
             return await self._queue.get()
+
+    def take_waiting(self) -> Chunk | None:
+        """The next chunk if one was received and not read yet, else None (never waits)."""
+        return None if self._queue.empty() else self._queue.get_nowait()
+
+    @property
+    def waiting(self) -> int:
+        """Chunks received and not read yet."""
+        return self._queue.qsize()
 
     def close(self) -> None:
         if self._sub is not None:

@@ -80,6 +80,7 @@ def runtime_diagnostics(source: BundleSource) -> RuntimeDiagnostics:
         tracing_enabled=source.tracing_enabled,
         structured_logging_configured=logging_config.enabled,
         logging_ingest_url=logging_config.ingest_url,
+        data_ports=f"{settings.data_port_range.start}-{settings.data_port_range.stop - 1}",
     )
 
 

@@ -11,10 +11,20 @@ The engine's hook is two calls (engines/torch/requests.py): `mask_rows` before s
 constraint untouched, no copy when none has one) and `advance` with each row's token. A finished grammar allows
 only the end-of-turn tokens, so a constrained reply ends as soon as its JSON or call is complete.
 
-Tool calls are written in the format the API parses for the model's family (api/tool_calls.py): Hermes tags
-(`<tool_call>{"name": ..., "arguments": ...}</tool_call>`) by default and whenever the tools were rendered by us
-into the system message (the template has no tools section); a bare JSON object with `parameters` for a Llama
-template that takes tools; a JSON list for Mistral."""
+Tool calls are written in the format the API parses for the model's family (tool_parsers/, picked the same
+way: the card's `tool_parser`, else the chat template's markers): Hermes tags (`<tool_call>{"name": ...,
+"arguments": ...}</tool_call>`) by default and whenever the tools were rendered by us into the system message (the
+template has no tools section); a bare JSON object with `parameters` for a Llama template that takes tools; a JSON
+list for Mistral; and in their own special tokens for DeepSeek V3.1 (`<|tool calls begin|><|tool call begin|>f
+<|tool sep|>{args}<|tool call end|><|tool calls end|>`, the bars fullwidth and the spaces U+2581, as
+tool_parsers/special_tokens.py writes them), Kimi K2 (`<|tool_calls_section_begin|>
+<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>`)
+and gpt-oss harmony (`<|channel|>commentary to=functions.f <|constrain|>json<|message|>{args}`, then the
+end-of-turn `<|call|>`): there the function's name is part of the fixed text and only the arguments are JSON,
+one alternative per allowed tool. The literals match the vocabulary's special tokens where it has them (xgrammar
+matches a token by its text), else their spelling in ordinary tokens. Qwen3-Coder's and GLM-4.5's XML calls
+(`<function=f>`/`<parameter=k>`, `<arg_key>`/`<arg_value>`) are built in xml_call_grammar.py: each parameter
+in its own tags, strings as raw text, other values as JSON of their schema."""
 
 from __future__ import annotations
 
@@ -26,22 +36,45 @@ from typing import TYPE_CHECKING, Any
 
 from skulk.engines.errors import PromptRejected
 from skulk.engines.schema_refs import rebased
+from skulk.engines.xml_call_grammar import XML_STYLES, xml_call_grammar
 from skulk.types.chat import OutputConstraint
 
 if TYPE_CHECKING:  # torch only for annotations: the API node imports call_schema to check a schema first
     import torch
 
 HERMES, LLAMA_JSON, MISTRAL_LIST = "hermes", "llama", "mistral"
+DEEPSEEK, KIMI, HARMONY = "deepseek_v31", "kimi_k2", "harmony"
+"""The styles written in the family's own tokens: named as their parsers are (tool_parsers/). The XML styles,
+qwen3_coder and glm45, are xml_call_grammar's XML_STYLES."""
+_DS = {w: "<\uff5c" + w.replace(" ", "\u2581") + "\uff5c>" for w in (
+    "tool calls begin", "tool call begin", "tool sep", "tool call end", "tool calls end")}
+TOKEN_STYLES: dict[str, tuple[str, str]] = {  # (the text before the arguments, with {name}; the text after)
+    DEEPSEEK: (_DS["tool calls begin"] + _DS["tool call begin"] + "{name}" + _DS["tool sep"],
+               _DS["tool call end"] + _DS["tool calls end"]),
+    KIMI: ("<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
+           "<|tool_call_end|><|tool_calls_section_end|>"),
+    HARMONY: ("<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", ""),
+}
 
 
 class ConstraintError(PromptRejected):
     """The constraint cannot be compiled (a schema xgrammar does not support): the request ends with a 400."""
 
 
-def tool_call_style(model_type: str, template_has_tools: bool, template: str) -> str:
-    """The tool-call format a forced call is written in (and the API parses back): the template's own when it
-    shows one, Hermes when we render the tools."""
-    if not template_has_tools or "<tool_call>" in template:
+def tool_call_style(model_type: str, template_has_tools: bool, template: str, card_parser: str | None = None) -> str:
+    """The tool-call format a forced call is written in (and the API parses back): the card's `tool_parser` where
+    it names a format written here, else Hermes when we render the tools, else the template's own (its markers,
+    as the API picks its parser: tool_parsers' pick_parser)."""
+    from skulk.formats.tool_parsers import pick_parser
+
+    if card_parser in (*TOKEN_STYLES, *XML_STYLES, HERMES):
+        return card_parser
+    if not template_has_tools:
+        return HERMES
+    picked = pick_parser(template, model_type).name
+    if picked in TOKEN_STYLES or picked in XML_STYLES:
+        return picked
+    if "<tool_call>" in template:
         return HERMES
     if model_type.startswith("llama"):
         return LLAMA_JSON
@@ -50,14 +83,40 @@ def tool_call_style(model_type: str, template_has_tools: bool, template: str) ->
     return HERMES
 
 
+def _allowed(constraint: OutputConstraint) -> list[dict[str, Any]]:
+    tools = [t for t in constraint.tools if not constraint.tool_name or t.get("name") == constraint.tool_name]
+    if not tools:
+        raise ConstraintError("tool_choice names no tool that was offered")
+    return tools
+
+
+def _literal(text: str) -> str:
+    """An EBNF grammar matching exactly `text`."""
+    return "root ::= " + json.dumps(text, ensure_ascii=False)
+
+
+def token_call_grammar(constraint: OutputConstraint, style: str) -> Any:
+    """One call in a family's own tokens (TOKEN_STYLES): per allowed tool its fixed text, its name inside, around
+    its arguments' schema; the alternatives joined."""
+    import xgrammar as xgr
+
+    before, after = TOKEN_STYLES[style]
+    options = []
+    for tool in _allowed(constraint):
+        args = xgr.Grammar.from_json_schema(json.dumps(tool.get("parameters") or {"type": "object"}),
+                                            any_whitespace=False, strict_mode=True)
+        parts = [xgr.Grammar.from_ebnf(_literal(before.replace("{name}", tool["name"]))), args]
+        parts += [xgr.Grammar.from_ebnf(_literal(after))] if after else []
+        options.append(xgr.Grammar.concat(*parts))
+    return options[0] if len(options) == 1 else xgr.Grammar.union(*options)
+
+
 def call_schema(constraint: OutputConstraint, style: str) -> dict[str, Any]:
     """The JSON schema of one call to an allowed tool: {"name": <that tool>, "arguments" (Llama: "parameters"):
     its parameters' schema}. The parameters' local references are moved with them (`#/$defs/x` becomes
     `#/properties/arguments/$defs/x`), so they still point into the parameters."""
     key = "parameters" if style == LLAMA_JSON else "arguments"
-    tools = [t for t in constraint.tools if not constraint.tool_name or t.get("name") == constraint.tool_name]
-    if not tools:
-        raise ConstraintError("tool_choice names no tool that was offered")
+    tools = _allowed(constraint)
     options = []
     for i, tool in enumerate(tools):
         at = f"/properties/{key}" if len(tools) == 1 else f"/anyOf/{i}/properties/{key}"
@@ -103,6 +162,10 @@ class Grammars:
             if constraint.kind == "json":
                 schema = constraint.json_schema or {"type": "object"}
                 return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+            if self.tool_style in TOKEN_STYLES:
+                return compiler.compile_grammar(token_call_grammar(constraint, self.tool_style))
+            if self.tool_style in XML_STYLES:
+                return compiler.compile_grammar(xml_call_grammar(_allowed(constraint), self.tool_style))
             schema = call_schema(constraint, self.tool_style)
             body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
             if self.tool_style == HERMES:

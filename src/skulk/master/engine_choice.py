@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from skulk.models.families import uniform_layers
 from skulk.types.backends import ENGINES, BackendTag, EngineChoice, EngineName, allows, engine_of
 from skulk.types.ids import NodeId
 from skulk.types.instances import Sharding
@@ -21,19 +22,17 @@ from skulk.types.placement import EngineUnavailable
 
 LEGACY_TAGS: list[BackendTag] = ["torch", "torch-cpu"]
 """What a node that advertises nothing runs: an older build, torch only."""
-MLX_TENSOR_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
-"""Families whose mlx-lm model has `shard()` (Tensor over MLX ranks), among those the catalog cards."""
-MLX_UNSLICEABLE = frozenset({"gemma3", "gemma3_text"})
-"""mlx-lm indexes Gemma 3's alternating window layers by position: a Pipeline slice of it would mis-mask."""
 
 
 def mlx_splits(card: ModelCard, sharding: Sharding | None, ranks: int) -> bool:
-    """mlx-lm can run the card's family over this many ranks with this sharding."""
+    """mlx-lm can run the card's family over this many ranks with this sharding: what the card read from
+    mlx-lm's module (ModelCard.mlx_splits); a card that read nothing, Pipeline where every layer is alike."""
     if ranks == 1 or sharding is None:
         return True
-    if sharding == Sharding.Tensor:
-        return card.family in MLX_TENSOR_FAMILIES
-    return card.family not in MLX_UNSLICEABLE
+    if card.mlx_splits is not None:
+        return sharding.value in card.mlx_splits
+    kinds = [layer.kind for layer in card.memory.layers] if card.memory else None
+    return sharding == Sharding.Pipeline and uniform_layers(kinds, card.n_layers, card.sliding_layers)
 
 
 def node_tags(backends: Mapping[NodeId, list[BackendTag]], node: NodeId) -> list[BackendTag]:
@@ -83,12 +82,22 @@ def choose_engine(
     detail = None
     if all(runs(card, t, wanted) for t in tags):
         how = "Tensor" if sharding == Sharding.Tensor else "Pipeline"
-        detail = (f"mlx-lm cannot split model {card.model_id} ({card.family}) {how} over {len(ring)} ranks; place it "
-                  "on one node, with the other sharding, or with engine torch.")
+        detail = (f"mlx-lm cannot split model {card.model_id} ({card.family}) {how} over {len(ring)} ranks "
+                  f"({_why_not_split(card, how)}); place it on one node, with the other sharding, or with engine "
+                  "torch.")
     return EngineUnavailable(
         node_id=node, node_name=(names or {}).get(node), engine=wanted, requested=choice, advertised=list(have),
         model_id=card.model_id, compatible_backends=card.compatible_backends, detail=detail,
     )
+
+
+def _why_not_split(card: ModelCard, how: str) -> str:
+    if card.mlx_splits is None:
+        return "its card predates this build's reading of mlx-lm's modules: add the model again"
+    if how == "Tensor":
+        return "its mlx-lm model has no shard()"
+    return ("its layers differ in kind and its mlx-lm model indexes them by position, so a slice of them would "
+            "mis-mask or mis-cache")
 
 
 def mixable(card: ModelCard, sharding: Sharding | None, ranks: int) -> bool:

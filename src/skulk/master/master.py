@@ -21,6 +21,7 @@ from skulk.master.decide import (
     events_for_new_session,
     events_for_unhealthy_instances,
 )
+from skulk.master.placement import RENDEZVOUS_PORTS, new_rendezvous_port, rendezvous_ports
 from skulk.models.cards import get_card
 from skulk.state.apply import apply
 from skulk.state.desired import DesiredState
@@ -72,6 +73,7 @@ class Master:
         restart_window_s: float = RESTART_WINDOW_S,
         desired: DesiredState | None = None,
         desired_copy: RestoredCopy | None = None,
+        data_ports: range = RENDEZVOUS_PORTS,
     ) -> None:
         self.desired = desired
         """This node's saved desired state: restored if this master starts a cluster afresh (state/desired)."""
@@ -82,7 +84,9 @@ class Master:
         closed by the first DeleteMetaInstance (state/desired_offer.py)."""
         self.restart_budget = restart_budget
         self.restart_window_s = restart_window_s
-        self.ids = reconcile.Ids()
+        self.ids = reconcile.Ids(port=lambda: new_rendezvous_port(
+            data_ports, rendezvous_ports(self.state), span=max(len(self.state.topology.nodes), 1)))
+        """Rendezvous ports from this node's data ports, room left for the widest ring the cluster could place."""
         self._transport = transport
         self._spawn = spawn or asyncio.get_running_loop().create_task
         self.node_id = node_id

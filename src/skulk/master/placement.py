@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from skulk.config import DEFAULT_DATA_PORTS, parse_port_range
 from skulk.engines.footprint import RUNTIME_OVERHEAD_BYTES, SHARD_SLACK
 from skulk.master.balance import speed_costs
 from skulk.master.cycles import (
@@ -27,7 +28,6 @@ from skulk.master.cycles import (
 from skulk.master.engine_choice import choose_kv_engines
 from skulk.master.memory_pool import usable_bytes
 from skulk.master.shard_plan import (
-    RUNTIME_OVERHEAD_FACTOR,
     NodePlan,
     admitted_context,
     allocate_layers,
@@ -70,7 +70,6 @@ from skulk.types.shards import PipelineShardMetadata, ShardMetadata, TensorShard
 from skulk.types.state import State
 
 __all__ = [
-    "RUNTIME_OVERHEAD_FACTOR",
     "allocate_layers",
     "kv_headroom_bytes",
     "layer_ranges",
@@ -80,13 +79,25 @@ __all__ = [
 """Re-exported so callers need only this module; the error and preview types live in skulk.types.placement."""
 
 
-RENDEZVOUS_PORTS = range(29500, 30000)
-"""Where a group's rendezvous listens: torch.distributed's customary range (one home for the API's vetting plan
-and the master's placements)."""
+RENDEZVOUS_PORTS = parse_port_range(DEFAULT_DATA_PORTS)
+"""Where a group's rendezvous listens unless the node says otherwise (Settings.data_ports): the master draws
+from its node's range; the API's vetting plan and previews, whose ports are never bound, from this one."""
 
 
-def new_rendezvous_port() -> int:
-    return random.choice(RENDEZVOUS_PORTS)
+def new_rendezvous_port(ports: range = RENDEZVOUS_PORTS, used: Iterable[int] = (), span: int = 1) -> int:
+    """A port p of `ports` with p .. p+span-1 inside them (an MLX ring's rank r listens on p + r; torch's group
+    only on p), none held by a placed instance where such a p is left (a narrow range fills up, and two
+    instances with the same rank-0 node and port could not both form), else any p that fits."""
+    taken = set(used)
+    starts = ports[: max(len(ports) - span + 1, 1)]
+    free = [p for p in starts if taken.isdisjoint(range(p, p + span))] if taken else starts
+    return random.choice(free or starts)
+
+
+def rendezvous_ports(state: State) -> set[int]:
+    """The ports the placed instances' rendezvous may hold: the port, and port + rank for an MLX ring."""
+    return {port for i in state.instances.values() if i.rendezvous is not None
+            for port in range(i.rendezvous.port, i.rendezvous.port + len(i.shard_assignments.node_to_runner))}
 
 
 # ------------------------------------------------------------------------------------------- candidates
@@ -198,8 +209,8 @@ def _insufficient(state: State, sharding: Sharding, ring: Ring, plan: NodePlan) 
         sharding=sharding,
         needed=Memory.from_bytes(plan.needed),
         weights_share=Memory.from_bytes(plan.weights_share),
-        overhead_factor=SHARD_SLACK if plan.exact else RUNTIME_OVERHEAD_FACTOR,
-        runtime_overhead=Memory.from_bytes(RUNTIME_OVERHEAD_BYTES) if plan.exact else None,
+        overhead_factor=SHARD_SLACK,
+        runtime_overhead=Memory.from_bytes(RUNTIME_OVERHEAD_BYTES),
         kv_pool=Memory.from_bytes(plan.kv_pool),
         available=Memory.from_bytes(plan.free),
         draft=Memory.from_bytes(plan.draft) if plan.draft else None,

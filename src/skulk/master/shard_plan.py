@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from skulk.engines.footprint import resident_bound
+from skulk.engines.footprint import RUNTIME_OVERHEAD_BYTES, SHARD_SLACK, resident_bound
 from skulk.engines.kv_pools import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_FRACTION,
@@ -32,9 +32,6 @@ from skulk.types.ids import NodeId
 from skulk.types.instances import Sharding
 from skulk.types.model_memory import LayerMemory
 from skulk.types.models import DType, ModelCard
-
-RUNTIME_OVERHEAD_FACTOR = 1.25
-"""Raw weight bytes grow at load time (activations, allocator slack, the runner itself)."""
 
 DTYPE_BYTES: dict[DType, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -228,16 +225,18 @@ class NodePlan:
     kv_pool: int
     free: int
     exact: bool = False
-    """weights_share is the rank's real bytes (ModelCard.memory): the runner holds it with footprint's measured
-    overhead (engines/footprint.resident_bound), not the estimate's RUNTIME_OVERHEAD_FACTOR."""
+    """weights_share is the rank's real bytes, layer by layer (ModelCard.memory), not the files' bytes in
+    proportion to its layers. Either way the runner holds its share with footprint's measured overhead
+    (engines/footprint.resident_bound: x 1.05 + the runtime's fixed bytes)."""
     draft: int = 0
     """A draft model's weights (with their overhead) and its KV for the pool's positions: rank 0 of a single-rank
     torch instance whose card names one (the engine's draft cache has the target's blocks)."""
 
     @property
     def base(self) -> int:
-        """The weights with their runtime overhead: what the rank needs before any KV."""
-        return resident_bound(self.weights_share) if self.exact else weights_base(self.weights_share)
+        """The weights with the runner's measured overhead: what the rank needs before any KV. (A flat x 1.25 on
+        the share, as before, had no term for the runner itself: a small shard's rank needed 2-3x its figure.)"""
+        return resident_bound(self.weights_share)
 
     @property
     def needed(self) -> int:
@@ -261,8 +260,9 @@ def draft_committed(draft: ModelCard, kv_pool: int, target: ModelCard, loaded: b
     return kv if loaded else kv + loaded_bytes(draft, "torch")
 
 
-def weights_base(weights_share: int) -> int:
-    return math.ceil(weights_share * RUNTIME_OVERHEAD_FACTOR)
+def draft_weights(draft: ModelCard) -> int:
+    """A draft model's weights in its target's runner: the same slack, no second runtime (one process)."""
+    return math.ceil(SHARD_SLACK * loaded_bytes(draft, "torch"))
 
 
 def exact_weights(card: ModelCard, engines: Sequence[EngineName]) -> bool:
@@ -285,11 +285,11 @@ def plan_ring(
     costs: Sequence[int] | None = None,
 ) -> tuple[NodePlan, ...]:
     """Each rank's layers and bytes: Tensor splits weights evenly, Pipeline in proportion to what each rank can
-    hold (free memory over the bytes its engine loads: loaded_bytes), then moved toward the split that balances
-    each rank's decode work (balance.balanced_layers: the head on the last rank; costs, each node's per-byte cost
-    from balance.speed_costs, None: speeds in proportion to what each holds, balance.memory_costs) as far as every
-    rank still fits; every rank's KV pool holds the same pool_tokens positions of its own layers (Pipeline) or
-    heads (Tensor).
+    hold (free memory less the runtime, over the bytes its engine loads: loaded_bytes), then moved toward the
+    split that balances each rank's decode work (balance.balanced_layers: the head on the last rank; costs, each
+    node's per-byte cost from balance.speed_costs, None: speeds in proportion to what each holds,
+    balance.memory_costs) as far as every rank still fits; every rank's KV pool holds the same pool_tokens
+    positions of its own layers (Pipeline) or heads (Tensor).
     context: what the instance admits (admitted_context; None: the model's own). engines: each rank's (None: torch).
     draft: the card's draft model, counted on a single torch rank (the only one that speculates)."""
     size = len(ring)
@@ -300,7 +300,8 @@ def plan_ring(
         return _plans(card, ring, free, [(0, card.n_layers)] * size, [-(-w // size) for w in weights], size,
                       context, kv_cache_bytes, engines, draft, exact)
     most = max(weights)
-    capacity = [f * most // max(1, w) for f, w in zip(free, weights, strict=True)]
+    # What each rank can give its layers: free memory less the runner every rank pays once, whatever it holds.
+    capacity = [max(0, f - RUNTIME_OVERHEAD_BYTES) * most // max(1, w) for f, w in zip(free, weights, strict=True)]
     by_memory = allocate_layers(card.n_layers, capacity)
 
     def plan(counts: Sequence[int]) -> tuple[NodePlan, ...]:
@@ -330,7 +331,7 @@ def _plans(
     linear-attention and SSM layers' states for MAX_STREAMS streams beside them (counted first, like weights)."""
     per_token = [group_bytes_per_token(card, start, end, ways) for start, end in ranges]
     states = [MAX_STREAMS * stream_state_bytes(card, start, end, ways) for start, end in ranges]
-    bases = [(resident_bound(s) if exact else weights_base(s)) + st for s, st in zip(shares, states, strict=True)]
+    bases = [resident_bound(s) + st for s, st in zip(shares, states, strict=True)]
     if kv_cache_bytes is not None:
         kv_cache_bytes = max(0, kv_cache_bytes - MAX_STREAMS * stream_state_bytes(card, 0, card.n_layers))
     tokens = pool_tokens(per_token, bases, free, context or card.context_length,
@@ -341,6 +342,6 @@ def _plans(
         for n, (start, end), share, f in zip(ring, ranges, shares, free, strict=True)
     )
     if draft is not None and len(ring) == 1 and (engines or ["torch"])[0] == "torch":
-        extra = weights_base(loaded_bytes(draft, "torch")) + tokens * kv_bytes_per_token(draft, draft.n_layers)
+        extra = draft_weights(draft) + tokens * kv_bytes_per_token(draft, draft.n_layers)
         plans = (replace(plans[0], draft=extra),)
     return plans

@@ -13,12 +13,12 @@ from typing import Any
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import check_config_numbers
 from skulk.models.cards import is_custom
-from skulk.models.families import attention_shape, engines_running, refusal
-from skulk.models.memory_math import card_memory
+from skulk.models.families import architectures_of, attention_shape, engines_running, refusal, uniform_layers
+from skulk.models.memory_math import card_memory, kinds_of
 from skulk.types.backends import ENGINES, EngineName, backends_for
 from skulk.types.ids import ModelId
 from skulk.types.memory import Memory
-from skulk.types.models import ModelCard
+from skulk.types.models import ModelCard, Split
 
 MB = 1024**2
 _DTYPES = {"float32", "bfloat16", "float16"}
@@ -75,10 +75,12 @@ def card_from_config(
     if model_type in ENCODER_MODEL_TYPES:
         return encoder_card(model_id, config, weight_bytes)
     engines = _engines(model_id, config)
+    module_of = (model_type, architectures_of(config))  # mlx-lm picks its module by the outer config
     from skulk.engines.torch.config import SLIDING, text_config, window_fields
 
     quantization = config.get("quantization_config") or config.get("quantization")
     memory = card_memory(config, weight_bytes, tensors)  # tensors: name -> bytes, where the headers were read
+    kinds = kinds_of(config)  # each layer's kind, whether or not the arithmetic accounts for its bytes
     config = text_config(config)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if not config.get(k)]
     if missing:
@@ -86,10 +88,12 @@ def card_from_config(
     kv_heads, head_dim = attention_shape(config)
     window = window_fields(config, str(config.get("model_type", "")))
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    n_layers = int(config["num_hidden_layers"])
+    sliding = [i for i, kind in enumerate(window.get("layer_types", ())) if kind == SLIDING]
     return ModelCard(
         model_id=ModelId(model_id),
         family=model_type,
-        n_layers=int(config["num_hidden_layers"]),
+        n_layers=n_layers,
         hidden_size=int(config["hidden_size"]),
         num_attention_heads=int(config["num_attention_heads"]),
         num_key_value_heads=kv_heads,
@@ -100,12 +104,28 @@ def card_from_config(
         vocab_size=int(config["vocab_size"]) if config.get("vocab_size") else None,
         head_dim=head_dim,
         sliding_window=window.get("sliding_window"),
-        sliding_layers=[i for i, kind in enumerate(window.get("layer_types", ())) if kind == SLIDING],
+        sliding_layers=sliding,
         memory=memory,
         supports_tensor=True,
+        mlx_splits=_mlx_splits(module_of, engines, uniform_layers(kinds, n_layers, sliding)),
         builtin=False,
         compatible_backends=backends_for(engines),
     )
+
+
+def _mlx_splits(
+    module_of: tuple[str, tuple[str, ...]], engines: tuple[EngineName, ...], uniform: bool
+) -> list[Split] | None:
+    """How MLX ranks split this family, from mlx-lm's own module (families.MlxRegistry.splits); None where the
+    MLX engine does not run it or does not run here (placement then offers MLX no split it has not read)."""
+    if "mlx" not in engines:
+        return None
+    from skulk.engines import mlx as mlx_engine
+
+    registry = mlx_engine.model_registry()
+    if registry is None:
+        return None
+    return registry.splits(*module_of, uniform)
 
 
 def _engines(model_id: str, config: dict[str, Any]) -> tuple[EngineName, ...]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from skulk.models.demo_embed import EMBED_MODEL_ID, EMBED_SEED, EMBED_SHAPE, generate_random_bert
+from skulk.models.memory_math import card_memory
 from skulk.models.packaged import PACKAGED, ensure_packaged_model
 from skulk.store.files import model_dir_name
 from skulk.types.ids import ModelId
@@ -132,7 +133,8 @@ def _generate(model_id: str, path: Path) -> None:
 
 @functools.cache
 def demo_card() -> ModelCard:
-    """The demo model's card; storage size is measured from a real generation, not estimated."""
+    """The demo model's card; storage size is measured from a real generation, not estimated, and its per-layer
+    memory is its config's arithmetic (as the catalogue's card carries it)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         generate_random_llama(path, seed=DEMO_SEED, **DEMO_SHAPE)
@@ -148,7 +150,9 @@ def demo_card() -> ModelCard:
         dtype="float32",
         context_length=_MAX_POSITIONS,
         vocab_size=BYTE_VOCAB_SIZE,
+        memory=card_memory(_llama_config(**DEMO_SHAPE), size),
         supports_tensor=True,
+        mlx_splits=["Pipeline", "Tensor"],  # mlx-lm's llama has shard() and a uniform stack
         builtin=True,
     )
 

@@ -10,11 +10,12 @@ none runs is refused with the engines that would and what to install.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from skulk.types.backends import ENGINE_LABELS, ENGINES, INSTALL, EngineName
+from skulk.types.models import Split
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,10 @@ class MlxRegistry:
     modules: frozenset[str]
     remapping: Mapping[str, str] = field(default_factory=dict)
     architecture_remapping: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    tensor: frozenset[str] = frozenset()
+    """Modules whose Model has mlx-lm's `shard(group)`: Tensor over MLX ranks."""
+    pipeline: frozenset[str] = frozenset()
+    """Modules whose decoder stack is an mlx-lm PipelineMixin: cut anywhere, it re-derives its layer indices."""
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> MlxRegistry:
@@ -35,6 +40,8 @@ class MlxRegistry:
             modules=frozenset(str(m) for m in data.get("modules", ())),
             remapping={str(k): str(v) for k, v in dict(data.get("remapping") or {}).items()},
             architecture_remapping={(str(t), str(a)): str(m) for t, a, m in data.get("architecture_remapping", ())},
+            tensor=frozenset(str(m) for m in data.get("tensor", ())),
+            pipeline=frozenset(str(m) for m in data.get("pipeline", ())),
         )
 
     def module_for(self, model_type: str, architectures: Collection[str] = ()) -> str:
@@ -47,6 +54,28 @@ class MlxRegistry:
 
     def runs(self, model_type: str, architectures: Collection[str] = ()) -> bool:
         return bool(model_type) and self.module_for(model_type, architectures) in self.modules
+
+
+    def splits(self, model_type: str, architectures: Collection[str], uniform: bool) -> list[Split]:
+        """How MLX ranks can split this family: Tensor where its module has `shard`; Pipeline where its stack
+        is a PipelineMixin or every layer is alike (a plain slice of `model.layers` then keeps mlx-lm's cache
+        and masks right: a mixed stack indexes its layers by position, as Gemma 3's window layers and gpt-oss'
+        cache list do)."""
+        module = self.module_for(model_type, architectures)
+        found: list[Split] = []
+        if module in self.pipeline or (uniform and module in self.modules):
+            found.append("Pipeline")
+        if module in self.tensor:
+            found.append("Tensor")
+        return found
+
+
+def uniform_layers(kinds: Sequence[str] | None, n_layers: int, sliding_layers: Collection[int]) -> bool:
+    """Every decoder layer keeps its past the same way (types/model_memory.LayerKind): a Llama, Qwen or DeepSeek
+    stack, not Gemma's or gpt-oss' alternating windows or a hybrid's recurrent layers. None: kinds not known."""
+    if 0 < len(sliding_layers) < n_layers:
+        return False
+    return kinds is None or len(set(kinds)) <= 1
 
 
 def architectures_of(config: Mapping[str, Any]) -> tuple[str, ...]:

@@ -38,9 +38,13 @@ class Tensor:
 
 def text_of(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's config: a multimodal checkpoint's text_config with the top level's dtype, tie and
-    quantization keys (Gemma 3, Llama 4), else the config itself."""
+    quantization keys (Gemma 3, Llama 4), else the config itself; the layer count from the block list where a
+    transformers 5 Nemotron-H keeps it only there (layers_block_type)."""
     inner = config.get("text_config")
     if not isinstance(inner, dict) or config.get("num_hidden_layers"):
+        blocks = config.get("layers_block_type")
+        if not config.get("num_hidden_layers") and isinstance(blocks, list):
+            return {**config, "num_hidden_layers": len(blocks)}
         return config
     merged = dict(inner)
     for key in ("torch_dtype", "dtype", "tie_word_embeddings", "quantization", "quantization_config"):

@@ -134,6 +134,14 @@ def _layers(c: dict[str, Any], weights: list[int]) -> list[LayerMemory]:
             for kind, w in zip(layer_kinds(c), weights, strict=True)]
 
 
+def kinds_of(config: dict[str, Any]) -> list[LayerKind] | None:
+    """Each decoder layer's kind from config.json (None: the config does not say enough)."""
+    try:
+        return layer_kinds(text_of(config))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def model_memory(config: dict[str, Any]) -> ModelMemory | None:
     """The arithmetic from config.json alone; None when it lacks the dimensions (a card then keeps placement's
     storage_size estimate)."""

@@ -135,6 +135,7 @@ class Runner:
         self.recorder.record("load_model", "load_started", str(self.spec.model_dir))
         self.flush()
         self.engine = self._build_engine()
+        self._follow_card(self.engine)
         self._install_poison_hook(self.engine)
         self.recorder.record("load_model", "load_finished", with_memory=True)
         self.set_status(RunnerLoaded())
@@ -151,6 +152,14 @@ class Runner:
         self.recorder.record("idle", "ready")
         self.set_status(RunnerReady())
         self.flush()
+
+    def _follow_card(self, engine: Engine) -> None:
+        """The card's format overrides reach the tokenizer, where the engine decides a reasoning budget's mode
+        and a forced call's format by them (the API node reads the reply by the same overrides)."""
+        tokenizer = getattr(engine, "tokenizer", None)
+        if tokenizer is not None and hasattr(tokenizer, "card_reasoning"):
+            card = self.spec.shard.model_card
+            tokenizer.card_reasoning, tokenizer.card_tool_parser = card.reasoning_parser, card.tool_parser
 
     def _install_poison_hook(self, engine: Engine) -> None:
         """SKULK_FAULT=raise:/crash:/script: acts inside the engine, on requests carrying its marker."""
@@ -319,13 +328,14 @@ class Runner:
 
     def _reasoning_mode(self, prompt: Sequence[int], constrained: bool) -> ReasoningMode | None:
         """How the API node splits this reply's reasoning: the card's reasoning_parser, else the template's. A
-        constrained reply (JSON, a forced call) is held to its grammar from the first token, so it has no
-        reasoning to split: its text is the answer."""
+        constrained reply (JSON, a forced call) is held to its grammar from its first token, so it has no reasoning
+        to split, unless its prompt opened the reasoning block: then the grammar waits for the close
+        (engines/torch/requests.held_for_reasoning) and the reply reasons first."""
         tokenizer = getattr(self.engine, "tokenizer", None)
-        if constrained or tokenizer is None or not hasattr(tokenizer, "reasoning_mode"):
+        if tokenizer is None or not hasattr(tokenizer, "reasoning_mode"):
             return None
         mode: ReasoningMode | None = tokenizer.reasoning_mode(prompt, self.spec.shard.model_card.reasoning_parser)
-        return mode
+        return mode if not constrained or mode == "think_open" else None
 
     def _fail_in_engine(self, task_id: TaskId, command_id: CommandId, why: BaseException | str) -> None:
         """A request that raised inside the engine ends with a 500; the others are untouched."""
@@ -428,6 +438,7 @@ class Runner:
             return
         from skulk.engines.torch.wire import Admitted, Started
 
+        released = 0
         for event in events:
             task_id = TaskId(event.request_id)
             ids: dict[str, Any] = dict(task_id=task_id, command_id=event.command_id)
@@ -451,6 +462,7 @@ class Runner:
                 self._new_tasks.append(task_id)
                 self.set_status(RunnerRunning())
                 continue
+            released += 1
             active = self.active.pop(task_id, None)
             if active is None:
                 continue
@@ -461,3 +473,14 @@ class Runner:
             self.recorder.record("completion", status.value.lower(), **ids)
             self.send(TaskEnded(task_id, active.command_id, status, error, retryable=False))
             self._maybe_idle()
+        if released:
+            self._record_pool(released)
+
+    def _record_pool(self, released: int) -> None:
+        """The paged pool once a step's releases gave their blocks back (every rank: each runner has its own
+        series). GET /metrics reads the newest kv_usage record (api/runner_metrics.py), which the prefills' starts
+        alone would leave at its busiest once traffic stops. Once per step that released, never per token; in the
+        phase the rank is in, so the record moves no phase."""
+        usage = getattr(self.engine, "kv_usage", dict)()
+        if usage:
+            self.recorder.record(self.recorder.phase, "kv_released", released=released, **usage)

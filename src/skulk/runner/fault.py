@@ -37,7 +37,9 @@ One more makes a model say what a test needs it to say (a random model never wri
 - for a request whose prompt contains `SKULK_SCRIPT<<<text>>>` (the last one counts), the sampling rank emits
   exactly the tokens of `text`, then end-of-sequence, instead of sampling; everything after sampling
   (detokenisation, stop strings, the API's tool-call parsing and streaming) runs as for any reply. Other requests
-  sample as usual.
+  sample as usual. Where a reasoning budget forced the close of the reasoning (engines/reasoning.py), the script
+  goes on as a model would: with its answer, the text after its own close (`</think>`, or harmony's
+  `<|channel|>final<|message|>`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ STARTUP_PHASES: frozenset[str] = frozenset({"created", "connect_group", "load_mo
 _OFF = {"0", "false", "no", "off"}
 POISON_MARKER = "SKULK_POISON"
 SCRIPT = re.compile(r"SKULK_SCRIPT<<<(.*?)>>>(?!>)", re.DOTALL)  # the text may end in ">"
+ANSWER_AFTER = ("</think>", "<|channel|>final<|message|>")
+"""Where a scripted thinking reply's answer starts (the text after the last of these)."""
 RaiseWhere = Literal["admit", "sample", "detokenize"]
 WHERES: frozenset[str] = frozenset(get_args(RaiseWhere))
 CRASH_EXIT_CODE = 70
@@ -262,12 +266,26 @@ class ScriptHook:
             self._scripts[request_id] = [*self.encode(found[-1]), self.eos_id] if found else None
         return self._scripts[request_id]
 
+    def answer(self, request_id: str, prompt: list[int]) -> list[int] | None:
+        """The script's answer alone (after its close of the reasoning), for a reply whose close was forced."""
+        key = f"{request_id}/answer"
+        if key not in self._scripts:
+            found = SCRIPT.findall(self.decode(prompt))
+            text = found[-1] if found else ""
+            at = max((text.rfind(m) + len(m) for m in ANSWER_AFTER if m in text), default=-1)
+            self._scripts[key] = [*self.encode(text[at:].lstrip()), self.eos_id] if at >= 0 else None
+        return self._scripts[key]
+
     def __call__(self, where: str, request: Any) -> int | None:
         if where != "sample" or (self.fault.rank is not None and self.fault.rank != self.rank):
             return None
         tokens = self.script(request.request_id, request.prompt)
         if tokens is None:
             return None
+        answer_from = getattr(request, "answer_from", None)
+        answer = self.answer(request.request_id, request.prompt) if answer_from is not None else None
+        if answer is not None:
+            return answer[min(max(0, request.generated - answer_from), len(answer) - 1)]
         return tokens[min(request.generated, len(tokens) - 1)]
 
 

@@ -5,6 +5,7 @@ it imports both, neither imports it, so the runner package has no import circle.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -21,21 +22,52 @@ from skulk.types.errors import clip_text
 
 log = logging.getLogger("skulk.runner")
 
+GOMP_SPINCOUNT = "1000"
+"""How long torch's idle OpenMP workers spin before they sleep, in every runner (runner_main says why); benches
+that compare a runner with an engine in their own process give that process the same."""
 
-def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], pipe: Connection) -> None:
+
+WARM_IMPORTS: dict[str, tuple[str, ...]] = {
+    "torch": ("torch", "transformers", "skulk.engines.torch.engine", "skulk.runner.group"),
+    "mlx": ("mlx.core", "skulk.engines.mlx.build"),
+}
+"""What a spare runner imports before it is needed, by the engine its node prefers: the seconds of CPU a
+runner spends before it can read weights (2.7 CPU-s for torch and transformers alone; issue 38)."""
+
+
+def spare_main(engine: str, inbox: Queue[RunnerSpec | ToRunner], pipe: Connection, parent: int | None = None) -> None:
+    """Process entry point of a spare runner (worker/spare.py): import the engine's modules, then wait, silent, for
+    the spec of the runner it is to become (the first message on `inbox`) and run that runner as runner_main would.
+    It says nothing before then: nobody reads its pipe until a supervisor takes it."""
+    configure_logging()
+    _exit_with_parent(parent)
+    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)  # before torch loads OpenMP (runner_main says why)
+    for module in WARM_IMPORTS.get(engine, ()):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # an engine this host lacks: the runner it becomes imports what it needs
+            break
+    spec = inbox.get()
+    if not isinstance(spec, RunnerSpec):  # anything else is a stop: the pool let it go unused
+        os._exit(0)
+    runner_main(spec, inbox, pipe)  # type: ignore[arg-type]  # from here only ToRunner messages come
+
+
+def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], pipe: Connection, parent: int | None = None) -> None:
     """Process entry point (multiprocessing spawn target): tasks come in on `inbox`, everything the runner says
     goes out on the write end of `pipe` (channel.Outbox)."""
     outbox = Outbox(pipe)
     _heartbeat(outbox)  # first: the supervisor's hung-runner clock starts with the first message it hears
     configure_logging()
-    _exit_with_parent()
-    if spec.shard.world_size > 1:
-        # ranks of an instance that share a host take turns computing: before torch loads OpenMP, bound how long
-        # its idle workers spin (1000 rounds, tens of microseconds) before they sleep, so a rank waiting on its
-        # peer leaves the cores to the computing one, while a step's back-to-back parallel regions still find
-        # their workers awake. Never spinning (OMP_WAIT_POLICY=PASSIVE) made a 2-thread int4 decode step 34 ms
-        # instead of 20; bench/cluster.py on 2 cores: 2 ranks ÷ 1 rank 0.92, 3 ranks 0.90 (PASSIVE: 0.95, 0.82).
-        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    _exit_with_parent(parent)
+    # Before torch loads OpenMP, bound how long its idle workers spin (1000 rounds, tens of microseconds) before
+    # they sleep, so a step's back-to-back parallel regions still find their workers awake but cores other work
+    # wants are left to it. Ranks of an instance that share a host take turns computing (bench/cluster.py on 2
+    # cores: 2 ranks ÷ 1 rank 0.92, 3 ranks 0.90; PASSIVE 0.95, 0.82, and a 2-thread int4 decode step 34 ms
+    # instead of 20). A single rank on a busy host (issue 43; bench/serving.py --load 2 on 2 cores at load
+    # average ~9): libgomp's default spin (300000 rounds while threads <= cores) took 0.7 tok/s at 1 stream,
+    # 8.9 at 16 and 21.6 at 64; with 1000 rounds 18.3, 158.8 and 174.3.
+    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
     runner = _new_runner(spec, inbox, outbox)
     try:
         runner.start()
@@ -106,9 +138,20 @@ def _heartbeat(outbox: Outbox) -> None:
     threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
 
-def _exit_with_parent() -> None:
-    """A node killed with SIGKILL cannot stop its runners; they notice the orphaning and exit themselves."""
-    parent = os.getppid()
+_watching_parent = False
+
+
+def _exit_with_parent(parent: int | None = None) -> None:
+    """A node killed with SIGKILL cannot stop its runners; they notice the orphaning and exit themselves (one
+    watch per process: a spare that becomes a runner already has it). `parent`: the node's pid as it spawned
+    the process. Read here instead, a node killed while its child was still starting (spawn's own imports come
+    first) would already be gone, the child's parent would read as init, and the child would wait forever (a
+    spare spawned just before its node's kill -9 outlived it)."""
+    global _watching_parent
+    if _watching_parent:
+        return
+    _watching_parent = True
+    parent = parent or os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:

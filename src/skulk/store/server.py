@@ -22,6 +22,7 @@ import logging
 import re
 import socket
 import threading
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -209,7 +210,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.flush()
             if size:
-                self.connection.sendfile(file, offset=first, count=last - first + 1)
+                sent = self.connection.sendfile(file, offset=first, count=last - first + 1)
+                cast(StoreServer, self.server).on_sent(sent)
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("store %s: " + format, self.address_string(), *args)
@@ -222,8 +224,10 @@ class StoreServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
 
-    def __init__(self, store_path: Path, host: str, port: int) -> None:
+    def __init__(self, store_path: Path, host: str, port: int, on_sent: Callable[[int], None] = lambda _: None) -> None:
         self.store_path = store_path
+        self.on_sent = on_sent
+        """Told the bytes of each file sent, on the sending thread (the node counts them for GET /metrics)."""
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), _Handler)
         self._thread = threading.Thread(target=self.serve_forever, name="store-server", daemon=True)

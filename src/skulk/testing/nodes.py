@@ -115,7 +115,9 @@ class LocalNode:
     def start(self) -> Self:
         # the random demo model is the tests' default placement; a test placing the real one asks for it
         # no start-up compute calibration (a few CPU-seconds a node, hundreds of nodes a suite) unless a test asks
-        env = {"SKULK_DEFAULT_MODEL": "skulk/tiny-random-llama", "SKULK_CALIBRATE_COMPUTE": "0", **os.environ,
+        # and no spare runner (a node's imports of torch ahead of need, ~300 MB) unless a test asks
+        env = {"SKULK_DEFAULT_MODEL": "skulk/tiny-random-llama", "SKULK_CALIBRATE_COMPUTE": "0",
+               "SKULK_SPARE_RUNNER": "0", **os.environ,
                "PYTHONUNBUFFERED": "1", **self.extra_env}
         self.home.mkdir(parents=True, exist_ok=True)
         self.node_id = ""

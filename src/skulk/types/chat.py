@@ -179,6 +179,9 @@ class ChatCompletionRequest(BaseModel):
     """Reaches the chat template (Qwen3's switch; vLLM and SGLang take it at the top level too)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """More variables for the chat template, as vLLM takes them."""
+    reasoning_budget: int | None = Field(default=None, ge=1)
+    """The most tokens the reasoning may take (Claude's `thinking.budget_tokens` arrives here): the engine then
+    closes the reasoning and the model answers (SamplingParams.reasoning_budget)."""
     web_search_options: Any = None
 
     _ranges = field_validator(*RANGES, mode="wrap")(_say_range)
@@ -242,6 +245,7 @@ class ChatCompletionRequest(BaseModel):
             stop=stops,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             constraint=self.output_constraint(),
+            reasoning_budget=self.reasoning_budget,
         )
 
     def output_constraint(self) -> OutputConstraint | None:
@@ -287,3 +291,6 @@ class SamplingParams(CamelModel):
     """None: none reported; n: each token's log-probability and its n most likely alternatives."""
     constraint: OutputConstraint | None = None
     """JSON output or a forced tool call, enforced on every sampled token (None: free text)."""
+    reasoning_budget: int | None = Field(default=None, ge=1)
+    """The most tokens a thinking reply's reasoning may take, its tags included: the rank that samples forces the
+    family's close there and the answer follows (engines/reasoning.py's ReasoningBudget). None: no cap."""

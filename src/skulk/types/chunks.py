@@ -65,7 +65,7 @@ class TokenChunk(TaggedModel):
     """Only on the last chunk of a request."""
     logprobs: TokenLogprob | None = None
     """Only when the request asked for logprobs: one per token, even a token whose text is not out yet."""
-    reasoning: Literal["think", "think_open"] | None = None
+    reasoning: Literal["think", "think_open", "harmony"] | None = None
     """Only on a request's first chunk: how its text splits into reasoning and content (engines/reasoning.py's
     ReasoningMode, decided by the runner from the chat template and the rendered prompt). None: no reasoning."""
 

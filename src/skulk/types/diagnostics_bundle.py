@@ -124,6 +124,8 @@ class RuntimeDiagnostics(DiagModel):
     tracing_enabled: bool
     structured_logging_configured: bool
     logging_ingest_url: str | None = None
+    data_ports: str | None = None
+    """The range this node's master draws multi-rank rendezvous ports from (Settings.data_ports), FIRST-LAST."""
 
 
 class SystemDiagnostics(SystemPerformance):

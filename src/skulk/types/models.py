@@ -10,6 +10,9 @@ from .ids import ModelId
 from .memory import Memory
 from .model_memory import ModelMemory
 
+Split = Literal["Pipeline", "Tensor"]
+"""A Sharding's value (types/instances.Sharding, which imports this module)."""
+
 DType = Literal["float32", "bfloat16", "float16"]
 KvCacheBits = Literal[16, 8, 4]
 """kv_cache_bits: how an instance stores its KV cache: 16, the model's own float dtype; 8 or 4, quantized keys and
@@ -17,6 +20,10 @@ values with float16 scales (engines/kv_pools.py: the bytes a position costs), ab
 QuantizeAtLoad = Literal["int4", "int8"]
 ModelTask = Literal["TextGeneration", "TextEmbedding"]
 """What a model serves: text generation (chat, completions) or text embedding (POST /v1/embeddings)."""
+ToolParserName = Literal[
+    "hermes", "qwen3_coder", "llama3", "mistral", "deepseek_v31", "kimi_k2", "glm45", "harmony"
+]
+"""The tool-call formats the API reads (tool_parsers/), as a card's `tool_parser` names them."""
 
 
 class ModelCard(CamelModel):
@@ -66,6 +73,10 @@ class ModelCard(CamelModel):
     quantize_at_load is): placement sizes the pool at these bits and the torch engine stores keys and values so.
     None: 16 (the model's dtype)."""
     builtin: bool = False
+    mlx_splits: list[Split] | None = None
+    """How several MLX ranks can split this family, read from mlx-lm's own model module when the card was made
+    (models/families.MlxRegistry.splits): Tensor where it has `shard`, Pipeline where its layers can be cut.
+    None: not read (a card from an older build): Pipeline where every layer is alike, Tensor not offered."""
     compatible_backends: list[BackendTag] | None = None
     """Skulk's hard filter: only nodes advertising one of these tags may run the model (None: any engine)."""
     backend_preference: list[BackendTag] = []
@@ -78,9 +89,13 @@ class ModelCard(CamelModel):
     "assistant drafter" companion). Used by a single-rank torch instance when the draft's files are on the node
     (the store, staging or models folder, like the target's); placement counts its weights and KV on that rank.
     Never downloaded for the target: place it once, or copy it in. None: prompt lookup drafts."""
-    reasoning_parser: Literal["think", "none"] | None = None
-    """How replies split into reasoning and content (engines/reasoning.py): "think" reads <think> blocks, "none"
-    never splits. None: decided from the chat template (a template that writes <think> thinks in it)."""
+    reasoning_parser: Literal["think", "harmony", "none"] | None = None
+    """How replies split into reasoning and content (engines/reasoning.py): "think" reads <think> blocks,
+    "harmony" gpt-oss's analysis channel, "none" never splits. None: decided from the chat template (a template
+    that writes <think> thinks in it; one that writes <|channel|> is harmony)."""
+    tool_parser: ToolParserName | None = None
+    """The format the model writes tool calls in (tool_parsers/). None: picked from the chat template's
+    markers where the API node has the template, else from the family name."""
     tasks: list[ModelTask] = ["TextGeneration"]
     """Skulk's `tasks` of the card. An embedding model (TextEmbedding) answers only embeddings, runs on one
     node, and a chat model answers no embeddings: the API refuses either mix-up with a 400."""

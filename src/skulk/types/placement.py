@@ -78,9 +78,8 @@ class InsufficientMemory(PlacementError):
     weights_share: Memory
     overhead_factor: float
     runtime_overhead: Memory | None = None
-    """A fixed runtime overhead beside weights_share x overhead_factor: where the card carries its real per-layer
-    bytes, the runner's measured overhead (engines/footprint: x 1.05 + 576 MiB) instead of the estimate's
-    x 1.25."""
+    """The runner's fixed runtime bytes beside weights_share x overhead_factor (engines/footprint: x 1.05 + 576
+    MiB, measured). None only in a refusal from an older node, whose estimate was weights x 1.25."""
     kv_pool: Memory
     """This rank's KV block pool (its layers' or heads' share of the instance's pool)."""
     available: Memory

@@ -73,7 +73,7 @@ def gpu_working_set() -> int | None:
 
 
 def memory(limit: str | None = None, reserve: str = memory_limit.DEFAULT_RESERVE,
-           watch: memory_limit.MemoryWatch | None = None) -> MemoryUsage:
+           watch: memory_limit.MemoryWatch | None = None, standby: int = 0) -> MemoryUsage:
     """The node's memory as it may use it (memory_limit.budget): its limit (the machine, its cgroup, a Mac's GPU
     working set or `limit`, the smallest) and what is free under it less `reserve`; with `watch`, the signs of
     trouble too (paging, OOM kills)."""
@@ -81,7 +81,7 @@ def memory(limit: str | None = None, reserve: str = memory_limit.DEFAULT_RESERVE
     configured = memory_limit.parse_amount(limit) if limit else None
     found = memory_limit.budget(vm.total, vm.available, memory_limit.this_cgroup(), gpu_working_set(), configured,
                                 memory_limit.parse_amount(reserve),
-                                memory_limit.own_use() if configured is not None else 0)
+                                memory_limit.own_use() if configured is not None else 0, standby)
     usage = MemoryUsage(
         ram_total=Memory.from_bytes(found.limit),
         ram_available=Memory.from_bytes(found.free),
@@ -212,11 +212,12 @@ def backends(only: tuple[EngineName, ...] = ()) -> list[BackendTag]:
 
 def gather(*, friendly_name: str | None, home: Path, api_port: int, engines: tuple[EngineName, ...] = (),
            limit: str | None = None, reserve: str = memory_limit.DEFAULT_RESERVE,
-           watch: memory_limit.MemoryWatch | None = None) -> NodeInfo:
+           watch: memory_limit.MemoryWatch | None = None, standby: int = 0) -> NodeInfo:
+    """standby: the spare runner's resident bytes (memory_limit.budget says why they count as free)."""
     return NodeInfo(
         backends=backends(engines),
         identity=identity(friendly_name),
-        memory=memory(limit, reserve, watch),
+        memory=memory(limit, reserve, watch, standby),
         disk=disk(home),
         system=system(),
         accelerator=accelerator(),

@@ -57,6 +57,7 @@ from skulk.types.state import State
 from skulk.types.tasks import Task, TaskStatus
 from skulk.types.tracing import TraceSpan
 from skulk.worker.oom import oom_evidence, oom_kills
+from skulk.worker.spare import SpareRunner
 
 log = logging.getLogger("skulk.supervisor")
 
@@ -201,8 +202,11 @@ class RunnerSupervisor:
         restart_window_s: float = 60.0,
         hung_s: float = 15.0,
         restarts_locally: bool = True,
+        spare: SpareRunner | None = None,
     ) -> None:
         self.spec = spec
+        self.spare = spare
+        """The node's spare runner, taken (when alive and of this runner's engine) instead of spawning."""
         self.restarts_locally = restarts_locally
         """False for an instance that backs a MetaInstance: the master retries it (RETRYING n/3), then re-places."""
         self.callbacks = callbacks
@@ -211,6 +215,8 @@ class RunnerSupervisor:
         self.restart_window_s = restart_window_s
         self.hung_s = hung_s
         self.restarts: list[float] = []  # monotonic times of the restarts inside the window
+        self.restart_count = 0
+        """Restarts over this supervisor's life (GET /metrics' skulk_runner_restarts_total)."""
         self._hung: str | None = None  # why the reader thread killed the current process
         self._oom_before: int | None = None
         self.stopping = False
@@ -244,21 +250,27 @@ class RunnerSupervisor:
         from skulk.runner.main import runner_main
 
         self._loop = asyncio.get_running_loop()
-        self._inbox = self._ctx.Queue()
-        outbox, pipe = self._ctx.Pipe(duplex=False)  # the runner writes; runner.channel says why not a Queue
-        self._process = self._ctx.Process(
-            target=runner_main,
-            args=(self.spec, self._inbox, pipe),
-            name=f"skulk-runner-{self.runner_id[:8]}",
-        )
         self._hung = None
         self._oom_before = oom_kills()  # an OOM-kill counter, so a SIGKILL is called OOM only when it went up
         self.view.exit_code = None  # a fresh process: the previous one's exit code no longer describes it
-        try:
-            self._process.start()
-        finally:
-            pipe.close()  # the runner holds the write end now: its exit reads as the end of the pipe here
-        self.milestone("spawned", f"pid {self._process.pid}")
+        warm = self.spare.take(self.spec.engine) if self.spare is not None else None
+        if warm is not None:  # the node's spare, its imports done: it becomes this runner
+            self._process, self._inbox, outbox = warm.process, warm.inbox, warm.outbox
+            self._inbox.put(self.spec)
+            self.milestone("spawned", f"pid {self._process.pid} (the node's spare runner)")
+        else:
+            self._inbox = self._ctx.Queue()
+            outbox, pipe = self._ctx.Pipe(duplex=False)  # the runner writes; runner.channel says why not a Queue
+            self._process = self._ctx.Process(
+                target=runner_main,
+                args=(self.spec, self._inbox, pipe, os.getpid()),
+                name=f"skulk-runner-{self.runner_id[:8]}",
+            )
+            try:
+                self._process.start()
+            finally:
+                pipe.close()  # the runner holds the write end now: its exit reads as the end of the pipe here
+            self.milestone("spawned", f"pid {self._process.pid}")
         reading = _Reading(self._process, outbox)
         os.set_blocking(outbox.fileno(), False)
         self._loop.add_reader(outbox.fileno(), self._on_readable, reading)
@@ -436,6 +448,7 @@ class RunnerSupervisor:
 
     def _schedule_restart(self, delay: float, reason: str) -> None:
         self.restarts.append(time.monotonic())
+        self.restart_count += 1
         attempt = len(self.restarts)
         log.info("runner %s restarting in %.1f s (attempt %d of %d within %.0f s): %s", self.runner_id[:8],
                  delay, attempt, self.restart_budget, self.restart_window_s, reason, extra=self._log_ids)

@@ -19,7 +19,16 @@ from skulk.types.chunks import Chunk, TokenChunk
 from skulk.types.events import Event, InstanceFailed, RunnerStatusUpdated, TaskFailed, TaskStatusUpdated
 from skulk.types.ids import InstanceId, NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance
-from skulk.types.runners import RunnerStatus
+from skulk.types.runners import (
+    RunnerConnected,
+    RunnerConnecting,
+    RunnerIdle,
+    RunnerLoaded,
+    RunnerLoading,
+    RunnerReady,
+    RunnerStatus,
+    RunnerWarmingUp,
+)
 from skulk.types.state import State
 from skulk.types.tasks import Task, TaskStatus
 from skulk.types.tracing import TraceSpan
@@ -34,6 +43,7 @@ from skulk.worker.plan import (
     StopRunner,
     plan,
 )
+from skulk.worker.spare import SpareRunner
 from skulk.worker.supervisor import RunnerSupervisor, SupervisorCallbacks
 
 if TYPE_CHECKING:
@@ -46,6 +56,9 @@ DraftDirFor = Callable[[MlxRingInstance], Path | None]
 
 
 _DEFAULTS = Settings()
+
+STARTING = RunnerIdle | RunnerConnecting | RunnerConnected | RunnerLoading | RunnerLoaded | RunnerWarmingUp
+"""A runner's statuses before it is ready (RunnerIdle: spawned, nothing heard yet)."""
 
 
 class Worker:
@@ -67,7 +80,11 @@ class Worker:
         on_spans: Callable[[list[TraceSpan]], None] | None = None,
         payloads: PayloadFetcher | None = None,
         draft_dir_for: DraftDirFor = lambda _: None,
+        spare: SpareRunner | None = None,
     ) -> None:
+        self.spare = spare
+        """The node's spare runner (worker/spare.py): filled at the node's info rounds (`warm_spare`), once its
+        start and each runner's first moments after ready are behind it; None: every runner is spawned cold."""
         self.payloads = payloads
         self.compute = ComputeLearner()
         """This node's decode speed, learned from its single-rank runners' steps (node info reports it)."""
@@ -262,6 +279,7 @@ class Worker:
             restart_window_s=self.restart_window_s,
             hung_s=self.hung_s,
             restarts_locally=instance.meta_instance_id is None,
+            spare=self.spare,
         )
         self.supervisors[runner_id] = supervisor
         if after is None:
@@ -282,6 +300,8 @@ class Worker:
         single-rank runner), else 0."""
         def on_status(status: RunnerStatus) -> None:
             self.emit(RunnerStatusUpdated(runner_id=runner_id, runner_status=status))
+            if isinstance(status, RunnerReady) and self.spare is not None:  # its first requests come first
+                self.spare.hold_off()
 
         def on_chunks(chunks: Sequence[Chunk]) -> None:
             if learn_bytes:  # one Tokens message per engine step: a clock read and a count, not per token
@@ -311,8 +331,17 @@ class Worker:
 
         return SupervisorCallbacks(on_status, on_chunks, on_task_started, on_task_ended, on_gave_up, self.on_spans)
 
+    def warm_spare(self) -> None:
+        """Keep a spare runner ready (none while a runner of this node is still loading: they would share cores)."""
+        if self.spare is None or self._closed:
+            return
+        if any(s.alive and isinstance(s.view.status, STARTING) for s in self.supervisors.values()):
+            return
+        self.spare.fill()
+
     async def stop(self) -> None:
         self._closed = True
         supervisors = list(self.supervisors.values())
         self.supervisors.clear()
-        await asyncio.gather(*(s.stop() for s in supervisors), *self._stopping)
+        spare = asyncio.to_thread(self.spare.close) if self.spare is not None else asyncio.sleep(0)
+        await asyncio.gather(*(s.stop() for s in supervisors), *self._stopping, spare)

@@ -14,7 +14,9 @@ import logging
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
+from skulk.engines.mlx import probe_cache
 from skulk.models.families import MlxRegistry
 
 log = logging.getLogger("skulk.engines.mlx")
@@ -44,6 +46,9 @@ def available() -> str | None:
 PROBE = [sys.executable, "-m", "skulk.engines.mlx.registry"]
 """The probe's child: MLX computes here, and it prints mlx-lm's model registry (registry.py)."""
 PROBE_TIMEOUT_S = 60.0
+PROBE_CACHE = Path("~/.skulk/cache/mlx-probe.json").expanduser()
+"""A successful probe's answer, kept for the next start of any node of this user on this machine and Python
+(probe_cache.py says what it is keyed by); a failure is never kept, so a timeout under load is asked again."""
 
 
 @functools.cache
@@ -53,12 +58,16 @@ def probed() -> tuple[str | None, MlxRegistry | None]:
     registry = None
     if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
         reason: str | None = "mlx and mlx-lm are not installed"
+    elif (registry := probe_cache.read(PROBE_CACHE)) is not None:
+        reason = None
     else:
         try:
             run = subprocess.run(PROBE, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
             reason = None if run.returncode == 0 else (run.stderr.strip().splitlines() or ["exit"])[-1][:200]
             if reason is None:
-                registry = MlxRegistry.from_json(json.loads(run.stdout.strip().splitlines()[-1]))
+                answer = json.loads(run.stdout.strip().splitlines()[-1])
+                registry = MlxRegistry.from_json(answer)
+                probe_cache.write(PROBE_CACHE, answer)
         except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
     if reason is not None:

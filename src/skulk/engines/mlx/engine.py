@@ -23,6 +23,7 @@ that receives and sends hidden states around its slice of the layers.
 from __future__ import annotations
 
 import functools
+import json
 import secrets
 import time
 from collections import deque
@@ -39,7 +40,7 @@ from mlx_lm.utils import load_model
 
 from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
 from skulk.engines.errors import PromptRejected, check_prompt
-from skulk.engines.torch.requests import FaultHook, Request, accept_each, row_sampling
+from skulk.engines.torch.requests import FaultHook, Request, accept_each, reasoning_budget, row_sampling
 from skulk.engines.torch.tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 from skulk.engines.torch.wire import Admitted, Released, RequestEvent, Started
 from skulk.models.gguf_export import float_checkpoint
@@ -72,13 +73,40 @@ def load(
     loading (`quantize_at_load`), as mlx_lm.convert would, with MLX's affine groups of 64. `shape` (a pipeline
     rank's slice) runs before evaluation, so weights it drops are never read. A GGUF import (which mlx-lm cannot
     read) loads from its bf16 export, written beside it on first use (models/gguf_export.py)."""
-    model, config = load_model(float_checkpoint(model_dir), lazy=True)
+    path = float_checkpoint(model_dir)
+    model, config = load_model(path, lazy=True, model_config=published_fields(path))
     if shape is not None:
         shape(model)
     if quantize is not None and "quantization" not in config:
         nn.quantize(model, group_size=QUANT_GROUP, bits=QUANT_BITS[quantize])
     mx.eval(model.parameters())
     return model, config
+
+
+ROPE_FIELDS = ("rope_theta", "partial_rotary_factor")
+
+
+def published_fields(model_dir: Path) -> dict[str, Any]:
+    """Config fields as the published checkpoints spell them, for a checkpoint saved by transformers 5, which
+    renames some (mlx-lm's model arguments read the published names): rope settings kept inside
+    `rope_parameters` (rope_theta, partial_rotary_factor, and rope_scaling for a non-default rope type),
+    `num_local_experts` for Qwen's `num_experts`, and MiniMax-M2's `rotary_dim` and `shared_intermediate_size`.
+    Only fields the file lacks are given; an unreadable file gives none (mlx-lm's loader then says why)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    inner = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    rope = inner.get("rope_parameters") if isinstance(inner.get("rope_parameters"), dict) else {}
+    found: dict[str, Any] = {k: rope[k] for k in ROPE_FIELDS if k in rope}
+    if rope:
+        found["rope_scaling"] = None if rope.get("rope_type") in (None, "default") else rope
+    if "num_local_experts" in inner:
+        found["num_experts"] = inner["num_local_experts"]
+    if inner.get("model_type") == "minimax_m2" and inner.get("head_dim"):
+        found["rotary_dim"] = int(inner["head_dim"] * rope.get("partial_rotary_factor", 1.0))
+        found["shared_intermediate_size"] = 0
+    return {k: v for k, v in found.items() if k not in inner}
 
 
 def set_wired_limit(model: nn.Module) -> None:
@@ -263,7 +291,8 @@ class MlxEngine:
         s = add.sampling
         row = row_sampling(s, self.vocab_size or 1 << 30, torch.device("cpu"), self._unseeded)
         return Request(add.request_id, list(add.prompt), s.max_tokens, row, IncrementalDecoder(self.tokenizer.decode),
-                       StopMatcher(s.stop), command_id=add.command_id)
+                       StopMatcher(s.stop), command_id=add.command_id,
+                       budget=reasoning_budget(s, add.prompt, self.tokenizer) if self.is_sampler else None)
 
     def _requests(self) -> list[Request]:
         prefilling = [self._prefilling[0]] if self._prefilling else []

@@ -41,7 +41,7 @@ from skulk.engines.torch.step import PromptPart
 
 from .caches import SequenceCaches
 from .engine import load, set_wired_limit
-from .ring import inner_model, swap_layer
+from .ring import inner_model, keep_layers, swap_layer
 
 Rows = list[Request | None]
 """The request each row of a batch part computes for (None: a row the MLX rank skips)."""
@@ -105,7 +105,7 @@ class MlxStage:
             swap_layer(kept[0], given)
         if not self.is_last:
             swap_layer(kept[-1], taken)
-        inner.layers = kept
+        keep_layers(inner, kept)
 
     def kv_bytes_per_token(self) -> int:
         a = self.args

@@ -125,7 +125,26 @@ def slice_pipeline(model: nn.Module, link: RingLink, start: int, end: int) -> No
         swap_layer(kept[0], functools.partial(_receiving, link=link))
     if link.rank < link.world_size - 1:
         swap_layer(kept[-1], functools.partial(_sending, link=link))
+    keep_layers(inner, kept)
+
+
+class _OneRank:
+    """The group mlx-lm's PipelineMixin.pipeline reads: this process alone (the ring's own link sends)."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+
+def keep_layers(inner: Any, kept: list[nn.Module]) -> None:
+    """Make `kept` the decoder stack. A stack built on mlx-lm's PipelineMixin (Qwen3-Next, DeepSeek, GLM,
+    Qwen3.5, ...) then re-derives what it indexes by position, as it does when mlx-lm pipelines it itself:
+    Qwen3-Next's first attention and first recurrent layer, whose caches give its two masks."""
     inner.layers = kept
+    if callable(getattr(inner, "pipeline", None)):
+        inner.pipeline(_OneRank())
 
 
 def shard_tensor(model: nn.Module, link: RingLink) -> None:

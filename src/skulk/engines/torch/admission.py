@@ -19,7 +19,7 @@ from . import windows
 from .blocks import NO_BLOCK, BlockAllocator, blocks_for, common_prefix, extend_keys
 from .core import WARMUP_ID
 from .flight import Flight
-from .requests import Request, row_sampling
+from .requests import Request, held_for_reasoning, reasoning_budget, row_sampling
 from .schedule import admission_blocks, can_admit, chunk_tokens, growth_blocks, next_kind
 from .tokenizer import IncrementalDecoder, StopMatcher
 from .wire import NO_COPY, Admitted, Header, NewRequest, Preempt, Release, Released, Started, StepKind, WireError
@@ -193,14 +193,16 @@ class Admission(Flight):
         constraint = None
         if s.constraint is not None and (self.is_sampler or self.is_scheduler):  # rank 0 checks it compiles
             constraint = self.grammars.matcher(s.constraint)
+        constraint, held, gate = held_for_reasoning(constraint, add.prompt, self.tokenizer)
+        budget = reasoning_budget(s, add.prompt, self.tokenizer) if self.is_sampler else None
         return Request(add.request_id, add.prompt, s.max_tokens, row, decoder, stops, command_id=add.command_id,
-                       constraint=constraint)
+                       constraint=constraint, budget=budget, held=held, gate=gate)
 
     @functools.cached_property
     def grammars(self) -> Grammars:
         """The compiler of constrained requests' grammars for this model's vocabulary, built on first use."""
         style = tool_call_style(self.model.args.model_type, self.tokenizer.renders_tools,
-                                str(getattr(self.tokenizer.hf, "chat_template", None) or ""))
+                                self.tokenizer.template_text, self.tokenizer.card_tool_parser)
         return Grammars(self.tokenizer.hf, self.model.args.vocab_size, self.tokenizer.eos_ids, style)
 
     def _release(self, release: Release) -> None:
@@ -216,6 +218,8 @@ class Admission(Flight):
             self._free_table(found)
             if found.lookup is not None and found.lookup.drafted:
                 lookup = found.lookup
+                self.spec_drafted += lookup.drafted
+                self.spec_accepted += lookup.accepted
                 log.info("MTP acceptance %.0f %% for %s: %d of %d %s draft tokens accepted",
                          100 * lookup.accepted / lookup.drafted, found.request_id, lookup.accepted, lookup.drafted,
                          "prompt-lookup" if self.drafter is None else "draft-model")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from skulk.formats.checkpoint import read_config
+from skulk.models.layer_shapes import text_of
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3", "qwen3_moe")
 
@@ -30,7 +31,8 @@ SLIDING = "sliding_attention"
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The language model's own config: a multimodal `gemma3` checkpoint's text_config (its vision tower is not
-    run), Gemma 3's defaults filled in; any other config as it is."""
+    run), Gemma 3's defaults filled in; any other config as models/layer_shapes.text_of reads it (Llama 4's
+    text_config, Nemotron-H's layer count)."""
     model_type = cfg.get("model_type")
     if model_type == "gemma3":
         inner = dict(cfg.get("text_config") or {})
@@ -40,7 +42,8 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         return _gemma3_defaults({**inner, "model_type": "gemma3_text"})
     if model_type == "gemma3_text":
         return _gemma3_defaults(cfg)
-    return cfg
+    inner = text_of(cfg)  # Llama 4: the decoder's numbers in text_config; Nemotron-H: its block list
+    return inner if inner is cfg or inner.get("model_type") else {**inner, "model_type": model_type}
 
 
 def _gemma3_defaults(cfg: dict[str, Any]) -> dict[str, Any]:

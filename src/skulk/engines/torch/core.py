@@ -142,6 +142,10 @@ class EngineCore:
         self._adds: list[NewRequest] = []  # rank 0: for the next header
         self._releases: list[Release] = []  # rank 0: for the next header
         self.preemptions = 0  # requests preempted (and later resumed) since start
+        # speculative draft tokens proposed and accepted over the engine's life, added once per request at its
+        # release (never per token); kv_usage reports them, so GET /metrics reads them from the flight recorder
+        self.spec_drafted = 0
+        self.spec_accepted = 0
         self._events: list[RequestEvent] = []
         self._phase: RunnerPhase = "idle"
         self._last_header = 0.0

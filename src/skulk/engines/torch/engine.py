@@ -159,10 +159,12 @@ class TorchEngine(LocalStep):
         return len(self._pending) + len(self._adds)
 
     def kv_usage(self) -> dict[str, int]:
-        """The block pool at a glance: blocks in all, held by requests, cached prefixes, their size and bits."""
+        """The block pool at a glance: blocks in all, held by requests, cached prefixes, their size and bits, and
+        the speculative draft tokens proposed and accepted so far (GET /metrics reads the latest record)."""
         usage = {"kv_blocks": self.blocks.num_blocks, "kv_blocks_held": self.blocks.held,
                  "kv_blocks_cached": self.blocks.cached, "kv_block_size": self.block_size, "kv_bits": self.kv_bits,
-                 "running": len(self._running), "queued": self.queued, "preemptions": self.preemptions}
+                 "running": len(self._running), "queued": self.queued, "preemptions": self.preemptions,
+                 "spec_drafted": self.spec_drafted, "spec_accepted": self.spec_accepted}
         if self.local_blocks is not None:  # a hybrid model's sliding layers' pool (kv_pools.py)
             usage |= {"kv_local_blocks": self.local_blocks.num_blocks, "kv_local_blocks_held": self.local_blocks.held,
                       "kv_local_blocks_cached": self.local_blocks.cached, "kv_local_window": self.local_window}

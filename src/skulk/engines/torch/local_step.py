@@ -26,12 +26,13 @@ tokens were drawn from (drafter.Draws)."""
 class LocalStep(Step):
     def _drafts(self) -> Proposal | None:
         """A draft per running request (some empty): the draft model's when the engine has one, else prompt
-        lookup's, when none asks for log-probabilities or follows a grammar and at least one has a draft; None for
-        a plain decode step. Drafts stop short of a request's max_tokens and context, fit the free blocks, and keep
-        the step under MIXED_STACK_ROWS rows."""
+        lookup's, when none follows a grammar and at least one has a draft; None for a plain decode step. Drafts
+        stop short of a request's max_tokens and context, fit the free blocks, and keep the step under
+        MIXED_STACK_ROWS rows. A request that asks for log-probabilities drafts too: each accepted token's row of
+        the verifying chunk is the row a plain decode step would have computed, and `_emit` reports its
+        log-probabilities from it (issue 43: asking for logprobs had cost a quarter of the decode rate)."""
         running = self._running
-        if any(r.sampling.logprobs is not None or r.constraint is not None
-               for r in running):  # a constrained row's token is its grammar's, not the raw logits' drafts check
+        if any(r.constraint is not None or r.held is not None or r.forced for r in running):  # grammar's or forced
             return None
         room, free = max(0, MIXED_STACK_ROWS // len(running) - 1), self.blocks.available
         local_free = self.local_blocks.available if self.local_blocks is not None else 0
@@ -120,5 +121,8 @@ class LocalStep(Step):
                 req.emitted.append(out.token_id)
             if out.finish_reason is not None or out.error:
                 self._releases.append(Release(req.request_id, cancelled=False, failed=bool(out.error)))
+                break
+            if req.forced:  # a reasoning budget was reached: its close comes next, not the rest of the draft
+                req.draft_len = min(req.draft_len, req.length)
                 break
         return outs

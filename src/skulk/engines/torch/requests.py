@@ -13,12 +13,13 @@ import torch
 
 from skulk.engines.base import FinishReason, TokenOut
 from skulk.engines.constrained import Matcher, mask_rows
+from skulk.engines.reasoning import CLOSE_TEXT, ReasoningBudget, ReasoningSplitter
 from skulk.types.chat import SamplingParams
 from skulk.types.chunks import TokenLogprob, TopLogprob
 
 from .sampling import RowSampling, sample, token_logprobs
 from .speculate import PromptLookup
-from .tokenizer import IncrementalDecoder, StopMatcher
+from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 
 FaultHook = Callable[[str, "Request"], int | None]
 """Test-only (SKULK_FAULT): called with (where, request) at "admit", "sample" and "detokenize"; may raise, and at
@@ -48,6 +49,11 @@ class Request:
     lookup: PromptLookup | None = None  # its prompt-lookup drafts' index and acceptance (speculate.py)
     draft_len: int = 0  # positions the draft model's cache holds for it, valid (drafter.py)
     constraint: Matcher | None = None  # the sampler: its grammar (JSON, a forced tool call), engines/constrained.py
+    budget: ReasoningBudget | None = None  # the sampler: its reasoning's cap (engines/reasoning.py)
+    forced: list[int] = field(default_factory=list)  # the sampler: tokens to emit next instead of sampling
+    answer_from: int | None = None  # `generated` once a budget's forced close is out: the answer starts there
+    held: Matcher | None = None  # the sampler: a grammar that waits for the reasoning the prompt opened to close
+    gate: ReasoningSplitter | None = None  # where the reply is in that reasoning (held_for_reasoning)
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
         """Its token ids [start, end): the prompt's, then the generated ones (position p's KV is token p's)."""
@@ -56,6 +62,48 @@ class Request:
         if end <= n:
             return self.prompt[start:end]
         return [*self.prompt[start:], *self.emitted[max(start - n, 0) : end - n]]
+
+
+def reasoning_budget(s: SamplingParams, prompt: Sequence[int], tokenizer: ChatTokenizer) -> ReasoningBudget | None:
+    """The cap on a request's reasoning, where it asked for one and its reply thinks (the mode the runner reports,
+    from the template and the prompt's tail); a constrained reply has reasoning to cap only where its grammar waits
+    for the reasoning the prompt opened (held_for_reasoning)."""
+    if s.reasoning_budget is None:
+        return None
+    mode = tokenizer.reasoning_mode(prompt, tokenizer.card_reasoning)
+    if mode is None or (s.constraint is not None and mode != "think_open"):
+        return None
+    counted, rest = CLOSE_TEXT[mode]
+    return ReasoningBudget(mode, s.reasoning_budget, tokenizer.encode(counted + rest), len(tokenizer.encode(counted)))
+
+
+def held_for_reasoning(constraint: Matcher | None, prompt: Sequence[int], tokenizer: ChatTokenizer
+                       ) -> tuple[Matcher | None, Matcher | None, ReasoningSplitter | None]:
+    """(grammar now, grammar held, gate): a constrained reply whose prompt opened the reasoning block (`<think>` at
+    the prompt's end) reasons freely first; its grammar (JSON, a forced tool call) applies to the answer, from the
+    token after the close (issue 42). A reply that may or may not think is held to its grammar from its first
+    token (which cannot open a block then), and so is harmony's (its analysis channel is not yet let through)."""
+    if constraint is None or tokenizer.reasoning_mode(prompt, tokenizer.card_reasoning) != "think_open":
+        return constraint, None, None
+    return None, constraint, ReasoningSplitter("think_open")
+
+
+def _release_grammar(req: Request, text: str) -> None:
+    """A token of a reply whose grammar is held: once the reasoning has closed, and a budget's forced close is all
+    out (its trailing blank line is not the grammar's), the grammar applies."""
+    gate = req.gate
+    assert gate is not None
+    gate.push(text)
+    if gate.state in ("after", "content") and not req.forced:
+        req.constraint, req.held, req.gate = req.held, None, None
+
+
+def _spend_reasoning(req: Request, budget: ReasoningBudget, text: str) -> None:
+    """One more token of a capped reply: once the budget is reached its close is queued, and the answer follows."""
+    close = budget.after(text)
+    if close:
+        req.forced = close
+        req.answer_from = req.generated + len(close)
 
 
 def accept_token(req: Request, token: int, eos_ids: Collection[int], context_length: int) -> TokenOut:
@@ -74,6 +122,8 @@ def accept_token(req: Request, token: int, eos_ids: Collection[int], context_len
             text += tail if stopped else tail + req.stops.flush()
             finish = "stop" if stopped else "length"
     req.finished = finish is not None
+    if req.budget is not None and not req.finished:
+        _spend_reasoning(req, req.budget, text)
     return TokenOut(req.request_id, token, text, finish, stop_sequence=req.stops.matched if finish == "stop" else None)
 
 
@@ -114,6 +164,9 @@ def sample_each(logits: torch.Tensor, reqs: Sequence[Request], hook: FaultHook |
             else:
                 if token is not None:
                     forced[i] = token
+    for i, req in enumerate(reqs):
+        if req.forced and i not in failed:  # a reasoning budget's close (engines/reasoning.py), before any script
+            forced[i] = req.forced.pop(0)
     rows = [r.sampling for r in reqs]
     try:
         tokens: list[int | Exception] = list(sample(logits, rows))
@@ -142,6 +195,8 @@ def accept_each(
             if req.constraint is not None and not req.constraint.advance(token):
                 req.constraint = None  # a token the grammar refused (only a test's scripted one): free from here
             out = accept_token(req, token, eos_ids, context_length)
+            if req.held is not None:
+                _release_grammar(req, out.text)
             reported = logprobs.get(i)
             if isinstance(reported, Exception):
                 raise reported

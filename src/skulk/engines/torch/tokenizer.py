@@ -30,12 +30,29 @@ _TEMPLATE_OWN = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_t
 """apply_chat_template's own arguments (and the messages): a client's chat_template_kwargs cannot set them."""
 
 
+KEPT_SPECIAL_TOKENS = frozenset({
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>",
+    *("<\uff5c" + w.replace(" ", "\u2581") + "\uff5c>" for w in (  # DeepSeek V3.1's tool tokens
+        "tool calls begin", "tool calls end", "tool call begin", "tool call end", "tool sep")),
+    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_section_begin|>",  # Kimi K2's
+    "<|tool_call_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+    "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>",  # gpt-oss harmony's message headers
+})
+"""Special tokens a reply keeps when decoded: the ones its reasoning and tool calls are written in, which the API
+reads (engines/reasoning.py, tool_parsers/). Every other special token is dropped, as before; an end-of-turn
+token is never decoded into the text at all (requests.accept_token)."""
+
+
 class ChatTokenizer:
     """The model directory's own tokenizer and chat template; never touches the network."""
 
     def __init__(self, model_dir: Path) -> None:
         self._tok: Any = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self.eos_ids = frozenset(_eos_ids(model_dir, self._tok.eos_token_id))
+        self.card_reasoning: ReasoningOverride | None = None
+        """The card's `reasoning_parser` (the runner sets it): the engine decides a reasoning budget's mode by it."""
+        self.card_tool_parser: str | None = None
+        """The card's `tool_parser` (the runner sets it): a forced call is written in that format."""
 
     @property
     def hf(self) -> Any:
@@ -94,8 +111,19 @@ class ChatTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
+    @functools.cached_property
+    def _dropped_ids(self) -> frozenset[int] | None:
+        """The special ids decoding drops when this vocabulary has a kept one (None: it has none, all drop)."""
+        added = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        special = {int(i) for i, t in added.items() if getattr(t, "special", False)} | set(self._tok.all_special_ids)
+        kept = {i for i in special if self._tok.convert_ids_to_tokens(i) in KEPT_SPECIAL_TOKENS} - self.eos_ids
+        return frozenset(special - kept) if kept else None
+
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        dropped = self._dropped_ids
+        if dropped is None:
+            return self._tok.decode(list(ids), skip_special_tokens=True)
+        return self._tok.decode([i for i in ids if i not in dropped], skip_special_tokens=False)
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:

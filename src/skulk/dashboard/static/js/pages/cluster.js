@@ -1,6 +1,6 @@
 // Cluster: every node (name, master badge, memory and disk bars, accelerator, health with reasons and
 // remediations, version), nodes that left, and the topology as a graph. Reads only the shell's /state poll.
-import { html, Badge, Bar, Section, ago, bytesOf, shortId, nodeName, tagged } from '../ui.js';
+import { html, Badge, Bar, Section, ago, bytesOf, gb, shortId, nodeName, tagged } from '../ui.js';
 
 const HEALTH_KIND = { healthy: 'ok', degraded: 'warn', unhealthy: 'error' };
 
@@ -46,6 +46,16 @@ function shardsOn(state, nodeId) {
   return found;
 }
 
+// The limit placement plans against, where it came from, and what is used, kept back and free under it.
+function MemoryLimit({ mem }) {
+  if (!mem) return null;
+  const parts = [`${gb(bytesOf(mem.ramTotal))} limit (${mem.limitSource || 'machine'})`];
+  if (mem.ramUsed) parts.push(`${gb(bytesOf(mem.ramUsed))} used`);
+  if (mem.ramReserved) parts.push(`${gb(bytesOf(mem.ramReserved))} reserved`);
+  parts.push(`${gb(bytesOf(mem.ramAvailable))} free`);
+  return html`<dt>memory</dt><dd data-testid="memory-limit">${parts.join(' · ')}</dd>`;
+}
+
 function NodeCard({ state, nodeId }) {
   const ident = (state.nodeIdentities || {})[nodeId] || {};
   const mem = (state.nodeMemory || {})[nodeId];
@@ -64,6 +74,7 @@ function NodeCard({ state, nodeId }) {
       : html`<p class="muted">memory not reported yet</p>`}
     ${disk && html`<${Bar} label="disk" used=${diskTotal - bytesOf(disk.available)} total=${diskTotal} />`}
     <dl class="facts">
+      <${MemoryLimit} mem=${mem} />
       <dt>accelerator</dt><dd><${Accelerator} acc=${(state.nodeAccelerator || {})[nodeId]} /></dd>
       ${sys && html`<dt>CPU</dt><dd>${Math.round(sys.pcpuUsage || 0)}%</dd>`}
       <dt>version</dt><dd>${ident.skulkVersion || '?'}${ident.skulkCommit ? ` (${ident.skulkCommit})` : ''}</dd>

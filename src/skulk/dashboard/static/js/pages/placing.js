@@ -9,8 +9,9 @@ import {
 
 const DEMO = 'skulk/tiny-random-llama';
 
-// "node X (name) needs A GB (B GB weights share × F + C GB KV pool) but has D GB free (… over N node(s) …)"
-const ARITHMETIC = /node (\w+) \(([^)]*)\) needs ([\d.]+) GB \(([\d.]+) GB weights share × ([\d.]+) \+ ([\d.]+) GB KV pool\) but has ([\d.]+) GB free/;
+// "node X (name) needs A GB (B GB weights share × F + R GB runtime + C GB KV pool) but has D GB free (… over N
+// node(s) …)"; an older node's message has no runtime term.
+const ARITHMETIC = /node (\w+) \(([^)]*)\) needs ([\d.]+) GB \(([\d.]+) GB weights share × ([\d.]+)(?: \+ ([\d.]+) GB runtime)? \+ ([\d.]+) GB KV pool\) but has ([\d.]+) GB free/;
 const GIB = 2 ** 30;
 
 // A refusal as {kind, message, numbers}: structured fields when the node gives them, else read from its message.
@@ -19,13 +20,13 @@ export function refusalOf(error) {
   if (typeof error === 'string') {
     const m = error.match(ARITHMETIC);
     const numbers = m && { nodeId: m[1], nodeName: m[2], needed: +m[3] * GIB, weightsShare: +m[4] * GIB,
-      overheadFactor: +m[5], kvPool: +m[6] * GIB, available: +m[7] * GIB };
+      overheadFactor: +m[5], runtime: (+m[6] || 0) * GIB, kvPool: +m[7] * GIB, available: +m[8] * GIB };
     return { kind: m ? 'InsufficientMemory' : 'refused', message: error, numbers };
   }
   const [kind, body] = tagged(error);
   const numbers = body.needed && body.available && { nodeId: body.nodeId, nodeName: body.nodeName,
     needed: bytesOf(body.needed), weightsShare: bytesOf(body.weightsShare), overheadFactor: body.overheadFactor,
-    kvPool: bytesOf(body.kvPool), available: bytesOf(body.available) };
+    runtime: bytesOf(body.runtimeOverhead), kvPool: bytesOf(body.kvPool), available: bytesOf(body.available) };
   return { kind, message: body.message || kind, numbers };
 }
 
@@ -53,12 +54,13 @@ export function normalizePreview(p, state) {
     size: (p.nodeIds || []).length, nodes, error };
 }
 
-// The refusal as numbers: "needs X GB (share × 1.25 + KV pool) but has Y GB free".
+// The refusal as numbers: "needs X GB (share × 1.05 + runtime + KV pool) but has Y GB free".
 export function Refusal({ state, refusal }) {
   const n = refusal.numbers;
   const arithmetic = n && html`<p class="arithmetic" data-testid="gb-arithmetic">
     ${n.nodeName || nodeName(state, n.nodeId)} needs <strong>${gb(n.needed)}</strong>${' '}
-    (${gb(n.weightsShare)} weights share × ${n.overheadFactor} + ${gb(n.kvPool)} KV pool) but has${' '}
+    (${gb(n.weightsShare)} weights share × ${n.overheadFactor}${n.runtime ? ` + ${gb(n.runtime)} runtime` : ''}${' '}
+    + ${gb(n.kvPool)} KV pool) but has${' '}
     <strong>${gb(n.available)}</strong> free</p>`;
   return html`<div class="refusal" data-testid="refusal">
     <${Badge} kind="error">${refusal.kind}<//> ${arithmetic}
