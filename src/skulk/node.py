@@ -157,11 +157,15 @@ class Node:
                           rejoin_wait_s=settings.rejoin_wait_seconds,
                           applied_idx=lambda: store.state.last_event_applied_idx)
         local = LocalEvents(transport, node_id, elector)
-        files = ModelFiles(settings, local.emit)
+        # The files' reactions reach the worker and the node built just below; neither runs before `run`.
+        files = ModelFiles(settings, node_id, local.emit,
+                           live_models=lambda: worker.live_models(),  # eviction asks the supervisors, not the state
+                           on_ready=lambda: node._schedule_reconcile())
         load_custom_cards(settings.home / "cards")
         requests = Requests(transport, payloads, lambda c: _send(transport, node_id, elector, c),
                             tap=event_log.append if event_log is not None else None,
                             on_open=tracing.stream_opened, on_close=tracing.stream_closed)
+        worker = _worker(settings, node_id, local, requests, files, tracing, transport)
         node = cls(
             settings=settings, node_id=node_id, transport=transport, store=store,
             desired=DesiredStateFile(settings.home), event_log=event_log, local=local, payloads=payloads,
@@ -169,11 +173,9 @@ class Node:
             peers=PeerBook(node_id), api_port=settings.api_port, links=LinkMeter(settings.link_bandwidth_seconds),
             follower=EventFollower(transport, next_idx=0, on_event=lambda e: _record(event_log, store, e),
                                    on_snapshot=store.replace),
-            worker=_worker(settings, node_id, local, requests, files, tracing, transport),
+            worker=worker,
         )
-        files.live_models = node.worker.live_models  # eviction asks the supervisors, not the state
         node.worker.on_runner_gone = files.runner_gone
-        files.on_ready = node._schedule_reconcile
         node._start()
         return node
 
@@ -225,7 +227,7 @@ class Node:
         if (initial := self.tracing.initial_command(self.settings.tracing.enabled)) is not None:
             self.send_command(initial)
         self._spawn(self.tracing.janitor())
-        self.files.start(self.node_id)
+        self.files.start()
         if self.settings.is_store_host:
             self._spawn(self._serve_store())
         server = self._api_server()
@@ -405,7 +407,7 @@ class Node:
         """Model files first: the worker sees an instance only once every node of it has its files, and this
         node has prepared its own in this session (a Completed in the state may be an earlier instance's)."""
         self._reconcile_pending = False
-        if self.files.node_id:
+        if self.files.started:
             self.files.reconcile(self.store.state)
         self.worker.reconcile(startable(self.store.state, lambda i: self.files.ready(i) or self.worker.runs(i)))
 

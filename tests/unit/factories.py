@@ -122,7 +122,7 @@ def api_services(
     payloads = PayloadBook(transport, NodeId(node_id))
     return ApiServices(
         node_id=NodeId(node_id), settings=settings, store=store, commands=send,
-        requests=Requests(transport, payloads, send), files=ModelFiles(settings, lambda _: None),
+        requests=Requests(transport, payloads, send), files=ModelFiles(settings, NodeId(node_id), lambda _: None),
         traces=TraceStore(home / "traces", node_id), event_log=None, restart=RestartGate(),
         master=lambda: NodeId(master) if master else None, runners=lambda: runners or {},
         departed=lambda: departed or {}, sealer=lambda: None, members=lambda: (frozenset(), frozenset()),

@@ -251,16 +251,15 @@ def test_a_frozen_store_times_out_and_keeps_the_partial(tmp_path: Path, monkeypa
     assert not dest.exists() and partial_path(dest).stat().st_size == 300_000
 
 
-def _files_with_a_staged_copy(tmp_path: Path, model_id: str) -> tuple[Any, Path]:
+def _files_with_a_staged_copy(tmp_path: Path, model_id: str, *, emit: Any = lambda _event: None,
+                              live_models: Any = set) -> tuple[Any, Path]:
     from skulk.config import resolve
     from skulk.store.files import write_marker
     from skulk.store.service import ModelFiles
 
     (tmp_path / "skulk.yaml").write_text("model_store:\n  staging: {staging_keep_recent_gb: 0}\n")
     settings = resolve({"config": str(tmp_path / "skulk.yaml"), "home": str(tmp_path)}, {})
-    files = ModelFiles(settings, lambda _event: None)
-    files.node_id = NodeId("n1")
-    files.staging = settings.staging_for("n1")
+    files = ModelFiles(settings, NodeId("n1"), emit, live_models=live_models)
     staged = files.staging_root / model_id.replace("/", "--")
     staged.mkdir(parents=True)
     (staged / "config.json").write_text("{}")
@@ -271,9 +270,8 @@ def _files_with_a_staged_copy(tmp_path: Path, model_id: str) -> tuple[Any, Path]
 def test_eviction_asks_the_supervisors_and_waits_for_the_runner_to_go(tmp_path: Path) -> None:
     """The state no longer names the model (its instance was deleted) but a runner still loads it: deferred,
     then evicted once the runner is gone (seed 004: never from under a live runner)."""
-    files, staged = _files_with_a_staged_copy(tmp_path, "org/a")
     live = {"org/a"}
-    files.live_models = lambda: set(live)
+    files, staged = _files_with_a_staged_copy(tmp_path, "org/a", live_models=lambda: set(live))
     assert files.evict(set(), "instance deactivation") == []
     assert staged.is_dir()
     assert files.purge(State(), None) == [] and staged.is_dir(), "an operator purge spares it too"
@@ -302,9 +300,8 @@ def test_a_stale_completed_from_an_earlier_instance_does_not_start_a_runner(tmp_
 
     from .factories import applied, instance
 
-    files, _ = _files_with_a_staged_copy(tmp_path, "test/model")
     published: list[Any] = []
-    files.emit = published.append
+    files, _ = _files_with_a_staged_copy(tmp_path, "test/model", emit=published.append)
     one = instance("one", ("n1",))
     done = DownloadProgress(model_id=one.model_id, status=DownloadStatus.Completed, source=DownloadSource.Store)
     state = applied(InstanceCreated(instance=one),

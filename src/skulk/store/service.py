@@ -63,11 +63,15 @@ class LocalSourceFailed(Exception):
 
 
 class ModelFiles:
-    def __init__(self, settings: Settings, emit: Callable[[Event], None]) -> None:
+    """Built whole, in one step: the node knows its id (the zenoh session's) and its reactions before it builds
+    this, so nothing is patched in afterwards; `start` only binds the running loop and runs the startup eviction."""
+
+    def __init__(self, settings: Settings, node_id: NodeId, emit: Callable[[Event], None], *,
+                 live_models: Callable[[], set[str]] = set, on_ready: Callable[[], None] = lambda: None) -> None:
         self.settings = settings
         self.emit = emit
-        self.node_id = NodeId("")
-        self.staging = settings.staging_for("")
+        self.node_id = node_id
+        self.staging = settings.staging_for(node_id)
         self.hub = Hub(settings.model_store.download.hf_endpoint, settings.hf_token)
         self.progress: dict[ModelId, DownloadProgress] = {}
         self._tasks: dict[ModelId, asyncio.Task[None]] = {}
@@ -77,9 +81,9 @@ class ModelFiles:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
-        self.live_models: Callable[[], set[str]] = set
+        self.live_models = live_models
         """The models this node's runner processes use now (the worker's supervisors): never evicted."""
-        self.on_ready: Callable[[], None] = lambda: None
+        self.on_ready = on_ready
         """Called when a model's files are prepared and its directory known (the worker may start its runners)."""
         self._state = State()
         self._evict_deferred: str | None = None
@@ -117,12 +121,15 @@ class ModelFiles:
         return next((root / name for root in roots if root is not None and is_complete(root / name)), None)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
-    def start(self, node_id: NodeId) -> None:
+    def start(self) -> None:
         """Node startup: the startup eviction pass reconciles copies a crashed session left behind."""
-        self.node_id = node_id
-        self.staging = self.settings.staging_for(node_id)
         self._loop = asyncio.get_running_loop()
         self.evict(set(), "node startup")
+
+    @property
+    def started(self) -> bool:
+        """`start` ran: the node reconciles files only after the startup eviction pass."""
+        return self._loop is not None
 
     def ready(self, instance: MlxRingInstance) -> bool:
         """This node's files for the instance are prepared in this session (built-in models need none). The
@@ -161,7 +168,7 @@ class ModelFiles:
 
     def runner_gone(self) -> None:
         """A runner process ended: an eviction deferred because it still used its model's files runs now."""
-        if self._evict_deferred is not None and self.node_id:
+        if self._evict_deferred is not None:
             self.evict(in_use(self._state, self.node_id), self._evict_deferred)
 
     async def stop(self) -> None:
