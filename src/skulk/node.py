@@ -175,7 +175,6 @@ class Node:
                                    on_snapshot=store.replace),
             worker=worker,
         )
-        node.worker.on_runner_gone = files.runner_gone
         node._start()
         return node
 
@@ -592,6 +591,7 @@ def _worker(settings: Settings, node_id: NodeId, local: LocalEvents, requests: R
         on_spans=tracing.on_spans,
         payloads=PayloadFetcher(transport),
         spare=SpareRunner(spare_engine(settings.engines), enabled=settings.spare_runner),
+        on_runner_gone=files.runner_gone,
     )
 
 

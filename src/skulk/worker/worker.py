@@ -81,6 +81,7 @@ class Worker:
         payloads: PayloadFetcher | None = None,
         draft_dir_for: DraftDirFor = lambda _: None,
         spare: SpareRunner | None = None,
+        on_runner_gone: Callable[[], None] = lambda: None,
     ) -> None:
         self.spare = spare
         """The node's spare runner (worker/spare.py): filled at the node's info rounds (`warm_spare`), once its
@@ -111,7 +112,7 @@ class Worker:
         self.supervisors: dict[RunnerId, RunnerSupervisor] = {}
         self._retiring: dict[RunnerId, RunnerSupervisor] = {}
         """Runners being stopped: their processes may still read their model's files until they are gone."""
-        self.on_runner_gone: Callable[[], None] = lambda: None
+        self.on_runner_gone = on_runner_gone
         """Called when a stopped runner's process is gone (a deferred eviction may run now)."""
         self._stopping: set[asyncio.Task[None]] = set()
         self._failed_logged: set[InstanceId] = set()
