@@ -9,10 +9,8 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
-import httpx
 import uvicorn
 
 from skulk import internal_auth, redact, structured_log
@@ -35,7 +33,6 @@ from skulk.diagnostics.peers import PeerBook
 from skulk.eventlog import EventLog, open_for
 from skulk.loops import Loops
 from skulk.master.master import Master
-from skulk.memory_limit import MemoryWatch
 from skulk.models.cards import know_card, load_custom_cards
 from skulk.models.demo import ensure_builtin_model, is_builtin
 from skulk.restart import RestartGate, exec_self
@@ -54,26 +51,20 @@ from skulk.types.events import (
     IndexedEvent,
     LocalEvent,
     ModelCardAdded,
-    NodeGatheredInfo,
     NodeRestartRequested,
     RunnerStatusUpdated,
-    TopologyEdgeDeleted,
 )
 from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId, new_id
 from skulk.types.meta_instances import MetaInstance
-from skulk.types.node_info import Connection
 from skulk.types.runners import RunnerFailed
 from skulk.types.state import State
-from skulk.worker import calibrate, links, node_info, topology
-from skulk.worker.links import LinkMeter
+from skulk.worker import node_info
+from skulk.worker.facts import NodeFacts
 from skulk.worker.spare import SpareRunner, spare_engine
 from skulk.worker.worker import Worker
 
 log = logging.getLogger("skulk.node")
 
-INFO_EVERY_S = 2.0
-INFO_HEARTBEAT_S = 10.0
-TOPOLOGY_EVERY_S = 1.0
 ELECTION_WAIT_S = 10.0
 STREAM_GRACE_S = 1.5
 """At shutdown, streams get this long to finish before they end with a retryable error (uvicorn cuts at 2 s)."""
@@ -120,12 +111,11 @@ class Node:
     files: ModelFiles
     requests: Requests
     worker: Worker
+    facts: NodeFacts
+    """This node's info and topology loops (worker/facts.py), the link figures they sample with them."""
     peers: PeerBook
     loops: Loops = field(default_factory=lambda: Loops("node"))
     restart: RestartGate = field(default_factory=RestartGate)
-    links: LinkMeter = field(default_factory=LinkMeter)
-    memory_watch: MemoryWatch = field(default_factory=MemoryWatch)
-    """Round trip and bandwidth to each peer, sampled by the topology probes (node info reports them)."""
     master: Master | None = None
     """This node's master role, while the election gives it one."""
     api_port: int = 0
@@ -170,7 +160,9 @@ class Node:
             settings=settings, node_id=node_id, transport=transport, store=store,
             desired=DesiredStateFile(settings.home), event_log=event_log, local=local, payloads=payloads,
             tracing=tracing, membership=membership, elector=elector, files=files, requests=requests,
-            peers=PeerBook(node_id), api_port=settings.api_port, links=LinkMeter(settings.link_bandwidth_seconds),
+            peers=PeerBook(node_id), api_port=settings.api_port,
+            facts=NodeFacts(settings, node_id, state=lambda: store.state, emit=local.emit, worker=worker,
+                            api_port=lambda: node.api_port),
             follower=EventFollower(transport, next_idx=0, on_event=lambda e: _record(event_log, store, e),
                                    on_snapshot=store.replace),
             worker=worker,
@@ -240,9 +232,9 @@ class Node:
             self._spawn(self._place_default())
         await self._announce(server)
         if self.settings.calibrate_compute:
-            self._spawn(self._calibrate())
-        self._spawn(self._gather_info_forever(probing))
-        self._spawn(self._probe_topology_forever())
+            self._spawn(self.facts.calibrate())
+        self._spawn(self.facts.info_forever(probing))
+        self._spawn(self.facts.topology_forever())
         self._spawn(self._follow_tail_forever())
         await serving
 
@@ -410,68 +402,6 @@ class Node:
             self.files.reconcile(self.store.state)
         self.worker.reconcile(startable(self.store.state, lambda i: self.files.ready(i) or self.worker.runs(i)))
 
-    # -- this node's facts ------------------------------------------------------------------------
-    async def _gather_info_forever(self, probing: asyncio.Future[Any]) -> None:
-        await probing  # the first gather reads its (cached) answer
-        last: node_info.NodeInfo | None = None
-        last_sent = 0.0
-        while True:
-            info = await asyncio.to_thread(
-                node_info.gather,
-                friendly_name=self.settings.node_name,
-                home=self.settings.home,
-                api_port=self.api_port,
-                engines=tuple(self.settings.engines),
-                limit=self.settings.memory_limit,
-                reserve=self.settings.memory_reserve,
-                watch=self.memory_watch,
-                standby=self.worker.spare.resident() if self.worker.spare is not None else 0,
-            )
-            info = info.model_copy(update={"links": self.links.snapshot(), "compute": self.worker.compute.snapshot()})
-            if self._info_worth_sending(last, info) or time.monotonic() - last_sent > INFO_HEARTBEAT_S:
-                self.local.emit(NodeGatheredInfo(node_id=self.node_id, info=info, when=datetime.now(UTC)))
-                last, last_sent = info, time.monotonic()
-            self.worker.warm_spare()  # once the start is behind the node (worker/spare.py), and none is loading
-            await asyncio.sleep(INFO_EVERY_S)
-
-    @staticmethod
-    def _info_worth_sending(last: node_info.NodeInfo | None, info: node_info.NodeInfo) -> bool:
-        """Links and compute jitter every probe: they count only when they moved (links.worth_reporting)."""
-        if last is None or links.worth_reporting(last.links, info.links) or (last.compute != info.compute and (
-                last.compute is None or info.compute is None
-                or set(last.compute.step_s_per_gb) != set(info.compute.step_s_per_gb))):
-            return True
-        strip = {"links": None, "compute": None}
-        return node_info.differs(last.model_copy(update=strip), info.model_copy(update=strip))
-
-    async def _calibrate(self) -> None:
-        """Once, after the API serves: this node's decode compute, so the first preview predicts."""
-        if (figures := await calibrate.calibrate()) is not None:
-            self.worker.compute.calibrated(figures)
-
-    async def _probe_topology_forever(self) -> None:
-        misses: dict[NodeId, int] = {}
-        unreached: dict[NodeId, str] = {}  # why each peer without an answer had none, logged when it changes
-        async with httpx.AsyncClient() as client:
-            while True:
-                answers = await topology.probe(client, self.store.state, self.node_id, self.links)
-                reachable, misses = topology.debounced(self.store.state, self.node_id, answers, misses)
-                for peer, why in answers.items():
-                    if isinstance(why, str) and unreached.get(peer) != why:
-                        log.info("peer %s did not answer its probe: %s", peer[:8], why)
-                unreached = {p: why for p, why in answers.items() if isinstance(why, str)}
-                for event in topology.edge_events(self.store.state, self.node_id, reachable):
-                    if isinstance(event, TopologyEdgeDeleted):
-                        log.info("withdrawing the edge to %s: %s", event.connection.sink[:8],
-                                 answers.get(event.connection.sink))
-                    self.local.emit(event)
-                self.links.forget_except({n for n, c in reachable.items() if c is not None})
-                if reachable and (own := await links.time_self(client, self._own_host(), self.api_port,
-                                                               self.node_id)) is not None:
-                    self.links.add_self_rtt(own)
-                await self._read_bandwidths(client, reachable)
-                await asyncio.sleep(TOPOLOGY_EVERY_S)
-
     async def _follow_tail_forever(self) -> None:
         """Fetch the tail when the master's heartbeat index stayed ahead of ours for a whole check (events in
         flight catch up within one): a follower that lost the last events would otherwise wait for the next."""
@@ -488,25 +418,6 @@ class Node:
                 except Exception as exc:
                     log.warning("could not fetch the tail from the master: %s", exc)
             lagging_at = next_idx if behind else None
-
-    def _own_host(self) -> str:
-        host = self.settings.api_host
-        if host in ("0.0.0.0", "", "::"):
-            return "127.0.0.1"
-        return f"[{host}]" if ":" in host else host
-
-    async def _read_bandwidths(self, client: httpx.AsyncClient, reachable: dict[NodeId, Connection | None]) -> None:
-        """The peers whose bulk read is due, one at a time (reads in parallel would share the node's link)."""
-        now = time.time()
-        for peer, connection in reachable.items():
-            rtt = self.links.median_rtt_s(peer)
-            port = self.store.state.node_api_ports.get(peer)
-            if connection is None or rtt is None or port is None or not self.links.bandwidth_due(peer, now):
-                continue
-            self.links.bandwidth_tried(peer, now)  # a peer that cannot answer is asked again only when due
-            mbps = await links.read_bandwidth(client, connection.sink_address, port, rtt, peer)
-            if mbps is not None:
-                self.links.add_bandwidth(peer, mbps)
 
     async def _serve_store(self) -> None:
         """The store host serves store_path to the LAN (store.server) on its own threads until the node stops."""
