@@ -49,7 +49,7 @@ class Verdict:
     claim: Claim | None = None
     status: int = 0
     message: str = ""
-    code: str = ""
+    code: ErrorCode | None = None
 
 
 def check(scope: Scope, value: bytes) -> Verdict:
@@ -58,10 +58,10 @@ def check(scope: Scope, value: bytes) -> Verdict:
     assert auth is not None
     found = auth.verify(scope["method"], target_path(scope), value.decode("latin-1"), frozenset({auth.node_id}))
     if isinstance(found, Refusal):
-        return Verdict(status=401, message=found.value, code=ErrorCode.invalid_internal_token.value)
+        return Verdict(status=401, message=found.value, code=ErrorCode.invalid_internal_token)
     if not is_internal_route(scope["method"], scope["path"]):
         return Verdict(status=403, message=f"{scope['method']} {scope['path']} is not a call nodes make of each "
-                       "other; use an admin API key", code=ErrorCode.internal_route_forbidden.value)
+                       "other; use an admin API key", code=ErrorCode.internal_route_forbidden)
     return Verdict(claim=found)
 
 

@@ -51,7 +51,9 @@ def declared_length(scope: Scope) -> int | None:
     return None
 
 
-async def send_error(send: Send, status: int, message: str, code: str, kind: str = "invalid_request_error") -> None:
+async def send_error(send: Send, status: int, message: str, code: ErrorCode,
+                     kind: str = "invalid_request_error") -> None:
+    """A refusal answered before any route runs, in the native body; the code is always one of ErrorCode's."""
     body = json.dumps(error_body(message, kind=kind, code=code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

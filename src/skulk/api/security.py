@@ -260,11 +260,12 @@ class SecurityMiddleware:
             return
         verdict = internal_gate.check(scope, signed)
         if verdict.claim is None:
+            assert verdict.code is not None, "a verdict without a claim is a refusal, which names its code"
             await send_error(send, verdict.status, verdict.message, verdict.code, kind_for(verdict.status))
             return
         checked = await internal_gate.verified_body(verdict.claim, receive, self.max_body_bytes)
         if checked is None:
-            await send_error(send, 401, Refusal.body.value, "invalid_internal_token", "authentication_error")
+            await send_error(send, 401, Refusal.body.value, ErrorCode.invalid_internal_token, "authentication_error")
             return
         token = CURRENT.set(INTERNAL)
         try:
@@ -278,20 +279,20 @@ class SecurityMiddleware:
         key = presented_key(headers)
         return Principal(self.keys.access_of(key), fingerprint(key) if key else None)
 
-    def place_refusal(self, method: str, headers: dict[bytes, bytes]) -> tuple[int, str, str, str] | None:
+    def place_refusal(self, method: str, headers: dict[bytes, bytes]) -> tuple[int, str, ErrorCode, str] | None:
         """The Host and Origin checks every request passes, a signed node's call too."""
         host = headers.get(b"host", b"").decode("latin-1")
         if not self.names.allows(host_name_of(host)):
             return (400, f"Host {host!r} is not this node; add it with --allowed-host (SKULK_ALLOWED_HOSTS) if it "
-                    "is a name of this machine", "host_not_allowed", "invalid_request_error")
+                    "is a name of this machine", ErrorCode.host_not_allowed, "invalid_request_error")
         origin = headers.get(b"origin", b"").decode("latin-1").rstrip("/")
         if method in STATE_CHANGING and origin and origin.lower() not in self.origins and not same_origin(
                 origin, host):
             return (403, f"Origin {origin!r} may not change anything here; allow it with --cors-origin",
-                    "origin_not_allowed", "permission_error")
+                    ErrorCode.origin_not_allowed, "permission_error")
         return None
 
-    def refusal(self, method: str, path: str, headers: dict[bytes, bytes]) -> tuple[int, str, str, str] | None:
+    def refusal(self, method: str, path: str, headers: dict[bytes, bytes]) -> tuple[int, str, ErrorCode, str] | None:
         """None, or (status, message, code, kind) for the first check the request fails."""
         if (placed := self.place_refusal(method, headers)) is not None:
             return placed
@@ -299,16 +300,16 @@ class SecurityMiddleware:
         if needed is Access.NONE or method == "OPTIONS":
             if (method, path) == ("GET", "/node_id") and self.guarded and not self.node_id_bucket.take():
                 return (429, "GET /node_id is answered at most a few times a second on a keyed node; retry later",
-                        "rate_limited", "rate_limit_error")
+                        ErrorCode.rate_limited, "rate_limit_error")
             return None
         got = self.principal(headers).access
         if got is Access.NONE:
             return (401, "an API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                    "missing_api_key" if presented_key(headers) is None else "invalid_api_key",
+                    ErrorCode.missing_api_key if presented_key(headers) is None else ErrorCode.invalid_api_key,
                     "authentication_error")
         if got < needed:
             return (403, f"{method} {path} needs an admin key (--admin-key); this key may only run inference",
-                    "admin_key_required", "permission_error")
+                    ErrorCode.admin_key_required, "permission_error")
         return None
 
 
