@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 from skulk.config import Settings
 from skulk.runner.spec import RunnerSpec
 from skulk.types.diagnostics import FlightRecorderEntry, Milestone, MlxMemorySnapshot
-from skulk.types.diagnostics_bundle import ClusterTimelineRunner
+from skulk.types.diagnostics_bundle import ClusterTimelineRunner, SkippedDesiredEntry
 from skulk.types.ids import InstanceId, NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance, Sharding
 from skulk.types.memory import Memory
@@ -129,6 +130,8 @@ class FakeNode:
     settings: Settings = field(default_factory=lambda: Settings(config=Path("/nonexistent/skulk.yaml")))
     tracing_enabled: bool = False
     departed_peers: dict[NodeId, Any] = field(default_factory=dict)
+    event_log: Any = None
+    desired_skipped: Callable[[], Sequence[SkippedDesiredEntry]] = tuple
 
 
 def timeline_runner(

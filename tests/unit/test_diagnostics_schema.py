@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from types import SimpleNamespace
 
 from skulk.diagnostics.cluster import collect_cluster
 from skulk.diagnostics.node_bundle import build_node_bundle
 from skulk.diagnostics.supervisor_view import supervisor_diagnostics, timeline_runner
 from skulk.diagnostics.timeline import merge_timeline
-from skulk.types.diagnostics_bundle import ClusterDiagnostics, NodeDiagnostics
+from skulk.types.diagnostics_bundle import ClusterDiagnostics, NodeDiagnostics, SkippedDesiredEntry
 from skulk.types.ids import NodeId
 
 from . import seed_fields as seeds
@@ -56,6 +57,20 @@ def test_node_bundle_matches_seed_002() -> None:
     assert NodeDiagnostics.model_validate(wire) == NodeDiagnostics.model_validate_json(
         NodeDiagnostics.model_validate(wire).model_dump_json()
     )
+
+
+def test_node_bundle_reads_the_event_log_and_skipped_desired_entries_from_its_source() -> None:
+    """The bundle reads the node's typed event_log and desired_skipped: a counting-only log is a critical warning
+    and the skipped entries are listed (neither is probed for, so a renamed attribute fails here)."""
+    node = _node()
+    assert [w.code for w in build_node_bundle(node, NOW).warning_details if w.code == "event_log_counting_only"] == []
+    node.event_log = SimpleNamespace(counting_only=True, counting_reason="ENOSPC", counted_only=7)
+    skipped = SkippedDesiredEntry(entry="metaInstances.m1", reason="unknown model")
+    node.desired_skipped = lambda: [skipped]
+    bundle = build_node_bundle(node, NOW)
+    (warning,) = [w for w in bundle.warning_details if w.code == "event_log_counting_only"]
+    assert warning.severity == "critical" and "7 events counted" in warning.message
+    assert bundle.desired_state_skipped == [skipped]
 
 
 def test_cluster_bundle_matches_seed_002_with_an_unreachable_peer() -> None:

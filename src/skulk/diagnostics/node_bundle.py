@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Protocol
 
@@ -30,6 +30,7 @@ from skulk.types.diagnostics_bundle import (
     ResourceDiagnostics,
     RunnerSupervisorDiagnostics,
     RuntimeDiagnostics,
+    SkippedDesiredEntry,
     TaskDiagnostics,
 )
 from skulk.types.ids import NodeId, RunnerId
@@ -38,8 +39,19 @@ from skulk.types.state import State
 from skulk.worker import node_info
 
 
+class CountingLog(Protocol):
+    """What the bundle reads of the node's event log (eventlog.EventLog): whether it only counts, and why."""
+
+    @property
+    def counting_only(self) -> bool: ...
+    @property
+    def counting_reason(self) -> str | None: ...
+    @property
+    def counted_only(self) -> int: ...
+
+
 class BundleSource(Protocol):
-    """What the bundle needs from the node: a read-only subset of DiagnosticsHandle."""
+    """What the bundle needs from the node (api.services.ApiServices gives it): typed, never probed for."""
 
     @property
     def node_id(self) -> NodeId: ...
@@ -53,6 +65,12 @@ class BundleSource(Protocol):
     def supervisors(self) -> Mapping[RunnerId, SupervisorLike]: ...
     @property
     def tracing_enabled(self) -> bool: ...
+    @property
+    def event_log(self) -> CountingLog | None:
+        """None when the node keeps no event log (event_log.enabled off)."""
+        ...
+    @property
+    def desired_skipped(self) -> Callable[[], Sequence[SkippedDesiredEntry]]: ...
 
 
 def _env_flag(name: str) -> bool:
@@ -154,7 +172,7 @@ def placements(
 
 def event_log_warnings(source: BundleSource) -> list[DiagnosticWarning]:
     """The event log's counting-only mode (runbook 004) is node-local: only the node's own bundle can say it."""
-    event_log = getattr(source, "event_log", None)
+    event_log = source.event_log
     if event_log is None or not event_log.counting_only:
         return []
     message = (f"event log counting-only ({event_log.counting_reason}): {event_log.counted_only} events counted, "
@@ -184,7 +202,7 @@ def assemble(
         placements=placements(state, source.node_id, master, found),
         warnings=[str(w) for w in found if w.instance_id is None],
         warning_details=found,
-        desired_state_skipped=list(getattr(source, "desired_skipped", tuple)()),
+        desired_state_skipped=list(source.desired_skipped()),
     )
 
 
