@@ -19,10 +19,9 @@ from skulk.api.ollama_show import TEMPLATE_FILES, chat_template_text
 from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolFormat
 from skulk.formats.tool_parsers import pick_parser
-from skulk.models.cards import get_card
+from skulk.state.queries import card_of
 from skulk.types.chat import ChatCompletionRequest, ChatMessage, ToolCall
 from skulk.types.errors import ApiError, ErrorCode
-from skulk.types.ids import ModelId
 
 UNMET_STATUS = ErrorCode.tool_choice_unmet.status
 """A forced tool choice the reply does not keep: not retryable (SDKs retry 5xx; the same request fails the same)."""
@@ -116,7 +115,7 @@ def tool_family(node: ApiServices, request: ChatCompletionRequest) -> ToolFormat
     if not request.tools or request.tool_choice == "none":
         return None
     schemas = {t.function.name: t.function.parameters for t in request.tools if t.function.parameters}
-    card = get_card(request.model) or node.state.model_cards.get(ModelId(request.model))
+    card = card_of(node.state, request.model)
     if card is None:
         return ToolFormat("", schemas)
     template = "" if card.tool_parser is not None else _template_of(model_dir(node, card))

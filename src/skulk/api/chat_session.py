@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from skulk.api.model_facts import card_of, not_served
+from skulk.api.model_facts import not_served
 from skulk.api.model_kinds import refuse_embedding_model
 from skulk.api.patience import next_chunk
 from skulk.api.requests import Silent, WrongKind, stream_error
@@ -14,8 +14,7 @@ from skulk.api.services import ApiServices
 from skulk.api.serving_metrics import Generation, instance_of
 from skulk.cluster.dataplane import ChunkStream
 from skulk.master.decide import failed_for_good, instance_failed_message
-from skulk.models.cards import get_card
-from skulk.state.queries import served_context
+from skulk.state.queries import card_of, served_context
 from skulk.types.chat import ChatCompletionRequest
 from skulk.types.chunks import Chunk, EmbeddingChunk, ErrorChunk, TokenChunk
 from skulk.types.commands import StartChatCompletion
@@ -117,7 +116,7 @@ def require_instance(node: ApiServices, model: str) -> None:
 
 def check_top_k(node: ApiServices, request: ChatCompletionRequest) -> None:
     """top_k is bounded by the model's vocabulary where its card knows it (422, like every other bound)."""
-    card = get_card(request.model) or node.state.model_cards.get(ModelId(request.model))
+    card = card_of(node.state, request.model)
     vocab = card.vocab_size if card is not None else None
     if vocab is not None and request.top_k is not None and request.top_k > vocab:
         raise ApiError(ErrorCode.invalid_request,
@@ -133,7 +132,7 @@ async def start_chat(node: ApiServices, request: ChatCompletionRequest) -> ChatS
     check_top_k(node, request)
     command_id = CommandId(new_id())
     OWNERS.claim(command_id)  # only this key (or an admin) may cancel it by id
-    card = card_of(node, request.model)
+    card = card_of(node.state, request.model)
     params = ChatCompletionTaskParams(model=ModelId(request.model), messages=request.messages,
                                       sampling=request.sampling(), tools=request.tool_specs(),
                                       template_kwargs=request.template_kwargs(),

@@ -20,19 +20,14 @@ from pathlib import Path
 from skulk.api.services import ApiServices
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import read_config, safetensors_header
-from skulk.models.cards import all_cards, get_card
+from skulk.models.cards import all_cards
+from skulk.state.queries import card_of
 from skulk.store.files import model_dir_name
-from skulk.types.ids import ModelId
 from skulk.types.models import ModelCard
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 BYTES_PER_PARAMETER = {"int4": 0.5, "int8": 1.0, "4": 0.5, "8": 1.0}
 DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
-
-
-def card_of(node: ApiServices, model_id: str) -> ModelCard | None:
-    """The model's card: the built-in catalog's or one added to the cluster (POST /models/add, an import)."""
-    return get_card(model_id) or node.state.model_cards.get(ModelId(model_id))
 
 
 def served_cards(node: ApiServices) -> list[ModelCard]:
@@ -44,7 +39,7 @@ def served_cards(node: ApiServices) -> list[ModelCard]:
 
 def not_served(node: ApiServices, model_id: str) -> str:
     """The 404's message for a model without an instance: how to place it, or how to add it to the catalog."""
-    if card_of(node, model_id) is None:
+    if card_of(node.state, model_id) is None:
         return (f"model {model_id} is not known: GET /models lists the catalog, and POST /models/add "
                 f'{{"model_id": "org/name"}} adds a Hugging Face model to it')
     return (f"model {model_id} is not placed: place it with POST /place_instance "

@@ -7,14 +7,10 @@ that can do what was asked (placed ones first, as they answer now) instead of a 
 from __future__ import annotations
 
 from skulk.api.services import ApiServices
-from skulk.models.cards import all_cards, get_card
+from skulk.models.cards import all_cards
+from skulk.state.queries import card_of
 from skulk.types.errors import ApiError, ErrorCode
-from skulk.types.ids import ModelId
 from skulk.types.models import ModelCard
-
-
-def _card(node: ApiServices, model: str) -> ModelCard | None:
-    return get_card(model) or node.state.model_cards.get(ModelId(model))
 
 
 def _cards(node: ApiServices) -> list[ModelCard]:
@@ -33,7 +29,7 @@ def _who_can(node: ApiServices, *, embeds: bool) -> str:
 
 def embedding_card(node: ApiServices, model: str) -> ModelCard:
     """The card of an embedding model; 404 for an unknown model, 400 for one that generates text."""
-    card = _card(node, model)
+    card = card_of(node.state, model)
     if card is None:
         raise ApiError(ErrorCode.model_not_found,
                        f"model {model} is unknown; models that embed: {_who_can(node, embeds=True)}")
@@ -46,7 +42,7 @@ def embedding_card(node: ApiServices, model: str) -> ModelCard:
 
 def refuse_embedding_model(node: ApiServices, model: str) -> None:
     """For every text API: an embedding model cannot chat (400 naming the models that can)."""
-    card = _card(node, model)
+    card = card_of(node.state, model)
     if card is not None and card.embeds:
         raise ApiError(ErrorCode.model_not_chat,
                        f"{model} is an embedding model and cannot generate text; send it to POST "

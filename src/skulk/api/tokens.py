@@ -13,13 +13,11 @@ from typing import TYPE_CHECKING
 
 from skulk.api.services import ApiServices
 from skulk.engines.errors import PromptRejected
-from skulk.models.cards import get_card
 from skulk.runner.admission import context_refusal
-from skulk.state.queries import served_context
+from skulk.state.queries import card_of, served_context
 from skulk.store.files import model_dir_name
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.errors import ApiError, ErrorCode
-from skulk.types.ids import ModelId
 
 if TYPE_CHECKING:
     from skulk.engines.torch.tokenizer import ChatTokenizer
@@ -63,7 +61,7 @@ async def count_chat_tokens(node: ApiServices, model_id: str, messages: list[Cha
 def check_context(node: ApiServices, model_id: str, prompt_tokens: int) -> None:
     """A prompt the runners would refuse is refused here too, with their message and the advertised limit
     (state.queries.served_context), so count_tokens never answers a count the model cannot take."""
-    card = get_card(model_id) or node.state.model_cards.get(ModelId(model_id))
+    card = card_of(node.state, model_id)
     if card is None:
         return
     refusal = context_refusal(prompt_tokens, SamplingParams(), served_context(node.state, card))

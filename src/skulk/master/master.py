@@ -22,10 +22,10 @@ from skulk.master.decide import (
     events_for_unhealthy_instances,
 )
 from skulk.master.placement import RENDEZVOUS_PORTS, new_rendezvous_port, rendezvous_ports
-from skulk.models.cards import get_card
 from skulk.state.apply import apply
 from skulk.state.desired import DesiredState
 from skulk.state.desired_offer import OFFER_WINDOW_S, offer_events, own_copy_events
+from skulk.state.queries import card_of
 from skulk.structured_log import log_context
 from skulk.types.chunks import ErrorChunk
 from skulk.types.commands import (
@@ -208,7 +208,7 @@ class Master:
 
     def _card_of(self, model_id: ModelId) -> ModelCard | None:
         """Packaged cards, then the custom ones any node added (they live in state)."""
-        return get_card(model_id) or self.state.model_cards.get(model_id)
+        return card_of(self.state, model_id)
 
     def _place_meta(self, command: CreateMetaInstance) -> None:
         """Placed at once if possible; the state is re-read here, so a reconcile that already placed it wins."""

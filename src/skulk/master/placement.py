@@ -37,7 +37,8 @@ from skulk.master.shard_plan import (
     plan_ring,
 )
 from skulk.master.speed import step_s_per_gb
-from skulk.models.cards import get_card, with_kv_bits
+from skulk.models.cards import with_kv_bits
+from skulk.state.queries import card_of
 from skulk.types.backends import EngineChoice, EngineName
 from skulk.types.ids import InstanceId, NodeId, RunnerId
 from skulk.types.instances import (
@@ -257,7 +258,7 @@ def draft_card(state: State, card: ModelCard) -> ModelCard | None:
     runner then finds no files for it either, unless copied in by hand)."""
     if card.draft_model is None:
         return None
-    return get_card(card.draft_model) or state.model_cards.get(card.draft_model)
+    return card_of(state, card.draft_model)
 
 
 def _best_valid(valid: Sequence[_Candidate]) -> _Candidate:

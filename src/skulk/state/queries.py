@@ -3,10 +3,19 @@ it hands a task to its runners): answered once here."""
 
 from __future__ import annotations
 
+from skulk.models.cards import get_card
+from skulk.types.ids import ModelId
 from skulk.types.instances import MlxRingInstance
 from skulk.types.models import ModelCard
 from skulk.types.runners import RunnerReady, RunnerRunning
 from skulk.types.state import State
+
+
+def card_of(state: State, model_id: str) -> ModelCard | None:
+    """A model's card, the one lookup every layer uses: the packaged catalog's (with the custom cards this node
+    loaded or learned), else one a node added to the cluster (POST /models/add, an import), which the state
+    carries."""
+    return get_card(model_id) or state.model_cards.get(ModelId(model_id))
 
 
 def is_serving(state: State, instance: MlxRingInstance) -> bool:
