@@ -2,12 +2,20 @@
 
 skulk.yaml is validated strictly: an unknown key or a wrong type stops the node with a message that names the
 file, the key and what is allowed, because a silently ignored typo (`staging_keep_recnt_gb`) would leave an
-operator believing a budget is in force that is not. Every setting of the node goes through `resolve` (file,
-environment, flag), so this module is the one place that says what a node can be told. Not settings, and read
-where they act: the runner's switches for tests and tuning (SKULK_FAULT, SKULK_POISON, SKULK_SCRIPT,
-SKULK_LINK_DELAY_MS, SKULK_AMX, SKULK_SPECULATE, SKULK_FLIGHT_RECORDER, SKULK_READY, SKULK_ENGINES,
-SKULK_GROUP_TIMEOUT_SECONDS, SKULK_WARMUP_DEADLINE_SECONDS, SKULK_MODEL_CACHE, SKULK_SPARE_AFTER_S), the
-default KV bits (SKULK_KV_CACHE_BITS) and the CLI client's SKULK_API_KEY.
+operator believing a budget is in force that is not. Every `Settings` field goes through `resolve` (file,
+environment as SKULK_<FIELD> or its ENV_ALIASES/NESTED_ENV name, flag), so this module says what a node's
+settings are; SKULK_ENGINES, SKULK_FAULT, SKULK_FLIGHT_RECORDER, SKULK_GROUP_TIMEOUT_SECONDS,
+SKULK_WARMUP_DEADLINE_SECONDS and SKULK_KV_CACHE_BITS are such settings.
+
+Not every environment variable goes through `resolve`: a few are read directly where they act, in the process
+that acts on them (a runner inherits the node's environment). Tuning and test switches: SKULK_LINK_DELAY_MS
+(engines/link_delay.py), SKULK_AMX (engines/torch/cpu_kernels.py), SKULK_SPECULATE (engines/torch/core.py),
+SKULK_SPARE_AFTER_S (worker/spare.py), SKULK_MODEL_CACHE (models/packaged.py); SKULK_KV_CACHE_BITS is read again
+by a torch engine built outside placement (engines/torch/core.kv_bits_or_default); OLLAMA_MODELS by
+`skulk models import` (models/ollama_store.py). Others are other libraries' own (GLOO_SOCKET_IFNAME, which a
+runner sets when unset; GOMP_SPINCOUNT, defaulted in runners; zenoh's RUST_LOG). SKULK_POISON and SKULK_SCRIPT
+are markers in a prompt (runner/fault.py), SKULK_READY a line the node prints, and SKULK_API_KEY only the shell
+variable in the example command the node prints (announce.py): none of them is read from the environment.
 """
 
 from __future__ import annotations

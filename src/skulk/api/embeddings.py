@@ -25,6 +25,7 @@ from starlette.responses import Response
 from skulk.api.chat_session import require_instance
 from skulk.api.claude import parse_body
 from skulk.api.disconnect import unless_disconnected
+from skulk.api.errors import ollama_error
 from skulk.api.model_kinds import check_dimensions, embedding_card
 from skulk.api.openapi import documented
 from skulk.api.patience import next_chunk
@@ -131,7 +132,7 @@ async def legacy_embedding_for_ollama(node: ApiServices, http: Request) -> Respo
         body = await parse_body(http, OllamaLegacyEmbedRequest)
         return await unless_disconnected(http, _ollama_legacy(node, body))
     except ApiError as exc:
-        return JSONResponse({"error": exc.message}, status_code=exc.status)
+        return ollama_error(exc)
 
 
 async def embed_for_ollama(node: ApiServices, http: Request) -> Response:
@@ -141,7 +142,7 @@ async def embed_for_ollama(node: ApiServices, http: Request) -> Response:
         body = await parse_body(http, OllamaEmbedRequest)  # the whole body first: then only a disconnect can come
         return await unless_disconnected(http, _ollama(node, body))
     except ApiError as exc:
-        return JSONResponse({"error": exc.message}, status_code=exc.status)
+        return ollama_error(exc)
 
 
 def embeddings_router(node: ApiServices) -> APIRouter:
