@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a Skulk node: pool this machine's memory with the other nodes of the cluster and "
         "serve OpenAI-compatible APIs. Precedence: flag > environment > skulk.yaml > default.",
         epilog="other commands: `skulk models --help` (the catalog, downloads, imports), `skulk diag --help` "
-        "(a cluster's diagnostics), `skulk keygen` (a new cluster key)",
+        "(a cluster's diagnostics), `skulk keygen` (a new cluster key), `skulk service install|status|uninstall` "
+        "(run the node as a systemd or launchd service)",
     )
     parser.add_argument("--version", action="version", version=f"skulk {__version__}")
     parser.add_argument("--api-port", type=int, help=f"HTTP API port (SKULK_API_PORT, default {_default('api_port')})")
@@ -134,6 +135,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# start every node of the cluster with the same key: skulk --cluster-key {key}", file=sys.stderr)
         print(f"#   (or SKULK_CLUSTER_KEY={key}, or the line above in skulk.yaml)", file=sys.stderr)
         return
+    if args and args[0] == "service":
+        from skulk.service import main as service_main
+
+        raise SystemExit(service_main(args[1:]))
     if args and args[0] == "models":
         from skulk.models.cli import main as models_main
 
