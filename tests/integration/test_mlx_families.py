@@ -1,4 +1,4 @@
-"""Families only the MLX engine runs, end to end on real node processes: seeded random checkpoints in their real
+"""The families that need a cluster, end to end on real node processes: seeded random checkpoints in their real
 Hugging Face layouts (float32, since mlx[cpu]'s GatherMM takes float32 only), served from the local stand-in hub:
 - DeepSeek-V3 (transformers 5's DeepseekV3ForCausalLM: 3 layers, the first dense and two MoE with 8 routed experts
   and a shared one, MLA attention): on one rank, as a Pipeline over two nodes and as Tensor over two (mlx-lm's
@@ -6,9 +6,10 @@ Hugging Face layouts (float32, since mlx[cpu]'s GatherMM takes float32 only), se
 - Qwen3-Next (Qwen3NextForCausalLM: 3 gated-DeltaNet layers and 1 attention layer, MoE): as a Pipeline over two
   nodes (mlx-lm's stack re-indexes its first attention layer in the second rank's slice), and Tensor refused (no
   shard()).
-Each gives the 16 greedy tokens, with their logprobs, of transformers' own forward on the same prompt ids. A
-cluster whose only node runs torch accepts the card but refuses its placement naming the MLX engine and what to
-install. One hub and one set of nodes for the module."""
+Each gives the 16 greedy tokens, with their logprobs, of transformers' own forward on the same prompt ids. The
+torch engine runs the family too, through transformers' own modeling (engines/torch/fallback.py): a node whose
+only engine is torch places it on one rank and gives the same tokens; two torch ranks are refused naming the way
+out. One hub and one set of nodes for the module."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from typing import Any
 import pytest
 
 from skulk.testing.nodes import LocalNode
-from skulk.types.backends import INSTALL
 from tests.fake_hub import RunningHub
 
 from .harness import Cluster, instance_ready, place, wait_until
@@ -32,7 +32,6 @@ pytestmark = pytest.mark.timeout(240)
 
 MODEL = "org/tiny-deepseek-v3"
 NEXT = "org/tiny-qwen3-next"
-MLX_ONLY = ["mlx", "mlx-metal", "mlx-cpu"]
 TOKENS = 16
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -179,13 +178,14 @@ def serve_and_compare(served: Served, model: str = MODEL, **body: Any) -> dict[s
     return instance
 
 
-def test_the_card_is_mlx_only(served: Served) -> None:
+def test_the_card_is_open_to_both_engines(served: Served) -> None:
     node = served.mlx[0]
     status, added = node.post("/models/add", {"model_id": MODEL})
     assert status == 200, added
-    assert added["compatible_backends"] == MLX_ONLY and added["family"] == "deepseek_v3"
+    assert added["compatible_backends"] is None and added["family"] == "deepseek_v3"
+    assert added["torch_runtime"] == "transformers"
     card = wait_until(lambda: node.get("/state")["modelCards"].get(MODEL), 30, "the card in the cluster's state")
-    assert card["compatibleBackends"] == MLX_ONLY and card["nLayers"] == 3
+    assert card["compatibleBackends"] is None and card["torchRuntime"] == "transformers" and card["nLayers"] == 3
     assert (card["numKeyValueHeads"], card["headDim"]) == (4, 24), "MLA: per-head keys of nope + rope"
 
 
@@ -210,19 +210,30 @@ def test_qwen3_next_over_two_mlx_nodes_gives_transformers_tokens(served: Served)
     caches."""
     node = served.mlx[0]
     status, added = node.post("/models/add", {"model_id": NEXT})
-    assert status == 200 and added["compatible_backends"] == MLX_ONLY and added["family"] == "qwen3_next", added
+    assert status == 200 and added["compatible_backends"] is None and added["family"] == "qwen3_next", added
     instance = serve_and_compare(served, NEXT, min_nodes=2, sharding="Pipeline")
     assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
     status, reply = node.post("/place_instance", {"model_id": NEXT, "min_nodes": 2, "sharding": "Tensor"})
     assert status == 400 and "mlx-lm cannot split model" in str(reply) and "no shard()" in str(reply), reply
 
 
-def test_a_torch_only_cluster_refuses_it_naming_the_mlx_engine(served: Served) -> None:
+def test_a_torch_only_node_runs_it_through_transformers(served: Served) -> None:
+    """auto puts it on torch where torch is all there is: one rank, transformers' own modeling, the same tokens
+    and logprobs; the MLX cluster's nodes have torch too, and two torch ranks are refused with the way out."""
     node = served.torch_only
     assert node.get("/state")["nodeBackends"][node.node_id] == ["torch", "torch-cpu"]
     status, added = node.post("/models/add", {"model_id": MODEL})
-    assert status == 200 and added["compatible_backends"] == MLX_ONLY, added
-    status, reply = node.post("/place_instance", {"model_id": MODEL})
+    assert status == 200 and added["compatible_backends"] is None, added
+    placed = place(node, MODEL)
+    instance = next(iter(placed["instance"].values()))
+    assert instance["engine"] == "torch" and len(instance["shardAssignments"]["nodeToRunner"]) == 1
+    try:
+        wait_until(lambda: instance_ready(node, placed["instanceId"]), 150, "the torch fallback to be ready",
+                   lambda: node.log_tail(30))
+        assert_same_tokens(greedy(node, MODEL), served.expected[MODEL])
+    finally:
+        with node.client() as client:
+            assert client.delete(f"/instance/{placed['instanceId']}").status_code == 200
+    status, reply = served.mlx[0].post("/place_instance", {"model_id": MODEL, "min_nodes": 2, "engine": "torch"})
     said = str(reply)
-    assert status == 400 and "cannot run the mlx engine" in said and INSTALL["mlx"] in said, reply
-    assert "engine torch" not in said
+    assert status == 400 and "through transformers' modeling, which does not split" in said, reply

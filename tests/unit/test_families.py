@@ -11,10 +11,11 @@ import pytest
 
 from skulk.engines import mlx as mlx_engine
 from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES
+from skulk.master.placement import preview_placements
 from skulk.models.catalog import UnsupportedArchitecture, card_from_config
 from skulk.models.families import MlxRegistry, attention_shape, engines_running, refusal
 from skulk.types.backends import INSTALL, BackendTag, allows, backends_for
-from skulk.types.instances import MlxRingInstance
+from skulk.types.instances import InstanceMeta, MlxRingInstance, Sharding
 from skulk.types.placement import EngineUnavailable
 from tests.unit.test_engine_choice import LINUX, LINUX_MLX, MAC, cluster, do_place
 from tests.unit.test_placement import card
@@ -202,3 +203,59 @@ def test_transformers_5_config_names_are_given_to_mlx_lm_as_published(tmp_path: 
     assert published_fields(tmp_path) == {"partial_rotary_factor": 0.25, "rope_scaling": None}  # theta stays
     (tmp_path / "config.json").write_text("{not json")
     assert published_fields(tmp_path) == {}
+
+
+UNQUANTIZED_V3 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
+"""DeepSeek-V3's shape as a bf16 checkpoint (the published one is FP8): what transformers' modeling runs on CPU."""
+
+
+def test_the_torch_engine_runs_other_families_through_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family transformers builds as a causal LM, saved from that class and unquantized, is accepted on torch
+    too (its card open to every engine, labelled transformers); with MLX absent it is torch's alone."""
+    from skulk.engines.torch.fallback_types import causal_lm_classes
+
+    assert causal_lm_classes()["deepseek_v3"] == "DeepseekV3ForCausalLM"
+    monkeypatch.setattr(mlx_engine, "model_registry", lambda: TOY)
+    made = card_from_config("x/deepseek-v3-bf16", UNQUANTIZED_V3, 1)
+    assert made.compatible_backends is None and made.torch_runtime == "transformers"
+    assert made.model_dump(by_alias=True)["torchRuntime"] == "transformers"
+    monkeypatch.setattr(mlx_engine, "model_registry", lambda: None)
+    nemotron = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "num_hidden_layers": 4,
+                "hidden_size": 64, "num_attention_heads": 4}
+    alone = card_from_config("x/nemotron-h", nemotron, 1)
+    assert alone.compatible_backends == ["torch", "torch-cpu", "torch-cuda"] and alone.torch_runtime == "transformers"
+    native = card_from_config("Qwen/Qwen3-0.6B", {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 8,
+                                                  "num_attention_heads": 2}, 1)
+    assert native.torch_runtime == "native"
+
+
+@pytest.mark.parametrize(("config", "why"), [
+    (DEEPSEEK_V3, "its weights are fp8, and the transformers fallback runs unquantized checkpoints only"),
+    ({**UNQUANTIZED_V3, "architectures": ["DeepseekV3ForConditionalGeneration"]},
+     "its architectures (DeepseekV3ForConditionalGeneration) are not a causal LM transformers builds"),
+    ({**UNQUANTIZED_V3, "model_type": "made_up"}, "transformers has no causal LM for 'made_up'"),
+])
+def test_the_fallback_refuses_what_transformers_cannot_read_here(
+    monkeypatch: pytest.MonkeyPatch, config: dict[str, Any], why: str
+) -> None:
+    monkeypatch.setattr(mlx_engine, "model_registry", lambda: None)
+    with pytest.raises(UnsupportedArchitecture) as caught:
+        card_from_config("x/m", config, 1)
+    assert why in str(caught.value) and "through transformers' modeling" in str(caught.value)
+
+
+def test_a_fallback_family_is_placed_on_one_torch_node_and_split_only_over_mlx() -> None:
+    """transformers' modeling has no split: two torch ranks are refused with the way out; auto prefers mlx-lm's
+    own model where a node has MLX; a ring of MLX nodes splits it."""
+    fallback = card(family="deepseek_v3", compatible_backends=None, torch_runtime="transformers")
+    one = do_place(cluster(a=LINUX), c=fallback)
+    assert isinstance(one, MlxRingInstance) and one.engines() == {"a": "torch"}
+    refused = do_place(cluster(a=LINUX, b=LINUX), c=fallback, min_nodes=2)
+    assert isinstance(refused, EngineUnavailable) and refused.http_status == 400
+    assert "through transformers' modeling, which does not split" in refused.describe()
+    assert do_place(cluster(a=LINUX_MLX), c=fallback).engines() == {"a": "mlx"}  # type: ignore[union-attr]
+    split = do_place(cluster(a=LINUX_MLX, b=LINUX_MLX), c=fallback, min_nodes=2)
+    assert isinstance(split, MlxRingInstance) and set(split.engines().values()) == {"mlx"}
+    previews = preview_placements(cluster(a=LINUX, b=LINUX_MLX), fallback, Sharding.Pipeline, InstanceMeta.MlxRing)
+    assert {p.node_ids[0]: p.nodes[0].modeling for p in previews if len(p.node_ids) == 1} == {
+        "a": "transformers", "b": "native"}  # a runs it on torch, b on MLX

@@ -1,7 +1,8 @@
 """Which engine a ring runs a model with: the node's advertised backend tags, the card's filter and preference,
 and the request's `engine` (types/backends.py). Pure functions of their arguments, like placement.
 
-`auto` gives each node its best engine: the card's backend_preference, then MLX on Metal, then torch, then MLX;
+`auto` gives each node its best engine: the card's backend_preference, then MLX on Metal or where torch would run
+the family only through transformers' modeling (its fallback), then torch, then MLX;
 the first the node can run and the card allows (a family only mlx-lm runs is carded MLX-only: models/families.py).
 Where the nodes of a Pipeline ring differ, the instance is mixed (`choose_engines`): each rank runs its node's
 engine and every rank speaks the torch engine's group wire (engines/mlx/mixed.py). Otherwise every rank runs one
@@ -35,6 +36,12 @@ def mlx_splits(card: ModelCard, sharding: Sharding | None, ranks: int) -> bool:
     return sharding == Sharding.Pipeline and uniform_layers(kinds, card.n_layers, card.sliding_layers)
 
 
+def torch_splits(card: ModelCard, ranks: int) -> bool:
+    """The torch engine can run the card's family over this many ranks: any number where it runs the family
+    natively; one where it runs it through transformers' modeling (ModelCard.torch_runtime), which has no split."""
+    return ranks == 1 or card.torch_runtime == "native"
+
+
 def node_tags(backends: Mapping[NodeId, list[BackendTag]], node: NodeId) -> list[BackendTag]:
     return backends.get(node, LEGACY_TAGS)
 
@@ -54,7 +61,8 @@ def _order(card: ModelCard, choice: EngineChoice, ring_tags: Sequence[Sequence[s
         if engine is not None:
             order.append(engine)
     metal = bool(ring_tags) and all("mlx-metal" in tags for tags in ring_tags)
-    order += ("mlx", "torch") if metal else ("torch", "mlx")
+    mlx_first = metal or card.torch_runtime == "transformers"  # mlx-lm's own model beats the slow fallback
+    order += ("mlx", "torch") if mlx_first else ("torch", "mlx")
     order += ENGINES
     allowed: list[EngineName] = [e for e in order if allows(card.compatible_backends, e)]
     return list(dict.fromkeys(allowed + order))  # a refusal names an engine the card allows
@@ -72,23 +80,32 @@ def choose_engine(
     lacks the wanted engine (auto: the first engine in order)."""
     tags = [node_tags(backends, n) for n in ring]
     order = _order(card, choice, tags)
-    splits = mlx_splits(card, sharding, len(ring))
+    splits: dict[EngineName, bool] = {"mlx": mlx_splits(card, sharding, len(ring)),
+                                      "torch": torch_splits(card, len(ring))}
     for engine in order:
-        if all(runs(card, t, engine) for t in tags) and (engine != "mlx" or splits):
+        if all(runs(card, t, engine) for t in tags) and splits[engine]:
             return engine
-    wanted = order[0]
+    wanted = next((e for e in order if all(runs(card, t, e) for t in tags)), order[0])  # then only a split fails
     node, have = next(((n, t) for n, t in zip(ring, tags, strict=True) if not runs(card, t, wanted)),
                       (ring[0], tags[0]))
     detail = None
     if all(runs(card, t, wanted) for t in tags):
-        how = "Tensor" if sharding == Sharding.Tensor else "Pipeline"
-        detail = (f"mlx-lm cannot split model {card.model_id} ({card.family}) {how} over {len(ring)} ranks "
-                  f"({_why_not_split(card, how)}); place it on one node, with the other sharding, or with engine "
-                  "torch.")
+        detail = _split_refusal(card, wanted, sharding, len(ring))
     return EngineUnavailable(
         node_id=node, node_name=(names or {}).get(node), engine=wanted, requested=choice, advertised=list(have),
         model_id=card.model_id, compatible_backends=card.compatible_backends, detail=detail,
     )
+
+
+def _split_refusal(card: ModelCard, engine: EngineName, sharding: Sharding | None, ranks: int) -> str:
+    """Why this engine, which the ring's nodes have, cannot split the model over them."""
+    how = "Tensor" if sharding == Sharding.Tensor else "Pipeline"
+    if engine == "torch":
+        return (f"the torch engine runs {card.model_id} ({card.family}) through transformers' modeling, which "
+                f"does not split over ranks ({ranks} asked); place it on one node (min_nodes 1), or with engine "
+                "mlx on nodes that have it.")
+    return (f"mlx-lm cannot split model {card.model_id} ({card.family}) {how} over {ranks} ranks "
+            f"({_why_not_split(card, how)}); place it on one node, with the other sharding, or with engine torch.")
 
 
 def _why_not_split(card: ModelCard, how: str) -> str:
@@ -103,8 +120,9 @@ def _why_not_split(card: ModelCard, how: str) -> str:
 def mixable(card: ModelCard, sharding: Sharding | None, ranks: int) -> bool:
     """Ranks of different engines can share this instance: a Pipeline (hidden states cross between ranks; a
     Tensor rank's all_reduce inside every layer would need both engines' kernels in lockstep) of a family
-    mlx-lm can slice."""
-    return ranks > 1 and sharding == Sharding.Pipeline and mlx_splits(card, sharding, ranks)
+    mlx-lm can slice and the torch engine runs natively."""
+    return (ranks > 1 and sharding == Sharding.Pipeline and mlx_splits(card, sharding, ranks)
+            and torch_splits(card, ranks))
 
 
 def choose_engines(
@@ -144,6 +162,13 @@ def instance_engine_error(
             compatible_backends=card.compatible_backends,
             detail=f"ranks of different engines share only a Pipeline of a family mlx-lm can slice, not this "
                    f"{sharding} instance of {card.model_id} ({card.family}); give every rank one engine.")
+    if "torch" in engines.values() and not torch_splits(card, len(engines)):
+        node = next(n for n, e in engines.items() if e == "torch")
+        return EngineUnavailable(
+            node_id=node, node_name=(names or {}).get(node), engine="torch", requested="torch",
+            advertised=list(node_tags(backends, node)), model_id=card.model_id,
+            compatible_backends=card.compatible_backends,
+            detail=_split_refusal(card, "torch", sharding, len(engines)))
     for node, engine in engines.items():
         chosen = choose_engine(card, engine, [node], backends, names, None)
         if isinstance(chosen, EngineUnavailable):

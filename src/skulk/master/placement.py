@@ -426,7 +426,8 @@ def _preview(card: ModelCard, sharding: Sharding, meta: InstanceMeta, cand: _Can
             left_after=Memory.from_bytes(p.left_after),
             kv_pool=Memory.from_bytes(p.kv_pool),
             weights=Memory.from_bytes(p.weights_share),
-            engine=cand.engines[cand.ring.index(p.node_id)],
+            engine=(engine := cand.engines[cand.ring.index(p.node_id)]),
+            modeling="transformers" if engine == "torch" and card.torch_runtime == "transformers" else "native",
         )
         for rank, p in enumerate(cand.plans)
     ]

@@ -13,7 +13,14 @@ from typing import Any
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import check_config_numbers
 from skulk.models.cards import is_custom
-from skulk.models.families import architectures_of, attention_shape, engines_running, refusal, uniform_layers
+from skulk.models.families import (
+    architectures_of,
+    attention_shape,
+    engines_running,
+    fallback_refusal,
+    refusal,
+    uniform_layers,
+)
 from skulk.models.memory_math import card_memory, kinds_of
 from skulk.types.backends import ENGINES, EngineName, backends_for
 from skulk.types.ids import ModelId
@@ -47,6 +54,7 @@ def list_entry(
         "storage_size_megabytes": round(card.storage_size.in_bytes / MB),
         "supports_tensor": card.supports_tensor,
         "compatible_backends": card.compatible_backends,
+        "torch_runtime": card.torch_runtime,
         "tasks": list(card.tasks),
         "is_custom": is_custom(card.model_id),
         "family": card.family,
@@ -75,6 +83,7 @@ def card_from_config(
     if model_type in ENCODER_MODEL_TYPES:
         return encoder_card(model_id, config, weight_bytes)
     engines = _engines(model_id, config)
+    fallback = "torch" in engines and model_type not in native_types()
     module_of = (model_type, architectures_of(config))  # mlx-lm picks its module by the outer config
     from skulk.engines.torch.config import SLIDING, text_config, window_fields
 
@@ -110,6 +119,7 @@ def card_from_config(
         mlx_splits=_mlx_splits(module_of, engines, uniform_layers(kinds, n_layers, sliding)),
         builtin=False,
         compatible_backends=backends_for(engines),
+        torch_runtime="transformers" if fallback else "native",
     )
 
 
@@ -128,6 +138,13 @@ def _mlx_splits(
     return registry.splits(*module_of, uniform)
 
 
+def native_types() -> tuple[str, ...]:
+    """The families the torch engine runs with its own kernels (the rest it runs through transformers)."""
+    from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES
+
+    return SUPPORTED_MODEL_TYPES
+
+
 def _engines(model_id: str, config: dict[str, Any]) -> tuple[EngineName, ...]:
     """The engines that run this checkpoint (families.engines_running); UnsupportedArchitecture naming every
     engine when none does. A torch-native family runs on every engine (mlx-lm loads each of them) unless its
@@ -135,17 +152,26 @@ def _engines(model_id: str, config: dict[str, Any]) -> tuple[EngineName, ...]:
     mlx-lm's registry asked (the node's MLX probe, a child interpreter: a GGUF import never starts one)."""
     from skulk.engines import mlx as mlx_engine
     from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES
+    from skulk.engines.torch.fallback_types import causal_lm_classes
     from skulk.engines.torch.quant import quant_spec
 
     torch_reason = None
-    if str(config.get("model_type", "")) in SUPPORTED_MODEL_TYPES:
+    model_type = str(config.get("model_type", ""))
+    if model_type in SUPPORTED_MODEL_TYPES:
         try:
             quant_spec(config, None)
             return ENGINES
         except ValueError as exc:
             torch_reason = f"the torch engine cannot load it: {exc}"
+    torch_types: tuple[str, ...] = ()
+    if torch_reason is None:
+        fallback_reason = fallback_refusal(config, causal_lm_classes())
+        torch_types = (model_type,) if fallback_reason is None else ()
+        torch_reason = None if fallback_reason is None else (
+            f"the torch engine runs {', '.join(SUPPORTED_MODEL_TYPES)} natively and other families through "
+            f"transformers' modeling, but not this one: {fallback_reason}")
     registry = mlx_engine.model_registry()
-    engines = engines_running(config, SUPPORTED_MODEL_TYPES if torch_reason is None else (), registry)
+    engines = engines_running(config, torch_types, registry)
     if not engines:
         raise UnsupportedArchitecture(refusal(model_id, config, SUPPORTED_MODEL_TYPES, registry, torch_reason))
     return engines

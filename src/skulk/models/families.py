@@ -129,3 +129,23 @@ def attention_shape(config: Mapping[str, Any]) -> tuple[int, int | None]:
         return heads, int(config.get("qk_nope_head_dim") or 0) + int(config.get("qk_rope_head_dim") or 0) or None
     return int(config.get("num_key_value_heads") or heads), int(config["head_dim"]) if config.get("head_dim") else None
 
+
+
+def fallback_refusal(config: Mapping[str, Any], causal_lms: Mapping[str, str]) -> str | None:
+    """None when the torch engine's transformers fallback (engines/torch/fallback.py) runs this checkpoint, else
+    why not. `causal_lms`: transformers' own model_type -> causal-LM class table (engines/torch/fallback_types).
+    The checkpoint must have been saved from such a class (its `architectures`), so its tensor names are the ones
+    AutoModelForCausalLM reads (a multimodal Llama 4's are not), and be unquantized: transformers reads FP8 and
+    MXFP4 weights on GPUs only."""
+    model_type = str(config.get("model_type") or "")
+    if model_type not in causal_lms:
+        return f"transformers {'is not installed' if not causal_lms else f'has no causal LM for {model_type!r}'}"
+    classes = set(causal_lms.values())
+    saved = [a for a in architectures_of(config) if a not in classes]
+    if saved:
+        return f"its architectures ({', '.join(saved)}) are not a causal LM transformers builds"
+    quantized = config.get("quantization_config") or config.get("quantization")
+    if quantized:
+        method = quantized.get("quant_method", "quantized") if isinstance(quantized, Mapping) else "quantized"
+        return f"its weights are {method}, and the transformers fallback runs unquantized checkpoints only"
+    return None

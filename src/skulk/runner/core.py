@@ -57,6 +57,7 @@ from skulk.types.tasks import ChatCompletion, TaskStatus, TextEmbedding
 if TYPE_CHECKING:
     from skulk.engines.mlx.engine import MlxEngine
     from skulk.engines.torch.engine import TorchEngine
+    from skulk.engines.torch.fallback import FallbackEngine
     from skulk.engines.torch.wire import RequestEvent
     from skulk.runner.group import Group
 
@@ -84,7 +85,7 @@ class Runner:
         self.inbox = Inbox(inbox)
         self.outbox = outbox
         self.recorder = FlightRecorder(spec.context(os.getpid()), enabled=spec.record)
-        self.engine: TorchEngine | MlxEngine | None = None
+        self.engine: TorchEngine | MlxEngine | FallbackEngine | None = None
         self.active: dict[TaskId, _Active] = {}
         self.status: RunnerStatus | None = None
         self.stopping = False
@@ -178,7 +179,7 @@ class Runner:
         self.group = connect_group(self.spec, self.recorder)
         self.set_status(RunnerConnected())
 
-    def _build_engine(self) -> TorchEngine | MlxEngine:
+    def _build_engine(self) -> TorchEngine | MlxEngine | FallbackEngine:
         from skulk.engines.torch.engine import TorchEngine
         from skulk.models.demo import ensure_builtin_model, is_builtin
 
@@ -191,6 +192,10 @@ class Runner:
             return build_mlx_engine(self.spec, self._engine_phase)
         if self.group is not None:
             return self._build_distributed_engine(self.group)
+        if shard.model_card.torch_runtime == "transformers":
+            from skulk.engines.torch.fallback import FallbackEngine
+
+            return FallbackEngine(self.spec.model_dir, max_seq=self.spec.context_length)
         draft = shard.model_card.draft_model
         if draft is not None:
             log.info("draft model %s %s", draft, f"drafts for {shard.model_card.model_id} (speculative decoding)"

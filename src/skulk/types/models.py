@@ -79,6 +79,10 @@ class ModelCard(CamelModel):
     None: not read (a card from an older build): Pipeline where every layer is alike, Tensor not offered."""
     compatible_backends: list[BackendTag] | None = None
     """Skulk's hard filter: only nodes advertising one of these tags may run the model (None: any engine)."""
+    torch_runtime: Literal["native", "transformers"] = "native"
+    """How the torch engine runs the family: "native", its own kernels, paged cache and batching, split over
+    nodes; "transformers", through transformers' own modeling code (engines/torch/fallback.py): correct but
+    slower, one request per forward pass, on one node (placement splits it over MLX ranks only)."""
     backend_preference: list[BackendTag] = []
     """Skulk's soft order: under engine `auto`, the first of these every node of a ring can run wins."""
     kv_cache_gb: float | None = None

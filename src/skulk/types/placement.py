@@ -306,6 +306,9 @@ class PreviewNode(CamelModel):
     layers' share of storage_size."""
     engine: EngineName = "torch"
     """The engine this rank would run (placement's choice for the ring)."""
+    modeling: Literal["native", "transformers"] = "native"
+    """Whose model code the rank runs: the engine's own ("native": the torch engine's files, mlx-lm's modules) or
+    transformers' (the torch engine's slower fallback for a family it has no file for, ModelCard.torch_runtime)."""
 
 
 class PlacementPreview(CamelModel):
