@@ -85,7 +85,8 @@ def choose_engine(
     for engine in order:
         if all(runs(card, t, engine) for t in tags) and splits[engine]:
             return engine
-    wanted = next((e for e in order if all(runs(card, t, e) for t in tags)), order[0])  # then only a split fails
+    fits: list[EngineName] = [e for e in order if all(runs(card, t, e) for t in tags)]  # then a split fails
+    wanted = fits[0] if fits else order[0]
     node, have = next(((n, t) for n, t in zip(ring, tags, strict=True) if not runs(card, t, wanted)),
                       (ring[0], tags[0]))
     detail = None
