@@ -159,6 +159,26 @@ def test_anthropic_budget_tokens_closes_the_reasoning_and_the_answer_follows(nod
     assert "".join(texts) == ANSWER
 
 
+def test_ollama_and_responses_budgets_close_the_reasoning_and_the_answer_follows(node: LocalNode) -> None:
+    """Ollama's `options.reasoning_budget` (through the official client) and Responses' `reasoning.max_tokens`
+    cap the reasoning as Claude's budget_tokens does: cut short, then the whole answer."""
+    import ollama
+
+    client = ollama.Client(host=f"{node.url}/ollama", timeout=60)
+    reply = client.chat(model=MODEL, messages=ask(THOUGHT), think=True,
+                        options={"num_predict": 500, "reasoning_budget": 30})  # type: ignore[arg-type]
+    thinking = reply.message.thinking or ""
+    assert REASONING.startswith(thinking) and thinking != REASONING and reply.message.content == ANSWER, reply
+    code, answer = node.post("/v1/responses", {"model": MODEL, "input": ask(THOUGHT), "max_output_tokens": 500,
+                                               "reasoning": {"max_tokens": 30}})
+    assert code == 200, answer
+    assert [item["type"] for item in answer["output"]] == ["reasoning", "message"], answer
+    reasoning = answer["output"][0]["content"][0]["text"]
+    assert REASONING.startswith(reasoning) and reasoning != REASONING
+    assert answer["output"][1]["content"][0]["text"] == ANSWER
+    assert answer["usage"]["output_tokens_details"]["reasoning_tokens"] <= 30, answer["usage"]
+
+
 def test_ollama_thinking(node: LocalNode) -> None:
     import ollama
 

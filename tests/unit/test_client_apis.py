@@ -98,6 +98,25 @@ def test_ollama_and_openai_text_requests_to_chat() -> None:
     assert [(m.role, m.text) for m in responses.messages] == [("system", "be"), ("user", "q")]
 
 
+def test_ollama_and_responses_reasoning_budgets_reach_the_sampler() -> None:
+    """Ollama's `options.reasoning_budget` and Responses' `reasoning.max_tokens` are the engine's reasoning cap
+    (SamplingParams.reasoning_budget), as chat's `reasoning_budget` and Claude's `budget_tokens` are."""
+    ask = [{"role": "user", "content": "hi"}]
+    chat = ollama_to_chat(OllamaChatRequest.model_validate(
+        {"model": "m", "messages": ask, "think": True, "options": {"reasoning_budget": 30, "num_predict": 90}}
+    ), stream=False)
+    assert chat.sampling().reasoning_budget == 30 and chat.sampling().max_tokens == 90 and chat.enable_thinking
+    generate = ollama_to_chat(OllamaGenerateRequest.model_validate(
+        {"model": "m", "prompt": "p", "options": {"reasoning_budget": 7}}), stream=True)
+    assert generate.sampling().reasoning_budget == 7
+    assert ollama_to_chat(OllamaGenerateRequest(model="m", prompt="p"), stream=True).sampling().reasoning_budget is None
+    responses = responses_to_chat(ResponsesRequest.model_validate(
+        {"model": "m", "input": "q", "reasoning": {"effort": "high", "max_tokens": 40}}))
+    assert responses.sampling().reasoning_budget == 40 and responses.reasoning_effort == "high"
+    plain = responses_to_chat(ResponsesRequest.model_validate({"model": "m", "input": "q", "reasoning": {}}))
+    assert plain.sampling().reasoning_budget is None
+
+
 def test_a_long_response_outlives_the_body_stall_deadline() -> None:
     """The body-stall deadline covers reading the body, not the wait for a disconnect that a streaming response
     (and a non-streaming request's disconnect watcher) keeps open while it works."""

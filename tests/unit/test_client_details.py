@@ -114,6 +114,36 @@ def test_thinking_disabled_is_not_refused(client: TestClient) -> None:
     assert reply.status_code == 404, reply.text  # past the refusal: no instance of that model
 
 
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "30", [30]])
+def test_a_reasoning_budget_that_is_no_positive_integer_is_a_400_in_each_apis_shape(client: TestClient,
+                                                                                   bad: Any) -> None:
+    """Ollama's `options.reasoning_budget` and Responses' `reasoning.max_tokens`: a 400 naming the field, the
+    rule and the API's own way to turn thinking off, in the API's error shape (Ollama's `{"error": "..."}`)."""
+    ask = [{"role": "user", "content": "x"}]
+    for path, body in (("/ollama/api/chat", {"messages": ask, "options": {"reasoning_budget": bad}}),
+                       ("/ollama/api/generate", {"prompt": "x", "options": {"reasoning_budget": bad}})):
+        reply = client.post(path, json={"model": "nobody/none", **body})
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert isinstance(error, str) and error.startswith("options.reasoning_budget: must be an integer >= 1")
+        assert f"got {bad!r}" in error and '"think": false' in error, error
+    reply = client.post("/v1/responses", json={"model": "nobody/none", "input": "x", "reasoning": {"max_tokens": bad}})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "invalid_request" and error["type"] == "invalid_request_error", error
+    assert error["message"].startswith("reasoning.max_tokens: must be an integer >= 1"), error
+    assert 'reasoning.effort "none"' in error["message"]
+
+
+def test_a_positive_reasoning_budget_is_accepted(client: TestClient) -> None:
+    ask = [{"role": "user", "content": "x"}]
+    for path, body in (("/ollama/api/chat", {"messages": ask, "options": {"reasoning_budget": 64}}),
+                       ("/ollama/api/generate", {"prompt": "x", "options": {"reasoning_budget": 1}}),
+                       ("/v1/responses", {"input": "x", "reasoning": {"effort": "low", "max_tokens": 64}})):
+        reply = client.post(path, json={"model": "nobody/none", **body})
+        assert reply.status_code == 404, reply.text  # past validation: no instance of that model
+
+
 def test_v1_models_lists_what_is_served_in_each_sdks_shape(client: TestClient) -> None:
     listed = client.get("/v1/models").json()
     assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == ["test/model"]

@@ -69,7 +69,7 @@ def to_chat_request(body: Body, stream: bool) -> ChatCompletionRequest:
         model=body.model, messages=body.chat_messages(), max_tokens=o.num_predict, temperature=o.temperature,
         top_p=o.top_p, top_k=o.top_k, seed=o.seed, stop=o.stop or None, stream=stream, tools=tools,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs if body.logprobs else None,
-        response_format=_response_format(body.format),
+        response_format=_response_format(body.format), reasoning_budget=o.reasoning_budget,
     )
 
 

@@ -57,7 +57,7 @@ def responses_to_chat(body: ResponsesRequest, history: list[ChatMessage] | None 
         tool_choice=body.chat_tool_choice(), logprobs=body.wants_logprobs(),
         top_logprobs=(body.top_logprobs or 0) if body.wants_logprobs() else None,
         response_format=body.text.format.to_chat() if body.text is not None else None,
-        reasoning_effort=body.reasoning_effort(),
+        reasoning_effort=body.reasoning_effort(), reasoning_budget=body.reasoning_budget(),
     )
     check_supported(request)
     return prepared(request)

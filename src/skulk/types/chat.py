@@ -11,6 +11,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
@@ -35,6 +36,11 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=0, le=TOP_K_MAX)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+ReasoningBudgetTokens = Annotated[int, Field(ge=1, strict=True)]
+"""A cap on a reply's reasoning tokens, as the Ollama and Responses APIs take it: a JSON integer >= 1 (strict, so
+`true` or `"30"` is refused rather than read as 1 or 30; turning thinking off is each API's own switch, not 0)."""
+REASONING_BUDGET_RULE = "an integer >= 1 (the most tokens the reasoning may take, its tags included)"
+_BUDGET: TypeAdapter[int] = TypeAdapter(ReasoningBudgetTokens)
 RANGES: dict[str, str] = {
     "max_tokens": f"an integer >= 1 and <= {MAX_TOKENS_LIMIT}",
     "max_completion_tokens": f"an integer >= 1 and <= {MAX_TOKENS_LIMIT}",
@@ -52,6 +58,18 @@ def _say_range(value: Any, handler: ValidatorFunctionWrapHandler, info: Validati
     except ValidationError:
         field = info.field_name or "value"
         raise ValueError(f"{field} must be {RANGES[field]}, got {value!r}") from None
+
+
+def reasoning_budget_error(value: Any, off: str) -> str | None:
+    """Why `value` is no reasoning budget (None: it is one, or it is absent), for its API to prefix with the
+    field's name; it says how that API turns thinking off (`off`), since 0 is the value a client tries for that."""
+    if value is None:
+        return None
+    try:
+        _BUDGET.validate_python(value)
+    except ValidationError:
+        return f"must be {REASONING_BUDGET_RULE}, got {value!r}; {off} turns thinking off"
+    return None
 
 
 class TextPart(BaseModel):

@@ -6,10 +6,23 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from skulk.types.limits import ModelText, refuse_images
 
-from .chat import ChatMessage, FunctionCall, MaxTokens, Seed, Temperature, Tool, ToolCall, TopK, TopLogprobs, TopP
+from .chat import (
+    ChatMessage,
+    FunctionCall,
+    MaxTokens,
+    Seed,
+    Temperature,
+    Tool,
+    ToolCall,
+    TopK,
+    TopLogprobs,
+    TopP,
+    reasoning_budget_error,
+)
 
 
 class _Loose(BaseModel):
@@ -29,6 +42,17 @@ class OllamaOptions(_Loose):
     min_p: float | None = None
     typical_p: float | None = None
     mirostat: int | None = None
+    reasoning_budget: int | None = None
+    """Skulk's own option (Ollama has none): the most tokens the reasoning may take, its tags included; the engine
+    then closes it and the model answers (chat's `reasoning_budget`, Claude's `thinking.budget_tokens`). An option,
+    beside `num_predict`, the cap on the whole reply."""
+
+    @field_validator("reasoning_budget", mode="before")
+    @classmethod
+    def _a_budget(cls, value: Any) -> Any:
+        if (why := reasoning_budget_error(value, '"think": false')) is not None:
+            raise PydanticCustomError("reasoning_budget", "{why}", {"why": why})
+        return value
 
     def unsupported(self) -> str | None:
         """A sampling option that would change the answer and that Skulk's sampler does not have (None: none is

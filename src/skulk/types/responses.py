@@ -24,7 +24,9 @@ from .chat import (
     ToolCall,
     TopLogprobs,
     TopP,
+    reasoning_budget_error,
 )
+from .errors import ApiError, ErrorCode
 
 
 class _Loose(BaseModel):
@@ -173,7 +175,7 @@ class ResponsesRequest(_Loose):
     """POST /v1/responses. Stateful: `previous_response_id` continues a stored response (api/response_store.py),
     `store: false` keeps this one out of the store. Fields that would change the answer and are not served
     (`background`, `conversation`, `reasoning.summary`, `prompt`) are refused by `unsupported`, not ignored.
-    `reasoning.effort` reaches the chat template as reasoning_effort."""
+    `reasoning.effort` reaches the chat template as reasoning_effort; `reasoning.max_tokens` caps the reasoning."""
 
     model: ModelText
     input: str | list[InputItem] = Field(min_length=1)
@@ -221,6 +223,15 @@ class ResponsesRequest(_Loose):
     def reasoning_effort(self) -> str | None:
         effort = (self.reasoning or {}).get("effort")
         return effort if isinstance(effort, str) else None
+
+    def reasoning_budget(self) -> int | None:
+        """`reasoning.max_tokens` (OpenRouter's name for it in the same object; OpenAI's Responses has no cap):
+        the most tokens the reasoning may take, as chat's `reasoning_budget`. A 400 for anything but an integer
+        >= 1."""
+        value = (self.reasoning or {}).get("max_tokens")
+        if (why := reasoning_budget_error(value, 'reasoning.effort "none"')) is not None:
+            raise ApiError(ErrorCode.invalid_request, f"reasoning.max_tokens: {why}")
+        return value
 
     def input_messages(self) -> list[ChatMessage]:
         """The input as chat messages: an assistant message and the function calls after it become one assistant
