@@ -2,7 +2,8 @@
 parser that the chat template selects reads (engines/constrained.py's TOKEN_STYLES, tool_parsers/): per family
 the grammar accepts that family's call text, spelled in ordinary tokens or in the vocabulary's special tokens, and
 refuses another family's; the parser turns the text back into the call. The XML families (Qwen3-Coder, GLM-4.5)
-write each argument in its own tags: the tool's parameters only, the required ones present, a string as raw text
+write each argument in its own tags: the tool's parameters only, in any order, each once, the required ones
+present (in the schema's order past ANY_ORDER_MAX parameters), a string as raw text
 without the closing tags, any other value as JSON of its schema, read back typed. Then one reply through the torch
 engine per family: the demo checkpoint with a DeepSeek-V3.1-, Qwen3-Coder- or GLM-4.5-style template (it renders the
 tools and writes calls in the family's syntax), its forced call read back by the template's parser."""
@@ -19,7 +20,7 @@ from skulk.api.tool_calls import ToolFormat, parse_tool_calls
 from skulk.engines.constrained import HERMES, TOKEN_STYLES, Grammars, tool_call_style
 from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.tokenizer import KEPT_SPECIAL_TOKENS, ChatTokenizer
-from skulk.engines.xml_call_grammar import XML_STYLES, text_without_ebnf
+from skulk.engines.xml_call_grammar import ANY_ORDER_MAX, XML_STYLES, text_without_ebnf, written_sets_ebnf
 from skulk.formats.tool_parsers import pick_parser
 from skulk.formats.tool_parsers.special_tokens import ds_token
 from skulk.models.demo import ensure_demo_model
@@ -147,6 +148,59 @@ def test_an_xml_call_has_the_tools_parameters_with_values_of_their_types(demo: P
     content, calls = parse_tool_calls(ToolFormat(family, schemas), "I will edit it.\n" + good, "x")
     assert content == "I will edit it." and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("edit", {"path": PATH, "line": 3, "opts": {"deep": True}})]
+
+
+def _xml_accepts(demo: Path, family: str, constraint: OutputConstraint) -> Any:
+    hf = _tokenizer(demo, True)
+    eos = int(hf.eos_token_id)
+    grammars = Grammars(hf, len(hf), [eos], family)
+
+    def accepts(text: str) -> bool:
+        matcher = grammars.matcher(constraint)
+        return all(matcher.advance(t) for t in hf.encode(text, add_special_tokens=False)) and matcher.advance(eos)
+
+    return accepts
+
+
+@pytest.mark.parametrize("family", sorted(XML_STYLES))
+def test_an_xml_call_writes_its_parameters_in_any_order_each_once(demo: Path, family: str) -> None:
+    """The parsers read the parameters in any order, and so does the grammar: every order of the parameters a
+    call writes, the required ones in each, none twice, none that the tool does not have."""
+    accepts = _xml_accepts(demo, family, OutputConstraint(kind="tool_call", tools=EDIT_TOOLS, tool_name="edit"))
+    path, line, note, opts = ("path", "a.txt"), ("line", "3"), ("note", "later"), ("opts", '{"deep": false}')
+    for pairs in ([opts, line, path], [line, path], [line, note, path, opts], [note, path, opts, line],
+                  [path, opts, note, line]):
+        assert accepts(_xml(family, pairs)), pairs
+        _, calls = parse_tool_calls(ToolFormat(family, {"edit": EDIT}), _xml(family, pairs), "x")
+        assert [json.loads(c.function.arguments) for c in calls] == [
+            {"path": "a.txt", "line": 3, **{k: {"note": "later", "opts": {"deep": False}}[k] for k, _ in pairs
+                                            if k in ("note", "opts")}}]
+    for bad in ([line, path, line], [path, line, path], [opts, note, line], [note, opts, path],
+                [line, ("size", "1"), path], [line, path, note, note], [opts, line, path, ("line", "4")]):
+        assert not accepts(_xml(family, bad)), bad
+
+
+def test_the_rules_of_the_sets_written_end_only_once_the_required_ones_are_in() -> None:
+    rules = written_sets_ebnf(["a", "b", "c"], [True, False, True])
+    assert len(rules) == 7  # every set of the three but the full one
+    assert rules[0] == "xml_call_written_0 ::= a xml_call_written_1 | b xml_call_written_2 | c xml_call_written_4"
+    assert rules[5] == 'xml_call_written_5 ::= "" | b'  # a and c written: the end, or b last
+    assert rules[1] == "xml_call_written_1 ::= b xml_call_written_3 | c xml_call_written_5"  # c still needed
+
+
+@pytest.mark.parametrize("family", sorted(XML_STYLES))
+def test_a_tool_with_more_parameters_than_any_order_allows_keeps_the_schemas_order(demo: Path, family: str) -> None:
+    """Past ANY_ORDER_MAX parameters (2^n rules) the grammar is the schema's order: still every required one, none
+    twice, none other."""
+    n = ANY_ORDER_MAX + 1
+    many = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}, "required": ["p0", "p2"]}
+    accepts = _xml_accepts(demo, family, OutputConstraint(kind="tool_call", tools=[{"name": "edit",
+                                                                                     "parameters": many}]))
+    assert accepts(_xml(family, [(f"p{i}", str(i)) for i in range(n)])) and accepts(_xml(family, [("p0", "1"),
+                                                                                                  ("p2", "1")]))
+    for bad in ([("p2", "1"), ("p0", "1")], [("p0", "1")], [("p0", "1"), ("p0", "1"), ("p2", "1")],
+                [("p0", "1"), ("p2", "1"), (f"p{n}", "1")]):
+        assert not accepts(_xml(family, bad)), bad
 
 
 @pytest.mark.parametrize("words", [("</parameter>", "</function>", "</tool_call>"), ("</arg_value>", "</tool_call>")],

@@ -24,7 +24,7 @@ end-of-turn `<|call|>`): there the function's name is part of the fixed text and
 one alternative per allowed tool. The literals match the vocabulary's special tokens where it has them (xgrammar
 matches a token by its text), else their spelling in ordinary tokens. Qwen3-Coder's and GLM-4.5's XML calls
 (`<function=f>`/`<parameter=k>`, `<arg_key>`/`<arg_value>`) are built in xml_call_grammar.py: each parameter
-in its own tags, strings as raw text, other values as JSON of their schema."""
+in its own tags, in any order, strings as raw text, other values as JSON of their schema."""
 
 from __future__ import annotations
 
