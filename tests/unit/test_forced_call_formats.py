@@ -289,3 +289,98 @@ def test_a_forced_call_through_the_engine_is_read_by_the_templates_parser(tmp_pa
     assert content == "" and [c.function.name for c in calls] == ["get_weather"], text
     args = json.loads(calls[0].function.arguments)
     assert args["city"] in ("Paris", "Rome") and isinstance(args["metric"], bool), text
+
+
+ANALYSIS = "<|channel|>analysis<|message|>The user wants the weather; Paris it is.<|end|><|start|>assistant"
+
+
+@pytest.mark.parametrize("specials", [False, True], ids=["spelled", "special-tokens"])
+def test_a_harmony_call_opens_with_the_call_or_an_analysis_header_and_the_call_follows_the_analysis(
+        demo: Path, specials: bool) -> None:
+    """gpt-oss reasons in its analysis channel, then calls. The reply's opening grammar allows the call or an
+    analysis message's header (nothing else: not a final answer); the grammar after the analysis is the next
+    message's start and the call. The API splits the reasoning off and reads the call."""
+    from skulk.engines.reasoning import splitter_for
+
+    hf = _tokenizer(demo, specials)
+    eos = int(hf.eos_token_id)
+    grammars = Grammars(hf, len(hf), [eos], "harmony")
+    assert grammars.matcher(OutputConstraint(kind="json"), harmony_reply=True).after_analysis is None
+    assert grammars.matcher(FORCED).after_analysis is None  # a reply not split as harmony's: the call alone
+    call, header = FAMILIES["harmony"][2], "<|channel|>analysis<|message|>"
+
+    def takes(text: str, after: bool = False, end: bool = True) -> bool:
+        opening = grammars.matcher(FORCED, harmony_reply=True)
+        matcher = opening.after_analysis if after else opening
+        assert matcher is not None
+        ids = list(hf.encode(text, add_special_tokens=False))
+        return all(matcher.advance(t) for t in ids) and (not end or matcher.advance(eos))
+
+    assert takes(call) and takes(header, end=False)  # once the header is out the engine lets the reasoning be
+    assert takes("<|start|>assistant" + call, after=True) and not takes(call, after=True)
+    for bad in ("<|channel|>final<|message|>It is sunny.", "<|channel|>commentary<|message|>Checking.", "Hi"):
+        assert not takes(bad, end=False), bad
+    assert not takes("<|start|>assistant<|channel|>final<|message|>Sunny.", after=True, end=False)
+    reasoning, content = splitter_for("harmony").push(ANALYSIS + call)
+    assert reasoning == "The user wants the weather; Paris it is."
+    left, calls = parse_tool_calls(ToolFormat("harmony", {"get_weather": PARAMS}), content, "x")
+    assert left == "" and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "metric": True})]
+
+
+HARMONY_TOOLS_TEMPLATE = (  # gpt-oss' headers over the demo vocabulary: the tools in a developer message
+    "{%- if tools %}<|start|>developer<|message|>{{ tools|tojson }}<|end|>{%- endif %}"
+    "{%- for message in messages %}<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}<|end|>"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+    "{#- calls: <|start|>assistant<|channel|>commentary to=functions.f -#}"
+)
+
+
+HARMONY_OPENINGS = {  # case: (the reply's scripted first tokens, reasoning budget)
+    "budget-closes": ("<|channel|>analysis<|message|>", 60),
+    "model-closes": ("<|channel|>analysis<|message|>I should call it.<|end|>", None),
+    "no-analysis": ("<|channel|>c", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HARMONY_OPENINGS))
+def test_a_harmony_reply_may_reason_before_the_grammar_writes_its_forced_call(tmp_path: Path, case: str) -> None:
+    """Through the torch engine, the reply's first tokens scripted as a model would write them, the rest sampled by
+    the random model under the grammar: an analysis message opened, its reasoning free, ended by the reasoning
+    budget (HARMONY_TO_CALL, whose `<|start|>assistant` the grammar after it takes) or by the model's own `<|end|>`;
+    or no analysis at all. Each time the grammar then writes the forced call, and the API's split reads the
+    reasoning apart from it."""
+    from skulk.engines.reasoning import ReasoningTally
+
+    opening, budget = HARMONY_OPENINGS[case]
+    model = ensure_demo_model(tmp_path)
+    set_chat_template(model, HARMONY_TOOLS_TEMPLATE)
+    engine = TorchEngine(model, max_seq=1024)
+    request = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "temperature": 0,
+        "max_tokens": 400, "reasoning_budget": budget, "tools": [{"type": "function", "function": t} for t in TOOLS],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    prompt = engine.encode_chat([ChatMessage(role="user", content="Weather in Paris?")], request.tool_specs())
+    assert engine.tokenizer.reasoning_mode(prompt) == "harmony" and engine.grammars.tool_style == "harmony"
+    script = engine.tokenizer.encode(opening)
+    engine.fault_hook = lambda where, req: script[req.generated] if where == "sample" and req.generated < len(
+        script) else None
+    engine.add_request("r", prompt, request.sampling())
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    text = "".join(o.text for o in outs)
+    assert outs[-1].finish_reason == "stop" and all(o.error is None for o in outs), text
+    tally = ReasoningTally("harmony")
+    pieces = [tally.push(o.text) for o in outs] + [tally.splitter.finish()]
+    reasoning, content = "".join(r for r, _ in pieces), "".join(c for _, c in pieces)
+    call = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    if case == "no-analysis":
+        assert reasoning == "" and text.startswith(call), text
+    else:
+        assert reasoning and f"<|end|><|start|>assistant{call}" in text, text
+        assert tally.tokens <= 60 if budget else reasoning == "I should call it.", text
+    left, calls = parse_tool_calls(ToolFormat("harmony", {"get_weather": PARAMS}), content, "x")
+    assert left == "" and [c.function.name for c in calls] == ["get_weather"], text
+    args = json.loads(calls[0].function.arguments)
+    assert args["city"] in ("Paris", "Rome") and isinstance(args["metric"], bool), text

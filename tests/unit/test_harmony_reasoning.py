@@ -55,3 +55,32 @@ def test_a_harmony_template_picks_the_harmony_splitter() -> None:
     assert reasoning_mode("{{ messages }}", "", "harmony") == "harmony"
     assert isinstance(splitter_for("harmony"), HarmonySplitter) and not isinstance(splitter_for("think"),
                                                                                    HarmonySplitter)
+
+
+def test_a_forced_harmony_call_is_split_as_harmony_on_the_api_node() -> None:
+    """The runner reports no split for a constrained reply, but a forced call in harmony's format may open with an
+    analysis message (engines/constrained.py): the API node reads that reply as harmony's (a reply that is the
+    call alone splits the same: all content), and leaves every other reply as the runner said."""
+    from skulk.api.chat_session import harmony_call_split
+    from skulk.api.services import ApiServices
+    from skulk.types.chat import ChatCompletionRequest
+    from skulk.types.chunks import TokenChunk
+    from skulk.types.ids import CommandId
+    from skulk.types.state import State
+    from tests.unit.factories import CARD, api_services
+
+    def node(parser: str) -> ApiServices:
+        card = CARD.model_copy(update={"tool_parser": parser})
+        return api_services(state=State(model_cards={card.model_id: card}))
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    forced = ChatCompletionRequest.model_validate({"model": CARD.model_id, "tools": [tool], "tool_choice": "required",
+                                                   "messages": [{"role": "user", "content": "Weather?"}]})
+    first = TokenChunk(command_id=CommandId("c"), text="<|channel|>", token_id=1)
+    harmony = node("harmony")
+    assert harmony_call_split(harmony, forced, first).reasoning == "harmony"
+    free = forced.model_copy(update={"tool_choice": "auto"})
+    assert harmony_call_split(harmony, free, first).reasoning is None
+    assert harmony_call_split(node("hermes"), forced, first).reasoning is None
+    opened = first.model_copy(update={"reasoning": "think_open"})
+    assert harmony_call_split(harmony, forced, opened).reasoning == "think_open"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from skulk.api.chat_options import forced_tool, tool_family
 from skulk.api.model_facts import not_served
 from skulk.api.model_kinds import refuse_embedding_model
 from skulk.api.patience import next_chunk
@@ -152,4 +153,15 @@ async def start_chat(node: ApiServices, request: ChatCompletionRequest) -> ChatS
         node.requests.cancel(stream)
         raise ApiError(first.code, first.message, status=first.status, retryable=first.retryable)
     generation.first(instance_of(node.state, command_id))
-    return ChatSession(node, stream, first, request.model, generation)
+    return ChatSession(node, stream, harmony_call_split(node, request, first), request.model, generation)
+
+
+def harmony_call_split(node: ApiServices, request: ChatCompletionRequest, first: TokenChunk) -> TokenChunk:
+    """The first chunk, saying the reply splits as harmony's where it is a forced call in harmony's format: its
+    grammar lets one analysis message through before the call (engines/constrained.py), and the runner reports
+    no split for a constrained reply (runner/core.py's `_reasoning_mode`), which would leave that reasoning in the
+    content. A reply with no analysis (the call alone) splits as before: no header, no reasoning."""
+    if first.reasoning is not None or forced_tool(request) is None:
+        return first
+    family = tool_family(node, request)
+    return first if family is None or family.parser != "harmony" else first.model_copy(update={"reasoning": "harmony"})

@@ -21,10 +21,15 @@ tool_parsers/special_tokens.py writes them), Kimi K2 (`<|tool_calls_section_begi
 <|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>`)
 and gpt-oss harmony (`<|channel|>commentary to=functions.f <|constrain|>json<|message|>{args}`, then the
 end-of-turn `<|call|>`): there the function's name is part of the fixed text and only the arguments are JSON,
-one alternative per allowed tool. The literals match the vocabulary's special tokens where it has them (xgrammar
-matches a token by its text), else their spelling in ordinary tokens. Qwen3-Coder's and GLM-4.5's XML calls
-(`<function=f>`/`<parameter=k>`, `<arg_key>`/`<arg_value>`) are built in xml_call_grammar.py: each parameter
-in its own tags, in any order, strings as raw text, other values as JSON of their schema."""
+one alternative per allowed tool. A harmony call may come after one analysis message (`<|channel|>analysis
+<|message|>…<|end|><|start|>assistant`), as gpt-oss reasons before it calls (issue 42): the reply's opening
+grammar allows that header or the call; once the header is out the reasoning is free and the call's grammar waits
+for its end (engines/torch/requests.py's held_for_reasoning, as for a prompt that opened a `<think>` block; a
+reasoning budget forces the end, engines/reasoning.py's HARMONY_TO_CALL). The literals match the vocabulary's
+special tokens where it has them (xgrammar matches a token by its text), else their spelling in ordinary tokens.
+Qwen3-Coder's and GLM-4.5's XML calls (`<function=f>`/`<parameter=k>`, `<arg_key>`/`<arg_value>`) are built in
+xml_call_grammar.py: each parameter in its own tags, in any order, strings as raw text, other values as JSON of
+their schema."""
 
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from skulk.engines.errors import PromptRejected
+from skulk.engines.reasoning import HARMONY_TO_CALL
 from skulk.engines.schema_refs import rebased
 from skulk.engines.xml_call_grammar import XML_STYLES, xml_call_grammar
 from skulk.types.chat import OutputConstraint
@@ -55,6 +61,10 @@ TOKEN_STYLES: dict[str, tuple[str, str]] = {  # (the text before the arguments, 
            "<|tool_call_end|><|tool_calls_section_end|>"),
     HARMONY: ("<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", ""),
 }
+
+HARMONY_ANALYSIS = ("<|channel|>analysis<|message|>", HARMONY_TO_CALL[1])
+"""A forced harmony call may follow one analysis message: its header (the reply's opening grammar allows it), and the
+next message's start that comes after its end (the grammar after the analysis begins with it)."""
 
 
 class ConstraintError(PromptRejected):
@@ -111,6 +121,17 @@ def token_call_grammar(constraint: OutputConstraint, style: str) -> Any:
     return options[0] if len(options) == 1 else xgr.Grammar.union(*options)
 
 
+def harmony_call_grammars(constraint: OutputConstraint) -> tuple[Any, Any]:
+    """A forced harmony call's two grammars: the reply's opening, an analysis message's header or the call; and
+    what follows the analysis message once it has ended, the next message's start and the call."""
+    import xgrammar as xgr
+
+    call = token_call_grammar(constraint, HARMONY)
+    head, after = HARMONY_ANALYSIS
+    return (xgr.Grammar.union(xgr.Grammar.from_ebnf(_literal(head)), call),
+            xgr.Grammar.concat(xgr.Grammar.from_ebnf(_literal(after)), call))
+
+
 def call_schema(constraint: OutputConstraint, style: str) -> dict[str, Any]:
     """The JSON schema of one call to an allowed tool: {"name": <that tool>, "arguments" (Llama: "parameters"):
     its parameters' schema}. The parameters' local references are moved with them (`#/$defs/x` becomes
@@ -146,19 +167,29 @@ class Grammars:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
-    def matcher(self, constraint: OutputConstraint) -> Matcher:
+    def matcher(self, constraint: OutputConstraint, harmony_reply: bool = False) -> Matcher:
+        """A request's grammar state; `harmony_reply`: the reply is split as harmony's (the engine watches its
+        analysis message, requests.held_for_reasoning), so a forced harmony call may follow one."""
         import xgrammar as xgr
 
-        compiled = self._compile(constraint.model_dump_json())
-        return Matcher(xgr.GrammarMatcher(compiled), self._vocab)
+        text = constraint.model_dump_json()
+        if constraint.kind == "tool_call" and self.tool_style == HARMONY and harmony_reply:
+            after = Matcher(xgr.GrammarMatcher(self._compile(text, "after_analysis")), self._vocab)
+            return Matcher(xgr.GrammarMatcher(self._compile(text, "opening")), self._vocab, after)
+        return Matcher(xgr.GrammarMatcher(self._compile(text)), self._vocab)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one Grammars per engine, kept for its life
-    def _compile(self, constraint_json: str) -> Any:
+    def _compile(self, constraint_json: str, part: str = "whole") -> Any:
+        """The constraint's grammar compiled; `part`: a forced harmony call's "opening" or "after_analysis"
+        (harmony_call_grammars), else "whole"."""
         import xgrammar as xgr
 
         constraint = OutputConstraint.model_validate_json(constraint_json)
         compiler = self._get_compiler()
         try:
+            if part != "whole":
+                opening, after = harmony_call_grammars(constraint)
+                return compiler.compile_grammar(opening if part == "opening" else after)
             if constraint.kind == "json":
                 schema = constraint.json_schema or {"type": "object"}
                 return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
@@ -184,9 +215,12 @@ class Grammars:
 class Matcher:
     """One request's grammar state."""
 
-    def __init__(self, matcher: Any, vocab: int) -> None:
+    def __init__(self, matcher: Any, vocab: int, after_analysis: Matcher | None = None) -> None:
         self._m = matcher
         self.vocab = vocab
+        self.after_analysis = after_analysis
+        """A forced harmony call's: the grammar once the analysis message this one lets open has ended (None: this
+        grammar lets none open)."""
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """This request's allowed next tokens into row `row` of a batch bitmask."""
@@ -195,6 +229,11 @@ class Matcher:
     def advance(self, token: int) -> bool:
         """Take the sampled token; False when the grammar did not allow it (a scripted token in the tests)."""
         return bool(self._m.accept_token(token))
+
+    def advance_text(self, text: str) -> bool:
+        """Take text that came with a token before this grammar applied (the rest of the token that ended the
+        analysis message); False when the grammar does not allow it."""
+        return not text or bool(self._m.accept_string(text))
 
 
 def mask_rows(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> torch.Tensor:

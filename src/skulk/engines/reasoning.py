@@ -39,6 +39,9 @@ CLOSE_TEXT: dict[ReasoningMode, tuple[str, str]] = {
 """What a reasoning budget forces when it is spent, as the family's templates write it (Qwen3's
 `\n</think>\n\n`; harmony: the analysis message ended, then the final answer's header): (the part counted as
 reasoning, the rest, which opens the answer)."""
+HARMONY_TO_CALL = ("<|end|>", "<|start|>assistant")
+"""What a budget forces in a harmony reply held to a forced call (engines/constrained.py lets one analysis message
+through before it): the analysis ended and the next message's start; the call's own header is the grammar's."""
 
 
 def reasoning_mode(

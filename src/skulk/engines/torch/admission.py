@@ -192,9 +192,10 @@ class Admission(Flight):
         stops = StopMatcher(s.stop)
         constraint = None
         if s.constraint is not None and (self.is_sampler or self.is_scheduler):  # rank 0 checks it compiles
-            constraint = self.grammars.matcher(s.constraint)
+            harmony = self.tokenizer.reasoning_mode(add.prompt, self.tokenizer.card_reasoning) == "harmony"
+            constraint = self.grammars.matcher(s.constraint, harmony_reply=harmony)
+        budget = reasoning_budget(s, add.prompt, self.tokenizer, constraint) if self.is_sampler else None
         constraint, held, gate = held_for_reasoning(constraint, add.prompt, self.tokenizer)
-        budget = reasoning_budget(s, add.prompt, self.tokenizer) if self.is_sampler else None
         return Request(add.request_id, add.prompt, s.max_tokens, row, decoder, stops, command_id=add.command_id,
                        constraint=constraint, budget=budget, held=held, gate=gate)
 

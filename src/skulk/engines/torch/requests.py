@@ -13,7 +13,8 @@ import torch
 
 from skulk.engines.base import FinishReason, TokenOut
 from skulk.engines.constrained import Matcher, mask_rows
-from skulk.engines.reasoning import CLOSE_TEXT, ReasoningBudget, ReasoningSplitter
+from skulk.engines.harmony import HarmonySplitter
+from skulk.engines.reasoning import CLOSE_TEXT, HARMONY_TO_CALL, ReasoningBudget, ReasoningSplitter
 from skulk.types.chat import SamplingParams
 from skulk.types.chunks import TokenLogprob, TopLogprob
 
@@ -21,6 +22,8 @@ from .sampling import RowSampling, sample, token_logprobs
 from .speculate import PromptLookup
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 
+Gate = ReasoningSplitter | HarmonySplitter
+"""Where a reply whose grammar is held or watched is in its reasoning (held_for_reasoning)."""
 FaultHook = Callable[[str, "Request"], int | None]
 """Test-only (SKULK_FAULT): called with (where, request) at "admit", "sample" and "detokenize"; may raise, and at
 "sample" may return the token to emit instead of sampling (a scripted reply)."""
@@ -53,7 +56,7 @@ class Request:
     forced: list[int] = field(default_factory=list)  # the sampler: tokens to emit next instead of sampling
     answer_from: int | None = None  # `generated` once a budget's forced close is out: the answer starts there
     held: Matcher | None = None  # the sampler: a grammar that waits for the reasoning the prompt opened to close
-    gate: ReasoningSplitter | None = None  # where the reply is in that reasoning (held_for_reasoning)
+    gate: Gate | None = None  # where the reply is in that reasoning (held_for_reasoning)
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
         """Its token ids [start, end): the prompt's, then the generated ones (position p's KV is token p's)."""
@@ -64,38 +67,73 @@ class Request:
         return [*self.prompt[start:], *self.emitted[max(start - n, 0) : end - n]]
 
 
-def reasoning_budget(s: SamplingParams, prompt: Sequence[int], tokenizer: ChatTokenizer) -> ReasoningBudget | None:
+def reasoning_budget(s: SamplingParams, prompt: Sequence[int], tokenizer: ChatTokenizer,
+                     constraint: Matcher | None = None) -> ReasoningBudget | None:
     """The cap on a request's reasoning, where it asked for one and its reply thinks (the mode the runner reports,
     from the template and the prompt's tail); a constrained reply has reasoning to cap only where its grammar waits
-    for the reasoning the prompt opened (held_for_reasoning)."""
+    for the reasoning the prompt opened (held_for_reasoning) or lets a harmony analysis message through first (its
+    matcher, `constraint`: a forced harmony call), whose close is then the analysis's end alone (HARMONY_TO_CALL)."""
     if s.reasoning_budget is None:
         return None
     mode = tokenizer.reasoning_mode(prompt, tokenizer.card_reasoning)
-    if mode is None or (s.constraint is not None and mode != "think_open"):
+    if mode is None:
         return None
     counted, rest = CLOSE_TEXT[mode]
+    if s.constraint is not None and mode != "think_open":
+        if mode != "harmony" or constraint is None or constraint.after_analysis is None:
+            return None
+        counted, rest = HARMONY_TO_CALL
     return ReasoningBudget(mode, s.reasoning_budget, tokenizer.encode(counted + rest), len(tokenizer.encode(counted)))
 
 
 def held_for_reasoning(constraint: Matcher | None, prompt: Sequence[int], tokenizer: ChatTokenizer
-                       ) -> tuple[Matcher | None, Matcher | None, ReasoningSplitter | None]:
+                       ) -> tuple[Matcher | None, Matcher | None, Gate | None]:
     """(grammar now, grammar held, gate): a constrained reply whose prompt opened the reasoning block (`<think>` at
     the prompt's end) reasons freely first; its grammar (JSON, a forced tool call) applies to the answer, from the
-    token after the close (issue 42). A reply that may or may not think is held to its grammar from its first
-    token (which cannot open a block then), and so is harmony's (its analysis channel is not yet let through)."""
-    if constraint is None or tokenizer.reasoning_mode(prompt, tokenizer.card_reasoning) != "think_open":
+    token after the close (issue 42). A forced harmony call's reply is held to its opening grammar (an analysis
+    header or the call) and watched: once an analysis message opens, its grammar waits for the message's end
+    (`_harmony_gate`). Any other reply that may or may not think is held to its grammar from its first token (which
+    cannot open a block then)."""
+    if constraint is None:
+        return None, None, None
+    mode = tokenizer.reasoning_mode(prompt, tokenizer.card_reasoning)
+    if mode == "harmony" and constraint.after_analysis is not None:
+        return constraint, None, HarmonySplitter()
+    if mode != "think_open":
         return constraint, None, None
     return None, constraint, ReasoningSplitter("think_open")
 
 
 def _release_grammar(req: Request, text: str) -> None:
-    """A token of a reply whose grammar is held: once the reasoning has closed, and a budget's forced close is all
-    out (its trailing blank line is not the grammar's), the grammar applies."""
+    """A token of a reply whose grammar is held or watched (req.gate): once the reasoning has closed, and a
+    budget's forced close is all out (its trailing blank line is not the grammar's), the grammar applies."""
     gate = req.gate
     assert gate is not None
     gate.push(text)
-    if gate.state in ("after", "content") and not req.forced:
+    if isinstance(gate, HarmonySplitter):
+        _harmony_gate(req, gate)
+    elif gate.state in ("after", "content") and not req.forced:
         req.constraint, req.held, req.gate = req.held, None, None
+
+
+def _harmony_gate(req: Request, gate: HarmonySplitter) -> None:
+    """A forced harmony call's reply, token by token: when its opening grammar has let an analysis message open,
+    the reasoning is free and the grammar after it is held; when the message ends (the model's `<|end|>`, or a
+    budget's forced one) that grammar applies, from the text the ending token brought after the end (a forced
+    close's `<|start|>assistant` is then the grammar's own). A reply that went straight to the call, or whose
+    grammar was dropped (a scripted token it refused), has nothing more to watch."""
+    if req.held is None:
+        after = req.constraint.after_analysis if req.constraint is not None else None
+        if gate.state == "reasoning" and after is not None:
+            req.constraint, req.held = None, after
+        elif gate.state != "start":
+            req.gate = None
+        return
+    if gate.state == "reasoning":
+        return
+    grammar, req.held, req.gate = req.held, None, None
+    rest = gate.held if gate.state == "header" else ""
+    req.constraint = grammar if grammar.advance_text(rest) else None
 
 
 def _spend_reasoning(req: Request, budget: ReasoningBudget, text: str) -> None:
@@ -195,7 +233,7 @@ def accept_each(
             if req.constraint is not None and not req.constraint.advance(token):
                 req.constraint = None  # a token the grammar refused (only a test's scripted one): free from here
             out = accept_token(req, token, eos_ids, context_length)
-            if req.held is not None:
+            if req.gate is not None:
                 _release_grammar(req, out.text)
             reported = logprobs.get(i)
             if isinstance(reported, Exception):
