@@ -13,9 +13,13 @@ def try_line(settings: Settings, port: int) -> str:
     with API keys, the Authorization header (the key itself comes from the operator's environment, never the
     log)."""
     auth = " -H \"Authorization: Bearer $SKULK_API_KEY\"" if settings.api_keys or settings.admin_keys else ""
+    base, dashboard = f"localhost:{port}", f"http://localhost:{port}/"
+    if settings.tls_cert is not None:  # curl trusts the node's certificate (self-signed: its own CA)
+        auth, base = f" --cacert {settings.tls_ca or settings.tls_cert}{auth}", f"https://localhost:{port}"
+        dashboard = f"{base}/"
     if not settings.place_default:
-        return (f"Try: curl{auth} localhost:{port}/v1/models  (nothing is placed: --no-place-default; place a "
-                f"model in the dashboard at http://localhost:{port}/ or with POST /place_instance)")
+        return (f"Try: curl{auth} {base}/v1/models  (nothing is placed: --no-place-default; place a "
+                f"model in the dashboard at {dashboard} or with POST /place_instance)")
     body = (f'{{"model":"{settings.default_model}","messages":[{{"role":"user","content":"{QUESTION}"}}],'
             f'"temperature":0,"max_tokens":24}}')
-    return f"Try: curl localhost:{port}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{body}'"
+    return f"Try: curl {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{body}'"

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve OpenAI-compatible APIs. Precedence: flag > environment > skulk.yaml > default.",
         epilog="other commands: `skulk models --help` (the catalog, downloads, imports), `skulk diag --help` "
         "(a cluster's diagnostics), `skulk keygen` (a new cluster key), `skulk service install|status|uninstall` "
-        "(run the node as a systemd or launchd service)",
+        "(run the node as a systemd or launchd service), `skulk tls self-signed --help` (a certificate and key "
+        "for --tls-cert/--tls-key)",
     )
     parser.add_argument("--version", action="version", version=f"skulk {__version__}")
     parser.add_argument("--api-port", type=int, help=f"HTTP API port (SKULK_API_PORT, default {_default('api_port')})")
@@ -112,6 +113,14 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
                         help="shared secret that seals every message between nodes; `skulk keygen` makes one "
                         "(SKULK_CLUSTER_KEY, cluster_key in skulk.yaml; none = open cluster); visible in ps: "
                         "prefer --cluster-key-file")
+    parser.add_argument("--tls-cert", metavar="FILE",
+                        help="PEM certificate: serve the API and the dashboard over https, and call peers over "
+                        "https (every node of a cluster, or none); `skulk tls self-signed` makes a pair "
+                        "(SKULK_TLS_CERT; with --tls-key)")
+    parser.add_argument("--tls-key", metavar="FILE", help="the certificate's PEM private key (SKULK_TLS_KEY)")
+    parser.add_argument("--tls-ca", metavar="FILE",
+                        help="CA that peers' certificates are verified against (SKULK_TLS_CA; default: "
+                        "--tls-cert itself, for a cluster sharing one self-signed pair)")
     for name, what in (("cluster-key", "the cluster key"), ("api-key", "inference API keys, one a line,"),
                        ("admin-key", "admin API keys, one a line,")):
         parser.add_argument(f"--{name}-file", metavar="PATH",
@@ -139,6 +148,11 @@ def main(argv: list[str] | None = None) -> None:
         from skulk.service import main as service_main
 
         raise SystemExit(service_main(args[1:]))
+    if args and args[0] == "tls":
+        from skulk.tls import main as tls_main
+
+        tls_main(args[1:])
+        return
     if args and args[0] == "models":
         from skulk.models.cli import main as models_main
 

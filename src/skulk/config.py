@@ -30,6 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from skulk.memory_limit import parse_amount
+from skulk.tls import TlsError, check_ca, check_pair
 from skulk.types.backends import EngineName
 from skulk.types.models import KvCacheBits
 
@@ -220,6 +221,13 @@ class Settings(BaseModel):
     """Host header values accepted on a non-loopback bind, besides this machine's own names and addresses."""
     cors_origins: list[str] = []
     """Browser origins allowed to call the API (CORS); none by default."""
+    tls_cert: Path | None = None
+    """SKULK_TLS_CERT, --tls-cert: a PEM certificate; with tls_key the API and the dashboard are served over https
+    (and this node calls its peers over https: a cluster serves TLS on every node or on none, peer_tls.py)."""
+    tls_key: Path | None = None
+    """SKULK_TLS_KEY, --tls-key: the certificate's unencrypted PEM private key (chmod 600)."""
+    tls_ca: Path | None = None
+    """SKULK_TLS_CA, --tls-ca: the CA peers' certificates are verified against (None: tls_cert itself, pinned)."""
     cluster_key: str | None = None
     """SKULK_CLUSTER_KEY, --cluster-key: seals every zenoh payload (`skulk keygen` makes one); None = open."""
     model_store: ModelStoreConfig = ModelStoreConfig()
@@ -280,6 +288,15 @@ class Settings(BaseModel):
         if value is not None:
             parse_amount(value)
         return value
+
+    @field_validator("tls_cert", "tls_key", "tls_ca")
+    @classmethod
+    def _expanded(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    @property
+    def serves_tls(self) -> bool:
+        return self.tls_cert is not None
 
     @property
     def is_store_host(self) -> bool:
@@ -480,6 +497,26 @@ def resolve(flags: dict[str, Any], environ: dict[str, str] | os._Environ[str] = 
     merged["config"] = config_path.resolve()
     merged["home"] = Path(merged.get("home", home)).expanduser().resolve()
     try:
-        return Settings.model_validate(merged)
+        settings = Settings.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(describe_error("settings (flags and environment)", exc)) from exc
+    _check_tls_files(settings)
+    return settings
+
+
+def _check_tls_files(settings: Settings) -> None:
+    """A certificate without its key (or the reverse), unreadable TLS files, or a key that is not the
+    certificate's, stop the node before it listens: each would serve something the operator did not ask for.
+    Checked on the resolved settings (the file may give the certificate and the environment its key)."""
+    if (settings.tls_cert is None) != (settings.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together (SKULK_TLS_CERT/SKULK_TLS_KEY, tls_cert/tls_key "
+                          "in skulk.yaml): give both to serve https, or neither for plain http")
+    if settings.tls_ca is not None and settings.tls_cert is None:
+        raise ConfigError("--tls-ca needs --tls-cert and --tls-key: a cluster serves TLS on every node or on none")
+    try:
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            check_pair(settings.tls_cert, settings.tls_key)
+        if settings.tls_ca is not None:
+            check_ca(settings.tls_ca)
+    except TlsError as exc:
+        raise ConfigError(str(exc)) from exc

@@ -13,7 +13,7 @@ from typing import Any
 
 import uvicorn
 
-from skulk import internal_auth, redact, structured_log
+from skulk import internal_auth, peer_tls, redact, structured_log
 from skulk.announce import try_line
 from skulk.api.app import create_app
 from skulk.api.limits import guarded_protocol, raise_open_file_limit
@@ -136,6 +136,7 @@ class Node:
         transport.open()
         node_id = NodeId(transport.zenoh_id())
         internal_auth.configure(settings.cluster_key, settings.admin_keys, node_id)  # before anything listens
+        peer_tls.configure(settings.tls_cert, settings.tls_ca)  # before anything dials a peer
         structured_log.install(settings.logging, node_id)
         structured_log.set_level(settings.logging.level)
         log.info("node %s starting (cluster %r)", node_id, settings.cluster)
@@ -273,6 +274,8 @@ class Node:
             timeout_graceful_shutdown=2,
             http=guarded_protocol(self.settings.max_connections, self.settings.header_timeout_seconds,
                                   self.settings.max_connections_per_client),
+            ssl_certfile=self.settings.tls_cert,
+            ssl_keyfile=self.settings.tls_key,
         )
         return _ApiServer(config)
 
@@ -282,8 +285,9 @@ class Node:
         if server.started:
             port = server.servers[0].sockets[0].getsockname()[1] if server.servers else self.settings.api_port
             self.api_port = port
-            log.info("API listening on http://localhost:%d", port)
-            print(f"SKULK_READY node={self.node_id} api=http://localhost:{port}", flush=True)
+            scheme = peer_tls.scheme()
+            log.info("API listening on %s://localhost:%d", scheme, port)
+            print(f"SKULK_READY node={self.node_id} api={scheme}://localhost:{port}", flush=True)
             print(try_line(self.settings, port), flush=True)
 
     async def shutdown(self) -> None:

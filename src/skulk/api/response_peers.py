@@ -19,7 +19,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
 
-from skulk import internal_auth
+from skulk import internal_auth, peer_tls
 from skulk.api.response_store import ResponseStore, Stored, check_owner, not_found
 from skulk.api.services import ApiServices
 from skulk.diagnostics.cluster import local_addresses, peer_url
@@ -72,7 +72,7 @@ class ClusterResponses:
         peers = _peers(self.node)
         if not peers:
             return None
-        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, trust_env=False, verify=peer_tls.verify()) as client:
             asks = [asyncio.ensure_future(_ask(client, "GET", p, f"{url}/internal/responses/{response_id}"))
                     for p, url in peers.items()]
             try:
@@ -97,7 +97,7 @@ class ClusterResponses:
         await self.require(response_id)
         self.local.delete(response_id)
         peers = _peers(self.node)
-        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, trust_env=False, verify=peer_tls.verify()) as client:
             await asyncio.gather(*(_ask(client, "DELETE", p, f"{url}/internal/responses/{response_id}")
                                    for p, url in peers.items()))
 

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
-from skulk import internal_auth
+from skulk import internal_auth, peer_tls
 from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
@@ -219,7 +219,7 @@ async def at_store_host(node: ApiServices, method: str, path: str) -> JSONRespon
     if url is None or host is None:
         raise ApiError(ErrorCode.store_unreachable, f"the store host {store.store_host} is not in the cluster")
     try:
-        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S * 6) as client:
+        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S * 6, verify=peer_tls.verify()) as client:
             response = await client.request(method, url + path, auth=internal_auth.signer(host))
         return JSONResponse(response.json(), status_code=response.status_code)
     except (httpx.HTTPError, ValueError) as exc:
@@ -249,7 +249,7 @@ async def _purge_peer(peer: NodeId, url: str | None, body: PurgeRequest) -> dict
     if url is None:
         return {"ok": False, "error": "no API address known for this node"}
     try:
-        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, verify=peer_tls.verify()) as client:
             response = await client.post(url + "/store/purge-staging/local", json=body.model_dump(by_alias=True),
                                          auth=internal_auth.signer(peer))
         if response.status_code != 200:

@@ -14,7 +14,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from skulk import internal_auth
+from skulk import internal_auth, peer_tls
 from skulk.api.openapi import documented
 from skulk.api.services import ApiServices
 from skulk.diagnostics.cluster import known_peers, local_addresses, peer_url
@@ -58,7 +58,7 @@ def tracing_router(node: ApiServices) -> APIRouter:
     async def peers_get(path: str) -> list[Any]:
         state, ours = node.state, local_addresses()
         urls = {p: peer_url(state, node.node_id, p, ours) for p in known_peers(state, node.node_id)}
-        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, trust_env=False, verify=peer_tls.verify()) as client:
             return await asyncio.gather(*(_get(client, url + path, internal_auth.signer(p))
                                           for p, url in urls.items() if url is not None))
 

@@ -17,7 +17,7 @@ import httpx
 import psutil
 from pydantic import ValidationError
 
-from skulk import internal_auth
+from skulk import internal_auth, peer_tls
 from skulk.diagnostics.clock import iso, utc_now
 from skulk.types.diagnostics_bundle import ClusterDiagnostics, ClusterNodeDiagnostics, NodeDiagnostics
 from skulk.types.ids import NodeId
@@ -74,7 +74,7 @@ def peer_url(state: State, local: NodeId, peer: NodeId, ours: set[str]) -> str |
     host = peer_address(state, local, peer, ours)
     if port is None or host is None:
         return None
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return peer_tls.base_url(host, port)
 
 
 def known_peers(state: State, local: NodeId) -> list[NodeId]:
@@ -119,7 +119,7 @@ async def fetch_peers(
 ) -> list[ClusterNodeDiagnostics]:
     """All peers at once; total time is one timeout, not one per peer."""
     ours = local_addresses() if ours is None else ours
-    async with httpx.AsyncClient(trust_env=False) as client:
+    async with httpx.AsyncClient(trust_env=False, verify=peer_tls.verify()) as client:
         return list(
             await asyncio.gather(*(fetch_peer(client, p, peer_url(state, local, p, ours), timeout) for p in peers))
         )
@@ -135,7 +135,7 @@ class DepartedPeer:
 
 async def fetch_departed(departed: Mapping[NodeId, DepartedPeer], timeout: float) -> list[ClusterNodeDiagnostics]:
     """Departed nodes are always reported ok: false, with why they could not be read."""
-    async with httpx.AsyncClient(trust_env=False) as client:
+    async with httpx.AsyncClient(trust_env=False, verify=peer_tls.verify()) as client:
         found = await asyncio.gather(*(fetch_peer(client, n, d.url, timeout) for n, d in departed.items()))
     return [
         ClusterNodeDiagnostics(

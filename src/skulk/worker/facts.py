@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from skulk import peer_tls
 from skulk.config import Settings
 from skulk.memory_limit import MemoryWatch
 from skulk.types.events import Event, NodeGatheredInfo, TopologyEdgeDeleted
@@ -82,7 +83,7 @@ class NodeFacts:
     async def topology_forever(self) -> None:
         misses: dict[NodeId, int] = {}
         unreached: dict[NodeId, str] = {}  # why each peer without an answer had none, logged when it changes
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(verify=peer_tls.verify()) as client:
             while True:
                 answers = await topology.probe(client, self._state(), self.node_id, self.links)
                 reachable, misses = topology.debounced(self._state(), self.node_id, answers, misses)

@@ -19,7 +19,7 @@ from collections import deque
 
 import httpx
 
-from skulk import internal_auth
+from skulk import internal_auth, peer_tls
 from skulk.engines.link_delay import emulated_delay_s
 from skulk.types.ids import NodeId
 from skulk.types.links import RTT_FLOOR_MS, LinkMeasurement
@@ -111,7 +111,8 @@ async def time_self(client: httpx.AsyncClient, host: str, port: int, me: NodeId)
     """Seconds this node's own API takes to name it: the probe's cost without a network (None on failure)."""
     started = time.perf_counter()
     try:
-        reply = await client.get(f"http://{host}:{port}/node/probe", timeout=1.0, auth=internal_auth.signer(me))
+        reply = await client.get(f"{peer_tls.base_url(host, port)}/node/probe", timeout=1.0,
+                                 auth=internal_auth.signer(me))
     except httpx.HTTPError:
         return None
     ok = reply.status_code == 200 and reply.text.strip('"') == me and internal_auth.answered_by(reply, me)
@@ -122,7 +123,7 @@ async def read_bandwidth(client: httpx.AsyncClient, address: str, port: int, rtt
                          peer: NodeId) -> float | None:
     """Megabits per second of one bulk read from the peer's API, its round trip taken off; None on failure (or
     when someone other than the peer answered: only a signed exchange is a measurement)."""
-    url = f"http://{address}:{port}/node/link_probe"
+    url = f"{peer_tls.base_url(address, port)}/node/link_probe"
     started = time.perf_counter()
     try:
         reply = await client.get(url, params={"bytes": BANDWIDTH_BYTES}, timeout=5.0, auth=internal_auth.signer(peer))

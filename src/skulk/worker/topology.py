@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import httpx
 
-from skulk import internal_auth
+from skulk import internal_auth, peer_tls
 from skulk.types.events import Event, TopologyEdgeCreated, TopologyEdgeDeleted
 from skulk.types.ids import NodeId
 from skulk.types.node_info import Connection
@@ -80,7 +80,7 @@ async def _reaches(client: httpx.AsyncClient, address: str, port: int, node: Nod
     """Seconds the peer took to name itself at this address (the round-trip sample), or why it did not."""
     try:
         started = time.perf_counter()
-        reply = await client.get(f"http://{address}:{port}/node/probe", timeout=PROBE_TIMEOUT_S,
+        reply = await client.get(f"{peer_tls.base_url(address, port)}/node/probe", timeout=PROBE_TIMEOUT_S,
                                  auth=internal_auth.signer(node))
         elapsed = time.perf_counter() - started
         if reply.status_code != 200:
