@@ -285,7 +285,7 @@ class Node:
         if server.started:
             port = server.servers[0].sockets[0].getsockname()[1] if server.servers else self.settings.api_port
             self.api_port = port
-            scheme = peer_tls.scheme()
+            scheme = "https" if self.settings.serves_tls else "http"
             log.info("API listening on %s://localhost:%d", scheme, port)
             print(f"SKULK_READY node={self.node_id} api={scheme}://localhost:{port}", flush=True)
             print(try_line(self.settings, port), flush=True)

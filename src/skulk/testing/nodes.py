@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -74,6 +75,8 @@ class LocalNode:
     """Sent with every get/post/client call (an API key, when the node is started with keys)."""
     extra_args: list[str] = field(default_factory=list)
     """Appended to the node's command line (flags a test wants visible there, such as keys)."""
+    tls: tuple[Path, Path] | None = None
+    """(cert, key): the node serves https with them (--tls-cert/--tls-key), and this harness trusts the cert."""
     process: subprocess.Popen[str] | None = None
     node_id: str = ""
     output: deque[str] = field(default_factory=lambda: deque(maxlen=400))
@@ -84,7 +87,12 @@ class LocalNode:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.api_port}"
+
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """What httpx's `verify=` takes to trust this node: its own certificate when it serves https."""
+        return ssl.create_default_context(cafile=str(self.tls[0])) if self.tls else True
 
     @property
     def endpoint(self) -> str:
@@ -110,6 +118,8 @@ class LocalNode:
         ]
         for peer in self.peers:
             cmd += ["--bootstrap-peer", peer]
+        if self.tls:
+            cmd += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
         return cmd + self.extra_args
 
     def start(self) -> Self:
@@ -172,14 +182,16 @@ class LocalNode:
 
         Polling treats all of those as 'not yet': the caller's deadline decides when that becomes a failure."""
         try:
-            return httpx.get(self.url + path, timeout=timeout, trust_env=False, headers=self.headers).json()
+            return httpx.get(self.url + path, timeout=timeout, trust_env=False, headers=self.headers,
+                             verify=self.verify).json()
         except (httpx.HTTPError, ValueError):
             return None
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, Any]:
         """POST JSON; (HTTP status, parsed body), status 0 if nothing answered. Same as NsNode.post."""
         try:
-            reply = httpx.post(self.url + path, json=body, timeout=timeout, trust_env=False, headers=self.headers)
+            reply = httpx.post(self.url + path, json=body, timeout=timeout, trust_env=False, headers=self.headers,
+                               verify=self.verify)
         except httpx.HTTPError:
             return 0, None
         try:
@@ -188,7 +200,7 @@ class LocalNode:
             return reply.status_code, reply.text
 
     def client(self, timeout: float = 60.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout, headers=self.headers)
+        return httpx.Client(base_url=self.url, timeout=timeout, headers=self.headers, verify=self.verify)
 
     @property
     def alive(self) -> bool:
