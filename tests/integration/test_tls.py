@@ -27,7 +27,7 @@ def test_one_node_serves_https_to_the_openai_client_and_refuses_plain_http(tmp_p
     try:
         (node,) = cluster.start(1, tls=(cert, key))
         assert node.url.startswith("https://")
-        trusting = httpx.Client(verify=ssl.create_default_context(cafile=str(cert)), timeout=60)
+        trusting = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(cert)), timeout=60)
         client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused", http_client=trusting)
         assert client.models.list().data == []  # an answer over https (nothing placed yet)
         place_and_wait(node, DEMO)
