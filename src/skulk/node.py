@@ -43,6 +43,7 @@ from skulk.state.store import StateStore
 from skulk.store.server import StoreServer, bind_address
 from skulk.store.service import ModelFiles
 from skulk.store.staging import startable
+from skulk.tls import server_context
 from skulk.tracing.service import NodeTracing
 from skulk.types.commands import Command, CreateMetaInstance, OfferDesiredState
 from skulk.types.desired import rank_of
@@ -427,7 +428,10 @@ class Node:
         """The store host serves store_path to the LAN (store.server) on its own threads until the node stops."""
         store = self.settings.model_store
         host = bind_address(self.settings.api_host, store.store_address or store.store_host, local_addresses())
-        server = StoreServer(self.settings.store_path, host, store.store_port, self.serving.store_bytes.inc).start()
+        tls = server_context(self.settings.tls_cert, self.settings.tls_key) \
+            if self.settings.tls_cert is not None and self.settings.tls_key is not None else None
+        server = StoreServer(self.settings.store_path, host, store.store_port, self.serving.store_bytes.inc,
+                             tls).start()
         log.info("model store serving %s on port %d", self.settings.store_path, server.server_address[1])
         try:
             await asyncio.Event().wait()

@@ -47,6 +47,11 @@ def verify() -> ssl.SSLContext | bool:
     return _verify
 
 
+def context() -> ssl.SSLContext | None:
+    """The verifying context for a peer's https (None: peers speak plain http), for http.client's HTTPSConnection."""
+    return _verify if isinstance(_verify, ssl.SSLContext) else None
+
+
 def base_url(host: str, port: int) -> str:
     """`scheme://host:port` for a peer's API, an IPv6 address in brackets (a bracketed one is kept as it is)."""
     bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -11,6 +11,7 @@ import argparse
 import datetime
 import ipaddress
 import os
+import ssl
 import sys
 from pathlib import Path
 
@@ -101,6 +102,13 @@ def check_ca(ca: Path) -> None:
         x509.load_pem_x509_certificates(_read(ca, "CA file"))
     except ValueError as exc:
         raise TlsError(f"the TLS CA file {ca} holds no PEM certificate: {exc}") from exc
+
+
+def server_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """What the model store's file server wraps its socket in (uvicorn builds the API's own from the same files)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    return context
 
 
 def main(argv: list[str]) -> None:

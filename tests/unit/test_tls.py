@@ -10,6 +10,7 @@ import ssl
 import stat
 from pathlib import Path
 
+import httpx
 import pytest
 from cryptography import x509
 
@@ -17,7 +18,12 @@ from skulk import peer_tls
 from skulk.announce import try_line
 from skulk.cli import main as cli_main
 from skulk.config import ConfigError, Settings, resolve
-from skulk.tls import write_pair
+from skulk.store import client
+from skulk.store.fetch import partial_path
+from skulk.store.server import StoreServer
+from skulk.tls import server_context, write_pair
+
+pytestmark = pytest.mark.timeout(30)
 
 
 def _sans(cert_path: Path) -> tuple[list[str], list[str]]:
@@ -116,3 +122,32 @@ def test_the_start_up_curl_line_uses_https_and_the_cert(tmp_path: Path) -> None:
     assert f"curl https://localhost:52415/v1/chat/completions --cacert {cert_path}" in line
     assert "dashboard at https://localhost:1/" in try_line(Settings(tls_cert=cert_path, tls_key=key_path,
                                                                      place_default=False), 1)
+
+
+def test_the_model_store_stages_over_https_and_refuses_plain_http(tmp_path: Path) -> None:
+    """A node serving TLS serves its store over https too; a stager resumes a partial through it (no splice:
+    the bytes on the socket are ciphertext) and gets the store's bytes; plain http to the port gets nothing."""
+    cert_path, key_path = write_pair(tmp_path / "tls", [])
+    model = tmp_path / "store" / "org--m"
+    model.mkdir(parents=True)
+    payload = bytes(range(256)) * 8_000
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(payload)
+    server = StoreServer(tmp_path / "store", "127.0.0.1", 0, tls=server_context(cert_path, key_path)).start()
+    port = server.server_address[1]
+    try:
+        peer_tls.configure(cert_path, None)
+        base = client.store_url("127.0.0.1", port)
+        assert base.startswith("https://")
+        files = client.store_files(base, "org/m")
+        target = tmp_path / "staged"
+        part = partial_path(target / "model.safetensors")
+        part.parent.mkdir(parents=True)
+        part.write_bytes(payload[:123_457])
+        client.stage(base, "org/m", files, target, lambda _done, _files: None)
+        assert (target / "model.safetensors").read_bytes() == payload
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/registry", timeout=5, trust_env=False)
+    finally:
+        peer_tls.configure(None, None)
+        server.close()

@@ -237,7 +237,7 @@ def _keep(task: asyncio.Task[None]) -> None:
 async def _get_json(url: str) -> Any:
     """The store server's JSON answer (signed for the store), or None."""
     try:
-        async with httpx.AsyncClient(timeout=3.0) as client:
+        async with httpx.AsyncClient(timeout=3.0, verify=peer_tls.verify()) as client:
             response = await client.get(url, auth=internal_auth.signer(internal_auth.STORE_TARGET))
         return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from skulk import internal_auth
+from skulk import internal_auth, peer_tls
 from skulk.store.fetch import Progress, Pump, chunks_pump, fetch_all, fetch_file
 from skulk.store.files import INDEX_FILE, sha256_of
 
@@ -34,7 +34,7 @@ class StoreUnreachable(ConnectionError):
 
 
 def store_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return peer_tls.base_url(host, port)
 
 
 class CorruptCopy(OSError):
@@ -46,7 +46,7 @@ def store_listing(base: str, model_id: str) -> tuple[dict[str, int], dict[str, s
     first listing of a model makes the store hash it (once), hence the long read timeout."""
     try:
         response = httpx.get(f"{base}/models/{model_id}/files", auth=internal_auth.signer(internal_auth.STORE_TARGET),
-                             timeout=httpx.Timeout(10.0, read=HASH_TIMEOUT_S))
+                             timeout=httpx.Timeout(10.0, read=HASH_TIMEOUT_S), verify=peer_tls.verify())
     except httpx.TransportError as exc:
         raise StoreUnreachable(f"the model store at {base} is unreachable: {exc}") from exc
     if response.status_code == 404:
@@ -94,7 +94,9 @@ def open_store_stream(url: str, start: int) -> Iterator[tuple[int, Pump]]:
     """One GET to the store's file server with the standard library's http.client: the store speaks plain
     HTTP/1.1 without redirects, and owning the socket lets the body be spliced straight into the file."""
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=TIMEOUT_S)
+    tls = peer_tls.context() if parts.scheme == "https" else None
+    conn = (http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=TIMEOUT_S, context=tls)
+            if tls is not None else http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=TIMEOUT_S))
     try:
         signed = internal_auth.signed_headers("GET", parts.path, internal_auth.STORE_TARGET)
         headers = {**signed, **({"Range": f"bytes={start}-"} if start else {})}
@@ -105,7 +107,7 @@ def open_store_stream(url: str, start: int) -> Iterator[tuple[int, Pump]]:
         if response.status >= 400:
             raise OSError(f"the store answered HTTP {response.status} for {parts.path}")
         length = int(response.getheader("Content-Length") or 0)
-        if hasattr(os, "splice") and conn.sock is not None and length:
+        if hasattr(os, "splice") and conn.sock is not None and tls is None and length:  # TLS: bytes need decrypting
             yield response.status, _splice_pump(response, conn.sock, length)
         else:
             yield response.status, chunks_pump(iter(lambda: response.read1(READ_BYTES), b""))

@@ -21,6 +21,8 @@ import json
 import logging
 import re
 import socket
+import ssl
+import sys
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
@@ -213,6 +215,13 @@ class _Handler(BaseHTTPRequestHandler):
                 sent = self.connection.sendfile(file, offset=first, count=last - first + 1)
                 cast(StoreServer, self.server).on_sent(sent)
 
+    def setup(self) -> None:
+        """The TLS handshake here, on the connection's own thread under its timeout, not in the accept loop
+        (where one silent client would hold every other)."""
+        super().setup()
+        if isinstance(self.connection, ssl.SSLSocket):
+            self.connection.do_handshake()
+
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("store %s: " + format, self.address_string(), *args)
 
@@ -224,13 +233,24 @@ class StoreServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
 
-    def __init__(self, store_path: Path, host: str, port: int, on_sent: Callable[[int], None] = lambda _: None) -> None:
+    def __init__(self, store_path: Path, host: str, port: int, on_sent: Callable[[int], None] = lambda _: None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.store_path = store_path
         self.on_sent = on_sent
         """Told the bytes of each file sent, on the sending thread (the node counts them for GET /metrics)."""
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), _Handler)
+        if tls is not None:  # https, as the API: a cluster serves TLS everywhere or nowhere (peer_tls.py)
+            self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
         self._thread = threading.Thread(target=self.serve_forever, name="store-server", daemon=True)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that fails the handshake (plain http, an untrusted certificate) or drops is a debug line, not
+        a traceback on stderr."""
+        if isinstance(sys.exc_info()[1], (ssl.SSLError, ConnectionError, TimeoutError)):
+            log.debug("store client %s: %s", client_address, sys.exc_info()[1])
+            return
+        super().handle_error(request, client_address)
 
     def start(self) -> StoreServer:
         self._thread.start()
