@@ -1,8 +1,8 @@
 """TLS on the API (issue 44): a node started with a `skulk tls self-signed` pair serves https that the openai
 client reads when it trusts the certificate (models, then a chat on the placed demo model), and nothing over
-plain http or to a client that does not trust it; two nodes sharing the pair form one cluster, which needs their
-topology probes (https, verified against the shared cert) to succeed, and a cluster diagnostics fan-out over https
-reads both."""
+plain http or to a client that does not trust it (`skulk diag --ca` reads it); two nodes sharing the pair form
+one cluster, which needs their topology probes (https, verified against the shared cert) to succeed, and a
+cluster diagnostics fan-out over https reads both."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from skulk.diagnostics.cli import main as diag_main
 from skulk.tls import write_pair
 
 from .harness import Cluster, place_and_wait
@@ -40,6 +41,9 @@ def test_one_node_serves_https_to_the_openai_client_and_refuses_plain_http(tmp_p
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):  # a client that trusts no one
             httpx.get(f"{node.url}/healthz", timeout=5, trust_env=False)
         assert any("SKULK_READY" in line and "api=https://" in line for line in node.output)
+        diag_main(["--url", node.url, "--ca", str(cert)])  # the CLI verifies against the given CA
+        with pytest.raises(SystemExit):
+            diag_main(["--url", node.url])  # and without it does not trust the node
     finally:
         cluster.print_logs()
         assert cluster.stop_all() == [], "runner processes outlived their node"

@@ -7,6 +7,8 @@ for a rank that waits at a barrier while its peers are elsewhere. `--watch` redr
 from __future__ import annotations
 
 import argparse
+import os
+import ssl
 import sys
 import time
 from collections.abc import Sequence
@@ -115,29 +117,29 @@ def meta_table(listing: dict[str, Any]) -> Table | None:
     return table
 
 
-def fetch_meta_instances(url: str, timeout: float) -> dict[str, Any]:
+def fetch_meta_instances(url: str, timeout: float, verify: ssl.SSLContext | bool = True) -> dict[str, Any]:
     """Best effort: a node without MetaInstance support (or a failing one) shows no table, not an error."""
     try:
-        response = httpx.get(url.rstrip("/") + "/meta_instances", timeout=timeout, trust_env=False)
+        response = httpx.get(url.rstrip("/") + "/meta_instances", timeout=timeout, trust_env=False, verify=verify)
         return response.json() if response.status_code == 200 else {}
     except (httpx.HTTPError, ValueError):
         return {}
 
 
-def _with_metas(view: RenderableType, url: str, timeout: float) -> RenderableType:
-    table = meta_table(fetch_meta_instances(url, timeout))
+def _with_metas(view: RenderableType, url: str, timeout: float, verify: ssl.SSLContext | bool) -> RenderableType:
+    table = meta_table(fetch_meta_instances(url, timeout, verify))
     return view if table is None else Group(view, table)
 
 
-def fetch_timeline(url: str, timeout: float) -> ClusterTimeline:
-    response = httpx.get(url.rstrip("/") + TIMELINE_PATH, timeout=timeout, trust_env=False)
+def fetch_timeline(url: str, timeout: float, verify: ssl.SSLContext | bool = True) -> ClusterTimeline:
+    response = httpx.get(url.rstrip("/") + TIMELINE_PATH, timeout=timeout, trust_env=False, verify=verify)
     response.raise_for_status()
     return ClusterTimeline.model_validate(response.json())
 
 
-def _frame(url: str, timeout: float) -> RenderableType:
+def _frame(url: str, timeout: float, verify: ssl.SSLContext | bool) -> RenderableType:
     try:
-        return _with_metas(render_timeline(fetch_timeline(url, timeout)), url, timeout)
+        return _with_metas(render_timeline(fetch_timeline(url, timeout, verify)), url, timeout, verify)
     except (httpx.HTTPError, ValueError) as exc:
         return Text(f"cannot read {url}{TIMELINE_PATH}: {exc}", style="bold red")
 
@@ -147,8 +149,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         prog="skulk diag", description="Show the cluster timeline: every runner's rank, phase and time in it."
     )
     parser.add_argument(
-        "--url", default="http://localhost:52415", help="any node's API (default %(default)s)"
+        "--url", default="http://localhost:52415", help="any node's API (default %(default)s; https:// for a "
+        "node started with --tls-cert)"
     )
+    parser.add_argument("--ca", default=os.environ.get("SKULK_TLS_CA"),
+                        help="CA file an https node's certificate is verified against: the node's cert.pem for a "
+                        "self-signed pair (SKULK_TLS_CA; default: the system's CAs)")
     parser.add_argument("--watch", action="store_true", help="redraw until interrupted")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default 2)")
     parser.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout in seconds (default 10)")
@@ -159,18 +165,19 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     console = Console()
+    verify = ssl.create_default_context(cafile=args.ca) if args.ca else True
     if not args.watch:
         try:
-            timeline = fetch_timeline(args.url, args.timeout)
+            timeline = fetch_timeline(args.url, args.timeout, verify)
         except (httpx.HTTPError, ValueError) as exc:
             console.print(f"[bold red]cannot read {args.url}{TIMELINE_PATH}: {exc}[/]")
             raise SystemExit(1) from exc
-        console.print(_with_metas(render_timeline(timeline), args.url, args.timeout))
+        console.print(_with_metas(render_timeline(timeline), args.url, args.timeout, verify))
         return
     try:
-        with Live(_frame(args.url, args.timeout), console=console, auto_refresh=False) as live:
+        with Live(_frame(args.url, args.timeout, verify), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(max(0.2, args.interval))
-                live.update(_frame(args.url, args.timeout), refresh=True)
+                live.update(_frame(args.url, args.timeout, verify), refresh=True)
     except KeyboardInterrupt:
         return
