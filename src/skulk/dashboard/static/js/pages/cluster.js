@@ -12,7 +12,7 @@ function apiAddress(state, nodeId) {
   const ifaces = ((state.nodeNetwork || {})[nodeId] || {}).interfaces || [];
   const lan = ifaces.find((i) => i.ipAddress && !i.ipAddress.startsWith('127.') && !i.ipAddress.includes(':'));
   const host = loopback || !lan ? here : lan.ipAddress;
-  return `http://${host}:${port}/`;
+  return `${window.location.protocol}//${host}:${port}/`;  // a cluster serves https everywhere or nowhere
 }
 
 function Accelerator({ acc }) {
