@@ -523,6 +523,10 @@ def _harden(settings: Settings) -> None:
     if settings.cluster_key is None and reachable_beyond_loopback(settings.api_host, settings.zenoh_listen):
         log.warning("no cluster key: any host on this network can read prompts and tokens and send commands; "
                     "run `skulk keygen` and start every node with its --cluster-key")
+    keyed = bool(settings.api_keys or settings.admin_keys)
+    if keyed and not settings.serves_tls and settings.api_host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("API keys cross the network in clear text (plain http on %s); `skulk tls self-signed` makes a "
+                    "pair for --tls-cert/--tls-key", settings.api_host)
 
 
 async def _open_and_run(settings: Settings) -> Node:

@@ -151,3 +151,20 @@ def test_the_model_store_stages_over_https_and_refuses_plain_http(tmp_path: Path
     finally:
         peer_tls.configure(None, None)
         server.close()
+
+
+
+def test_keys_over_plain_http_beyond_loopback_are_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from skulk.node import _harden
+
+    cert_path, key_path = write_pair(tmp_path, [])
+    key = "sk-tls-warning-test-0123456789"
+    cases = [(Settings(api_keys=[key]), True), (Settings(api_keys=[key], tls_cert=cert_path, tls_key=key_path), False),
+             (Settings(api_keys=[key], api_host="127.0.0.1"), False), (Settings(), False)]
+    for settings, warned in cases:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="skulk.node"):
+            _harden(settings)
+        assert any("clear text" in r.getMessage() for r in caplog.records) == warned, settings
