@@ -2,7 +2,7 @@
 client reads when it trusts the certificate (models, then a chat on the placed demo model), and nothing over
 plain http or to a client that does not trust it (`skulk diag --ca` reads it); two nodes sharing the pair form
 one cluster, which needs their topology probes (https, verified against the shared cert) to succeed, and a
-cluster diagnostics fan-out over https reads both."""
+cluster diagnostics fan-out over https reads both; a worker stages a model from the store over https."""
 
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ import openai
 import pytest
 
 from skulk.diagnostics.cli import main as diag_main
+from skulk.testing.convergence import formed
+from skulk.testing.nodes import free_port
 from skulk.tls import write_pair
+from tests.fake_hub import write_random_model
 
-from .harness import Cluster, place_and_wait
+from .harness import Cluster, instance_ready, place, place_and_wait, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 DEMO = "skulk/tiny-random-llama"
+MODEL = "org/tiny-store"
 
 
 def test_one_node_serves_https_to_the_openai_client_and_refuses_plain_http(tmp_path: Path) -> None:
@@ -59,6 +63,41 @@ def test_two_nodes_sharing_a_pair_form_a_cluster_over_https(tmp_path: Path) -> N
         assert {n["nodeId"] for n in report["nodes"]} == {n.node_id for n in nodes}
         assert all(n["ok"] for n in report["nodes"]), [n.get("error") for n in report["nodes"]]
         assert all(n["url"].startswith("https://") for n in report["nodes"] if n["nodeId"] != nodes[0].node_id)
+    finally:
+        cluster.print_logs()
+        assert cluster.stop_all() == [], "runner processes outlived their node"
+
+
+def test_a_worker_stages_from_the_store_over_https(tmp_path: Path) -> None:
+    """The store's file server serves https with the node's pair: a worker asks the store host (API over https),
+    stages its files from the store port over https (no plain-http splice) and serves a chat from them."""
+    cert, key = write_pair(tmp_path / "tls", [])
+    store_path, port = tmp_path / "store", free_port()
+    write_random_model(store_path, MODEL, shards=2, layers=4)
+    for index, path in ((0, store_path), (1, tmp_path / "worker-store")):
+        home = tmp_path / f"node{index}"
+        home.mkdir(parents=True)
+        (home / "skulk.yaml").write_text(
+            "model_store:\n  enabled: true\n  store_host: store\n  store_address: 127.0.0.1\n"
+            f"  store_port: {port}\n  store_path: {path}\n  download: {{allow_hf_fallback: false}}\n")
+    offline = {"HF_ENDPOINT": "http://127.0.0.1:9"}
+    cluster = Cluster(tmp_path)
+    try:
+        host = cluster.start(1, tls=(cert, key), extra_env={"SKULK_NODE_NAME": "store", **offline})[0]
+        worker = cluster.start(1, tls=(cert, key), extra_env={"SKULK_NODE_NAME": "worker", **offline})[0]
+        wait_until(lambda: formed([host, worker]), 60, "two nodes to form one cluster")
+        status, added = host.post("/models/add", {"model_id": MODEL})
+        assert status == 200 and added["downloaded"], added
+        assert worker.get("/store/health")["store_reachable"] is True
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/registry", timeout=5, trust_env=False)
+        instance_id = place(host, MODEL, min_nodes=2)["instanceId"]
+        wait_until(lambda: instance_ready(host, instance_id), 90, "the instance to be ready", worker.log_tail)
+        progress = host.get("/state")["downloads"][worker.node_id][MODEL]
+        assert (progress["status"], progress["source"]) == ("Completed", "store")
+        status, reply = worker.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                                             "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200, reply
     finally:
         cluster.print_logs()
         assert cluster.stop_all() == [], "runner processes outlived their node"

@@ -168,3 +168,12 @@ def test_keys_over_plain_http_beyond_loopback_are_warned_about(
         with caplog.at_level("WARNING", logger="skulk.node"):
             _harden(settings)
         assert any("clear text" in r.getMessage() for r in caplog.records) == warned, settings
+
+
+def test_skulk_with_a_cert_and_no_key_exits_2_naming_both_flags(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    cert_path, _ = write_pair(tmp_path, [])
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["--config", str(tmp_path / "none.yaml"), "--tls-cert", str(cert_path)])
+    assert exited.value.code == 2
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
