@@ -92,7 +92,8 @@ def file_url(base: str, model_id: str, name: str) -> str:
 @contextmanager
 def open_store_stream(url: str, start: int) -> Iterator[tuple[int, Pump]]:
     """One GET to the store's file server with the standard library's http.client: the store speaks plain
-    HTTP/1.1 without redirects, and owning the socket lets the body be spliced straight into the file."""
+    HTTP/1.1 without redirects (over TLS when the cluster serves it), and owning the socket lets a plain-http
+    body be spliced straight into the file."""
     parts = urlsplit(url)
     tls = peer_tls.context() if parts.scheme == "https" else None
     conn = (http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=TIMEOUT_S, context=tls)

@@ -13,6 +13,10 @@ With a cluster key (or admin keys) every request must carry the cluster's intern
 header peers' API calls carry): anyone who could reach the port read the registry and every weight file before
 (issue 27). Without either there is no secret to prove, as for the API. It binds the address peers are told
 to dial (store_address) when that is one of this host's own, else the API's host (bind_address).
+
+When the node serves its API over TLS (--tls-cert) the store does too, with the same pair: the weights and the
+signed headers are not read off the wire, and a stager verifies the store as it verifies any peer (peer_tls).
+`sendfile` then goes through Python's TLS layer, a copy per byte.
 """
 
 from __future__ import annotations
