@@ -213,27 +213,43 @@ def _softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     return (scores.softmax(-1).to(values.dtype)) @ values
 
 
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): the dense MLP's math and each MoE expert's (moe.Expert). fuse_projections
+    stacks gate and up into one linear, one matmul call instead of two, which is most of an expert's cost in a
+    decode step (a few rows each)."""
+
+    def __init__(self, hidden: int, inter: int, gelu: bool = False) -> None:
         super().__init__()
-        inter = args.intermediate_size // tp_size
-        self.gate_proj = Linear(args.hidden_size, inter, bias=False)
-        self.up_proj = Linear(args.hidden_size, inter, bias=False)
-        self.down_proj = Linear(inter, args.hidden_size, bias=False)
-        self.gelu = args.is_gemma  # Gemma's gate is GELU (tanh approximation), everyone else's SiLU
-        self.all_reduce = all_reduce
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
+        self.gelu = gelu  # Gemma's gate is GELU (tanh approximation), everyone else's SiLU
         self.gate_up: nn.Module | None = None  # gate and up stacked (fuse_projections), when they can be
         self.inter = inter
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and cpu_kernels.handles(x) and cpu_kernels.available():
-            return self.all_reduce(self.down_proj(cpu_kernels.act_mul(self.gate_up(x), self.gelu)))
+            return self.down_proj(cpu_kernels.act_mul(self.gate_up(x), self.gelu))
         if self.gate_up is not None:
             gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.all_reduce(self.down_proj(gate * up))
+        return self.down_proj(gate * up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gated(x)
+
+
+class MLP(GatedMLP):
+    """The dense block: a tensor-parallel rank holds intermediate_size / tp_size of it and all-reduces."""
+
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
+        super().__init__(args.hidden_size, args.intermediate_size // tp_size, gelu=args.is_gemma)
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(self.gated(x))
 
 
 class DecoderLayer(nn.Module):
@@ -318,13 +334,13 @@ def add_norm(x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> tuple[torch
 
 
 def fuse_projections(model: nn.Module) -> None:
-    """Stack each attention's q/k/v and each MLP's gate/up into one linear (same math, the parts' outputs side
-    by side): per layer three matmul calls instead of five, which is most of a decode step's per-call overhead
-    on the CPU. Parts that cannot stack (different dtypes or layouts) stay separate."""
+    """Stack each attention's q/k/v and each MLP's and expert's gate/up into one linear (same math, the parts'
+    outputs side by side): per layer three matmul calls instead of five, which is most of a decode step's per-call
+    overhead on the CPU. Parts that cannot stack (different dtypes or layouts) stay separate."""
     for module in list(model.modules()):
         if isinstance(module, Attention):
             module.qkv = _stacked([module.q_proj, module.k_proj, module.v_proj])
-        elif isinstance(module, MLP):
+        elif isinstance(module, GatedMLP):
             module.gate_up = _stacked([module.gate_proj, module.up_proj])
 
 

@@ -29,7 +29,7 @@ from skulk.formats.checkpoint import read_config, safetensors_header
 
 from .config import ModelArgs, parse_dtype
 from .gguf_file import open_gguf
-from .layers import MLP, AllReduce, Attention, fuse_projections
+from .layers import AllReduce, Attention, GatedMLP, fuse_projections
 from .model import ModelSlice, tp_split_dim
 from .quant import (
     QuantizedEmbedding,
@@ -203,7 +203,7 @@ class ShapeMismatch(ValueError):
     """A checkpoint tensor (this rank's block of it) is not the shape its parameter has."""
 
 
-_STACKED = {Attention: ("q_proj", "k_proj", "v_proj"), MLP: ("gate_proj", "up_proj")}
+_STACKED = {Attention: ("q_proj", "k_proj", "v_proj"), GatedMLP: ("gate_proj", "up_proj")}
 """The projections fuse_projections stacks (layers.py), in its order."""
 
 

@@ -17,19 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs
-from .layers import AllReduce
+from .layers import AllReduce, GatedMLP
 from .matmul import Linear
 
 
-class Expert(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = Linear(hidden, inter, bias=False)
-        self.up_proj = Linear(hidden, inter, bias=False)
-        self.down_proj = Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+class Expert(GatedMLP):
+    """One expert: a SiLU-gated MLP whose gate and up fuse_projections stacks, as the dense MLP's."""
 
 
 class SparseMoe(nn.Module):
