@@ -10,6 +10,10 @@ TLS ÷ plain (decode: higher is better; TTFT: the extra milliseconds of TLS).
 this machine differ with no TLS at all, which bounds what the TLS ratio can tell.
 
 Run: .venv/bin/python bench/tls.py [--tokens 64] [--rounds 5] [--control]
+
+Measured on this 2-core machine, quiet, 2026-12-06 20:55 UTC, `--rounds 7 --tokens 64`: TLS ÷ plain 1.097 (TTFT
++1.9 ms); the A/A control right after, 1.046 (the second node is the faster alone). TLS costs nothing this run can
+see: within the 5 % two plain nodes already differ by, and above the 0.97 target either way.
 """
 
 from __future__ import annotations
