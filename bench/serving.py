@@ -196,8 +196,13 @@ def add_thinking_switch(model_dir: Path) -> None:
 
 def start_node(root: Path, quantization: str | None) -> LocalNode:
     node = LocalNode(home=root / "node", cluster=f"bench{int(time.time())}").start().wait_ready()
+    placement = {"model_id": BENCH_MODEL_ID, **({"quantization": quantization} if quantization else {})}
+    return place_and_wait(node, placement)
+
+
+def place_and_wait(node: LocalNode, placement: dict[str, Any]) -> LocalNode:
+    """Place on this node and wait until every runner of the instance is ready (bench/tls.py uses it too)."""
     with node.client(timeout=120) as client:
-        placement = {"model_id": BENCH_MODEL_ID, **({"quantization": quantization} if quantization else {})}
         reply = client.post("/place_instance", json=placement)
         reply.raise_for_status()
         instance_id = reply.json()["instanceId"]

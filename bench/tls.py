@@ -29,7 +29,10 @@ from pathlib import Path
 
 import httpx
 
-from serving import api_stream  # bench/serving.py (this script's folder is on the path): one timed stream
+from serving import (  # bench/serving.py (this script's folder is on the path): one timed stream
+    api_stream,
+    place_and_wait,
+)
 from skulk.models.demo import BENCH_MODEL_ID, ensure_builtin_model
 from skulk.runner.main import GOMP_SPINCOUNT
 from skulk.testing.nodes import LocalNode
@@ -40,18 +43,7 @@ def start(root: Path, name: str, tls: tuple[Path, Path] | None) -> LocalNode:
     """A node of its own cluster with the bench model placed and ready."""
     ensure_builtin_model(BENCH_MODEL_ID, root / name / "models")
     node = LocalNode(home=root / name, cluster=f"tls{name}{int(time.time())}", tls=tls).start().wait_ready()
-    with httpx.Client(base_url=node.url, verify=node.verify, timeout=120) as client:
-        reply = client.post("/place_instance", json={"model_id": BENCH_MODEL_ID})
-        reply.raise_for_status()
-        instance_id = reply.json()["instanceId"]
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            state = client.get("/state").json()
-            runners = list(state["instances"][instance_id]["MlxRingInstance"]["shardAssignments"]["runnerToShard"])
-            if all("RunnerReady" in state["runners"].get(r, {}) for r in runners):
-                return node
-            time.sleep(0.2)
-    raise RuntimeError(f"the {name} node's instance did not become ready")
+    return place_and_wait(node, {"model_id": BENCH_MODEL_ID})
 
 
 async def one(node: LocalNode, tokens: int) -> tuple[float, float]:
