@@ -55,6 +55,9 @@ def _to_skulk(
         predicted_aggregate_tps=round(speed.aggregate_tps, 2) if speed and speed.aggregate_tps else None,
         predicted_batch=speed.batch if speed else None,
         kv_cache_bytes_by_node={n.node_id: n.kv_pool.in_bytes for n in preview.nodes} if instance else None,
+        weights_bytes_by_node={n.node_id: n.weights.in_bytes for n in preview.nodes} if instance else None,
+        runtime_bytes_by_node={n.node_id: n.runtime.in_bytes for n in preview.nodes} if instance else None,
+        runtime_measured_by_node={n.node_id: n.runtime_measured for n in preview.nodes} if instance else None,
         context_length=preview.context_length if instance else None,
         error=error,
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.chunks import TokenLogprob
@@ -60,4 +60,14 @@ class Engine(Protocol):
 
     def warmup(self) -> None:
         """Run one tiny generation so the first real request does not pay for lazy initialisation."""
+        ...
+
+
+@runtime_checkable
+class Footprinted(Protocol):
+    """An engine that can say which of its process's memory is weights and KV (the torch engine's ranks), so the
+    runner can report the rest as its runtime overhead."""
+
+    def footprint(self) -> tuple[int, int]:
+        """(weight bytes, KV bytes resident from allocation)."""
         ...

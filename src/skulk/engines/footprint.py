@@ -36,6 +36,15 @@ def resident_bound(shard: int) -> int:
     return int(SHARD_SLACK * shard) + RUNTIME_OVERHEAD_BYTES
 
 
+def planned_base(share: int, runtime: int | None, exact: bool) -> int:
+    """What placement counts for a rank before its KV pool: its weights and its runtime. Exact weights (the card's
+    per-layer bytes, read into buffers that are kept as they are) count as they are; an estimate (the files' bytes
+    in proportion to layers) with SHARD_SLACK. The runtime is the node's measured figure (types/node_info.
+    RunnerOverhead), else RUNTIME_OVERHEAD_BYTES, the ceiling measured here."""
+    weights = share if exact else int(SHARD_SLACK * share)
+    return weights + (RUNTIME_OVERHEAD_BYTES if runtime is None else runtime)
+
+
 def checkpoint_tensors(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every safetensors tensor of the checkpoint: name → (dtype, shape), from the headers alone."""
     found: dict[str, tuple[str, tuple[int, ...]]] = {}

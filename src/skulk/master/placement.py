@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from skulk.config import DEFAULT_DATA_PORTS, parse_port_range
-from skulk.engines.footprint import RUNTIME_OVERHEAD_BYTES, SHARD_SLACK
+from skulk.engines.footprint import SHARD_SLACK
 from skulk.master.balance import speed_costs
 from skulk.master.cycles import (
     MAX_CYCLE_NODES,
@@ -50,6 +50,7 @@ from skulk.types.instances import (
 )
 from skulk.types.memory import GB, Memory
 from skulk.types.models import ModelCard
+from skulk.types.node_info import rank_role
 from skulk.types.placement import (
     AllCandidatesExcluded,
     AnyPlacementError,
@@ -210,8 +211,8 @@ def _insufficient(state: State, sharding: Sharding, ring: Ring, plan: NodePlan) 
         sharding=sharding,
         needed=Memory.from_bytes(plan.needed),
         weights_share=Memory.from_bytes(plan.weights_share),
-        overhead_factor=SHARD_SLACK,
-        runtime_overhead=Memory.from_bytes(RUNTIME_OVERHEAD_BYTES),
+        overhead_factor=1.0 if plan.exact else SHARD_SLACK,
+        runtime_overhead=Memory.from_bytes(plan.runtime_bytes),
         kv_pool=Memory.from_bytes(plan.kv_pool),
         available=Memory.from_bytes(plan.free),
         draft=Memory.from_bytes(plan.draft) if plan.draft else None,
@@ -238,12 +239,18 @@ def _evaluate(
     free = [usable_bytes(state, n) for n in ring]  # GTT on UMA nodes
     draft = draft_card(state, card)
     plans = plan_ring(card, sharding, ring, free, context=kv.context, kv_cache_bytes=kv.pool_bytes, engines=chosen,
-                      draft=draft, costs=_node_costs(state, ring))
+                      draft=draft, costs=_node_costs(state, ring), runtimes=_runtimes(state, ring, chosen))
     short = [p for p in plans if not p.fits]
     if short:
         worst = min(short, key=lambda p: p.left_after)
         return _Candidate(ring, plans, _insufficient(state, sharding, ring, worst), chosen)
     return _Candidate(ring, plans, engines=chosen)
+
+
+def _runtimes(state: State, ring: Ring, engines: Sequence[EngineName]) -> list[int | None]:
+    """Each rank's runtime overhead as its node's runners of that engine and role measured it (None: not yet)."""
+    return [m.runner_overhead(e, rank_role(i)) if (m := state.node_memory.get(n)) is not None else None
+            for i, (n, e) in enumerate(zip(ring, engines, strict=True))]
 
 
 def _node_costs(state: State, ring: Ring) -> list[int] | None:
@@ -426,6 +433,8 @@ def _preview(card: ModelCard, sharding: Sharding, meta: InstanceMeta, cand: _Can
             left_after=Memory.from_bytes(p.left_after),
             kv_pool=Memory.from_bytes(p.kv_pool),
             weights=Memory.from_bytes(p.weights_share),
+            runtime=Memory.from_bytes(p.runtime_bytes),
+            runtime_measured=p.runtime is not None,
             engine=(engine := cand.engines[cand.ring.index(p.node_id)]),
             modeling="transformers" if engine == "torch" and card.torch_runtime == "transformers" else "native",
         )

@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from skulk.engines.footprint import RUNTIME_OVERHEAD_BYTES, SHARD_SLACK, resident_bound
+from skulk.engines.footprint import RUNTIME_OVERHEAD_BYTES, SHARD_SLACK, planned_base
 from skulk.engines.kv_pools import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_FRACTION,
@@ -226,17 +226,24 @@ class NodePlan:
     free: int
     exact: bool = False
     """weights_share is the rank's real bytes, layer by layer (ModelCard.memory), not the files' bytes in
-    proportion to its layers. Either way the runner holds its share with footprint's measured overhead
-    (engines/footprint.resident_bound: x 1.05 + the runtime's fixed bytes)."""
+    proportion to its layers (an estimate, counted x SHARD_SLACK: engines/footprint.planned_base)."""
+    runtime: int | None = None
+    """The runner's runtime overhead on this node, as its runners measured it (None: not yet, and
+    RUNTIME_OVERHEAD_BYTES is counted)."""
     draft: int = 0
     """A draft model's weights (with their overhead) and its KV for the pool's positions: rank 0 of a single-rank
     torch instance whose card names one (the engine's draft cache has the target's blocks)."""
 
     @property
     def base(self) -> int:
-        """The weights with the runner's measured overhead: what the rank needs before any KV. (A flat x 1.25 on
-        the share, as before, had no term for the runner itself: a small shard's rank needed 2-3x its figure.)"""
-        return resident_bound(self.weights_share)
+        """The weights with the runner's runtime: what the rank needs before any KV (engines/footprint.
+        planned_base)."""
+        return planned_base(self.weights_share, self.runtime, self.exact)
+
+    @property
+    def runtime_bytes(self) -> int:
+        """The runtime overhead counted for this rank (measured, or the default)."""
+        return RUNTIME_OVERHEAD_BYTES if self.runtime is None else self.runtime
 
     @property
     def needed(self) -> int:
@@ -282,7 +289,7 @@ def rank_weights(card: ModelCard, start: int, end: int) -> int:
 def plan_ring(
     card: ModelCard, sharding: Sharding, ring: Sequence[NodeId], free: list[int], *, context: int | None = None,
     kv_cache_bytes: int | None = None, engines: Sequence[EngineName] | None = None, draft: ModelCard | None = None,
-    costs: Sequence[int] | None = None,
+    costs: Sequence[int] | None = None, runtimes: Sequence[int | None] | None = None,
 ) -> tuple[NodePlan, ...]:
     """Each rank's layers and bytes: Tensor splits weights evenly, Pipeline in proportion to what each rank can
     hold (free memory less the runtime, over the bytes its engine loads: loaded_bytes), then moved toward the
@@ -291,24 +298,27 @@ def plan_ring(
     balance.memory_costs) as far as every rank still fits; every rank's KV pool holds the same pool_tokens
     positions of its own layers (Pipeline) or heads (Tensor).
     context: what the instance admits (admitted_context; None: the model's own). engines: each rank's (None: torch).
-    draft: the card's draft model, counted on a single torch rank (the only one that speculates)."""
+    draft: the card's draft model, counted on a single torch rank (the only one that speculates). runtimes: each
+    rank's runtime overhead as its node measured it (None, or a None in it: RUNTIME_OVERHEAD_BYTES)."""
     size = len(ring)
+    runtimes = list(runtimes) if runtimes is not None else [None] * size
     default: list[EngineName] = ["torch"] * size
     exact = exact_weights(card, engines or default)
     weights = [rank_weights(card, 0, card.n_layers) if exact else loaded_bytes(card, e) for e in engines or default]
     if sharding == Sharding.Tensor:
         return _plans(card, ring, free, [(0, card.n_layers)] * size, [-(-w // size) for w in weights], size,
-                      context, kv_cache_bytes, engines, draft, exact)
+                      context, kv_cache_bytes, engines, draft, exact, runtimes)
     most = max(weights)
     # What each rank can give its layers: free memory less the runner every rank pays once, whatever it holds.
-    capacity = [max(0, f - RUNTIME_OVERHEAD_BYTES) * most // max(1, w) for f, w in zip(free, weights, strict=True)]
+    capacity = [max(0, f - (RUNTIME_OVERHEAD_BYTES if r is None else r)) * most // max(1, w)
+                for f, w, r in zip(free, weights, runtimes, strict=True)]
     by_memory = allocate_layers(card.n_layers, capacity)
 
     def plan(counts: Sequence[int]) -> tuple[NodePlan, ...]:
         ranges = layer_ranges(counts)
         shares = [rank_weights(card, start, end) if exact else -(-w * (end - start) // card.n_layers)
                   for w, (start, end) in zip(weights, ranges, strict=True)]
-        return _plans(card, ring, free, ranges, shares, 1, context, kv_cache_bytes, engines, draft, exact)
+        return _plans(card, ring, free, ranges, shares, 1, context, kv_cache_bytes, engines, draft, exact, runtimes)
 
     best, work = plan(by_memory), decode_bytes(card)
     if size < 2 or work.head == 0 or not all(p.fits for p in best):
@@ -326,20 +336,22 @@ def _plans(
     card: ModelCard, ring: Sequence[NodeId], free: list[int], ranges: Sequence[tuple[int, int]],
     shares: Sequence[int], ways: int, context: int | None, kv_cache_bytes: int | None,
     engines: Sequence[EngineName] | None, draft: ModelCard | None, exact: bool = False,
+    runtimes: Sequence[int | None] | None = None,
 ) -> tuple[NodePlan, ...]:
     """The ring's plans for these ranges and weight shares: the KV pool's positions and each rank's bytes, its
     linear-attention and SSM layers' states for MAX_STREAMS streams beside them (counted first, like weights)."""
     per_token = [group_bytes_per_token(card, start, end, ways) for start, end in ranges]
     states = [MAX_STREAMS * stream_state_bytes(card, start, end, ways) for start, end in ranges]
-    bases = [resident_bound(s) + st for s, st in zip(shares, states, strict=True)]
+    runtimes = list(runtimes) if runtimes is not None else [None] * len(ring)
+    bases = [planned_base(s, r, exact) + st for s, r, st in zip(shares, runtimes, states, strict=True)]
     if kv_cache_bytes is not None:
         kv_cache_bytes = max(0, kv_cache_bytes - MAX_STREAMS * stream_state_bytes(card, 0, card.n_layers))
     tokens = pool_tokens(per_token, bases, free, context or card.context_length,
                          kv_cache_bytes, group_bytes_per_token(card, 0, card.n_layers), local_cap(card))
     plans = tuple(
         NodePlan(node_id=n, start_layer=start, end_layer=end, weights_share=share,
-                 kv_pool=pool_bytes(card, start, end, tokens, ways, MAX_STREAMS), free=f, exact=exact)
-        for n, (start, end), share, f in zip(ring, ranges, shares, free, strict=True)
+                 kv_pool=pool_bytes(card, start, end, tokens, ways, MAX_STREAMS), free=f, exact=exact, runtime=r)
+        for n, (start, end), share, f, r in zip(ring, ranges, shares, free, runtimes, strict=True)
     )
     if draft is not None and len(ring) == 1 and (engines or ["torch"])[0] == "torch":
         extra = draft_weights(draft) + tokens * kv_bytes_per_token(draft, draft.n_layers)

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from multiprocessing.queues import Queue
 from typing import TYPE_CHECKING, Any
 
-from skulk.engines.base import Engine, TokenOut
+import psutil
+
+from skulk.engines.base import Engine, Footprinted, TokenOut
 from skulk.engines.errors import PromptRejected
 from skulk.engines.reasoning import ReasoningMode
 from skulk.runner.admission import admit
@@ -22,6 +24,7 @@ from skulk.runner.channel import Inbox, Outbox
 from skulk.runner.fault import Fault, FaultInjector, engine_hook, fault_from_setting
 from skulk.runner.messages import (
     CancelTask,
+    Footprint,
     FromRunner,
     Records,
     RunTask,
@@ -150,9 +153,17 @@ class Runner:
         gc.freeze()
         if self.fault is not None:
             self.fault.arm()
+        self._report_footprint(self.engine)
         self.recorder.record("idle", "ready")
         self.set_status(RunnerReady())
         self.flush()
+
+    def _report_footprint(self, engine: Engine) -> None:
+        """Once warm, a torch rank tells its node what it holds besides weights and KV (messages.Footprint): the
+        runtime overhead placement counts for this node's next ranks."""
+        if self.spec.engine == "torch" and isinstance(engine, Footprinted):
+            weights, kv = engine.footprint()
+            self.send(Footprint(resident=psutil.Process().memory_info().rss, weights=weights, kv=kv))
 
     def _follow_card(self, engine: Engine) -> None:
         """The card's format overrides reach the tokenizer, where the engine decides a reasoning budget's mode

@@ -75,8 +75,23 @@ class Spans:
     spans: list[TraceSpan] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """Sent once, when the runner is warm: what its process holds resident (RSS) and how much of that is its
+    weights and the KV pages it zeroed; the rest is the runtime's overhead, which the node reports
+    (types/node_info.RunnerOverhead) for placement to count."""
+
+    resident: int
+    weights: int
+    kv: int
+
+    @property
+    def overhead(self) -> int:
+        return max(0, self.resident - self.weights - self.kv)
+
+
 RUNNER_HEARTBEAT_S = 1.0
 """How often a runner process tells its supervisor it is alive (`Heartbeat`): the supervisor declares it hung only
 after `hung_s` (15 s) of silence, many beats, so one late beat on a loaded machine is no fault."""
 
-FromRunner = StatusChanged | Tokens | TaskAccepted | TaskEnded | Records | Heartbeat | Spans
+FromRunner = StatusChanged | Tokens | TaskAccepted | TaskEnded | Records | Heartbeat | Spans | Footprint

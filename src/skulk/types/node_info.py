@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from .backends import BackendTag
+from .backends import BackendTag, EngineName
 from .base import CamelModel
 from .ids import NodeId
 from .links import DecodeCompute, LinkMeasurement
@@ -24,6 +24,27 @@ class NodeIdentity(CamelModel):
 PAGING_FAULTS_PER_S = 20.0
 """Major faults a second, over 30 s, that read as paging: a node whose weights fit takes none once loaded (a
 1B model over a 2.5 GB limit took about 46 a second, at a tenth of its speed)."""
+
+
+RankRole = Literal["first", "later"]
+"""A runner's place in its instance, as its memory differs: the first rank (or a single one) holds the tokenizer,
+the grammar compiler and the chat template's machinery besides its shard; a later rank only its layers and link
+(measured on the 2-core VM: 433-436 MiB against 339-340 MiB beside the same shards)."""
+
+
+def rank_role(device_rank: int) -> RankRole:
+    return "first" if device_rank == 0 else "later"
+
+
+class RunnerOverhead(CamelModel):
+    """What this node's runners of one engine and role held resident besides their weights and KV pool, once
+    warm: measured by the runner itself (its RSS after warm-up less the weight bytes it holds and the KV pages it
+    zeroed), the latest load's figure. Placement counts it for this node's ranks (engines/footprint.py's default
+    until a runner has measured one)."""
+
+    engine: EngineName
+    role: RankRole
+    overhead: Memory
 
 
 class MemoryUsage(CamelModel):
@@ -46,6 +67,15 @@ class MemoryUsage(CamelModel):
     the limit are evicted and read again every step (health says `memory_paging`)."""
     oom_kills: int | None = None
     """OOM kills in the node's cgroup (or on its machine) over the last 10 minutes (health says `memory_oom`)."""
+    runner_overheads: list[RunnerOverhead] | None = None
+    """The runtime overhead this node's runners measured, per engine and role (None: none has loaded yet)."""
+
+    def runner_overhead(self, engine: EngineName, role: RankRole) -> int | None:
+        """The measured runtime bytes of a runner of `engine` in `role` on this node, if one has measured it."""
+        for found in self.runner_overheads or ():
+            if found.engine == engine and found.role == role:
+                return found.overhead.in_bytes
+        return None
 
     @property
     def paging(self) -> bool:

@@ -78,8 +78,9 @@ class InsufficientMemory(PlacementError):
     weights_share: Memory
     overhead_factor: float
     runtime_overhead: Memory | None = None
-    """The runner's fixed runtime bytes beside weights_share x overhead_factor (engines/footprint: x 1.05 + 576
-    MiB, measured). None only in a refusal from an older node, whose estimate was weights x 1.25."""
+    """The runner's runtime bytes beside weights_share x overhead_factor (the node's measured figure, else
+    engines/footprint's 576 MiB ceiling; the factor is 1 for exact per-layer weights, 1.05 for an estimate). None
+    only in a refusal from an older node, whose estimate was weights x 1.25."""
     kv_pool: Memory
     """This rank's KV block pool (its layers' or heads' share of the instance's pool)."""
     available: Memory
@@ -304,6 +305,12 @@ class PreviewNode(CamelModel):
     """This rank's weight bytes before runtime overhead, part of `needed`: its own layers' real bytes, the
     embedding on the first rank and the head on the last, where the card carries per-layer memory; else its
     layers' share of storage_size."""
+    runtime: Memory = Memory()
+    """The runner's runtime overhead counted for this rank, part of `needed`: what this node's runners of that
+    engine and role measured they hold besides weights and KV (types/node_info.RunnerOverhead), or the default
+    ceiling (engines/footprint.RUNTIME_OVERHEAD_BYTES) until one has."""
+    runtime_measured: bool = False
+    """Whether `runtime` is this node's measured figure (else the default)."""
     engine: EngineName = "torch"
     """The engine this rank would run (placement's choice for the ring)."""
     modeling: Literal["native", "transformers"] = "native"

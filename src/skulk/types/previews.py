@@ -33,6 +33,13 @@ class SkulkPlacementPreview(BaseModel):
     """Set when this split is predicted to decode one stream slower than a placement on fewer nodes."""
     kv_cache_bytes_by_node: dict[str, int] | None = None
     """Each node's KV block pool, part of memory_delta_by_node (this project's addition)."""
+    weights_bytes_by_node: dict[str, int] | None = None
+    """Each node's weight bytes, part of memory_delta_by_node: its layers' exact bytes, the embedding on the first
+    rank and the head on the last where the card has per-layer memory (this project's addition)."""
+    runtime_bytes_by_node: dict[str, int] | None = None
+    """Each node's runner runtime overhead, part of memory_delta_by_node: what that node's runners measured, or
+    the default ceiling until one has (this project's addition; runtime_measured_by_node says which)."""
+    runtime_measured_by_node: dict[str, bool] | None = None
     context_length: int | None = None
     """The context the instance would admit (this project's addition)."""
     error: str | None = None

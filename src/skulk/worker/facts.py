@@ -67,6 +67,7 @@ class NodeFacts:
                 reserve=self.settings.memory_reserve,
                 watch=self.memory_watch,
                 standby=self._worker.spare.resident() if self._worker.spare is not None else 0,
+                overheads=self._worker.overheads.snapshot(),
             )
             info = info.model_copy(update={"links": self.links.snapshot(), "compute": self._worker.compute.snapshot()})
             if worth_sending(last, info) or time.monotonic() - last_sent > INFO_HEARTBEAT_S:

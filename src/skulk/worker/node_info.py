@@ -25,6 +25,7 @@ from skulk.types.node_info import (
     NetworkInterface,
     NodeIdentity,
     NodeInfo,
+    RunnerOverhead,
     SystemPerformance,
 )
 from skulk.worker.oom import oom_kills
@@ -212,12 +213,15 @@ def backends(only: tuple[EngineName, ...] = ()) -> list[BackendTag]:
 
 def gather(*, friendly_name: str | None, home: Path, api_port: int, engines: tuple[EngineName, ...] = (),
            limit: str | None = None, reserve: str = memory_limit.DEFAULT_RESERVE,
-           watch: memory_limit.MemoryWatch | None = None, standby: int = 0) -> NodeInfo:
-    """standby: the spare runner's resident bytes (memory_limit.budget says why they count as free)."""
+           watch: memory_limit.MemoryWatch | None = None, standby: int = 0,
+           overheads: list[RunnerOverhead] | None = None) -> NodeInfo:
+    """standby: the spare runner's resident bytes (memory_limit.budget says why they count as free); overheads:
+    what this node's runners measured they hold besides weights and KV (worker/overheads.py)."""
+    mem = memory(limit, reserve, watch, standby)
     return NodeInfo(
         backends=backends(engines),
         identity=identity(friendly_name),
-        memory=memory(limit, reserve, watch, standby),
+        memory=mem.model_copy(update={"runner_overheads": overheads}) if overheads else mem,
         disk=disk(home),
         system=system(),
         accelerator=accelerator(),
@@ -230,10 +234,12 @@ MEMORY_STEP = 64 * 1024 * 1024
 
 
 def differs(old: NodeInfo | None, new: NodeInfo) -> bool:
-    """Worth an event: anything but memory and CPU changed, or free memory moved by more than 64 MiB."""
+    """Worth an event: anything but memory and CPU changed, free memory moved by more than 64 MiB, or the signs
+    of memory trouble or the runners' measured overheads changed."""
     if old is None or old.memory is None or new.memory is None:
         return True
     moved = abs(old.memory.ram_available.in_bytes - new.memory.ram_available.in_bytes) > MEMORY_STEP
     trouble = old.memory.oom_kills != new.memory.oom_kills or old.memory.paging != new.memory.paging
+    measured = old.memory.runner_overheads != new.memory.runner_overheads  # placement counts them
     strip = {"memory", "system"}
-    return moved or trouble or old.model_dump(exclude=strip) != new.model_dump(exclude=strip)
+    return moved or trouble or measured or old.model_dump(exclude=strip) != new.model_dump(exclude=strip)

@@ -36,6 +36,7 @@ from skulk.diagnostics.clock import now_iso
 from skulk.runner.channel import Frames
 from skulk.runner.messages import (
     CancelTask,
+    Footprint,
     FromRunner,
     Heartbeat,
     Records,
@@ -111,6 +112,8 @@ class SupervisorCallbacks:
     """A single-rank runner spent its restart budget; the argument says why (for InstanceFailed)."""
     on_spans: Callable[[list[TraceSpan]], None] | None = None
     """Trace spans of traced tasks (runtime tracing), for the node's trace store."""
+    on_footprint: Callable[[Footprint], None] | None = None
+    """The warm runner's measured memory (its runtime overhead, for the node's info)."""
 
 
 @dataclass
@@ -395,6 +398,8 @@ class RunnerSupervisor:
                 self._on_records(entries)
             case Spans(spans=spans) if self.callbacks.on_spans is not None:
                 self.callbacks.on_spans(spans)
+            case Footprint() if self.callbacks.on_footprint is not None:
+                self.callbacks.on_footprint(message)
 
     def _on_task_ended(self, ended: TaskEnded) -> None:
         self.view.in_progress.pop(ended.task_id, None)

@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 from skulk.config import Settings
 from skulk.master.cycles import ring_hosts
 from skulk.master.decide import node_name
-from skulk.runner.messages import TaskEnded
+from skulk.runner.messages import Footprint, TaskEnded
 from skulk.runner.spec import RunnerSpec
 from skulk.structured_log import log_context
 from skulk.types.chunks import Chunk, TokenChunk
 from skulk.types.events import Event, InstanceFailed, RunnerStatusUpdated, TaskFailed, TaskStatusUpdated
 from skulk.types.ids import InstanceId, NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance
+from skulk.types.node_info import RankRole, rank_role
 from skulk.types.runners import (
     RunnerConnected,
     RunnerConnecting,
@@ -33,6 +34,7 @@ from skulk.types.state import State
 from skulk.types.tasks import Task, TaskStatus
 from skulk.types.tracing import TraceSpan
 from skulk.worker.compute import ComputeLearner
+from skulk.worker.overheads import OverheadMeter
 from skulk.worker.plan import (
     Action,
     CancelRunnerTask,
@@ -89,6 +91,8 @@ class Worker:
         self.payloads = payloads
         self.compute = ComputeLearner()
         """This node's decode speed, learned from its single-rank runners' steps (node info reports it)."""
+        self.overheads = OverheadMeter()
+        """What this node's runners hold besides weights and KV, as they measured it (node info reports it)."""
         """Where a task's prompt comes from (its API node, point to point); None: tasks carry it already."""
         self._fetching: set[tuple[RunnerId, TaskId]] = set()
         self._deliveries: set[asyncio.Task[None]] = set()
@@ -275,7 +279,8 @@ class Worker:
         supervisor = RunnerSupervisor(
             spec,
             self._callbacks(runner_id, instance.instance_id, is_sampler=shard.is_last,
-                            learn_bytes=shard.model_card.storage_size.in_bytes if shard.world_size == 1 else 0),
+                            learn_bytes=shard.model_card.storage_size.in_bytes if shard.world_size == 1 else 0,
+                            role=rank_role(shard.device_rank)),
             restart_budget=self.restart_budget,
             restart_window_s=self.restart_window_s,
             hung_s=self.hung_s,
@@ -296,9 +301,9 @@ class Worker:
             supervisor.start()
 
     def _callbacks(self, runner_id: RunnerId, instance_id: InstanceId, *, is_sampler: bool,
-                   learn_bytes: int = 0) -> SupervisorCallbacks:
+                   learn_bytes: int = 0, role: RankRole = "first") -> SupervisorCallbacks:
         """`learn_bytes`: the model's weight bytes when this runner's steps teach the node its compute (a
-        single-rank runner), else 0."""
+        single-rank runner), else 0. `role`: the rank's, for its measured overhead (worker/overheads.py)."""
         def on_status(status: RunnerStatus) -> None:
             self.emit(RunnerStatusUpdated(runner_id=runner_id, runner_status=status))
             if isinstance(status, RunnerReady) and self.spare is not None:  # its first requests come first
@@ -330,7 +335,11 @@ class Worker:
             name = node_name(self._state, self.node_id)
             self.emit(InstanceFailed(instance_id=instance_id, failure_error=f"{name}: {why}"))
 
-        return SupervisorCallbacks(on_status, on_chunks, on_task_started, on_task_ended, on_gave_up, self.on_spans)
+        def on_footprint(measured: Footprint) -> None:  # only torch ranks measure (runner/core.py)
+            self.overheads.record("torch", role, measured.overhead)
+
+        return SupervisorCallbacks(on_status, on_chunks, on_task_started, on_task_ended, on_gave_up, self.on_spans,
+                                   on_footprint)
 
     def warm_spare(self) -> None:
         """Keep a spare runner ready (none while a runner of this node is still loading: they would share cores)."""

@@ -156,14 +156,22 @@ class QuantizedLayerCache(LayerCache):
         return self.keys, self.values, self.key_scales, self.value_scales
 
 
+ZEROED_BELOW = 64 << 20
+"""A CPU pool smaller than this is zeroed when allocated (resident at once); a larger one is touched as used."""
+
+
 def _pool(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed pool. A large one on the CPU comes from fresh pages the kernel maps zeroed on first touch, so memory
     follows the blocks actually used; a small one (from the heap, maybe dirty) is zeroed: a gathered block's unused
     rows are masked, but a NaN there would still poison the weighted sum."""
     tensor = torch.empty(shape, dtype=dtype, device=device)
-    if device.type != "cpu" or tensor.nbytes < (64 << 20):
+    if _zeroed(tensor):
         tensor.zero_()
     return tensor
+
+
+def _zeroed(tensor: torch.Tensor) -> bool:
+    return tensor.device.type != "cpu" or tensor.nbytes < ZEROED_BELOW
 
 
 class KVCache:
@@ -206,6 +214,12 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self.layers for t in layer.tensors)
+
+    @property
+    def zeroed_nbytes(self) -> int:
+        """The pool's bytes made resident when it was allocated (_pool zeroes the small ones); the rest become
+        resident as blocks are used."""
+        return sum(t.nbytes for layer in self.layers for t in layer.tensors if _zeroed(t))
 
     @staticmethod
     def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, bits: int = 16) -> int:

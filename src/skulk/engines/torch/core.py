@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from skulk import memory_limit
 from skulk.engines.kv_pools import (
@@ -31,10 +32,12 @@ from skulk.engines.kv_pools import (
 from skulk.types.runners import RunnerPhase
 
 from .blocks import BlockAllocator
+from .cache import KVCache
 from .drafter import Drafter
 from .links import GroupLink, Link, LocalLink, ShardKind, tensor_all_reduce
 from .loader import load_model
 from .model import ModelSlice
+from .pace import module_bytes
 from .requests import FaultHook, Request
 from .schedule import pool_blocks
 from .tokenizer import ChatTokenizer
@@ -185,3 +188,12 @@ class EngineCore:
     def _load_model(self, model_dir: Path, **kwargs: Any) -> ModelSlice:
         """This rank's slice (loader.load_model); a rank of another engine in a torch group computes with its own."""
         return load_model(model_dir, **kwargs)
+
+    def footprint(self) -> tuple[int, int]:
+        """(weight bytes, KV bytes resident from allocation) this rank holds: its slice's tensors and a draft
+        model's, each storage once (fused projections are views of one buffer), and the KV pools it zeroed when it
+        allocated them (cache.ZEROED_BELOW). The runner's resident memory less these is its runtime overhead, which
+        the node reports and placement counts (types/node_info.RunnerOverhead)."""
+        models = [m for m in (self.model, self.drafter.model if self.drafter else None) if isinstance(m, nn.Module)]
+        caches = [c for c in (self.cache, self.drafter.cache if self.drafter else None) if isinstance(c, KVCache)]
+        return sum(module_bytes(m) for m in models), sum(c.zeroed_nbytes for c in caches)

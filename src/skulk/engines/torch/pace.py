@@ -67,11 +67,11 @@ def head_in_layers(model: Any) -> float:
     embedding, layers = getattr(model, "embed_tokens", None), getattr(model, "layers", None)
     if embedding is None or layers is None or not hasattr(layers, "values") or not len(layers):
         return 0.0
-    per_layer = sum(_bytes(layer) for layer in layers.values()) / len(layers)
-    return _bytes(embedding) / per_layer if per_layer else 0.0
+    per_layer = sum(module_bytes(layer) for layer in layers.values()) / len(layers)
+    return module_bytes(embedding) / per_layer if per_layer else 0.0
 
 
-def _bytes(module: Any) -> int:
+def module_bytes(module: Any) -> int:
     """Bytes of the memory a module's tensors view, each storage once (fused projections' parts are views)."""
     storages = {}
     for tensor in (*module.parameters(), *module.buffers()):

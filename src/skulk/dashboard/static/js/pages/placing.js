@@ -41,7 +41,9 @@ export function normalizePreview(p, state) {
     const nodes = Object.entries(assign.nodeToRunner || {}).map(([nodeId, runner]) => {
       const [, shard] = tagged((assign.runnerToShard || {})[runner]);
       return { nodeId, ...shard, needed: (p.memory_delta_by_node || {})[nodeId] || 0,
-        kvPool: (p.kv_cache_bytes_by_node || {})[nodeId] || 0, free: bytesOf((memory[nodeId] || {}).ramAvailable) };
+        kvPool: (p.kv_cache_bytes_by_node || {})[nodeId] || 0, free: bytesOf((memory[nodeId] || {}).ramAvailable),
+        weights: (p.weights_bytes_by_node || {})[nodeId] || 0, runtime: (p.runtime_bytes_by_node || {})[nodeId] || 0,
+        runtimeMeasured: !!(p.runtime_measured_by_node || {})[nodeId] };
     }).sort((a, b) => a.deviceRank - b.deviceRank);
     const over = error && error.message.match(/over (\d+) node/);
     return { sharding: p.sharding, instanceMeta: p.instance_meta, nodeIds: nodes.map((n) => n.nodeId),
@@ -52,6 +54,15 @@ export function normalizePreview(p, state) {
   const nodes = (p.nodes || []).map((n) => ({ ...n, needed: bytesOf(n.needed), free: bytesOf(n.free) }));
   return { sharding: p.sharding, instanceMeta: p.instanceMeta, nodeIds: p.nodeIds || [],
     size: (p.nodeIds || []).length, nodes, error };
+}
+
+// What a rank's bytes are made of, where the preview says: weights, the runner's runtime (measured on that node,
+// or the default until one of its runners has loaded) and the KV pool.
+function terms(n) {
+  const parts = [n.weights ? `weights ${gb(n.weights)}` : '',
+    n.runtime ? `runtime ${gb(n.runtime)}${n.runtimeMeasured ? ' measured' : ''}` : '',
+    n.kvPool ? `KV pool ${gb(n.kvPool)}` : ''].filter(Boolean);
+  return parts.length ? `(${parts.join(' + ')})` : '';
 }
 
 // The refusal as numbers: "needs X GB (share × 1.05 + runtime + KV pool) but has Y GB free".
@@ -114,7 +125,7 @@ function PreviewCard({ state, preview, onLaunch, busy }) {
         return html`<div class="preview-node">
           <div class="small">${nodeName(state, n.nodeId)} · rank ${n.deviceRank}/${n.worldSize}${' '}
             · layers ${n.startLayer}–${n.endLayer} of ${n.nLayers} · needs ${gb(n.needed)}${' '}
-            ${n.kvPool ? `(KV pool ${gb(n.kvPool)})` : ''}${' '}
+            ${terms(n)}${' '}
             · leaves ${gb(n.free - n.needed)}</div>
           <${Bar} used=${used} extra=${n.needed} total=${total}
             title=${`used ${gb(used)} + this model ${gb(n.needed)} of ${gb(total)}`} />
