@@ -229,7 +229,7 @@ def test_a_refused_placement_shows_the_gb_arithmetic(scenario: Scenario, dash: D
     page.get_by_test_id("place-model").select_option(TOO_BIG)
     sync_api.expect(page.get_by_test_id("cannot-place")).to_be_visible()
     first = page.get_by_test_id("gb-arithmetic").first
-    sync_api.expect(first).to_contain_text("weights share \u00d7 1.05 + ")
+    sync_api.expect(first).to_contain_text(" GB weights ")  # the big card's exact bytes: no x 1.05 slack
     sync_api.expect(first).to_contain_text(" runtime")
     text = first.inner_text()
     assert "needs" in text and "KV pool" in text and "but has" in text and "GB free" in text, text

@@ -31,6 +31,12 @@ THINKING_TEMPLATE = (  # Qwen3's generation prompt and reasoning history, over p
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
     "{%- elif open_think is defined and open_think %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
 )
+HARMONY_MODEL = "org/tiny-harmony"
+HARMONY_TEMPLATE = (  # gpt-oss's message headers and generation prompt, over the demo vocabulary
+    "{%- for message in messages %}<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}<|end|>"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+    "{#- replies: <|channel|>analysis<|message|>…<|end|><|start|>assistant<|channel|>final<|message|>… -#}"
+)
 REASONING, ANSWER = "The user greets me. I should greet back.", "Hello there!"
 THOUGHT = f"<think>\n{REASONING}\n</think>\n\n{ANSWER}"
 OPENED = f"{REASONING}\n</think>\n\n{ANSWER}"  # the prompt opened the block: only the close tag comes
@@ -42,6 +48,7 @@ def thinking_model_served(root: Path) -> Iterator[Cluster]:
     engines reply with the scripted text: every runner process is checked gone when the block ends."""
     repo = write_random_model(root / "hub", MODEL)
     set_chat_template(repo, THINKING_TEMPLATE)
+    set_chat_template(write_random_model(root / "hub", HARMONY_MODEL), HARMONY_TEMPLATE)
     hub = RunningHub(root / "hub").start()
     cluster = Cluster(root / "nodes", extra_env={"HF_ENDPOINT": hub.url, "SKULK_FAULT": "script:reply"})
     try:
@@ -120,6 +127,31 @@ def test_json_schema_with_a_thinking_template_is_the_answer(node: LocalNode) -> 
     assert code == 200, reply
     message = reply["choices"][0]["message"]
     assert json.loads(message["content"]) == {"a": 1} and "reasoning_content" not in message
+
+
+def test_json_schema_on_a_harmony_model_reasons_first_and_the_final_channel_is_the_answer(node: LocalNode) -> None:
+    """gpt-oss's reply held to a schema may open an analysis message first (engines/constrained.py): the API reads
+    its reasoning apart and the final channel's JSON is the content, streamed and not."""
+    assert node.post("/models/add", {"model_id": HARMONY_MODEL})[0] == 200
+    instance_id = place(node, HARMONY_MODEL)["instanceId"]
+    wait_until(lambda: instance_ready(node, instance_id), 90, "the harmony instance to be ready", node.log_tail)
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    script = ('<|channel|>analysis<|message|>One it is.<|end|><|start|>assistant<|channel|>final<|message|>'
+              '{"a": 1}')
+    body = {"model": HARMONY_MODEL, "messages": ask(script), "max_tokens": 200, "response_format": schema}
+    try:
+        code, reply = node.post("/v1/chat/completions", body)
+        assert code == 200, reply
+        message = reply["choices"][0]["message"]
+        assert json.loads(message["content"]) == {"a": 1} and message["reasoning_content"] == "One it is.", message
+        deltas = [c["choices"][0]["delta"] for c in sse_data(node, "/v1/chat/completions", {**body, "stream": True})
+                  if c.get("choices")]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == "One it is."
+        assert json.loads("".join(d.get("content") or "" for d in deltas)) == {"a": 1}
+    finally:
+        with node.client() as client:
+            assert client.delete(f"/instance/{instance_id}").status_code == 200
 
 
 def test_anthropic_thinking_blocks(node: LocalNode) -> None:

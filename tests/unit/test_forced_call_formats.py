@@ -305,7 +305,7 @@ def test_a_harmony_call_opens_with_the_call_or_an_analysis_header_and_the_call_f
     hf = _tokenizer(demo, specials)
     eos = int(hf.eos_token_id)
     grammars = Grammars(hf, len(hf), [eos], "harmony")
-    assert grammars.matcher(OutputConstraint(kind="json"), harmony_reply=True).after_analysis is None
+    assert grammars.matcher(OutputConstraint(kind="json")).after_analysis is None  # not split as harmony's
     assert grammars.matcher(FORCED).after_analysis is None  # a reply not split as harmony's: the call alone
     call, header = FAMILIES["harmony"][2], "<|channel|>analysis<|message|>"
 
@@ -384,3 +384,71 @@ def test_a_harmony_reply_may_reason_before_the_grammar_writes_its_forced_call(tm
     assert left == "" and [c.function.name for c in calls] == ["get_weather"], text
     args = json.loads(calls[0].function.arguments)
     assert args["city"] in ("Paris", "Rome") and isinstance(args["metric"], bool), text
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],
+          "additionalProperties": False}
+
+
+@pytest.mark.parametrize("specials", [False, True], ids=["spelled", "special-tokens"])
+def test_a_harmony_json_answer_opens_with_the_final_header_or_an_analysis_and_the_schema_applies_after_it(
+        demo: Path, specials: bool) -> None:
+    """A JSON response_format on gpt-oss: the reply opens with an analysis message's header or the final channel's
+    header and the JSON; after the analysis, the next message's start, the final header and the JSON. Plain text,
+    or JSON without the final header, is refused."""
+    hf = _tokenizer(demo, specials)
+    eos = int(hf.eos_token_id)
+    grammars = Grammars(hf, len(hf), [eos], "harmony")
+    constraint = OutputConstraint(kind="json", json_schema=SCHEMA)
+    answer = '<|channel|>final<|message|>{"city": "Paris"}'
+
+    def takes(text: str, after: bool = False, end: bool = True) -> bool:
+        opening = grammars.matcher(constraint, harmony_reply=True)
+        matcher = opening.after_analysis if after else opening
+        assert matcher is not None
+        ids = list(hf.encode(text, add_special_tokens=False))
+        return all(matcher.advance(t) for t in ids) and (not end or matcher.advance(eos))
+
+    assert takes(answer) and takes("<|channel|>analysis<|message|>", end=False)
+    assert takes("<|start|>assistant" + answer, after=True) and not takes(answer, after=True)
+    for bad in ('{"city":"Paris"}', "<|channel|>final<|message|>Paris", '<|channel|>final<|message|>{"town":"x"}'):
+        assert not takes(bad), bad
+
+
+@pytest.mark.parametrize("case", ["budget-closes", "model-closes", "no-analysis"])
+def test_a_harmony_reply_may_reason_before_its_json_answer(tmp_path: Path, case: str) -> None:
+    """Through the torch engine: a response_format's schema applies to the final channel, after an analysis the
+    model opened (ended by itself or by the reasoning budget) or without one; the API's split reads the reasoning
+    apart and the content is the schema's JSON."""
+    from skulk.engines.reasoning import ReasoningTally
+
+    opening, budget = {"budget-closes": ("<|channel|>analysis<|message|>", 40),
+                       "model-closes": ("<|channel|>analysis<|message|>Paris, surely.<|end|>", None),
+                       "no-analysis": ("<|channel|>f", None)}[case]
+    model = ensure_demo_model(tmp_path)
+    set_chat_template(model, HARMONY_TOOLS_TEMPLATE)
+    engine = TorchEngine(model, max_seq=1024)
+    request = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "Which city?"}], "temperature": 0,
+        "max_tokens": 300, "reasoning_budget": budget,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}})
+    prompt = engine.encode_chat([ChatMessage(role="user", content="Which city?")])
+    assert engine.tokenizer.reasoning_mode(prompt) == "harmony"
+    script = engine.tokenizer.encode(opening)
+    engine.fault_hook = lambda where, req: script[req.generated] if where == "sample" and req.generated < len(
+        script) else None
+    engine.add_request("r", prompt, request.sampling())
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    text = "".join(o.text for o in outs)
+    assert outs[-1].finish_reason == "stop" and all(o.error is None for o in outs), text
+    tally = ReasoningTally("harmony")
+    pieces = [tally.push(o.text) for o in outs] + [tally.splitter.finish()]
+    reasoning, content = "".join(r for r, _ in pieces), "".join(c for _, c in pieces)
+    if case == "no-analysis":
+        assert reasoning == "", text
+    else:
+        assert reasoning and "<|end|><|start|>assistant<|channel|>final<|message|>" in text, text
+        assert tally.tokens <= 40 if budget else reasoning == "Paris, surely.", text
+    assert set(json.loads(content)) == {"city"}, text

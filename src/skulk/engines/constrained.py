@@ -132,6 +132,22 @@ def harmony_call_grammars(constraint: OutputConstraint) -> tuple[Any, Any]:
             xgr.Grammar.concat(xgr.Grammar.from_ebnf(_literal(after)), call))
 
 
+HARMONY_FINAL = "<|channel|>final<|message|>"
+"""The final channel's header: a harmony reply's answer, where a JSON response_format applies (after any analysis)."""
+
+
+def harmony_json_grammars(json_grammar: Any) -> tuple[Any, Any]:
+    """A harmony reply held to a JSON schema: its opening, an analysis message's header or the final channel's
+    header and the JSON; after the analysis, the next message's start, the final header and the JSON. The model
+    reasons first where it wants to, and the schema applies to its answer alone."""
+    import xgrammar as xgr
+
+    answer = xgr.Grammar.concat(xgr.Grammar.from_ebnf(_literal(HARMONY_FINAL)), json_grammar)
+    head, after = HARMONY_ANALYSIS
+    return (xgr.Grammar.union(xgr.Grammar.from_ebnf(_literal(head)), answer),
+            xgr.Grammar.concat(xgr.Grammar.from_ebnf(_literal(after)), answer))
+
+
 def call_schema(constraint: OutputConstraint, style: str) -> dict[str, Any]:
     """The JSON schema of one call to an allowed tool: {"name": <that tool>, "arguments" (Llama: "parameters"):
     its parameters' schema}. The parameters' local references are moved with them (`#/$defs/x` becomes
@@ -169,30 +185,35 @@ class Grammars:
 
     def matcher(self, constraint: OutputConstraint, harmony_reply: bool = False) -> Matcher:
         """A request's grammar state; `harmony_reply`: the reply is split as harmony's (the engine watches its
-        analysis message, requests.held_for_reasoning), so a forced harmony call may follow one."""
+        analysis message, requests.held_for_reasoning), so a forced harmony call, or a JSON answer in the final
+        channel, may follow one."""
         import xgrammar as xgr
 
         text = constraint.model_dump_json()
-        if constraint.kind == "tool_call" and self.tool_style == HARMONY and harmony_reply:
+        if harmony_reply and (constraint.kind == "json" or self.tool_style == HARMONY):
             after = Matcher(xgr.GrammarMatcher(self._compile(text, "after_analysis")), self._vocab)
             return Matcher(xgr.GrammarMatcher(self._compile(text, "opening")), self._vocab, after)
         return Matcher(xgr.GrammarMatcher(self._compile(text)), self._vocab)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one Grammars per engine, kept for its life
     def _compile(self, constraint_json: str, part: str = "whole") -> Any:
-        """The constraint's grammar compiled; `part`: a forced harmony call's "opening" or "after_analysis"
-        (harmony_call_grammars), else "whole"."""
+        """The constraint's grammar compiled; `part`: a harmony reply's "opening" or "after_analysis"
+        (harmony_call_grammars, harmony_json_grammars), else "whole"."""
         import xgrammar as xgr
 
         constraint = OutputConstraint.model_validate_json(constraint_json)
         compiler = self._get_compiler()
         try:
+            if constraint.kind == "json":
+                schema = json.dumps(constraint.json_schema or {"type": "object"})
+                if part == "whole":
+                    return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+                body = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+                opening, after = harmony_json_grammars(body)
+                return compiler.compile_grammar(opening if part == "opening" else after)
             if part != "whole":
                 opening, after = harmony_call_grammars(constraint)
                 return compiler.compile_grammar(opening if part == "opening" else after)
-            if constraint.kind == "json":
-                schema = constraint.json_schema or {"type": "object"}
-                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
             if self.tool_style in TOKEN_STYLES:
                 return compiler.compile_grammar(token_call_grammar(constraint, self.tool_style))
             if self.tool_style in XML_STYLES:

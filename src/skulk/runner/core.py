@@ -346,12 +346,14 @@ class Runner:
         """How the API node splits this reply's reasoning: the card's reasoning_parser, else the template's. A
         constrained reply (JSON, a forced call) is held to its grammar from its first token, so it has no reasoning
         to split, unless its prompt opened the reasoning block: then the grammar waits for the close
-        (engines/torch/requests.held_for_reasoning) and the reply reasons first."""
+        (engines/torch/requests.held_for_reasoning) and the reply reasons first; or it is harmony's, whose grammar
+        lets one analysis message through before the call or the final channel's JSON (engines/constrained.py).
+        Harmony's split passes a reply with no headers through as content."""
         tokenizer = getattr(self.engine, "tokenizer", None)
         if tokenizer is None or not hasattr(tokenizer, "reasoning_mode"):
             return None
         mode: ReasoningMode | None = tokenizer.reasoning_mode(prompt, self.spec.shard.model_card.reasoning_parser)
-        return mode if not constrained or mode == "think_open" else None
+        return mode if not constrained or mode in ("think_open", "harmony") else None
 
     def _fail_in_engine(self, task_id: TaskId, command_id: CommandId, why: BaseException | str) -> None:
         """A request that raised inside the engine ends with a 500; the others are untouched."""

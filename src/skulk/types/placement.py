@@ -97,9 +97,10 @@ class InsufficientMemory(PlacementError):
         limit = f" under its {_gb(self.limit)} limit ({self.limit_source})" if self.limit and self.limit_source \
             else ""
         runtime = f" + {_gb(self.runtime_overhead)} runtime" if self.runtime_overhead else ""
+        share = "" if self.overhead_factor == 1 else f" share × {self.overhead_factor:g}"  # noqa: RUF001
         return (
-            f"node {name} needs {_gb(self.needed)} ({_gb(self.weights_share)} weights share × "  # noqa: RUF001
-            f"{self.overhead_factor:g}{runtime} + {_gb(self.kv_pool)} KV pool{draft}) but has "
+            f"node {name} needs {_gb(self.needed)} ({_gb(self.weights_share)} weights{share}{runtime} + "
+            f"{_gb(self.kv_pool)} KV pool{draft}) but has "
             f"{_gb(self.available)} free{limit} ({self.sharding.value} over {len(self.node_ids)} node(s); weights and "
             "KV pool must fit strictly below free memory). Use a smaller model or a more aggressive quant, lower "
             "kv_cache_gb or max_context (the pool holds at least one request of the whole context), add nodes so "

@@ -11,7 +11,7 @@ const DEMO = 'skulk/tiny-random-llama';
 
 // "node X (name) needs A GB (B GB weights share × F + R GB runtime + C GB KV pool) but has D GB free (… over N
 // node(s) …)"; an older node's message has no runtime term.
-const ARITHMETIC = /node (\w+) \(([^)]*)\) needs ([\d.]+) GB \(([\d.]+) GB weights share × ([\d.]+)(?: \+ ([\d.]+) GB runtime)? \+ ([\d.]+) GB KV pool\) but has ([\d.]+) GB free/;
+const ARITHMETIC = /node (\w+) \(([^)]*)\) needs ([\d.]+) GB \(([\d.]+) GB weights(?: share × ([\d.]+))?(?: \+ ([\d.]+) GB runtime)? \+ ([\d.]+) GB KV pool\) but has ([\d.]+) GB free/;
 const GIB = 2 ** 30;
 
 // A refusal as {kind, message, numbers}: structured fields when the node gives them, else read from its message.
@@ -20,7 +20,7 @@ export function refusalOf(error) {
   if (typeof error === 'string') {
     const m = error.match(ARITHMETIC);
     const numbers = m && { nodeId: m[1], nodeName: m[2], needed: +m[3] * GIB, weightsShare: +m[4] * GIB,
-      overheadFactor: +m[5], runtime: (+m[6] || 0) * GIB, kvPool: +m[7] * GIB, available: +m[8] * GIB };
+      overheadFactor: m[5] ? +m[5] : 1, runtime: (+m[6] || 0) * GIB, kvPool: +m[7] * GIB, available: +m[8] * GIB };
     return { kind: m ? 'InsufficientMemory' : 'refused', message: error, numbers };
   }
   const [kind, body] = tagged(error);
@@ -65,12 +65,14 @@ function terms(n) {
   return parts.length ? `(${parts.join(' + ')})` : '';
 }
 
-// The refusal as numbers: "needs X GB (share × 1.05 + runtime + KV pool) but has Y GB free".
+// The refusal as numbers: "needs X GB (weights [share × 1.05 for an estimate] + runtime + KV pool) but has Y GB
+// free".
 export function Refusal({ state, refusal }) {
   const n = refusal.numbers;
   const arithmetic = n && html`<p class="arithmetic" data-testid="gb-arithmetic">
     ${n.nodeName || nodeName(state, n.nodeId)} needs <strong>${gb(n.needed)}</strong>${' '}
-    (${gb(n.weightsShare)} weights share × ${n.overheadFactor}${n.runtime ? ` + ${gb(n.runtime)} runtime` : ''}${' '}
+    (${gb(n.weightsShare)} weights${n.overheadFactor !== 1 ? ` share × ${n.overheadFactor}` : ''}${' '}
+    ${n.runtime ? `+ ${gb(n.runtime)} runtime` : ''}${' '}
     + ${gb(n.kvPool)} KV pool) but has${' '}
     <strong>${gb(n.available)}</strong> free</p>`;
   return html`<div class="refusal" data-testid="refusal">
