@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 import threading
 import time
@@ -30,6 +31,8 @@ from enum import Enum
 import httpx
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from skulk.types import versions
 
 HEADER = "x-skulk-internal"
 HEADER_BYTES = HEADER.encode()
@@ -173,8 +176,10 @@ def required() -> bool:
 
 
 def signed_headers(method: str, target_path: str, target: str, body: bytes = b"") -> dict[str, str]:
-    """Headers for one call made outside httpx (the store's stream reader): empty without a secret."""
-    return {HEADER: _auth.sign(method, target_path, body, target)} if _auth is not None else {}
+    """Headers for one call made outside httpx (the store's stream reader): the format version, and the
+    signature when the cluster has a secret."""
+    version = {versions.HEADER: str(versions.FORMAT_VERSION)}
+    return {**version, HEADER: _auth.sign(method, target_path, body, target)} if _auth is not None else version
 
 
 def nonce_of(request: httpx.Request) -> str | None:
@@ -195,7 +200,9 @@ class Signer(httpx.Auth):
         yield self(request)
 
     def __call__(self, request: httpx.Request) -> httpx.Request:
-        """Sign in place (also the shape of a plain function auth, which Starlette's test client takes)."""
+        """Sign in place (also the shape of a plain function auth, which Starlette's test client takes); every
+        node-to-node call says its format version, signed or not."""
+        request.headers[versions.HEADER] = str(versions.FORMAT_VERSION)
         if _auth is not None:
             request.headers[HEADER] = _auth.sign(request.method, request.url.raw_path.decode("ascii"),
                                                  request.content, self.target)
@@ -213,3 +220,23 @@ def answered_by(response: httpx.Response, peer: str) -> bool:
         return True
     nonce = nonce_of(response.request)
     return nonce is not None and _auth.proves(nonce, peer, response.headers.get(PROOF_HEADER))
+
+
+_version_lock = threading.Lock()
+_versions_logged: set[str] = set()
+
+
+def version_refusal(value: str | None, caller: str) -> str | None:
+    """Why a node-to-node call saying format version `value` (its `x-skulk-format` header; none: the release
+    before versioning) is refused, or None when this node works with it. The first refusal of each version is
+    logged (one WARNING line: both versions, what to upgrade); the caller answers 409 with the same line."""
+    theirs = versions.version_of_header(value)
+    if versions.accepted(versions.judge(theirs)):
+        return None
+    line = versions.refusal_line(caller, theirs)
+    with _version_lock:
+        first = str(theirs) not in _versions_logged
+        _versions_logged.add(str(theirs))
+    if first:
+        logging.getLogger(__name__).warning("%s", line)
+    return line

@@ -18,6 +18,7 @@ from skulk.types.events import DesiredStateRestored, Event, IndexedEvent, MetaIn
 from skulk.types.ids import CommandId, MetaInstanceId, ModelId, NodeId
 from skulk.types.meta_instances import MetaInstance
 from skulk.types.state import State
+from skulk.types.versions import FORMAT_VERSION
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -95,7 +96,8 @@ def test_a_master_without_a_copy_restores_nothing_and_records_nothing() -> None:
 
 
 def test_a_follower_keeps_its_good_file_until_the_cluster_restored_as_good_a_copy(tmp_path: Path) -> None:
-    (tmp_path / "desired.json").write_text(json.dumps({"savedAt": T0.isoformat(), "metaInstances": {"a": meta("a")}}))
+    (tmp_path / "desired.json").write_text(json.dumps({"formatVersion": FORMAT_VERSION, "savedAt": T0.isoformat(),
+                                                       "metaInstances": {"a": meta("a")}}))  # current: not migrated
     original = (tmp_path / "desired.json").read_text()
     keeper = DesiredStateFile(tmp_path)
     assert keeper.copy_of(NodeId("me")) == copy(True, T0, "me") and keeper.raw is not None

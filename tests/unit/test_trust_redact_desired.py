@@ -82,8 +82,8 @@ def _write(home: Path, body: object) -> None:
 def test_one_bad_entry_is_skipped_named_and_the_rest_restored(tmp_path: Path, caplog: LogCaptureFixture) -> None:
     good = meta("good").model_dump(mode="json", by_alias=True)
     bad = {**meta("bad").model_dump(mode="json", by_alias=True), "minNodes": 1000000}
-    _write(tmp_path, {"metaInstances": {"good": good, "bad": bad}, "modelCards": {"x/y": {"nope": 1}},
-                      "tracingEnabled": True})
+    _write(tmp_path, {"formatVersion": 2, "metaInstances": {"good": good, "bad": bad},
+                      "modelCards": {"x/y": {"nope": 1}}, "tracingEnabled": True})
     original = (tmp_path / "desired.json").read_bytes()
     with caplog.at_level(logging.ERROR, logger="skulk.state.desired"):
         keeper = DesiredStateFile(tmp_path)

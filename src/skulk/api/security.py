@@ -42,6 +42,7 @@ from skulk.api.openapi import declare_common_errors, documented
 from skulk.cluster.seal import Sealer, reachable_beyond_loopback
 from skulk.config import Settings
 from skulk.internal_auth import Refusal
+from skulk.types import versions
 from skulk.types.answers import Health, SecurityView
 from skulk.types.errors import ApiError, ErrorCode, kind_for
 
@@ -235,6 +236,10 @@ class SecurityMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", ()))
+        refused = version_refused(headers)
+        if refused is not None:
+            await send_error(send, 409, refused, ErrorCode.format_version_refused, kind_for(409))
+            return
         signed = headers.get(internal_auth.HEADER_BYTES)
         if signed is not None and internal_auth.required():
             await self._internal(scope, receive, send, headers, signed)
@@ -367,3 +372,15 @@ def sealing_router(
         }
 
     return router
+
+
+_FORMAT_HEADER = versions.HEADER.encode()
+
+
+def version_refused(headers: dict[bytes, bytes]) -> str | None:
+    """A node-to-node call of a format version this node does not work with (types/versions.py); clients that
+    are not nodes send no version header and are never refused for it."""
+    value = headers.get(_FORMAT_HEADER)
+    if value is None:
+        return None
+    return internal_auth.version_refusal(value.decode("latin-1"), "a peer's call")

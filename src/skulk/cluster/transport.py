@@ -5,6 +5,9 @@ only hands the message to the asyncio loop, so the rest of the node never touche
 
 This is also the one place payloads are sealed: with a cluster key every put, subscription, query and reply
 goes through `cluster/seal.py`, and what does not open is dropped here, before any part of the node sees it.
+And the one place message versions are kept (`types/versions.py`): every put, query and reply carries this
+release's format version as its zenoh attachment, and a message of a version not worked with is dropped here
+with one log line per version (`VersionGate`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import threading
 import zlib
 from collections.abc import Callable
@@ -21,6 +25,9 @@ from typing import Any
 import zenoh
 
 from skulk.cluster.seal import ReplayWindow, Sealer
+from skulk.types import versions
+
+log = logging.getLogger(__name__)
 
 LEASE_MS = 3000
 """A hung or cut-off peer is declared gone after this long; a killed one is seen at once (TCP close)."""
@@ -37,6 +44,8 @@ class TransportSettings:
     multicast_interface: str | None = None
     cluster_key: str | None = None
     """With a key, every payload is sealed (ChaCha20-Poly1305, replay-protected); without, plain as before."""
+    format_version: int = versions.FORMAT_VERSION
+    """The version this node's messages say (a test stands up a node of another release's version with it)."""
 
     @property
     def scout_port(self) -> int:
@@ -112,6 +121,37 @@ class HandOver:
                     {"message": f"exception in zenoh callback {callback!r}", "exception": error})
 
 
+class VersionGate:
+    """Which peers' messages are taken, by the format version in their attachment: same or one apart, else
+    dropped and counted, with one WARNING line the first time each refused version is met (a refused peer sends
+    several messages a second; one line says all there is to say)."""
+
+    def __init__(self, ours: int = versions.FORMAT_VERSION) -> None:
+        self.ours = ours
+        self.attachment = versions.attachment(ours)
+        self.refused: dict[str, int] = {}
+        """Refused messages by the version they said ("unreadable" when it did not parse)."""
+        self._lock = threading.Lock()
+
+    def admits(self, raw: bytes | None, key: str) -> bool:
+        """Any thread: whether a message with attachment `raw`, on `key`, is taken."""
+        theirs = versions.version_of_attachment(raw)
+        if versions.accepted(versions.judge(theirs, self.ours)):
+            return True
+        label = str(theirs) if theirs is not None else "unreadable"
+        with self._lock:
+            first = label not in self.refused
+            self.refused[label] = self.refused.get(label, 0) + 1
+        if first:
+            log.warning("%s", versions.refusal_line(f"a peer's message on {key}", theirs, self.ours))
+        return False
+
+
+def _attachment_of(item: Any) -> bytes | None:
+    found = item.attachment
+    return found.to_bytes() if found is not None else None
+
+
 class Transport:
     """One zenoh session. Keys passed in are relative to `skulk/<cluster>/`."""
 
@@ -123,6 +163,7 @@ class Transport:
         self._declared: list[Any] = []
         self._windows: dict[str, ReplayWindow] = {}
         self.sealer = Sealer.from_cluster_key(settings.cluster_key) if settings.cluster_key else None
+        self.versions = VersionGate(settings.format_version)
 
     def _seal(self, key_expr: str, payload: bytes) -> bytes:
         return self.sealer.seal(key_expr, payload) if self.sealer is not None else payload
@@ -168,7 +209,7 @@ class Transport:
 
     def put(self, suffix: str, payload: bytes) -> None:
         key = self.key(suffix)
-        self.session.put(key, self._seal(key, payload))
+        self.session.put(key, self._seal(key, payload), attachment=self.versions.attachment)
 
     def count_replayed(self) -> None:
         """A message that opened but was refused for its context (addressed to another master or term)."""
@@ -188,6 +229,8 @@ class Transport:
 
         def callback(sample: zenoh.Sample) -> None:
             full = str(sample.key_expr)
+            if not self.versions.admits(_attachment_of(sample), full):
+                return
             payload = self._open(full, sample.payload.to_bytes(), window)
             if payload is not None:  # forged or replayed: dropped (and counted) here
                 hand_over(on_message, full[prefix_len:], payload)
@@ -227,9 +270,11 @@ class Transport:
 
         def handler(query: zenoh.Query) -> None:
             key = str(query.key_expr)
+            if not self.versions.admits(_attachment_of(query), key):
+                return
             reply = answer(key[len(self.prefix) + 1 :], str(query.parameters))
             if reply is not None:
-                query.reply(key, self._seal(key, reply))
+                query.reply(key, self._seal(key, reply), attachment=self.versions.attachment)
 
         queryable = self.session.declare_queryable(self.key(suffix), handler)
         self._declared.append(queryable)
@@ -239,8 +284,9 @@ class Transport:
         selector = self.key(suffix) + (f"?{parameters}" if parameters else "")
 
         def blocking() -> list[bytes]:
-            replies = self.session.get(selector, timeout=timeout_s)
-            opened = [self._open(str(r.ok.key_expr), r.ok.payload.to_bytes()) for r in replies if r.ok is not None]
+            replies = self.session.get(selector, timeout=timeout_s, attachment=self.versions.attachment)
+            opened = [self._open(str(r.ok.key_expr), r.ok.payload.to_bytes()) for r in replies
+                      if r.ok is not None and self.versions.admits(_attachment_of(r.ok), str(r.ok.key_expr))]
             return [payload for payload in opened if payload is not None]
 
         return await asyncio.to_thread(blocking)

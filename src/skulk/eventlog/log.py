@@ -27,6 +27,8 @@ from typing import Any
 
 from skulk.config import EventLogConfig, Settings
 from skulk.eventlog import records
+from skulk.types import versions
+from skulk.types.versions import FileAction
 
 log = logging.getLogger("skulk.eventlog")
 
@@ -69,6 +71,8 @@ class EventLog:
         self.seq = 0
         self.counting_only = False
         self.counting_reason: str | None = None
+        self.refused: str | None = None
+        """Why the live file is not written (a newer release's format): counting only for this run."""
         self.counted_only = 0
         self.dropped = 0
         self.torn_bytes_dropped = 0
@@ -124,9 +128,11 @@ class EventLog:
         """Recover the live file (drop a torn last record), then start the writer thread."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self.archive_dir.mkdir(exist_ok=True)
-        self._recover()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._check_space()
+        if self._bring_up_to_date():
+            self._recover()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._check_space()
+        # else a newer release's log: its file untouched and unread, the writer only counts
         self._thread = threading.Thread(target=self._run, name="skulk-eventlog", daemon=True)
         self._thread.start()
 
@@ -137,6 +143,30 @@ class EventLog:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def _bring_up_to_date(self) -> bool:
+        """The live file in this release's record format (types/versions.py): an older one is copied to
+        `events.jsonl.v<n>.bak` and rewritten (archives are closed history the node never reads back, and stay as
+        written); False, the log counting only and the file left as it is, for a newer or unreadable one."""
+        found = records.file_version(self.path)
+        action = versions.file_action(found)
+        if action is FileAction.refuse:
+            self.refused = versions.file_refusal(str(self.path), found)
+            self._enter_counting_only(self.refused)
+            return False
+        if action is FileAction.migrate:
+            assert found is not None
+            backup = self.path.with_name(versions.backup_name(self.path.name, found))
+            shutil.copy2(self.path, backup)
+            tmp = self.path.with_suffix(".migrating")
+            with self.path.open("rb") as src, tmp.open("wb") as dst:
+                dst.writelines(records.migrate_line(line) for line in src)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, self.path)
+            log.warning("migrated the event log %s from format version %d to %d; the old file is kept as %s",
+                        self.path, found, versions.FORMAT_VERSION, backup)
+        return True
 
     def _recover(self) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -224,7 +254,7 @@ class EventLog:
         if free < floor and not self.counting_only:
             gib = free / GiB
             self._enter_counting_only(f"{gib:.2f} GiB free, below the {floor / GiB:.2f} GiB floor")
-        elif free >= floor and self.counting_only:
+        elif free >= floor and self.counting_only and self.refused is None:
             self.counting_only, self.counting_reason = False, None
             log.warning("event log %s writes again: %.2f GiB free (%d events were counted, not written)",
                         self.path, free / GiB, self.counted_only)

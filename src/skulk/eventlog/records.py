@@ -1,8 +1,9 @@
 """The on-disk record format of the event log, and reading it back.
 
-One JSON object per line, `{"seq":N,"at":<unix s>,"kind":"<type>","event":{...}}\\n`, written whole by one
-`write` of a batch. A record is complete only with its newline, so a node killed mid-write leaves at most one
-torn last line, which `good_end` finds and the log drops on open. Sequence numbers rise (gaps are events
+One JSON object per line, `{"seq":N,"v":2,"at":<unix s>,"kind":"<type>","event":{...}}\\n` (`v`: the record's
+format version, types/versions.py; a record without it is version 1, the release before versioning), written
+whole by one `write` of a batch. A record is complete only with its newline, so a node killed mid-write leaves at
+most one torn last line, which `good_end` finds and the log drops on open. Sequence numbers rise (gaps are events
 counted but not written in counting-only mode), so a reader finds `since` by bisection on byte offsets.
 """
 
@@ -15,6 +16,8 @@ from typing import Any, BinaryIO
 
 from pydantic import BaseModel
 
+from skulk.types.versions import FORMAT_VERSION, RECORD_FIELD, UNVERSIONED
+
 _SEQ_PREFIX = b'{"seq":'
 _TAIL_BLOCK = 1 << 16
 
@@ -24,7 +27,43 @@ def encode(seq: int, at: float, item: Any) -> bytes:
     inner = getattr(item, "event", None)
     kind = type(inner if isinstance(inner, BaseModel) else item).__name__
     body = item.model_dump_json() if isinstance(item, BaseModel) else json.dumps(item)
-    return b'{"seq":%d,"at":%.6f,"kind":"%s","event":%s}\n' % (seq, at, kind.encode(), body.encode())
+    return b'{"seq":%d,"v":%d,"at":%.6f,"kind":"%s","event":%s}\n' % (seq, FORMAT_VERSION, at, kind.encode(),
+                                                                      body.encode())
+
+
+def version_of(line: bytes) -> int | None:
+    """A record's format version (UNVERSIONED without `v`; None when the line is not a record at all)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    found = record.get(RECORD_FIELD, UNVERSIONED)
+    return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+
+def file_version(path: Path) -> int | None:
+    """The live file's format, read from its first record (FORMAT_VERSION for an empty or absent file: nothing
+    to migrate; a torn first line is judged by the next one)."""
+    try:
+        with path.open("rb") as f:
+            for line in f:
+                if line.endswith(b"\n"):
+                    return version_of(line)
+    except FileNotFoundError:
+        pass
+    return FORMAT_VERSION
+
+
+def migrate_line(line: bytes) -> bytes:
+    """A version-1 record in this release's format (pure): `v` after its seq, nothing else changed, so readers
+    that find records by their `{"seq":N,` prefix still do. A torn last line is left as it is (dropped on open)."""
+    seq = seq_of(line)
+    if seq is None or not line.endswith(b"\n"):
+        return line
+    cut = line.find(b",", len(_SEQ_PREFIX))
+    return line[: cut + 1] + b'"%s":%d,' % (RECORD_FIELD.encode(), FORMAT_VERSION) + line[cut + 1 :]
 
 
 def seq_of(line: bytes) -> int | None:

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from skulk.state import file_format
 from skulk.types.base import CamelModel
 from skulk.types.desired import RestoredCopy, rank_of
 from skulk.types.diagnostics_bundle import SkippedDesiredEntry
@@ -170,6 +171,8 @@ class DesiredStateFile:
         self.raw: dict[str, Any] | None = None
         """The file's JSON object as read, what this node offers a master (which validates it itself)."""
         self.saved_at: datetime | None = None
+        self.refused: str | None = None
+        """Why the file was not used (a format newer than this release): it is then never written either."""
         self.saved = self._load()
         self._last: DesiredState | None = self.saved
         self._last_seen: tuple[object, ...] | None = None
@@ -189,8 +192,12 @@ class DesiredStateFile:
         the rest restored; a file not read whole is first kept aside (`desired.json.corrupt-<time>`), since the
         next save rewrites it with what was restored. Never fatal."""
         try:
-            raw = self.path.read_bytes()
+            raw = file_format.bring_up_to_date(self.path, self.path.read_bytes())
         except FileNotFoundError:
+            return None
+        except file_format.RefusedFile as exc:
+            self.refused = str(exc)
+            log.error("desired state: %s", exc)
             return None
         except OSError as exc:
             raw, self.skipped = None, [SkippedDesiredEntry(entry="file", reason=f"unreadable: {exc}")]
@@ -236,7 +243,7 @@ class DesiredStateFile:
         node's own copy is still the better one (`_holding`): then try again a little later."""
         self._timer = None
         state, self._pending = self._pending, None
-        if state is None:
+        if state is None or self.refused is not None:
             return
         if self._holding(state):
             self._pending = state
@@ -275,7 +282,7 @@ class DesiredStateFile:
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "w") as f:
             stamp = datetime.now(UTC).isoformat()
-            json.dump({"savedAt": stamp, **desired.model_dump(mode="json", by_alias=True)}, f)
+            json.dump(file_format.stamped({"savedAt": stamp, **desired.model_dump(mode="json", by_alias=True)}), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)

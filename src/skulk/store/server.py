@@ -45,6 +45,7 @@ from skulk.store.files import (
     model_dir_name,
     read_marker,
 )
+from skulk.types import versions
 from skulk.types.errors import ApiError, ErrorCode, error_body
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _authenticate(self) -> None:
         """Every call signed for the store by a node of the cluster, once (internal_auth: a captured read
-        replayed, or its path altered, is refused)."""
+        replayed, or its path altered, is refused), of a format version this node works with."""
+        refused = internal_auth.version_refusal(self.headers.get(versions.HEADER), "a peer's store call")
+        if refused is not None:
+            raise ApiError(ErrorCode.format_version_refused, refused)
         auth = internal_auth.current()
         if auth is None:
             return

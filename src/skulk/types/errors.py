@@ -70,6 +70,8 @@ class ErrorCode(StrEnum):
     request_too_large = "request_too_large"
     range_not_satisfiable = "range_not_satisfiable"
     invalid_config = "invalid_config"
+    format_version_refused = "format_version_refused"
+    """A node-to-node call of a format version this node does not work with (types/versions.py)."""
     # placement refusals (their classes' names, as clients have always seen them)
     InsufficientMemory = "InsufficientMemory"
     NoConnectedCycle = "NoConnectedCycle"
@@ -175,7 +177,7 @@ for _status, _codes in {
          "model_not_in_store response_not_found file_not_in_store event_log_disabled",
     405: "method_not_allowed",
     408: "request_timeout",
-    409: "conflict config_unreadable model_exists",
+    409: "conflict config_unreadable model_exists format_version_refused",
     413: "request_too_large",
     429: "rate_limited",
     416: "range_not_satisfiable",
