@@ -6,7 +6,10 @@ cluster diagnostics fan-out over https reads both; a worker stages a model from 
 
 from __future__ import annotations
 
+import os
 import ssl
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -48,9 +51,25 @@ def test_one_node_serves_https_to_the_openai_client_and_refuses_plain_http(tmp_p
         diag_main(["--url", node.url, "--ca", str(cert)])  # the CLI verifies against the given CA
         with pytest.raises(SystemExit):
             diag_main(["--url", node.url])  # and without it does not trust the node
+        _models_cli_reads_it(node.url, cert, tmp_path)
     finally:
         cluster.print_logs()
         assert cluster.stop_all() == [], "runner processes outlived their node"
+
+
+def _models_cli_reads_it(url: str, cert: Path, tmp_path: Path) -> None:
+    """`skulk models list --ca` reads the https node; without the CA it says the handshake failed (and a download
+    does not fall back to downloading on this machine, as it would when no node answers)."""
+    def models(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "skulk", "models", *args, "--url", url], capture_output=True,
+                              text=True, timeout=60, cwd=tmp_path, env={**os.environ, "SKULK_TLS_CA": ""})
+
+    listed = models("list", "--ca", str(cert))
+    assert listed.returncode == 0 and DEMO in listed.stdout, listed.stderr
+    for command in (("list",), ("download", DEMO)):
+        refused = models(*command)
+        assert refused.returncode == 1 and "TLS handshake" in refused.stderr, refused.stderr
+        assert "downloaded" not in refused.stderr
 
 
 def test_two_nodes_sharing_a_pair_form_a_cluster_over_https(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +47,32 @@ def test_home_points_at_that_homes_node(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(cli.httpx, "post", lambda url, **_: sent.append(url) or httpx.Response(200, json=ENTRY))
     cli.main(["add", "--home", str(tmp_path), "org/tiny"])
     assert sent == ["http://localhost:52499/models/add"]
+
+
+def test_home_of_a_tls_node_is_read_over_https_verified_against_its_own_cert(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from skulk.tls import write_pair
+
+    cert, key = write_pair(tmp_path / "tls", [])
+    (tmp_path / "skulk.yaml").write_text(f"api_port: 52498\ntls_cert: {cert}\ntls_key: {key}\n")
+    sent: list[tuple[str, object]] = []
+    monkeypatch.setattr(cli.httpx, "post", lambda url, **kw: sent.append((url, kw["verify"])) or httpx.Response(
+        200, json=ENTRY))
+    cli.main(["add", "--home", str(tmp_path), "org/tiny"])
+    ((url, verify),) = sent
+    assert url == "https://localhost:52498/models/add" and isinstance(verify, ssl.SSLContext)
+    assert cli.verify_of(None) is True
+
+
+def test_a_failed_handshake_is_told_apart_from_no_node(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    def refuse(url: str, **_: Any) -> httpx.Response:
+        try:
+            raise ssl.SSLCertVerificationError("certificate verify failed")
+        except ssl.SSLError as exc:
+            raise httpx.ConnectError("[SSL: CERTIFICATE_VERIFY_FAILED]") from exc
+
+    monkeypatch.setattr(cli.httpx, "post", refuse)
+    with pytest.raises(SystemExit):
+        cli.main(["download", "--url", "https://node:9", "org/tiny"])  # not a download on this machine instead
+    assert "TLS handshake" in capsys.readouterr().err

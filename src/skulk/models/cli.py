@@ -2,12 +2,15 @@
 
 A download goes through the running node at --url (so /state shows it on every node); with no node there,
 it downloads straight into this machine's store_path with the settings of skulk.yaml and the environment.
+A node started with --tls-cert is reached at https://, its certificate verified against --ca (as `skulk diag`);
+with --home the URL and the CA come from that node's own settings.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -37,6 +40,10 @@ def _common(suppress: bool) -> argparse.ArgumentParser:
                         **(default or {"default": DEFAULT_URL}))  # type: ignore[arg-type]
     common.add_argument("--home", help="the state directory used when no node answers (as `skulk --home`)",
                         **(default or {"default": None}))  # type: ignore[arg-type]
+    common.add_argument("--ca", help="CA file an https node's certificate is verified against: the node's cert.pem "
+                        "for a self-signed pair (SKULK_TLS_CA; default: the system's CAs, or with --home that "
+                        "node's --tls-ca/--tls-cert)",
+                        **(default or {"default": os.environ.get("SKULK_TLS_CA")}))  # type: ignore[arg-type]
     return common
 
 
@@ -58,27 +65,67 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _node_of_home(args: argparse.Namespace) -> None:
+    """--home without --url: the node of that home, at the API port and scheme its settings give, verified
+    against its own CA or certificate unless --ca names another."""
+    settings = _settings(args.home)
+    scheme = "https" if settings.tls_cert else "http"
+    args.url = f"{scheme}://localhost:{settings.api_port}"
+    if args.ca is None and settings.tls_cert:
+        args.ca = str(settings.tls_ca or settings.tls_cert)
+
+
+def verify_of(ca: str | None) -> ssl.SSLContext | bool:
+    """httpx's `verify=` for --ca: that CA file, else the system's CAs."""
+    return ssl.create_default_context(cafile=ca) if ca else True
+
+
+def tls_failed(error: BaseException) -> bool:
+    """Whether a failed connection failed its TLS handshake (a certificate not verified, or http against https),
+    which is no reason to say no node answers, or to download without it."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
-    if args.home and args.url == DEFAULT_URL:  # the node of that home, at the API port its skulk.yaml gives
-        args.url = f"http://localhost:{_settings(args.home).api_port}"
+    if args.home and args.url == DEFAULT_URL:
+        _node_of_home(args)
     try:
-        if args.command == "list":
-            _list(args.url)
-        elif args.command == "import":
-            _import(args.url, args.source, args.model_id)
-        elif args.command == "add":
-            _added(_check(httpx.post(f"{args.url}/models/add", json={"model_id": args.model_id}, timeout=120)))
-        else:
-            _download(args.url, args.model_id)
-    except httpx.ConnectError:
-        if args.command == "import":
-            _import_here(args.source, args.model_id, args.home)
-            return
-        if args.command != "download":
-            console.print(f"[red]no node answers at {args.url}; start one with `skulk`")
+        _run(args, verify_of(args.ca))
+    except httpx.ConnectError as exc:
+        if tls_failed(exc):
+            console.print(f"[red]the node at {args.url} did not complete a TLS handshake: {exc}; for a node started "
+                          "with --tls-cert pass --ca with its CA (its cert.pem for a self-signed pair)")
             raise SystemExit(1) from None
-        _download_here(args.model_id, args.home)
+        _no_node(args)
+
+
+def _run(args: argparse.Namespace, verify: ssl.SSLContext | bool) -> None:
+    if args.command == "list":
+        _list(args.url, verify)
+    elif args.command == "import":
+        _import(args.url, args.source, args.model_id, verify)
+    elif args.command == "add":
+        _added(_check(httpx.post(f"{args.url}/models/add", json={"model_id": args.model_id}, timeout=120,
+                                 verify=verify)))
+    else:
+        _download(args.url, args.model_id, verify)
+
+
+def _no_node(args: argparse.Namespace) -> None:
+    """Nothing answers at --url: import or download on this machine, else say so."""
+    if args.command == "import":
+        _import_here(args.source, args.model_id, args.home)
+        return
+    if args.command != "download":
+        console.print(f"[red]no node answers at {args.url}; start one with `skulk`")
+        raise SystemExit(1)
+    _download_here(args.model_id, args.home)
 
 
 def _settings(home: str | None) -> Any:
@@ -101,8 +148,8 @@ def _added(card: dict[str, Any], verb: str = "added") -> None:
         console.print(line)
 
 
-def _list(url: str) -> None:
-    reply = httpx.get(f"{url}/models", timeout=10)
+def _list(url: str, verify: ssl.SSLContext | bool = True) -> None:
+    reply = httpx.get(f"{url}/models", timeout=10, verify=verify)
     table = Table("id", "family", "MB", "downloaded", "staged")
     for model in reply.json()["data"]:
         table.add_row(
@@ -126,13 +173,13 @@ def _bar() -> Progress:
     )
 
 
-def _download(url: str, model_id: str) -> None:
+def _download(url: str, model_id: str, verify: ssl.SSLContext | bool = True) -> None:
     """Through the node: start it, then follow its status until it completes or fails."""
-    _check(httpx.post(f"{url}/store/models/{model_id}/download", timeout=60))
+    _check(httpx.post(f"{url}/store/models/{model_id}/download", timeout=60, verify=verify))
     with _bar() as bar:
         task = bar.add_task(model_id, total=None)
         while True:
-            status = httpx.get(f"{url}/store/models/{model_id}/download/status", timeout=10).json()
+            status = httpx.get(f"{url}/store/models/{model_id}/download/status", timeout=10, verify=verify).json()
             bar.update(task, completed=status.get("downloadedBytes", 0), total=status.get("totalBytes") or None)
             if status.get("status") in ("Completed", "Failed"):
                 break
@@ -168,12 +215,12 @@ def ollama_import_fields(source: str, environ: dict[str, str]) -> tuple[dict[str
                 "else ~/.ollama/models of the user running it (set OLLAMA_MODELS here to name another)")
 
 
-def _import(url: str, source: str, model_id: str | None) -> None:
+def _import(url: str, source: str, model_id: str | None, verify: ssl.SSLContext | bool = True) -> None:
     fields, where = ollama_import_fields(source, dict(os.environ))
     if where is not None:
         console.print(where, soft_wrap=True)
     body = {"source": _source(source), **fields, **({"model_id": model_id} if model_id else {})}
-    _added(_check(httpx.post(f"{url}/models/import", json=body, timeout=600)), "imported")
+    _added(_check(httpx.post(f"{url}/models/import", json=body, timeout=600, verify=verify)), "imported")
 
 
 def _import_here(source: str, model_id: str | None, home: str | None = None) -> None:
