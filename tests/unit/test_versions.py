@@ -17,11 +17,13 @@ from skulk import internal_auth
 from skulk.api.security import version_refused
 from skulk.cluster.transport import Transport, TransportSettings
 from skulk.eventlog import EventLog, Limits
+from skulk.file_format import migrated
+from skulk.models import cards
 from skulk.state.desired import DesiredStateFile
-from skulk.state.file_format import migrated
 from skulk.testing.nodes import free_port
+from skulk.tracing.store import TraceStore
 from skulk.types import versions
-from skulk.types.ids import NodeId
+from skulk.types.ids import ModelId, NodeId
 from skulk.types.state import State
 from skulk.types.versions import Compat, FileAction
 
@@ -206,3 +208,37 @@ def test_an_event_log_of_a_newer_format_is_left_untouched(tmp_path: Path) -> Non
     finally:
         log.close()
     assert (tmp_path / "events.jsonl").read_bytes() == original
+
+
+def test_custom_cards_are_written_versioned_a_version_one_card_migrated_a_newer_one_skipped(tmp_path: Path) -> None:
+    base = cards.all_cards()[0]
+    ours = base.model_copy(update={"model_id": ModelId("test/versioned")})
+    old = base.model_copy(update={"model_id": ModelId("test/version-one")})
+    newer = base.model_copy(update={"model_id": ModelId("test/from-the-future")})
+    try:
+        cards.add_custom_card(tmp_path, ours)
+        written = json.loads((tmp_path / "test--versioned.json").read_text())
+        assert written["formatVersion"] == versions.FORMAT_VERSION
+        (tmp_path / "old.json").write_text(old.model_dump_json())  # as the previous release wrote cards
+        future = {**newer.model_dump(mode="json", by_alias=True), "formatVersion": versions.FORMAT_VERSION + 1}
+        (tmp_path / "future.json").write_text(json.dumps(future))
+        cards._custom.clear()
+        cards.load_custom_cards(tmp_path)
+        assert cards.get_card("test/versioned") == ours and cards.get_card("test/version-one") == old
+        assert cards.get_card("test/from-the-future") is None
+        assert json.loads((tmp_path / "old.json.v1.bak").read_text()) == old.model_dump(mode="json", by_alias=True)
+        assert json.loads((tmp_path / "old.json").read_text())["formatVersion"] == versions.FORMAT_VERSION
+        assert json.loads((tmp_path / "future.json").read_text()) == future, "a newer card is left untouched"
+    finally:
+        cards._custom.clear()
+
+
+def test_traces_of_version_one_are_read_as_they_are_newer_ones_not_at_all(tmp_path: Path) -> None:
+    store = TraceStore(tmp_path, "n1")
+    header = {"taskId": "old", "createdAt": "2026-01-01T00:00:00+00:00", "modelId": "m", "taskKind": "chat"}
+    (tmp_path / "old.jsonl").write_text(json.dumps(header) + "\n")
+    newer = {**header, "taskId": "new", "formatVersion": versions.FORMAT_VERSION + 1}
+    (tmp_path / "new.jsonl").write_text(json.dumps(newer) + "\n")
+    assert [t["taskId"] for t in store.summaries()] == ["old"]
+    assert store._header("t", None, None)["formatVersion"] == versions.FORMAT_VERSION
+    assert "formatVersion" not in store.summaries()[0]

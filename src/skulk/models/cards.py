@@ -8,11 +8,14 @@ into node memory.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from importlib import resources
 from pathlib import Path
 
+from skulk import file_format
 from skulk.store.files import model_dir_name
+from skulk.types import versions
 from skulk.types.memory import Memory
 from skulk.types.models import KvCacheBits, ModelCard, QuantizeAtLoad
 
@@ -41,16 +44,24 @@ def is_custom(model_id: str) -> bool:
 
 
 def load_custom_cards(folder: Path) -> None:
-    """The custom cards a node kept under folder; an unreadable one is skipped with a warning."""
+    """The custom cards a node kept under folder; an unreadable one is skipped with a warning, one of an older
+    format migrated (a backup kept beside it), one of a newer format refused and left as it is."""
     if not folder.is_dir():
         return
     for entry in sorted(folder.glob("*.json")):
         try:
-            card = ModelCard.model_validate_json(entry.read_text(encoding="utf-8"))
-        except ValueError as exc:
+            card = _read_card(entry)
+        except (ValueError, file_format.RefusedFile) as exc:
             log.warning("ignoring custom model card %s: %s", entry, exc)
             continue
         _custom[card.model_id] = card
+
+
+def _read_card(entry: Path) -> ModelCard:
+    data = json.loads(file_format.bring_up_to_date(entry, entry.read_bytes()))
+    if isinstance(data, dict):
+        data.pop(versions.FILE_FIELD, None)
+    return ModelCard.model_validate(data)
 
 
 _FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -97,7 +108,8 @@ def add_custom_card(folder: Path, card: ModelCard) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{model_dir_name(card.model_id)}.json"
     tmp = target.with_suffix(".tmp")
-    tmp.write_text(card.model_dump_json(indent=2), encoding="utf-8")
+    stamped = file_format.stamped(card.model_dump(mode="json", by_alias=True))
+    tmp.write_text(json.dumps(stamped, indent=2), encoding="utf-8")
     tmp.replace(target)
     _custom[card.model_id] = card
 

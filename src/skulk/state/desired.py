@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from skulk.state import file_format
+from skulk import file_format
 from skulk.types.base import CamelModel
 from skulk.types.desired import RestoredCopy, rank_of
 from skulk.types.diagnostics_bundle import SkippedDesiredEntry

@@ -1,6 +1,7 @@
 """This node's saved traces: one file per task under <home>/traces, spans appended as they arrive.
 
-`<task_id>.jsonl`: a header line (taskId, createdAt, modelId, taskKind) then one TraceSpan per line. Only
+`<task_id>.jsonl`: a header line (formatVersion, taskId, createdAt, modelId, taskKind; types/versions.py: a header
+without formatVersion is version 1, read as it is, and a newer one is not read) then one TraceSpan per line. Only
 spans of traced tasks ever reach it (tracing off: nothing is written). The summaries (stats, the Chrome
 trace-event export) are pure functions of spans, so the cluster views merge peers' spans and reuse them.
 """
@@ -17,7 +18,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from skulk.types import versions
 from skulk.types.tracing import TraceSpan
+from skulk.types.versions import FileAction
 
 log = logging.getLogger("skulk.tracing")
 
@@ -57,7 +60,8 @@ class TraceStore:
 
     def _header(self, task_id: str, model_id: str | None, task_kind: str | None) -> dict[str, Any]:
         now = datetime.now(UTC).isoformat()
-        return {"taskId": task_id, "createdAt": now, "modelId": model_id, "taskKind": task_kind}
+        return {versions.FILE_FIELD: versions.FORMAT_VERSION, "taskId": task_id, "createdAt": now,
+                "modelId": model_id, "taskKind": task_kind}
 
     def _read(self, task_id: str) -> tuple[dict[str, Any], list[TraceSpan]] | None:
         path = self._path(task_id)
@@ -69,6 +73,12 @@ class TraceStore:
         if not lines:
             return None
         header = json.loads(lines[0])
+        found = versions.file_version(header)
+        if versions.file_action(found) is FileAction.refuse:  # a newer release's trace: left alone, not shown
+            log.warning("%s", versions.file_refusal(str(path), found))
+            return None
+        if isinstance(header, dict):
+            header.pop(versions.FILE_FIELD, None)  # version 1 wrote the same lines without it: read as they are
         spans = []
         for line in lines[1:]:
             try:
