@@ -118,6 +118,7 @@ async def test_a_peer_one_version_apart_is_heard_two_apart_dropped_with_one_line
         await _until(lambda: b"v1" in heard, lambda: unversioned.session.put(unversioned.key("topic"), b"v1"))
         await _until(lambda: ours.versions.refused.get("4", 0) >= 3, lambda: plus_two.put("topic", b"v4"))
     assert b"v4" not in heard
+    assert ours.versions.met == {1, 3}, "both neighbours were worked with"
     lines = [r.getMessage() for r in caplog.records if "refusing" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "format version 4" in lines[0] and f"speaks {versions.FORMAT_VERSION}" in lines[0]

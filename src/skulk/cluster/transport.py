@@ -131,12 +131,20 @@ class VersionGate:
         self.attachment = versions.attachment(ours)
         self.refused: dict[str, int] = {}
         """Refused messages by the version they said ("unreadable" when it did not parse)."""
+        self.met: set[int | None] = set()
+        """Versions one apart that were heard (and worked with)."""
         self._lock = threading.Lock()
 
     def admits(self, raw: bytes | None, key: str) -> bool:
         """Any thread: whether a message with attachment `raw`, on `key`, is taken."""
         theirs = versions.version_of_attachment(raw)
-        if versions.accepted(versions.judge(theirs, self.ours)):
+        verdict = versions.judge(theirs, self.ours)
+        if verdict is versions.Compat.same:
+            return True
+        if verdict is versions.Compat.compatible:
+            if theirs not in self.met:  # once per version: a cluster in the middle of a rolling upgrade
+                self.met.add(theirs)
+                log.info("peers speaking format version %s are worked with (this node speaks %d)", theirs, self.ours)
             return True
         label = str(theirs) if theirs is not None else "unreadable"
         with self._lock:
