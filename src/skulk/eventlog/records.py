@@ -31,26 +31,24 @@ def encode(seq: int, at: float, item: Any) -> bytes:
                                                                       body.encode())
 
 
-def version_of(line: bytes) -> int | None:
-    """A record's format version (UNVERSIONED without `v`; None when the line is not a record at all)."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(record, dict):
-        return None
-    found = record.get(RECORD_FIELD, UNVERSIONED)
+def version_of(record: object) -> int | None:
+    """A record's format version (UNVERSIONED without `v`; None when `v` is not a version)."""
+    found = record.get(RECORD_FIELD, UNVERSIONED) if isinstance(record, dict) else UNVERSIONED
     return found if isinstance(found, int) and not isinstance(found, bool) else None
 
 
 def file_version(path: Path) -> int | None:
-    """The live file's format, read from its first record (FORMAT_VERSION for an empty or absent file: nothing
-    to migrate; a torn first line is judged by the next one)."""
+    """The live file's format, read from its first whole record (FORMAT_VERSION for a file without one: nothing
+    to migrate); a line that is not JSON is passed over, so one damaged line does not refuse the whole log."""
     try:
         with path.open("rb") as f:
             for line in f:
-                if line.endswith(b"\n"):
-                    return version_of(line)
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and line.endswith(b"\n"):
+                    return version_of(record)
     except FileNotFoundError:
         pass
     return FORMAT_VERSION
