@@ -59,10 +59,15 @@ def bring_up_to_date(path: Path, raw: bytes) -> bytes:
     if action is FileAction.current:
         return raw
     assert found is not None
-    backup = path.with_name(versions.backup_name(path.name, found))
-    shutil.copy2(path, backup)
     updated = json.dumps(migrated(data, found)).encode()
-    write_atomically(path, updated)
+    backup = path.with_name(versions.backup_name(path.name, found))
+    try:
+        shutil.copy2(path, backup)
+        write_atomically(path, updated)
+    except OSError as exc:  # a read-only home: used migrated in memory, the file stays as it was
+        log.warning("could not migrate %s from format version %d to %d (%s); using it as read", path, found,
+                    versions.FORMAT_VERSION, exc)
+        return updated
     log.warning("migrated %s from format version %d to %d; the old file is kept as %s", path, found,
                 versions.FORMAT_VERSION, backup)
     return updated

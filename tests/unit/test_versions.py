@@ -4,6 +4,7 @@ start-up migration of desired.json and the event log."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import uuid
@@ -13,10 +14,11 @@ from pathlib import Path
 import pytest
 from pytest import LogCaptureFixture
 
-from skulk import internal_auth
+from skulk import file_format, internal_auth
 from skulk.api.security import version_refused
 from skulk.cluster.transport import Transport, TransportSettings
 from skulk.eventlog import EventLog, Limits
+from skulk.eventlog import log as eventlog_module
 from skulk.file_format import migrated
 from skulk.models import cards
 from skulk.state.desired import DesiredStateFile
@@ -243,3 +245,34 @@ def test_traces_of_version_one_are_read_as_they_are_newer_ones_not_at_all(tmp_pa
     assert [t["taskId"] for t in store.summaries()] == ["old"]
     assert store._header("t", None, None)["formatVersion"] == versions.FORMAT_VERSION
     assert "formatVersion" not in store.summaries()[0]
+
+
+def test_a_migration_without_room_leaves_the_event_log_as_it_was(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    original = _v1_records(2)
+    (tmp_path / "events.jsonl").write_bytes(original)
+
+    def full(*_args: object, **_kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(eventlog_module.shutil, "copy2", full)
+    log = _open(tmp_path)
+    try:
+        assert log.counting_only and log.refused is not None and "could not migrate" in log.refused
+    finally:
+        log.close()
+    assert (tmp_path / "events.jsonl").read_bytes() == original
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["archive", "events.jsonl"]
+
+
+def test_a_json_file_that_cannot_be_rewritten_is_used_migrated_in_memory(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "desired.json"
+    path.write_text('{"metaInstances": {}}')
+
+    def read_only(*_args: object, **_kwargs: object) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(file_format.shutil, "copy2", read_only)
+    used = json.loads(file_format.bring_up_to_date(path, path.read_bytes()))
+    assert used["formatVersion"] == versions.FORMAT_VERSION and path.read_text() == '{"metaInstances": {}}'

@@ -72,7 +72,7 @@ class EventLog:
         self.counting_only = False
         self.counting_reason: str | None = None
         self.refused: str | None = None
-        """Why the live file is not written (a newer release's format): counting only for this run."""
+        """Why the live file is not written (a newer release's format, a migration that failed): counting only."""
         self.counted_only = 0
         self.dropped = 0
         self.torn_bytes_dropped = 0
@@ -156,16 +156,29 @@ class EventLog:
             return False
         if action is FileAction.migrate:
             assert found is not None
-            backup = self.path.with_name(versions.backup_name(self.path.name, found))
+            return self._migrate(found)
+        return True
+
+    def _migrate(self, found: int) -> bool:
+        """Back the live file up and rewrite it record by record; a failure (no space for the copy) leaves the
+        file as it was and the log counting only for this run."""
+        backup = self.path.with_name(versions.backup_name(self.path.name, found))
+        tmp = self.path.with_suffix(".migrating")
+        try:
             shutil.copy2(self.path, backup)
-            tmp = self.path.with_suffix(".migrating")
             with self.path.open("rb") as src, tmp.open("wb") as dst:
                 dst.writelines(records.migrate_line(line) for line in src)
                 dst.flush()
                 os.fsync(dst.fileno())
             os.replace(tmp, self.path)
-            log.warning("migrated the event log %s from format version %d to %d; the old file is kept as %s",
-                        self.path, found, versions.FORMAT_VERSION, backup)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            backup.unlink(missing_ok=True)
+            self.refused = f"could not migrate {self.path} from format version {found}: {exc}"
+            self._enter_counting_only(self.refused)
+            return False
+        log.warning("migrated the event log %s from format version %d to %d; the old file is kept as %s",
+                    self.path, found, versions.FORMAT_VERSION, backup)
         return True
 
     def _recover(self) -> None:
