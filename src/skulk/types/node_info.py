@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from .backends import BackendTag, EngineName
 from .base import CamelModel
 from .ids import NodeId
@@ -67,8 +69,10 @@ class MemoryUsage(CamelModel):
     the limit are evicted and read again every step (health says `memory_paging`)."""
     oom_kills: int | None = None
     """OOM kills in the node's cgroup (or on its machine) over the last 10 minutes (health says `memory_oom`)."""
-    runner_overheads: list[RunnerOverhead] | None = None
-    """The runtime overhead this node's runners measured, per engine and role (None: none has loaded yet)."""
+    runner_overheads: list[RunnerOverhead] | None = Field(default=None, exclude_if=lambda v: v is None)
+    """The runtime overhead this node's runners measured, per engine and role (None: none has loaded yet, and
+    the key is left out: a node of format version 1, which forbids unknown keys, still reads this node's info
+    until one of its runners has loaded; after that it drops them until it is upgraded)."""
 
     def runner_overhead(self, engine: EngineName, role: RankRole) -> int | None:
         """The measured runtime bytes of a runner of `engine` in `role` on this node, if one has measured it."""

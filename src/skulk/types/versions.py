@@ -11,6 +11,10 @@ finds files an older release wrote. Every wire message and persisted file theref
 - node-to-node HTTP (the API's internal routes and the store's file server) carries the header `HEADER`;
 - `desired.json` carries `"formatVersion"` (`FILE_FIELD`), each event-log record `"v"` (`RECORD_FIELD`).
 
+A field a release adds to a wire type is left out while it holds its default (`Field(exclude_if=...)`, as
+`MemoryUsage.runner_overheads`), so a peer one release behind, whose types forbid unknown keys, still reads the
+message until the new feature is used; from then it drops those messages until it is upgraded.
+
 What carries no version is version 1 (`UNVERSIONED`): the release before versioning (commit 8f0fa60), which this
 one interoperates with. A peer within one version of ours is worked with; any other is refused with one log line
 naming both versions and which side to upgrade (`judge`, `refusal_line`). A file of an older version is migrated
