@@ -32,9 +32,14 @@ Reduced run 2026-12-05 (2-core VM, shared; --models bench100m --quant none --ran
   1.0 GB   3 ranks  load 18.5 s  16.16 tok/s  0 faults/token  rss 581.4 / 484.4 / 485.6
   KV bits (256 tokens): 16: 12288 B/token; 8: 6336 B, KL 0.00005, top-1 0.984; 4: 3456 B, KL 0.0049, top-1 0.559
   fresh cluster, first 3-rank preview 20.8 s after start: predicted 2.41 tok/s (aggregate 23.27), measured 16.64
-The built-in bench cards carry no per-layer memory, so their previews are still the estimate (share x 1.25 + KV,
-no runtime overhead): 1.6-3.2x under the measured RSS. A card with ModelCard.memory (a hub or store copy) is
-counted as share x 1.05 + 576 MiB + KV, an upper bound (tests/integration/test_capped_cluster.py).
+Predicted against measured, 2026-12-06 (the same reduced run, --models bench100m --quant none,int4 --ranks 1,2
+--caps none --tokens 4, fresh cluster): the preview counts each rank's exact weights, its KV pool and the runtime
+overhead that node's runners measured once warm (first rank 433-436 MiB, a later rank 339-340 MiB here; the 576
+MiB ceiling until one has: worker/overheads.py), MiB:
+  f32  1 rank   rss 881.8  predicted 1024.8  (0.86: nothing measured yet, the ceiling)
+  f32  2 ranks  rss 658.8 / 563.5  predicted 657.6 / 800.4  (1.00; 0.70: no later rank measured yet)
+  int4 1 rank   rss 541.8  predicted 545.2  (0.99)
+  int4 2 ranks  rss 489.5 / 393.4  predicted 489.8 / 394.5  (1.00 / 1.00)
 Run: .venv/bin/python bench/memory.py [--models bench700m] [--quant none,int4] [--ranks 1,2,3] [--caps none,2.5GB]
          [--tokens 16] [--kv-tokens 2048] [--fresh]
 (the 1B-shaped model of the issue is bench700m: 16 layers, hidden 2048, 2.9 GB of float32; a reduced run:
