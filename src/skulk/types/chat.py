@@ -20,7 +20,16 @@ from pydantic import (
 )
 
 from .base import CamelModel
-from .limits import MAX_MESSAGES, MAX_TOKENS_LIMIT, ContentText, ModelText, NameText, StopText, refuse_media
+from .limits import (
+    MAX_IMAGE_URL_CHARS,
+    MAX_MESSAGES,
+    MAX_TOKENS_LIMIT,
+    ContentText,
+    ModelText,
+    NameText,
+    StopText,
+    refuse_media,
+)
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SEED_MAX = 2**64 - 1
@@ -76,6 +85,24 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: ContentText
+
+
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str = Field(max_length=MAX_IMAGE_URL_CHARS)
+    """A data: URL (base64), or a file:// URL under the node's allowed image directory (formats/images.py)."""
+
+
+class ImagePart(BaseModel):
+    """OpenAI's image content part; Anthropic's `image` blocks and Ollama's `images` become one. Read by a
+    vision-language model only: any other answers `text_only` (api/chat_session.py)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class FunctionCall(BaseModel):
@@ -138,7 +165,7 @@ class ResponseFormat(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: ContentText | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    content: ContentText | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: NameText | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
     tool_call_id: str | None = Field(default=None, max_length=256)
@@ -146,7 +173,7 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, content: Any) -> Any:
-        return refuse_media(content, frozenset({"text"}))
+        return refuse_media(content, frozenset({"text", "image_url"}))
 
     @property
     def text(self) -> str:
@@ -154,7 +181,14 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    @property
+    def images(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
 
 class StreamOptions(BaseModel):

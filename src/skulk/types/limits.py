@@ -21,6 +21,7 @@ MAX_CONTENT_CHARS = 4 * 1024 * 1024  # one message's text; the body limit (8 MiB
 MAX_NAME_CHARS = 256
 MAX_MODEL_CHARS = 256
 MAX_STOP_CHARS = 256
+MAX_IMAGE_URL_CHARS = 32 * 1024 * 1024  # a data: URL of formats/images.MAX_IMAGE_BYTES in base64, and its header
 MAX_TOKENS_LIMIT = 1 << 20  # no context is longer; a bigger budget is a typo or an attack
 INVALID_UNICODE = "string_unicode"
 """pydantic's error type for a str that is not valid Unicode."""

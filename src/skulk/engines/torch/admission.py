@@ -22,6 +22,7 @@ from .flight import Flight
 from .requests import Request, held_for_reasoning, reasoning_budget, row_sampling
 from .schedule import admission_blocks, can_admit, chunk_tokens, growth_blocks, next_kind
 from .tokenizer import IncrementalDecoder, StopMatcher
+from .vision import image_spans
 from .wire import NO_COPY, Admitted, Header, NewRequest, Preempt, Release, Released, Started, StepKind, WireError
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ class Admission(Flight):
         while self._pending and can_admit(rests=rests, chunk=chunk, free_slots=self.max_batch - len(self._running),
                                           admitted=len(admits)):
             head = self._pending[0]
-            limit = (len(head.prompt) - 1) // self.block_size  # the prompt's last token is always computed
+            # the prompt's last token is always computed; an image prompt shares no blocks (vision.py)
+            limit = 0 if head.spans else (len(head.prompt) - 1) // self.block_size
             extend_keys(head.keys, head.prompt, self.block_size, limit)
             shared = self.blocks.match(head.keys[:limit])
             local: list[int] = []
@@ -151,12 +153,12 @@ class Admission(Flight):
         n, size = len(shared), self.block_size
         start = n * size
         want = head.prompt[start : min(start + size, len(head.prompt) - 1)]
-        if not (want and self.share_prefixes):
+        if not (want and self.share_prefixes) or head.spans:
             return NO_COPY
         best = blocks.match_tail(head.keys[n - 1] if n else 0, want) or NO_COPY
         for r in self._running:
             held = table(r)
-            if r.length > start and len(held) > n and held[n] != NO_BLOCK and r.table[:n] == shared:
+            if not r.spans and r.length > start and len(held) > n and held[n] != NO_BLOCK and r.table[:n] == shared:
                 took = common_prefix(r.tokens(start, min(r.length, start + size)), want)
                 if took >= blocks.min_copy and took > best[1]:
                     best = (held[n], took)
@@ -197,7 +199,9 @@ class Admission(Flight):
         budget = reasoning_budget(s, add.prompt, self.tokenizer, constraint) if self.is_sampler else None
         constraint, held, gate = held_for_reasoning(constraint, add.prompt, self.tokenizer)
         return Request(add.request_id, add.prompt, s.max_tokens, row, decoder, stops, command_id=add.command_id,
-                       constraint=constraint, budget=budget, held=held, gate=gate)
+                       constraint=constraint, budget=budget, held=held, gate=gate,
+                       spans=image_spans(add.prompt, self.model.args.image_token_id),
+                       vision=self._visions.get(add.request_id))
 
     @functools.cached_property
     def grammars(self) -> Grammars:
@@ -208,6 +212,7 @@ class Admission(Flight):
 
     def _release(self, release: Release) -> None:
         """Drop a pending request, or a running one and its blocks (its full blocks stay cached for reuse)."""
+        self._visions.pop(release.request_id, None)
         found = next((r for r in self._pending if r.request_id == release.request_id), None)
         if found is not None:
             self._pending.remove(found)
@@ -244,7 +249,7 @@ class Admission(Flight):
     def _let_go(self, req: Request, table: list[int], blocks: BlockAllocator, kept: int) -> None:
         """_free_table for one group's table: rank 0 remembers the tokens of its first `kept` blocks (those holding
         some), which stay cached; entries behind a window (NO_BLOCK) lead the table and hold nothing."""
-        if self.is_scheduler and self.share_prefixes:
+        if self.is_scheduler and self.share_prefixes and not req.spans:
             for i, block in enumerate(table[:kept]):
                 if block != NO_BLOCK:
                     tokens = req.tokens(i * self.block_size, min(req.length, (i + 1) * self.block_size))
@@ -265,7 +270,7 @@ class Admission(Flight):
     def _publish(self, req: Request) -> None:
         """Rank 0: key the request's full blocks by their tokens, so another prompt starting with them shares them
         (while this one still runs, too: ten chats with one system prompt hold it once)."""
-        if not (self.is_scheduler and self.share_prefixes):
+        if not (self.is_scheduler and self.share_prefixes) or req.spans:
             return
         full = req.length // self.block_size
         extend_keys(req.keys, req.tokens(0, full * self.block_size), self.block_size, full)

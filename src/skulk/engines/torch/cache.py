@@ -38,6 +38,7 @@ class StepBatch:
     kv_len: int
     window: int = 0  # a sliding-window layer's batch: each token sees its last `window` keys only (0: all)
     local: torch.Tensor | None = None  # a hybrid model's sliding layers' block tables [B, n] (None: `tables`)
+    bidirectional: bool = False  # the mask lets an image's tokens see each other both ways (vision.py)
 
     @classmethod
     def build(cls, positions: torch.Tensor, tables: torch.Tensor | int, kv_len: int | None = None,

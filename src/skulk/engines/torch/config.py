@@ -90,6 +90,9 @@ class ModelArgs:
     norm_topk_prob: bool = False
     sparse_layers: tuple[int, ...] = ()
     """Qwen3-MoE: the layers whose MLP is a sparse mixture of experts."""
+    image_token_id: int | None = None
+    """A vision-language checkpoint's image placeholder token (Gemma 3's <image_soft_token>): the positions whose
+    input embedding is the vision tower's output, attending to each other both ways within one image."""
 
     @property
     def is_gemma(self) -> bool:
@@ -103,6 +106,7 @@ class ModelArgs:
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; torch runs {SUPPORTED_MODEL_TYPES}")
+        image_token = cfg.get("image_token_id", cfg.get("image_token_index")) if cfg.get("vision_config") else None
         cfg = text_config(cfg)
         model_type = cfg["model_type"]
         # transformers 5 writes rope settings under rope_parameters; hub configs use rope_theta/rope_scaling.
@@ -132,6 +136,7 @@ class ModelArgs:
             **window_fields(cfg, model_type),
             **_gemma_fields(cfg, model_type),
             **_moe_fields(cfg, model_type),
+            image_token_id=image_token,
         )
 
     @classmethod

@@ -41,6 +41,7 @@ from .pace import module_bytes
 from .requests import FaultHook, Request
 from .schedule import pool_blocks
 from .tokenizer import ChatTokenizer
+from .vision import VisionInput, VisionTower
 from .wire import NewRequest, Release, RequestEvent
 
 DEFAULT_MAX_BATCH = 64  # concurrent streams per instance (the pool may hold fewer: the rest queue)
@@ -134,6 +135,10 @@ class EngineCore:
             self.drafter = Drafter.load(draft_dir, self.model, num_blocks, block_size, prefill_chunk, dtype=dtype,
                                         device=self.device, quantize=draft_quantize or quantize)
         self.tokenizer = ChatTokenizer(model_dir)
+        # rank 0 runs a vision-language model's tower (vision.py); loaded on first use: a text request never pays
+        self._model_dir, self._tower_dtype = model_dir, self.model.args.dtype
+        self._tower: VisionTower | None = None
+        self._visions: dict[str, VisionInput] = {}  # rank 0: added requests' image embeddings, until released
         self.is_scheduler, self.is_sampler = rank == 0, rank == world_size - 1
         self.needs_ids = tensor or rank == 0  # who embeds token ids
         self.link: Link = LocalLink() if world_size == 1 else GroupLink(rank, world_size, kind, control_group)

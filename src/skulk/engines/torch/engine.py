@@ -37,13 +37,15 @@ import torch
 import torch.distributed as dist
 
 from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
-from skulk.engines.errors import check_prompt
+from skulk.engines.errors import PromptRejected, check_prompt
+from skulk.formats.images import ImageRefused, image_bytes, open_image
 from skulk.types.chat import ChatMessage, SamplingParams
 
 from .blocks import BlockAllocator
 from .core import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, WARMUP_ID, PhaseHook
 from .links import GroupLink
 from .local_step import LocalStep
+from .vision import VisionInput, VisionTower, digest, image_spans, load_tower
 from .wire import Header, NewRequest, Release, RequestEvent, StepKind
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_BATCH", "DEFAULT_PREFILL_CHUNK", "PhaseHook", "TorchEngine"]
@@ -58,20 +60,56 @@ class TorchEngine(LocalStep):
                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
         return self.tokenizer.encode_chat(messages, tools, template_kwargs)
 
+    def encode_images(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], VisionInput]:
+        """Rank 0: the prompt of a request with images (each image's marker expanded to its placeholder run) and
+        the vision tower's embeddings for it (vision.py). PromptRejected for a model without vision, a Tensor
+        split (every rank embeds there; only rank 0 has the tower) or an image that cannot be read."""
+        tower = self._vision_tower()
+        try:
+            data = [image_bytes(url) for message in messages for url in message.images]
+            images = [open_image(d) for d in data]
+        except ImageRefused as exc:
+            raise PromptRejected(str(exc)) from exc
+        hf = self.tokenizer.hf
+        rendered = tower.expand(self.tokenizer.render_chat(messages, tools, template_kwargs), hf.convert_ids_to_tokens)
+        return self.tokenizer.encode(rendered), VisionInput(tower.embed(images), digest(data))
+
+    def _vision_tower(self) -> VisionTower:
+        if self.kind == "tensor" and self.world_size > 1:
+            raise PromptRejected("images are not served on a Tensor split: place the model as Pipeline or alone")
+        if self._tower is None:
+            tower = load_tower(self._model_dir, self._tower_dtype, self.device)
+            if tower is None:
+                raise PromptRejected("this model takes text only: images cannot be read")
+            self._tower = tower
+        return self._tower
+
     def add_request(
-        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, command_id: str = ""
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, command_id: str = "",
+        vision: VisionInput | None = None,
     ) -> None:
-        """Rank 0 queues the request for the next header; on other ranks this is a no-op."""
+        """Rank 0 queues the request for the next header; on other ranks this is a no-op. vision: its images'
+        embeddings (encode_images), one per placeholder token of the prompt."""
         if not self.is_scheduler:
             return
         check_prompt(prompt_ids, self.context_length)
+        if vision is not None:
+            spans = image_spans(prompt_ids, self.model.args.image_token_id)
+            if sum(e - s for s, e in spans) != vision.embeds.shape[0]:
+                raise PromptRejected("the prompt's image placeholders do not match its images")
+            self._visions[request_id] = vision
         known = {r.request_id for r in (*self._pending, *self._running)} | {a.request_id for a in self._adds}
         if request_id in known:
             raise ValueError(f"request {request_id!r} is already running")
         add = NewRequest.of(request_id, command_id, list(prompt_ids), sampling)
-        req = self._new_request(add)  # what every rank will build from the header: if it raises, it does here
-        if self.fault_hook is not None:
-            self.fault_hook("admit", req)
+        try:
+            req = self._new_request(add)  # what every rank will build from the header: if it raises, it does here
+            if self.fault_hook is not None:
+                self.fault_hook("admit", req)
+        except BaseException:
+            self._visions.pop(request_id, None)
+            raise
         self._adds.append(add)
 
     def cancel(self, request_id: str) -> None:
@@ -80,7 +118,9 @@ class TorchEngine(LocalStep):
             return
         before = len(self._adds)
         self._adds = [a for a in self._adds if a.request_id != request_id]
-        if len(self._adds) == before:
+        if len(self._adds) < before:
+            self._visions.pop(request_id, None)
+        else:
             self._releases.append(Release(request_id, cancelled=True))
 
     def has_work(self) -> bool:

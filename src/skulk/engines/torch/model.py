@@ -131,10 +131,11 @@ class ModelSlice(nn.Module):
         the head's matmul accumulated them (lm_head.out_dtype: never rounded to the activations' dtype on the way),
         so near-equal candidates stay apart and every placement samples from the same numbers.
         """
-        h = scale_embeddings(self.embed_tokens(x), self.args) if self.embed_tokens is not None else x
+        h = self.embed(x) if self.embed_tokens is not None and not x.is_floating_point() else x
         if isinstance(batch, StepBatch) and h.shape[1] == 1 and (stack := self._layer_stack(h, batch, cache)):
             h = stack(h, batch.positions, self.rope(batch.positions, h.dtype), batch.tables)
         elif (isinstance(batch, MixedBatch) and h.shape[1] < MIXED_STACK_ROWS
+              and not any(part.bidirectional for part in batch.parts)
               and (stack := self._layer_stack(h, batch.parts[0], cache))):
             h = self._mixed_stack(stack, h, batch)
         else:
@@ -146,6 +147,12 @@ class ModelSlice(nn.Module):
         if last_only:
             h = h[:, _last_rows(batch)] if isinstance(batch, MixedBatch) else h[:, -1:]
         return softcap_logits(self.lm_head(self.norm(h)).float(), self.args)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The first slice's input embeddings (Gemma's scaled): a vision model's image rows are replaced in them
+        before forward (step.py), which then takes them as hidden states."""
+        assert self.embed_tokens is not None
+        return scale_embeddings(self.embed_tokens(ids), self.args)
 
     def _contexts(self, batch: StepBatch | MixedBatch, dtype: torch.dtype) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
         """(batch, rope) for full-attention layers and for sliding ones (the windowed batch, the local rope);

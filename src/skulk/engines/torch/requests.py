@@ -21,6 +21,7 @@ from skulk.types.chunks import TokenLogprob, TopLogprob
 from .sampling import RowSampling, sample, token_logprobs
 from .speculate import PromptLookup
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
+from .vision import VisionInput
 
 Gate = ReasoningSplitter | HarmonySplitter
 """Where a reply whose grammar is held or watched is in its reasoning (held_for_reasoning)."""
@@ -57,6 +58,8 @@ class Request:
     answer_from: int | None = None  # `generated` once a budget's forced close is out: the answer starts there
     held: Matcher | None = None  # the sampler: a grammar that waits for the reasoning the prompt opened to close
     gate: Gate | None = None  # where the reply is in that reasoning (held_for_reasoning)
+    spans: tuple[tuple[int, int], ...] = ()  # every rank: its images' placeholder runs (vision.image_spans)
+    vision: VisionInput | None = None  # rank 0: its images' embeddings, one per placeholder token
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
         """Its token ids [start, end): the prompt's, then the generated ones (position p's KV is token p's)."""

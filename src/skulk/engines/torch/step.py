@@ -7,6 +7,8 @@ rank samples and broadcasts. Only the sampler's step returns TokenOuts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from skulk.engines.base import TokenOut
@@ -17,6 +19,7 @@ from .cache import MixedBatch, StepBatch
 from .links import TokenRows
 from .requests import Request, accept_each
 from .schedule import share_chunk
+from .vision import image_mask, image_rows, whole_images
 from .wire import Header, StepKind
 
 PromptPart = tuple[int, Request, int, int]
@@ -56,7 +59,7 @@ class Step(Admission):
         chunks = self._chunks(header.chunk)
         parts = [self._chunk_batch(chunk) for chunk in chunks]
         batch = parts[0] if len(parts) == 1 else MixedBatch(tuple(parts))
-        logits = self._forward(self._ids([], chunks), batch, (1, self._chunk_done), last_only=True)
+        logits = self._forward(self._inputs([], chunks), batch, (1, self._chunk_done), last_only=True)
         done = self._finish(chunks)
         if not done:
             return []
@@ -77,7 +80,7 @@ class Step(Admission):
         decode, last_tokens, rows = self._decode_rows()
         batch = MixedBatch((decode, *(self._chunk_batch(chunk) for chunk in chunks)))
         n = len(last_tokens)
-        logits = self._forward(self._ids(last_tokens, chunks), batch, (1, n + self._chunk_done), last_only=True)
+        logits = self._forward(self._inputs(last_tokens, chunks), batch, (1, n + self._chunk_done), last_only=True)
         decoding = self._advance(rows)
         done = self._finish(chunks)
         reqs = [*decoding, *(chunks[j][1] for j in done)]
@@ -91,6 +94,8 @@ class Step(Admission):
         """The prompt parts this step prefills (schedule.share_chunk), with _chunk_done set to their tokens."""
         prefilling = [(i, r) for i, r in enumerate(self._running) if r.length < len(r.prompt)]
         shares = share_chunk([len(r.prompt) - r.length for _, r in prefilling], chunk)
+        shares = [whole_images(r.spans, r.length, take) if r.spans else take
+                  for (_, r), take in zip(prefilling, shares, strict=True)]
         self._chunk_done = sum(shares)
         return [(i, r, r.length, r.length + take) for (i, r), take in zip(prefilling, shares, strict=True) if take]
 
@@ -98,8 +103,28 @@ class Step(Admission):
         _, req, start, end = part
         tables = torch.tensor([req.table], dtype=torch.int32, device=self.device)
         local = torch.tensor([req.local], dtype=torch.int32, device=self.device) if self.local_blocks else None
-        return StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), tables, kv_len=end,
-                               local=local)
+        batch = StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), tables, kv_len=end,
+                                local=local)
+        if not req.spans:
+            return batch
+        mask = image_mask(req.spans, start, end, self.device)
+        return dataclasses.replace(batch, mask=batch.mask | mask, bidirectional=True) if mask is not None else batch
+
+    def _inputs(self, last_tokens: list[int], chunks: list[PromptPart]) -> torch.Tensor | None:
+        """The step's input: its ids (_ids), or on rank 0 where a chunk holds image positions, their embeddings
+        with those rows replaced by the vision tower's (vision.image_rows)."""
+        ids = self._ids(last_tokens, chunks)
+        if ids is None or not any(req.vision is not None for _, req, _, _ in chunks):
+            return ids
+        h = self.model.embed(ids)
+        at = len(last_tokens)
+        for _, req, start, end in chunks:
+            if req.vision is not None:
+                offsets, index = image_rows(req.spans, start, end)
+                if offsets:
+                    h[0, [at + o for o in offsets]] = req.vision.embeds[index].to(h.dtype)
+            at += end - start
+        return h
 
     def _ids(self, last_tokens: list[int], chunks: list[PromptPart]) -> torch.Tensor | None:
         """The step's input ids as one sequence: decode rows' last tokens, then each chunk's prompt tokens."""

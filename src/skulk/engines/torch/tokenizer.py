@@ -23,7 +23,7 @@ from skulk.engines.reasoning import ReasoningMode, ReasoningOverride, reasoning_
 from skulk.engines.tool_prompt import PROBE_TOOL, inline_tools
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import read_config
-from skulk.types.chat import ChatMessage
+from skulk.types.chat import ChatMessage, TextPart
 
 _REPLACEMENT = "\ufffd"
 _TEMPLATE_OWN = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) | {"messages"}
@@ -78,6 +78,11 @@ class ChatTokenizer:
         without adding specials twice. template_kwargs are the request's template variables (Qwen3's
         enable_thinking, gpt-oss's reasoning_effort, a client's chat_template_kwargs); a template ignores the ones
         it does not read."""
+        return self.encode(self.render_chat(messages, tools, template_kwargs))
+
+    def render_chat(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat template's text for encode_chat (a vision model expands its image markers in it first)."""
         items = template_messages(messages)
         if tools and not self.renders_tools:
             items, tools = inline_tools(items, tools), None
@@ -93,7 +98,7 @@ class ChatTokenizer:
             raise  # the model's template is broken: not the client's to fix
         except TemplateError as exc:  # the template's own raise_exception, or a message it cannot read
             raise PromptRejected(f"the model's chat template rejected the messages: {exc}") from exc
-        return self.encode(rendered)
+        return rendered
 
     @functools.cached_property
     def template_text(self) -> str:
@@ -126,6 +131,14 @@ class ChatTokenizer:
         return self._tok.decode([i for i in ids if i not in dropped], skip_special_tokens=False)
 
 
+def _content(message: ChatMessage) -> str | list[dict[str, str]]:
+    """The message's text, or where it holds images its parts in order as templates read them ({"type": "image"}
+    where the template writes its image marker)."""
+    if not message.images or not isinstance(message.content, list):
+        return message.text
+    return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in message.content]
+
+
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as Hugging Face chat templates read them: an assistant's tool calls with their arguments as an
     object (Qwen and Llama 3 templates serialise them with `tojson`), a tool result with its call id.
@@ -137,7 +150,7 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     unanswered: list[str] = []
     for message in messages:
-        item: dict[str, Any] = {"role": message.role, "content": message.text}
+        item: dict[str, Any] = {"role": message.role, "content": _content(message)}
         if message.tool_calls:
             item["tool_calls"] = [
                 {"id": template_call_id(c.id), "type": "function",

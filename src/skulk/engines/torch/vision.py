@@ -1,0 +1,157 @@
+"""A vision-language model's images, turned into what our language model reads: placeholder tokens in the prompt
+and, for them, the vision tower's embeddings.
+
+The tower and its projector are transformers' own implementation (Gemma 3: SigLIP and Gemma3MultiModalProjector),
+loaded from the checkpoint's own weights beside our language model. They run on rank 0 only, in its runner,
+before the request is added: rank 0 embeds the prompt, so it alone needs the image embeddings, and every later
+rank of a Pipeline receives hidden states as for any prompt. Every rank finds the images' positions in the
+prompt itself (runs of the image token), because Gemma 3 lets an image's tokens attend to each other both ways
+(image_spans; cache.StepBatch's mask) and those runs are the same on every rank.
+
+A request with images neither shares nor publishes cached blocks (admission.py): two different images have the
+same placeholder tokens, so a block keyed by its tokens could hand one image's keys and values to another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+VISION_MODEL_TYPES = ("gemma3",)
+"""Checkpoints whose vision tower this engine runs (a `vision_config` beside the language model's)."""
+_PREFIXES = {"vision_tower.": ("model.vision_tower.", "vision_tower."),
+             "multi_modal_projector.": ("model.multi_modal_projector.", "multi_modal_projector.")}
+
+
+@dataclass(frozen=True)
+class VisionInput:
+    """One request's images as the language model reads them: an embedding per placeholder token, in prompt order
+    ([tokens, hidden], the model's dtype), and a digest of the images (what tells two image prompts apart)."""
+
+    embeds: torch.Tensor
+    digest: str
+
+
+def image_spans(prompt: Sequence[int], image_token: int | None) -> tuple[tuple[int, int], ...]:
+    """The [start, end) runs of the image token in a prompt: one per image."""
+    if image_token is None:
+        return ()
+    spans, start = [], None
+    for i, token in enumerate(prompt):
+        if token == image_token and start is None:
+            start = i
+        elif token != image_token and start is not None:
+            spans.append((start, i))
+            start = None
+    if start is not None:
+        spans.append((start, len(prompt)))
+    return tuple(spans)
+
+
+def whole_images(spans: Sequence[tuple[int, int]], start: int, take: int) -> int:
+    """A prefill chunk's share of a prompt, shortened so it does not end inside an image that starts after the
+    chunk does (its tokens attend to each other both ways, so they are computed in one chunk). An image that starts
+    at the chunk's start and is longer than the share is split: the scheduler never stalls on it."""
+    end = start + take
+    for s, e in spans:
+        if start < s < end < e:
+            return s - start
+    return take
+
+
+def image_rows(spans: Sequence[tuple[int, int]], start: int, end: int) -> tuple[list[int], list[int]]:
+    """For the prompt positions [start, end): the offsets (from start) of its image positions, and the index of
+    each one's embedding among the prompt's (images in order, each's tokens in order)."""
+    offsets, index, before = [], [], 0
+    for s, e in spans:
+        for p in range(max(s, start), min(e, end)):
+            offsets.append(p - start)
+            index.append(before + p - s)
+        before += e - s
+    return offsets, index
+
+
+def image_mask(spans: Sequence[tuple[int, int]], start: int, end: int,
+               device: torch.device) -> torch.Tensor | None:
+    """[1, 1, end - start, end]: True where a chunk's query and key are tokens of one image (Gemma 3 attends
+    within an image both ways; transformers' token_type_ids mask); None when the chunk holds no image."""
+    queries = torch.arange(start, end, device=device).view(-1, 1)
+    keys = torch.arange(end, device=device).view(1, -1)
+    mask = None
+    for s, e in spans:
+        if s < end and e > start:
+            both = (queries >= s) & (queries < e) & (keys >= s) & (keys < e)
+            mask = both if mask is None else mask | both
+    return None if mask is None else mask.view(1, 1, end - start, end)
+
+
+def is_vision_config(config: dict[str, Any]) -> bool:
+    return config.get("model_type") in VISION_MODEL_TYPES and bool(config.get("vision_config"))
+
+
+class VisionTower:
+    """Gemma 3's SigLIP tower, projector and image processor, with how a prompt's image marker expands."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+        from transformers import AutoConfig, AutoImageProcessor, AutoModel
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        config: Any = AutoConfig.from_pretrained(model_dir)
+        self.config, self.dtype, self.device = config, dtype, device
+        self.tower = AutoModel.from_config(config.vision_config)
+        self.projector = Gemma3MultiModalProjector(config)
+        weights = _weights(model_dir)
+        self.tower.load_state_dict(weights["vision_tower."])
+        self.projector.load_state_dict(weights["multi_modal_projector."])
+        self.tower.to(device=device, dtype=dtype).eval()
+        self.projector.to(device=device, dtype=dtype).eval()
+        self.processor: Any = AutoImageProcessor.from_pretrained(model_dir)
+        self.image_token = int(config.image_token_id)
+        self.tokens_per_image = int(config.mm_tokens_per_image)
+
+    def expand(self, rendered: str, token_text: Any) -> str:
+        """The chat template's output with each image marker (<start_of_image>) replaced by the image's whole
+        placeholder run, as transformers' Gemma3Processor writes it."""
+        boi, eoi = token_text(self.config.boi_token_index), token_text(self.config.eoi_token_index)
+        run = f"\n\n{boi}{token_text(self.image_token) * self.tokens_per_image}{eoi}\n\n"
+        return rendered.replace(boi, run)
+
+    @torch.inference_mode()
+    def embed(self, images: Sequence[Any]) -> torch.Tensor:
+        """[tokens, hidden]: every image's projected tower output, in order."""
+        pixels = self.processor(images=list(images), return_tensors="pt")["pixel_values"]
+        hidden = self.tower(pixel_values=pixels.to(self.device, self.dtype)).last_hidden_state
+        return self.projector(hidden).reshape(-1, self.config.text_config.hidden_size).to(self.dtype)
+
+
+def digest(images: Sequence[bytes]) -> str:
+    h = hashlib.sha256()
+    for data in images:
+        h.update(hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
+def load_tower(model_dir: Path, dtype: torch.dtype, device: torch.device) -> VisionTower | None:
+    """The checkpoint's vision tower, or None for a text-only model."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return VisionTower(model_dir, dtype, device) if is_vision_config(config) else None
+
+
+def _weights(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The tower's and projector's tensors, by module, named as the module names them (either layout's prefix)."""
+    found: dict[str, dict[str, torch.Tensor]] = {module: {} for module in _PREFIXES}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                for module, prefixes in _PREFIXES.items():
+                    prefix = next((p for p in prefixes if key.startswith(p)), None)
+                    if prefix is not None:
+                        found[module][key[len(prefix):]] = f.get_tensor(key)
+    return found

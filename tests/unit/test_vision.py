@@ -1,0 +1,84 @@
+"""Images into a vision-language model on the torch engine: a random Gemma 3 checkpoint's greedy tokens for an image
+prompt equal transformers' own Gemma3ForConditionalGeneration's; a different image changes them and shares no
+cached blocks; a text model refuses images; the placement helpers (spans, rows, whole-image chunks) are exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from skulk.engines.errors import PromptRejected
+from skulk.engines.torch.engine import TorchEngine
+from skulk.engines.torch.vision import image_mask, image_rows, image_spans, whole_images
+from skulk.formats.images import data_url
+from skulk.models.demo import ensure_demo_model
+from skulk.types.chat import ChatMessage, SamplingParams
+from tests.unit.vlm_checkpoint import IMAGE_TOKENS, TOKENS, png, reference, write_gemma3_vlm
+
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0)
+
+
+def image_message(picture: bytes, text: str = "What is this?") -> ChatMessage:
+    return ChatMessage.model_validate({"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(picture)}}, {"type": "text", "text": text}]})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("vlm")
+    demo = ensure_demo_model(root / "models")
+    return write_gemma3_vlm(root, demo), demo
+
+
+@pytest.fixture(scope="module")
+def engine(models: tuple[Path, Path]) -> TorchEngine:
+    return TorchEngine(models[0], max_batch=4, block_size=4, prefill_chunk=64)
+
+
+def generate(engine: TorchEngine, rid: str, message: ChatMessage) -> tuple[list[int], list[int]]:
+    prompt, vision = engine.encode_images([message])
+    engine.add_request(rid, prompt, GREEDY, vision=vision)
+    out: list[int] = []
+    while engine.has_work():
+        out += [t.token_id for t in engine.step() if t.request_id == rid]
+    return prompt, out
+
+
+@pytest.mark.timeout(300)
+def test_greedy_tokens_equal_transformers_and_depend_on_the_image(
+    engine: TorchEngine, models: tuple[Path, Path]
+) -> None:
+    prompt, ours = generate(engine, "a", image_message(png(1)))
+    spans = image_spans(prompt, engine.model.args.image_token_id)
+    assert [e - s for s, e in spans] == [IMAGE_TOKENS]
+    assert ours == reference(models[0], prompt, [png(1)])
+    again_prompt, again = generate(engine, "b", image_message(png(1)))
+    assert (again_prompt, again) == (prompt, ours)  # the same image twice: the same tokens (no cache mix-up)
+    other_prompt, other = generate(engine, "c", image_message(png(2)))
+    assert other_prompt == prompt and other != ours  # same placeholders, another image: its own answer
+    assert other == reference(models[0], prompt, [png(2)])
+
+
+@pytest.mark.timeout(120)
+def test_a_text_model_and_a_bad_image_are_refused(engine: TorchEngine, models: tuple[Path, Path]) -> None:
+    text_model = TorchEngine(models[1], max_batch=2)
+    with pytest.raises(PromptRejected, match="text only"):
+        text_model.encode_images([image_message(png(1))])
+    with pytest.raises(PromptRejected, match="cannot be decoded"):
+        engine.encode_images([image_message(b"not a picture at all")])
+
+
+def test_spans_rows_and_chunks() -> None:
+    prompt = [1, 9, 9, 9, 2, 9, 9, 3]
+    spans = image_spans(prompt, 9)
+    assert spans == ((1, 4), (5, 7))
+    assert image_spans(prompt, None) == ()
+    assert image_rows(spans, 2, 6) == ([0, 1, 3], [1, 2, 3])  # positions 2, 3, 5: image 0's 1, 2, image 1's 0
+    assert whole_images(spans, 0, 3) == 1  # would end inside image 0: stops before it
+    assert whole_images(spans, 1, 2) == 2  # image 0 starts here and is longer: split rather than stall
+    assert whole_images(spans, 0, 4) == 4
+    mask = image_mask(spans, 0, 5, torch.device("cpu"))
+    assert mask is not None and mask[0, 0, 1, 3] and not mask[0, 0, 0, 1] and not mask[0, 0, 4, 5 - 1 - 3]
+    assert image_mask(spans, 7, 8, torch.device("cpu")) is None
