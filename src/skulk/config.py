@@ -221,6 +221,9 @@ class Settings(BaseModel):
     """Host header values accepted on a non-loopback bind, besides this machine's own names and addresses."""
     cors_origins: list[str] = []
     """Browser origins allowed to call the API (CORS); none by default."""
+    image_dir: Path | None = None
+    """SKULK_IMAGE_DIR: the one directory whose files a request's `file://` image URL may name (read by the API
+    node, sent on as data); None: file:// images are refused. Images are never fetched over the network."""
     tls_cert: Path | None = None
     """SKULK_TLS_CERT, --tls-cert: a PEM certificate; with tls_key the API and the dashboard are served over https
     (and this node calls its peers over https: a cluster serves TLS on every node or on none, peer_tls.py)."""

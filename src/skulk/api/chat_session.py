@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from skulk.api.chat_options import forced_tool, tool_family
+from skulk.api.images import checked_images
 from skulk.api.model_facts import not_served
 from skulk.api.model_kinds import refuse_embedding_model
 from skulk.api.patience import next_chunk
@@ -127,6 +128,7 @@ def check_top_k(node: ApiServices, request: ChatCompletionRequest) -> None:
 
 async def start_chat(node: ApiServices, request: ChatCompletionRequest) -> ChatSession:
     """Raises ApiError with the runner's status (e.g. 400 context_length_exceeded) before anything streams."""
+    request = checked_images(node, request)  # text_only for a model without vision; a bad image's 400
     refuse_embedding_model(node, request.model)
     await check_output_schema(request)  # before admission: a 400 of its own, never an error mid-stream
     require_instance(node, request.model)

@@ -85,11 +85,12 @@ def card_from_config(
     engines = _engines(model_id, config)
     fallback = "torch" in engines and model_type not in native_types()
     module_of = (model_type, architectures_of(config))  # mlx-lm picks its module by the outer config
-    from skulk.engines.torch.config import SLIDING, text_config, window_fields
+    from skulk.engines.torch.config import SLIDING, is_vision_config, text_config, window_fields
 
     quantization = config.get("quantization_config") or config.get("quantization")
     memory = card_memory(config, weight_bytes, tensors)  # tensors: name -> bytes, where the headers were read
     kinds = kinds_of(config)  # each layer's kind, whether or not the arithmetic accounts for its bytes
+    vision = is_vision_config(config)
     config = text_config(config)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if not config.get(k)]
     if missing:
@@ -120,6 +121,7 @@ def card_from_config(
         builtin=False,
         compatible_backends=backends_for(engines),
         torch_runtime="transformers" if fallback else "native",
+        vision=vision,
     )
 
 

@@ -323,8 +323,12 @@ class Runner:
         assert self.engine is not None
         params = task.task_params  # attached by the worker from the API node's payload; never in state
         assert params is not None, "a task reached the runner without its payload"
+        vision = None
         try:
-            prompt = self.engine.encode_chat(params.messages, params.tools or None, params.template_kwargs)
+            if any(m.images for m in params.messages):
+                prompt, vision = self._encode_images(task)
+            else:
+                prompt = self.engine.encode_chat(params.messages, params.tools or None, params.template_kwargs)
         except PromptRejected as refused:
             self.send_after_step()
             self._fail(task.task_id, task.command_id, str(refused), code=ErrorCode.invalid_request)
@@ -335,12 +339,35 @@ class Runner:
             self._fail(task.task_id, task.command_id, message, code=ErrorCode.context_length_exceeded)
             return None
         try:
-            self.engine.add_request(task.task_id, prompt, sampling, command_id=task.command_id)
+            if vision is not None:
+                vision_engine: Any = self.engine  # the torch engine (encode_images gave the embeddings)
+                vision_engine.add_request(task.task_id, prompt, sampling, command_id=task.command_id, vision=vision)
+            else:
+                self.engine.add_request(task.task_id, prompt, sampling, command_id=task.command_id)
         except PromptRejected as refused:  # e.g. an output schema the grammar library cannot compile: a 400
             self.send_after_step()
             self._fail(task.task_id, task.command_id, str(refused), code=ErrorCode.invalid_request)
             return None
         return prompt
+
+    def _encode_images(self, task: ChatCompletion) -> tuple[list[int], Any]:
+        """A request with images: the engine's vision tower (rank 0's) embeds them, in the `vision_preprocess`
+        phase with its start and end on the timeline; an engine without one refuses them as text-only."""
+        params = task.task_params
+        assert params is not None and self.engine is not None
+        encode = getattr(self.engine, "encode_images", None)
+        if encode is None:
+            raise PromptRejected("this model takes text only on this engine: images cannot be read")
+        images = sum(len(m.images) for m in params.messages)
+        before = self.recorder.phase
+        self.recorder.record("vision_preprocess", "vision_start", images=images, task_id=task.task_id)
+        started = time.time()
+        try:
+            prompt, vision = encode(params.messages, params.tools or None, params.template_kwargs)
+        finally:
+            self.recorder.record(before, "vision_done", images=images, task_id=task.task_id)
+        self.spans.span(task.task_id, "vision_preprocess", started, time.time(), images=images)
+        return prompt, vision
 
     def _reasoning_mode(self, prompt: Sequence[int], constrained: bool) -> ReasoningMode | None:
         """How the API node splits this reply's reasoning: the card's reasoning_parser, else the template's. A

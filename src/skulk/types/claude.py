@@ -7,9 +7,23 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from skulk.types.limits import ModelText, refuse_media
+from skulk.types.limits import MAX_IMAGE_URL_CHARS, ModelText, refuse_media
 
-from .chat import ChatMessage, FunctionCall, FunctionSpec, MaxTokens, Seed, Temperature, Tool, ToolCall, TopK, TopP
+from .chat import (
+    ChatMessage,
+    FunctionCall,
+    FunctionSpec,
+    ImagePart,
+    ImageUrl,
+    MaxTokens,
+    Seed,
+    Temperature,
+    TextPart,
+    Tool,
+    ToolCall,
+    TopK,
+    TopP,
+)
 
 
 class _Block(BaseModel):
@@ -19,6 +33,26 @@ class _Block(BaseModel):
 class TextBlock(_Block):
     type: Literal["text"]
     text: str
+
+
+class ImageSource(_Block):
+    type: Literal["base64", "url"]
+    media_type: str = ""
+    data: str = Field(default="", max_length=MAX_IMAGE_URL_CHARS)
+    url: str = Field(default="", max_length=MAX_IMAGE_URL_CHARS)
+
+
+class ImageBlock(_Block):
+    """An image: a base64 source becomes a data: URL image part (a url source is refused at the API: no network
+    fetch); read by a vision model only (api/images.py)."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+    def to_part(self) -> ImagePart:
+        s = self.source
+        url = s.url if s.type == "url" else f"data:{s.media_type or 'image/png'};base64,{s.data}"
+        return ImagePart(type="image_url", image_url=ImageUrl(url=url))
 
 
 class ToolUseBlock(_Block):
@@ -35,7 +69,7 @@ class ThinkingBlock(_Block):
     type: Literal["thinking", "redacted_thinking"]
 
 
-TEXT_BLOCKS = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+TEXT_BLOCKS = frozenset({"text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"})
 
 
 def _text_only(content: Any) -> Any:
@@ -58,6 +92,7 @@ def _block_type(value: Any) -> str:
 Block = Annotated[
     Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[ImageBlock, Tag("image")]
     | Annotated[ThinkingBlock, Tag("redacted_thinking")],
     Discriminator(_block_type),
 ]
@@ -76,17 +111,23 @@ class ClaudeMessage(_Block):
             return [ChatMessage(role=self.role, content=self.content)]
         out: list[ChatMessage] = []
         text: list[str] = []
+        parts: list[TextPart | ImagePart] = []  # text and images in order, where the turn has images
         calls: list[ToolCall] = []
         for block in self.content:
             if isinstance(block, TextBlock):
                 text.append(block.text)
+                parts.append(TextPart(type="text", text=block.text))
+            elif isinstance(block, ImageBlock):
+                parts.append(block.to_part())
             elif isinstance(block, ToolUseBlock):
                 calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name,
                                                                          arguments=json.dumps(block.input))))
             elif isinstance(block, ToolResultBlock):
                 body = block.content if isinstance(block.content, str) else "".join(b.text for b in block.content)
                 out.append(ChatMessage(role="tool", content=body, tool_call_id=block.tool_use_id))
-        if text or calls:
+        if len(parts) > len(text):
+            out.insert(0, ChatMessage(role=self.role, content=parts, tool_calls=calls or None))
+        elif text or calls:
             out.insert(0, ChatMessage(role=self.role, content="".join(text), tool_calls=calls or None))
         return out
 

@@ -100,6 +100,9 @@ class ModelCard(CamelModel):
     tool_parser: ToolParserName | None = None
     """The format the model writes tool calls in (tool_parsers/). None: picked from the chat template's
     markers where the API node has the template, else from the family name."""
+    vision: bool = False
+    """A vision-language checkpoint whose images the torch engine reads (engines/torch/vision.py: its tower runs
+    on rank 0); any other model answers an image with `text_only`."""
     tasks: list[ModelTask] = ["TextGeneration"]
     """Skulk's `tasks` of the card. An embedding model (TextEmbedding) answers only embeddings, runs on one
     node, and a chat model answers no embeddings: the API refuses either mix-up with a 400."""

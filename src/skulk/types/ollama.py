@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from skulk.types.limits import ModelText, refuse_images
+from skulk.types.limits import MAX_IMAGE_URL_CHARS, ModelText
 
 from .chat import (
     ChatMessage,
     FunctionCall,
+    ImagePart,
+    ImageUrl,
     MaxTokens,
     Seed,
     Temperature,
+    TextPart,
     Tool,
     ToolCall,
     TopK,
@@ -78,10 +81,8 @@ class OllamaMessage(_Loose):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     tool_calls: list[OllamaToolCall] | None = Field(default=None, max_length=128)
-    images: list[Any] | None = None
-    """Refused when not empty: every model Skulk serves takes text only."""
-
-    _media = field_validator("images", mode="before")(refuse_images)
+    images: list[Annotated[str, Field(max_length=MAX_IMAGE_URL_CHARS)]] | None = None
+    """Base64 pictures, read before the text by a vision model (api/images.py; any other answers text_only)."""
 
     def to_chat(self, index: int) -> ChatMessage:
         """Ollama's calls carry no ids: each gets one from its position, which is all a template needs."""
@@ -90,7 +91,16 @@ class OllamaMessage(_Loose):
                      function=FunctionCall(name=c.function.name, arguments=_text(c.function.arguments)))
             for i, c in enumerate(self.tool_calls or [])
         ]
+        if self.images:
+            return ChatMessage(role=self.role, content=image_parts(self.images, self.content), tool_calls=calls or None)
         return ChatMessage(role=self.role, content=self.content, tool_calls=calls or None)
+
+
+def image_parts(images: list[str], text: str) -> list[TextPart | ImagePart]:
+    """Ollama's images (base64) as image parts before the message's text."""
+    parts: list[TextPart | ImagePart] = [
+        ImagePart(type="image_url", image_url=ImageUrl(url=f"data:image/png;base64,{b}")) for b in images]
+    return [*parts, TextPart(type="text", text=text)] if text else parts
 
 
 def _text(arguments: dict[str, Any] | str) -> str:
@@ -130,8 +140,8 @@ class OllamaGenerateRequest(_Loose):
     model: ModelText
     prompt: str = Field(min_length=1)
     system: str | None = None
-    images: list[Any] | None = None
-    """Refused when not empty, as a message's."""
+    images: list[Annotated[str, Field(max_length=MAX_IMAGE_URL_CHARS)]] | None = None
+    """Base64 pictures, as a message's."""
     stream: bool = True
     options: OllamaOptions = OllamaOptions()
     format: Literal["json", ""] | dict[str, Any] | None = None
@@ -142,8 +152,6 @@ class OllamaGenerateRequest(_Loose):
     suffix: str | None = None
     template: str | None = None
     context: list[int] | None = None
-
-    _media = field_validator("images", mode="before")(refuse_images)
 
     def unsupported(self) -> str | None:
         """Why a field this request sets is not served (None: every field it sets is)."""
@@ -159,7 +167,8 @@ class OllamaGenerateRequest(_Loose):
 
     def chat_messages(self) -> list[ChatMessage]:
         head = [ChatMessage(role="system", content=self.system)] if self.system else []
-        return [*head, ChatMessage(role="user", content=self.prompt)]
+        content = image_parts(self.images, self.prompt) if self.images else self.prompt
+        return [*head, ChatMessage(role="user", content=content)]
 
 
 class OllamaShowRequest(_Loose):

@@ -29,6 +29,14 @@ _GEMMA3_ROPE_DEFAULTS = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_0
 SLIDING = "sliding_attention"
 
 
+VISION_MODEL_TYPES = ("gemma3",)
+"""Checkpoints whose vision tower the engine runs (vision.py: a `vision_config` beside the language model's)."""
+
+
+def is_vision_config(config: dict[str, Any]) -> bool:
+    return config.get("model_type") in VISION_MODEL_TYPES and bool(config.get("vision_config"))
+
+
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The language model's own config: a multimodal `gemma3` checkpoint's text_config (its vision tower is not
     run), Gemma 3's defaults filled in; any other config as models/layer_shapes.text_of reads it (Llama 4's

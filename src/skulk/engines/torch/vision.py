@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-VISION_MODEL_TYPES = ("gemma3",)
-"""Checkpoints whose vision tower this engine runs (a `vision_config` beside the language model's)."""
+from .config import is_vision_config
+
 _PREFIXES = {"vision_tower.": ("model.vision_tower.", "vision_tower."),
              "multi_modal_projector.": ("model.multi_modal_projector.", "multi_modal_projector.")}
 
@@ -90,10 +90,6 @@ def image_mask(spans: Sequence[tuple[int, int]], start: int, end: int,
             both = (queries >= s) & (queries < e) & (keys >= s) & (keys < e)
             mask = both if mask is None else mask | both
     return None if mask is None else mask.view(1, 1, end - start, end)
-
-
-def is_vision_config(config: dict[str, Any]) -> bool:
-    return config.get("model_type") in VISION_MODEL_TYPES and bool(config.get("vision_config"))
 
 
 class VisionTower:
