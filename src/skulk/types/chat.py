@@ -266,7 +266,7 @@ class ChatCompletionRequest(BaseModel):
 
     @model_validator(mode="after")
     def _has_content(self) -> ChatCompletionRequest:
-        if not any(m.text for m in self.messages):
+        if not any(m.text or m.images for m in self.messages):
             raise ValueError("messages must contain at least one message with non-empty content")
         return self
 
