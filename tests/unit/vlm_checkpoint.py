@@ -60,13 +60,13 @@ GEMMA3_TEMPLATE = """{{ bos_token }}
 """Gemma 3's chat template as google/gemma-3-4b-it publishes it (an image part renders as <start_of_image>)."""
 
 
-def write_gemma3_vlm(root: Path, demo: Path) -> Path:
-    """The checkpoint under root/gemma3-vlm; demo: the demo model's directory (its byte tokenizer)."""
+def write_gemma3_vlm(root: Path, demo: Path, name: str = "gemma3-vlm") -> Path:
+    """The checkpoint under root/name; demo: the demo model's directory (its byte tokenizer)."""
     import torch
     import transformers
     from tokenizers import AddedToken, Tokenizer
 
-    path = root / "gemma3-vlm"
+    path = root / name
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_file(str(demo / "tokenizer.json"))
     base = tok.get_vocab_size(with_added_tokens=True)

@@ -1,0 +1,69 @@
+"""An image through a real node: a random Gemma 3 vision-language checkpoint in the node's store, its card (vision
+read from its config) in the custom cards folder. An OpenAI image_url request answers the in-process engine's
+greedy text for the same image (whose tokens tests/unit/test_vision.py holds to transformers'), an Ollama one the
+same; a bad image is a 400 from the live node."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from skulk.models.catalog import card_from_config
+from skulk.models.demo import ensure_demo_model
+from skulk.store.files import model_dir_name
+from tests.unit.test_vision import GREEDY, image_message
+from tests.unit.vlm_checkpoint import TOKENS, png, write_gemma3_vlm
+
+from .harness import Cluster, instance_ready, place, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+VLM = "org/tiny-gemma3-vlm"
+
+
+def _checkpoint(home: Path, scratch: Path) -> Path:
+    path = write_gemma3_vlm(home / "models", ensure_demo_model(scratch), model_dir_name(VLM))
+    config = json.loads((path / "config.json").read_text())
+    card = card_from_config(VLM, config, (path / "model.safetensors").stat().st_size)
+    assert card.vision
+    (home / "cards").mkdir(parents=True)
+    (home / "cards" / f"{model_dir_name(VLM)}.json").write_text(card.model_dump_json(by_alias=True))
+    return path
+
+
+def _in_process(path: Path, picture: bytes) -> str:
+    from skulk.engines.torch.engine import TorchEngine
+
+    engine = TorchEngine(path, max_batch=2)
+    prompt, vision = engine.encode_images([image_message(picture)])
+    engine.add_request("here", prompt, GREEDY, vision=vision)
+    text = []
+    while engine.has_work():
+        text += [out.text for out in engine.step()]
+    return "".join(text)
+
+
+def test_an_image_request_through_a_node(cluster: Cluster, tmp_path: Path) -> None:
+    path = _checkpoint(cluster.root / "node0", tmp_path)
+    node = cluster.start(1)[0]
+    instance_id = place(node, VLM)["instanceId"]
+    wait_until(lambda: instance_ready(node, instance_id), 120, "the instance to be ready", node.log_tail)
+    picture = base64.b64encode(png(1)).decode()
+    expected = _in_process(path, png(1))
+    code, reply = node.post("/v1/chat/completions", {
+        "model": VLM, "max_tokens": TOKENS, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{picture}"}},
+            {"type": "text", "text": "What is this?"}]}]})
+    assert code == 200, reply
+    assert reply["choices"][0]["message"]["content"] == expected
+    code, reply = node.post("/ollama/api/chat", {"model": VLM, "stream": False, "options": {
+        "temperature": 0, "num_predict": TOKENS}, "messages": [
+        {"role": "user", "content": "What is this?", "images": [picture]}]})
+    assert code == 200, reply
+    assert reply["message"]["content"] == expected
+    code, reply = node.post("/v1/chat/completions", {
+        "model": VLM, "max_tokens": TOKENS, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}]}]})
+    assert code == 400 and "no network fetch" in reply["error"]["message"], reply
