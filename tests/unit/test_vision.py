@@ -82,3 +82,22 @@ def test_spans_rows_and_chunks() -> None:
     mask = image_mask(spans, 0, 5, torch.device("cpu"))
     assert mask is not None and mask[0, 0, 1, 3] and not mask[0, 0, 0, 1] and not mask[0, 0, 4, 5 - 1 - 3]
     assert image_mask(spans, 7, 8, torch.device("cpu")) is None
+
+
+def test_the_card_says_vision_and_counts_the_tower_on_the_first_rank(models: tuple[Path, Path]) -> None:
+    """The tower and projector are in the checkpoint (staged with it): placement counts their bytes with the
+    embedding's, on rank 0, where they run."""
+    import json
+
+    from skulk.models.catalog import card_from_config
+    from skulk.models.memory_math import checkpoint_tensor_bytes
+
+    path = models[0]
+    tensors = checkpoint_tensor_bytes(path)
+    tower = sum(b for name, b in tensors.items() if "vision_tower" in name or "multi_modal_projector" in name)
+    card = card_from_config("org/vlm", json.loads((path / "config.json").read_text()),
+                            sum(tensors.values()), tensors=tensors)
+    assert card.vision and card.memory is not None and tower > 0
+    assert card.memory.embed_bytes >= tower + 4 * card.hidden_size * (card.vocab_size or 0)
+    text = card_from_config("org/text", json.loads((models[1] / "config.json").read_text()), 1)
+    assert not text.vision
