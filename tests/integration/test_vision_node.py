@@ -1,7 +1,7 @@
 """An image through a real node: a random Gemma 3 vision-language checkpoint in the node's store, its card (vision
 read from its config) in the custom cards folder. An OpenAI image_url request answers the in-process engine's
 greedy text for the same image (whose tokens tests/unit/test_vision.py holds to transformers'), an Ollama one the
-same; a bad image is a 400 from the live node."""
+same; a bad image is a 400 from the live node; the runner's flight recorder shows the vision_preprocess phase."""
 
 from __future__ import annotations
 
@@ -67,3 +67,10 @@ def test_an_image_request_through_a_node(cluster: Cluster, tmp_path: Path) -> No
         "model": VLM, "max_tokens": TOKENS, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}]}]})
     assert code == 400 and "no network fetch" in reply["error"]["message"], reply
+
+    def vision_events() -> list[str]:
+        runners = node.get("/v1/diagnostics/node").get("supervisorRunners") or []
+        return [e["event"] for r in runners if r["instanceId"] == instance_id for e in r["flightRecorder"]
+                if e["phase"] == "vision_preprocess"]
+
+    assert "vision_start" in wait_until(vision_events, 30, "the runner's vision_preprocess phase")
