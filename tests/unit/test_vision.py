@@ -101,3 +101,20 @@ def test_the_card_says_vision_and_counts_the_tower_on_the_first_rank(models: tup
     assert card.memory.embed_bytes >= tower + 4 * card.hidden_size * (card.vocab_size or 0)
     text = card_from_config("org/text", json.loads((models[1] / "config.json").read_text()), 1)
     assert not text.vision
+
+
+@pytest.mark.timeout(120)
+def test_two_image_requests_share_a_small_pool_in_small_chunks(engine: TorchEngine, models: tuple[Path, Path]) -> None:
+    """Together, in chunks of 6 around 4-token images, in a pool of 21 blocks (one is preempted and
+    recomputed with its image): each gets its tokens alone."""
+    alone = {rid: generate(engine, f"alone-{rid}", image_message(png(seed)))[1] for rid, seed in (("a", 1), ("b", 2))}
+    small = TorchEngine(models[0], max_batch=2, block_size=4, prefill_chunk=6, max_seq=80, kv_cache_bytes=0)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    for rid, seed in (("a", 1), ("b", 2)):
+        prompt, vision = small.encode_images([image_message(png(seed))])
+        small.add_request(rid, prompt, GREEDY, vision=vision)
+    while small.has_work():
+        for out in small.step():
+            got[out.request_id].append(out.token_id)
+    assert got == alone
+    assert small.preemptions >= 1

@@ -81,16 +81,20 @@ def write_gemma3_vlm(root: Path, demo: Path, name: str = "gemma3-vlm") -> Path:
     config = transformers.Gemma3Config(
         text_config={"vocab_size": base + len(SPECIALS), "hidden_size": 64, "intermediate_size": 128,
                      "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                     "sliding_window": 64, "max_position_embeddings": 256, "initializer_range": 0.05,
-                     "bos_token_id": ids["<bos>"], "pad_token_id": ids["<pad>"], "eos_token_id": None},
+                     "sliding_window": 64, "max_position_embeddings": 256, "initializer_range": 0.2,
+                     "bos_token_id": ids["<bos>"], "pad_token_id": None, "eos_token_id": None,
+                     "tie_word_embeddings": False},  # tied, a random model repeats its last input token
         vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                        "image_size": 32, "patch_size": 8},
         mm_tokens_per_image=IMAGE_TOKENS, boi_token_index=ids["<start_of_image>"],
         eoi_token_index=ids["<end_of_image>"], image_token_index=ids["<image_soft_token>"],
-        initializer_range=0.2, **no_eos)
+        initializer_range=0.2, tie_word_embeddings=False, **no_eos)
     model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():  # the projector starts at zeros: images would change nothing
+    with torch.no_grad():  # the projector starts at zeros (images would change nothing), the norms at identity
         model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 3.0)
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.normal_(0, 0.5)
     model.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Gemma3ImageProcessor", "do_resize": True, "size": {"height": 32, "width": 32},
