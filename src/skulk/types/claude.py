@@ -69,11 +69,17 @@ class ThinkingBlock(_Block):
     type: Literal["thinking", "redacted_thinking"]
 
 
-TEXT_BLOCKS = frozenset({"text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+TEXT_BLOCKS = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+MESSAGE_BLOCKS = TEXT_BLOCKS | {"image"}
+"""A message's blocks: an image is read by a vision model (api/images.py); a tool result's stay text only."""
 
 
 def _text_only(content: Any) -> Any:
     return refuse_media(content, TEXT_BLOCKS)
+
+
+def _images_or_text(content: Any) -> Any:
+    return refuse_media(content, MESSAGE_BLOCKS)
 
 
 class ToolResultBlock(_Block):
@@ -102,7 +108,7 @@ class ClaudeMessage(_Block):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
-    _media = field_validator("content", mode="before")(_text_only)
+    _media = field_validator("content", mode="before")(_images_or_text)
 
     def to_chat(self) -> list[ChatMessage]:
         """Text blocks join into one message with the turn's tool uses as its tool calls; each tool result becomes

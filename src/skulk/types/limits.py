@@ -49,11 +49,3 @@ def refuse_media(content: Any, text_kinds: frozenset[str]) -> Any:
                     "this model takes text only: content part {index} is of type '{kind}'; send text parts only",
                     {"index": index, "kind": kind})
     return content
-
-
-
-def refuse_images(images: Any) -> Any:
-    """Ollama's `images` (base64 pictures beside the text): refused with TEXT_ONLY when any is sent."""
-    if images:
-        raise PydanticCustomError(TEXT_ONLY, "this model takes text only: images cannot be read; send text only")
-    return images
