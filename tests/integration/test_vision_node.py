@@ -67,6 +67,8 @@ def test_an_image_request_through_a_node(cluster: Cluster, tmp_path: Path) -> No
         "model": VLM, "max_tokens": TOKENS, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}]}]})
     assert code == 400 and "no network fetch" in reply["error"]["message"], reply
+    code, reply = node.post("/ollama/api/show", {"model": VLM})
+    assert code == 200 and "vision" in reply["capabilities"], reply
 
     def vision_events() -> list[str]:
         runners = node.get("/v1/diagnostics/node").get("supervisorRunners") or []

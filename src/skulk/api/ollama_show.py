@@ -3,7 +3,8 @@ quantization, read from this node's copy of the files so they are the model's ow
 
 - `capabilities`: `embedding` for an embedding model; otherwise `completion`, and `tools` when the chat template
   has a tools section (the engine's probe: offering a tool changes what the template renders). Without local
-  files the template cannot be probed, so only `completion` is claimed.
+  files the template cannot be probed, so only `completion` is claimed; `vision` for a card with `vision` (it reads
+  `images`).
 - `template`: the model's Jinja chat template text (tokenizer_config.json's, or chat_template.jinja); empty
   without local files. Ollama's own templates are Go templates; a client reads this one as text.
 - `format`: `gguf` for a model whose files are a GGUF file (an import, the packaged default), else `safetensors`.
@@ -91,7 +92,8 @@ async def capabilities(node: ApiServices, card: ModelCard) -> list[str]:
         return ["embedding"]
     tokenizer = await local_tokenizer(node, card.model_id)
     tools = tokenizer is not None and await asyncio.to_thread(lambda: tokenizer.renders_tools)
-    return ["completion", "tools"] if tools else ["completion"]
+    found = ["completion", "tools"] if tools else ["completion"]
+    return [*found, "vision"] if card.vision else found  # Ollama's word for a model that reads `images`
 
 
 async def template(node: ApiServices, card: ModelCard) -> str:
