@@ -79,6 +79,17 @@ def test_a_good_image_passes_the_check(client: TestClient, allowed: Path) -> Non
         assert reply.status_code == 404, reply.text  # past the images: no instance of the model is placed
 
 
+def test_a_text_models_image_is_text_only_and_responses_input_image_is_checked(client: TestClient) -> None:
+    """A served card without vision answers text_only (as every model did before images were read); Responses'
+    input_image reaches the same check as a chat image part."""
+    body = openai("data:image/png;base64," + b64(png()))
+    reply = client.post("/v1/chat/completions", json={**body, "model": str(CARD.model_id)})
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "text_only", reply.text
+    bad = client.post("/v1/responses", json={"model": "test/vlm", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what?"}, {"type": "input_image", "image_url": "https://x/y.png"}]}]})
+    assert bad.status_code == 400 and "no network fetch" in bad.json()["error"]["message"], bad.text
+
+
 def test_claude_and_ollama_answer_a_bad_image_in_their_shapes(client: TestClient) -> None:
     bad = b64(b"not an image")
     claude = client.post("/v1/messages", json={"model": "test/vlm", "max_tokens": 4, "messages": [

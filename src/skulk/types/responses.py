@@ -9,17 +9,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from skulk.types.limits import ModelText, refuse_media
+from skulk.types.limits import MAX_IMAGE_URL_CHARS, ModelText, refuse_media
 
 from .chat import (
     ChatMessage,
     FunctionCall,
     FunctionSpec,
+    ImagePart,
+    ImageUrl,
     MaxTokens,
     ResponseFormat,
     Seed,
     StreamOptions,
     Temperature,
+    TextPart,
     Tool,
     ToolCall,
     TopLogprobs,
@@ -71,19 +74,34 @@ class InputText(_Loose):
     text: str
 
 
+class InputImage(_Loose):
+    """An image by URL (a data: URL, or file:// under the allowed directory): read by a vision model only."""
+
+    type: Literal["input_image"]
+    image_url: str = Field(max_length=MAX_IMAGE_URL_CHARS)
+
+
+InputPart = Annotated[InputText | InputImage, Field(discriminator="type")]
+
+
 class InputMessage(_Loose):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[InputText]
+    content: str | list[InputPart]
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, content: Any) -> Any:
-        return refuse_media(content, frozenset({"input_text", "output_text", "text"}))
+        return refuse_media(content, frozenset({"input_text", "output_text", "text", "input_image"}))
 
     def to_chat(self) -> ChatMessage:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return ChatMessage(role=self.role, content=text)
+        if isinstance(self.content, str):
+            return ChatMessage(role=self.role, content=self.content)
+        if any(isinstance(p, InputImage) for p in self.content):
+            return ChatMessage(role=self.role, content=[
+                TextPart(type="text", text=p.text) if isinstance(p, InputText)
+                else ImagePart(type="image_url", image_url=ImageUrl(url=p.image_url)) for p in self.content])
+        return ChatMessage(role=self.role, content="".join(p.text for p in self.content if isinstance(p, InputText)))
 
 
 class FunctionCallItem(_Loose):
