@@ -11,7 +11,7 @@ import torch
 
 from skulk.engines.errors import PromptRejected
 from skulk.engines.torch.engine import TorchEngine
-from skulk.engines.torch.vision import image_mask, image_rows, image_spans, whole_images
+from skulk.engines.torch.vision import image_chunk, image_mask, image_rows, image_spans, whole_images
 from skulk.formats.images import data_url
 from skulk.models.demo import ensure_demo_model
 from skulk.types.chat import ChatMessage, SamplingParams
@@ -79,6 +79,9 @@ def test_spans_rows_and_chunks() -> None:
     assert whole_images(spans, 0, 3) == 1  # would end inside image 0: stops before it
     assert whole_images(spans, 1, 2) == 2  # image 0 starts here and is longer: split rather than stall
     assert whole_images(spans, 0, 4) == 4
+    assert image_chunk(2, spans, 1, 64) == 3  # a riding chunk of 2 at image 0's start: the whole image
+    assert image_chunk(2, spans, 1, 2) == 2 and image_chunk(2, spans, 0, 64) == 2  # capped; no image here
+    assert image_chunk(8, spans, 5, 64) == 8
     mask = image_mask(spans, 0, 5, torch.device("cpu"))
     assert mask is not None and mask[0, 0, 1, 3] and not mask[0, 0, 0, 1] and not mask[0, 0, 4, 5 - 1 - 3]
     assert image_mask(spans, 7, 8, torch.device("cpu")) is None

@@ -22,7 +22,7 @@ from .flight import Flight
 from .requests import Request, held_for_reasoning, reasoning_budget, row_sampling
 from .schedule import admission_blocks, can_admit, chunk_tokens, growth_blocks, next_kind
 from .tokenizer import IncrementalDecoder, StopMatcher
-from .vision import image_spans
+from .vision import image_chunk, image_spans
 from .wire import NO_COPY, Admitted, Header, NewRequest, Preempt, Release, Released, Started, StepKind, WireError
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,9 @@ class Admission(Flight):
         decoding = rows is not None
         chunk = chunk_tokens(self.prefill_chunk, decoding=decoding, decode_s=self._decode_s,
                              last_chunk=self._last_chunk)
+        head = next((r for r in self._running if r.length < len(r.prompt)), None)  # the chunk goes to it first
+        if head is not None and head.spans:
+            chunk = image_chunk(chunk, head.spans, head.length, self.prefill_chunk)
         admits, copies = self._admit_pending(chunk)
         self._grow(chunk)
         kind = next_kind(prefilling=bool(self._rests()), decoding=decoding)

@@ -58,12 +58,20 @@ def image_spans(prompt: Sequence[int], image_token: int | None) -> tuple[tuple[i
 def whole_images(spans: Sequence[tuple[int, int]], start: int, take: int) -> int:
     """A prefill chunk's share of a prompt, shortened so it does not end inside an image that starts after the
     chunk does (its tokens attend to each other both ways, so they are computed in one chunk). An image that starts
-    at the chunk's start and is longer than the share is split: the scheduler never stalls on it."""
+    at the chunk's start gets a chunk of its length (image_chunk); one longer than the engine's prefill_chunk, or
+    whose share goes partly to an earlier prompt, is split rather than stall the scheduler."""
     end = start + take
     for s, e in spans:
         if start < s < end < e:
             return s - start
     return take
+
+
+def image_chunk(chunk: int, spans: Sequence[tuple[int, int]], length: int, cap: int) -> int:
+    """The step's chunk, raised (up to cap, the engine's prefill_chunk) to the length of an image the first prompt
+    being prefilled starts with at `length`: a short chunk riding on decode steps would otherwise split it."""
+    span = next(((s, e) for s, e in spans if s == length), None)
+    return max(chunk, min(span[1] - span[0], cap)) if span else chunk
 
 
 def image_rows(spans: Sequence[tuple[int, int]], start: int, end: int) -> tuple[list[int], list[int]]:
