@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from .backends import BackendTag
 from .base import CamelModel
 from .ids import ModelId
@@ -100,9 +102,10 @@ class ModelCard(CamelModel):
     tool_parser: ToolParserName | None = None
     """The format the model writes tool calls in (tool_parsers/). None: picked from the chat template's
     markers where the API node has the template, else from the family name."""
-    vision: bool = False
+    vision: bool = Field(default=False, exclude_if=lambda v: not v)
     """A vision-language checkpoint whose images the torch engine reads (engines/torch/vision.py: its tower runs
-    on rank 0); any other model answers an image with `text_only`."""
+    on rank 0); any other model answers an image with `text_only`. Left out of the card while False, so a node of
+    format version 1 still reads every other card (types/versions.py)."""
     tasks: list[ModelTask] = ["TextGeneration"]
     """Skulk's `tasks` of the card. An embedding model (TextEmbedding) answers only embeddings, runs on one
     node, and a chat model answers no embeddings: the API refuses either mix-up with a 400."""
