@@ -65,7 +65,7 @@ class TorchEngine(LocalStep):
         """Rank 0: the prompt of a request with images (each image's marker expanded to its placeholder run) and
         the vision tower's embeddings for it (vision.py). PromptRejected for a model without vision, a Tensor
         split (every rank embeds there; only rank 0 has the tower) or an image that cannot be read."""
-        tower = self._vision_tower()
+        tower = self.vision_tower()
         try:
             data = [image_bytes(url) for message in messages for url in message.images]
             images = [open_image(d) for d in data]
@@ -75,7 +75,8 @@ class TorchEngine(LocalStep):
         rendered = tower.expand(self.tokenizer.render_chat(messages, tools, template_kwargs), hf.convert_ids_to_tokens)
         return self.tokenizer.encode(rendered), VisionInput(tower.embed(images), digest(data))
 
-    def _vision_tower(self) -> VisionTower:
+    def vision_tower(self) -> VisionTower:
+        """The checkpoint's vision tower, loaded at the first image (PromptRejected where images are not read)."""
         if self.kind == "tensor" and self.world_size > 1:
             raise PromptRejected("images are not served on a Tensor split: place the model as Pipeline or alone")
         if self._tower is None:

@@ -127,10 +127,17 @@ class VisionTower:
         run = f"\n\n{boi}{token_text(self.image_token) * self.tokens_per_image}{eoi}\n\n"
         return rendered.replace(boi, run)
 
-    @torch.inference_mode()
     def embed(self, images: Sequence[Any]) -> torch.Tensor:
         """[tokens, hidden]: every image's projected tower output, in order."""
-        pixels = self.processor(images=list(images), return_tensors="pt")["pixel_values"]
+        return self.project(self.pixels(images))
+
+    def pixels(self, images: Sequence[Any]) -> torch.Tensor:
+        """The image processor's resized and normalised pixels of every image."""
+        return self.processor(images=list(images), return_tensors="pt")["pixel_values"]
+
+    @torch.inference_mode()
+    def project(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The tower and projector over `pixels`: [tokens, hidden]."""
         hidden = self.tower(pixel_values=pixels.to(self.device, self.dtype)).last_hidden_state
         return self.projector(hidden).reshape(-1, self.config.text_config.hidden_size).to(self.dtype)
 
