@@ -28,8 +28,8 @@ from skulk.api.ollama_show import capabilities, file_facts, template
 from skulk.api.openapi import Family, documented
 from skulk.api.services import ApiServices
 from skulk.api.tool_calls import ToolCallStream, ToolSpec, parse_tool_calls
-from skulk.models.cards import all_cards, get_card
-from skulk.state.queries import served_context
+from skulk.models.cards import all_cards
+from skulk.state.queries import card_of, served_context
 from skulk.types.answers import (
     OllamaEmbeddings,
     OllamaLegacyEmbedding,
@@ -42,7 +42,6 @@ from skulk.types.answers import (
 from skulk.types.chat import ChatCompletionRequest, ResponseFormat, ToolCall
 from skulk.types.chunks import RequestStats, TokenLogprob
 from skulk.types.errors import ApiError, ErrorCode
-from skulk.types.ids import ModelId
 from skulk.types.models import ModelCard
 from skulk.types.ollama import OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest, think_kwargs
 
@@ -278,7 +277,7 @@ def ollama_router(node: ApiServices) -> APIRouter:
             if not name:
                 raise ApiError(ErrorCode.invalid_request,
                                "model is required (the model id, as GET /ollama/api/tags lists it)")
-            card = get_card(name) or node.state.model_cards.get(ModelId(name))
+            card = card_of(node.state, name)
             if card is None:
                 raise ApiError(ErrorCode.model_not_found,
                                f"model '{name}' not found; GET /ollama/api/tags lists the models")
