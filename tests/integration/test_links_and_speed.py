@@ -97,3 +97,10 @@ def test_a_fresh_cluster_predicts_before_anything_was_served(cluster: Cluster) -
     found = previews(nodes[0])
     assert found and all(p["predicted_decode_tps"] and p["predicted_aggregate_tps"] for p in found), found
     assert state_of(nodes[0]).get("tasks", {}) == {}, "nothing was served"
+    # the same child measured a runner's runtime overhead: the first previews count it, not the default ceiling
+    memory = state_of(nodes[0]).get("nodeMemory", {})
+    for node in nodes:
+        (overhead,) = memory[node.node_id]["runnerOverheads"]
+        assert (overhead["engine"], overhead["role"]) == ("torch", "first"), overhead
+        assert 100 * 2**20 < overhead["overhead"]["inBytes"] < 2**30, overhead
+    assert all(all(p["runtime_measured_by_node"].values()) for p in found), found

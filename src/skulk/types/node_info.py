@@ -75,11 +75,11 @@ class MemoryUsage(CamelModel):
     until one of its runners has loaded; after that it drops them until it is upgraded)."""
 
     def runner_overhead(self, engine: EngineName, role: RankRole) -> int | None:
-        """The measured runtime bytes of a runner of `engine` in `role` on this node, if one has measured it."""
-        for found in self.runner_overheads or ():
-            if found.engine == engine and found.role == role:
-                return found.overhead.in_bytes
-        return None
+        """The measured runtime bytes of a runner of `engine` in `role` on this node, if one has measured it; a
+        later rank not yet measured counts the first rank's figure, which bounds it (it has no grammar compiler
+        and templates to hold)."""
+        found = {o.role: o.overhead.in_bytes for o in self.runner_overheads or () if o.engine == engine}
+        return found.get(role, found.get("first"))
 
     @property
     def paging(self) -> bool:

@@ -77,9 +77,11 @@ class NodeFacts:
             await asyncio.sleep(INFO_EVERY_S)
 
     async def calibrate(self) -> None:
-        """Once, after the API serves: this node's decode compute, so the first preview predicts."""
-        if (figures := await calibrate.calibrate()) is not None:
-            self._worker.compute.calibrated(figures)
+        """Once, after the API serves: this node's decode compute and a runner's runtime overhead, so the first
+        preview predicts and counts this machine's runtime."""
+        if (found := await calibrate.calibrate()) is not None:
+            self._worker.compute.calibrated(found.steps)
+            self._worker.overheads.calibrated("torch", "first", found.overhead)
 
     async def topology_forever(self) -> None:
         misses: dict[NodeId, int] = {}

@@ -22,6 +22,10 @@ class OverheadMeter:
     def record(self, engine: EngineName, role: RankRole, overhead: int) -> None:
         self._latest[(engine, role)] = overhead
 
+    def calibrated(self, engine: EngineName, role: RankRole, overhead: int) -> None:
+        """The start-up calibration's figure (worker/calibrate.py), kept only where no runner measured first."""
+        self._latest.setdefault((engine, role), overhead)
+
     def snapshot(self) -> list[RunnerOverhead] | None:
         """For node info (MemoryUsage.runner_overheads); None until a runner has measured."""
         if not self._latest:
