@@ -336,6 +336,26 @@ HARMONY_TOOLS_TEMPLATE = (  # gpt-oss' headers over the demo vocabulary: the too
 )
 
 
+def _scripted_harmony_reply(engine: TorchEngine, prompt: list[int], request: ChatCompletionRequest, opening: str
+                            ) -> tuple[str, str, str, Any]:
+    """The reply's first tokens scripted (`opening`), the rest sampled under its grammar: (its text, the reasoning
+    and content harmony's split reads from it, the split's tally)."""
+    from skulk.engines.reasoning import ReasoningTally
+
+    script = engine.tokenizer.encode(opening)
+    engine.fault_hook = lambda where, req: script[req.generated] if where == "sample" and req.generated < len(
+        script) else None
+    engine.add_request("r", prompt, request.sampling())
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    text = "".join(o.text for o in outs)
+    assert outs[-1].finish_reason == "stop" and all(o.error is None for o in outs), text
+    tally = ReasoningTally("harmony")
+    pieces = [tally.push(o.text) for o in outs] + [tally.splitter.finish()]
+    return text, "".join(r for r, _ in pieces), "".join(c for _, c in pieces), tally
+
+
 HARMONY_OPENINGS = {  # case: (the reply's scripted first tokens, reasoning budget)
     "budget-closes": ("<|channel|>analysis<|message|>", 60),
     "model-closes": ("<|channel|>analysis<|message|>I should call it.<|end|>", None),
@@ -350,8 +370,6 @@ def test_a_harmony_reply_may_reason_before_the_grammar_writes_its_forced_call(tm
     budget (HARMONY_TO_CALL, whose `<|start|>assistant` the grammar after it takes) or by the model's own `<|end|>`;
     or no analysis at all. Each time the grammar then writes the forced call, and the API's split reads the
     reasoning apart from it."""
-    from skulk.engines.reasoning import ReasoningTally
-
     opening, budget = HARMONY_OPENINGS[case]
     model = ensure_demo_model(tmp_path)
     set_chat_template(model, HARMONY_TOOLS_TEMPLATE)
@@ -362,18 +380,7 @@ def test_a_harmony_reply_may_reason_before_the_grammar_writes_its_forced_call(tm
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     prompt = engine.encode_chat([ChatMessage(role="user", content="Weather in Paris?")], request.tool_specs())
     assert engine.tokenizer.reasoning_mode(prompt) == "harmony" and engine.grammars.tool_style == "harmony"
-    script = engine.tokenizer.encode(opening)
-    engine.fault_hook = lambda where, req: script[req.generated] if where == "sample" and req.generated < len(
-        script) else None
-    engine.add_request("r", prompt, request.sampling())
-    outs = []
-    while engine.has_work():
-        outs += engine.step()
-    text = "".join(o.text for o in outs)
-    assert outs[-1].finish_reason == "stop" and all(o.error is None for o in outs), text
-    tally = ReasoningTally("harmony")
-    pieces = [tally.push(o.text) for o in outs] + [tally.splitter.finish()]
-    reasoning, content = "".join(r for r, _ in pieces), "".join(c for _, c in pieces)
+    text, reasoning, content, tally = _scripted_harmony_reply(engine, prompt, request, opening)
     call = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
     if case == "no-analysis":
         assert reasoning == "" and text.startswith(call), text
@@ -420,8 +427,6 @@ def test_a_harmony_reply_may_reason_before_its_json_answer(tmp_path: Path, case:
     """Through the torch engine: a response_format's schema applies to the final channel, after an analysis the
     model opened (ended by itself or by the reasoning budget) or without one; the API's split reads the reasoning
     apart and the content is the schema's JSON."""
-    from skulk.engines.reasoning import ReasoningTally
-
     opening, budget = {"budget-closes": ("<|channel|>analysis<|message|>", 40),
                        "model-closes": ("<|channel|>analysis<|message|>Paris, surely.<|end|>", None),
                        "no-analysis": ("<|channel|>f", None)}[case]
@@ -434,18 +439,7 @@ def test_a_harmony_reply_may_reason_before_its_json_answer(tmp_path: Path, case:
         "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}})
     prompt = engine.encode_chat([ChatMessage(role="user", content="Which city?")])
     assert engine.tokenizer.reasoning_mode(prompt) == "harmony"
-    script = engine.tokenizer.encode(opening)
-    engine.fault_hook = lambda where, req: script[req.generated] if where == "sample" and req.generated < len(
-        script) else None
-    engine.add_request("r", prompt, request.sampling())
-    outs = []
-    while engine.has_work():
-        outs += engine.step()
-    text = "".join(o.text for o in outs)
-    assert outs[-1].finish_reason == "stop" and all(o.error is None for o in outs), text
-    tally = ReasoningTally("harmony")
-    pieces = [tally.push(o.text) for o in outs] + [tally.splitter.finish()]
-    reasoning, content = "".join(r for r, _ in pieces), "".join(c for _, c in pieces)
+    text, reasoning, content, tally = _scripted_harmony_reply(engine, prompt, request, opening)
     if case == "no-analysis":
         assert reasoning == "", text
     else:
