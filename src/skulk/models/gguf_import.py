@@ -76,7 +76,8 @@ def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, 
             card = card.model_copy(update={"compatible_backends": TORCH_BACKENDS})
         else:
             card = card.model_copy(update={"compatible_backends": GGUF_BACKENDS,
-                                           "mlx_storage_size": Memory.from_bytes(bf16_export_bytes(tmp / GGUF_NAME))})
+                                           "mlx_storage_size": Memory.from_bytes(
+                                               bf16_export_bytes(tmp / GGUF_NAME, config["gguf"]))})
         tmp.chmod(0o755)
         if target.exists():
             shutil.rmtree(target)
@@ -104,13 +105,14 @@ def stored_decode_bytes(layout: dict[str, Any]) -> tuple[int, int]:
     return layers, head + (size("output_norm.weight") if "output_norm.weight" in names else 0)
 
 
-def bf16_export_bytes(path: Path) -> int:
+def bf16_export_bytes(path: Path, layout: dict[str, Any] | None = None) -> int:
     """The weights of the file's bf16 export (models/gguf_export.py), which an MLX rank loads instead of the
     file: every tensor an engine reads (those with a Hugging Face name), two bytes a value. Placement counts
-    these for MLX ranks (card.mlx_storage_size)."""
+    these for MLX ranks (card.mlx_storage_size). The import passes the layout it has already read: parsing the
+    header again (its tokenizer arrays) cost seconds per import."""
     from skulk.engines.torch.gguf_file import GGUFCheckpoint
 
-    return 2 * sum(math.prod(t.shape) for t in GGUFCheckpoint(path).tensors.values())
+    return 2 * sum(math.prod(t.shape) for t in GGUFCheckpoint(path, layout).tensors.values())
 
 
 def is_gguf(path: Path) -> bool:
