@@ -20,10 +20,12 @@ from skulk.engines.torch.gguf_file import GGUFCheckpoint, decode_affine, unpermu
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.model import ModelSlice
 from skulk.engines.torch.quant import QuantizedLinear
+from skulk.models import gguf_import
 from skulk.models.cards import get_card
 from skulk.models.gguf_import import NotGGUF, import_gguf, import_source
 from skulk.models.ollama_store import MODEL_LAYER, OllamaModelNotFound, find_blob, model_id_for, parse_reference
 from skulk.models.packaged import SMOLLM2, ensure_packaged_model, fetch_gguf, shared_cache
+from skulk.types.models import ModelCard
 
 from .test_torch_engine import ThreadAllReduce
 
@@ -214,14 +216,34 @@ def test_ollama_store_import_links_the_blob(tmp_path: Path, smol_gguf: Path, mon
     # what a decode step reads, from the blocks: Q4_1 layers, the tied Q8_0 head (placement balances by them)
     assert (card.layer_bytes, card.head_bytes) == (66_493_440, 30_083_328)
     builtin = get_card("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert builtin is not None
     assert (builtin.layer_bytes, builtin.head_bytes) == (card.layer_bytes, card.head_bytes)
     assert (tmp_path / "models" / "smollm2:135m" / "model.gguf").samefile(smol_gguf)
     monkeypatch.delenv("OLLAMA_MODELS")  # a store named by the caller (the CLI's OLLAMA_MODELS) wins over none
-    assert import_source("ollama:smollm2:135m", tmp_path / "given", None, str(store)).model_id == "smollm2:135m"
+    blob, folder, model_id = _imports_from(monkeypatch, card, "ollama:smollm2:135m", tmp_path / "given", str(store))
+    assert blob.parent == store.resolve() / "blobs" and blob.samefile(smol_gguf)
+    assert (folder, model_id) == (tmp_path / "given", "smollm2:135m")
     with pytest.raises(OllamaModelNotFound):
         find_blob("ollama:smollm2:missing")
     with pytest.raises(ValueError, match="not an Ollama model reference"):
         parse_reference("ollama:../../etc/passwd")
+
+
+def _imports_from(monkeypatch: pytest.MonkeyPatch, card: ModelCard, source: str, models_dir: Path,
+                  store: str) -> tuple[Path, Path, str | None]:
+    """(the blob, the folder, the id) import_source hands to import_gguf for a store named by the caller. The
+    import itself is the one above (a second full import of the same blob cost 15-20 s and checked nothing
+    more)."""
+    seen: list[tuple[Path, Path, str | None]] = []
+
+    def spy(path: Path, folder: Path, model_id: str | None = None) -> ModelCard:
+        seen.append((path.resolve(), folder, model_id))
+        return card
+
+    monkeypatch.setattr(gguf_import, "import_gguf", spy)
+    assert import_source(source, models_dir, None, store) is card
+    (call,) = seen
+    return call
 
 
 def test_import_refuses_what_is_not_gguf(tmp_path: Path) -> None:
