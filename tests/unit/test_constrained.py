@@ -13,8 +13,8 @@ import pytest
 from skulk.api.tool_calls import parse_tool_calls
 from skulk.engines.tool_prompt import TOOLS_HEADER
 from skulk.engines.torch.engine import TorchEngine
-from skulk.models.packaged import SMOLLM2, ensure_packaged_model, fetch_gguf, shared_cache
 from skulk.types.chat import ChatCompletionRequest, ChatMessage, SamplingParams
+from tests.unit.smollm2 import packaged_smollm2
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -73,9 +73,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "Tim
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> TorchEngine:
-    gguf = fetch_gguf(SMOLLM2, shared_cache())
-    model_dir = ensure_packaged_model(SMOLLM2.model_id, tmp_path_factory.mktemp("models"), cache=gguf.parent.parent)
-    return TorchEngine(model_dir, max_batch=8, max_seq=1024)
+    return TorchEngine(packaged_smollm2(tmp_path_factory), max_batch=8, max_seq=1024)
 
 
 def _run(engine: TorchEngine, requests: dict[str, ChatCompletionRequest]) -> dict[str, tuple[str, str | None]]:

@@ -24,9 +24,10 @@ from skulk.models import gguf_import
 from skulk.models.cards import get_card
 from skulk.models.gguf_import import NotGGUF, import_gguf, import_source
 from skulk.models.ollama_store import MODEL_LAYER, OllamaModelNotFound, find_blob, model_id_for, parse_reference
-from skulk.models.packaged import SMOLLM2, ensure_packaged_model, fetch_gguf, shared_cache
+from skulk.models.packaged import SMOLLM2, fetch_gguf, shared_cache
 from skulk.types.models import ModelCard
 
+from .smollm2 import packaged_smollm2
 from .test_torch_engine import ThreadAllReduce
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # runs real model compute: `make test`, not `make test-fast`
@@ -124,7 +125,8 @@ def smol_gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def smol_dir(smol_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_packaged_model(SMOLLM2.model_id, tmp_path_factory.mktemp("models"), cache=smol_gguf.parent.parent)
+    """ensure_packaged_model's import of smol_gguf, shared with the run's other readers of it."""
+    return packaged_smollm2(tmp_path_factory)
 
 
 def test_the_real_q4_1_file_reads_exactly_as_gguf_dequantizes_it(smol_gguf: Path) -> None:

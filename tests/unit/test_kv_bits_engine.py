@@ -61,16 +61,17 @@ def test_logits_through_an_8_bit_cache_stay_close_to_16_bits(demo_dir: Path) -> 
     assert 0 < kl[8] < kl[4] < 0.05, kl
 
 
-def test_smollm2_says_the_same_at_8_bits(tmp_path: Path) -> None:
+def test_smollm2_says_the_same_at_8_bits(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A question whose answer has no near tie at 16 bits: SmolLM2's bf16 logits tie exactly on "What is the
     capital of France?" ('L' and 'The' both -1.889), which any change of rounding, 8-bit KV's included, flips;
     that is the float32-logits part of issue 41, not this one's."""
-    from skulk.models.packaged import SMOLLM2, ensure_packaged_model, shared_cache
+    from skulk.models.packaged import SMOLLM2, shared_cache
+    from tests.unit.smollm2 import packaged_smollm2
 
     gguf = shared_cache() / f"{SMOLLM2.package}-{SMOLLM2.version}" / Path(SMOLLM2.member).name
     if not gguf.is_file():
         pytest.skip(f"the default model's file is not on this machine ({gguf}; `make run` fetches it)")
-    model_dir = ensure_packaged_model(SMOLLM2.model_id, tmp_path / "models", cache=shared_cache())
+    model_dir = packaged_smollm2(tmp_path_factory)
     texts = {}
     for bits in (16, 8):
         engine = TorchEngine(model_dir, max_batch=2, speculate=False, kv_cache_bytes=64 << 20, kv_cache_bits=bits)
