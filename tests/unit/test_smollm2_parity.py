@@ -1,5 +1,6 @@
 """The MLX engine against the torch engine on a real model: SmolLM2-135M-Instruct in bfloat16 (tests/unit/smollm2.py
-writes it from the GGUF `make run` serves), greedy, 32 tokens per chat (the issue's minimum), two chats batched,
+writes it from the GGUF `make run` serves), greedy, 16 tokens per chat (the MLX issue asked for 32; cut to 16 with
+Pipeline over 2 dropped as a sub-case of 3, in 7f6684c, for the suite's time), two chats batched,
 on 1 rank, Pipeline over 2 and 3 MLX ranks, Tensor over 3 MLX ranks and mixed MLX+torch Pipelines: the torch
 engine's single-rank tokens, or the first divergence is a bf16 tie (the two tokens' logits within bf16's resolution
 at their magnitude)."""
