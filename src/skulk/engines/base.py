@@ -71,3 +71,17 @@ class Footprinted(Protocol):
     def footprint(self) -> tuple[int, int]:
         """(weight bytes, KV bytes resident from allocation)."""
         ...
+
+
+@runtime_checkable
+class Sees(Protocol):
+    """An engine that reads images (the torch engine, through the checkpoint's vision tower on rank 0)."""
+
+    def encode_images(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], Any]:
+        """The prompt with each image's placeholders, and the tower's embeddings for them."""
+        ...
+
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, command_id: str = "",
+                    vision: Any = None) -> None:
+        ...

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from skulk.engines.base import Engine, Footprinted, TokenOut
+from skulk.engines.base import Engine, Footprinted, Sees, TokenOut
 from skulk.engines.errors import PromptRejected
 from skulk.engines.reasoning import ReasoningMode
 from skulk.runner.admission import admit
@@ -339,9 +339,8 @@ class Runner:
             self._fail(task.task_id, task.command_id, message, code=ErrorCode.context_length_exceeded)
             return None
         try:
-            if vision is not None:
-                vision_engine: Any = self.engine  # the torch engine (encode_images gave the embeddings)
-                vision_engine.add_request(task.task_id, prompt, sampling, command_id=task.command_id, vision=vision)
+            if vision is not None and isinstance(self.engine, Sees):  # it gave the embeddings (_encode_images)
+                self.engine.add_request(task.task_id, prompt, sampling, command_id=task.command_id, vision=vision)
             else:
                 self.engine.add_request(task.task_id, prompt, sampling, command_id=task.command_id)
         except PromptRejected as refused:  # e.g. an output schema the grammar library cannot compile: a 400
@@ -355,15 +354,15 @@ class Runner:
         phase with its start and end on the timeline; an engine without one refuses them as text-only."""
         params = task.task_params
         assert params is not None and self.engine is not None
-        encode = getattr(self.engine, "encode_images", None)
-        if encode is None:
+        if not isinstance(self.engine, Sees):
             raise PromptRejected("this model takes text only on this engine: images cannot be read")
+        engine = self.engine
         images = sum(len(m.images) for m in params.messages)
         before = self.recorder.phase
         self.recorder.record("vision_preprocess", "vision_start", images=images, task_id=task.task_id)
         started = time.time()
         try:
-            prompt, vision = encode(params.messages, params.tools or None, params.template_kwargs)
+            prompt, vision = engine.encode_images(params.messages, params.tools or None, params.template_kwargs)
         finally:
             self.recorder.record(before, "vision_done", images=images, task_id=task.task_id)
         self.spans.span(task.task_id, "vision_preprocess", started, time.time(), images=images)
