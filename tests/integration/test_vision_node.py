@@ -15,7 +15,7 @@ from skulk.models.catalog import card_from_config
 from skulk.models.demo import ensure_demo_model
 from skulk.store.files import model_dir_name
 from tests.unit.test_vision import GREEDY, image_message
-from tests.unit.vlm_checkpoint import TOKENS, png, write_gemma3_vlm
+from tests.unit.vlm_checkpoint import IMAGE_TOKENS, TOKENS, png, write_gemma3_vlm
 
 from .harness import Cluster, instance_ready, place, wait_until
 
@@ -67,6 +67,23 @@ def test_an_image_request_through_a_node(cluster: Cluster, tmp_path: Path) -> No
         "model": VLM, "max_tokens": TOKENS, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}]}]})
     assert code == 400 and "no network fetch" in reply["error"]["message"], reply
+    claude = {"model": VLM, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": picture}},
+        {"type": "text", "text": "What is this?"}]}]}
+    code, answered = node.post("/v1/messages", claude)
+    assert code == 200, answered
+    code, counted = node.post("/v1/messages/count_tokens", {k: v for k, v in claude.items() if k != "max_tokens"})
+    assert code == 200 and counted["input_tokens"] == answered["usage"]["input_tokens"], (counted, answered)
+    text_only = {"model": VLM, "messages": [{"role": "user", "content": "What is this?"}]}
+    code, plain = node.post("/v1/messages/count_tokens", text_only)
+    assert code == 200 and counted["input_tokens"] - plain["input_tokens"] >= IMAGE_TOKENS + 2, (counted, plain)
+    tools = [{"name": "look", "description": "Describe a picture", "input_schema": {
+        "type": "object", "properties": {"detail": {"type": "string"}}}}]
+    code, answered = node.post("/v1/messages", {**claude, "tools": tools})  # the tools overflow its 256 tokens
+    assert code == 400 and "prompt has" in answered["error"]["message"], answered
+    code, counted = node.post("/v1/messages/count_tokens", {**text_only, "messages": claude["messages"],
+                                                            "tools": tools})
+    assert (code, counted["error"]["message"]) == (400, answered["error"]["message"]), (counted, answered)
     code, reply = node.post("/ollama/api/show", {"model": VLM})
     assert code == 200 and "vision" in reply["capabilities"], reply
 

@@ -11,6 +11,7 @@ import torch
 
 from skulk.engines.errors import PromptRejected
 from skulk.engines.torch.engine import TorchEngine
+from skulk.engines.torch.tokenizer import ChatTokenizer
 from skulk.engines.torch.vision import image_chunk, image_mask, image_rows, image_spans, whole_images
 from skulk.formats.images import data_url
 from skulk.models.demo import ensure_demo_model
@@ -121,3 +122,19 @@ def test_two_image_requests_share_a_small_pool_in_small_chunks(engine: TorchEngi
             got[out.request_id].append(out.token_id)
     assert got == alone
     assert small.preemptions >= 1
+
+
+@pytest.mark.timeout(120)
+def test_the_tokenizer_alone_counts_an_image_as_the_runner_does(engine: TorchEngine, models: tuple[Path, Path]) -> None:
+    """The API node counts a prompt (count_tokens) with the tokenizer alone, no tower: each image's marker expands
+    to the run the runner's prompt holds, so the two agree; a text-only model has no run to expand."""
+    two = ChatMessage.model_validate({"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(png(1))}}, {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": data_url(png(2))}}, {"type": "text", "text": "What are these?"}]})
+    counted = ChatTokenizer(models[0]).encode_chat([two])
+    prompt, _ = engine.encode_images([two])
+    assert counted == prompt
+    assert [e - s for s, e in image_spans(counted, engine.model.args.image_token_id)] == [IMAGE_TOKENS] * 2
+    text = ChatTokenizer(models[0]).encode_chat([ChatMessage(role="user", content="What is this?")])
+    assert engine.model.args.image_token_id not in text
+    assert ChatTokenizer(models[1]).image_run is None

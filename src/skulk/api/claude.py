@@ -27,6 +27,7 @@ from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.disconnect import unless_disconnected
 from skulk.api.errors import claude_error, claude_error_body, text_only_error
 from skulk.api.generation import GenerationFailed, collect, piece_batches
+from skulk.api.images import checked_images
 from skulk.api.openapi import Family, documented
 from skulk.api.services import ApiServices
 from skulk.api.tokens import check_context, count_chat_tokens
@@ -267,9 +268,9 @@ def claude_router(node: ApiServices) -> APIRouter:
     async def count_tokens(http: Request) -> Response:
         try:
             body = await parse_body(http, ClaudeCountRequest)
-            chat = body.model_dump() | {"max_tokens": 1}
-            messages = ClaudeRequest.model_validate(chat).chat_messages()
-            counted = await count_chat_tokens(node, body.model, messages)
+            chat = checked_images(node, to_chat_request(body.as_request()))  # as /v1/messages would send it
+            counted = await count_chat_tokens(node, body.model, chat.messages, chat.tool_specs(),
+                                              chat.template_kwargs())
             check_context(node, body.model, counted)
             return JSONResponse({"input_tokens": counted})
         except ApiError as exc:

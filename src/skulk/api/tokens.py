@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from skulk.api.services import ApiServices
 from skulk.engines.errors import PromptRejected
@@ -43,7 +43,11 @@ def _tokenizer(model_dir: Path) -> ChatTokenizer:
     return ChatTokenizer(model_dir)
 
 
-async def count_chat_tokens(node: ApiServices, model_id: str, messages: list[ChatMessage]) -> int:
+async def count_chat_tokens(node: ApiServices, model_id: str, messages: list[ChatMessage],
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> int:
+    """The prompt's tokens as the runner will render them: the chat template with the tools offered and the
+    request's template variables, each image its whole placeholder run (ChatTokenizer.render_chat)."""
     model_dir = local_model_dir(node, model_id)
     if model_dir is None:
         holders = sorted({n for i in node.state.instances.values() if i.model_id == model_id
@@ -53,7 +57,7 @@ async def count_chat_tokens(node: ApiServices, model_id: str, messages: list[Cha
                        f"({', '.join(holders) or 'none is placed: place the model first'})")
     tokenizer = await asyncio.to_thread(_tokenizer, model_dir)
     try:
-        return len(await asyncio.to_thread(tokenizer.encode_chat, messages))
+        return len(await asyncio.to_thread(tokenizer.encode_chat, messages, tools, template_kwargs))
     except PromptRejected as refused:
         raise ApiError(ErrorCode.invalid_request, str(refused)) from refused
 

@@ -208,9 +208,17 @@ class ClaudeRequest(BaseModel):
 
 
 class ClaudeCountRequest(BaseModel):
-    """POST /v1/messages/count_tokens: the request without max_tokens."""
+    """POST /v1/messages/count_tokens: what shapes the prompt of a /v1/messages request (no max_tokens). Tools,
+    tool_choice and thinking are rendered into the prompt as a request's are, so they are counted too."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     model: ModelText
     messages: list[ClaudeMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
+    tools: list[ClaudeTool] | None = Field(default=None, max_length=128)
+    tool_choice: ClaudeToolChoice | None = None
+    thinking: ClaudeThinking | None = None
+
+    def as_request(self) -> ClaudeRequest:
+        """The /v1/messages request this count stands for (one token asked: the prompt is what is counted)."""
+        return ClaudeRequest.model_validate(self.model_dump() | {"max_tokens": 1})

@@ -71,9 +71,8 @@ class TorchEngine(LocalStep):
             images = [open_image(d) for d in data]
         except ImageRefused as exc:
             raise PromptRejected(str(exc)) from exc
-        hf = self.tokenizer.hf
-        rendered = tower.expand(self.tokenizer.render_chat(messages, tools, template_kwargs), hf.convert_ids_to_tokens)
-        return self.tokenizer.encode(rendered), VisionInput(tower.embed(images), digest(data))
+        prompt = self.tokenizer.encode_chat(messages, tools, template_kwargs)  # each marker expanded (render_chat)
+        return prompt, VisionInput(tower.embed(images), digest(data))
 
     def vision_tower(self) -> VisionTower:
         """The checkpoint's vision tower, loaded at the first image (PromptRejected where images are not read)."""

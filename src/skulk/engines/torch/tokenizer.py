@@ -48,6 +48,7 @@ class ChatTokenizer:
 
     def __init__(self, model_dir: Path) -> None:
         self._tok: Any = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self._model_dir = model_dir
         self.eos_ids = frozenset(_eos_ids(model_dir, self._tok.eos_token_id))
         self.card_reasoning: ReasoningOverride | None = None
         """The card's `reasoning_parser` (the runner sets it): the engine decides a reasoning budget's mode by it."""
@@ -82,7 +83,32 @@ class ChatTokenizer:
 
     def render_chat(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None,
                     template_kwargs: dict[str, Any] | None = None) -> str:
-        """The chat template's text for encode_chat (a vision model expands its image markers in it first)."""
+        """The chat template's text for encode_chat, each image's marker expanded to its placeholder run
+        (image_run): the runner's prompt and the API node's count_tokens are the same tokens."""
+        rendered = self._render(messages, tools, template_kwargs)
+        run = self.image_run if any(m.images for m in messages) else None
+        return rendered if run is None else rendered.replace(run[0], run[1])
+
+    @functools.cached_property
+    def image_run(self) -> tuple[str, str] | None:
+        """(marker, run): the image marker a vision model's template writes once per image and the placeholder
+        run the model reads in its place, as transformers' Gemma3Processor writes it (the marker, that many image
+        tokens and the end marker, between blank lines); None for a model without a vision config."""
+        path = self._model_dir / "config.json"
+        if not path.exists() or not read_config(path).get("vision_config"):
+            return None
+        from transformers import AutoConfig
+
+        config: Any = AutoConfig.from_pretrained(str(self._model_dir), local_files_only=True)
+        numbers = [getattr(config, k, None) for k in ("boi_token_index", "eoi_token_index", "image_token_id",
+                                                      "mm_tokens_per_image")]
+        if not all(isinstance(n, int) for n in numbers):  # a vision family other than Gemma 3's: markers unknown
+            return None
+        boi, eoi, image = (self._tok.convert_ids_to_tokens(i) for i in numbers[:3])
+        return boi, f"\n\n{boi}{image * numbers[3]}{eoi}\n\n"
+
+    def _render(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None,
+                template_kwargs: dict[str, Any] | None) -> str:
         items = template_messages(messages)
         if tools and not self.renders_tools:
             items, tools = inline_tools(items, tools), None

@@ -101,7 +101,8 @@ def image_mask(spans: Sequence[tuple[int, int]], start: int, end: int,
 
 
 class VisionTower:
-    """Gemma 3's SigLIP tower, projector and image processor, with how a prompt's image marker expands."""
+    """Gemma 3's SigLIP tower, projector and image processor (how a prompt's image marker expands is the
+    tokenizer's: tokenizer.ChatTokenizer.image_run)."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
         from transformers import AutoConfig, AutoImageProcessor, AutoModel
@@ -117,15 +118,6 @@ class VisionTower:
         self.tower.to(device=device, dtype=dtype).eval()
         self.projector.to(device=device, dtype=dtype).eval()
         self.processor: Any = AutoImageProcessor.from_pretrained(model_dir)
-        self.image_token = int(config.image_token_id)
-        self.tokens_per_image = int(config.mm_tokens_per_image)
-
-    def expand(self, rendered: str, token_text: Any) -> str:
-        """The chat template's output with each image marker (<start_of_image>) replaced by the image's whole
-        placeholder run, as transformers' Gemma3Processor writes it."""
-        boi, eoi = token_text(self.config.boi_token_index), token_text(self.config.eoi_token_index)
-        run = f"\n\n{boi}{token_text(self.image_token) * self.tokens_per_image}{eoi}\n\n"
-        return rendered.replace(boi, run)
 
     def embed(self, images: Sequence[Any]) -> torch.Tensor:
         """[tokens, hidden]: every image's projected tower output, in order."""
