@@ -157,7 +157,7 @@ class Node:
         requests = Requests(transport, payloads, lambda c: _send(transport, node_id, elector, c),
                             tap=event_log.append if event_log is not None else None,
                             on_open=tracing.stream_opened, on_close=tracing.stream_closed)
-        worker = _worker(settings, node_id, local, requests, files, tracing, transport)
+        worker = _worker(settings, node_id, local, requests, files, tracing, PayloadFetcher(transport, payloads))
         node = cls(
             settings=settings, node_id=node_id, transport=transport, store=store,
             desired=DesiredStateFile(settings.home), event_log=event_log, local=local, payloads=payloads,
@@ -492,7 +492,7 @@ def _record(event_log: EventLog | None, store: StateStore, indexed: IndexedEvent
 
 
 def _worker(settings: Settings, node_id: NodeId, local: LocalEvents, requests: Requests, files: ModelFiles,
-            tracing: NodeTracing, transport: Transport) -> Worker:
+            tracing: NodeTracing, payloads: PayloadFetcher) -> Worker:
     return Worker(
         node_id,
         emit=local.emit,
@@ -508,7 +508,7 @@ def _worker(settings: Settings, node_id: NodeId, local: LocalEvents, requests: R
         runner_restart_window_s=settings.runner_restart_window_seconds,
         runner_hung_s=settings.runner_hung_seconds,
         on_spans=tracing.on_spans,
-        payloads=PayloadFetcher(transport),
+        payloads=payloads,
         spare=SpareRunner(spare_engine(settings.engines), enabled=settings.spare_runner),
         on_runner_gone=files.runner_gone,
     )

@@ -4,6 +4,7 @@ the demo embedding model, request validation, and the decisions (task kind, sing
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from skulk.api.security import Access, required_access
-from skulk.cluster.payloads import PayloadFetcher
+from skulk.cluster.payloads import PayloadBook, PayloadFetcher
 from skulk.engines.torch.bert import load_bert
 from skulk.engines.torch.embedding import EmbeddingEngine, EmbeddingRefused, Pooling, pool, read_pooling
 from skulk.master.decide import events_for_command
@@ -319,3 +320,43 @@ async def test_a_worker_fetches_an_embedding_tasks_texts_as_embedding_params() -
     chat = PayloadFetcher(_OneReply(params.model_dump_json().encode()))  # type: ignore[arg-type]
     assert await chat.fetch(ChatCompletion.model_validate({**ids, "command_id": "c2"})) is None  # wrong kind: dropped
     assert "private text" not in TextEmbedding.model_validate({**ids, "task_params": params}).model_dump_json()
+
+
+class _Served(_OneReply):
+    """A transport that also serves keys (PayloadBook.start) and remembers who asked (a query to itself included)."""
+
+    def __init__(self) -> None:
+        super().__init__(b"")
+        self.queries: list[str] = []
+        self.answer: Callable[[str, str], bytes | None] | None = None
+
+    def serve(self, key: str, answer: Callable[[str, str], bytes | None]) -> None:
+        self.answer = answer
+
+    async def query(self, key: str, timeout_s: float) -> list[bytes]:
+        self.queries.append(key)
+        assert self.answer is not None
+        reply = self.answer(key, "")
+        return [] if reply is None else [reply]
+
+
+async def test_a_payload_this_node_took_is_read_from_its_book_without_a_query() -> None:
+    """Where the worker's node is the API node that took the request, it reads the payload from the node's own book
+    (no query, no serialization: issue 43); another node's query gets the same payload as bytes; a payload of the
+    wrong kind, or one withdrawn when its stream closed, is not handed out."""
+    transport = _Served()
+    book = PayloadBook(transport, NodeId("api"))  # type: ignore[arg-type]
+    book.start()
+    params = EmbeddingTaskParams(model=ModelId(EMBED_MODEL_ID), inputs=["private text"], truncate=True)
+    book.offer(CommandId("c1"), params)
+    fetcher = PayloadFetcher(transport, book)  # type: ignore[arg-type]
+    ids = dict(task_id=TaskId("t1"), command_id=CommandId("c1"), instance_id="i", model=ModelId(EMBED_MODEL_ID),
+               origin_node_id=NodeId("api"))
+    task = TextEmbedding.model_validate(ids)
+    assert fetcher.local(task) is params and transport.queries == []
+    assert fetcher.local(ChatCompletion.model_validate(ids)) is None  # the wrong kind
+    elsewhere = PayloadFetcher(transport)  # type: ignore[arg-type]  # another node: one query, bytes on the wire
+    assert elsewhere.local(task) is None and await elsewhere.fetch(task) == params
+    assert transport.queries == ["payload/api/c1"]
+    book.withdraw(CommandId("c1"))
+    assert fetcher.local(task) is None

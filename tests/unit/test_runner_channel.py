@@ -3,6 +3,7 @@ wait for an empty inbox, and a closed outbox that stops its senders."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import time
@@ -11,11 +12,15 @@ from multiprocessing.connection import Connection
 import pytest
 
 from skulk.runner.channel import Frames, Inbox, Outbox
-from skulk.runner.messages import CancelTask, Heartbeat, Shutdown, TaskEnded, Tokens
+from skulk.runner.messages import CancelTask, Heartbeat, Shutdown, StatusChanged, TaskEnded, Tokens
 from skulk.types.chunks import TokenChunk
 from skulk.types.ids import CommandId, TaskId
+from skulk.types.runners import RunnerReady
 from skulk.types.tasks import TaskStatus
-from skulk.worker.supervisor import _Reading
+from skulk.worker.supervisor import RunnerSupervisor, SupervisorCallbacks, _Reading
+
+from .diagnostics_fakes import spec_for
+from .factories import instance
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -83,3 +88,38 @@ def test_the_inbox_hands_messages_over_in_order_and_an_empty_one_costs_no_wait()
     while len(got) < len(sent):
         got += inbox.take(10)
     assert got == sent
+
+
+async def test_tokens_overtake_the_bookkeeping_and_the_bookkeeping_keeps_its_order() -> None:
+    """A step's tokens reach their streams as soon as they are read; what the runner said beside them (its status,
+    a task's end) follows a moment later, in the order it was sent, so a first token's write to its client never
+    waits behind the events that bookkeeping sends (issue 43). A pipe that ends hands over everything at once."""
+    seen: list[object] = []
+    done = asyncio.Event()
+
+    def ended(message: TaskEnded) -> None:
+        seen.append(message)
+        done.set()
+
+    callbacks = SupervisorCallbacks(on_status=seen.append, on_chunks=seen.extend, on_task_started=seen.append,
+                                    on_task_ended=ended)
+    supervisor = RunnerSupervisor(spec_for(instance(), "n1"), callbacks)
+    supervisor._loop = asyncio.get_running_loop()
+    reader, writer = mp.get_context("spawn").Pipe(duplex=False)
+    first, second = (TokenChunk(command_id=CommandId(c), text=c, token_id=1, completion_tokens=1) for c in "ab")
+    end = TaskEnded(TaskId("t1"), CommandId("a"), TaskStatus.Complete)
+    outbox = Outbox(writer)
+    for message in (Tokens([first]), StatusChanged(RunnerReady()), Heartbeat(), end, Tokens([second])):
+        outbox.put(message)  # type: ignore[arg-type]
+    reading = _Reading(None, reader)
+    supervisor._relay(reading, _drain(reader))
+    assert seen == [first, second]  # both tokens at once, the bookkeeping not yet
+    await asyncio.wait_for(done.wait(), 5)
+    assert seen == [first, second, RunnerReady(), end]
+    outbox.put(StatusChanged(RunnerReady()))  # type: ignore[arg-type]
+    outbox.put(Tokens([first]))  # type: ignore[arg-type]
+    supervisor._relay(reading, _drain(reader))
+    supervisor._drain(reading)  # what _end_reading does before the exit is reported: all of it, now
+    assert seen[4:] == [first, RunnerReady()] and reading.drain is None
+    outbox.close()
+    reader.close()

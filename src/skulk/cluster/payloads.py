@@ -3,8 +3,10 @@
 The API node that takes a request keeps its `ChatCompletionTaskParams` and answers zenoh queries for it on
 `payload/<its node id>/<command id>`; the command to the master and the task in state carry only ids and the
 model. A worker about to hand the task to its runner asks the origin node for the payload (one query, cached
-per command so the ranks of one node share it). A payload is dropped when the API node closes the request's
-stream, and the book is bounded, so an abandoned request cannot pin memory.
+per command so the ranks of one node share it); where that node is its own, it reads the book directly, with no
+query and no serialization (a single node's every request: 0.5-0.7 ms of its time to first token, issue 43). A
+payload is dropped when the API node closes the request's stream, and the book is bounded, so an abandoned
+request cannot pin memory.
 """
 
 from __future__ import annotations
@@ -34,19 +36,24 @@ class PayloadBook:
     """API side: the payloads of this node's open requests, served to the nodes that run them."""
 
     def __init__(self, transport: Transport, node_id: NodeId, limit: int = MAX_HELD) -> None:
-        self._transport, self._node_id, self._limit = transport, node_id, limit
-        self._held: OrderedDict[str, bytes] = OrderedDict()
+        self._transport, self.node_id, self._limit = transport, node_id, limit
+        self._held: OrderedDict[str, TaskParams] = OrderedDict()
         self._lock = Lock()  # answered on zenoh's threads, written on the loop
 
     def start(self) -> None:
-        self._transport.serve(payload_key(self._node_id, "*"), self._answer)
+        self._transport.serve(payload_key(self.node_id, "*"), self._answer)
 
     def offer(self, command_id: CommandId, params: TaskParams) -> None:
-        data = params.model_dump_json().encode()
+        """Hold a request's payload as it is (validated, immutable): serialized only when another node asks."""
         with self._lock:
-            self._held[command_id] = data
+            self._held[command_id] = params
             while len(self._held) > self._limit:
                 self._held.popitem(last=False)
+
+    def get(self, command_id: str) -> TaskParams | None:
+        """This node's own runners' read of a payload (PayloadFetcher.local)."""
+        with self._lock:
+            return self._held.get(command_id)
 
     def withdraw(self, command_id: CommandId) -> None:
         with self._lock:
@@ -57,16 +64,25 @@ class PayloadBook:
             return len(self._held)
 
     def _answer(self, key: str, _parameters: str) -> bytes | None:
-        with self._lock:
-            return self._held.get(key.rsplit("/", 1)[-1])
+        params = self.get(key.rsplit("/", 1)[-1])
+        return None if params is None else params.model_dump_json().encode()
 
 
 class PayloadFetcher:
-    """Worker side: one query per command to its origin node, shared by this node's ranks."""
+    """Worker side: one query per command to its origin node, shared by this node's ranks; none where the origin
+    is this node (`book`: the node's own PayloadBook)."""
 
-    def __init__(self, transport: Transport) -> None:
-        self._transport = transport
+    def __init__(self, transport: Transport, book: PayloadBook | None = None) -> None:
+        self._transport, self._book = transport, book
         self._pending: dict[str, asyncio.Task[TaskParams | None]] = {}
+
+    def local(self, task: Task) -> TaskParams | None:
+        """The payload at once where this node took the request and still holds it (None: ask with fetch)."""
+        book = self._book
+        if book is None or task.origin_node_id != book.node_id:
+            return None
+        params = book.get(task.command_id)
+        return params if isinstance(params, _params_type(task)) else None
 
     async def fetch(self, task: Task) -> TaskParams | None:
         if task.origin_node_id is None:

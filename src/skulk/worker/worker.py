@@ -168,6 +168,10 @@ class Worker:
         if task.task_params is not None or self.payloads is None:
             self.supervisors[runner_id].send_task(task)
             return
+        params = self.payloads.local(task)
+        if params is not None:  # this node took the request: no query, no turn of the loop
+            self.supervisors[runner_id].send_task(task.model_copy(update={"task_params": params}))
+            return
         if (runner_id, task.task_id) in self._fetching:
             return  # plan() asks again on every state change while the payload is on its way
         self._fetching.add((runner_id, task.task_id))
