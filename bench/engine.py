@@ -44,9 +44,9 @@ from safetensors.torch import save_file
 import llama_cpp_side
 from skulk.engines.torch import cpu_kernels, matmul
 from skulk.engines.torch.cache import StepBatch
-from skulk.engines.torch.config import ModelArgs
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.model import ModelSlice
+from skulk.engines.torch.models import read_args
 
 SHAPE = {"vocab_size": 32768, "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
          "num_key_value_heads": 8, "intermediate_size": 4864}
@@ -79,7 +79,7 @@ def write_model(path: Path, shape: dict[str, int]) -> tuple[dict[str, Any], dict
               "torch_dtype": "bfloat16", **shape}
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(config))
-    model = ModelSlice(ModelArgs.from_config(config))
+    model = ModelSlice(read_args(config))
     generator = torch.Generator().manual_seed(0)
     weights = {f"model.{n}" if not n.startswith("lm_head") else n:
                (torch.randn(t.shape, generator=generator) * 0.02).to(torch.bfloat16)

@@ -64,8 +64,8 @@ import torch
 
 import step_profile
 from skulk.engines.torch import fallback as fallback_engine
-from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES
 from skulk.engines.torch.engine import TorchEngine
+from skulk.engines.torch.models import SUPPORTED_MODEL_TYPES
 from skulk.models.demo import generate_random_llama
 from skulk.types.chat import SamplingParams
 

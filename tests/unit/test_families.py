@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from skulk.engines import mlx as mlx_engine
-from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES
+from skulk.engines.torch.models import SUPPORTED_MODEL_TYPES
 from skulk.master.placement import preview_placements
 from skulk.models.catalog import UnsupportedArchitecture, card_from_config
 from skulk.models.families import MlxRegistry, attention_shape, engines_running, refusal

@@ -11,9 +11,9 @@ import torch
 
 from skulk.engines.torch import cpu_kernels
 from skulk.engines.torch.cache import StepBatch
-from skulk.engines.torch.config import ModelArgs
 from skulk.engines.torch.layers import Rope
 from skulk.engines.torch.model import ModelSlice, _rounded
+from skulk.engines.torch.models import read_args
 from skulk.engines.torch.sampling import RowSampling, greedy, sample
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,7 +29,7 @@ def _tiny(dtype: torch.dtype) -> ModelSlice:
     config = {"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": 1, "num_attention_heads": 8,
               "num_key_value_heads": 8, "intermediate_size": 64, "vocab_size": VOCAB, "rms_norm_eps": 1e-6,
               "max_position_embeddings": 64, "torch_dtype": str(dtype).removeprefix("torch.")}
-    args = ModelArgs.from_config(config)
+    args = read_args(config)
     model = ModelSlice(args)
     model.to_empty(device="cpu")
     model.rope = Rope(args, "cpu")  # to_empty left its frequencies uninitialised

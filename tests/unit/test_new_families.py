@@ -17,10 +17,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from skulk.engines.torch.cache import StepBatch
-from skulk.engines.torch.config import ModelArgs, text_config
+from skulk.engines.torch.config import text_config
 from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.model import ModelSlice
+from skulk.engines.torch.models import read_args_dir
 from skulk.engines.torch.moe import SparseMoe
 from skulk.engines.torch.quant import QuantizedLinear, affine_quantize, dequantize, fitting_group, pack_mlx
 from skulk.master.shard_plan import kv_headroom_bytes
@@ -192,7 +193,7 @@ def test_gemma_multimodal_layout_runs_its_language_model(gemma_4b: tuple[Path, P
     """The text part of a `gemma3` checkpoint: numbers from text_config and transformers' defaults, tensors
     under language_model.model., the vision tower left unread; split over ranks and stages like any model."""
     text_dir, multimodal = gemma_4b
-    args = ModelArgs.from_dir(multimodal)
+    args = read_args_dir(multimodal)
     assert (args.num_attention_heads, args.num_key_value_heads, args.head_dim) == (4, 2, 64)
     assert args.layer_types.count("full_attention") == 1 and args.rope_scaling == {"factor": 8.0,
                                                                                      "rope_type": "linear"}
@@ -374,8 +375,8 @@ def test_a_transformers_5_config_reads_the_same(model_id: str, checkpoints: dict
     rewritten = json.loads((tmp_path / "config.json").read_text())
     assert "rope_parameters" in rewritten and "rope_theta" not in rewritten
     (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
-    hub = ModelArgs.from_dir(path)
-    assert ModelArgs.from_dir(tmp_path) == hub
+    hub = read_args_dir(path)
+    assert read_args_dir(tmp_path) == hub
 
 
 def test_gemma_softcapping_matches_transformers(tmp_path: Path) -> None:

@@ -142,7 +142,7 @@ def _mlx_splits(
 
 def native_types() -> tuple[str, ...]:
     """The families the torch engine runs with its own kernels (the rest it runs through transformers)."""
-    from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES
+    from skulk.engines.torch.models import SUPPORTED_MODEL_TYPES
 
     return SUPPORTED_MODEL_TYPES
 
@@ -153,13 +153,13 @@ def _engines(model_id: str, config: dict[str, Any]) -> tuple[EngineName, ...]:
     quantization is one the torch kernels do not read; only then, or for a family torch does not run, is
     mlx-lm's registry asked (the node's MLX probe, a child interpreter: a GGUF import never starts one)."""
     from skulk.engines import mlx as mlx_engine
-    from skulk.engines.torch.config import SUPPORTED_MODEL_TYPES
     from skulk.engines.torch.fallback_types import causal_lm_classes
     from skulk.engines.torch.quant import quant_spec
 
+    native = native_types()
     torch_reason = None
     model_type = str(config.get("model_type", ""))
-    if model_type in SUPPORTED_MODEL_TYPES:
+    if model_type in native:
         try:
             quant_spec(config, None)
             return ENGINES
@@ -170,12 +170,12 @@ def _engines(model_id: str, config: dict[str, Any]) -> tuple[EngineName, ...]:
         fallback_reason = fallback_refusal(config, causal_lm_classes())
         torch_types = (model_type,) if fallback_reason is None else ()
         torch_reason = None if fallback_reason is None else (
-            f"the torch engine runs {', '.join(SUPPORTED_MODEL_TYPES)} natively and other families through "
+            f"the torch engine runs {', '.join(native)} natively and other families through "
             f"transformers' modeling, but not this one: {fallback_reason}")
     registry = mlx_engine.model_registry()
     engines = engines_running(config, torch_types, registry)
     if not engines:
-        raise UnsupportedArchitecture(refusal(model_id, config, SUPPORTED_MODEL_TYPES, registry, torch_reason))
+        raise UnsupportedArchitecture(refusal(model_id, config, native, registry, torch_reason))
     return engines
 
 

@@ -1,6 +1,6 @@
 """Which engines run a model's family: a pure decision over its config.json.
 
-The torch engine runs its native families (engines/torch/config.SUPPORTED_MODEL_TYPES); the MLX engine runs every
+The torch engine runs its native families (engines/torch/models.SUPPORTED_MODEL_TYPES); the MLX engine runs every
 family mlx-lm's own registry loads: the model module `mlx_lm.models.<type>` after mlx-lm's remapping of model
 types (kimi_k2 → deepseek_v3, minimax_m2 → minimax, ...). That registry is read by the MLX probe's child
 interpreter (engines/mlx/registry.py), which the node starts anyway, so the node process never imports MLX.

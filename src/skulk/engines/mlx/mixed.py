@@ -34,8 +34,8 @@ import torch
 from mlx_lm.models.cache import make_prompt_cache
 
 from skulk.engines.torch.cache import MixedBatch, StepBatch
-from skulk.engines.torch.config import ModelArgs
 from skulk.engines.torch.engine import TorchEngine
+from skulk.engines.torch.models import read_args_dir
 from skulk.engines.torch.requests import Request
 from skulk.engines.torch.step import PromptPart
 
@@ -70,7 +70,7 @@ class MlxStage:
     block pool's sizing, which a group agrees on) and an unused `make_cache` (the pool lives in the caches)."""
 
     def __init__(self, model_dir: Path, start: int, end: int | None, quantize: str | None) -> None:
-        args = ModelArgs.from_dir(model_dir)
+        args = read_args_dir(model_dir)
         self.args = dataclasses.replace(args, dtype=torch.bfloat16) if quantize is not None else args
         self.start, self.end = start, args.num_hidden_layers if end is None else end
         self.is_first, self.is_last = self.start == 0, self.end == args.num_hidden_layers

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from skulk.formats.checkpoint import read_config
 from skulk.models.layer_shapes import text_of
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3", "qwen3_moe")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,8 +57,9 @@ def _gemma3_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class ModelArgs:
-    """One decoder architecture. Qwen2 differs from Llama by qkv bias, Qwen3 by per-head q/k RMSNorm, Mistral
-    by an optional sliding window; Gemma 3 and Qwen3-MoE add the fields after `dtype` (see gemma.py, moe.py)."""
+    """One decoder architecture, as models.read_args reads it from a config (common_fields plus its family's
+    own: the family files under models/). Qwen2 differs from Llama by qkv bias, Qwen3 by per-head q/k RMSNorm,
+    Mistral by an optional sliding window; Gemma 3 and Qwen3-MoE add the fields after `dtype`."""
 
     model_type: str
     hidden_size: int
@@ -102,54 +99,40 @@ class ModelArgs:
     """A vision-language checkpoint's image placeholder token (Gemma 3's <image_soft_token>): the positions whose
     input embedding is the vision tower's output, attending to each other both ways within one image."""
 
-    @property
-    def is_gemma(self) -> bool:
-        return self.model_type == "gemma3_text"
-
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING
 
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> ModelArgs:
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; torch runs {SUPPORTED_MODEL_TYPES}")
-        image_token = cfg.get("image_token_id", cfg.get("image_token_index")) if cfg.get("vision_config") else None
-        cfg = text_config(cfg)
-        model_type = cfg["model_type"]
-        # transformers 5 writes rope settings under rope_parameters; hub configs use rope_theta/rope_scaling.
-        rope_params = _global_rope_parameters(cfg)
-        scaling = cfg.get("rope_scaling") or rope_params or None
-        if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-            scaling = None
-        heads = cfg["num_attention_heads"]
-        return cls(
-            model_type=model_type,
-            hidden_size=cfg["hidden_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
-            rope_scaling=scaling,
-            rope_freq_factors=tuple(map(float, cfg["rope_freq_factors"])) if cfg.get("rope_freq_factors") else None,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-            dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-            **window_fields(cfg, model_type),
-            **_gemma_fields(cfg, model_type),
-            **_moe_fields(cfg, model_type),
-            image_token_id=image_token,
-        )
 
-    @classmethod
-    def from_dir(cls, model_dir: Path) -> ModelArgs:
-        return cls.from_config(read_config(model_dir / "config.json"))
+def common_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ModelArgs fields every family reads the same way, from a language model's own config (text_config):
+    a family's file (models/) adds or overrides its own, and models.read_args puts the two together."""
+    model_type = cfg["model_type"]
+    # transformers 5 writes rope settings under rope_parameters; hub configs use rope_theta/rope_scaling.
+    rope_params = _global_rope_parameters(cfg)
+    scaling = cfg.get("rope_scaling") or rope_params or None
+    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    heads = cfg["num_attention_heads"]
+    return {
+        "model_type": model_type,
+        "hidden_size": cfg["hidden_size"],
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
+        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        "intermediate_size": cfg["intermediate_size"],
+        "vocab_size": cfg["vocab_size"],
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
+        "rope_scaling": scaling,
+        "rope_freq_factors": tuple(map(float, cfg["rope_freq_factors"])) if cfg.get("rope_freq_factors") else None,
+        "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "attention_bias": bool(cfg.get("attention_bias", False)),
+        "qk_norm": False,
+        "dtype": parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        **window_fields(cfg, model_type),
+    }
 
 
 def _global_rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -175,36 +158,6 @@ def window_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         types = [SLIDING if (i + 1) % pattern else "full_attention" for i in range(n)]
     # Gemma's local layers keep their own rope base even when a config turns the window off (null)
     return {"sliding_window": int(window) if window else None, "layer_types": tuple(types)}
-
-
-def _gemma_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
-    if model_type != "gemma3_text":
-        return {}
-    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
-    return {
-        "rope_local_theta": float(cfg.get("rope_local_base_freq") or local.get("rope_theta") or 10_000.0),
-        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
-        "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
-        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
-    }
-
-
-def _moe_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0.
-    Hub configs say num_experts; transformers 5 writes num_local_experts."""
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-    if model_type != "qwen3_moe" or not experts:
-        return {}
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    dense = set(cfg.get("mlp_only_layers") or [])
-    sparse = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
-    return {
-        "num_experts": int(experts),
-        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
-        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
-        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-        "sparse_layers": sparse,
-    }
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from .cache import KVCache, MixedBatch, StepBatch
-from .config import ModelArgs
 from .loader import load_model
 from .model import ModelSlice
+from .models import read_args_dir
 from .requests import Request
 from .sampling import distribution, draw, greedy
 
@@ -45,7 +45,7 @@ class Drafter:
     def load(cls, draft_dir: Path, target: ModelSlice, num_blocks: int, block_size: int, chunk: int, *,
              dtype: str | torch.dtype | None, device: torch.device, quantize: str | None) -> Drafter:
         """The draft checkpoint at draft_dir; it must share the target's vocabulary (the same tokenizer)."""
-        vocab = ModelArgs.from_dir(draft_dir).vocab_size  # checked before any weight is read
+        vocab = read_args_dir(draft_dir).vocab_size  # checked before any weight is read
         if vocab != target.args.vocab_size:
             raise ValueError(f"draft model {draft_dir.name} has a vocabulary of {vocab} tokens, the target "
                              f"{target.args.vocab_size}: a draft must use the target's tokenizer")

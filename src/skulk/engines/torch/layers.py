@@ -1,4 +1,5 @@
-"""The building blocks of a Llama-family decoder layer (Mistral, Qwen and Gemma 3 too), tensor-parallel ready.
+"""The building blocks of a decoder layer (the family files under models/ put them together), tensor-parallel
+ready.
 
 With tp_size > 1 each rank holds n_heads / tp_size query heads, n_kv_heads / tp_size key/value heads and
 intermediate_size / tp_size MLP columns; q/k/v/gate/up are split by output rows and o_proj/down_proj by input
@@ -106,7 +107,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
+    """Attention over the paged cache. unit_offset: the q/k norms scale by 1 + weight (Gemma's)."""
+
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce, unit_offset: bool = False) -> None:
         super().__init__()
         self.n_heads = args.num_attention_heads // tp_size
         self.n_kv_heads = args.num_key_value_heads // tp_size
@@ -116,9 +119,8 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, hidden, bias=False)
-        gemma = args.is_gemma
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, gemma) if args.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, gemma) if args.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, unit_offset) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, unit_offset) if args.qk_norm else None
         self.scale = args.query_pre_attn_scalar**-0.5 if args.query_pre_attn_scalar else None
         self.softcap = args.attn_logit_softcapping
         self.all_reduce = all_reduce
@@ -244,12 +246,18 @@ class GatedMLP(nn.Module):
 class MLP(GatedMLP):
     """The dense block: a tensor-parallel rank holds intermediate_size / tp_size of it and all-reduces."""
 
-    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
-        super().__init__(args.hidden_size, args.intermediate_size // tp_size, gelu=args.is_gemma)
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce, gelu: bool = False) -> None:
+        super().__init__(args.hidden_size, args.intermediate_size // tp_size, gelu=gelu)
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.all_reduce(self.gated(x))
+
+
+def softcap_logits(logits: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """cap * tanh(logits / cap) when the config sets final_logit_softcapping (Gemma's family file reads it)."""
+    cap = args.final_logit_softcapping
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 class DecoderLayer(nn.Module):

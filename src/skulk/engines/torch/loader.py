@@ -27,10 +27,11 @@ from torch import nn
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import read_config, safetensors_header
 
-from .config import ModelArgs, parse_dtype
+from .config import parse_dtype
 from .gguf_file import open_gguf
 from .layers import AllReduce, Attention, GatedMLP, fuse_projections
 from .model import ModelSlice, tp_split_dim
+from .models import read_args
 from .quant import (
     QuantizedEmbedding,
     QuantizedLinear,
@@ -65,7 +66,7 @@ def load_model(
     while loading (engines/torch/quant.py). Quantized models compute in bfloat16, what the kernels want."""
     config = read_config(model_dir / "config.json")
     quant = quant_spec(config, quantize)
-    args = ModelArgs.from_config(config)
+    args = read_args(config)
     if dtype is not None or quant is not None:
         args = dataclasses.replace(args, dtype=parse_dtype(dtype or torch.bfloat16))
     if quant is not None and torch.device(device).type != "cpu":

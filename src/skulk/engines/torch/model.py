@@ -1,5 +1,5 @@
-"""A decoder (Llama, Qwen, Mistral, Gemma 3, Qwen3-MoE) owning layers [start_layer, end_layer) and one
-tensor-parallel shard.
+"""A decoder of any native family (models/: Llama, Qwen, Mistral, Gemma 3, Qwen3-MoE) owning layers
+[start_layer, end_layer) and one tensor-parallel shard.
 
 The first slice embeds token ids, inner slices map hidden states to hidden states, the last slice applies the
 final norm and lm_head; a slice holding every layer is the whole model. A pipeline stage therefore runs
@@ -21,10 +21,9 @@ from torch import nn
 from . import cpu_kernels
 from .cache import KVCache, MixedBatch, StepBatch
 from .config import ModelArgs
-from .gemma import GemmaDecoderLayer, scale_embeddings, softcap_logits
-from .layers import MLP, AllReduce, DecoderLayer, RMSNorm, Rope, identity
+from .layers import AllReduce, DecoderLayer, RMSNorm, Rope, identity, softcap_logits
 from .matmul import Linear
-from .moe import SparseMoe
+from .models import family_of, make_layer
 
 _COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _ROW_SPLIT = re.compile(r"\.(o_proj|down_proj)\.weight$")
@@ -65,6 +64,7 @@ class ModelSlice(nn.Module):
         end = args.num_hidden_layers if end_layer is None else end_layer
         _check_partition(args, start_layer, end, tp_rank, tp_size)
         self.args, self.start_layer, self.end_layer = args, start_layer, end
+        self.family = family_of(args)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.is_first, self.is_last = start_layer == 0, end == args.num_hidden_layers
         reduce = _rounded(all_reduce, args.dtype) if all_reduce is not None and tp_size > 1 else identity
@@ -73,7 +73,8 @@ class ModelSlice(nn.Module):
             self.layers = nn.ModuleDict(
                 {str(i): make_layer(args, i, tp_size, reduce) for i in range(start_layer, end)}
             )
-            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.is_gemma) if self.is_last else None
+            unit_offset = self.family.norm_unit_offset
+            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, unit_offset) if self.is_last else None
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if self.is_last else None
         if self.lm_head is not None:
             self.lm_head.out_dtype = torch.float32  # logits unrounded: bf16's steps (0.125 near 20) made exact ties
@@ -152,7 +153,7 @@ class ModelSlice(nn.Module):
         """The first slice's input embeddings (Gemma's scaled): a vision model's image rows are replaced in them
         before forward (step.py), which then takes them as hidden states."""
         assert self.embed_tokens is not None
-        return scale_embeddings(self.embed_tokens(ids), self.args)
+        return self.family.scale_embeddings(self.embed_tokens(ids), self.args)
 
     def _contexts(self, batch: StepBatch | MixedBatch, dtype: torch.dtype) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
         """(batch, rope) for full-attention layers and for sliding ones (the windowed batch, the local rope);
@@ -224,16 +225,6 @@ def _rounded(all_reduce: AllReduce, dtype: torch.dtype) -> AllReduce:
         return all_reduce(x.float()).to(dtype)  # o_proj/down_proj's parts come as float32 (no copy); a MoE's are cast
 
     return reduce
-
-
-def make_layer(args: ModelArgs, index: int, tp_size: int, reduce: AllReduce) -> nn.Module:
-    """Layer `index` of the architecture: Gemma 3's four-norm layer, or the Llama-shaped one with a dense MLP
-    or (Qwen3-MoE's sparse layers) a mixture of experts."""
-    sliding = args.is_sliding(index)
-    if args.is_gemma:
-        return GemmaDecoderLayer(args, tp_size, reduce, sliding)
-    mlp = SparseMoe(args, tp_size, reduce) if index in args.sparse_layers else MLP(args, tp_size, reduce)
-    return DecoderLayer(args, tp_size, reduce, mlp, sliding)
 
 
 def _check_partition(args: ModelArgs, start: int, end: int, tp_rank: int, tp_size: int) -> None:

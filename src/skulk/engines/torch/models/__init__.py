@@ -1,0 +1,49 @@
+"""The torch engine's native model families, one file each, registered here by model_type.
+
+A family file (llama.py, gemma3.py, qwen3_moe.py) builds its layers from the shared blocks (layers.py: attention
+over the paged cache, MLPs, norms, rope; moe.py: expert dispatch) and says which config fields it reads beyond
+config.common_fields. This registry is the one list of what runs natively (SUPPORTED_MODEL_TYPES: the catalog's
+native_types, the rest going through the transformers fallback) and the one place a config becomes ModelArgs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from skulk.formats.checkpoint import read_config
+
+from ..config import ModelArgs, common_fields, text_config
+from ..layers import AllReduce
+from . import gemma3, llama, qwen3_moe
+from .family import Family
+
+FAMILIES: dict[str, Family] = {t: f.FAMILY for f in (llama, gemma3, qwen3_moe) for t in f.FAMILY.model_types}
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
+
+
+def family_of(args: ModelArgs) -> Family:
+    return FAMILIES[args.model_type]
+
+
+def read_args(cfg: dict[str, Any]) -> ModelArgs:
+    """ModelArgs from a Hugging Face config.json's dict: a multimodal checkpoint's language model (text_config),
+    the common fields and its family's own. ValueError for a model_type no family here runs."""
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in FAMILIES:
+        raise ValueError(f"unsupported model_type {model_type!r}; torch runs {SUPPORTED_MODEL_TYPES}")
+    image_token = cfg.get("image_token_id", cfg.get("image_token_index")) if cfg.get("vision_config") else None
+    text = text_config({**cfg, "model_type": model_type})
+    family = FAMILIES[text["model_type"]]
+    return ModelArgs(**{**common_fields(text), **family.fields(text)}, image_token_id=image_token)
+
+
+def read_args_dir(model_dir: Path) -> ModelArgs:
+    return read_args(read_config(model_dir / "config.json"))
+
+
+def make_layer(args: ModelArgs, index: int, tp_size: int, reduce: AllReduce) -> nn.Module:
+    """Layer `index` of the architecture, as its family builds it."""
+    return family_of(args).layer(args, index, tp_size, reduce)
