@@ -32,7 +32,6 @@ DEEPSEEK_V3: dict[str, Any] = {  # deepseek-ai/DeepSeek-V3's config.json (the ke
 PUBLISHED: dict[str, dict[str, Any]] = {
     "deepseek-ai/DeepSeek-V3": DEEPSEEK_V3,
     "moonshotai/Kimi-K2-Instruct": {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]},
-    "zai-org/GLM-4.5-Air": {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]},
     "openai/gpt-oss-20b": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
                            "quantization_config": {"quant_method": "mxfp4"}},
     "Qwen/Qwen3-Next-80B-A3B-Instruct": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]},

@@ -94,7 +94,16 @@ class ModelArgs:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[int, ...] = ()
-    """Qwen3-MoE: the layers whose MLP is a sparse mixture of experts."""
+    """The layers whose MLP is a sparse mixture of experts (Qwen3-MoE, GLM-4 MoE)."""
+    n_shared_experts: int = 0
+    """GLM-4 MoE: always-on experts of moe_intermediate_size each beside the routed ones (one MLP of their width)."""
+    n_group: int = 1
+    topk_group: int = 1
+    """Grouped routing (moe.grouped_top_k): experts in n_group groups, only the topk_group best groups eligible."""
+    routed_scaling_factor: float = 1.0
+    rotary_dim: int | None = None
+    """Partial rotary (GLM-4 MoE's partial_rotary_factor): rope turns the first rotary_dim of each head's
+    dimensions; None: all head_dim."""
     image_token_id: int | None = None
     """A vision-language checkpoint's image placeholder token (Gemma 3's <image_soft_token>): the positions whose
     input embedding is the vision tower's output, attending to each other both ways within one image."""

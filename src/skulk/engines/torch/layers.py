@@ -59,7 +59,7 @@ class Rope(nn.Module):
 
     def __init__(self, args: ModelArgs, device: torch.device | str, *, local: bool = False) -> None:
         super().__init__()
-        dim = args.head_dim
+        dim = args.rotary_dim or args.head_dim
         exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
         theta = args.rope_local_theta if local and args.rope_local_theta else args.rope_theta
         inv_freq = 1.0 / (theta**exponents)
@@ -102,8 +102,12 @@ def _scale_frequencies(inv_freq: torch.Tensor, scaling: dict[str, object]) -> to
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1) as roll(x) = cat(x2, x1) times a sin
-    whose first half is negated: the same products bit for bit, in 4 ops instead of 7 (48 calls a step)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+    whose first half is negated: the same products bit for bit, in 4 ops instead of 7 (48 calls a step).
+    A rope narrower than the head (partial rotary) turns the head's first dimensions and passes the rest."""
+    dim = cos.shape[-1]
+    if dim != x.shape[-1]:
+        return torch.cat((_rotate(x[..., :dim], cos, signed_sin), x[..., dim:]), dim=-1)
+    return x * cos + x.roll(dim // 2, -1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -114,6 +118,7 @@ class Attention(nn.Module):
         self.n_heads = args.num_attention_heads // tp_size
         self.n_kv_heads = args.num_key_value_heads // tp_size
         self.head_dim = args.head_dim
+        self.rotary_dim = args.rotary_dim or args.head_dim
         hidden, bias = args.hidden_size, args.attention_bias
         self.q_proj = Linear(hidden, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
@@ -195,8 +200,10 @@ class Attention(nn.Module):
                                             self.scale or self.head_dim**-0.5)
 
     def _decodes_on_kernels(self, x: torch.Tensor, cache: LayerCache) -> bool:
-        """Whether _decode can run: stacked q/k/v, no score softcapping, the kernels loaded, one dtype throughout."""
-        if self.qkv is None or self.softcap or self.head_dim % 8 or self.head_dim > 512:
+        """Whether _decode can run: stacked q/k/v, no score softcapping, rope over the whole head, the kernels
+        loaded, one dtype throughout."""
+        if self.qkv is None or self.softcap or self.head_dim % 8 or self.head_dim > 512 \
+                or self.rotary_dim != self.head_dim:
             return False
         if self.q_norm is not None and self.q_norm.weight.dtype != x.dtype:
             return False
@@ -294,7 +301,7 @@ class DecoderLayer(nn.Module):
         """The layer as skulk_decode_layer reads it (decided once, after loading): the same steps as forward's
         torch path in one call, so a decode step pays Python once per layer, not ~20 times. False where it does
         not apply: a tensor-parallel rank (its all-reduces sit between the steps), a MoE block, CUDA weights,
-        or projections that did not stack."""
+        partial rotary, or projections that did not stack."""
         attn, mlp = self.self_attn, self.mlp
         matrices = [_kernel_matrix(m) for m in (attn.qkv, attn.o_proj, getattr(mlp, "gate_up", None),
                                                 getattr(mlp, "down_proj", None))]
@@ -302,7 +309,8 @@ class DecoderLayer(nn.Module):
         if attn.q_norm is not None and attn.k_norm is not None:
             norms += [attn.q_norm.weight, attn.k_norm.weight]
         usable = (attn.all_reduce is identity and not attn.softcap and attn.head_dim % 8 == 0 and attn.head_dim <= 512
-                  and len({w.dtype for w in norms}) == 1 and norms[0].dtype in _KERNEL_DTYPES)
+                  and attn.rotary_dim == attn.head_dim and len({w.dtype for w in norms}) == 1
+                  and norms[0].dtype in _KERNEL_DTYPES)
         if not usable or not isinstance(mlp, MLP) or any(m is None for m in matrices):
             self._native = False
             return False

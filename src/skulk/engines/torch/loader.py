@@ -212,9 +212,12 @@ def _stacked_destinations(model: ModelSlice, expected: dict[str, tuple[int, ...]
                           device: torch.device) -> dict[str, torch.Tensor]:
     """Where each parameter is read to (new tensors are allocated, not yet touched): the float projections that
     fuse_projections stacks get consecutive rows of one buffer, which it then keeps as the stacked weight
-    instead of copying them (matmul.stack_rows); the others a buffer each."""
+    instead of copying them (matmul.stack_rows); the others a buffer each, in float32 where a module keeps it so
+    (its float32_tensors: a MoE router's correction bias, moe.SigmoidRouter)."""
     out: dict[str, torch.Tensor] = {}
+    kept: set[str] = set()
     for name, module in model.named_modules():
+        kept.update(f"{name}.{tensor}" for tensor in getattr(module, "float32_tensors", ()))
         parts = next((p for kind, p in _STACKED.items() if isinstance(module, kind)), None)
         for suffix in ("weight", "bias") if parts else ():
             keys = [f"{name}.{part}.{suffix}" for part in parts or ()]
@@ -224,7 +227,8 @@ def _stacked_destinations(model: ModelSlice, expected: dict[str, tuple[int, ...]
             buffer = torch.empty((sum(rows), *expected[keys[0]][1:]), dtype=dtype, device=device)
             for key, block in zip(keys, buffer.split(rows), strict=True):
                 out[key] = block
-    return {param: out[param] if param in out else torch.empty(shape, dtype=dtype, device=device)
+    return {param: out[param] if param in out else
+            torch.empty(shape, dtype=torch.float32 if param in kept else dtype, device=device)
             for param, shape in expected.items()}
 
 

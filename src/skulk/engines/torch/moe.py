@@ -1,5 +1,6 @@
-"""Qwen3-MoE's sparse mixture-of-experts block: a router picks num_experts_per_tok experts per token, whose
-SwiGLU outputs are summed with the router's weights.
+"""Sparse mixture-of-experts blocks: a router picks num_experts_per_tok experts per token, whose SwiGLU outputs
+are summed with the router's weights. SparseMoe is Qwen3-MoE's (softmax router); GroupedMoe is GLM-4 MoE's and
+DeepSeek V3's (sigmoid scores, a correction bias choosing, grouped top-k, always-on shared experts).
 
 Tensor parallel: every rank holds a slice of every expert (gate/up split by rows, down by columns, as the dense
 MLP), and the replicated router makes the same choice on every rank, so each rank's sum is a partial sum of the
@@ -28,10 +29,10 @@ class Expert(GatedMLP):
 class SparseMoe(nn.Module):
     """The block as Qwen3-MoE checkpoints name it: mlp.gate (the router) and mlp.experts.N.{gate,up,down}_proj."""
 
-    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce, router: nn.Module | None = None) -> None:
         super().__init__()
         self.top_k, self.normalize = args.num_experts_per_tok, args.norm_topk_prob
-        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
+        self.gate = router if router is not None else Linear(args.hidden_size, args.num_experts, bias=False)
         inter = args.moe_intermediate_size // tp_size
         self.experts = nn.ModuleList(Expert(args.hidden_size, inter) for _ in range(args.num_experts))
         self.all_reduce = all_reduce
@@ -47,9 +48,13 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        weights, chosen = self.route(flat)
+        return self.all_reduce(self.mix(flat, *self.route(flat)).view(x.shape))
+
+    def mix(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each row's picked experts' outputs times their weights, summed in the activations' dtype (each product
+        rounded to it before the add, as transformers adds them)."""
         if flat.shape[0] == 1:
-            return self.all_reduce(self._one_token(flat, weights[0], chosen[0]).view(x.shape))
+            return self._one_token(flat, weights[0], chosen[0])
         picks = chosen.reshape(-1)
         order = picks.argsort(stable=True)
         token = order // self.top_k
@@ -63,12 +68,74 @@ class SparseMoe(nn.Module):
                 y = self.experts[expert](flat[rows]) * weight[start : start + count]
                 out.index_add_(0, rows, y.to(out.dtype))
                 start += count
-        return self.all_reduce(out.view(x.shape))
+        return out
 
     def _one_token(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """A single-token decode: its k experts in ascending order (the order a batch sums them in), without
         the sort, gather and scatter a batch needs."""
         out = torch.zeros_like(flat)
         for weight, expert in sorted(zip(weights.unbind(), chosen.tolist(), strict=True), key=lambda p: p[1]):
-            out += self.experts[expert](flat) * weight
+            out += (self.experts[expert](flat) * weight).to(out.dtype)
         return out
+
+
+class SigmoidRouter(nn.Module):
+    """mlp.gate as GLM-4 MoE and DeepSeek V3 checkpoints name it: a weight [experts, hidden] (no Linear: it is
+    never quantized) and the e_score_correction_bias that shifts which experts are chosen, not their weights.
+    Logits in float32, as transformers keeps the router; the bias stays float32 whatever the model's dtype
+    (float32_tensors: the loader reads it so), since rounding it would change which experts run."""
+
+    float32_tensors = ("e_score_correction_bias",)
+
+    def __init__(self, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+        self.e_score_correction_bias: torch.Tensor
+        self.register_buffer("e_score_correction_bias", torch.empty(experts, dtype=torch.float32))
+
+    def forward(self, flat: torch.Tensor) -> torch.Tensor:
+        return F.linear(flat.float(), self.weight.float())
+
+
+def grouped_top_k(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                  normalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k] float32, expert ids [N, k]) from sigmoid scores [N, experts]: choose by score + bias
+    among the experts of the topk_group groups whose two best biased scores sum highest, weigh by the unbiased
+    score, optionally renormalised, times scale. transformers' Glm4MoeTopkRouter / DeepSeek V3's noaux_tc."""
+    n, experts = scores.shape
+    choice = scores + bias
+    group_scores = choice.view(n, n_group, experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    groups = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    keep = keep.unsqueeze(-1).expand(n, n_group, experts // n_group).reshape(n, experts)
+    chosen = choice.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, chosen)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, chosen
+
+
+class GroupedMoe(SparseMoe):
+    """GLM-4 MoE's block (DeepSeek V3's too): a SigmoidRouter choosing by grouped top-k, the routed experts as
+    SparseMoe runs them, plus mlp.shared_experts, one SwiGLU of n_shared_experts x moe_intermediate_size that
+    every token runs. Tensor parallel: the shared experts split like the dense MLP; the block's one all_reduce
+    completes routed and shared partial sums together."""
+
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
+        super().__init__(args, tp_size, all_reduce, SigmoidRouter(args.hidden_size, args.num_experts))
+        self.n_group, self.topk_group, self.scale = args.n_group, args.topk_group, args.routed_scaling_factor
+        shared = args.moe_intermediate_size * args.n_shared_experts // tp_size
+        self.shared_experts = Expert(args.hidden_size, shared) if shared else None
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights stay float32: transformers multiplies each expert's output by them before rounding."""
+        assert isinstance(self.gate, SigmoidRouter)
+        return grouped_top_k(self.gate(flat).sigmoid(), self.gate.e_score_correction_bias, self.top_k,
+                             self.n_group, self.topk_group, self.normalize, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = self.mix(flat, *self.route(flat))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return self.all_reduce(out.view(x.shape))
