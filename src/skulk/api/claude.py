@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
@@ -24,7 +24,7 @@ from skulk.api.chat_options import (
     unmet_tool_choice,
 )
 from skulk.api.chat_session import ChatSession, start_chat
-from skulk.api.disconnect import unless_disconnected
+from skulk.api.disconnect import Stream, unless_disconnected
 from skulk.api.errors import claude_error, claude_error_body, text_only_error
 from skulk.api.generation import GenerationFailed, collect, piece_batches
 from skulk.api.images import checked_images
@@ -259,7 +259,7 @@ def claude_router(node: ApiServices) -> APIRouter:
             session = await start_chat(node, chat)
         except ApiError as exc:
             return claude_error(exc)
-        return StreamingResponse(_events(session, body.model, tool_family(node, chat), forced_tool(chat)),
+        return Stream(_events(session, body.model, tool_family(node, chat), forced_tool(chat)),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from skulk import __version__
 from skulk.api.chat_options import tool_family
 from skulk.api.chat_session import ChatSession, start_chat
 from skulk.api.claude import parse_body
-from skulk.api.disconnect import unless_disconnected
+from skulk.api.disconnect import Stream, unless_disconnected
 from skulk.api.embeddings import embed_for_ollama, legacy_embedding_for_ollama
 from skulk.api.errors import ollama_error
 from skulk.api.generation import Finished, GenerationFailed, Piece, collect, piece_batches
@@ -208,7 +208,7 @@ async def _generate(node: ApiServices, http: Request, kind: type[Body], shape: S
         session = await start_chat(node, chat)
     except ApiError as exc:
         return ollama_error(exc)
-    return StreamingResponse(_ndjson(session, body.model, shape, tool_family(node, chat), started),
+    return Stream(_ndjson(session, body.model, shape, tool_family(node, chat), started),
                              media_type="application/x-ndjson")
 
 

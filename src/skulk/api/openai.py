@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from skulk.api import sse
@@ -21,7 +21,7 @@ from skulk.api.chat_options import (
     unmet_tool_choice,
 )
 from skulk.api.chat_session import ChatSession, start_chat
-from skulk.api.disconnect import unless_disconnected
+from skulk.api.disconnect import Stream, unless_disconnected
 from skulk.api.errors import claude_error, openai_error
 from skulk.api.generation import GenerationFailed, collect, piece_batches
 from skulk.api.model_facts import modified, not_served, rfc3339, served_cards
@@ -247,7 +247,7 @@ def openai_router(node: ApiServices) -> APIRouter:
         body, family = _prepared(node, body)
         if body.stream:
             session = await start_chat(node, body)
-            return StreamingResponse(
+            return Stream(
                 _stream_events(session, body, family),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from skulk.api import sse
 from skulk.api.chat_session import ChatSession, start_chat
-from skulk.api.disconnect import unless_disconnected
+from skulk.api.disconnect import Stream, unless_disconnected
 from skulk.api.generation import Finished, GenerationFailed, collect, piece_batches
 from skulk.api.openapi import documented
 from skulk.api.response_peers import ClusterResponses, internal_router
@@ -132,7 +132,7 @@ def responses_router(node: ApiServices) -> APIRouter:
         if not body.stream:
             return await unless_disconnected(http, _completion(node, body))
         session = await start_chat(node, completion_to_chat(body))
-        return StreamingResponse(_completion_events(session, body), media_type="text/event-stream",
+        return Stream(_completion_events(session, body), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
     @router.post("/v1/responses", response_model=None,
@@ -140,7 +140,7 @@ def responses_router(node: ApiServices) -> APIRouter:
     async def responses(body: ResponsesRequest, http: Request) -> Response:
         if not body.stream:
             return await unless_disconnected(http, _response(node, body, store))
-        return StreamingResponse(await start_response_stream(node, body, store), media_type="text/event-stream",
+        return Stream(await start_response_stream(node, body, store), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
     @router.get("/v1/responses/{response_id}", response_model=None, responses=documented(ResponseAnswer, 404))
