@@ -57,8 +57,8 @@ def test_a_short_request_behind_long_ones_finishes_within_its_share(
     engine = TorchEngine(demo_dir, max_seq=256, max_batch=BATCH, block_size=16, kv_cache_bytes=kv_cache_bytes)
     engine.fault_hook = never_ending
     preempted: list[str] = []
-    preempt = engine._preempt  # pyright: ignore[reportPrivateUsage]
-    monkeypatch.setattr(engine, "_preempt", lambda p: (preempted.append(p.request_id), preempt(p))[1])
+    preempt = engine.scheduler.preempt
+    monkeypatch.setattr(engine.scheduler, "preempt", lambda p: (preempted.append(p.request_id), preempt(p))[1])
     ahead = 4
     for i in range(ahead):
         engine.add_request(f"long{i}", prompt(long_prompt, salt=i), LONG)

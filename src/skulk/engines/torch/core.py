@@ -2,9 +2,12 @@
 allocator, the link to the other ranks, the queue and the running rows.
 
 TorchEngine is a stack of classes, each adding one concern on top of the ones below it (dependencies point down):
-core.EngineCore (state) <- admission.Admission (headers, admission, preemption, blocks) <- step.Step (the forward
-pass of a step on every rank, and sharing its tokens) <- local_step.LocalStep (single-rank speculative steps) <-
-engine.TorchEngine (the Engine protocol). They are split for size only; an engine is always the whole stack.
+core.EngineCore (state) <- flight.Flight (a Pipeline's steps in flight) <- admission.Admission (sending and
+applying headers) <- step.Step (the forward pass of a step on every rank, and sharing its tokens) <-
+local_step.LocalStep (single-rank speculative steps) <- engine.TorchEngine (the Engine protocol). They are split for
+size only; an engine is always the whole stack. The request bookkeeping (queue, running rows, block tables, prefix
+sharing, preemption) is a torch-free scheduler.Scheduler the core holds; `_pending`, `_running`, `blocks`,
+`local_blocks` and `preemptions` read it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from .model import ModelSlice
 from .pace import module_bytes
 from .requests import FaultHook, Request
 from .schedule import pool_blocks
+from .scheduler import Scheduler
 from .tokenizer import ChatTokenizer
 from .vision import VisionInput, VisionTower
 from .wire import NewRequest, Release, RequestEvent
@@ -124,10 +128,13 @@ class EngineCore:
         self.local_window = hybrid_window(args.sliding_window, sliding)  # a hybrid model's sliding group; 0: none
         num_blocks, local_blocks = self._pool_sizes(kv_cache_bytes)
         self._agree = world_size > 1  # a group agrees on one pool size at its first step (_agree_pool)
-        self.blocks = BlockAllocator(num_blocks, block_size)
-        self.local_blocks = BlockAllocator(local_blocks, block_size) if local_blocks else None
         every_layer_slides = all(sliding)
         self.window = (args.sliding_window or 0) if every_layer_slides else 0  # blocks behind it are freed
+        self.is_scheduler, self.is_sampler = rank == 0, rank == world_size - 1
+        self.scheduler: Scheduler[Request] = Scheduler(
+            BlockAllocator(num_blocks, block_size), BlockAllocator(local_blocks, block_size) if local_blocks else None,
+            max_batch=max_batch, prefill_chunk=prefill_chunk, window=self.window, local_window=self.local_window,
+            leads=self.is_scheduler, share_prefixes=self.share_prefixes)
         self.speculate = speculate and world_size == 1 and os.environ.get(SPECULATE_ENV, "1") not in OFF
         self.cache = self._make_cache()
         self.drafter: Drafter | None = None
@@ -139,17 +146,13 @@ class EngineCore:
         self._model_dir, self._tower_dtype = model_dir, self.model.args.dtype
         self._tower: VisionTower | None = None
         self._visions: dict[str, VisionInput] = {}  # rank 0: added requests' image embeddings, until released
-        self.is_scheduler, self.is_sampler = rank == 0, rank == world_size - 1
         self.needs_ids = tensor or rank == 0  # who embeds token ids
         self.link: Link = LocalLink() if world_size == 1 else GroupLink(rank, world_size, kind, control_group)
         self.on_phase: PhaseHook | None = None
         self.closed = False
         self.fault_hook: FaultHook | None = None
-        self._pending: deque[Request] = deque()
-        self._running: list[Request] = []  # index == batch row, identical on every rank
         self._adds: list[NewRequest] = []  # rank 0: for the next header
         self._releases: list[Release] = []  # rank 0: for the next header
-        self.preemptions = 0  # requests preempted (and later resumed) since start
         # speculative draft tokens proposed and accepted over the engine's life, added once per request at its
         # release (never per token); kv_usage reports them, so GET /metrics reads them from the flight recorder
         self.spec_drafted = 0
@@ -163,6 +166,40 @@ class EngineCore:
         self._chunk_done = 0  # prompt tokens the last prefill step computed
         self._step_rows: tuple[int, int] | None = None  # the running rows this step decodes (None: all)
         self._unseeded = torch.Generator(device=self.device).manual_seed(secrets.randbits(63))
+
+    # The scheduler's state, under the names the rest of the stack reads it by.
+
+    @property
+    def blocks(self) -> BlockAllocator:
+        """The full group's block allocator (the scheduler's)."""
+        return self.scheduler.blocks
+
+    @blocks.setter
+    def blocks(self, value: BlockAllocator) -> None:
+        self.scheduler.blocks = value
+
+    @property
+    def local_blocks(self) -> BlockAllocator | None:
+        """A hybrid model's sliding group's block allocator (None: a model of one group)."""
+        return self.scheduler.local_blocks
+
+    @local_blocks.setter
+    def local_blocks(self, value: BlockAllocator | None) -> None:
+        self.scheduler.local_blocks = value
+
+    @property
+    def _pending(self) -> deque[Request]:
+        return self.scheduler.pending
+
+    @property
+    def _running(self) -> list[Request]:
+        """Index == batch row, identical on every rank."""
+        return self.scheduler.running
+
+    @property
+    def preemptions(self) -> int:
+        """Requests preempted (and later resumed) since start."""
+        return self.scheduler.preemptions
 
     def _pool_sizes(self, kv_bytes: int | None) -> tuple[int, int]:
         """(blocks, local blocks): the block pool's size (schedule.pool_blocks), or a hybrid model's two pools'

@@ -23,9 +23,10 @@ Pipeline: rank r owns [start_layer, end_layer); hidden states go rank to rank, t
 [token, finished, failed] per row back to rank 0. Tensor: every rank runs all layers on its shard with a real
 all_reduce; the last rank samples and broadcasts. Only the sampler's step() returns TokenOuts.
 
-The class is a stack split by concern (core.py's docstring lists it): core (state and construction), admission
-(headers, admission, preemption, blocks), step (the forward pass of each step kind on every rank), local_step
-(single-rank speculative steps), and this module (the Engine protocol and step()'s dispatch).
+The class is a stack split by concern (core.py's docstring lists it): core (state and construction), flight (a
+Pipeline's steps in flight), admission (sending and applying headers), step (the forward pass of each step kind on
+every rank), local_step (single-rank speculative steps), and this module (the Engine protocol and step()'s
+dispatch). The scheduling decisions themselves (admission, preemption, block tables) are scheduler.py's, pure.
 """
 
 from __future__ import annotations

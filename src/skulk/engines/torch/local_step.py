@@ -8,7 +8,6 @@ import torch
 
 from skulk.engines.base import TokenOut
 
-from .blocks import blocks_for
 from .cache import MixedBatch, StepBatch
 from .drafter import DRAFT_TOKENS, Draws
 from .model import MIXED_STACK_ROWS
@@ -49,10 +48,8 @@ class LocalStep(Step):
             draft = req.lookup.propose(req.tokens(), limit) if self.drafter is None else []
             limit = limit if self.drafter is not None and req.lookup.worth_it() else len(draft)
             limits.append(max(0, limit))
-            free -= max(0, blocks_for(req.length + 1 + limits[-1], self.block_size) - len(req.table))
-            while len(req.table) < blocks_for(req.length + 1 + limits[-1], self.block_size):
-                req.table.append(self.blocks.allocate())  # the draft writes there before the target does
-            local_free -= self._grow_local(req, req.length + 1 + limits[-1])
+            took, local_took = self.scheduler.reserve(req, req.length + 1 + limits[-1])
+            free, local_free = free - took, local_free - local_took
             drafts.append(draft)
         draws: list[Draws] = [None] * len(running)
         if self.drafter is not None:
@@ -69,9 +66,7 @@ class LocalStep(Step):
         parts, ids = [], []
         for req, draft in zip(self._running, drafts, strict=True):
             tokens = [req.last_token, *draft]
-            while len(req.table) < blocks_for(req.length + len(tokens), self.block_size):
-                req.table.append(self.blocks.allocate())
-            self._grow_local(req, req.length + len(tokens))
+            self.scheduler.reserve(req, req.length + len(tokens))
             ids += tokens
             table = torch.tensor([req.table], dtype=torch.int32, device=self.device)
             positions = torch.arange(req.length, req.length + len(tokens), device=self.device).unsqueeze(0)
@@ -98,16 +93,6 @@ class LocalStep(Step):
             outs += self._emit(req, rows, tokens)
             at += len(draft) + 1
         return outs
-
-    def _grow_local(self, req: Request, positions: int) -> int:
-        """A hybrid model's sliding table takes the blocks of its first `positions` positions; how many it took."""
-        if self.local_blocks is None:
-            return 0
-        took = 0
-        while len(req.local) < blocks_for(positions, self.block_size):
-            req.local.append(self.local_blocks.allocate())
-            took += 1
-        return took
 
     def _emit(self, req: Request, rows: torch.Tensor, tokens: list[int]) -> list[TokenOut]:
         """Accept tokens[j] (chosen from rows[j]'s logits) one by one as a decode step would, until one finishes."""

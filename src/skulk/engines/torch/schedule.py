@@ -16,7 +16,7 @@ from skulk import memory_limit
 from skulk.engines.kv_pools import DEFAULT_KV_FRACTION
 
 from .blocks import blocks_for
-from .wire import MAX_ADMITS, StepKind
+from .header import MAX_ADMITS, StepKind
 
 MIN_CHUNK = 4
 """The smallest chunk riding on running streams' decode step. Below MIXED_STACK_ROWS a chunk token costs about the

@@ -8,7 +8,7 @@ rank of a Pipeline receives hidden states as for any prompt. Every rank finds th
 prompt itself (runs of the image token), because Gemma 3 lets an image's tokens attend to each other both ways
 (image_spans; cache.StepBatch's mask) and those runs are the same on every rank.
 
-A request with images neither shares nor publishes cached blocks (admission.py): two different images have the
+A request with images neither shares nor publishes cached blocks (scheduler.py): two different images have the
 same placeholder tokens, so a block keyed by its tokens could hand one image's keys and values to another.
 """
 

@@ -1,6 +1,6 @@
 """The block tables of sliding-window layers: which blocks a request's window still needs, and a hybrid model's second
 layer group (Gemma 3's sliding layers beside its global ones, engines/kv_pools.py). Pure functions over tables and
-allocators; admission.py calls them on every rank in the same order.
+allocators; scheduler.py calls them on every rank in the same order.
 
 The sliding group's table is indexed like the full group's (position p in entry p // block_size), its entries behind
 the window NO_BLOCK: a request holds at most window_blocks of them at a decode step, however long it runs. Its blocks
