@@ -323,3 +323,22 @@ def test_a_speculative_step_reserves_the_blocks_its_draft_writes(length: int, he
     assert len(r.local) == taken[1]
     assert (s.blocks.available, s.local_blocks.available if s.local_blocks else 0) == (before[0] - taken[0],
                                                                                       before[1] - taken[1])
+
+
+def test_a_preemption_waits_for_the_steps_in_flight() -> None:
+    """Rank 0 of a Pipeline drains the steps in flight before it preempts (the victim's tokens must all be back, and
+    a finished row may free blocks): the scheduler asks `drain` first, and preempts only once nothing is left."""
+    s = scheduler(4, size=4)
+    compute(s, lead(s, [new("a", [1, 2, 3], 20), new("b", [4, 5, 6], 20)]).header)
+    while not s.short_of_blocks():
+        compute(s, lead(s).header)
+    asked: list[bool] = []
+
+    def drain() -> bool:
+        asked.append(len(asked) < 2)  # two steps in flight, then none
+        return asked[-1]
+
+    changes = Header(StepKind.HEARTBEAT)
+    done = s.schedule(changes, lambda: StepPlan(True, 8), drain)
+    assert asked == [True, True, False]
+    assert [p.request_id for p in done.header.preempts] == ["b"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
 from . import windows
@@ -152,12 +152,13 @@ class Scheduler(Generic[S]):
         self.drop_local()
         preempts = self._plan_preemptions(drain)
         step = plan()
-        admits, copies, scheduled = self._admit_pending(step.chunk)
+        done = self._admit_pending(step.chunk)
         self.grow(step.chunk)
         kind = next_kind(prefilling=bool(self.rests()), decoding=step.decoding)
         chunk = step.chunk if kind in (StepKind.PREFILL, StepKind.MIXED) else 0
-        scheduled.header = Header(kind, changes.adds, changes.releases, chunk, admits, preempts, copies, step.rows)
-        return scheduled
+        done.header = replace(done.header, kind=kind, adds=changes.adds, releases=changes.releases, chunk=chunk,
+                              preempts=preempts, rows=step.rows)
+        return done
 
     def short_of_blocks(self) -> bool:
         """Whether the running requests' next step needs more blocks than a pool has (a hybrid model's sliding pool
@@ -186,13 +187,12 @@ class Scheduler(Generic[S]):
             preempts.append(preempt)
         return tuple(preempts)
 
-    def _admit_pending(self, chunk: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, int], ...],
-                                                  Scheduled[S]]:
+    def _admit_pending(self, chunk: int) -> Scheduled[S]:
         """Admit pending requests in queue order while this step's chunk outlasts the prompts already being
         prefilled (schedule.can_admit) and the pool has blocks for the whole prompt beside the running requests'
         growth; each shares the cached blocks of its longest cached prefix and copies the block holding most of
         its next tokens (_tail_source). The header carries those blocks per admission and every other rank
-        repeats the admissions in order, so block tables stay identical."""
+        repeats the admissions in order, so block tables stay identical. The header returned carries only them."""
         admits: list[tuple[int, ...]] = []
         copies: list[tuple[int, int]] = []
         done: Scheduled[S] = Scheduled(Header(StepKind.HEARTBEAT))
@@ -213,7 +213,9 @@ class Scheduler(Generic[S]):
             rests.append(len(req.prompt) - req.length)
             if self.local_blocks is not None:
                 local_reserve += windows.local_growth([req], chunk, self.block_size)
-        return tuple(admits), tuple(copies) if any(c != NO_COPY for c in copies) else (), done
+        done.header = Header(StepKind.HEARTBEAT, admits=tuple(admits),
+                             copies=tuple(copies) if any(c != NO_COPY for c in copies) else ())
+        return done
 
     def _fit(self, head: S, chunk: int, reserve: int, local_reserve: int
              ) -> tuple[tuple[int, ...], tuple[int, int]] | None:
