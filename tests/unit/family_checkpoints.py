@@ -62,12 +62,17 @@ MORE: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 
 def write(name: str, root: Path, demo: Path) -> Path:
+    return with_tokenizer(write_model(name, root), demo)
+
+
+def write_model(name: str, root: Path, **overrides: Any) -> Path:
+    """The family's seeded random checkpoint (config and safetensors, no tokenizer) in root/name."""
     import torch
     import transformers
 
     config_cls, model_cls, shape = (FAMILIES | MORE)[name]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**(COMMON | shape))
+    config = getattr(transformers, config_cls)(**(COMMON | shape | overrides))
     model = getattr(transformers, model_cls)(config).float().eval()
     if name == "deepseek_v3":  # the router's correction bias spread, so experts are not picked by ties
         with torch.no_grad():
@@ -75,7 +80,7 @@ def write(name: str, root: Path, demo: Path) -> Path:
                 if key.endswith("e_score_correction_bias"):
                     tensor.normal_(0, 0.1)
     model.save_pretrained(root / name)
-    return with_tokenizer(root / name, demo)
+    return root / name
 
 
 def reference(path: Path) -> dict[str, tuple[list[int], list[float]]]:

@@ -21,16 +21,14 @@ from typing import Any
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from safetensors.torch import save_file
 
 from skulk.engines.torch.gguf_file import PERMUTED_ARCHS, hf_name, read_layout, unpermute_order
 from skulk.formats.checkpoint import read_config
 from skulk.models.gguf_import import GGUF_NAME
+from skulk.models.shards import write_safetensors
 
 EXPORT_DIR = "bf16-export"
 """The checkpoint's folder inside the import's directory."""
-SHARD_BYTES = 2 << 30
-"""Tensors are written in files of about this size, so converting a large model never holds it all at once."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
 _HEADS = {"attn_q": "heads", "attn_k": "kv_heads"}
@@ -74,24 +72,7 @@ def export_bf16(model_dir: Path, out: Path) -> None:
     layout = config.pop("gguf", None) or read_layout(gguf)
     config.pop("quantization", None)
     config["torch_dtype"] = "bfloat16"
-    weight_map: dict[str, str] = {}
-    shard: dict[str, torch.Tensor] = {}
-    size = 0
-    files: list[dict[str, torch.Tensor]] = []
-    for name, values in bf16_tensors(gguf, layout):
-        shard[name] = values
-        size += values.numel() * 2
-        if size >= SHARD_BYTES:
-            files.append(shard)
-            shard, size = {}, 0
-    files.append(shard)
-    for i, tensors in enumerate(files):
-        file = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, file))
-    if len(files) > 1:
-        index = {"metadata": {}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    write_safetensors(bf16_tensors(gguf, layout), out)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():

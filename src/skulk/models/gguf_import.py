@@ -33,6 +33,8 @@ GGUF_BACKENDS: list[BackendTag] = ["torch", "torch-cpu", "torch-cuda", "mlx", "m
 """The torch engine reads GGUF blocks (engines/torch/gguf_file.py); an MLX rank loads the file's bf16 export
 (models/gguf_export.py), except for Llama 3 rope scaling (rope_freqs), which that export cannot carry."""
 TORCH_BACKENDS: list[BackendTag] = [t for t in GGUF_BACKENDS if t.startswith("torch")]
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+"""llama.cpp architectures the torch engine runs from the file's own blocks (engines/torch/gguf_file.py)."""
 GROUP = 32
 """Every GGUF block type maps onto affine groups of 32 columns (engines/torch/gguf_file.py)."""
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -52,32 +54,32 @@ def default_model_id(gguf_path: Path) -> str:
 
 def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, *, copy: bool = False) -> ModelCard:
     """Stage gguf_path as model_id under models_dir (written whole, then renamed) and return its card.
-    The GGUF file is hard-linked when it can be, else symlinked (copy=False) or copied. NotGGUF for a file
-    that is not one, or that the engine cannot run; InvalidModelFile for a header out of bounds (checked before
-    transformers reads a byte of it: skulk.formats.gguf_header)."""
-    from skulk.formats.gguf_header import check_gguf
+    A file of a family the torch engine runs natively (NATIVE_ARCHS) stays a GGUF file, hard-linked when it can
+    be, else symlinked (copy=False) or copied; one of DEQUANTIZED_ARCHS becomes the Hugging Face checkpoint
+    the transformers fallback and mlx-lm load (models/gguf_moe.py), and the file is not kept. NotGGUF for a
+    file that is not one, or of an architecture no engine here runs (named); InvalidModelFile for a header
+    out of bounds (checked before transformers reads a byte of it: skulk.formats.gguf_header)."""
+    from skulk.engines.torch.gguf_file import read_layout
+    from skulk.models.gguf_moe import DEQUANTIZED_ARCHS
 
     if not is_gguf(gguf_path):
         raise NotGGUF(f"{gguf_path} is not a GGUF file")
-    check_gguf(gguf_path)
+    layout = read_layout(gguf_path)
+    arch = str(layout["arch"])
+    if arch not in NATIVE_ARCHS + DEQUANTIZED_ARCHS:
+        raise NotGGUF(f"{gguf_path.name}: llama.cpp architecture {arch!r} is not one Skulk runs from GGUF "
+                      f"(it imports {', '.join(NATIVE_ARCHS + DEQUANTIZED_ARCHS)})")
     model_id = model_id or default_model_id(gguf_path)
     target = models_dir / model_dir_name(model_id)
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-gguf-", dir=models_dir))
     try:
-        _place_file(gguf_path.resolve(), tmp / GGUF_NAME, copy=copy)
-        config = gguf_config(tmp / GGUF_NAME)
-        _write_json(tmp / "config.json", config)
-        _write_tokenizer(tmp)
-        card = card_from_config(model_id, config, gguf_path.stat().st_size)
-        card = card.model_copy(update=dict(zip(("layer_bytes", "head_bytes"), stored_decode_bytes(config["gguf"]),
-                                               strict=True)))
-        if "rope_freq_factors" in config:
-            card = card.model_copy(update={"compatible_backends": TORCH_BACKENDS})
+        if arch in DEQUANTIZED_ARCHS:  # the file is read once, where it is, for its tensors and tokenizer
+            _place_file(gguf_path.resolve(), tmp / GGUF_NAME, copy=False)
+            card = _import_checkpoint(tmp, model_id, layout)
         else:
-            card = card.model_copy(update={"compatible_backends": GGUF_BACKENDS,
-                                           "mlx_storage_size": Memory.from_bytes(
-                                               bf16_export_bytes(tmp / GGUF_NAME, config["gguf"]))})
+            _place_file(gguf_path.resolve(), tmp / GGUF_NAME, copy=copy)
+            card = _import_native(tmp, model_id, layout)
         tmp.chmod(0o755)
         if target.exists():
             shutil.rmtree(target)
@@ -86,6 +88,34 @@ def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, 
         shutil.rmtree(tmp, ignore_errors=True)
     write_marker(target, model_id, {p.name: p.stat().st_size for p in target.iterdir() if p.is_file()})
     return card
+
+
+def _import_native(folder: Path, model_id: str, layout: dict[str, Any]) -> ModelCard:
+    """config.json and the tokenizer beside the file the torch engine reads; an MLX rank loads its bf16 export."""
+    config = gguf_config(folder / GGUF_NAME, layout)
+    _write_json(folder / "config.json", config)
+    _write_tokenizer(folder)
+    card = card_from_config(model_id, config, int(layout["size"]))
+    card = card.model_copy(update=dict(zip(("layer_bytes", "head_bytes"), stored_decode_bytes(config["gguf"]),
+                                           strict=True)))
+    if "rope_freq_factors" in config:
+        return card.model_copy(update={"compatible_backends": TORCH_BACKENDS})
+    return card.model_copy(update={"compatible_backends": GGUF_BACKENDS, "mlx_storage_size": Memory.from_bytes(
+        bf16_export_bytes(folder / GGUF_NAME, config["gguf"]))})
+
+
+def _import_checkpoint(folder: Path, model_id: str, layout: dict[str, Any]) -> ModelCard:
+    """The dequantized checkpoint, config and tokenizer; the card is card_from_config's for it (the engines
+    that run the family, its bytes those written) and the staged link to the file goes."""
+    from skulk.models.gguf_moe import UnreadableMetadata, write_checkpoint
+
+    try:
+        config, sizes = write_checkpoint(folder / GGUF_NAME, folder, layout)
+    except UnreadableMetadata as exc:
+        raise NotGGUF(f"{model_id}: {exc}") from exc
+    _write_tokenizer(folder, known_arch=False)
+    (folder / GGUF_NAME).unlink()
+    return card_from_config(model_id, config, sum(p.stat().st_size for p in folder.glob("*.safetensors")), sizes)
 
 
 def stored_decode_bytes(layout: dict[str, Any]) -> tuple[int, int]:
@@ -134,9 +164,9 @@ def _place_file(source: Path, dest: Path, *, copy: bool) -> None:
         dest.symlink_to(source)
 
 
-def gguf_config(path: Path) -> dict[str, Any]:
+def gguf_config(path: Path, layout: dict[str, Any] | None = None) -> dict[str, Any]:
     """A Hugging Face config.json for the file (transformers' reading of its metadata), in bfloat16, with the
-    quantization section our loader reads."""
+    quantization section our loader reads (layout: read_layout's, where the caller has read it)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from skulk.engines.torch.gguf_file import GGUFCheckpoint, read_layout, rope_freq_factors
@@ -150,7 +180,7 @@ def gguf_config(path: Path) -> dict[str, Any]:
     config["model_type"] = model_type
     config["architectures"] = [_ARCHITECTURES.get(model_type, "LlamaForCausalLM")]
     config["torch_dtype"] = "bfloat16"
-    layout = read_layout(path)
+    layout = layout or read_layout(path)
     for key, value in layout["config"].items():  # what transformers' mapping of this architecture left out
         config.setdefault(key, value)
     config["gguf"] = layout
@@ -169,13 +199,16 @@ def gguf_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _write_tokenizer(folder: Path) -> None:
+def _write_tokenizer(folder: Path, *, known_arch: bool = True) -> None:
     """tokenizer.json and tokenizer_config.json (with the file's chat template) from the file's tokenizer
-    metadata, and generation_config.json with its end-of-turn ids."""
-    from transformers import AutoTokenizer
+    metadata, and generation_config.json with its end-of-turn ids. AutoTokenizer reads the file's config
+    first, which transformers refuses for an architecture its GGUF mapping does not know (known_arch=False):
+    the fast tokenizer is then built from the tokenizer metadata alone."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    reader: Any = AutoTokenizer if known_arch else PreTrainedTokenizerFast
     try:
-        tok: Any = AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_NAME, local_files_only=True)
+        tok: Any = reader.from_pretrained(str(folder), gguf_file=GGUF_NAME, local_files_only=True)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise NotGGUF(f"transformers cannot build this GGUF file's tokenizer: {exc}") from exc
     tok.save_pretrained(str(folder))

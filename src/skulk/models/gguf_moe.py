@@ -1,0 +1,213 @@
+"""A GGUF file of a family the torch engine has no native file for (llama.cpp's `deepseek2`, `glm4moe`), turned into
+the Hugging Face checkpoint those families run from: the transformers fallback (engines/torch/fallback.py) and
+mlx-lm both read only float safetensors in the hub's layout.
+
+transformers' GGUF support knows neither architecture, so config.json is built here from the file's metadata (the
+keys llama.cpp's convert_hf_to_gguf writes for them), and every tensor is dequantized by the `gguf` package and
+written under its Hugging Face name: the stacked experts (`ffn_*_exps`) unstacked into the hub's
+`mlp.experts.<e>.*_proj`, the shared experts (`*_shexp`) as `mlp.shared_experts`, the router's correction bias
+(`exp_probs_b`) as `e_score_correction_bias`, and DeepSeek's MLA projections under their own names, with the
+`attn_k_b`/`attn_v_b` pair newer converters split `kv_b_proj` into joined back. Quantized tensors come out in
+bfloat16, float ones in their own dtype (so an F32 file's checkpoint is exact). llama.cpp permutes no rows of
+these families (their rope is already the layout it computes), and the multi-token-prediction layers a GLM file
+carries past its last layer (`nextn`) are dropped, as transformers drops them. The checkpoint is what the card
+counts: a 4-bit file grows about 3.5x.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+DEQUANTIZED_ARCHS = ("deepseek2", "glm4moe")
+"""llama.cpp architectures imported as a dequantized Hugging Face checkpoint (the rest run from the file)."""
+_FLOATS = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
+_LAYER = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
+_COMMON = {
+    "attn_norm": "input_layernorm", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+_IN_LAYER = {
+    "deepseek2": {**_COMMON, "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+                  "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                  "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                  "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj"},
+    "glm4moe": {**_COMMON, "post_attention_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm"},
+}
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_SIGMOID = 2
+"""llama.cpp's expert_gating_func for sigmoid routing (1 is softmax)."""
+
+
+class UnreadableMetadata(ValueError):
+    """The file lacks a metadata key its architecture needs (or holds one we cannot turn into a config)."""
+
+
+def metadata(reader: GGUFReader) -> dict[str, Any]:
+    """The file's scalar and short-array metadata (the tokenizer's long arrays left out)."""
+    return {key: field.contents() for key, field in reader.fields.items()
+            if not key.startswith("tokenizer.ggml.") and not key.startswith("GGUF.")}
+
+
+def hf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """config.json (the hub's keys, which transformers and mlx-lm both read) for a file of DEQUANTIZED_ARCHS;
+    tensors are read_layout's (llama.cpp name -> [block type, row-major shape, offset])."""
+    arch = str(meta["general.architecture"])
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise UnreadableMetadata(f"the GGUF file has no {arch}.{key}")
+        return value
+
+    config = _common(get, meta, tensors)
+    config.update(_deepseek2(get) if arch == "deepseek2" else _glm4moe(get, tensors))
+    return config
+
+
+def _common(get: Callable[..., Any], meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """What every family's config says alike: sizes, norms, rope, the MoE router, the ends of the vocabulary;
+    the dtype the embedding is written in (a float file's own, else bfloat16)."""
+    embedding = tensors["token_embd.weight"]
+    dtype = {QT.F32: "float32", QT.F16: "float16"}.get(QT(embedding[0]), "bfloat16")
+    config: dict[str, Any] = {
+        "vocab_size": int(embedding[1][0]), "hidden_size": int(get("embedding_length")),
+        "intermediate_size": int(get("feed_forward_length")), "num_attention_heads": int(get("attention.head_count")),
+        "max_position_embeddings": int(get("context_length")),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)), "hidden_act": "silu", "attention_dropout": 0.0,
+        "tie_word_embeddings": "output.weight" not in tensors, "torch_dtype": dtype,
+        "moe_intermediate_size": int(get("expert_feed_forward_length")), "n_routed_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")), "n_shared_experts": int(get("expert_shared_count", 0)),
+        "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(get("expert_weights_norm", False)), "n_group": int(get("expert_group_count", 1)),
+        "topk_group": int(get("expert_group_used_count", 1)), "rope_scaling": _rope_scaling(get),
+    }
+    for name in ("bos", "eos"):
+        if f"tokenizer.ggml.{name}_token_id" in meta:
+            config[f"{name}_token_id"] = int(meta[f"tokenizer.ggml.{name}_token_id"])
+    return config
+
+
+def _rope_scaling(get: Callable[..., Any]) -> dict[str, Any] | None:
+    """llama.cpp's YaRN keys as the hub's rope_scaling (DeepSeek V3's: factor 40 over 4,096 positions);
+    its yarn_log_multiplier is 0.1 x mscale_all_dim (convert_hf_to_gguf)."""
+    kind = get("rope.scaling.type", "none")
+    if kind in ("none", ""):
+        return None
+    if kind != "yarn":
+        raise UnreadableMetadata(f"rope scaling {kind!r} has no Hugging Face form here")
+    scaling: dict[str, Any] = {"type": "yarn", "rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+                               "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+                               "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                               "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0))}
+    mscale = round(float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1, 6)  # stored as f32
+    if mscale:
+        scaling.update(mscale=mscale, mscale_all_dim=mscale)
+    return scaling
+
+
+def _deepseek2(get: Callable[..., Any]) -> dict[str, Any]:
+    """DeepSeek V3's config (and Kimi K2's, GLM-4.7-Flash's: the same modeling). llama.cpp writes MLA as one
+    shared KV head of kv_lora_rank + rope width, with the per-head widths under `*_length_mla`; older files
+    wrote the per-head widths as key_length/value_length themselves."""
+    if int(get("expert_gating_func", 1)) != _SIGMOID:
+        raise UnreadableMetadata("a deepseek2 file with softmax routing (DeepSeek V2) has no import here yet; "
+                                 "DeepSeek V3's sigmoid routing does")
+    heads = int(get("attention.head_count"))
+    rope = int(get("rope.dimension_count"))
+    key = int(get("attention.key_length_mla", 0) or get("attention.key_length"))
+    value = int(get("attention.value_length_mla", 0) or get("attention.value_length"))
+    q_lora = get("attention.q_lora_rank", 0)
+    return {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+            "num_hidden_layers": int(get("block_count")), "num_key_value_heads": heads,
+            "kv_lora_rank": int(get("attention.kv_lora_rank")), "q_lora_rank": int(q_lora) or None,
+            "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope, "v_head_dim": value, "head_dim": rope,
+            "rope_interleave": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+            "num_nextn_predict_layers": 0, "attention_bias": False}
+
+
+def _glm4moe(get: Callable[..., Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5/4.6's config: block_count counts the multi-token-prediction layers past the last decoder layer."""
+    head_dim = int(get("attention.key_length"))
+    return {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"],
+            "num_hidden_layers": int(get("block_count")) - int(get("nextn_predict_layers", 0)),
+            "num_key_value_heads": int(get("attention.head_count_kv")), "head_dim": head_dim,
+            "partial_rotary_factor": int(get("rope.dimension_count")) / head_dim,
+            "attention_bias": "blk.0.attn_q.bias" in tensors, "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0}
+
+
+def hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor the family's modeling loads, under its hub name, one at a time (a stacked expert tensor one
+    expert at a time), dequantized: quantized ones to bfloat16, float ones in their own dtype."""
+    arch = str(reader.get_field("general.architecture").contents())  # type: ignore[union-attr]
+    table = _IN_LAYER[arch]
+    pending: dict[str, torch.Tensor] = {}  # one layer's attn_k_b, waiting for its attn_v_b
+    for tensor in reader.tensors:
+        if tensor.name in _TOP:
+            yield _TOP[tensor.name], _values(tensor.data, tensor.tensor_type)
+            continue
+        match = _LAYER.match(tensor.name)
+        if match is None or int(match.group(1)) >= config["num_hidden_layers"]:
+            continue  # rope tables, and the multi-token-prediction layers past the last one
+        layer, inner, part = match.groups()
+        prefix = f"model.layers.{layer}"
+        if inner in _EXPERTS:
+            for expert in range(tensor.data.shape[0]):
+                yield (f"{prefix}.mlp.experts.{expert}.{_EXPERTS[inner]}.weight",
+                       _values(tensor.data[expert], tensor.tensor_type))
+        elif inner == "exp_probs_b":
+            yield f"{prefix}.mlp.gate.e_score_correction_bias", _values(tensor.data, tensor.tensor_type)
+        elif inner in ("attn_k_b", "attn_v_b"):
+            pending[inner] = _values(tensor.data, tensor.tensor_type)
+            if len(pending) == 2:
+                yield f"{prefix}.self_attn.kv_b_proj.weight", _kv_b(pending.pop("attn_k_b"), pending.pop("attn_v_b"))
+        elif inner in table:
+            yield f"{prefix}.{table[inner]}.{part}", _values(tensor.data, tensor.tensor_type)
+
+
+def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj from llama.cpp's split: k_b is [heads, kv_lora, nope] (transposed), v_b [heads, v, kv_lora];
+    the hub's rows are each head's nope rows then its v rows."""
+    joined = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+    return joined.reshape(-1, joined.shape[-1]).contiguous()
+
+
+def _values(data: np.ndarray, qtype: int) -> torch.Tensor:
+    """A tensor's values as the gguf package reads them: a float type as itself, a quantized one dequantized
+    to bfloat16."""
+    kind = QT(qtype)
+    if kind in _FLOATS:
+        if kind == QT.BF16:
+            return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16).contiguous()
+        return torch.from_numpy(np.array(data)).to(_FLOATS[kind]).contiguous()
+    return torch.from_numpy(dequantize(np.asarray(data), kind).copy()).to(torch.bfloat16).contiguous()
+
+
+def write_checkpoint(path: Path, out: Path, layout: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    """The file's config.json and dequantized safetensors written into the folder out; returns the config and
+    each tensor's bytes. UnreadableMetadata for a file whose metadata lacks what its config needs."""
+    from skulk.models.shards import write_safetensors
+
+    reader = GGUFReader(path)
+    config = hf_config(metadata(reader), layout["tensors"])
+    sizes = write_safetensors(hf_tensors(reader, config), out)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return config, sizes

@@ -1,0 +1,295 @@
+"""GGUF files of the families the torch engine runs through transformers (llama.cpp's `deepseek2`, `glm4moe`) import
+as a Hugging Face checkpoint that the fallback and mlx-lm run (models/gguf_moe.py).
+
+Each family's seeded random checkpoint (family_checkpoints.py) is written to GGUF the way llama.cpp's
+convert_hf_to_gguf does: its metadata keys, gguf-py's own tensor name map, experts stacked per projection,
+DeepSeek's kv_b_proj split into attn_k_b (transposed) and attn_v_b as newer converters write it (or whole, as
+older ones did), GLM's multi-token-prediction layer counted in block_count. Imported, the directory's logits under
+transformers are the float checkpoint's: exactly for an F32 file, within Q8_0's rounding for a quantized one,
+where a wrong name, split or transpose would not be close at all."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from skulk.models.demo import CHATML_TEMPLATE, SPECIAL_TOKENS, _bytes_to_unicode
+from skulk.models.gguf_import import NotGGUF, import_gguf
+
+from .family_checkpoints import write_model
+from .test_gguf_families import hf_tensors
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+VOCAB = 264
+ARCHS = {"deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE}
+IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 42, 11, 3, 250, 17, 64, 8, 90, 31] * 2])
+
+
+def _metadata(writer: GGUFWriter, config: dict[str, Any], family: str, split_kv: bool) -> None:
+    """The keys convert_hf_to_gguf writes for the family (TextModel's, then DeepseekV2Model's or Glm4MoeModel's)."""
+    nextn = 1 if family == "glm4_moe" else 0  # GLM counts its MTP layer; DeepSeek's converter skips it
+    writer.add_block_count(config["num_hidden_layers"] + nextn)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_group_count(config["n_group"])
+    writer.add_expert_group_used_count(config["topk_group"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+    rope_parameters = config["rope_parameters"]
+    if rope_parameters.get("rope_type") == "yarn":  # TextModel's rope scaling, DeepseekV2Model's log multiplier
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope_parameters["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope_parameters["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope_parameters["mscale_all_dim"])
+    if family == "glm4_moe":
+        writer.add_head_count_kv(config["num_key_value_heads"])
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+        writer.add_rope_dimension_count(int(config["head_dim"] * config["rope_parameters"]["partial_rotary_factor"]))
+        writer.add_nextn_predict_layers(nextn)
+        return
+    rope, nope, kv_lora = config["qk_rope_head_dim"], config["qk_nope_head_dim"], config["kv_lora_rank"]
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_q_lora_rank(config["q_lora_rank"])
+    writer.add_kv_lora_rank(kv_lora)
+    writer.add_rope_dimension_count(rope)
+    if split_kv:  # MLA as one shared head (newer converters), the per-head widths under *_mla
+        writer.add_head_count_kv(1)
+        writer.add_key_length(kv_lora + rope)
+        writer.add_value_length(kv_lora)
+        writer.add_key_length_mla(nope + rope)
+        writer.add_value_length_mla(config["v_head_dim"])
+    else:
+        writer.add_head_count_kv(config["num_attention_heads"])
+        writer.add_key_length(nope + rope)
+        writer.add_value_length(config["v_head_dim"])
+
+
+def _vocab(writer: GGUFWriter) -> None:
+    vocab = [c for _, c in sorted(_bytes_to_unicode().items())] + list(SPECIAL_TOKENS) + ["ĠĠ"]
+    vocab += [f"<pad{i}>" for i in range(VOCAB - len(vocab))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(vocab)
+    writer.add_token_types([1] * 256 + [3] * len(SPECIAL_TOKENS) + [1] * (len(vocab) - 256 - len(SPECIAL_TOKENS)))
+    writer.add_token_merges(["Ġ Ġ"])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+
+def _llama_cpp_tensors(hf_dir: Path, config: dict[str, Any], split_kv: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as convert_hf_to_gguf renames and reshapes them (gguf-py's name map)."""
+    family = config["model_type"]
+    names = gguf.get_tensor_name_map(ARCHS[family], config["num_hidden_layers"] + 1)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in hf_tensors(hf_dir).items():
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        if split_kv and name.endswith("kv_b_proj.weight"):
+            nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
+            kv_b = tensor.reshape(config["num_attention_heads"], nope + v, tensor.shape[-1])
+            k_b, v_b = kv_b.split([nope, v], dim=1)
+            k_name = names.get_name(name.replace("kv_b", "k_b"), try_suffixes=(".weight",))
+            v_name = names.get_name(name.replace("kv_b", "v_b"), try_suffixes=(".weight",))
+            assert k_name is not None and v_name is not None, name
+            out[k_name], out[v_name] = k_b.transpose(1, 2), v_b
+            continue
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert target is not None, name
+        out[target] = tensor
+    return out
+
+
+def write_llama_cpp_gguf(hf_dir: Path, out: Path, *, quantized: bool, split_kv: bool = True) -> Path:
+    """The family checkpoint in hf_dir as llama.cpp's converter writes it: 2-D and 3-D projections in Q8_0 where
+    their rows are whole blocks (quantized), the rest in F32. GLM's file gets its MTP layer's tensors too."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    family = config["model_type"]
+    writer = GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[ARCHS[family]])
+    _metadata(writer, config, family, split_kv)
+    _vocab(writer)
+    tensors = _llama_cpp_tensors(hf_dir, config, split_kv)
+    if family == "glm4_moe":  # the MTP layer, which the import drops
+        mtp = config["num_hidden_layers"]
+        tensors[f"blk.{mtp}.attn_norm.weight"] = torch.ones(config["hidden_size"])
+        tensors[f"blk.{mtp}.nextn.eh_proj.weight"] = torch.ones(config["hidden_size"], 2 * config["hidden_size"])
+    for name, tensor in tensors.items():
+        data = tensor.numpy().astype(np.float32)
+        if quantized and data.ndim >= 2 and data.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name:  # _quantized
+            writer.add_tensor(name, quantize(data, QT.Q8_0), raw_dtype=QT.Q8_0)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _logits(model_dir: Path, ids: torch.Tensor = IDS) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits[0].float()
+
+
+def _import(family: str, tmp_path: Path, *, quantized: bool, split_kv: bool = True,
+            **overrides: Any) -> tuple[Path, Path, Any]:
+    hf_dir = write_model(family, tmp_path / "hf", vocab_size=VOCAB, **overrides)
+    gguf_file = write_llama_cpp_gguf(hf_dir, tmp_path / "model.gguf", quantized=quantized, split_kv=split_kv)
+    card = import_gguf(gguf_file, tmp_path / "models", f"t/{family}")
+    return hf_dir, tmp_path / "models" / f"t--{family}", card
+
+
+@pytest.mark.parametrize("family", sorted(ARCHS))
+def test_an_f32_file_imports_as_its_checkpoint_exactly(family: str, tmp_path: Path) -> None:
+    """F32 tensors: the imported checkpoint is the original's, so transformers computes the same logits."""
+    hf_dir, imported, card = _import(family, tmp_path, quantized=False)
+    assert card.family == family and card.torch_runtime == "transformers" and card.mlx_storage_size is None
+    assert card.compatible_backends is None or "torch" in card.compatible_backends
+    written = sum(p.stat().st_size for p in imported.glob("*.safetensors"))
+    assert card.storage_size.in_bytes == written  # the card counts the checkpoint the engines load
+    assert not (imported / "model.gguf").exists()
+    config = json.loads((imported / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and config["torch_dtype"] == "float32"
+    torch.testing.assert_close(_logits(imported), _logits(hf_dir), atol=1e-5, rtol=1e-5)
+
+
+def _quantized(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether write_llama_cpp_gguf stores this hub tensor in Q8_0 (kv_b_proj's halves are 16 wide: F32)."""
+    return len(shape) >= 2 and shape[-1] % 32 == 0 and not name.endswith("mlp.gate.weight")
+
+
+def _rounded(hf_dir: Path, out: Path) -> Path:
+    """hf_dir with every tensor the file holds in Q8_0 rounded as the import reads it back: Q8_0 blocks
+    dequantized by the gguf package, then bfloat16."""
+    shutil.copytree(hf_dir, out)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    for name, values in tensors.items():
+        if _quantized(name, tuple(values.shape)) and "kv_b_proj" not in name:
+            data = values.float().numpy()
+            back = dequantize(quantize(data, QT.Q8_0), QT.Q8_0)
+            tensors[name] = torch.from_numpy(back).to(torch.bfloat16).float()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(ARCHS))
+def test_a_q8_0_file_imports_as_its_rounded_checkpoint(family: str, tmp_path: Path) -> None:
+    """Q8_0 projections, dequantized to bfloat16: the logits are those of the float checkpoint with the same
+    rounding applied (so a wrong name, split or transpose shows, where comparing with the unrounded checkpoint
+    would blur it into the rounding's own expert flips), and the router's picks stay the float model's."""
+    hf_dir, imported, card = _import(family, tmp_path, quantized=True)
+    assert json.loads((imported / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert card.storage_size.in_bytes == sum(p.stat().st_size for p in imported.glob("*.safetensors"))
+    got = _logits(imported)
+    torch.testing.assert_close(got, _logits(_rounded(hf_dir, tmp_path / "rounded")), atol=1e-4, rtol=1e-4)
+    expected = _logits(hf_dir)
+    assert ((got - expected).norm() / expected.norm()).item() < 0.5  # the same model, give or take its rounding
+
+
+def test_an_older_deepseek_file_with_kv_b_whole_imports_too(tmp_path: Path) -> None:
+    """Before llama.cpp split kv_b_proj (attn_kv_b whole, per-head key and value widths as key/value_length)."""
+    hf_dir, imported, _ = _import("deepseek_v3", tmp_path, quantized=False, split_kv=False)
+    torch.testing.assert_close(_logits(imported), _logits(hf_dir), atol=1e-5, rtol=1e-5)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+"""DeepSeek V3's YaRN (factor 40 over 4,096 positions, mscale 1) scaled down to 64 original positions (the
+checkpoint's 512 over its factor), so that 160 positions reach past them."""
+
+
+def test_deepseek_yarn_rope_scaling_comes_through(tmp_path: Path) -> None:
+    """The file's YaRN keys (factor, original context, 0.1 x mscale_all_dim as log multiplier) become the
+    hub's rope_scaling: the logits over 160 positions are the checkpoint's, and without the scaling they are
+    not (the test can fail)."""
+    hf_dir, imported, _ = _import("deepseek_v3", tmp_path, quantized=False, rope_parameters=YARN)
+    ids = torch.cat([IDS] * 5, dim=1)
+    config = json.loads((imported / "config.json").read_text())
+    assert config["rope_scaling"]["factor"] == 8.0 and config["rope_scaling"]["mscale_all_dim"] == 1.0
+    expected = _logits(hf_dir, ids)
+    torch.testing.assert_close(_logits(imported, ids), expected, atol=1e-5, rtol=1e-5)
+    (imported / "config.json").write_text(json.dumps({**config, "rope_scaling": None}))
+    unscaled = _logits(imported, ids)
+    assert ((unscaled - expected).norm() / expected.norm()).item() > 1e-2
+
+
+def test_an_architecture_nobody_runs_is_refused_by_name(tmp_path: Path) -> None:
+    writer = GGUFWriter(str(tmp_path / "rwkv.gguf"), "rwkv7")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(NotGGUF, match="rwkv7"):
+        import_gguf(tmp_path / "rwkv.gguf", tmp_path / "models", "t/rwkv")
+    assert not (tmp_path / "models").exists()  # refused before anything is staged
+
+
+def _without_eos(imported: Path) -> Path:
+    """No end-of-sequence token: random weights would end some requests early (family_checkpoints.with_tokenizer)."""
+    config = json.loads((imported / "tokenizer_config.json").read_text())
+    config.pop("eos_token", None)
+    (imported / "tokenizer_config.json").write_text(json.dumps(config))
+    (imported / "generation_config.json").unlink()
+    model_config = json.loads((imported / "config.json").read_text())
+    model_config.pop("eos_token_id", None)
+    (imported / "config.json").write_text(json.dumps(model_config))
+    return imported
+
+
+@pytest.mark.parametrize("family", sorted(ARCHS))
+def test_the_engines_serve_the_import_with_transformers_tokens(family: str, tmp_path: Path) -> None:
+    """The imported directory as a runner gets it: the torch engine's transformers fallback, and an MLX rank
+    (mlx-lm's own model of the family) where MLX is installed, each give transformers' greedy tokens for the
+    float checkpoint (a first divergence only where its top two tie)."""
+    from skulk.engines.torch.fallback import FallbackEngine
+
+    from .family_checkpoints import disagreement, reference
+    from .test_fallback_families import run
+
+    hf_dir, imported, card = _import(family, tmp_path, quantized=False)
+    expected = reference(hf_dir)
+    _without_eos(imported)
+    assert disagreement(run(FallbackEngine(imported, max_seq=256)), expected) is None
+    if importlib.util.find_spec("mlx_lm") is None:
+        return
+    from skulk.engines.mlx.engine import MlxEngine
+    from skulk.types.chat import SamplingParams
+
+    from .family_checkpoints import PROMPTS, TOKENS
+
+    assert card.compatible_backends is None or "mlx" in card.compatible_backends
+    engine = MlxEngine(imported, prefill_chunk=8, max_seq=256)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=TOKENS, temperature=0))
+    got: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+            got.setdefault(out.request_id, []).append(out.token_id)
+    assert disagreement(got, expected) is None
