@@ -35,12 +35,14 @@ from .test_gguf_families import hf_tensors
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 VOCAB = 264
-ARCHS = {"deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE}
+ARCHS = {"deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
+         "gpt_oss": gguf.MODEL_ARCH.GPT_OSS}
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 42, 11, 3, 250, 17, 64, 8, 90, 31] * 2])
 
 
 def _metadata(writer: GGUFWriter, config: dict[str, Any], family: str, split_kv: bool) -> None:
-    """The keys convert_hf_to_gguf writes for the family (TextModel's, then DeepseekV2Model's or Glm4MoeModel's)."""
+    """The keys convert_hf_to_gguf writes for the family (TextModel's, then DeepseekV2Model's, Glm4MoeModel's or
+    GptOssModel's)."""
     nextn = 1 if family == "glm4_moe" else 0  # GLM counts its MTP layer; DeepSeek's converter skips it
     writer.add_block_count(config["num_hidden_layers"] + nextn)
     writer.add_context_length(config["max_position_embeddings"])
@@ -49,8 +51,21 @@ def _metadata(writer: GGUFWriter, config: dict[str, Any], family: str, split_kv:
     writer.add_head_count(config["num_attention_heads"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(config["n_routed_experts"])
     writer.add_expert_used_count(config["num_experts_per_tok"])
+    rope_parameters = config["rope_parameters"]
+    if rope_parameters.get("rope_type") == "yarn":  # TextModel's rope scaling
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope_parameters["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope_parameters["original_max_position_embeddings"])
+    if family == "gpt_oss":
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_head_count_kv(config["num_key_value_heads"])
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
+        return
+    writer.add_expert_count(config["n_routed_experts"])
     writer.add_expert_group_count(config["n_group"])
     writer.add_expert_group_used_count(config["topk_group"])
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
@@ -59,11 +74,7 @@ def _metadata(writer: GGUFWriter, config: dict[str, Any], family: str, split_kv:
     writer.add_leading_dense_block_count(config["first_k_dense_replace"])
     writer.add_expert_weights_scale(config["routed_scaling_factor"])
     writer.add_expert_weights_norm(config["norm_topk_prob"])
-    rope_parameters = config["rope_parameters"]
-    if rope_parameters.get("rope_type") == "yarn":  # TextModel's rope scaling, DeepseekV2Model's log multiplier
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(rope_parameters["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope_parameters["original_max_position_embeddings"])
+    if "mscale_all_dim" in rope_parameters:  # DeepseekV2Model's log multiplier
         writer.add_rope_scaling_yarn_log_mul(0.1 * rope_parameters["mscale_all_dim"])
     if family == "glm4_moe":
         writer.add_head_count_kv(config["num_key_value_heads"])
@@ -106,7 +117,12 @@ def _llama_cpp_tensors(hf_dir: Path, config: dict[str, Any], split_kv: bool) -> 
     family = config["model_type"]
     names = gguf.get_tensor_name_map(ARCHS[family], config["num_hidden_layers"] + 1)
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in hf_tensors(hf_dir).items():
+    stacked = family == "gpt_oss"  # the hub keeps gpt-oss's experts stacked already
+    source = load_file(str(hf_dir / "model.safetensors")) if stacked else hf_tensors(hf_dir)
+    for name, tensor in source.items():
+        if stacked:
+            out.update(_gpt_oss_split(name, tensor, names))
+            continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         if split_kv and name.endswith("kv_b_proj.weight"):
             nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
@@ -123,6 +139,30 @@ def _llama_cpp_tensors(hf_dir: Path, config: dict[str, Any], split_kv: bool) -> 
     return out
 
 
+def _gpt_oss_split(name: str, tensor: torch.Tensor, names: Any) -> dict[str, torch.Tensor]:
+    """GptOssModel.modify_tensors on an unquantized checkpoint: sinks get `.weight`, down_proj is transposed,
+    gate_up_proj transposed and split into its interleaved gate (even) and up (odd) rows."""
+    def named(hf: str) -> str:
+        target = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert target is not None, hf
+        return target
+
+    if name.endswith("sinks"):
+        return {named(name + ".weight"): tensor}
+    if name.endswith("down_proj"):
+        return {named(name + ".weight"): tensor.transpose(-1, -2)}
+    if name.endswith("down_proj_bias"):
+        return {named(name.replace("down_proj_bias", "down_proj.bias")): tensor}
+    if name.endswith("gate_up_proj"):
+        rows = tensor.transpose(-1, -2)
+        return {named(name.replace("gate_up_proj", "gate_proj.weight")): rows[:, ::2],
+                named(name.replace("gate_up_proj", "up_proj.weight")): rows[:, 1::2]}
+    if name.endswith("gate_up_proj_bias"):
+        return {named(name.replace("gate_up_proj_bias", "gate_proj.bias")): tensor[..., ::2],
+                named(name.replace("gate_up_proj_bias", "up_proj.bias")): tensor[..., 1::2]}
+    return {named(name): tensor}
+
+
 def write_llama_cpp_gguf(hf_dir: Path, out: Path, *, quantized: bool, split_kv: bool = True) -> Path:
     """The family checkpoint in hf_dir as llama.cpp's converter writes it: 2-D and 3-D projections in Q8_0 where
     their rows are whole blocks (quantized), the rest in F32. GLM's file gets its MTP layer's tensors too."""
@@ -137,7 +177,7 @@ def write_llama_cpp_gguf(hf_dir: Path, out: Path, *, quantized: bool, split_kv: 
         tensors[f"blk.{mtp}.attn_norm.weight"] = torch.ones(config["hidden_size"])
         tensors[f"blk.{mtp}.nextn.eh_proj.weight"] = torch.ones(config["hidden_size"], 2 * config["hidden_size"])
     for name, tensor in tensors.items():
-        data = tensor.numpy().astype(np.float32)
+        data = tensor.contiguous().numpy().astype(np.float32)
         if quantized and data.ndim >= 2 and data.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name:  # _quantized
             writer.add_tensor(name, quantize(data, QT.Q8_0), raw_dtype=QT.Q8_0)
         else:
@@ -173,25 +213,24 @@ def test_an_f32_file_imports_as_its_checkpoint_exactly(family: str, tmp_path: Pa
     assert card.storage_size.in_bytes == written  # the card counts the checkpoint the engines load
     assert not (imported / "model.gguf").exists()
     config = json.loads((imported / "config.json").read_text())
-    assert config["num_hidden_layers"] == 3 and config["torch_dtype"] == "float32"
+    assert config["num_hidden_layers"] == json.loads((hf_dir / "config.json").read_text())["num_hidden_layers"]
+    assert config["torch_dtype"] == "float32"
     torch.testing.assert_close(_logits(imported), _logits(hf_dir), atol=1e-5, rtol=1e-5)
-
-
-def _quantized(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether write_llama_cpp_gguf stores this hub tensor in Q8_0 (kv_b_proj's halves are 16 wide: F32)."""
-    return len(shape) >= 2 and shape[-1] % 32 == 0 and not name.endswith("mlp.gate.weight")
 
 
 def _rounded(hf_dir: Path, out: Path) -> Path:
     """hf_dir with every tensor the file holds in Q8_0 rounded as the import reads it back: Q8_0 blocks
-    dequantized by the gguf package, then bfloat16."""
+    dequantized by the gguf package, then bfloat16. Rows as the file has them: gpt-oss's stacked experts
+    transposed (and kv_b_proj, whose halves are 16 wide, stays F32)."""
     shutil.copytree(hf_dir, out)
     tensors = load_file(str(hf_dir / "model.safetensors"))
     for name, values in tensors.items():
-        if _quantized(name, tuple(values.shape)) and "kv_b_proj" not in name:
-            data = values.float().numpy()
-            back = dequantize(quantize(data, QT.Q8_0), QT.Q8_0)
-            tensors[name] = torch.from_numpy(back).to(torch.bfloat16).float()
+        turned = values.dim() == 3 and ".mlp.experts." in name  # gpt-oss: [experts, in, out] in the hub
+        rows = values.transpose(-1, -2) if turned else values
+        if rows.dim() >= 2 and rows.shape[-1] % 32 == 0 and not name.endswith(("gate.weight", "router.weight")):
+            back = torch.from_numpy(dequantize(quantize(rows.float().contiguous().numpy(), QT.Q8_0), QT.Q8_0))
+            back = back.to(torch.bfloat16).float()
+            tensors[name] = (back.transpose(-1, -2) if turned else back).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -276,6 +315,9 @@ def test_the_engines_serve_the_import_with_transformers_tokens(family: str, tmp_
     expected = reference(hf_dir)
     _without_eos(imported)
     assert disagreement(run(FallbackEngine(imported, max_seq=256)), expected) is None
+    if family == "gpt_oss":  # mlx-lm reads the hub's MXFP4 experts, not transformers' float layout
+        assert card.compatible_backends is not None and {t[:5] for t in card.compatible_backends} == {"torch"}
+        return
     if importlib.util.find_spec("mlx_lm") is None:
         return
     from skulk.engines.mlx.engine import MlxEngine

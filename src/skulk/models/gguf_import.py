@@ -107,7 +107,7 @@ def _import_native(folder: Path, model_id: str, layout: dict[str, Any]) -> Model
 def _import_checkpoint(folder: Path, model_id: str, layout: dict[str, Any]) -> ModelCard:
     """The dequantized checkpoint, config and tokenizer; the card is card_from_config's for it (the engines
     that run the family, its bytes those written) and the staged link to the file goes."""
-    from skulk.models.gguf_moe import UnreadableMetadata, write_checkpoint
+    from skulk.models.gguf_moe import TORCH_ONLY_ARCHS, UnreadableMetadata, write_checkpoint
 
     try:
         config, sizes = write_checkpoint(folder / GGUF_NAME, folder, layout)
@@ -115,7 +115,11 @@ def _import_checkpoint(folder: Path, model_id: str, layout: dict[str, Any]) -> M
         raise NotGGUF(f"{model_id}: {exc}") from exc
     _write_tokenizer(folder, known_arch=False)
     (folder / GGUF_NAME).unlink()
-    return card_from_config(model_id, config, sum(p.stat().st_size for p in folder.glob("*.safetensors")), sizes)
+    card = card_from_config(model_id, config, sum(p.stat().st_size for p in folder.glob("*.safetensors")), sizes)
+    if layout["arch"] in TORCH_ONLY_ARCHS:
+        backends = [t for t in card.compatible_backends or GGUF_BACKENDS if t.startswith("torch")]
+        card = card.model_copy(update={"compatible_backends": backends, "mlx_splits": None})
+    return card
 
 
 def stored_decode_bytes(layout: dict[str, Any]) -> tuple[int, int]:

@@ -28,8 +28,11 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-DEQUANTIZED_ARCHS = ("deepseek2", "glm4moe")
+DEQUANTIZED_ARCHS = ("deepseek2", "glm4moe", "gpt-oss")
 """llama.cpp architectures imported as a dequantized Hugging Face checkpoint (the rest run from the file)."""
+TORCH_ONLY_ARCHS = ("gpt-oss",)
+"""Architectures whose checkpoint mlx-lm cannot read: its gpt-oss reads the hub's MXFP4 experts (or its own
+split), not transformers' float gate_up_proj [experts, hidden, 2 x width]; the card offers only torch."""
 _FLOATS = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 _COMMON = {
@@ -46,6 +49,8 @@ _IN_LAYER = {
     "glm4moe": {**_COMMON, "post_attention_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
                 "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_q_norm": "self_attn.q_norm",
                 "attn_k_norm": "self_attn.k_norm"},
+    "gpt-oss": {**_COMMON, "post_attention_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "ffn_gate_inp": "mlp.router"},
 }
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -76,13 +81,14 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
         return value
 
     config = _common(get, meta, tensors)
-    config.update(_deepseek2(get) if arch == "deepseek2" else _glm4moe(get, tensors))
-    return config
+    if arch == "gpt-oss":
+        return config | _gpt_oss(get)
+    return config | _sigmoid_router(get) | (_deepseek2(get) if arch == "deepseek2" else _glm4moe(get, tensors))
 
 
 def _common(get: Callable[..., Any], meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
-    """What every family's config says alike: sizes, norms, rope, the MoE router, the ends of the vocabulary;
-    the dtype the embedding is written in (a float file's own, else bfloat16)."""
+    """What every family's config says alike: sizes, norms, rope, the ends of the vocabulary; the dtype the
+    embedding is written in (a float file's own, else bfloat16)."""
     embedding = tensors["token_embd.weight"]
     dtype = {QT.F32: "float32", QT.F16: "float16"}.get(QT(embedding[0]), "bfloat16")
     config: dict[str, Any] = {
@@ -92,17 +98,39 @@ def _common(get: Callable[..., Any], meta: dict[str, Any], tensors: dict[str, An
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(get("rope.freq_base", 10000.0)), "hidden_act": "silu", "attention_dropout": 0.0,
         "tie_word_embeddings": "output.weight" not in tensors, "torch_dtype": dtype,
-        "moe_intermediate_size": int(get("expert_feed_forward_length")), "n_routed_experts": int(get("expert_count")),
-        "num_experts_per_tok": int(get("expert_used_count")), "n_shared_experts": int(get("expert_shared_count", 0)),
-        "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
-        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(get("expert_weights_norm", False)), "n_group": int(get("expert_group_count", 1)),
-        "topk_group": int(get("expert_group_used_count", 1)), "rope_scaling": _rope_scaling(get),
+        "num_experts_per_tok": int(get("expert_used_count")), "rope_scaling": _rope_scaling(get),
     }
     for name in ("bos", "eos"):
         if f"tokenizer.ggml.{name}_token_id" in meta:
             config[f"{name}_token_id"] = int(meta[f"tokenizer.ggml.{name}_token_id"])
     return config
+
+
+def _sigmoid_router(get: Callable[..., Any]) -> dict[str, Any]:
+    """DeepSeek V3's router, which GLM-4 MoE shares: routed and shared experts, dense leading layers, grouped
+    sigmoid top-k with a correction bias."""
+    return {"moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "n_routed_experts": int(get("expert_count")), "n_shared_experts": int(get("expert_shared_count", 0)),
+            "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+            "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(get("expert_weights_norm", False)), "n_group": int(get("expert_group_count", 1)),
+            "topk_group": int(get("expert_group_used_count", 1)), "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+def _gpt_oss(get: Callable[..., Any]) -> dict[str, Any]:
+    """gpt-oss's config: every layer MoE (intermediate_size is the experts' width), sliding and full attention
+    alternating from a sliding first layer (llama.cpp's swa pattern 2), biases everywhere, attention sinks, and
+    the clamped SwiGLU (limit 7, alpha 1.702) llama.cpp hard-codes for it; its YaRN does not truncate."""
+    layers = int(get("block_count"))
+    scaling = _rope_scaling(get)
+    if scaling is not None:
+        scaling["truncate"] = False
+    return {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "num_hidden_layers": layers,
+            "intermediate_size": int(get("expert_feed_forward_length")), "num_local_experts": int(get("expert_count")),
+            "num_key_value_heads": int(get("attention.head_count_kv")), "head_dim": int(get("attention.key_length")),
+            "sliding_window": int(get("attention.sliding_window")), "attention_bias": True,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "swiglu_limit": 7.0, "rope_scaling": scaling}
 
 
 def _rope_scaling(get: Callable[..., Any]) -> dict[str, Any] | None:
@@ -139,8 +167,7 @@ def _deepseek2(get: Callable[..., Any]) -> dict[str, Any]:
             "num_hidden_layers": int(get("block_count")), "num_key_value_heads": heads,
             "kv_lora_rank": int(get("attention.kv_lora_rank")), "q_lora_rank": int(q_lora) or None,
             "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope, "v_head_dim": value, "head_dim": rope,
-            "rope_interleave": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-            "num_nextn_predict_layers": 0, "attention_bias": False}
+            "rope_interleave": True, "num_nextn_predict_layers": 0, "attention_bias": False}
 
 
 def _glm4moe(get: Callable[..., Any], tensors: dict[str, Any]) -> dict[str, Any]:
@@ -151,15 +178,16 @@ def _glm4moe(get: Callable[..., Any], tensors: dict[str, Any]) -> dict[str, Any]
             "num_key_value_heads": int(get("attention.head_count_kv")), "head_dim": head_dim,
             "partial_rotary_factor": int(get("rope.dimension_count")) / head_dim,
             "attention_bias": "blk.0.attn_q.bias" in tensors, "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
-            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0}
+            "num_nextn_predict_layers": 0}
 
 
 def hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor the family's modeling loads, under its hub name, one at a time (a stacked expert tensor one
-    expert at a time), dequantized: quantized ones to bfloat16, float ones in their own dtype."""
+    expert at a time, except gpt-oss's, which the hub keeps stacked), dequantized: quantized ones to bfloat16,
+    float ones in their own dtype."""
     arch = str(reader.get_field("general.architecture").contents())  # type: ignore[union-attr]
     table = _IN_LAYER[arch]
-    pending: dict[str, torch.Tensor] = {}  # one layer's attn_k_b, waiting for its attn_v_b
+    pending: dict[str, torch.Tensor] = {}  # a layer's halves of one hub tensor, until both are read
     for tensor in reader.tensors:
         if tensor.name in _TOP:
             yield _TOP[tensor.name], _values(tensor.data, tensor.tensor_type)
@@ -169,7 +197,10 @@ def hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tuple[str
             continue  # rope tables, and the multi-token-prediction layers past the last one
         layer, inner, part = match.groups()
         prefix = f"model.layers.{layer}"
-        if inner in _EXPERTS:
+        if arch == "gpt-oss" and (inner in _EXPERTS or inner == "attn_sinks"):
+            pending[f"{inner}.{part}"] = _values(tensor.data, tensor.tensor_type)
+            yield from ((f"{prefix}.{name}", values) for name, values in _gpt_oss_joined(pending))
+        elif inner in _EXPERTS:
             for expert in range(tensor.data.shape[0]):
                 yield (f"{prefix}.mlp.experts.{expert}.{_EXPERTS[inner]}.weight",
                        _values(tensor.data[expert], tensor.tensor_type))
@@ -181,6 +212,25 @@ def hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tuple[str
                 yield f"{prefix}.self_attn.kv_b_proj.weight", _kv_b(pending.pop("attn_k_b"), pending.pop("attn_v_b"))
         elif inner in table:
             yield f"{prefix}.{table[inner]}.{part}", _values(tensor.data, tensor.tensor_type)
+
+
+def _gpt_oss_joined(pending: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's hub tensors from what llama.cpp split (convert_hf_to_gguf's GptOssModel, undone): gate_up_proj
+    [experts, hidden, 2 x width] with gate and up interleaved column by column, down_proj [experts, width,
+    hidden] (both transposed back), their biases, and the sinks (llama.cpp adds `.weight`)."""
+    if "attn_sinks.weight" in pending:
+        yield "self_attn.sinks", pending.pop("attn_sinks.weight")
+    if "ffn_down_exps.weight" in pending:
+        yield "mlp.experts.down_proj", pending.pop("ffn_down_exps.weight").transpose(1, 2).contiguous()
+    if "ffn_down_exps.bias" in pending:
+        yield "mlp.experts.down_proj_bias", pending.pop("ffn_down_exps.bias")
+    for part, name in (("weight", "mlp.experts.gate_up_proj"), ("bias", "mlp.experts.gate_up_proj_bias")):
+        gate, up = pending.get(f"ffn_gate_exps.{part}"), pending.get(f"ffn_up_exps.{part}")
+        if gate is None or up is None:
+            continue
+        del pending[f"ffn_gate_exps.{part}"], pending[f"ffn_up_exps.{part}"]
+        joined = torch.stack([gate, up], dim=2).flatten(1, 2)  # rows gate0, up0, gate1, up1, ...
+        yield name, (joined.transpose(1, 2) if part == "weight" else joined).contiguous()
 
 
 def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
