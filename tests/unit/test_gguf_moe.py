@@ -163,9 +163,11 @@ def _gpt_oss_split(name: str, tensor: torch.Tensor, names: Any) -> dict[str, tor
     return {named(name): tensor}
 
 
-def write_llama_cpp_gguf(hf_dir: Path, out: Path, *, quantized: bool, split_kv: bool = True) -> Path:
-    """The family checkpoint in hf_dir as llama.cpp's converter writes it: 2-D and 3-D projections in Q8_0 where
-    their rows are whole blocks (quantized), the rest in F32. GLM's file gets its MTP layer's tensors too."""
+def write_llama_cpp_gguf(hf_dir: Path, out: Path, *, quantized: bool, split_kv: bool = True,
+                         experts: QT = QT.Q8_0) -> Path:
+    """The family checkpoint in hf_dir as llama.cpp's converter writes it: 2-D and 3-D projections in Q8_0 (the
+    stacked experts' weights in `experts`) where their rows are whole blocks (quantized), the rest in F32. GLM's
+    file gets its MTP layer's tensors too."""
     config = json.loads((hf_dir / "config.json").read_text())
     family = config["model_type"]
     writer = GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[ARCHS[family]])
@@ -179,7 +181,8 @@ def write_llama_cpp_gguf(hf_dir: Path, out: Path, *, quantized: bool, split_kv: 
     for name, tensor in tensors.items():
         data = tensor.contiguous().numpy().astype(np.float32)
         if quantized and data.ndim >= 2 and data.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name:  # _quantized
-            writer.add_tensor(name, quantize(data, QT.Q8_0), raw_dtype=QT.Q8_0)
+            kind = experts if name.endswith("_exps.weight") else QT.Q8_0
+            writer.add_tensor(name, quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, data)
     writer.write_header_to_file()
@@ -195,10 +198,11 @@ def _logits(model_dir: Path, ids: torch.Tensor = IDS) -> torch.Tensor:
         return model(ids).logits[0].float()
 
 
-def _import(family: str, tmp_path: Path, *, quantized: bool, split_kv: bool = True,
+def _import(family: str, tmp_path: Path, *, quantized: bool, split_kv: bool = True, experts: QT = QT.Q8_0,
             **overrides: Any) -> tuple[Path, Path, Any]:
     hf_dir = write_model(family, tmp_path / "hf", vocab_size=VOCAB, **overrides)
-    gguf_file = write_llama_cpp_gguf(hf_dir, tmp_path / "model.gguf", quantized=quantized, split_kv=split_kv)
+    gguf_file = write_llama_cpp_gguf(hf_dir, tmp_path / "model.gguf", quantized=quantized, split_kv=split_kv,
+                                     experts=experts)
     card = import_gguf(gguf_file, tmp_path / "models", f"t/{family}")
     return hf_dir, tmp_path / "models" / f"t--{family}", card
 
@@ -218,7 +222,7 @@ def test_an_f32_file_imports_as_its_checkpoint_exactly(family: str, tmp_path: Pa
     torch.testing.assert_close(_logits(imported), _logits(hf_dir), atol=1e-5, rtol=1e-5)
 
 
-def _rounded(hf_dir: Path, out: Path) -> Path:
+def _rounded(hf_dir: Path, out: Path, experts: QT = QT.Q8_0) -> Path:
     """hf_dir with every tensor the file holds in Q8_0 rounded as the import reads it back: Q8_0 blocks
     dequantized by the gguf package, then bfloat16. Rows as the file has them: gpt-oss's stacked experts
     transposed (and kv_b_proj, whose halves are 16 wide, stays F32)."""
@@ -228,7 +232,8 @@ def _rounded(hf_dir: Path, out: Path) -> Path:
         turned = values.dim() == 3 and ".mlp.experts." in name  # gpt-oss: [experts, in, out] in the hub
         rows = values.transpose(-1, -2) if turned else values
         if rows.dim() >= 2 and rows.shape[-1] % 32 == 0 and not name.endswith(("gate.weight", "router.weight")):
-            back = torch.from_numpy(dequantize(quantize(rows.float().contiguous().numpy(), QT.Q8_0), QT.Q8_0))
+            kind = experts if ".mlp.experts." in name and "bias" not in name else QT.Q8_0
+            back = torch.from_numpy(dequantize(quantize(rows.float().contiguous().numpy(), kind), kind))
             back = back.to(torch.bfloat16).float()
             tensors[name] = (back.transpose(-1, -2) if turned else back).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -247,6 +252,14 @@ def test_a_q8_0_file_imports_as_its_rounded_checkpoint(family: str, tmp_path: Pa
     torch.testing.assert_close(got, _logits(_rounded(hf_dir, tmp_path / "rounded")), atol=1e-4, rtol=1e-4)
     expected = _logits(hf_dir)
     assert ((got - expected).norm() / expected.norm()).item() < 0.5  # the same model, give or take its rounding
+
+
+def test_gpt_oss_mxfp4_experts_import_as_their_rounded_checkpoint(tmp_path: Path) -> None:
+    """gpt-oss files hold their experts in MXFP4 (the hub's own format, repacked by the converter): dequantized
+    by the gguf package they are the rounded checkpoint's."""
+    hf_dir, imported, _ = _import("gpt_oss", tmp_path, quantized=True, experts=QT.MXFP4)
+    rounded = _rounded(hf_dir, tmp_path / "rounded", experts=QT.MXFP4)
+    torch.testing.assert_close(_logits(imported), _logits(rounded), atol=1e-4, rtol=1e-4)
 
 
 def test_an_older_deepseek_file_with_kv_b_whole_imports_too(tmp_path: Path) -> None:

@@ -7,6 +7,10 @@ generation_config.json), next to the GGUF file itself, linked rather than copied
 The weights stay in the file: engines/torch/gguf_file.py reads its quantized blocks as our affine groups at load.
 config.json's `quantization` section lists each quantized module's bits (4, or 8 for the types widened), as an
 MLX checkpoint's does, so placement, cards and the loader treat both alike.
+
+That holds for the architectures the torch engine runs natively (NATIVE_ARCHS). A file of a family it runs only
+through transformers (models/gguf_moe.DEQUANTIZED_ARCHS: DeepSeek V3, GLM-4 MoE, gpt-oss) becomes instead the
+dequantized Hugging Face checkpoint the fallback and mlx-lm read; any other architecture is refused by name.
 """
 
 from __future__ import annotations
