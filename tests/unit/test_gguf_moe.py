@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 VOCAB = 264
 ARCHS = {"deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
-         "gpt_oss": gguf.MODEL_ARCH.GPT_OSS}
+         "gpt_oss": gguf.MODEL_ARCH.GPT_OSS, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT}
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 42, 11, 3, 250, 17, 64, 8, 90, 31] * 2])
 
 
@@ -57,6 +57,21 @@ def _metadata(writer: GGUFWriter, config: dict[str, Any], family: str, split_kv:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope_parameters["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope_parameters["original_max_position_embeddings"])
+    if family == "qwen3_next":  # Qwen2MoeModel's keys, then Qwen3NextModel's
+        writer.add_expert_count(config["num_experts"])
+        writer.add_head_count_kv(config["num_key_value_heads"])
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+        writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+        writer.add_ssm_state_size(config["linear_key_head_dim"])
+        writer.add_ssm_group_count(config["linear_num_key_heads"])
+        writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
+        writer.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
+        writer.add_full_attention_interval(config.get("full_attention_interval", 4))
+        writer.add_rope_dimension_count(int(config["head_dim"] * rope_parameters["partial_rotary_factor"]))
+        return
     if family == "gpt_oss":
         writer.add_expert_count(config["num_local_experts"])
         writer.add_head_count_kv(config["num_key_value_heads"])
@@ -123,6 +138,9 @@ def _llama_cpp_tensors(hf_dir: Path, config: dict[str, Any], split_kv: bool) -> 
         if stacked:
             out.update(_gpt_oss_split(name, tensor, names))
             continue
+        if family == "qwen3_next":
+            out.update(_qwen3next_converted(name, tensor, names, config))
+            continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         if split_kv and name.endswith("kv_b_proj.weight"):
             nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
@@ -161,6 +179,33 @@ def _gpt_oss_split(name: str, tensor: torch.Tensor, names: Any) -> dict[str, tor
         return {named(name.replace("gate_up_proj_bias", "gate_proj.bias")): tensor[..., ::2],
                 named(name.replace("gate_up_proj_bias", "up_proj.bias")): tensor[..., 1::2]}
     return {named(name): tensor}
+
+
+def _qwen3next_converted(name: str, tensor: torch.Tensor, names: Any, config: dict[str, Any]
+                         ) -> dict[str, torch.Tensor]:
+    """Qwen3NextModel.modify_tensors: A_log as -exp(A_log), dt_bias renamed, the conv kernel squeezed, every norm
+    but the linear attention's plus one, and in_proj_qkvz split into attn_qkv (all q, all k, all v rows) and
+    attn_gate (z) from its per-key-head [q, k, v, z] groups."""
+    if name.endswith(".A_log"):
+        tensor = -torch.exp(tensor)
+    elif name.endswith(".dt_bias"):
+        name = name.replace(".dt_bias", ".dt_proj.bias")
+    elif "conv1d" in name:
+        tensor = tensor.squeeze()
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        tensor = tensor + 1
+    if "in_proj_qkvz.weight" in name:
+        key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+        heads = config["linear_num_key_heads"]
+        per_key = config["linear_num_value_heads"] // heads
+        grouped = tensor.reshape(heads, 2 * key_dim + 2 * per_key * value_dim, tensor.shape[-1])
+        q, k, v, z = grouped.split([key_dim, key_dim, per_key * value_dim, per_key * value_dim], dim=1)
+        layer = name.split(".")[2]
+        return {f"blk.{layer}.attn_qkv.weight": torch.cat([t.reshape(-1, tensor.shape[-1]) for t in (q, k, v)]),
+                f"blk.{layer}.attn_gate.weight": z.reshape(-1, tensor.shape[-1])}
+    target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    assert target is not None, name
+    return {target: tensor}
 
 
 def write_llama_cpp_gguf(hf_dir: Path, out: Path, *, quantized: bool, split_kv: bool = True,

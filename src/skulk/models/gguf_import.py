@@ -9,8 +9,9 @@ config.json's `quantization` section lists each quantized module's bits (4, or 8
 MLX checkpoint's does, so placement, cards and the loader treat both alike.
 
 That holds for the architectures the torch engine runs natively (NATIVE_ARCHS). A file of a family it runs only
-through transformers (models/gguf_moe.DEQUANTIZED_ARCHS: DeepSeek V3, GLM-4 MoE, gpt-oss) becomes instead the
-dequantized Hugging Face checkpoint the fallback and mlx-lm read; any other architecture is refused by name.
+through transformers (models/gguf_moe.DEQUANTIZED_ARCHS: DeepSeek V3, GLM-4 MoE, gpt-oss, Qwen3-Next) becomes
+instead the dequantized Hugging Face checkpoint the fallback and mlx-lm read; any other architecture is refused by
+name.
 """
 
 from __future__ import annotations

@@ -1,16 +1,19 @@
-"""A GGUF file of a family the torch engine has no native file for (llama.cpp's `deepseek2`, `glm4moe`), turned into
-the Hugging Face checkpoint those families run from: the transformers fallback (engines/torch/fallback.py) and
-mlx-lm both read only float safetensors in the hub's layout.
+"""A GGUF file of a family the torch engine has no native file for (llama.cpp's `deepseek2`, `glm4moe`, `gpt-oss`,
+`qwen3next`), turned into the Hugging Face checkpoint those families run from: the transformers fallback
+(engines/torch/fallback.py) and mlx-lm both read only float safetensors in the hub's layout.
 
 transformers' GGUF support knows neither architecture, so config.json is built here from the file's metadata (the
 keys llama.cpp's convert_hf_to_gguf writes for them), and every tensor is dequantized by the `gguf` package and
 written under its Hugging Face name: the stacked experts (`ffn_*_exps`) unstacked into the hub's
 `mlp.experts.<e>.*_proj`, the shared experts (`*_shexp`) as `mlp.shared_experts`, the router's correction bias
 (`exp_probs_b`) as `e_score_correction_bias`, and DeepSeek's MLA projections under their own names, with the
-`attn_k_b`/`attn_v_b` pair newer converters split `kv_b_proj` into joined back. Quantized tensors come out in
+`attn_k_b`/`attn_v_b` pair newer converters split `kv_b_proj` into joined back; gpt-oss's gate and up rows
+interleaved back into `gate_up_proj`; Qwen3-Next's linear attention (`attn_qkv` + `attn_gate` regrouped into
+`in_proj_qkvz`, `ssm_a` back to `A_log`) and its norms less the 1 llama.cpp adds. Quantized tensors come out in
 bfloat16, float ones in their own dtype (so an F32 file's checkpoint is exact). llama.cpp permutes no rows of
 these families (their rope is already the layout it computes), and the multi-token-prediction layers a GLM file
-carries past its last layer (`nextn`) are dropped, as transformers drops them. The checkpoint is what the card
+carries past its last layer (`nextn`) are dropped, as transformers drops them; any other tensor in a layer
+without a hub name here refuses the file rather than leave a weight at random. The checkpoint is what the card
 counts: a 4-bit file grows about 3.5x.
 """
 
@@ -28,13 +31,14 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-DEQUANTIZED_ARCHS = ("deepseek2", "glm4moe", "gpt-oss")
+DEQUANTIZED_ARCHS = ("deepseek2", "glm4moe", "gpt-oss", "qwen3next")
 """llama.cpp architectures imported as a dequantized Hugging Face checkpoint (the rest run from the file)."""
 TORCH_ONLY_ARCHS = ("gpt-oss",)
 """Architectures whose checkpoint mlx-lm cannot read: its gpt-oss reads the hub's MXFP4 experts (or its own
 split), not transformers' float gate_up_proj [experts, hidden, 2 x width]; the card offers only torch."""
 _FLOATS = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
-_LAYER = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.(weight|bias))?$")
+"""A layer's tensor: its layer, llama.cpp's name, and weight or bias (none for some, e.g. Qwen3-Next's ssm_a)."""
 _COMMON = {
     "attn_norm": "input_layernorm", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
@@ -51,7 +55,15 @@ _IN_LAYER = {
                 "attn_k_norm": "self_attn.k_norm"},
     "gpt-oss": {**_COMMON, "post_attention_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
                 "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "ffn_gate_inp": "mlp.router"},
+    "qwen3next": {**_COMMON, "post_attention_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+                  "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_q_norm": "self_attn.q_norm",
+                  "attn_k_norm": "self_attn.k_norm", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                  "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                  "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ssm_ba": "linear_attn.in_proj_ba",
+                  "ssm_out": "linear_attn.out_proj", "ssm_norm": "linear_attn.norm"},
 }
+_PLUS_ONE_NORMS = {"attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm"}
+"""Qwen3-Next's zero-centred norms, which llama.cpp stores as weight + 1 (all but the linear attention's)."""
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -83,6 +95,8 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
     config = _common(get, meta, tensors)
     if arch == "gpt-oss":
         return config | _gpt_oss(get)
+    if arch == "qwen3next":
+        return config | _qwen3next(get)
     return config | _sigmoid_router(get) | (_deepseek2(get) if arch == "deepseek2" else _glm4moe(get, tensors))
 
 
@@ -131,6 +145,25 @@ def _gpt_oss(get: Callable[..., Any]) -> dict[str, Any]:
             "sliding_window": int(get("attention.sliding_window")), "attention_bias": True,
             "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
             "swiglu_limit": 7.0, "rope_scaling": scaling}
+
+
+def _qwen3next(get: Callable[..., Any]) -> dict[str, Any]:
+    """Qwen3-Next's config: gated DeltaNet layers with a full-attention layer every full_attention_interval
+    (the last of each run), their widths from llama.cpp's ssm keys, every layer MoE with one gated shared expert."""
+    layers, interval = int(get("block_count")), int(get("full_attention_interval", 4))
+    head_dim, value_heads = int(get("attention.key_length")), int(get("ssm.time_step_rank"))
+    return {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": layers,
+            "num_key_value_heads": int(get("attention.head_count_kv")), "head_dim": head_dim,
+            "partial_rotary_factor": int(get("rope.dimension_count")) / head_dim,
+            "num_experts": int(get("expert_count")), "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length")),
+            "norm_topk_prob": bool(get("expert_weights_norm", True)), "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
+            "linear_key_head_dim": int(get("ssm.state_size")), "linear_num_key_heads": int(get("ssm.group_count")),
+            "linear_num_value_heads": value_heads,
+            "linear_value_head_dim": int(get("ssm.inner_size")) // value_heads, "full_attention_interval": interval,
+            "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                            for i in range(layers)]}
 
 
 def _rope_scaling(get: Callable[..., Any]) -> dict[str, Any] | None:
@@ -190,7 +223,7 @@ def hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tuple[str
     pending: dict[str, torch.Tensor] = {}  # a layer's halves of one hub tensor, until both are read
     for tensor in reader.tensors:
         if tensor.name in _TOP:
-            yield _TOP[tensor.name], _values(tensor.data, tensor.tensor_type)
+            yield _TOP[tensor.name], _unbiased(arch, tensor.name.partition(".")[0], tensor)
             continue
         match = _LAYER.match(tensor.name)
         if match is None or int(match.group(1)) >= config["num_hidden_layers"]:
@@ -210,8 +243,38 @@ def hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tuple[str
             pending[inner] = _values(tensor.data, tensor.tensor_type)
             if len(pending) == 2:
                 yield f"{prefix}.self_attn.kv_b_proj.weight", _kv_b(pending.pop("attn_k_b"), pending.pop("attn_v_b"))
-        elif inner in table:
-            yield f"{prefix}.{table[inner]}.{part}", _values(tensor.data, tensor.tensor_type)
+        elif arch == "qwen3next" and inner in ("ssm_a", "ssm_dt", "ssm_conv1d", "attn_qkv", "attn_gate"):
+            pending[inner] = _values(tensor.data, tensor.tensor_type)
+            yield from ((f"{prefix}.{name}", values) for name, values in _qwen3next_joined(pending, config))
+        elif inner in table and part is not None:
+            yield f"{prefix}.{table[inner]}.{part}", _unbiased(arch, inner, tensor)
+        else:  # a tensor the family's modeling would otherwise leave at random
+            raise UnreadableMetadata(f"tensor {tensor.name} has no Hugging Face name for {arch} here")
+
+
+def _unbiased(arch: str, inner: str, tensor: Any) -> torch.Tensor:
+    """The tensor's values, Qwen3-Next's zero-centred norms without the 1 llama.cpp adds."""
+    values = _values(tensor.data, tensor.tensor_type)
+    return values - 1 if arch == "qwen3next" and inner in _PLUS_ONE_NORMS else values
+
+
+def _qwen3next_joined(pending: dict[str, torch.Tensor], config: dict[str, Any]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen3-Next's linear attention as the hub has it, from Qwen3NextModel's conversion undone: A_log from
+    ssm_a = -exp(A_log), dt_bias, the conv kernel's channel axis back, and in_proj_qkvz from attn_qkv (all q
+    heads, all k, all v) and attn_gate (z): the hub interleaves them per key head ([q, k, v, z] per head)."""
+    if "ssm_a" in pending:
+        yield "linear_attn.A_log", torch.log(-pending.pop("ssm_a").float()).to(torch.float32)
+    if "ssm_dt" in pending:
+        yield "linear_attn.dt_bias", pending.pop("ssm_dt")
+    if "ssm_conv1d" in pending:
+        yield "linear_attn.conv1d.weight", pending.pop("ssm_conv1d").unsqueeze(1).contiguous()
+    if "attn_qkv" in pending and "attn_gate" in pending:
+        qkv, z = pending.pop("attn_qkv"), pending.pop("attn_gate")
+        heads, key_dim = config["linear_num_key_heads"], config["linear_key_head_dim"]
+        q, k, v = qkv.split([heads * key_dim, heads * key_dim, qkv.shape[0] - 2 * heads * key_dim])
+        per_head = [t.reshape(heads, -1, t.shape[-1]) for t in (q, k, v, z)]
+        yield "linear_attn.in_proj_qkvz.weight", torch.cat(per_head, dim=1).reshape(-1, qkv.shape[-1]).contiguous()
 
 
 def _gpt_oss_joined(pending: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
