@@ -393,3 +393,27 @@ def test_the_engines_serve_the_import_with_transformers_tokens(family: str, tmp_
             assert out.error is None, out.error
             got.setdefault(out.request_id, []).append(out.token_id)
     assert disagreement(got, expected) is None
+
+
+@pytest.mark.parametrize("qtype", [QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.MXFP4], ids=lambda q: q.name)
+def test_each_tensor_reads_as_the_gguf_package_dequantizes_it(qtype: QT, tmp_path: Path) -> None:
+    """Float types keep their dtype and values (whole, or one expert of a stacked tensor); quantized ones are the
+    gguf package's dequantization in bfloat16."""
+    from gguf import GGUFReader
+
+    from skulk.models.gguf_moe import _values
+
+    data = np.random.default_rng(0).standard_normal((3, 4, 256)).astype(np.float32)
+    writer = GGUFWriter(str(tmp_path / "t.gguf"), "x")
+    stored = data.astype(np.float16) if qtype == QT.F16 else quantize(data, qtype)
+    writer.add_tensor("t", stored, raw_dtype=None if qtype == QT.F16 else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensor = GGUFReader(tmp_path / "t.gguf").tensors[0]
+    expected = torch.from_numpy(dequantize(tensor.data, qtype).astype(np.float32))
+    want = {QT.F16: torch.float16}.get(qtype, torch.bfloat16)
+    for got, reference in ((_values(tensor.data, qtype), expected), (_values(tensor.data[1], qtype), expected[1])):
+        assert got.dtype == want and got.shape == reference.shape
+        assert torch.equal(got, reference.to(want))
