@@ -40,7 +40,7 @@ ARCHS = {"deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2, "glm4_moe": gguf.MODEL_ARCH.G
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 42, 11, 3, 250, 17, 64, 8, 90, 31] * 2])
 
 
-def _metadata(writer: GGUFWriter, config: dict[str, Any], family: str, split_kv: bool) -> None:
+def _metadata(writer: GGUFWriter, config: dict[str, Any], family: str, split_kv: bool, softmax: bool = False) -> None:
     """The keys convert_hf_to_gguf writes for the family (TextModel's, then DeepseekV2Model's, Glm4MoeModel's or
     GptOssModel's)."""
     nextn = 1 if family == "glm4_moe" else 0  # GLM counts its MTP layer; DeepSeek's converter skips it
@@ -83,7 +83,7 @@ def _metadata(writer: GGUFWriter, config: dict[str, Any], family: str, split_kv:
     writer.add_expert_count(config["n_routed_experts"])
     writer.add_expert_group_count(config["n_group"])
     writer.add_expert_group_used_count(config["topk_group"])
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX if softmax else gguf.ExpertGatingFuncType.SIGMOID)
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_expert_shared_count(config["n_shared_experts"])
     writer.add_leading_dense_block_count(config["first_k_dense_replace"])
@@ -209,14 +209,14 @@ def _qwen3next_converted(name: str, tensor: torch.Tensor, names: Any, config: di
 
 
 def write_llama_cpp_gguf(hf_dir: Path, out: Path, *, quantized: bool, split_kv: bool = True,
-                         experts: QT = QT.Q8_0) -> Path:
+                         experts: QT = QT.Q8_0, softmax: bool = False) -> Path:
     """The family checkpoint in hf_dir as llama.cpp's converter writes it: 2-D and 3-D projections in Q8_0 (the
     stacked experts' weights in `experts`) where their rows are whole blocks (quantized), the rest in F32. GLM's
     file gets its MTP layer's tensors too."""
     config = json.loads((hf_dir / "config.json").read_text())
     family = config["model_type"]
     writer = GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[ARCHS[family]])
-    _metadata(writer, config, family, split_kv)
+    _metadata(writer, config, family, split_kv, softmax)
     _vocab(writer)
     tensors = _llama_cpp_tensors(hf_dir, config, split_kv)
     if family == "glm4_moe":  # the MTP layer, which the import drops
@@ -332,6 +332,15 @@ def test_deepseek_yarn_rope_scaling_comes_through(tmp_path: Path) -> None:
     (imported / "config.json").write_text(json.dumps({**config, "rope_scaling": None}))
     unscaled = _logits(imported, ids)
     assert ((unscaled - expected).norm() / expected.norm()).item() > 1e-2
+
+
+def test_a_deepseek_file_with_softmax_routing_is_refused_saying_so(tmp_path: Path) -> None:
+    """DeepSeek V2's softmax routing (expert_gating_func 1) is not DeepSeek V3's modeling: refused, not mis-run."""
+    hf_dir = write_model("deepseek_v3", tmp_path / "hf", vocab_size=VOCAB)
+    gguf_file = write_llama_cpp_gguf(hf_dir, tmp_path / "v2.gguf", quantized=False, softmax=True)
+    with pytest.raises(NotGGUF, match="softmax routing"):
+        import_gguf(gguf_file, tmp_path / "models", "t/v2")
+    assert not [p for p in (tmp_path / "models").iterdir()]  # the staging folder went with the refusal
 
 
 def test_an_architecture_nobody_runs_is_refused_by_name(tmp_path: Path) -> None:
