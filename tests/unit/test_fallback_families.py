@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from skulk.engines.base import Engine
 from skulk.engines.torch.fallback import FallbackEngine
 from skulk.engines.torch.wire import Admitted, Released, Started
 from skulk.models.demo import generate_random_llama
@@ -42,8 +43,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: write(name, root, demo) for name in (*FAMILIES, *MORE)}
 
 
-def run(engine: FallbackEngine, sampling: SamplingParams = GREEDY) -> dict[str, list[int]]:
-    """Both prompts at once; every token by request, failing on any error."""
+def run(engine: Engine, sampling: SamplingParams = GREEDY) -> dict[str, list[int]]:
+    """Both prompts at once through any engine; every token by request, failing on any error."""
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, sampling)
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}

@@ -47,6 +47,20 @@ _GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+
+def write_vocab(writer: GGUFWriter, size: int) -> None:
+    """A byte-level gpt2 vocabulary of `size` tokens (the demo model's specials, one merge) with the ChatML
+    template, as llama.cpp's converter writes a tokenizer's metadata."""
+    vocab = [c for _, c in sorted(_bytes_to_unicode().items())] + list(SPECIAL_TOKENS) + ["ĠĠ"]
+    vocab += [f"<pad{i}>" for i in range(size - len(vocab))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(vocab)
+    writer.add_token_types([1] * 256 + [3] * len(SPECIAL_TOKENS) + [1] * (len(vocab) - 256 - len(SPECIAL_TOKENS)))
+    writer.add_token_merges(["Ġ Ġ"])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
 def gguf_name(name: str, arch: str) -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -118,15 +132,7 @@ def write_gguf(config: dict[str, Any], hf_dir: Path, arch: str, out: Path, *, qu
         writer.add_expert_count(config["num_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    vocab = [c for _, c in sorted(_bytes_to_unicode().items())] + list(SPECIAL_TOKENS) + ["ĠĠ"]
-    vocab += [f"<pad{i}>" for i in range(config["vocab_size"] - len(vocab))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(vocab)
-    writer.add_token_types([1] * 256 + [3] * len(SPECIAL_TOKENS) + [1] * (len(vocab) - 256 - len(SPECIAL_TOKENS)))
-    writer.add_token_merges(["Ġ Ġ"])
-    writer.add_bos_token_id(256)
-    writer.add_eos_token_id(257)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    write_vocab(writer, config["vocab_size"])
     if (config.get("rope_scaling") or {}).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
     for name, tensor in hf_tensors(hf_dir).items():

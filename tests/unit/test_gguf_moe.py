@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from skulk.models.catalog import native_types
-from skulk.models.demo import CHATML_TEMPLATE, SPECIAL_TOKENS, _bytes_to_unicode
 from skulk.models.gguf_import import NotGGUF, import_gguf
+from tests.unit.test_gguf_families import write_vocab
 
 from .family_checkpoints import write_model
 from .test_gguf_families import hf_tensors
@@ -114,18 +114,6 @@ def _metadata(writer: GGUFWriter, config: dict[str, Any], family: str, split_kv:
         writer.add_head_count_kv(config["num_attention_heads"])
         writer.add_key_length(nope + rope)
         writer.add_value_length(config["v_head_dim"])
-
-
-def _vocab(writer: GGUFWriter) -> None:
-    vocab = [c for _, c in sorted(_bytes_to_unicode().items())] + list(SPECIAL_TOKENS) + ["ĠĠ"]
-    vocab += [f"<pad{i}>" for i in range(VOCAB - len(vocab))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(vocab)
-    writer.add_token_types([1] * 256 + [3] * len(SPECIAL_TOKENS) + [1] * (len(vocab) - 256 - len(SPECIAL_TOKENS)))
-    writer.add_token_merges(["Ġ Ġ"])
-    writer.add_bos_token_id(256)
-    writer.add_eos_token_id(257)
-    writer.add_chat_template(CHATML_TEMPLATE)
 
 
 def _llama_cpp_tensors(hf_dir: Path, config: dict[str, Any], split_kv: bool) -> dict[str, torch.Tensor]:
@@ -218,7 +206,7 @@ def write_llama_cpp_gguf(hf_dir: Path, out: Path, *, quantized: bool, split_kv: 
     family = config["model_type"]
     writer = GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[ARCHS[family]])
     _metadata(writer, config, family, split_kv, softmax)
-    _vocab(writer)
+    write_vocab(writer, VOCAB)
     tensors = _llama_cpp_tensors(hf_dir, config, split_kv)
     if family == "glm4_moe":  # the MTP layer, which the import drops
         mtp = config["num_hidden_layers"]

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from skulk.engines.torch.cache import StepBatch
 from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.layers import DecoderLayer
 from skulk.engines.torch.loader import load_model
@@ -27,7 +26,6 @@ from skulk.engines.torch.moe import GroupedMoe, grouped_top_k
 from skulk.models.catalog import card_from_config
 from skulk.models.demo import generate_random_llama
 from skulk.models.memory_math import model_memory
-from skulk.types.chat import SamplingParams
 from tests.unit.family_checkpoints import (
     COMMON,
     FAMILIES,
@@ -38,6 +36,8 @@ from tests.unit.family_checkpoints import (
     with_tokenizer,
     write,
 )
+from tests.unit.test_fallback_families import run
+from tests.unit.test_new_families import greedy_stages
 from tests.unit.test_quantized import logits
 from tests.unit.test_torch_engine import ThreadAllReduce
 
@@ -90,30 +90,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _engine_tokens(path: Path) -> dict[str, list[int]]:
     """Both prompts at once through the engine (prefill, then batched decode steps)."""
-    engine = TorchEngine(path, max_batch=2, max_seq=64)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=TOKENS, temperature=0))
-    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    while engine.has_work():
-        for out in engine.step():
-            assert out.error is None, out.error
-            got[out.request_id].append(out.token_id)
-    return got
+    return run(TorchEngine(path, max_batch=2, max_seq=64))
 
 
 def _staged_tokens(stages: list[ModelSlice], prompt: list[int]) -> list[int]:
     """Greedy tokens through a chain of pipeline stages: the prompt in one pass, then one token per step."""
-    ids, pos, out = torch.tensor([prompt]), torch.arange(len(prompt)).unsqueeze(0), []
-    caches = [stage.make_cache(1, len(prompt) + TOKENS) for stage in stages]
-    with torch.inference_mode():
-        for _ in range(TOKENS):
-            x = ids
-            for stage, cache in zip(stages, caches, strict=True):
-                x = stage(x, StepBatch.build(pos, 0), cache)
-            ids = x[:, -1].argmax(-1, keepdim=True)
-            out.append(int(ids))
-            pos = pos[:, -1:] + 1
-    return out
+    return greedy_stages(stages, TOKENS, torch.tensor([prompt]))
 
 
 @pytest.mark.parametrize("name", ["shared", "grouped"])

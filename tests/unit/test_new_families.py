@@ -313,7 +313,11 @@ def test_mlx_moe_layout_with_stacked_experts(checkpoints: dict[str, Path], tmp_p
 def _greedy(model: ModelSlice | list[ModelSlice], steps: int = 4, prompt: torch.Tensor = IDS[:, :8]) -> list[int]:
     """Greedy tokens after prompt (one pass), then one token per step; through a chain of pipeline stages when
     given a list."""
-    stages = model if isinstance(model, list) else [model]
+    return greedy_stages(model if isinstance(model, list) else [model], steps, prompt)
+
+
+def greedy_stages(stages: list[ModelSlice], steps: int, prompt: torch.Tensor) -> list[int]:
+    """Greedy tokens after prompt ([1, n] ids, one pass) through a chain of pipeline stages, one token per step."""
     ids, pos, out = prompt, torch.arange(prompt.shape[1]).unsqueeze(0), []
     caches = [stage.make_cache(1, prompt.shape[1] + steps) for stage in stages]
     with torch.inference_mode():
