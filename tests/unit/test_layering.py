@@ -119,3 +119,47 @@ def test_the_cycle_finder_sees_a_circle() -> None:
 
 def test_no_import_circle_between_modules() -> None:
     assert _cycles(_import_graph()) == []
+
+
+ENGINE = "skulk.engines.torch"
+RUNTIME = tuple(f"{ENGINE}.{m}" for m in ("core", "flight", "admission", "step", "local_step", "engine", "links",
+                                           "wire", "drafter", "fallback", "model", "loader", "scheduler"))
+"""The torch engine's runtime: what runs a model and its requests, above the model families and the scheduler."""
+ENGINE_FLOORS = {
+    # module prefix: what it must not import (anywhere in its body), so the floors inside the engine hold
+    f"{ENGINE}.models": RUNTIME,  # a family is its layers on shared building blocks, never the engine around it
+    f"{ENGINE}.scheduler": ("torch", *RUNTIME[:-1], f"{ENGINE}.cache", f"{ENGINE}.layers", f"{ENGINE}.requests"),
+    f"{ENGINE}.header": ("torch", *RUNTIME),
+}
+
+
+def _absolute_imports(path: Path, module: str) -> set[str]:
+    """Every module `path` imports, relative imports resolved against `module` (its dotted name)."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+            head = ".".join(p for p in (base, node.module or "") if p)
+            names.add(head)
+            names.update(f"{head}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("prefix", sorted(ENGINE_FLOORS))
+def test_the_engines_floors(prefix: str) -> None:
+    """Inside the torch engine too, dependencies point down: the model families import building blocks only, and
+    the scheduler and its header no torch and nothing that holds tensors (issue 39)."""
+    files = [p for p in SRC.rglob("*.py") if _module_name(p) == prefix or _module_name(p).startswith(prefix + ".")]
+    assert files, prefix
+    bad = [f"{_module_name(p)} imports {name}" for p in files for name in sorted(_absolute_imports(p, _module_name(p)))
+           if any(name == f or name.startswith(f + ".") for f in ENGINE_FLOORS[prefix])]
+    assert bad == []
+
+
+def test_relative_imports_resolve() -> None:
+    path = SRC / "engines" / "torch" / "models" / "llama.py"
+    found = _absolute_imports(path, _module_name(path))
+    assert {f"{ENGINE}.layers", f"{ENGINE}.layers.DecoderLayer", f"{ENGINE}.models.family"} <= found
