@@ -44,7 +44,11 @@ torch and each picked expert as three separate int4 matmuls (gate, up, down: not
   gpt_oss         181.2
   llama4_text     279.9
   llama           444.9   2345.8    5.27
-The same day, the defaults (two threads, the wall clock) with --rounds 3 --tokens 32 --part moe, load average about
+2026-12-07, once GLM-4 MoE ran natively (engines/torch/models/glm4_moe.py), the same command with --rounds 3 --part
+families (load from other work beside it; CPU clock): native ÷ fallback glm4_moe 1.16 (200.5 vs 178.1 tok/s),
+qwen3_moe 2.18, llama 4.83. GLM's layers decode op by op: its partial rotary keeps them off the C layer kernel, and
+its grouped sigmoid routing runs in torch per step.
+The same day as the table, the defaults (two threads, the wall clock) with --rounds 3 --tokens 32 --part moe, load average about
 5: moe 10.5 / 29.1, dense 49.2 / 164.2 tok/s, MoE ÷ dense 0.27 at 1 stream, 0.22 at 8 (rounds spread 3x: two threads
 on two busy cores wait on each other, the MoE's many small ops the most).
 """
