@@ -30,7 +30,6 @@ DEEPSEEK_V3: dict[str, Any] = {  # deepseek-ai/DeepSeek-V3's config.json (the ke
                             "weight_block_size": [128, 128]},
 }
 PUBLISHED: dict[str, dict[str, Any]] = {
-    "deepseek-ai/DeepSeek-V3": DEEPSEEK_V3,
     "moonshotai/Kimi-K2-Instruct": {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]},
     "openai/gpt-oss-20b": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
                            "quantization_config": {"quant_method": "mxfp4"}},
@@ -41,7 +40,9 @@ PUBLISHED: dict[str, dict[str, Any]] = {
     "mistralai/Mixtral-8x7B-v0.1": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]},
     "nvidia/Nemotron-H-8B-Base-8K": {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"]},
 }
-"""Each family's published model_type and architectures: every one is run by the MLX engine only."""
+"""Each family's published model_type and architectures: every one is run by the MLX engine only. (DeepSeek V3's
+family runs natively on torch too; its published FP8 checkpoint is MLX's alone by its quantization, which
+test_a_deepseek_v3_card_is_mlx_only_and_its_attention_is_not_llama_shaped checks on the card.)"""
 MLX_ONLY: list[BackendTag] = ["mlx", "mlx-metal", "mlx-cpu"]
 TOY = MlxRegistry(version="0.0", modules=frozenset({"llama", "deepseek_v3", "minimax", "bailing_moe_v3"}),
                   remapping={"mistral": "llama", "kimi_k2": "deepseek_v3", "minimax_m2": "minimax"},
@@ -64,7 +65,7 @@ def test_mlx_lm_s_registry_decides_with_its_own_remapping() -> None:
     assert not TOY.runs("bailing_hybrid") and not TOY.runs("") and not TOY.runs("cache")
     assert engines_running({"model_type": "mistral"}, SUPPORTED_MODEL_TYPES, TOY) == ("torch", "mlx")
     assert engines_running({"model_type": "minimax_m2"}, SUPPORTED_MODEL_TYPES, TOY) == ("mlx",)
-    assert engines_running({"model_type": "deepseek_v3"}, SUPPORTED_MODEL_TYPES, None) == ()
+    assert engines_running({"model_type": "minimax_m2"}, SUPPORTED_MODEL_TYPES, None) == ()
     assert MlxRegistry.from_json({"version": "0.0", "modules": sorted(TOY.modules),
                                          "remapping": dict(TOY.remapping),
                                          "architecture_remapping": [["bailing_hybrid", "BailingMoeV3ForCausalLM",
@@ -89,8 +90,9 @@ def test_the_torch_engine_s_own_families_run_everywhere(registry: MlxRegistry) -
 def test_a_deepseek_v3_card_is_mlx_only_and_its_attention_is_not_llama_shaped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """MLA: every query head has its own expanded key (nope + rope = 192 wide), not grouped KV heads; the FP8
-    checkpoint's quantization is not the torch engine's concern, since torch does not run the family."""
+    """MLA: every query head has its own expanded key (nope + rope = 192 wide), not grouped KV heads. The torch
+    engine runs the family natively (models/deepseek_v3.py) but not this checkpoint's FP8 weights (quant_spec
+    refuses them), so the published card is MLX's alone."""
     monkeypatch.setattr(mlx_engine, "model_registry", lambda: TOY)
     made = card_from_config("deepseek-ai/DeepSeek-V3", DEEPSEEK_V3, 688_000_000_000)
     assert made.compatible_backends == MLX_ONLY and made.family == "deepseek_v3" and made.n_layers == 61
@@ -205,7 +207,15 @@ def test_transformers_5_config_names_are_given_to_mlx_lm_as_published(tmp_path: 
 
 
 UNQUANTIZED_V3 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
-"""DeepSeek-V3's shape as a bf16 checkpoint (the published one is FP8): what transformers' modeling runs on CPU."""
+"""DeepSeek-V3's shape as a bf16 checkpoint (the published one is FP8): what the torch engine runs natively."""
+MINIMAX_M2: dict[str, Any] = {  # MiniMaxAI/MiniMax-M2's config.json (the keys read here), less its FP8
+    "model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"], "num_hidden_layers": 62,
+    "hidden_size": 3072, "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
+    "num_local_experts": 256, "num_experts_per_tok": 8, "vocab_size": 200064, "torch_dtype": "bfloat16",
+}
+"""A family the torch engine runs only through transformers' modeling."""
+FP8 = {"quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                               "weight_block_size": [128, 128]}}
 
 
 def test_the_torch_engine_runs_other_families_through_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,9 +223,9 @@ def test_the_torch_engine_runs_other_families_through_transformers(monkeypatch: 
     too (its card open to every engine, labelled transformers); with MLX absent it is torch's alone."""
     from skulk.engines.torch.fallback_types import causal_lm_classes
 
-    assert causal_lm_classes()["deepseek_v3"] == "DeepseekV3ForCausalLM"
+    assert causal_lm_classes()["minimax_m2"] == "MiniMaxM2ForCausalLM"
     monkeypatch.setattr(mlx_engine, "model_registry", lambda: TOY)
-    made = card_from_config("x/deepseek-v3-bf16", UNQUANTIZED_V3, 1)
+    made = card_from_config("x/minimax-m2-bf16", MINIMAX_M2, 1)
     assert made.compatible_backends is None and made.torch_runtime == "transformers"
     assert made.model_dump(by_alias=True)["torchRuntime"] == "transformers"
     monkeypatch.setattr(mlx_engine, "model_registry", lambda: None)
@@ -226,13 +236,14 @@ def test_the_torch_engine_runs_other_families_through_transformers(monkeypatch: 
     native = card_from_config("Qwen/Qwen3-0.6B", {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 8,
                                                   "num_attention_heads": 2}, 1)
     assert native.torch_runtime == "native"
+    assert card_from_config("x/deepseek-v3-bf16", UNQUANTIZED_V3, 1).torch_runtime == "native"  # no longer fallback
 
 
 @pytest.mark.parametrize(("config", "why"), [
-    (DEEPSEEK_V3, "its weights are fp8, and the transformers fallback runs unquantized checkpoints only"),
-    ({**UNQUANTIZED_V3, "architectures": ["DeepseekV3ForConditionalGeneration"]},
-     "its architectures (DeepseekV3ForConditionalGeneration) are not a causal LM transformers builds"),
-    ({**UNQUANTIZED_V3, "model_type": "made_up"}, "transformers has no causal LM for 'made_up'"),
+    ({**MINIMAX_M2, **FP8}, "its weights are fp8, and the transformers fallback runs unquantized checkpoints only"),
+    ({**MINIMAX_M2, "architectures": ["MiniMaxM2ForConditionalGeneration"]},
+     "its architectures (MiniMaxM2ForConditionalGeneration) are not a causal LM transformers builds"),
+    ({**MINIMAX_M2, "model_type": "made_up"}, "transformers has no causal LM for 'made_up'"),
 ])
 def test_the_fallback_refuses_what_transformers_cannot_read_here(
     monkeypatch: pytest.MonkeyPatch, config: dict[str, Any], why: str
@@ -246,7 +257,7 @@ def test_the_fallback_refuses_what_transformers_cannot_read_here(
 def test_a_fallback_family_is_placed_on_one_torch_node_and_split_only_over_mlx() -> None:
     """transformers' modeling has no split: two torch ranks are refused with the way out; auto prefers mlx-lm's
     own model where a node has MLX; a ring of MLX nodes splits it."""
-    fallback = card(family="deepseek_v3", compatible_backends=None, torch_runtime="transformers")
+    fallback = card(family="minimax_m2", compatible_backends=None, torch_runtime="transformers")
     one = do_place(cluster(a=LINUX), c=fallback)
     assert isinstance(one, MlxRingInstance) and one.engines() == {"a": "torch"}
     refused = do_place(cluster(a=LINUX, b=LINUX), c=fallback, min_nodes=2)

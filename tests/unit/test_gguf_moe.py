@@ -1,5 +1,6 @@
-"""GGUF files of the families the torch engine runs through transformers (llama.cpp's `deepseek2`, `glm4moe`) import
-as a Hugging Face checkpoint that the fallback and mlx-lm run (models/gguf_moe.py).
+"""GGUF files of the families whose GGUF layout the torch engine does not read (llama.cpp's `deepseek2`, `glm4moe`)
+import as a Hugging Face checkpoint that the torch engine (natively: models/deepseek_v3.py, glm4_moe.py), its
+transformers fallback and mlx-lm run (models/gguf_moe.py).
 
 Each family's seeded random checkpoint (family_checkpoints.py) is written to GGUF the way llama.cpp's
 convert_hf_to_gguf does: its metadata keys, gguf-py's own tensor name map, experts stacked per projection,
@@ -26,7 +27,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from skulk.models.catalog import native_types
+from skulk.engines.torch.models import SUPPORTED_MODEL_TYPES
 from skulk.models.gguf_import import NotGGUF, import_gguf
 from tests.unit.test_gguf_families import write_vocab
 
@@ -245,7 +246,7 @@ def _import(family: str, tmp_path: Path, *, quantized: bool, split_kv: bool = Tr
 def test_an_f32_file_imports_as_its_checkpoint_exactly(family: str, tmp_path: Path) -> None:
     """F32 tensors: the imported checkpoint is the original's, so transformers computes the same logits."""
     hf_dir, imported, card = _import(family, tmp_path, quantized=False)
-    runtime = "native" if family in native_types() else "transformers"  # GLM-4 MoE runs on our kernels now
+    runtime = "native" if family in SUPPORTED_MODEL_TYPES else "transformers"  # DeepSeek V3 and GLM-4 MoE: native
     assert card.family == family and card.torch_runtime == runtime and card.mlx_storage_size is None
     assert card.compatible_backends is None or "torch" in card.compatible_backends
     written = sum(p.stat().st_size for p in imported.glob("*.safetensors"))
@@ -360,7 +361,8 @@ def _without_eos(imported: Path) -> Path:
 
 @pytest.mark.parametrize("family", sorted(ARCHS))
 def test_the_engines_serve_the_import_with_transformers_tokens(family: str, tmp_path: Path) -> None:
-    """The imported directory as a runner gets it: the torch engine's transformers fallback, and an MLX rank
+    """The imported directory as a runner gets it: the torch engine's transformers fallback (and its native layers
+    for a family it runs natively), and an MLX rank
     (mlx-lm's own model of the family) where MLX is installed, each give transformers' greedy tokens for the
     float checkpoint (a first divergence only where its top two tie)."""
     from skulk.engines.torch.fallback import FallbackEngine
@@ -372,6 +374,10 @@ def test_the_engines_serve_the_import_with_transformers_tokens(family: str, tmp_
     expected = reference(hf_dir)
     _without_eos(imported)
     assert disagreement(run(FallbackEngine(imported, max_seq=256)), expected) is None
+    if family in SUPPORTED_MODEL_TYPES:  # and the torch engine's own layers, which the card offers
+        from .test_glm4_moe import _engine_tokens
+
+        assert disagreement(_engine_tokens(imported), expected) is None
     if family == "gpt_oss":  # mlx-lm reads the hub's MXFP4 experts, not transformers' float layout
         assert card.compatible_backends is not None and {t[:5] for t in card.compatible_backends} == {"torch"}
         return

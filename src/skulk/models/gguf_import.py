@@ -8,10 +8,10 @@ The weights stay in the file: engines/torch/gguf_file.py reads its quantized blo
 config.json's `quantization` section lists each quantized module's bits (4, or 8 for the types widened), as an
 MLX checkpoint's does, so placement, cards and the loader treat both alike.
 
-That holds for the architectures the torch engine runs natively (NATIVE_ARCHS). A file of a family it runs only
-through transformers (models/gguf_moe.DEQUANTIZED_ARCHS: DeepSeek V3, GLM-4 MoE, gpt-oss, Qwen3-Next) becomes
-instead the dequantized Hugging Face checkpoint the fallback and mlx-lm read; any other architecture is refused by
-name.
+That holds for the architectures whose GGUF tensors the torch engine reads natively (NATIVE_ARCHS). A file of
+models/gguf_moe.DEQUANTIZED_ARCHS (DeepSeek V3, GLM-4 MoE: native torch families from safetensors only; gpt-oss,
+Qwen3-Next: run through transformers) becomes instead the dequantized Hugging Face checkpoint the torch engine,
+its fallback and mlx-lm read; any other architecture is refused by name.
 """
 
 from __future__ import annotations

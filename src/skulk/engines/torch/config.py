@@ -56,6 +56,22 @@ def _gemma3_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
+class MlaShape:
+    """DeepSeek V3's multi-head latent attention (models/deepseek_v3.py): queries through a low-rank pair (or one
+    q_proj when q_lora_rank is None), keys and values expanded per head from a kv_lora_rank latent, and a rope key
+    of rope_dim shared by every head. scale: the softmax's, YaRN's mscale folded in."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    interleaved: bool
+    """The checkpoint's rope dimensions come in pairs (x0, x1), (x2, x3), ... (rope_interleave, the default)."""
+    scale: float
+
+
+@dataclass(frozen=True, slots=True)
 class ModelArgs:
     """One decoder architecture, as models.read_args reads it from a config (common_fields plus its family's
     own: the family files under models/). Qwen2 differs from Llama by qkv bias, Qwen3 by per-head q/k RMSNorm,
@@ -104,6 +120,9 @@ class ModelArgs:
     rotary_dim: int | None = None
     """Partial rotary (GLM-4 MoE's partial_rotary_factor): rope turns the first rotary_dim of each head's
     dimensions; None: all head_dim."""
+    mla: MlaShape | None = None
+    """DeepSeek V3's attention; its cache holds each head's expanded key and value (head_dim wide, the value
+    zero-padded), num_key_value_heads being num_attention_heads."""
     image_token_id: int | None = None
     """A vision-language checkpoint's image placeholder token (Gemma 3's <image_soft_token>): the positions whose
     input embedding is the vision tower's output, attending to each other both ways within one image."""

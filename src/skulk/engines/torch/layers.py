@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +63,10 @@ class Rope(nn.Module):
         exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
         theta = args.rope_local_theta if local and args.rope_local_theta else args.rope_theta
         inv_freq = 1.0 / (theta**exponents)
-        if args.rope_scaling is not None and not local:
+        self.attention_factor = 1.0  # YaRN scales cos and sin by it
+        if args.rope_scaling is not None and not local and _kind(args.rope_scaling) == "yarn":
+            inv_freq, self.attention_factor = _yarn(exponents, theta, args.rope_scaling, args.max_position_embeddings)
+        elif args.rope_scaling is not None and not local:
             inv_freq = _scale_frequencies(inv_freq, args.rope_scaling)
         if args.rope_freq_factors is not None and not local:  # llama.cpp's rope_freqs: theta_i / factor_i
             inv_freq = inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32, device=device)
@@ -76,15 +79,57 @@ class Rope(nn.Module):
         The sin's first half is negated once here, so _rotate needs no negation per call (see there)."""
         freqs = positions.unsqueeze(-1).float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        sin = emb.sin()
+        sin, cos = emb.sin(), emb.cos()
+        if self.attention_factor != 1.0:
+            sin, cos = sin * self.attention_factor, cos * self.attention_factor
         sin[..., : freqs.shape[-1]].neg_()
-        return emb.cos().to(dtype), sin.to(dtype)
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _kind(scaling: dict[str, object]) -> object:
+    return scaling.get("rope_type", scaling.get("type"))
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(scale) + 1 (1 when not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(exponents: torch.Tensor, base: float, scaling: dict[str, Any],
+          max_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN (DeepSeek V3, gpt-oss): each frequency interpolated by `factor` or kept, ramped between the
+    dimensions that turn beta_fast and beta_slow times over the original context; cos/sin scaled by the
+    attention factor. transformers' _compute_yarn_parameters, op for op, so float32 results are its own."""
+    dim = exponents.shape[0] * 2
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_positions / old_ctx)
+    attention = scaling.get("attention_factor")
+    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention is None:
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim) if mscale and all_dim \
+            else yarn_mscale(factor)
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction(fast), correction(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(exponents.device)
+    pos_freqs = base**exponents
+    keep = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    return inv_freq, float(attention)
 
 
 def _scale_frequencies(inv_freq: torch.Tensor, scaling: dict[str, object]) -> torch.Tensor:
     """Llama 3.1+ rope scaling: slow down low frequencies, keep high ones, interpolate between. Linear
     (Gemma 3's global layers): every frequency divided by the factor."""
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = _kind(scaling)
     if kind == "linear":
         return inv_freq / float(scaling["factor"])  # type: ignore[arg-type]
     if kind != "llama3":

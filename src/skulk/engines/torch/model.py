@@ -25,7 +25,7 @@ from .layers import AllReduce, DecoderLayer, RMSNorm, Rope, identity, softcap_lo
 from .matmul import Linear
 from .models import family_of, make_layer
 
-_COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj)\.(weight|bias)$")
 _ROW_SPLIT = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _PARTIAL_SUM = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)$")
 """Row-split projections whose per-rank partial sums the all_reduce adds in float32 (a MoE's experts add theirs

@@ -1,0 +1,181 @@
+"""DeepSeek V3 (and Kimi K2, which ships the same model_type): GLM-4 MoE's decoder (dense layers before
+first_k_dense_replace, then moe.GroupedMoe: sigmoid grouped top-k routing, a correction bias, shared experts)
+with Multi-head Latent Attention.
+
+MLA: queries through q_a_proj -> q_a_layernorm -> q_b_proj (q_proj when q_lora_rank is None); keys and values
+from one latent, kv_a_proj_with_mqa giving kv_lora_rank + qk_rope_head_dim, the latent normed (kv_a_layernorm)
+and expanded per head by kv_b_proj into a key part without position (qk_nope_head_dim) and a value (v_head_dim);
+the rest is one rope key every head shares. The checkpoint's rope dimensions come interleaved in pairs: they are
+gathered evens then odds and turned as the half-split layout, as transformers does (q and k alike, so the dot
+products are DeepSeek's). Softmax scale (qk_nope + qk_rope)^-0.5, times YaRN's mscale_all_dim factor squared.
+
+The cache: this engine's paged pools hold per head one key and one value of one width (cache.LayerCache), so a
+layer caches each head's expanded key (k_nope ++ k_rope) and its value zero-padded to that width, and attention's
+output is cut back to v_head_dim (zero columns of V add nothing to the others). That is num_attention_heads x
+(qk_nope + qk_rope) x 2 elements a position and layer, not MLA's compressed kv_lora_rank + qk_rope_head_dim;
+caching the latent and absorbing kv_b_proj into the query and output is left for later. No CPU decode kernel
+runs it (its layer is not a layers.DecoderLayer).
+
+The multi-token-prediction layers (num_nextn_predict_layers, after the last decoder layer) are not loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import LayerCache, MixedBatch, StepBatch
+from ..config import MlaShape, ModelArgs
+from ..layers import MLP, AllReduce, RMSNorm, Rotation, _rotate, add_norm, yarn_mscale
+from ..matmul import Linear
+from ..moe import GroupedMoe
+from .family import Family
+
+Projected = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""One step's queries [B, T, heads * qk], expanded keys-and-values [B, T, heads * (nope + v)], rope keys [B, T, r]."""
+
+
+def fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MLA widths and the MoE fields, with transformers' DeepseekV3Config defaults where a config omits
+    them. head_dim and num_key_value_heads are the cache's: every head's key (or padded value) width."""
+    nope, rope = int(cfg.get("qk_nope_head_dim", 128)), int(cfg.get("qk_rope_head_dim", 64))
+    v = int(cfg.get("v_head_dim") or 128)
+    experts = int(cfg.get("n_routed_experts") or 0)
+    dense = int(cfg.get("first_k_dense_replace", 3))
+    q_rank = cfg.get("q_lora_rank", 1536)
+    return {
+        "num_key_value_heads": cfg["num_attention_heads"],
+        "head_dim": max(nope + rope, v),
+        "rotary_dim": rope,
+        "mla": MlaShape(int(q_rank) if q_rank else None, int(cfg.get("kv_lora_rank", 512)), nope, rope, v,
+                        bool(cfg.get("rope_interleave", True)), _softmax_scale(cfg, nope + rope)),
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 8)),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size", 2048)),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "sparse_layers": tuple(range(dense, cfg["num_hidden_layers"])) if experts else (),
+        "n_shared_experts": int(cfg.get("n_shared_experts", 1)),
+        "n_group": int(cfg.get("n_group") or 1),
+        "topk_group": int(cfg.get("topk_group") or 1),
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 2.5)),
+    }
+
+
+def _softmax_scale(cfg: dict[str, Any], qk_dim: int) -> float:
+    """qk_dim^-0.5, times mscale^2 for a scaled rope with mscale_all_dim (transformers' yarn_apply_mscale)."""
+    scale = qk_dim**-0.5
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in (None, "default") and rope.get("mscale_all_dim"):
+        mscale = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
+        scale = scale * mscale * mscale
+    return scale
+
+
+class MlaAttention(nn.Module):
+    """Multi-head latent attention over the paged cache (expanded keys and padded values: see the module's
+    docstring). Tensor parallel: q_b_proj (or q_proj) and kv_b_proj split by heads, o_proj by columns; the
+    low-rank projections and their norms are whole on every rank."""
+
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
+        super().__init__()
+        mla = args.mla
+        assert mla is not None
+        if args.attention_bias and tp_size > 1:
+            raise ValueError("deepseek_v3 with attention_bias: o_proj's bias does not split over tensor ranks")
+        self.mla, self.n_heads, self.width = mla, args.num_attention_heads // tp_size, args.head_dim
+        hidden, bias, qk = args.hidden_size, args.attention_bias, mla.nope_dim + mla.rope_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = Linear(hidden, self.n_heads * qk, bias=False)
+        else:
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, args.rms_norm_eps)
+            self.q_b_proj = Linear(mla.q_lora_rank, self.n_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, mla.kv_lora_rank + mla.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, args.rms_norm_eps)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, self.n_heads * (mla.nope_dim + mla.v_dim), bias=False)
+        self.o_proj = Linear(self.n_heads * mla.v_dim, hidden, bias=bias)
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor, batch: StepBatch | MixedBatch, rope: Rotation | tuple[Rotation, ...],
+                cache: LayerCache) -> torch.Tensor:
+        b, t, _ = x.shape
+        projected = self._project(x)
+        if isinstance(batch, MixedBatch):  # each part's attention on its own rows, in order
+            parts = zip(*(p.split(batch.sizes, dim=1) for p in projected), batch.parts,
+                        cast(tuple[Rotation, ...], rope), strict=True)
+            outs = []
+            for q, kv, k_rot, part, turn in parts:
+                rows, n = part.positions.shape
+                shaped = (q.reshape(rows, n, -1), kv.reshape(rows, n, -1), k_rot.reshape(rows, n, -1))
+                outs.append(self._attend(shaped, part, turn, cache).transpose(1, 2).reshape(1, rows * n, -1))
+            out = torch.cat(outs, dim=1)
+        else:
+            out = self._attend(projected, batch, cast(Rotation, rope), cache).transpose(1, 2)
+        return self.all_reduce(self.o_proj(out.reshape(b, t, -1)))
+
+    def _project(self, x: torch.Tensor) -> Projected:
+        mla = self.mla
+        q = self.q_proj(x) if mla.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.rope_dim], dim=-1)
+        return q, self.kv_b_proj(self.kv_a_layernorm(latent)), k_rot
+
+    def _attend(self, projected: Projected, batch: StepBatch, rope: Rotation, cache: LayerCache) -> torch.Tensor:
+        """q, k, v per head with rope turned on the rope part, stored, attended; returns [B, heads, T, v_dim]."""
+        mla, heads = self.mla, self.n_heads
+        q, kv, k_rot = projected
+        b, t, _ = q.shape
+        q_nope, q_rot = q.view(b, t, heads, -1).transpose(1, 2).split([mla.nope_dim, mla.rope_dim], dim=-1)
+        k_nope, v = kv.view(b, t, heads, -1).transpose(1, 2).split([mla.nope_dim, mla.v_dim], dim=-1)
+        k_rot = k_rot.view(b, 1, t, mla.rope_dim)
+        if mla.interleaved:
+            q_rot, k_rot = _halves(q_rot), _halves(k_rot)
+        q_rot, k_rot = _rotate(q_rot, *rope), _rotate(k_rot, *rope)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(b, heads, t, mla.rope_dim)), dim=-1)
+        q, k, v = (_pad(q, self.width), _pad(k, self.width), _pad(v, self.width))
+        keys, values = cache.update(k, v, batch)
+        if q.dtype == torch.float16 and q.device.type == "cpu":  # torch's f16 attention on the CPU: 2x f32's time
+            out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=batch.mask,
+                                                 scale=mla.scale).to(q.dtype)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, scale=mla.scale)
+        return out[..., : mla.v_dim]
+
+
+def _halves(x: torch.Tensor) -> torch.Tensor:
+    """Interleaved pairs (x0, x1), (x2, x3), ... as evens then odds: the half-split layout layers._rotate turns."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero columns up to the cache's width: they add nothing to a score, and a value's are cut after attention."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+class MlaDecoderLayer(nn.Module):
+    """Pre-norm MLA then MLP (dense or GroupedMoe), each added to the residual, as layers.DecoderLayer."""
+
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce, mlp: nn.Module) -> None:
+        super().__init__()
+        self.sliding = False  # every layer attends to the whole context
+        self.self_attn = MlaAttention(args, tp_size, all_reduce)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: StepBatch | MixedBatch, rope: Rotation | tuple[Rotation, ...],
+                cache: LayerCache) -> torch.Tensor:
+        h, normed = add_norm(x, self.self_attn(self.input_layernorm(x), batch, rope, cache),
+                             self.post_attention_layernorm)
+        return h + self.mlp(normed)
+
+
+def layer(args: ModelArgs, index: int, tp_size: int, reduce: AllReduce) -> nn.Module:
+    mlp = GroupedMoe(args, tp_size, reduce) if index in args.sparse_layers else MLP(args, tp_size, reduce)
+    return MlaDecoderLayer(args, tp_size, reduce, mlp)
+
+
+FAMILY = Family(("deepseek_v3",), layer, fields)

@@ -1,0 +1,150 @@
+"""DeepSeek V3 on the torch engine's own layers (engines/torch/models/deepseek_v3.py: multi-head latent
+attention, GLM-4 MoE's grouped experts), against transformers' modeling.
+
+Two seeded random checkpoints in transformers 5's layout: family_checkpoints' (the one the MLX tests share:
+q through its low-rank pair, interleaved rope, a dense first layer then experts with a shared one, two expert
+groups of which one is eligible), and a variant that turns on what that one leaves off (one q_proj, the
+half-split rope layout, YaRN with an mscale_all_dim folded into the softmax scale, values wider than keys,
+q/kv biases drawn, unnormalised weights). Each one's 16 greedy tokens for two prompts are transformers' (its
+forward over the whole sequence each step): on one rank through the engine (both prompts batched), and through
+a two-stage pipeline; two tensor-parallel ranks give one rank's logits; bfloat16 stays near transformers'
+bfloat16. The catalog then cards the family as native, with the cache the torch engine really keeps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from skulk.engines.torch.loader import load_model
+from skulk.engines.torch.models.deepseek_v3 import MlaDecoderLayer
+from skulk.engines.torch.moe import GroupedMoe
+from skulk.models.catalog import card_from_config
+from skulk.models.demo import generate_random_llama
+from skulk.models.memory_math import model_memory
+from tests.unit.family_checkpoints import PROMPTS, disagreement, reference, with_tokenizer, write, write_model
+from tests.unit.test_glm4_moe import _engine_tokens, _staged_tokens
+from tests.unit.test_quantized import logits
+from tests.unit.test_torch_engine import ThreadAllReduce
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real model compute: `make test`, not `make test-fast`
+
+VARIANT: dict[str, Any] = {
+    "q_lora_rank": None, "rope_interleave": False, "v_head_dim": 32, "attention_bias": True,
+    "norm_topk_prob": False, "n_shared_experts": 2, "max_position_embeddings": 2048,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                        "mscale_all_dim": 0.7, "original_max_position_embeddings": 512},
+}
+"""What the shared checkpoint leaves off (its config is transformers' defaults there)."""
+IDS = torch.tensor([PROMPTS[0]])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models: a second torch thread only adds barrier waits on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _write_variant(root: Path, demo: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """The variant, its attention biases drawn (transformers starts them at zero, which would test nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    base = write_model("deepseek_v3", root / f"variant_{str(dtype).removeprefix('torch.')}", **VARIANT)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("proj.bias") or name.endswith("proj_with_mqa.bias"):
+                tensor.normal_(0, 0.1)
+    (model.bfloat16() if dtype == torch.bfloat16 else model).save_pretrained(base)
+    return with_tokenizer(base, demo)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepseek-v3")
+    demo = generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                 intermediate_size=128, seed=3)
+    return {"shared": write("deepseek_v3", root, demo), "variant": _write_variant(root, demo),
+            "variant_bf16": _write_variant(root, demo, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("name", ["shared", "variant"])
+def test_greedy_tokens_are_transformers_on_one_rank_and_a_pipeline(name: str, checkpoints: dict[str, Path]) -> None:
+    path = checkpoints[name]
+    expected = reference(path)
+    assert (why := disagreement(_engine_tokens(path), expected)) is None, f"one rank: {why}"
+    stages = [load_model(path, end_layer=2), load_model(path, start_layer=2)]  # dense + MoE | MoE
+    piped = {f"r{i}": _staged_tokens(stages, prompt) for i, prompt in enumerate(PROMPTS)}
+    assert (why := disagreement(piped, expected)) is None, f"pipeline: {why}"
+
+
+def test_the_layers_are_the_configs(checkpoints: dict[str, Path]) -> None:
+    """The variant: one q_proj, YaRN (its cos/sin scaled, the softmax scale with mscale_all_dim's factor squared),
+    the cache as wide as the widest of key (16 + 8) and value (32), one cache head per query head; layer 0 dense,
+    the rest grouped MoE with two shared experts."""
+    model = load_model(checkpoints["variant"])
+    args = model.args
+    assert args.mla is not None and args.mla.q_lora_rank is None and not args.mla.interleaved
+    assert args.head_dim == 32 and args.num_key_value_heads == 4 and args.rotary_dim == 8
+    assert model.rope.attention_factor != 1.0 and args.mla.scale != pytest.approx(24**-0.5)
+    dense, sparse = model.layers["0"], model.layers["1"]
+    assert isinstance(dense, MlaDecoderLayer) and not isinstance(dense.mlp, GroupedMoe)
+    assert isinstance(sparse, MlaDecoderLayer) and isinstance(sparse.mlp, GroupedMoe)
+    assert sparse.mlp.shared_experts is not None and sparse.mlp.shared_experts.down_proj.weight.shape == (64, 64)
+    assert hasattr(dense.self_attn, "q_proj") and not hasattr(dense.self_attn, "q_a_proj")
+
+
+def test_tensor_parallel_ranks_give_one_ranks_logits(checkpoints: dict[str, Path]) -> None:
+    """q_b_proj and kv_b_proj split by heads, o_proj by columns, the low-rank projections whole."""
+    path = checkpoints["shared"]
+    whole = logits(load_model(path), IDS)
+    reduce = ThreadAllReduce(2)
+    shards = [load_model(path, tp_rank=r, tp_size=2, all_reduce=reduce.for_rank(r)) for r in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        ranks = list(pool.map(lambda m: logits(m, IDS), shards))
+    for rank in ranks:
+        torch.testing.assert_close(rank, whole, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_stays_near_transformers(checkpoints: dict[str, Path]) -> None:
+    """A bfloat16 checkpoint in bfloat16 on both sides: only rounding order differs (float32 matches above), each
+    position's logits within 3% of transformers'; one position per prompt may have taken the other expert group
+    on a near tie (test_glm4_moe's reasoning)."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoints["variant_bf16"]
+    model = load_model(path)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            expected = theirs(ids).logits.float()[0]
+        got = logits(model, ids)[0]
+        errors = (got - expected).abs().amax(-1) / expected.abs().amax(-1)
+        assert int((errors >= 0.03).sum()) <= 1, errors
+
+
+def test_the_catalog_cards_deepseek_v3_as_native(checkpoints: dict[str, Path]) -> None:
+    """Native now: its card says so, and the per-layer weight arithmetic (models/memory_math.model_memory) is the
+    bytes the engine holds, layer for layer."""
+    import json
+
+    path = checkpoints["shared"]
+    config = json.loads((path / "config.json").read_text())
+    card = card_from_config("deepseek-ai/deepseek-tiny", config, (path / "model.safetensors").stat().st_size)
+    assert card.torch_runtime == "native" and card.family == "deepseek_v3"
+    memory = model_memory(config)
+    assert memory is not None
+    model = load_model(path)
+    held = [sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                 for t in (*layer.parameters(), *layer.buffers())}.values()) for layer in model.layers.values()]
+    assert [layer.weight_bytes for layer in memory.layers] == held
