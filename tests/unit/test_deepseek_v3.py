@@ -23,6 +23,7 @@ import torch
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.models.deepseek_v3 import MlaDecoderLayer
 from skulk.engines.torch.moe import GroupedMoe
+from skulk.master.shard_plan import group_bytes_per_token
 from skulk.models.catalog import card_from_config
 from skulk.models.demo import generate_random_llama
 from skulk.models.memory_math import model_memory
@@ -134,8 +135,9 @@ def test_bfloat16_stays_near_transformers(checkpoints: dict[str, Path]) -> None:
 
 
 def test_the_catalog_cards_deepseek_v3_as_native(checkpoints: dict[str, Path]) -> None:
-    """Native now: its card says so, and the per-layer weight arithmetic (models/memory_math.model_memory) is the
-    bytes the engine holds, layer for layer."""
+    """Native now: its card says so, the per-layer weight arithmetic (models/memory_math.model_memory) is the
+    bytes the engine holds, layer for layer, and placement's torch figure for a position's cache is the engine's
+    own (expanded heads, not the latent MLX keeps)."""
     import json
 
     path = checkpoints["shared"]
@@ -148,3 +150,6 @@ def test_the_catalog_cards_deepseek_v3_as_native(checkpoints: dict[str, Path]) -
     held = [sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                  for t in (*layer.parameters(), *layer.buffers())}.values()) for layer in model.layers.values()]
     assert [layer.weight_bytes for layer in memory.layers] == held
+    layered = card.model_copy(update={"memory": memory})  # a tiny file's headers are too much of it to card
+    assert group_bytes_per_token(layered, 0, 3, engine="torch") == (model.kv_bytes_per_token(), 0)
+    assert group_bytes_per_token(layered, 0, 3, engine="mlx") == (3 * (16 + 8) * 4, 0)  # the latent, float32

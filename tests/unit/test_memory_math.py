@@ -188,14 +188,16 @@ def test_deepseek_v3_4bit_previews_show_each_nodes_real_weights_and_kv(nodes: in
     from skulk.master.placement import preview_placements
     from skulk.types.instances import InstanceMeta, Sharding
 
+    from .test_engine_choice import MAC
     from .test_placement import state
 
     c = deepseek_4bit_card()
     m = c.memory
     assert m is not None
     names = [chr(ord("a") + i) for i in range(nodes)]
-    previews = preview_placements(state({n: node_gb * GB for n in names}), c, Sharding.Pipeline,
-                                  InstanceMeta.MlxRing)
+    macs = state({n: node_gb * GB for n in names}).model_copy(update={"node_backends": dict.fromkeys(names, MAC)})
+    previews = preview_placements(macs, c, Sharding.Pipeline, InstanceMeta.MlxRing)  # MLX ranks: the latent
+    assert all(p.nodes[0].engine == "mlx" for p in previews if p.nodes)
     whole = [p for p in previews if len(p.node_ids) == nodes]
     assert whole and whole[0].error is None, whole[0].error if whole else "no ring of every node"
     ranks = whole[0].nodes
@@ -213,6 +215,19 @@ def test_deepseek_v3_4bit_previews_show_each_nodes_real_weights_and_kv(nodes: in
         assert r.needed.in_bytes < r.free.in_bytes
     assert tokens is not None and tokens >= c.context_length  # at least one whole 163,840-token context
     assert sum(r.weights.in_bytes for r in ranks) == m.loaded_bytes
+
+
+def test_deepseek_v3_on_torch_costs_its_expanded_heads_and_on_mlx_its_latent() -> None:
+    """The torch engine's native MLA caches every head's key and zero-padded value (128 heads x 192, keys and
+    values: 98,304 bf16 bytes a layer and position, engines/torch/models/deepseek_v3.py), MLX the 576-wide latent
+    (1,152 bytes); a torch Tensor rank holds its share of the heads, an MLX one the whole latent."""
+    from skulk.master.shard_plan import group_bytes_per_token
+
+    c = deepseek_4bit_card()
+    assert c.memory is not None and c.memory.layers[0].torch_kv_heads == 128
+    assert group_bytes_per_token(c, 0, 61, engine="torch") == (61 * 2 * 128 * 192 * 2, 0)
+    assert group_bytes_per_token(c, 0, 61, 4, engine="torch") == (61 * 2 * 32 * 192 * 2, 0)
+    assert group_bytes_per_token(c, 0, 61, engine="mlx") == group_bytes_per_token(c, 0, 61, 4) == (61 * 576 * 2, 0)
 
 
 def test_a_store_copy_is_carded_from_its_safetensors_headers(tmp_path: Any) -> None:

@@ -65,12 +65,17 @@ def kv_bytes_per_token(card: ModelCard, n_layers: int, tensor_ways: int = 1) -> 
     return 2 * n_layers * kv_heads * kv_head_bytes(head_dim, card.kv_cache_bits or 16, DTYPE_BYTES[card.dtype])
 
 
-def layer_kv_bytes(card: ModelCard, layer: LayerMemory, tensor_ways: int = 1) -> int:
+def layer_kv_bytes(card: ModelCard, layer: LayerMemory, tensor_ways: int = 1, engine: EngineName | None = None
+                   ) -> int:
     """What one position costs one layer of a card with per-layer memory (ModelCard.memory): keys and values of
     its KV heads (a tensor rank's share of them), or MLA's one latent, whole on every rank; nothing for a layer
-    that keeps a state instead (stream_state_bytes) or no cache at all."""
+    that keeps a state instead (stream_state_bytes) or no cache at all. engine "torch": what that engine caches
+    where it differs (LayerMemory.torch_kv_heads: its native MLA's expanded heads); None: the layer's own figure."""
     if card.embeds or layer.kv_heads == 0:
         return 0
+    if engine == "torch" and layer.torch_kv_heads:
+        head = kv_head_bytes(layer.torch_head_dim, card.kv_cache_bits or 16, DTYPE_BYTES[card.dtype])
+        return 2 * (layer.torch_kv_heads // tensor_ways) * head
     head = kv_head_bytes(layer.head_dim, card.kv_cache_bits or 16, DTYPE_BYTES[card.dtype])
     return head if layer.latent else 2 * (layer.kv_heads // tensor_ways) * head
 
@@ -105,14 +110,15 @@ def local_window(card: ModelCard) -> int:
     return hybrid_window(window, bounded)
 
 
-def group_bytes_per_token(card: ModelCard, start: int, end: int, tensor_ways: int = 1) -> tuple[int, int]:
+def group_bytes_per_token(card: ModelCard, start: int, end: int, tensor_ways: int = 1,
+                          engine: EngineName | None = None) -> tuple[int, int]:
     """What one position costs a rank holding layers [start, end) in its (global, sliding) pools: every layer in the
-    first for a model of one group."""
+    first for a model of one group. engine: the rank's (layer_kv_bytes)."""
     if card.memory is not None:
         hybrid = local_window(card) > 0
         full = local = 0
         for layer in card.memory.layers[start:end]:
-            cost = layer_kv_bytes(card, layer, tensor_ways)
+            cost = layer_kv_bytes(card, layer, tensor_ways, engine)
             if hybrid and layer.window is not None:
                 local += cost
             else:
@@ -130,10 +136,11 @@ def local_cap(card: ModelCard) -> int:
     return blocks * DEFAULT_BLOCK_SIZE
 
 
-def pool_bytes(card: ModelCard, start: int, end: int, tokens: int, tensor_ways: int = 1, streams: int = 1) -> int:
+def pool_bytes(card: ModelCard, start: int, end: int, tokens: int, tensor_ways: int = 1, streams: int = 1,
+               engine: EngineName | None = None) -> int:
     """A rank's pool of `tokens` positions for layers [start, end): a hybrid model's sliding layers hold at most
     local_cap of them; and the constant state of `streams` streams in its linear-attention and SSM layers."""
-    full, local = group_bytes_per_token(card, start, end, tensor_ways)
+    full, local = group_bytes_per_token(card, start, end, tensor_ways, engine)
     states = streams * stream_state_bytes(card, start, end, tensor_ways)
     return tokens * full + min(tokens, local_cap(card)) * local + states
 
@@ -340,18 +347,21 @@ def _plans(
 ) -> tuple[NodePlan, ...]:
     """The ring's plans for these ranges and weight shares: the KV pool's positions and each rank's bytes, its
     linear-attention and SSM layers' states for MAX_STREAMS streams beside them (counted first, like weights)."""
-    per_token = [group_bytes_per_token(card, start, end, ways) for start, end in ranges]
+    ranks: list[EngineName] = list(engines) if engines else ["torch"] * len(ring)
+    per_token = [group_bytes_per_token(card, start, end, ways, e)
+                 for (start, end), e in zip(ranges, ranks, strict=True)]
+    whole = ranks[0] if len(set(ranks)) == 1 else None  # an explicit pool's split: mixed engines keep the card's
     states = [MAX_STREAMS * stream_state_bytes(card, start, end, ways) for start, end in ranges]
     runtimes = list(runtimes) if runtimes is not None else [None] * len(ring)
     bases = [planned_base(s, r, exact) + st for s, r, st in zip(shares, runtimes, states, strict=True)]
     if kv_cache_bytes is not None:
         kv_cache_bytes = max(0, kv_cache_bytes - MAX_STREAMS * stream_state_bytes(card, 0, card.n_layers))
     tokens = pool_tokens(per_token, bases, free, context or card.context_length,
-                         kv_cache_bytes, group_bytes_per_token(card, 0, card.n_layers), local_cap(card))
+                         kv_cache_bytes, group_bytes_per_token(card, 0, card.n_layers, engine=whole), local_cap(card))
     plans = tuple(
         NodePlan(node_id=n, start_layer=start, end_layer=end, weights_share=share,
-                 kv_pool=pool_bytes(card, start, end, tokens, ways, MAX_STREAMS), free=f, exact=exact, runtime=r)
-        for n, (start, end), share, f, r in zip(ring, ranges, shares, free, runtimes, strict=True)
+                 kv_pool=pool_bytes(card, start, end, tokens, ways, MAX_STREAMS, e), free=f, exact=exact, runtime=r)
+        for n, (start, end), share, f, r, e in zip(ring, ranges, shares, free, runtimes, ranks, strict=True)
     )
     if draft is not None and len(ring) == 1 and (engines or ["torch"])[0] == "torch":
         extra = draft_weights(draft) + tokens * kv_bytes_per_token(draft, draft.n_layers)
