@@ -230,6 +230,30 @@ def test_deepseek_v3_on_torch_costs_its_expanded_heads_and_on_mlx_its_latent() -
     assert group_bytes_per_token(c, 0, 61, engine="mlx") == group_bytes_per_token(c, 0, 61, 4) == (61 * 576 * 2, 0)
 
 
+def test_an_explicit_deepseek_pool_is_checked_against_the_rings_engine() -> None:
+    """20 GB holds a whole 163,840-token context of MLX's latent (11.4 GB) but not of the torch engine's expanded
+    heads (about 960 GB): two Macs take it, two Linux nodes (torch) refuse it naming the bytes torch needs."""
+    from skulk.master.placement import preview_placements
+    from skulk.types.instances import InstanceMeta, Sharding
+    from skulk.types.placement import KvPoolTooSmall
+
+    from .test_engine_choice import LINUX, MAC
+    from .test_placement import state
+
+    c = deepseek_4bit_card().model_copy(update={"kv_cache_gb": 20.0})
+    for tags, fits in ((MAC, True), (LINUX, False)):
+        nodes = state({"a": 512 * GB, "b": 512 * GB}).model_copy(update={"node_backends": dict.fromkeys("ab", tags)})
+        whole = [p for p in preview_placements(nodes, c, Sharding.Pipeline, InstanceMeta.MlxRing)
+                 if len(p.node_ids) == 2]
+        assert whole, tags
+        if fits:
+            assert whole[0].error is None, whole[0].error
+        else:
+            error = whole[0].error
+            assert isinstance(error, KvPoolTooSmall) and error.context_length == 163840, error
+            assert error.least.in_bytes == 61 * 2 * 128 * 192 * 2 * 163840
+
+
 def test_a_store_copy_is_carded_from_its_safetensors_headers(tmp_path: Any) -> None:
     import numpy as np
     from safetensors.numpy import save_file

@@ -117,16 +117,18 @@ class _Kv:
         gb = sizing.kv_cache_gb if sizing.kv_cache_gb is not None else card.kv_cache_gb
         return cls(admitted_context(card, sizing.max_context), None if gb is None else int(gb * GB))
 
-    def error(self, card: ModelCard) -> KvPoolTooSmall | None:
-        """An explicit pool must hold one request of the whole context, or such a request could never run."""
+    def error(self, card: ModelCard, engine: EngineName | None = None) -> KvPoolTooSmall | None:
+        """An explicit pool must hold one request of the whole context, or such a request could never run; on
+        the ring's engine once chosen (the torch engine caches DeepSeek V3's MLA wider than the card's latent)."""
         if self.pool_bytes is None or card.embeds:
             return None
-        tokens = explicit_pool_tokens(card, self.pool_bytes)
+        tokens = explicit_pool_tokens(card, self.pool_bytes, engine)
         if tokens >= self.context:
             return None
         return KvPoolTooSmall(model_id=card.model_id, kv_cache_gb=self.pool_bytes / GB, pool_tokens=tokens,
                               context_length=self.context,
-                              least=Memory.from_bytes(kv_headroom_bytes(card, card.n_layers, context=self.context)))
+                              least=Memory.from_bytes(kv_headroom_bytes(card, card.n_layers, context=self.context,
+                                                                        engine=engine)))
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,9 @@ def _evaluate(
     chosen = choose_kv_engines(card, engine, ring, state.node_backends, _node_names(state), sharding)
     if not isinstance(chosen, tuple):
         return _Candidate(ring, error=chosen)
+    small = kv.error(card, chosen[0]) if len(set(chosen)) == 1 else None
+    if small is not None:
+        return _Candidate(ring, error=small)
     pending = [n for n in ring if n not in state.node_memory]
     if pending:
         return _Candidate(ring, error=InfoPending(node_ids=pending))

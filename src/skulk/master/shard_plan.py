@@ -88,9 +88,11 @@ def stream_state_bytes(card: ModelCard, start: int, end: int, tensor_ways: int =
     return sum(layer.state_bytes for layer in card.memory.layers[start:end]) // tensor_ways
 
 
-def kv_headroom_bytes(card: ModelCard, n_layers: int, tensor_ways: int = 1, context: int | None = None) -> int:
-    """KV cache for one request of the whole context over `n_layers`: the least pool a placed model can serve with."""
-    return pool_bytes(card, 0, n_layers, context or card.context_length, tensor_ways)
+def kv_headroom_bytes(card: ModelCard, n_layers: int, tensor_ways: int = 1, context: int | None = None,
+                      engine: EngineName | None = None) -> int:
+    """KV cache for one request of the whole context over `n_layers`: the least pool a placed model can serve with
+    (engine: where it caches differently, layer_kv_bytes)."""
+    return pool_bytes(card, 0, n_layers, context or card.context_length, tensor_ways, engine=engine)
 
 
 def _windowed(card: ModelCard) -> tuple[int | None, list[bool]]:
@@ -158,12 +160,14 @@ def admitted_context(card: ModelCard, max_context: int | None) -> int:
     return min(card.context_length, max_context)
 
 
-def explicit_pool_tokens(card: ModelCard, kv_cache_bytes: int) -> int:
-    """Token positions an instance-wide pool of kv_cache_bytes holds (over every layer and head)."""
+def explicit_pool_tokens(card: ModelCard, kv_cache_bytes: int, engine: EngineName | None = None) -> int:
+    """Token positions an instance-wide pool of kv_cache_bytes holds (over every layer and head) on `engine`'s
+    ranks (None: the card's own figure, layer_kv_bytes)."""
     if card.embeds:
         return 0
     kv_cache_bytes = max(0, kv_cache_bytes - MAX_STREAMS * stream_state_bytes(card, 0, card.n_layers))
-    return tokens_for(kv_cache_bytes, group_bytes_per_token(card, 0, card.n_layers), local_cap(card), _UNBOUNDED)
+    per_token = group_bytes_per_token(card, 0, card.n_layers, engine=engine)
+    return tokens_for(kv_cache_bytes, per_token, local_cap(card), _UNBOUNDED)
 
 
 _UNBOUNDED = 1 << 62
