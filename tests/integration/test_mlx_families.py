@@ -7,9 +7,10 @@ Hugging Face layouts (float32, since mlx[cpu]'s GatherMM takes float32 only), se
   nodes (mlx-lm's stack re-indexes its first attention layer in the second rank's slice), and Tensor refused (no
   shard()).
 Each gives the 16 greedy tokens, with their logprobs, of transformers' own forward on the same prompt ids. The
-torch engine runs the family too, through transformers' own modeling (engines/torch/fallback.py): a node whose
-only engine is torch places it on one rank and gives the same tokens; two torch ranks are refused naming the way
-out. One hub and one set of nodes for the module."""
+torch engine runs DeepSeek-V3 too, natively (engines/torch/models/deepseek_v3.py): a node whose only engine is
+torch places it on one rank and gives the same tokens; Qwen3-Next, which torch runs only through transformers'
+modeling (engines/torch/fallback.py), is refused on two torch ranks naming the way out. One hub and one set of
+nodes for the module."""
 
 from __future__ import annotations
 
@@ -183,26 +184,33 @@ def test_the_card_is_open_to_both_engines(served: Served) -> None:
     status, added = node.post("/models/add", {"model_id": MODEL})
     assert status == 200, added
     assert added["compatible_backends"] is None and added["family"] == "deepseek_v3"
-    assert added["torch_runtime"] == "transformers"
+    assert added["torch_runtime"] == "native"
     card = wait_until(lambda: node.get("/state")["modelCards"].get(MODEL), 30, "the card in the cluster's state")
-    assert card["compatibleBackends"] is None and card["torchRuntime"] == "transformers" and card["nLayers"] == 3
+    assert card["compatibleBackends"] is None and card["torchRuntime"] == "native" and card["nLayers"] == 3
     assert (card["numKeyValueHeads"], card["headDim"]) == (4, 24), "MLA: per-head keys of nope + rope"
 
 
 def test_one_mlx_rank_gives_transformers_tokens(served: Served) -> None:
-    instance = serve_and_compare(served, min_nodes=1)
+    instance = serve_and_compare(served, min_nodes=1, engine="mlx")  # auto: torch, which runs it natively too
     assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 1
 
 
 def test_a_pipeline_over_two_mlx_nodes_gives_the_same_tokens(served: Served) -> None:
-    instance = serve_and_compare(served, min_nodes=2, sharding="Pipeline")
+    instance = serve_and_compare(served, min_nodes=2, sharding="Pipeline", engine="mlx")
     assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
 
 
 def test_tensor_over_two_mlx_nodes_gives_the_same_tokens(served: Served) -> None:
     """mlx-lm's deepseek_v3 has shard(): heads and experts split, an all_sum after each block."""
-    instance = serve_and_compare(served, min_nodes=2, sharding="Tensor")
+    instance = serve_and_compare(served, min_nodes=2, sharding="Tensor", engine="mlx")
     assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
+
+
+def test_auto_puts_it_natively_on_torch_and_a_torch_pipeline_gives_the_same_tokens(served: Served) -> None:
+    """The MLX cluster's nodes have torch too, and torch runs DeepSeek-V3 natively: auto picks it there, split
+    over both nodes (engines/torch/models/deepseek_v3.py's MLA on each stage)."""
+    instance = serve_and_compare(served, min_nodes=2, sharding="Pipeline")
+    assert instance["engine"] == "torch" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
 
 
 def test_qwen3_next_over_two_mlx_nodes_gives_transformers_tokens(served: Served) -> None:
@@ -217,9 +225,10 @@ def test_qwen3_next_over_two_mlx_nodes_gives_transformers_tokens(served: Served)
     assert status == 400 and "mlx-lm cannot split model" in str(reply) and "no shard()" in str(reply), reply
 
 
-def test_a_torch_only_node_runs_it_through_transformers(served: Served) -> None:
-    """auto puts it on torch where torch is all there is: one rank, transformers' own modeling, the same tokens
-    and logprobs; the MLX cluster's nodes have torch too, and two torch ranks are refused with the way out."""
+def test_a_torch_only_node_runs_it_natively(served: Served) -> None:
+    """auto puts it on torch where torch is all there is: one rank, the torch engine's own MLA layers, the same
+    tokens and logprobs; the MLX cluster's nodes have torch too, and two torch ranks of a family torch runs only
+    through transformers' modeling (Qwen3-Next) are refused with the way out."""
     node = served.torch_only
     assert node.get("/state")["nodeBackends"][node.node_id] == ["torch", "torch-cpu"]
     status, added = node.post("/models/add", {"model_id": MODEL})
@@ -228,12 +237,14 @@ def test_a_torch_only_node_runs_it_through_transformers(served: Served) -> None:
     instance = next(iter(placed["instance"].values()))
     assert instance["engine"] == "torch" and len(instance["shardAssignments"]["nodeToRunner"]) == 1
     try:
-        wait_until(lambda: instance_ready(node, placed["instanceId"]), 150, "the torch fallback to be ready",
+        wait_until(lambda: instance_ready(node, placed["instanceId"]), 150, "the torch engine to be ready",
                    lambda: node.log_tail(30))
         assert_same_tokens(greedy(node, MODEL), served.expected[MODEL])
     finally:
         with node.client() as client:
             assert client.delete(f"/instance/{placed['instanceId']}").status_code == 200
-    status, reply = served.mlx[0].post("/place_instance", {"model_id": MODEL, "min_nodes": 2, "engine": "torch"})
+    status, added = served.mlx[0].post("/models/add", {"model_id": NEXT})
+    assert status == 200 and added["torch_runtime"] == "transformers", added
+    status, reply = served.mlx[0].post("/place_instance", {"model_id": NEXT, "min_nodes": 2, "engine": "torch"})
     said = str(reply)
     assert status == 400 and "through transformers' modeling, which does not split" in said, reply
