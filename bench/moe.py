@@ -48,9 +48,9 @@ torch and each picked expert as three separate int4 matmuls (gate, up, down: not
 families (load from other work beside it; CPU clock): native ÷ fallback glm4_moe 1.16 (200.5 vs 178.1 tok/s),
 qwen3_moe 2.18, llama 4.83. GLM's layers decode op by op: its partial rotary keeps them off the C layer kernel, and
 its grouped sigmoid routing runs in torch per step.
-The same day as the table, the defaults (two threads, the wall clock) with --rounds 3 --tokens 32 --part moe, load average about
-5: moe 10.5 / 29.1, dense 49.2 / 164.2 tok/s, MoE ÷ dense 0.27 at 1 stream, 0.22 at 8 (rounds spread 3x: two threads
-on two busy cores wait on each other, the MoE's many small ops the most).
+The same day as the table, the defaults (two threads, the wall clock) with --rounds 3 --tokens 32 --part moe, load
+average about 5: moe 10.5 / 29.1, dense 49.2 / 164.2 tok/s, MoE ÷ dense 0.27 at 1 stream, 0.22 at 8 (rounds spread
+3x: two threads on two busy cores wait on each other, the MoE's many small ops the most).
 """
 
 from __future__ import annotations

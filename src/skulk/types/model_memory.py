@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from .base import CamelModel
 
 LayerKind = Literal["full", "nope", "sliding", "chunked", "mla", "linear", "ssm", "mlp"]
@@ -38,8 +40,8 @@ class LayerMemory(CamelModel):
     """Key heads cached per position (values mirror them); 1 for MLA's latent; 0 for a layer with no KV."""
     head_dim: int = 0
     """Elements per cached head and position (MLA: kv_lora_rank + qk_rope_head_dim)."""
-    torch_kv_heads: int = 0
-    torch_head_dim: int = 0
+    torch_kv_heads: int = Field(default=0, exclude_if=lambda v: v == 0)  # left out at 0: older releases forbid it
+    torch_head_dim: int = Field(default=0, exclude_if=lambda v: v == 0)
     """What the torch engine caches here instead, where it differs (0: kv_heads and head_dim): its native MLA
     (engines/torch/models/deepseek_v3.py) keeps every head's expanded key and its value zero-padded to that width
     (num_attention_heads heads of max(qk_nope + qk_rope, v_head_dim)), keys and values, not the latent."""
