@@ -64,11 +64,14 @@ def import_gguf(gguf_path: Path, models_dir: Path, model_id: str | None = None, 
     the transformers fallback and mlx-lm load (models/gguf_moe.py), and the file is not kept. NotGGUF for a
     file that is not one, or of an architecture no engine here runs (named); InvalidModelFile for a header
     out of bounds (checked before transformers reads a byte of it: skulk.formats.gguf_header)."""
-    from skulk.engines.torch.gguf_file import read_layout
-    from skulk.models.gguf_moe import DEQUANTIZED_ARCHS
+    from skulk.formats.gguf_header import check_gguf
 
     if not is_gguf(gguf_path):
         raise NotGGUF(f"{gguf_path} is not a GGUF file")
+    check_gguf(gguf_path)  # a hostile header is refused before the readers below are even imported
+    from skulk.engines.torch.gguf_file import read_layout
+    from skulk.models.gguf_moe import DEQUANTIZED_ARCHS
+
     layout = read_layout(gguf_path)
     arch = str(layout["arch"])
     if arch not in NATIVE_ARCHS + DEQUANTIZED_ARCHS:
