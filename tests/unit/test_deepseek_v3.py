@@ -12,8 +12,6 @@ bfloat16. The catalog then cards the family as native, with the cache the torch 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +29,12 @@ from skulk.models.demo import generate_random_llama
 from skulk.models.memory_math import model_memory
 from skulk.types.chat import SamplingParams
 from tests.unit.family_checkpoints import PROMPTS, TOKENS, disagreement, reference, with_tokenizer, write, write_model
-from tests.unit.test_glm4_moe import _engine_tokens, _staged_tokens
-from tests.unit.test_quantized import logits
-from tests.unit.test_torch_engine import ThreadAllReduce
+from tests.unit.test_glm4_moe import (
+    assert_bf16_near_transformers,
+    assert_tensor_ranks_match,
+    assert_transformers_tokens,
+    one_thread,  # noqa: F401 - the module's autouse fixture: one torch thread for tiny models
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real model compute: `make test`, not `make test-fast`
 
@@ -45,15 +46,6 @@ VARIANT: dict[str, Any] = {
 }
 """What the shared checkpoint leaves off (its config is transformers' defaults there)."""
 IDS = torch.tensor([PROMPTS[0]])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models: a second torch thread only adds barrier waits on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _write_variant(root: Path, demo: Path, dtype: torch.dtype = torch.float32) -> Path:
@@ -82,12 +74,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("name", ["shared", "variant"])
 def test_greedy_tokens_are_transformers_on_one_rank_and_a_pipeline(name: str, checkpoints: dict[str, Path]) -> None:
-    path = checkpoints[name]
-    expected = reference(path)
-    assert (why := disagreement(_engine_tokens(path), expected)) is None, f"one rank: {why}"
-    stages = [load_model(path, end_layer=2), load_model(path, start_layer=2)]  # dense + MoE | MoE
-    piped = {f"r{i}": _staged_tokens(stages, prompt) for i, prompt in enumerate(PROMPTS)}
-    assert (why := disagreement(piped, expected)) is None, f"pipeline: {why}"
+    assert_transformers_tokens(checkpoints[name])
 
 
 def test_the_layers_are_the_configs(checkpoints: dict[str, Path]) -> None:
@@ -108,33 +95,14 @@ def test_the_layers_are_the_configs(checkpoints: dict[str, Path]) -> None:
 
 def test_tensor_parallel_ranks_give_one_ranks_logits(checkpoints: dict[str, Path]) -> None:
     """q_b_proj and kv_b_proj split by heads, o_proj by columns, the low-rank projections whole."""
-    path = checkpoints["shared"]
-    whole = logits(load_model(path), IDS)
-    reduce = ThreadAllReduce(2)
-    shards = [load_model(path, tp_rank=r, tp_size=2, all_reduce=reduce.for_rank(r)) for r in range(2)]
-    with ThreadPoolExecutor(2) as pool:
-        ranks = list(pool.map(lambda m: logits(m, IDS), shards))
-    for rank in ranks:
-        torch.testing.assert_close(rank, whole, atol=1e-4, rtol=1e-4)
+    assert_tensor_ranks_match(checkpoints["shared"])
 
 
 def test_bfloat16_stays_near_transformers(checkpoints: dict[str, Path]) -> None:
     """A bfloat16 checkpoint in bfloat16 on both sides: only rounding order differs (float32 matches above), each
     position's logits within 3% of transformers'; one position per prompt may have taken the other expert group
     on a near tie (test_glm4_moe's reasoning)."""
-    from transformers import AutoModelForCausalLM
-
-    path = checkpoints["variant_bf16"]
-    model = load_model(path)
-    assert next(model.parameters()).dtype == torch.bfloat16
-    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            expected = theirs(ids).logits.float()[0]
-        got = logits(model, ids)[0]
-        errors = (got - expected).abs().amax(-1) / expected.abs().amax(-1)
-        assert int((errors >= 0.03).sum()) <= 1, errors
+    assert_bf16_near_transformers(checkpoints["variant_bf16"])
 
 
 def test_the_catalog_cards_deepseek_v3_as_native(checkpoints: dict[str, Path]) -> None:

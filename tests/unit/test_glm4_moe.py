@@ -98,14 +98,47 @@ def _staged_tokens(stages: list[ModelSlice], prompt: list[int]) -> list[int]:
     return greedy_stages(stages, TOKENS, torch.tensor([prompt]))
 
 
-@pytest.mark.parametrize("name", ["shared", "grouped"])
-def test_greedy_tokens_are_transformers_on_one_rank_and_a_pipeline(name: str, checkpoints: dict[str, Path]) -> None:
-    path = checkpoints[name]
+def assert_transformers_tokens(path: Path) -> None:
+    """16 greedy tokens of both prompts equal transformers' through the engine on one rank, and through two
+    pipeline stages (dense + MoE | MoE). DeepSeek V3's test holds its family to the same."""
     expected = reference(path)
     assert (why := disagreement(_engine_tokens(path), expected)) is None, f"one rank: {why}"
-    stages = [load_model(path, end_layer=2), load_model(path, start_layer=2)]  # dense + MoE | MoE
+    stages = [load_model(path, end_layer=2), load_model(path, start_layer=2)]
     piped = {f"r{i}": _staged_tokens(stages, prompt) for i, prompt in enumerate(PROMPTS)}
     assert (why := disagreement(piped, expected)) is None, f"pipeline: {why}"
+
+
+def assert_tensor_ranks_match(path: Path) -> None:
+    """Two tensor-parallel ranks give one rank's logits."""
+    whole = logits(load_model(path), IDS)
+    reduce = ThreadAllReduce(2)
+    shards = [load_model(path, tp_rank=r, tp_size=2, all_reduce=reduce.for_rank(r)) for r in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        ranks = list(pool.map(lambda m: logits(m, IDS), shards))
+    for rank in ranks:
+        torch.testing.assert_close(rank, whole, atol=1e-4, rtol=1e-4)
+
+
+def assert_bf16_near_transformers(path: Path) -> None:
+    """A bfloat16 checkpoint in bfloat16 on both sides: each position's logits within 3% of transformers', but
+    for at most one position per prompt (an expert-group tie, as test_bfloat16_stays_near_transformers says)."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(path)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            expected = theirs(ids).logits.float()[0]
+        got = logits(model, ids)[0]
+        errors = (got - expected).abs().amax(-1) / expected.abs().amax(-1)
+        assert int((errors >= 0.03).sum()) <= 1, errors
+
+
+@pytest.mark.parametrize("name", ["shared", "grouped"])
+def test_greedy_tokens_are_transformers_on_one_rank_and_a_pipeline(name: str, checkpoints: dict[str, Path]) -> None:
+    assert_transformers_tokens(checkpoints[name])
 
 
 def test_the_layers_are_the_configs(checkpoints: dict[str, Path]) -> None:
@@ -134,14 +167,7 @@ def test_grouped_top_k_picks_only_from_the_best_groups() -> None:
 
 
 def test_tensor_parallel_ranks_give_one_ranks_logits(checkpoints: dict[str, Path]) -> None:
-    path = checkpoints["grouped"]
-    whole = logits(load_model(path), IDS)
-    reduce = ThreadAllReduce(2)
-    shards = [load_model(path, tp_rank=r, tp_size=2, all_reduce=reduce.for_rank(r)) for r in range(2)]
-    with ThreadPoolExecutor(2) as pool:
-        ranks = list(pool.map(lambda m: logits(m, IDS), shards))
-    for rank in ranks:
-        torch.testing.assert_close(rank, whole, atol=1e-4, rtol=1e-4)
+    assert_tensor_ranks_match(checkpoints["grouped"])
 
 
 def test_bfloat16_stays_near_transformers(checkpoints: dict[str, Path]) -> None:
@@ -149,19 +175,7 @@ def test_bfloat16_stays_near_transformers(checkpoints: dict[str, Path]) -> None:
     position's logits within 3% of transformers'. Not every position: a token whose two expert groups score
     within rounding of each other (seen: 1.3503 against 1.3499) may take the other group in either dtype, a
     legitimate flip that moves its logits wholesale; one such position per prompt is allowed."""
-    from transformers import AutoModelForCausalLM
-
-    path = checkpoints["grouped_bf16"]
-    model = load_model(path)
-    assert next(model.parameters()).dtype == torch.bfloat16
-    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            expected = theirs(ids).logits.float()[0]
-        got = logits(model, ids)[0]
-        errors = (got - expected).abs().amax(-1) / expected.abs().amax(-1)
-        assert int((errors >= 0.03).sum()) <= 1, errors
+    assert_bf16_near_transformers(checkpoints["grouped_bf16"])
 
 
 def test_the_catalog_cards_glm4_moe_as_native(checkpoints: dict[str, Path]) -> None:
