@@ -5,7 +5,7 @@ Prints three ratios, each from runs interleaved with its baseline so machine noi
   TTFT through the API - bare prefill time                            (target ≤ 5 ms, issue 43: on a kept-alive
   connection, as SDK clients keep theirs; the figure on a new connection is printed beside it). Measured
   2026-12-07 on the quiet 2-core VM under `chrt -f 10` (SCHED_FIFO: other work cannot preempt the bench, its node
-  or runner), --ttft-only --rounds 4, two interleaved pairs against 251aca0 run from the same script: kept-alive
+  or runner), --ttft-only --rounds 4, two interleaved pairs against 2762a4f run from the same script: kept-alive
   11.3 / 10.3 ms before the supervisor's tokens-first relay, the local payload read and api/disconnect.Stream,
   8.6 / 8.3 after (a new connection: 13.3 / 13.1 -> 10.9 / 8.6). The full bench the same way, --rounds 3: API ÷
   bare decode 0.965, logprobs ÷ none 0.978, /v1/messages 0.976, Ollama 0.831 (per-round median 0.984)
