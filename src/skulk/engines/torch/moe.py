@@ -13,6 +13,8 @@ MLPs of one row each, and a prefill groups its tokens into one matmul per expert
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -139,3 +141,20 @@ class GroupedMoe(SparseMoe):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return self.all_reduce(out.view(x.shape))
+
+
+def grouped_fields(cfg: dict[str, Any], experts: int, dense: int, *, intermediate: int, scale: float) -> dict[str, Any]:
+    """The ModelArgs fields of a GroupedMoe decoder, as GLM-4 MoE's and DeepSeek V3's configs name them: experts
+    from layer `dense` on. `intermediate` and `scale` are the defaults the two families' transformers configs
+    differ in (moe_intermediate_size, routed_scaling_factor)."""
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 8)),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size", intermediate)),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "sparse_layers": tuple(range(dense, cfg["num_hidden_layers"])) if experts else (),
+        "n_shared_experts": int(cfg.get("n_shared_experts", 1)),
+        "n_group": int(cfg.get("n_group") or 1),
+        "topk_group": int(cfg.get("topk_group") or 1),
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor", scale)),
+    }

@@ -1,6 +1,7 @@
-"""DeepSeek V3 (and Kimi K2, which ships the same model_type): GLM-4 MoE's decoder (dense layers before
-first_k_dense_replace, then moe.GroupedMoe: sigmoid grouped top-k routing, a correction bias, shared experts)
-with Multi-head Latent Attention.
+"""DeepSeek V3 (Kimi K2 has the same architecture, but its published config names its own model_type, kimi_k2,
+which is not registered here): GLM-4 MoE's decoder (dense layers before first_k_dense_replace, then
+moe.GroupedMoe: sigmoid grouped top-k routing, a correction bias, shared experts) with Multi-head Latent
+Attention.
 
 MLA: queries through q_a_proj -> q_a_layernorm -> q_b_proj (q_proj when q_lora_rank is None); keys and values
 from one latent, kv_a_proj_with_mqa giving kv_lora_rank + qk_rope_head_dim, the latent normed (kv_a_layernorm)
@@ -31,7 +32,7 @@ from ..cache import LayerCache, MixedBatch, StepBatch
 from ..config import MlaShape, ModelArgs
 from ..layers import MLP, AllReduce, RMSNorm, Rotation, _rotate, add_norm, yarn_mscale
 from ..matmul import Linear
-from ..moe import GroupedMoe
+from ..moe import GroupedMoe, grouped_fields
 from .family import Family
 
 Projected = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -52,15 +53,7 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "rotary_dim": rope,
         "mla": MlaShape(int(q_rank) if q_rank else None, int(cfg.get("kv_lora_rank", 512)), nope, rope, v,
                         bool(cfg.get("rope_interleave", True)), _softmax_scale(cfg, nope + rope)),
-        "num_experts": experts,
-        "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 8)),
-        "moe_intermediate_size": int(cfg.get("moe_intermediate_size", 2048)),
-        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
-        "sparse_layers": tuple(range(dense, cfg["num_hidden_layers"])) if experts else (),
-        "n_shared_experts": int(cfg.get("n_shared_experts", 1)),
-        "n_group": int(cfg.get("n_group") or 1),
-        "topk_group": int(cfg.get("topk_group") or 1),
-        "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 2.5)),
+        **grouped_fields(cfg, experts, dense, intermediate=2048, scale=2.5),
     }
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import ModelArgs
 from ..layers import MLP, AllReduce, DecoderLayer
-from ..moe import GroupedMoe
+from ..moe import GroupedMoe, grouped_fields
 from .family import Family
 
 
@@ -31,15 +31,7 @@ def fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {
         "qk_norm": bool(cfg.get("use_qk_norm", False)),
         "rotary_dim": int(head_dim * factor),
-        "num_experts": experts,
-        "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 8)),
-        "moe_intermediate_size": int(cfg.get("moe_intermediate_size", 1408)),
-        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
-        "sparse_layers": tuple(range(dense, cfg["num_hidden_layers"])) if experts else (),
-        "n_shared_experts": int(cfg.get("n_shared_experts", 1)),
-        "n_group": int(cfg.get("n_group") or 1),
-        "topk_group": int(cfg.get("topk_group") or 1),
-        "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+        **grouped_fields(cfg, experts, dense, intermediate=1408, scale=1.0),
     }
 
 
