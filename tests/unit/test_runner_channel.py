@@ -11,7 +11,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from skulk.runner.channel import Frames, Inbox, Outbox
+from skulk.runner.channel import PIPE_BYTES, Frames, Inbox, Letters, Mailbox, Outbox
 from skulk.runner.messages import CancelTask, Heartbeat, Shutdown, StatusChanged, TaskEnded, Tokens
 from skulk.types.chunks import TokenChunk
 from skulk.types.ids import CommandId, TaskId
@@ -123,3 +123,51 @@ async def test_tokens_overtake_the_bookkeeping_and_the_bookkeeping_keeps_its_ord
     assert seen[4:] == [first, RunnerReady()] and reading.drain is None
     outbox.close()
     reader.close()
+
+
+async def test_the_mailbox_never_blocks_the_loop_and_keeps_order_when_the_pipe_is_full() -> None:
+    """The node's loop writes a runner's inbox itself (no feeder thread between it and the pipe, issue 43): a
+    message the pipe has no room for waits in the mailbox, the ones after it queue behind it, and the loop's writer
+    callback sends them on once the runner reads; the runner's end reads them whole and in order."""
+    letters_end, mail_end = mp.get_context("spawn").Pipe(duplex=False)
+    mailbox = Mailbox(mail_end)
+    big = CancelTask(TaskId("x" * (4 * PIPE_BYTES)))  # larger than any pipe buffer
+    sent = [CancelTask(TaskId("first")), big, Shutdown(), CancelTask(TaskId("last"))]
+    for message in sent:
+        mailbox.put(message)  # returns at once: nobody reads yet
+    assert mailbox.waiting > 0
+    letters = Letters(letters_end)
+    got = await asyncio.wait_for(asyncio.to_thread(lambda: [letters.get() for _ in sent]), 20)
+    assert got == sent
+    assert mailbox.waiting == 0
+    mailbox.close()
+    mailbox.put(Shutdown())  # after close: dropped, never written to whatever file took the descriptor
+    with pytest.raises(EOFError):
+        letters.get()
+    letters_end.close()
+
+
+def test_a_mailbox_whose_runner_is_gone_drops_what_it_is_given() -> None:
+    letters_end, mail_end = mp.get_context("spawn").Pipe(duplex=False)
+    mailbox = Mailbox(mail_end)
+    letters_end.close()
+    mailbox.put(Shutdown())  # EPIPE: the supervisor's watch reports the exit, the send does not raise
+    mailbox.close()
+
+
+def test_a_spares_first_message_leaves_the_rest_for_the_inbox_in_order() -> None:
+    """A spare reads its spec, then becomes a runner whose inbox thread reads on: messages that arrived in the same
+    read as the spec are not lost."""
+    letters_end, mail_end = mp.get_context("spawn").Pipe(duplex=False)
+    mailbox = Mailbox(mail_end)
+    sent = ["spec", CancelTask(TaskId("t1")), Shutdown()]
+    for message in sent:
+        mailbox.put(message)
+    letters = Letters(letters_end)
+    assert letters.get() == "spec"
+    inbox = Inbox(letters)
+    got = inbox.take(10)
+    while len(got) < 2:
+        got += inbox.take(10)
+    assert got == sent[1:]
+    mailbox.close()

@@ -11,7 +11,6 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from multiprocessing.queues import Queue
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -20,7 +19,7 @@ from skulk.engines.base import Engine, Footprinted, Sees, TokenOut
 from skulk.engines.errors import PromptRejected
 from skulk.engines.reasoning import ReasoningMode
 from skulk.runner.admission import admit
-from skulk.runner.channel import Inbox, Outbox
+from skulk.runner.channel import Inbox, Outbox, Source
 from skulk.runner.fault import Fault, FaultInjector, engine_hook, fault_from_setting
 from skulk.runner.messages import (
     CancelTask,
@@ -83,7 +82,7 @@ class _Active:
 
 
 class Runner:
-    def __init__(self, spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Outbox) -> None:
+    def __init__(self, spec: RunnerSpec, inbox: Source, outbox: Outbox) -> None:
         self.spec = spec
         self.inbox = Inbox(inbox)
         self.outbox = outbox

@@ -12,11 +12,10 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from multiprocessing.queues import Queue
 
-from skulk.runner.channel import Outbox
+from skulk.runner.channel import Letters, Outbox, Source
 from skulk.runner.core import Runner
-from skulk.runner.messages import RUNNER_HEARTBEAT_S, Heartbeat, ToRunner
+from skulk.runner.messages import RUNNER_HEARTBEAT_S, Heartbeat
 from skulk.runner.spec import RunnerSpec
 from skulk.types.errors import clip_text
 
@@ -35,7 +34,7 @@ WARM_IMPORTS: dict[str, tuple[str, ...]] = {
 runner spends before it can read weights (2.7 CPU-s for torch and transformers alone; issue 38)."""
 
 
-def spare_main(engine: str, inbox: Queue[RunnerSpec | ToRunner], pipe: Connection, parent: int | None = None) -> None:
+def spare_main(engine: str, inbox: Connection, pipe: Connection, parent: int | None = None) -> None:
     """Process entry point of a spare runner (worker/spare.py): import the engine's modules, then wait, silent, for
     the spec of the runner it is to become (the first message on `inbox`) and run that runner as runner_main would.
     It says nothing before then: nobody reads its pipe until a supervisor takes it."""
@@ -47,15 +46,20 @@ def spare_main(engine: str, inbox: Queue[RunnerSpec | ToRunner], pipe: Connectio
             importlib.import_module(module)
         except ImportError:  # an engine this host lacks: the runner it becomes imports what it needs
             break
-    spec = inbox.get()
+    letters = Letters(inbox)
+    try:
+        spec = letters.get()
+    except EOFError:
+        os._exit(0)
     if not isinstance(spec, RunnerSpec):  # anything else is a stop: the pool let it go unused
         os._exit(0)
-    runner_main(spec, inbox, pipe)  # type: ignore[arg-type]  # from here only ToRunner messages come
+    runner_main(spec, letters, pipe)  # from here only ToRunner messages come
 
 
-def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], pipe: Connection, parent: int | None = None) -> None:
-    """Process entry point (multiprocessing spawn target): tasks come in on `inbox`, everything the runner says
-    goes out on the write end of `pipe` (channel.Outbox)."""
+def runner_main(spec: RunnerSpec, inbox: Connection | Source, pipe: Connection, parent: int | None = None) -> None:
+    """Process entry point (multiprocessing spawn target): tasks come in on `inbox` (the read end of the node's
+    pipe, or a spare's reader of it), everything the runner says goes out on the write end of `pipe`
+    (channel.Outbox)."""
     outbox = Outbox(pipe)
     _heartbeat(outbox)  # first: the supervisor's hung-runner clock starts with the first message it hears
     configure_logging()
@@ -68,7 +72,7 @@ def runner_main(spec: RunnerSpec, inbox: Queue[ToRunner], pipe: Connection, pare
     # average ~9): libgomp's default spin (300000 rounds while threads <= cores) took 0.7 tok/s at 1 stream,
     # 8.9 at 16 and 21.6 at 64; with 1000 rounds 18.3, 158.8 and 174.3.
     os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
-    runner = _new_runner(spec, inbox, outbox)
+    runner = _new_runner(spec, Letters(inbox) if isinstance(inbox, Connection) else inbox, outbox)
     try:
         runner.start()
         runner.serve()
@@ -109,7 +113,7 @@ def _leave(outbox: Outbox, code: int = 0) -> None:
     os._exit(code)
 
 
-def _new_runner(spec: RunnerSpec, inbox: Queue[ToRunner], outbox: Outbox) -> Runner:
+def _new_runner(spec: RunnerSpec, inbox: Source, outbox: Outbox) -> Runner:
     """An embedding model's runner answers embeddings with its encoder; every other runner generates text."""
     if spec.shard.model_card.embeds:
         from skulk.runner.embedder import EmbeddingRunner

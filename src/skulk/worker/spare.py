@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 
 from skulk import memory_limit
+from skulk.runner.channel import Mailbox
 
 log = logging.getLogger("skulk.worker")
 
@@ -60,10 +61,11 @@ def _after_start_s() -> float:
 
 @dataclass(frozen=True)
 class WarmProcess:
-    """A spare taken by a supervisor: the started process, the queue it reads and the read end of its pipe."""
+    """A spare taken by a supervisor: the started process, the node's end of its inbox and the read end of its
+    outbox pipe."""
 
     process: Any
-    inbox: Any
+    inbox: Mailbox
     outbox: Any
 
 
@@ -100,15 +102,16 @@ class SpareRunner:
         if self._warm is not None:  # the last spare died idle (an OOM kill, say): its pipe's read end goes with it
             self._warm.outbox.close()
             self._warm = None
-        inbox = self._ctx.Queue()
+        letters, mail = self._ctx.Pipe(duplex=False)
         outbox, pipe = self._ctx.Pipe(duplex=False)
-        process = self._ctx.Process(target=spare_main, args=(self.engine, inbox, pipe, os.getpid()),
+        process = self._ctx.Process(target=spare_main, args=(self.engine, letters, pipe, os.getpid()),
                                     name="skulk-runner-spare")
         try:
             process.start()
         finally:
-            pipe.close()  # the spare holds the write end: its exit reads as the end of the pipe here
-        self._warm = WarmProcess(process, inbox, outbox)
+            pipe.close()  # the spare holds the write ends' other sides: its exit reads as the end of the pipe here
+            letters.close()
+        self._warm = WarmProcess(process, Mailbox(mail), outbox)
 
     def resident(self) -> int:
         """The spare's resident bytes (0 without one): what the node's memory budget counts as free for the runner

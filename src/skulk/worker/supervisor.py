@@ -33,7 +33,7 @@ import psutil
 
 from skulk import memory_limit
 from skulk.diagnostics.clock import now_iso
-from skulk.runner.channel import Frames
+from skulk.runner.channel import Frames, Mailbox
 from skulk.runner.messages import (
     CancelTask,
     Footprint,
@@ -156,6 +156,7 @@ class _Reading:
         self.finished = threading.Event()  # set by the loop once the pipe is closed here
         self.backlog: deque[FromRunner] = deque()  # read, not yet handled (Supervisor._relay)
         self.drain: asyncio.TimerHandle | None = None  # the backlog's turn, once queued on the loop
+        self.inbox: Mailbox | None = None  # the same process's inbox, closed with this pipe
 
     def unread(self) -> bool:
         """Bytes wait in the pipe (the loop has not read them yet); never raises."""
@@ -231,7 +232,7 @@ class RunnerSupervisor:
         self.stopping = False
         self._ctx = mp.get_context("spawn")
         self._process: Any = None
-        self._inbox: Any = None
+        self._inbox: Mailbox | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -265,22 +266,25 @@ class RunnerSupervisor:
         warm = self.spare.take(self.spec.engine) if self.spare is not None else None
         if warm is not None:  # the node's spare, its imports done: it becomes this runner
             self._process, self._inbox, outbox = warm.process, warm.inbox, warm.outbox
-            self._inbox.put(self.spec)
+            self._send(self.spec)
             self.milestone("spawned", f"pid {self._process.pid} (the node's spare runner)")
         else:
-            self._inbox = self._ctx.Queue()
-            outbox, pipe = self._ctx.Pipe(duplex=False)  # the runner writes; runner.channel says why not a Queue
+            letters, mail = self._ctx.Pipe(duplex=False)  # both ways plain pipes: runner.channel says why
+            outbox, pipe = self._ctx.Pipe(duplex=False)
+            self._inbox = Mailbox(mail)
             self._process = self._ctx.Process(
                 target=runner_main,
-                args=(self.spec, self._inbox, pipe, os.getpid()),
+                args=(self.spec, letters, pipe, os.getpid()),
                 name=f"skulk-runner-{self.runner_id[:8]}",
             )
             try:
                 self._process.start()
             finally:
                 pipe.close()  # the runner holds the write end now: its exit reads as the end of the pipe here
+                letters.close()
             self.milestone("spawned", f"pid {self._process.pid}")
         reading = _Reading(self._process, outbox)
+        reading.inbox = self._inbox
         os.set_blocking(outbox.fileno(), False)
         self._loop.add_reader(outbox.fileno(), self._on_readable, reading)
         threading.Thread(target=self._watch, args=(reading,), daemon=True).start()
@@ -342,6 +346,8 @@ class RunnerSupervisor:
         assert self._loop is not None
         self._loop.remove_reader(reading.outbox.fileno())
         reading.outbox.close()
+        if reading.inbox is not None:  # what it still held for the runner goes nowhere now
+            reading.inbox.close()
         reading.finished.set()
 
     def _watch(self, reading: _Reading) -> None:
@@ -376,11 +382,17 @@ class RunnerSupervisor:
                     self.runner_id[:8], silent_s, self.hung_s, process.pid, extra=self._log_ids)
         process.kill()
 
+    def _send(self, message: object) -> None:
+        """To the runner's inbox, from the loop, never blocking it (channel.Mailbox)."""
+        if self._inbox is None:
+            raise RuntimeError(f"runner {self.runner_id[:8]} was never started")
+        self._inbox.put(message)
+
     def send_task(self, task: Task) -> None:
         self.view.sent.add(task.task_id)
         self.view.pending[task.task_id] = task
         self.view.last_task_sent_at = now_iso()
-        self._inbox.put(RunTask(task))
+        self._send(RunTask(task))
 
     def forget_finished(self, state: State) -> None:
         """Drop closed tasks from our books: a rank that is not the scheduler is never told about a task
@@ -397,7 +409,7 @@ class RunnerSupervisor:
 
     def cancel(self, task_id: TaskId) -> None:
         if task_id in self.view.in_progress or task_id in self.view.pending:
-            self._inbox.put(CancelTask(task_id))
+            self._send(CancelTask(task_id))
 
     def _on_message(self, message: FromRunner) -> None:
         if self.stopping and isinstance(message, StatusChanged):
@@ -417,7 +429,7 @@ class RunnerSupervisor:
                 if task is not None:
                     view.in_progress[task_id] = task
                 elif self.spec.shard.device_rank == 0:  # closed while it waited in the scheduler's queue
-                    self._inbox.put(CancelTask(task_id))
+                    self._send(CancelTask(task_id))
                     return
                 self.callbacks.on_task_started(task_id)
             case TaskEnded():
@@ -510,7 +522,7 @@ class RunnerSupervisor:
             return
         if not exited(process, 0):
             try:
-                self._inbox.put(Shutdown())
+                self._send(Shutdown())
             except (OSError, ValueError):
                 pass
         for grace, escalate in ((STOP_GRACE_S, process.terminate), (TERMINATE_GRACE_S, process.kill)):
