@@ -175,6 +175,7 @@ class Node:
     def _start(self) -> None:
         """Subscriptions and reactions, in the order the old two-phase start had them."""
         self.payloads.start()
+        self.requests.start()
         self.follower.start()
         self.membership.start()
         self.elector.on_master_changed(self._on_master_changed)

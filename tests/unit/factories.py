@@ -83,6 +83,7 @@ class QuietTransport:
     one. A stream over it times out like one whose runner never answers."""
 
     sealer = None
+    mixed_versions = False
 
     def __init__(self) -> None:
         self.puts: list[tuple[str, bytes]] = []

@@ -1,4 +1,5 @@
-"""The API side of a command's chunk stream (cluster/dataplane.ChunkStream), on a real zenoh session."""
+"""The API side of a command's chunk stream (cluster/dataplane.ChunkStream) and the keys chunks travel on, on a real
+zenoh session."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from skulk.cluster.dataplane import ChunkStream, publish_chunk
+from skulk.api.requests import Requests
+from skulk.cluster.dataplane import ChunkStream, data_key, publish_chunk
+from skulk.cluster.payloads import PayloadBook
 from skulk.cluster.transport import Transport, TransportSettings
+from skulk.types import versions
+from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.chunks import TokenChunk
-from skulk.types.ids import CommandId
+from skulk.types.ids import CommandId, ModelId, NodeId
+from skulk.types.tasks import ChatCompletionTaskParams
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -69,3 +75,67 @@ async def test_queued_chunks_come_in_order_then_an_empty_stream_times_out(transp
             await stream.next(0.05)
     finally:
         stream.close()
+
+
+def _params() -> ChatCompletionTaskParams:
+    return ChatCompletionTaskParams(model=ModelId("m"), messages=[ChatMessage(role="user", content="hi")],
+                                    sampling=SamplingParams())
+
+
+async def _heard(stream: ChunkStream, timeout: float = 5) -> TokenChunk | None:
+    try:
+        return await stream.next(timeout)  # type: ignore[return-value]
+    except TimeoutError:
+        return None
+
+
+async def test_a_requests_chunks_come_on_its_nodes_one_subscription_not_one_of_its_own(transport: Transport) -> None:
+    """A chat names this node as its origin, so its chunks come under this node's key, on the subscription the
+    node declared once at start: opening the request declares nothing (issue 43: 0.13-0.4 ms of the loop before
+    the command went out, and a declaration to every peer). Chunks for another node's requests, or for a request
+    already closed, reach no stream."""
+    requests = Requests(transport, PayloadBook(transport, NodeId("n1")), lambda _: None)
+    requests.start()
+    declared = len(transport._declared)
+    stream = requests.open(CommandId("k1"), _params())
+    assert len(transport._declared) == declared  # nothing per request
+    chunk = TokenChunk(command_id=CommandId("k1"), text="a", token_id=1, completion_tokens=1)
+    publish_chunk(transport, chunk.model_copy(update={"text": "elsewhere"}), NodeId("n2"))
+    publish_chunk(transport, chunk, NodeId("n1"))
+    assert await _heard(stream) == chunk  # and not the one addressed to n2, which came first
+    requests.close(stream)
+    publish_chunk(transport, chunk, NodeId("n1"))  # closed: dropped unread
+    placement = requests.open(CommandId("k2"))  # no payload, no origin: its own subscription, on the old key
+    assert len(transport._declared) == declared + 1
+    publish_chunk(transport, chunk.model_copy(update={"command_id": CommandId("k2")}))
+    assert (await _heard(placement)) is not None
+    requests.close(placement)
+
+
+async def test_beside_nodes_of_the_previous_format_both_sides_use_the_per_request_key_too(
+        transport: Transport) -> None:
+    """A node of format version 1 subscribes per request on data/<command> and publishes only there: once this node
+    has heard one, its requests subscribe there too and its chunks go there as well as on the origin's key. A
+    stream that hears the same chunks on both keys keeps to the first key and takes each chunk once."""
+    requests = Requests(transport, PayloadBook(transport, NodeId("n1")), lambda _: None)
+    requests.start()
+    transport.versions.met.add(versions.UNVERSIONED)
+    stream = requests.open(CommandId("k3"), _params())
+    old_node_hears: list[str] = []
+    all_heard = asyncio.Event()
+
+    def old_node(key: str, _payload: bytes) -> None:
+        old_node_hears.append(key)
+        if len(old_node_hears) == 3:
+            all_heard.set()
+
+    transport.subscribe(data_key(CommandId("k3")), old_node)
+    chunks = [TokenChunk(command_id=CommandId("k3"), text=t, token_id=i, completion_tokens=i + 1)
+              for i, t in enumerate("bcd")]
+    for chunk in chunks:
+        publish_chunk(transport, chunk, NodeId("n1"))
+    assert [await _heard(stream) for _ in chunks] == chunks
+    await asyncio.wait_for(all_heard.wait(), 5)
+    assert old_node_hears == [data_key(CommandId("k3"))] * 3
+    assert await _heard(stream, 0.3) is None  # no copies
+    requests.close(stream)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from skulk.cluster.dataplane import ChunkStream, publish_chunk
+from skulk.cluster.dataplane import ChunkStream, node_data_key, publish_chunk
 from skulk.cluster.payloads import PayloadBook
 from skulk.cluster.transport import Transport
 from skulk.master.decide import session_changed_message
@@ -125,8 +125,9 @@ def _silence(silent: Silent) -> tuple[ErrorCode, str]:
 
 
 class Requests:
-    """The open requests of this node's API: a command's stream subscribes before the command is sent (no chunk
-    is missed), its prompt stays here for the runners to fetch, and closing withdraws both."""
+    """The open requests of this node's API: chunks addressed to this node go to their streams (one subscription
+    for all, declared at start, so none is missed), a request's prompt stays here for the runners to fetch, and
+    closing withdraws both."""
 
     def __init__(self, transport: Transport, payloads: PayloadBook, send: Callable[[Command], None], *,
                  tap: Callable[[Chunk], None] | None = None,
@@ -141,10 +142,26 @@ class Requests:
         self._streams: dict[CommandId, ChunkStream] = {}
         self._models: dict[CommandId, str] = {}
         """The model of each open request that carries a payload (a chat or an embedding; a placement has none)."""
+        self._inbound: object | None = None
+
+    def start(self) -> None:
+        """Subscribe to the chunks addressed to this node's requests (cluster/dataplane.py), once."""
+        if self._inbound is None:
+            self._inbound = self._transport.subscribe(node_data_key(self._payloads.node_id), self._on_chunk)
+
+    def _on_chunk(self, key: str, payload: bytes) -> None:
+        """Loop: a chunk for one of this node's commands; one whose request is closed is dropped unread."""
+        stream = self._streams.get(CommandId(key.rpartition("/")[2]))
+        if stream is not None:
+            stream.receive(key, payload)
 
     def open(self, command_id: CommandId, payload: TaskParams | None = None) -> ChunkStream:
-        """The stream of `command_id`, and its payload offered to the runners; send the command after this."""
-        stream = ChunkStream(self._transport, command_id, self._tap)
+        """The stream of `command_id`, and its payload offered to the runners; send the command after this. A
+        command with a payload names this node as its origin, so its chunks come on this node's key; one without
+        (a placement), or any while the cluster holds nodes of the previous format, also subscribes per request
+        (cluster/dataplane.py)."""
+        per_request = payload is None or self._transport.mixed_versions
+        stream = ChunkStream(self._transport, command_id, self._tap, subscribe=per_request)
         self._streams[command_id] = stream
         if payload is not None:
             self._payloads.offer(command_id, payload)
@@ -153,15 +170,15 @@ class Requests:
             self._on_open(command_id)
         return stream
 
-    def deliver(self, chunk: Chunk) -> None:
-        """A runner's chunk to its command's API node: straight into the stream when that is this node (a put and
-        a subscription on our own zenoh session cost ~40 % of a single node's CPU per token, which it took from
-        the runner on a 2-core machine), else over the data plane."""
+    def deliver(self, chunk: Chunk, origin: NodeId | None = None) -> None:
+        """A runner's chunk to its command's API node (`origin`, when known): straight into the stream when that
+        is this node (a put and a subscription on our own zenoh session cost ~40 % of a single node's CPU per
+        token, which it took from the runner on a 2-core machine), else over the data plane."""
         stream = self._streams.get(chunk.command_id)
         if stream is not None:
             stream.inject(chunk)
         else:
-            publish_chunk(self._transport, chunk)
+            publish_chunk(self._transport, chunk, origin)
 
     def close(self, stream: ChunkStream) -> None:
         self._payloads.withdraw(stream.command_id)

@@ -1,6 +1,14 @@
-"""Data plane: token chunks on a per-command key, from the sampling rank's node to the API node.
+"""Data plane: token chunks from the sampling rank's node to the API node that took the request.
 
-Tokens never touch the master or the event log.
+Tokens never touch the master or the event log. A chunk goes on `data/<api node>/<command>`, which the API node
+subscribed to once, at start, for all its requests (`Requests.start`): a zenoh subscriber declared per request
+cost 0.13-0.4 ms of the loop before the command could go out, and its declaration and withdrawal went to every
+peer, for each request (issue 43).
+
+Nodes of the release before this (format version 1) subscribe and publish per request on `data/<command>`. So a
+node that has heard one (`Transport.mixed_versions`) also publishes there, and its API also subscribes there per
+request; a stream that hears a chunk on both keys keeps to the key its first chunk came on (each publisher keeps
+to its keys, and zenoh keeps one publisher's order per key), so no chunk is taken twice.
 """
 
 from __future__ import annotations
@@ -14,17 +22,30 @@ from pydantic import TypeAdapter
 
 from skulk.cluster.transport import Transport
 from skulk.types.chunks import Chunk
-from skulk.types.ids import CommandId
+from skulk.types.ids import CommandId, NodeId
 
 _chunk_json = TypeAdapter(Chunk)
 
 
-def data_key(command_id: str) -> str:
-    return f"data/{command_id}"
+def data_key(command_id: str, origin: NodeId | None = None) -> str:
+    """Where `command_id`'s chunks go: under the API node that took it, or (`origin` None) the per-request key of
+    format version 1 and of commands that name no origin (a placement's refusal)."""
+    return f"data/{command_id}" if origin is None else f"data/{origin}/{command_id}"
 
 
-def publish_chunk(transport: Transport, chunk: Chunk) -> None:
-    transport.put(data_key(chunk.command_id), chunk.model_dump_json().encode())
+def node_data_key(node_id: NodeId) -> str:
+    """Every chunk addressed to `node_id`'s requests (its one subscription)."""
+    return f"data/{node_id}/*"
+
+
+def publish_chunk(transport: Transport, chunk: Chunk, origin: NodeId | None = None) -> None:
+    """`origin`: the API node that took the command, when known. The per-request key too where that is unknown or
+    a peer of the previous format may be listening (a put no one subscribes to goes nowhere on the wire)."""
+    payload = chunk.model_dump_json().encode()
+    if origin is not None:
+        transport.put(data_key(chunk.command_id, origin), payload)
+    if origin is None or transport.mixed_versions:
+        transport.put(data_key(chunk.command_id), payload)
 
 
 class ChunkStream:
@@ -35,7 +56,11 @@ class ChunkStream:
         transport: Transport,
         command_id: CommandId,
         tap: Callable[[Chunk], None] | None = None,
+        *,
+        subscribe: bool = True,
     ) -> None:
+        """`subscribe`: declare this command's own per-request subscription (`data_key(command_id)`); without it,
+        the stream hears only what its owner hands it (`receive`, `inject`)."""
         self.command_id = command_id
         self._transport = transport
         self._queue: asyncio.Queue[Chunk] = asyncio.Queue()
@@ -44,9 +69,20 @@ class ChunkStream:
         self.heard_at: float | None = None
         """When the stream last received a chunk (monotonic): api/patience.py tells a queued request on a busy
         instance from one on a silent instance by it."""
-        self._sub: Any = transport.subscribe(data_key(command_id), self._on_message)
+        self._sub: Any = transport.subscribe(data_key(command_id), self._on_message) if subscribe else None
+        self._via: str | None = None
+        """The key the first chunk from the data plane came on; chunks on another are copies (module doc)."""
 
-    def _on_message(self, _key: str, payload: bytes) -> None:
+    def _on_message(self, key: str, payload: bytes) -> None:
+        self.receive(key, payload)
+
+    def receive(self, key: str, payload: bytes) -> None:
+        """A chunk as it came over the data plane on `key` (validated here; a malformed one raises
+        ValidationError)."""
+        if self._via != key:
+            if self._via is not None:
+                return
+            self._via = key
         chunk = _chunk_json.validate_json(payload)
         self.heard_at = time.monotonic()
         if self._tap is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Container
 from threading import Lock
 
 from pydantic import ValidationError
@@ -94,7 +95,7 @@ class PayloadFetcher:
             self._pending[task.command_id] = pending
         return await asyncio.shield(pending)
 
-    def forget(self, open_commands: set[str]) -> None:
+    def forget(self, open_commands: Container[str]) -> None:
         """Drop what was fetched for commands that are no longer open."""
         for command_id in [c for c in self._pending if c not in open_commands and self._pending[c].done()]:
             del self._pending[command_id]

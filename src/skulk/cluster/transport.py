@@ -215,6 +215,12 @@ class Transport:
         locators = getattr(self.session.info, "locators", None)  # not in every zenoh release
         return [str(loc) for loc in locators()] if locators is not None else []
 
+    @property
+    def mixed_versions(self) -> bool:
+        """This node has heard a peer of another (compatible) format version: a cluster in a rolling upgrade,
+        whose older nodes know only the older keys (cluster/dataplane.py)."""
+        return bool(self.versions.met)
+
     def put(self, suffix: str, payload: bytes) -> None:
         key = self.key(suffix)
         self.session.put(key, self._seal(key, payload), attachment=self.versions.attachment)

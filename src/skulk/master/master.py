@@ -173,7 +173,7 @@ class Master:
             log.info("command %s refused: %s", command.command_id[:8], refused.message)
             chunk = ErrorChunk(command_id=command.command_id, message=refused.message, code=refused.code,
                                status=refused.status, retryable=False)
-            publish_chunk(self._transport, chunk)
+            publish_chunk(self._transport, chunk, getattr(command, "origin_node_id", None))
             return
         for event in events:
             if isinstance(event, InstanceDeleted):

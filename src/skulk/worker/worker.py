@@ -17,7 +17,7 @@ from skulk.runner.spec import RunnerSpec
 from skulk.structured_log import log_context
 from skulk.types.chunks import Chunk, TokenChunk
 from skulk.types.events import Event, InstanceFailed, RunnerStatusUpdated, TaskFailed, TaskStatusUpdated
-from skulk.types.ids import InstanceId, NodeId, RunnerId, TaskId
+from skulk.types.ids import CommandId, InstanceId, NodeId, RunnerId, TaskId
 from skulk.types.instances import MlxRingInstance
 from skulk.types.node_info import RankRole, rank_role
 from skulk.types.runners import (
@@ -69,7 +69,7 @@ class Worker:
         node_id: NodeId,
         *,
         emit: Callable[[Event], None],
-        publish: Callable[[Chunk], None],
+        publish: Callable[[Chunk, NodeId | None], None],
         model_dir_for: ModelDirFor,
         warmup_deadline_s: float,
         group_timeout_s: float = _DEFAULTS.group_timeout_seconds,
@@ -95,6 +95,8 @@ class Worker:
         """What this node's runners hold besides weights and KV, as they measured it (node info reports it)."""
         """Where a task's prompt comes from (its API node, point to point); None: tasks carry it already."""
         self._fetching: set[tuple[RunnerId, TaskId]] = set()
+        self._origins: dict[CommandId, NodeId | None] = {}
+        """The API node of each open command this node's runners were given: where their chunks go."""
         self._deliveries: set[asyncio.Task[None]] = set()
         self._state = State()
         self.on_spans = on_spans
@@ -134,8 +136,10 @@ class Worker:
         self._state = state
         for action in plan(state, self.node_id, self.local_view()):
             self._execute(action, state)
+        open_commands = {t.command_id for t in state.tasks.values() if t.task_status.is_open}
         if self.payloads is not None:
-            self.payloads.forget({t.command_id for t in state.tasks.values() if t.task_status.is_open})
+            self.payloads.forget(open_commands)
+        self._origins = {c: o for c, o in self._origins.items() if c in open_commands}
         for supervisor in self.supervisors.values():
             supervisor.forget_finished(state)
         self._log_failed_instances(state)
@@ -165,6 +169,7 @@ class Worker:
 
     def _send(self, runner_id: RunnerId, task: Task) -> None:
         """Hand a task to its runner, once its payload has come from the API node that took the request."""
+        self._origins[task.command_id] = task.origin_node_id
         if task.task_params is not None or self.payloads is None:
             self.supervisors[runner_id].send_task(task)
             return
@@ -319,8 +324,9 @@ class Worker:
                 self.compute.on_step(runner_id, len({c.command_id for c in tokens}), learn_bytes,
                                      time.perf_counter(), tokens=len(tokens),
                                      decode_only=all(c.completion_tokens > 1 for c in tokens))
+            origins = self._origins
             for chunk in chunks:
-                self.publish(chunk)
+                self.publish(chunk, origins.get(chunk.command_id))
 
         def on_task_started(task_id: TaskId) -> None:
             if is_sampler:
