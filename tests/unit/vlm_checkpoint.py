@@ -60,8 +60,9 @@ GEMMA3_TEMPLATE = """{{ bos_token }}
 """Gemma 3's chat template as google/gemma-3-4b-it publishes it (an image part renders as <start_of_image>)."""
 
 
-def write_gemma3_vlm(root: Path, demo: Path, name: str = "gemma3-vlm") -> Path:
-    """The checkpoint under root/name; demo: the demo model's directory (its byte tokenizer)."""
+def write_gemma3_vlm(root: Path, demo: Path, name: str = "gemma3-vlm", layers: int = 4) -> Path:
+    """The checkpoint under root/name; demo: the demo model's directory (its byte tokenizer). layers: 6 gives
+    Gemma 3's published pattern (five sliding layers, then a full one), which mlx-lm's Gemma 3 needs."""
     import torch
     import transformers
     from tokenizers import AddedToken, Tokenizer
@@ -80,7 +81,7 @@ def write_gemma3_vlm(root: Path, demo: Path, name: str = "gemma3-vlm") -> Path:
     no_eos: dict[str, Any] = {"eos_token_id": None}  # random weights would end some replies early
     config = transformers.Gemma3Config(
         text_config={"vocab_size": base + len(SPECIALS), "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                      "sliding_window": 64, "max_position_embeddings": 256, "initializer_range": 0.2,
                      "bos_token_id": ids["<bos>"], "pad_token_id": None, "eos_token_id": None,
                      "tie_word_embeddings": False},  # tied, a random model repeats its last input token
@@ -114,18 +115,21 @@ def png(seed: int, size: int = 40) -> bytes:
     return out.getvalue()
 
 
-def reference(path: Path, prompt: list[int], images: list[bytes]) -> list[int]:
-    """transformers' Gemma3ForConditionalGeneration's greedy tokens for the expanded prompt and its images."""
+def reference(path: Path, prompt: list[int], images: list[bytes], tokens: int = TOKENS) -> list[int]:
+    """transformers' Gemma3ForConditionalGeneration's greedy `tokens` for the expanded prompt and its images (none:
+    a text prompt)."""
     import torch
     from PIL import Image
     from transformers import AutoImageProcessor, Gemma3ForConditionalGeneration
 
     model: Any = Gemma3ForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
     processor: Any = AutoImageProcessor.from_pretrained(str(path))
-    pixels = processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images],
-                       return_tensors="pt")["pixel_values"]
     ids = torch.tensor([prompt])
-    types = (ids == model.config.image_token_id).long()
-    out = model.generate(input_ids=ids, pixel_values=pixels, token_type_ids=types,
-                         attention_mask=torch.ones_like(ids), max_new_tokens=TOKENS, do_sample=False)
+    seen: dict[str, Any] = {}
+    if images:
+        seen["pixel_values"] = processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images],
+                                         return_tensors="pt")["pixel_values"]
+        seen["token_type_ids"] = (ids == model.config.image_token_id).long()
+    out = model.generate(input_ids=ids, **seen, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                         do_sample=False)
     return [int(t) for t in out[0, len(prompt):]]

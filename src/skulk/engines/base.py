@@ -75,7 +75,8 @@ class Footprinted(Protocol):
 
 @runtime_checkable
 class Sees(Protocol):
-    """An engine that reads images (the torch engine, through the checkpoint's vision tower on rank 0)."""
+    """An engine that reads images through the checkpoint's vision tower on rank 0 (the torch engine; the MLX
+    engine for Gemma 3, engines/mlx/vision.py)."""
 
     def encode_images(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
                       template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], Any]:

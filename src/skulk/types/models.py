@@ -103,8 +103,9 @@ class ModelCard(CamelModel):
     """The format the model writes tool calls in (tool_parsers/). None: picked from the chat template's
     markers where the API node has the template, else from the family name."""
     vision: bool = Field(default=False, exclude_if=lambda v: not v)
-    """A vision-language checkpoint whose images the torch engine reads (engines/torch/vision.py: its tower runs
-    on rank 0); any other model answers an image with `text_only`. Left out of the card while False, so a node of
+    """A vision-language checkpoint whose images the engines read (engines/torch/vision.py's tower on rank 0; the
+    MLX engine feeds its embeddings to mlx-lm's Gemma 3, engines/mlx/vision.py); any other model answers an
+    image with `text_only`. Left out of the card while False, so a node of
     format version 1 still reads every other card (types/versions.py)."""
     tasks: list[ModelTask] = ["TextGeneration"]
     """Skulk's `tasks` of the card. An embedding model (TextEmbedding) answers only embeddings, runs on one

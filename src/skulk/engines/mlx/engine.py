@@ -42,13 +42,16 @@ from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
 from skulk.engines.errors import PromptRejected, check_prompt
 from skulk.engines.torch.requests import FaultHook, Request, accept_each, reasoning_budget, row_sampling
 from skulk.engines.torch.tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
+from skulk.engines.torch.vision import VisionInput, VisionTower, digest, image_spans, load_tower, whole_images
 from skulk.engines.torch.wire import Admitted, Released, RequestEvent, Started
+from skulk.formats.images import ImageRefused, image_bytes, open_image
 from skulk.models.gguf_export import float_checkpoint
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
 
 from . import is_metal
 from .ring import Header, NewRequest, RingLink, inner_model, shard_tensor, slice_pipeline
+from .vision import image_embeddings, image_masks, image_token, to_mlx
 
 DEFAULT_MAX_SEQ = 4096
 DEFAULT_PREFILL_CHUNK = 512
@@ -90,8 +93,10 @@ def published_fields(model_dir: Path) -> dict[str, Any]:
     """Config fields as the published checkpoints spell them, for a checkpoint saved by transformers 5, which
     renames some (mlx-lm's model arguments read the published names): rope settings kept inside
     `rope_parameters` (rope_theta, partial_rotary_factor, and rope_scaling for a non-default rope type),
-    `num_local_experts` for Qwen's `num_experts`, and MiniMax-M2's `rotary_dim` and `shared_intermediate_size`.
-    Only fields the file lacks are given; an unreadable file gives none (mlx-lm's loader then says why)."""
+    `num_local_experts` for Qwen's `num_experts`, and MiniMax-M2's `rotary_dim` and `shared_intermediate_size`;
+    and a multimodal config's `vocab_size` beside its text_config (mlx-lm's Gemma 3 reads it there, else assumes
+    the published 262208). Only fields the file lacks are given; an unreadable file gives none (mlx-lm's loader
+    then says why)."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
@@ -106,7 +111,8 @@ def published_fields(model_dir: Path) -> dict[str, Any]:
     if inner.get("model_type") == "minimax_m2" and inner.get("head_dim"):
         found["rotary_dim"] = int(inner["head_dim"] * rope.get("partial_rotary_factor", 1.0))
         found["shared_intermediate_size"] = 0
-    return {k: v for k, v in found.items() if k not in inner}
+    outer = {"vocab_size": inner["vocab_size"]} if inner is not config and "vocab_size" in inner else {}
+    return {**{k: v for k, v in found.items() if k not in inner}, **{k: v for k, v in outer.items() if k not in config}}
 
 
 def set_wired_limit(model: nn.Module) -> None:
@@ -157,6 +163,9 @@ class MlxEngine:
         self.vocab_size = int(text.get("vocab_size") or 0)
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.tokenizer = ChatTokenizer(model_dir)
+        self._model_dir, self.image_token = model_dir, image_token(config)
+        self._tower: VisionTower | None = None
+        self._visions: dict[str, VisionInput] = {}  # rank 0: a request's image embeddings, until it starts
         self.is_scheduler, self.is_sampler = self.rank == 0, self.rank == self.world_size - 1
         self.on_phase: PhaseHook | None = None
         self.fault_hook: FaultHook | None = None
@@ -181,13 +190,45 @@ class MlxEngine:
                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
         return self.tokenizer.encode_chat(messages, tools, template_kwargs)
 
+    def encode_images(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], VisionInput]:
+        """Rank 0: the prompt of a request with images (each image's marker expanded to its placeholder run) and
+        the vision tower's embeddings for it (vision.py), as the torch engine gives them. PromptRejected for a
+        model without vision (or one whose images this engine cannot read), a Tensor split (every rank embeds
+        there; only rank 0 has the tower) or an image that cannot be read."""
+        tower = self.vision_tower()
+        try:
+            data = [image_bytes(url) for message in messages for url in message.images]
+            images = [open_image(d) for d in data]
+        except ImageRefused as exc:
+            raise PromptRejected(str(exc)) from exc
+        prompt = self.tokenizer.encode_chat(messages, tools, template_kwargs)  # each marker expanded (render_chat)
+        return prompt, VisionInput(tower.embed(images), digest(data))
+
+    def vision_tower(self) -> VisionTower:
+        """The checkpoint's vision tower (torch, float32, on the CPU), loaded at the first image."""
+        if self.kind == "tensor" and self.world_size > 1:
+            raise PromptRejected("images are not served on a Tensor split: place the model as Pipeline or alone")
+        if self.image_token is None:
+            raise PromptRejected("this model takes text only on the MLX engine: images cannot be read")
+        if self._tower is None:
+            self._tower = load_tower(self._model_dir, torch.float32, torch.device("cpu"))
+            if self._tower is None:
+                raise PromptRejected("this model takes text only: images cannot be read")
+        return self._tower
+
     def add_request(
-        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, command_id: str = ""
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, command_id: str = "",
+        vision: VisionInput | None = None,
     ) -> None:
-        """Rank 0 queues the request for the next step (every rank builds it from the header); elsewhere a no-op."""
+        """Rank 0 queues the request for the next step (every rank builds it from the header); elsewhere a no-op.
+        vision: its images' embeddings (encode_images), one per placeholder token of the prompt."""
         if not self.is_scheduler:
             return
         check_prompt(prompt_ids, self.context_length)
+        if vision is not None and sum(e - s for s, e in image_spans(prompt_ids, self.image_token)) != len(
+                vision.embeds):
+            raise PromptRejected("the prompt's image placeholders do not match its images")
         known = {r.request_id for r in self._requests()} | {a.request_id for a in self._adds}
         if request_id in known:
             raise ValueError(f"request {request_id!r} is already running")
@@ -198,6 +239,8 @@ class MlxEngine:
         req = self._new_request(add)  # what every rank will build from the header: if it raises, it does here
         if self.fault_hook is not None:
             self.fault_hook("admit", req)
+        if vision is not None:
+            self._visions[request_id] = vision
         self._adds.append(add)
 
     def cancel(self, request_id: str) -> None:
@@ -282,6 +325,7 @@ class MlxEngine:
             self._releases.append((request_id, True, False))
         for add in header.adds:
             self._pending.append(self._new_request(add))
+            self._visions.pop(add.request_id, None)  # the request holds its embeddings now
             if add.request_id != WARMUP_ID:
                 self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt), 0.0,
                                              tuple(add.prompt[-8:]), add.sampling.constraint is not None))
@@ -292,7 +336,8 @@ class MlxEngine:
         row = row_sampling(s, self.vocab_size or 1 << 30, torch.device("cpu"), self._unseeded)
         return Request(add.request_id, list(add.prompt), s.max_tokens, row, IncrementalDecoder(self.tokenizer.decode),
                        StopMatcher(s.stop), command_id=add.command_id,
-                       budget=reasoning_budget(s, add.prompt, self.tokenizer) if self.is_sampler else None)
+                       budget=reasoning_budget(s, add.prompt, self.tokenizer) if self.is_sampler else None,
+                       spans=image_spans(add.prompt, self.image_token), vision=self._visions.get(add.request_id))
 
     def _requests(self) -> list[Request]:
         prefilling = [self._prefilling[0]] if self._prefilling else []
@@ -351,8 +396,8 @@ class MlxEngine:
         req, cache = self._prefilling
         self._enter_phase(_PHASES[self.kind, self.link is not None][0], "prefill")
         start = req.length
-        end = min(len(req.prompt), start + self.prefill_chunk)
-        logits = self._forward(mx.array([req.prompt[start:end]]), cache)
+        end = start + whole_images(req.spans, start, min(len(req.prompt) - start, self.prefill_chunk))
+        logits = self._chunk_forward(req, cache, start, end)
         req.length = end
         if end < len(req.prompt):  # the output too: a tensor rank's last all_sum is not under the cache
             mx.eval([c.state for c in cache], *([] if logits is None else [logits]))
@@ -361,13 +406,25 @@ class MlxEngine:
         self._join_batch(req, cache)
         return self._accept(logits, [req])  # done with its first token: it leaves the batch it just joined
 
+    def _chunk_forward(self, req: Request, cache: Cache, start: int, end: int) -> mx.array | None:
+        """The forward pass over prompt[start:end]; where the chunk holds image placeholders, with the tower's
+        embeddings in their rows (rank 0) and each image's tokens attending to each other (every rank: vision.py)."""
+        ids = mx.array([req.prompt[start:end]])
+        if not any(s < end and e > start for s, e in req.spans):
+            return self._forward(ids, cache)
+        embeds = None
+        if self.rank == 0 and req.vision is not None:
+            embeds = image_embeddings(inner_model(self.model), ids, req.spans, start, to_mlx(req.vision.embeds))
+        with image_masks(cache, req.spans, start):
+            return self._forward(ids, cache, embeds=embeds)
+
     def _short_prompts(self) -> list[Request]:
         """The queued prompts, from the front, that each fit in one prefill chunk, as many as the batch has room
         for: prefilled together in one forward pass, as mlx-lm's batch generation prefills its prompts."""
         room = self.max_batch - len(self._running)
         group: list[Request] = []
         for req in self._pending:
-            if len(group) == room or len(req.prompt) > self.prefill_chunk:
+            if len(group) == room or len(req.prompt) > self.prefill_chunk or req.spans:  # an image's: alone
                 break
             group.append(req)
         return group
@@ -427,14 +484,17 @@ class MlxEngine:
             req.length += 1
         return self._accept(logits, running)
 
-    def _forward(self, ids: mx.array, cache: Cache | None, last: bool = True) -> mx.array | None:
+    def _forward(self, ids: mx.array, cache: Cache | None, last: bool = True,
+                 embeds: mx.array | None = None) -> mx.array | None:
         """This rank's part of the forward pass: the last position's logits on the sampler, None elsewhere (a
         pipeline rank before the last evaluates its slice, which sends the hidden state on; a tensor rank its
-        shard of every layer, whose all_sums meet the others', and skips the head)."""
+        shard of every layer, whose all_sums meet the others', and skips the head). embeds: the input embeddings
+        in place of the ids' (an image chunk on rank 0)."""
+        extra = {} if embeds is None else {"input_embeddings": embeds}
         if self.is_sampler:
-            logits = self.model(ids, cache=cache)
+            logits = self.model(ids, cache=cache, **extra)
             return logits[:, -1, :] if last else logits
-        mx.eval(inner_model(self.model)(ids, cache=cache))
+        mx.eval(inner_model(self.model)(ids, cache=cache, **extra))
         return None
 
     def _accept(self, logits: mx.array | None, reqs: list[Request]) -> list[TokenOut]:
