@@ -31,8 +31,6 @@ DEEPSEEK_V3: dict[str, Any] = {  # deepseek-ai/DeepSeek-V3's config.json (the ke
 }
 PUBLISHED: dict[str, dict[str, Any]] = {
     "moonshotai/Kimi-K2-Instruct": {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]},
-    "openai/gpt-oss-20b": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
-                           "quantization_config": {"quant_method": "mxfp4"}},
     "Qwen/Qwen3-Next-80B-A3B-Instruct": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]},
     "MiniMaxAI/MiniMax-M2": {"model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"]},
     "meta-llama/Llama-4-Scout-17B-16E-Instruct": {"model_type": "llama4",
@@ -42,7 +40,10 @@ PUBLISHED: dict[str, dict[str, Any]] = {
 }
 """Each family's published model_type and architectures: every one is run by the MLX engine only. (DeepSeek V3's
 family runs natively on torch too; its published FP8 checkpoint is MLX's alone by its quantization, which
-test_a_deepseek_v3_card_is_mlx_only_and_its_attention_is_not_llama_shaped checks on the card.)"""
+test_a_deepseek_v3_card_is_mlx_only_and_its_attention_is_not_llama_shaped checks on the card. gpt-oss runs
+natively on torch, its MXFP4 experts dequantized while loading: GPT_OSS_20B.)"""
+GPT_OSS_20B: dict[str, Any] = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+                               "quantization_config": {"quant_method": "mxfp4"}}
 MLX_ONLY: list[BackendTag] = ["mlx", "mlx-metal", "mlx-cpu"]
 TOY = MlxRegistry(version="0.0", modules=frozenset({"llama", "deepseek_v3", "minimax", "bailing_moe_v3"}),
                   remapping={"mistral": "llama", "kimi_k2": "deepseek_v3", "minimax_m2": "minimax"},
@@ -81,6 +82,7 @@ def test_the_torch_engine_s_own_families_run_everywhere(registry: MlxRegistry) -
     """Each native family: both engines (mlx-lm loads every one), and its card stays open to any backend."""
     for model_type in SUPPORTED_MODEL_TYPES:
         assert engines_running({"model_type": model_type}, SUPPORTED_MODEL_TYPES, registry) == ("torch", "mlx")
+    assert engines_running(GPT_OSS_20B, SUPPORTED_MODEL_TYPES, registry) == ("torch", "mlx")  # MXFP4 as shipped
     qwen3 = {"model_type": "qwen3", "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16,
              "num_key_value_heads": 8, "head_dim": 128}
     made = card_from_config("Qwen/Qwen3-0.6B", qwen3, 1)

@@ -123,6 +123,10 @@ class ModelArgs:
     mla: MlaShape | None = None
     """DeepSeek V3's attention; its cache holds each head's expanded key and value (head_dim wide, the value
     zero-padded), num_key_value_heads being num_attention_heads."""
+    swiglu_limit: float = 0.0
+    """gpt-oss's experts: the gate clamped above and the up projection both ways at this limit (0: no clamp)."""
+    swiglu_alpha: float = 1.0
+    """gpt-oss's experts: the gate's sigmoid gain (gate * sigmoid(alpha * gate))."""
     image_token_id: int | None = None
     """A vision-language checkpoint's image placeholder token (Gemma 3's <image_soft_token>): the positions whose
     input embedding is the vision tower's output, attending to each other both ways within one image."""
@@ -172,12 +176,16 @@ def _global_rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def window_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """Which layers attend through a sliding window: Mistral's every layer when its config sets one; Gemma 3's
-    interleaved local layers (layer_types, or the older sliding_window_pattern: every n-th layer is global).
+    interleaved local layers (layer_types, or the older sliding_window_pattern: every n-th layer is global);
+    gpt-oss's alternate ones (layer_types, else every even layer, as transformers' GptOssConfig fills them in).
     Qwen2/Qwen3 configs carry a window they do not use (use_sliding_window false): it is ignored."""
     window = cfg.get("sliding_window")
     n = cfg["num_hidden_layers"]
     if model_type == "mistral" and window:
         return {"sliding_window": int(window), "layer_types": (SLIDING,) * n}
+    if model_type == "gpt_oss":
+        types = cfg.get("layer_types") or [SLIDING if i % 2 == 0 else "full_attention" for i in range(n)]
+        return {"sliding_window": int(window) if window else None, "layer_types": tuple(types)}
     if model_type != "gemma3_text":
         return {}
     types = cfg.get("layer_types")

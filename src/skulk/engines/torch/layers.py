@@ -219,14 +219,20 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
         keys, values = cache.update(k, v, batch)
+        return self._attention(q, keys, values, batch.mask)
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T * scale) v under the mask, [B, heads, T, D]: a family with another softmax (gpt-oss's
+        sinks) overrides this."""
         if self.softcap:
-            return _softcapped_attention(q, keys, values, batch.mask, self.scale, self.softcap)
+            return _softcapped_attention(q, keys, values, mask, self.scale, self.softcap)
         if q.dtype == torch.float16 and q.device.type == "cpu":  # torch's f16 attention on the CPU: 2x f32's time
-            out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=batch.mask,
+            out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
                                                  scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads)
             return out.to(q.dtype)
         return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=batch.mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
+            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
         )
 
     def _decode(

@@ -27,10 +27,11 @@ from torch import nn
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import read_config, safetensors_header
 
+from . import mxfp4
 from .config import parse_dtype
 from .gguf_file import open_gguf
 from .layers import AllReduce, Attention, GatedMLP, fuse_projections
-from .model import ModelSlice, tp_split_dim
+from .model import ModelSlice, partial_sum_bias, tp_split_dim
 from .models import read_args
 from .quant import (
     QuantizedEmbedding,
@@ -188,6 +189,12 @@ def _read_tensors(
     read: dict[tuple[str, int | None], torch.Tensor] = {}
     for param, out in destinations.items():
         source, dim = names.source(param), tp_split_dim(param)
+        if split.rank and partial_sum_bias(param):
+            loaded[param] = out.zero_()  # added once, by rank 0: the all_reduce sums the ranks' outputs
+            continue
+        if source not in names and f"{source}_blocks" in names:
+            loaded[param] = _read_mxfp4(names, source, dim, split, out)
+            continue
         if source not in names:
             raise ValueError(f"{name}: checkpoint has no tensor {source}")
         if (same := read.get((source, dim))) is not None and same.shape == out.shape:
@@ -198,6 +205,25 @@ def _read_tensors(
         except ShapeMismatch as exc:
             raise ValueError(f"{source}: {exc}") from None
     return loaded
+
+
+def _read_mxfp4(names: CheckpointNames, source: str, dim: int | None, split: Split, out: torch.Tensor) -> torch.Tensor:
+    """A stacked expert tensor the checkpoint keeps in MXFP4 (gpt-oss: `<source>_blocks` and `_scales`, each
+    expert's [out, in] rows), dequantized one expert at a time into out ([experts, in, out], the float tensor's
+    layout), this rank's block along dim."""
+    blocks = names.read(f"{source}_blocks", None, Split(0, 1))
+    scales = names.read(f"{source}_scales", None, Split(0, 1))
+    if blocks.shape[0] != out.shape[0]:
+        raise ValueError(f"{source}: {blocks.shape[0]} experts in MXFP4, expected {out.shape[0]}")
+    for expert in range(out.shape[0]):
+        values = mxfp4.dequantize(blocks[expert], scales[expert], out.dtype).T
+        if dim is not None and split.size > 1:
+            block = values.shape[dim - 1] // split.size
+            values = values.narrow(dim - 1, split.rank * block, block)
+        if values.shape != out.shape[1:]:
+            raise ValueError(f"{source}: MXFP4 expert of shape {tuple(values.shape)}, expected {tuple(out.shape[1:])}")
+        out[expert].copy_(values)
+    return out
 
 
 class ShapeMismatch(ValueError):
@@ -272,6 +298,8 @@ def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpe
         else:
             dim = tp_split_dim(f"{name}.weight")
             bias = names.read(f"{base}.bias", 0 if dim == 0 else None, split) if module.bias is not None else None
+            if bias is not None and split.rank and partial_sum_bias(f"{name}.bias"):
+                bias = torch.zeros_like(bias)
             build = _packed_linear if quant.prequantized else _quantized_float_linear
             replacement = build(names, base, dim, split, quant, bias)
         if replacement is not None:

@@ -27,6 +27,13 @@ from .models import family_of, make_layer
 
 _COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj)\.(weight|bias)$")
 _ROW_SPLIT = re.compile(r"\.(o_proj|down_proj)\.weight$")
+_GPT_OSS_SPLIT = {"self_attn.sinks": 0, "mlp.experts.gate_up_proj": 2, "mlp.experts.gate_up_proj_bias": 1,
+                  "mlp.experts.down_proj": 1}
+"""gpt-oss's per-head sinks, and its stacked experts ([experts, hidden, 2 x width] with gate and up interleaved
+column by column, [experts, width, hidden]): each rank holds its heads' sinks and a block of every expert's width
+(a block of interleaved columns is whole gate/up pairs)."""
+_GPT_OSS = re.compile(r"\.(self_attn\.sinks|mlp\.experts\.(?:gate_up_proj|gate_up_proj_bias|down_proj))$")
+_ROW_SPLIT_BIAS = re.compile(r"\.(o_proj\.bias|down_proj\.bias|experts\.down_proj_bias)$")
 _PARTIAL_SUM = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)$")
 """Row-split projections whose per-rank partial sums the all_reduce adds in float32 (a MoE's experts add theirs
 into one buffer in the activations' dtype)."""
@@ -45,7 +52,15 @@ def tp_split_dim(param_name: str) -> int | None:
         return 0
     if _ROW_SPLIT.search(param_name):
         return 1
+    if match := _GPT_OSS.search(param_name):
+        return _GPT_OSS_SPLIT[match.group(1)]
     return None
+
+
+def partial_sum_bias(param_name: str) -> bool:
+    """The bias of a row-split projection: each tensor-parallel rank's output is a partial sum, so only rank 0
+    adds the bias (the loader gives the others zeros) and the all_reduce adds it once."""
+    return bool(_ROW_SPLIT_BIAS.search(param_name))
 
 
 class ModelSlice(nn.Module):

@@ -13,7 +13,7 @@ MLPs of one row each, and a prefill groups its tokens into one matmul per expert
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +31,22 @@ class Expert(GatedMLP):
 class SparseMoe(nn.Module):
     """The block as Qwen3-MoE checkpoints name it: mlp.gate (the router) and mlp.experts.N.{gate,up,down}_proj."""
 
-    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce, router: nn.Module | None = None) -> None:
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce, router: nn.Module | None = None,
+                 experts: nn.Module | None = None) -> None:
+        """router: mlp.gate's module (a Linear unless given); experts: the experts' module, when a family keeps
+        them otherwise than one Expert each (gpt-oss: stacked tensors; it then overrides run_expert)."""
         super().__init__()
         self.top_k, self.normalize = args.num_experts_per_tok, args.norm_topk_prob
         self.gate = router if router is not None else Linear(args.hidden_size, args.num_experts, bias=False)
         inter = args.moe_intermediate_size // tp_size
-        self.experts = nn.ModuleList(Expert(args.hidden_size, inter) for _ in range(args.num_experts))
+        self.n_experts = args.num_experts
+        self.experts = experts if experts is not None else nn.ModuleList(
+            Expert(args.hidden_size, inter) for _ in range(args.num_experts))
         self.all_reduce = all_reduce
+
+    def run_expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """One expert's output for the rows that picked it."""
+        return cast(nn.ModuleList, self.experts)[expert](rows)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in the activations' dtype, expert ids [N, k]): softmax in float32, top k, optionally
@@ -61,13 +70,13 @@ class SparseMoe(nn.Module):
         order = picks.argsort(stable=True)
         token = order // self.top_k
         weight = weights.reshape(-1)[order].unsqueeze(-1)
-        counts = torch.bincount(picks, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(picks, minlength=self.n_experts).tolist()
         out = torch.zeros_like(flat)
         start = 0
         for expert, count in enumerate(counts):
             if count:
                 rows = token[start : start + count]
-                y = self.experts[expert](flat[rows]) * weight[start : start + count]
+                y = self.run_expert(expert, flat[rows]) * weight[start : start + count]
                 out.index_add_(0, rows, y.to(out.dtype))
                 start += count
         return out
@@ -77,7 +86,7 @@ class SparseMoe(nn.Module):
         the sort, gather and scatter a batch needs."""
         out = torch.zeros_like(flat)
         for weight, expert in sorted(zip(weights.unbind(), chosen.tolist(), strict=True), key=lambda p: p[1]):
-            out += (self.experts[expert](flat) * weight).to(out.dtype)
+            out += (self.run_expert(expert, flat) * weight).to(out.dtype)
         return out
 
 

@@ -53,8 +53,11 @@ class QuantSpec:
 
 def quant_spec(config: dict[str, Any], requested: str | None) -> QuantSpec | None:
     """How a checkpoint's linears are quantized: MLX's `quantization` section, else `requested`
-    ("int4" / "int8") for a float checkpoint, else None. ValueError names what is not supported."""
+    ("int4" / "int8") for a float checkpoint, else None. ValueError names what is not supported. gpt-oss's
+    MXFP4 section (only its experts, which the loader dequantizes: mxfp4.py) counts as a float checkpoint."""
     section = config.get("quantization") or config.get("quantization_config")
+    if section and section.get("quant_method") == "mxfp4" and config.get("model_type") == "gpt_oss":
+        section = None
     if section:
         if "bits" not in section or "group_size" not in section:
             raise ValueError(f"unsupported quantization {section!r}; the engine loads MLX affine 4- and 8-bit")
