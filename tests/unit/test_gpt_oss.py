@@ -203,7 +203,38 @@ def test_the_catalog_cards_gpt_oss_as_native(checkpoints: dict[str, Path]) -> No
     held = [sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                  for t in (*layer.parameters(), *layer.buffers())}.values()) for layer in model.layers.values()]
     assert [layer.weight_bytes for layer in memory.layers] == held
+
+
+def test_an_mxfp4_card_counts_what_a_torch_rank_holds(checkpoints: dict[str, Path]) -> None:
+    """The MXFP4 checkpoint's card is native, and a torch rank's load is the files plus what dequantizing the
+    experts adds (ModelCard.torch_storage_size: here float32, 4 bytes a value for half a byte and a scale byte per
+    32), the bytes the engine really holds; placement counts that for torch ranks, the files for MLX ones."""
+    from skulk.formats.checkpoint import safetensors_header
+    from skulk.master.shard_plan import exact_weights, loaded_bytes
+
     packed = checkpoints["mxfp4"]
     config = json.loads((packed / "config.json").read_text())
-    card = card_from_config("openai/gpt-oss-tiny-mxfp4", config, (packed / "model.safetensors").stat().st_size)
-    assert card.torch_runtime == "native" and "torch" in (card.compatible_backends or ["torch"])
+    size = (packed / "model.safetensors").stat().st_size
+    card = card_from_config("openai/gpt-oss-tiny-mxfp4", config, size)
+    assert card.torch_runtime == "native" and card.torch_storage_size is not None
+    header = safetensors_header(packed / "model.safetensors")
+    tensor_bytes = sum(end - start for k, v in header.items() if k != "__metadata__"
+                       for start, end in [v["data_offsets"]])
+    held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*load_model(packed).parameters(),)}.values())
+    assert card.torch_storage_size.in_bytes - (size - tensor_bytes) == held  # the file's header aside
+    assert loaded_bytes(card, "torch") == card.torch_storage_size.in_bytes and loaded_bytes(card, "mlx") == size
+    assert not exact_weights(card, ["torch"]) and exact_weights(card, ["mlx"])
+    float_card = card_from_config("openai/gpt-oss-tiny", json.loads((checkpoints["twin"] / "config.json").read_text()),
+                                  (checkpoints["twin"] / "model.safetensors").stat().st_size)
+    assert float_card.torch_storage_size is None and "torchStorageSize" not in float_card.model_dump(by_alias=True)
+
+
+def test_gpt_oss_120b_grows_by_its_experts_on_torch() -> None:
+    """openai/gpt-oss-120b: 36 layers of 128 x 3 x 2880 x 2880 = 3,185,049,600 expert values, each 2 bytes in
+    bf16 instead of 17/32 of a byte: 4,678,041,600 more a layer, 168.4 GB in all (~65 GB on disk, ~233 GB held)."""
+    from skulk.models.memory_math import torch_dequantized_growth
+    from tests.unit.flagship_configs import GPT_OSS_120B
+
+    assert torch_dequantized_growth(GPT_OSS_120B) == 36 * 4_678_041_600
+    assert torch_dequantized_growth({k: v for k, v in GPT_OSS_120B.items() if k != "quantization_config"}) == 0

@@ -45,9 +45,12 @@ streams per instance (engines/torch/engine.DEFAULT_MAX_BATCH); more positions wo
 
 def loaded_bytes(card: ModelCard, engine: EngineName) -> int:
     """The weight bytes a rank of this engine loads for the whole model: the files for torch (which keeps a GGUF
-    file's blocks), the bf16 export for an MLX rank serving a GGUF import (card.mlx_storage_size)."""
+    file's blocks) but for MXFP4 experts it dequantizes (card.torch_storage_size), the bf16 export for an MLX rank
+    serving a GGUF import (card.mlx_storage_size)."""
     if engine == "mlx" and card.mlx_storage_size is not None:
         return card.mlx_storage_size.in_bytes
+    if engine == "torch" and card.torch_storage_size is not None:
+        return card.torch_storage_size.in_bytes
     return card.storage_size.in_bytes
 
 
@@ -285,9 +288,10 @@ def draft_weights(draft: ModelCard) -> int:
 
 def exact_weights(card: ModelCard, engines: Sequence[EngineName]) -> bool:
     """Whether every rank loads the weights ModelCard.memory counts: the files as they are (no quantizing at
-    load, no MLX rank reading a GGUF import's float export)."""
+    load, no MLX rank reading a GGUF import's float export, no torch rank dequantizing MXFP4 experts)."""
     return card.memory is not None and card.quantize_at_load is None and not (
-        card.mlx_storage_size is not None and "mlx" in engines)
+        card.mlx_storage_size is not None and "mlx" in engines) and not (
+        card.torch_storage_size is not None and "torch" in engines)
 
 
 def rank_weights(card: ModelCard, start: int, end: int) -> int:

@@ -21,7 +21,7 @@ from skulk.models.families import (
     refusal,
     uniform_layers,
 )
-from skulk.models.memory_math import card_memory, kinds_of
+from skulk.models.memory_math import card_memory, kinds_of, torch_dequantized_growth
 from skulk.types.backends import ENGINES, EngineName, backends_for
 from skulk.types.ids import ModelId
 from skulk.types.memory import Memory
@@ -89,6 +89,7 @@ def card_from_config(
 
     quantization = config.get("quantization_config") or config.get("quantization")
     memory = card_memory(config, weight_bytes, tensors)  # tensors: name -> bytes, where the headers were read
+    growth = torch_dequantized_growth(config) if "torch" in engines else 0  # MXFP4 experts torch dequantizes
     kinds = kinds_of(config)  # each layer's kind, whether or not the arithmetic accounts for its bytes
     vision = is_vision_config(config)
     config = text_config(config)
@@ -108,6 +109,7 @@ def card_from_config(
         num_attention_heads=int(config["num_attention_heads"]),
         num_key_value_heads=kv_heads,
         storage_size=Memory.from_bytes(weight_bytes),
+        torch_storage_size=Memory.from_bytes(weight_bytes + growth) if growth else None,
         dtype=dtype if dtype in _DTYPES else "bfloat16",  # type: ignore[arg-type]
         quantization="none" if not quantization else str(quantization.get("bits", "quantized")),
         context_length=int(config.get("max_position_embeddings") or 4096),

@@ -1,7 +1,7 @@
 """A GGUF file of a family whose GGUF layout the torch engine does not read (llama.cpp's `deepseek2`, `glm4moe`,
 `gpt-oss`, `qwen3next`), turned into the Hugging Face checkpoint those families run from: the torch engine's
-native DeepSeek V3 and GLM-4 MoE files, the transformers fallback (engines/torch/fallback.py) and mlx-lm all read
-only float safetensors in the hub's layout.
+native DeepSeek V3, GLM-4 MoE and gpt-oss files, the transformers fallback (engines/torch/fallback.py) and mlx-lm
+all read only float safetensors in the hub's layout.
 
 transformers' GGUF support knows neither architecture, so config.json is built here from the file's metadata (the
 keys llama.cpp's convert_hf_to_gguf writes for them), and every tensor is dequantized by the `gguf` package and

@@ -145,6 +145,22 @@ def _layers(c: dict[str, Any], weights: list[int]) -> list[LayerMemory]:
             for kind, w in zip(layer_kinds(c), weights, strict=True)]
 
 
+def torch_dequantized_growth(config: dict[str, Any]) -> int:
+    """Bytes a torch rank holds beyond the files: gpt-oss's MXFP4 experts, which the torch engine dequantizes to
+    the model's float dtype while loading (engines/torch/mxfp4.py), at fb bytes a value instead of half a byte
+    and a scale byte per 32. 0 for anything else, or a config without the dimensions."""
+    c = text_of(config)
+    layout = layout_of(c)
+    if c.get("model_type") != "gpt_oss" or layout.kind != "mxfp4":
+        return 0
+    try:
+        kinds, moe, fb = layer_kinds(c), moe_layers(c), float_bytes(c)
+        experts = [t for i, kind in enumerate(kinds) for t in layer_tensors(c, i, kind, i in moe) if t.expert]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0
+    return sum(math.prod(t.shape) * fb - tensor_bytes(t, layout, fb) for t in experts)
+
+
 def kinds_of(config: dict[str, Any]) -> list[LayerKind] | None:
     """Each decoder layer's kind from config.json (None: the config does not say enough)."""
     try:

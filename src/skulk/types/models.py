@@ -40,6 +40,10 @@ class ModelCard(CamelModel):
     """What an MLX rank loads when it is not the files: a GGUF import's bf16 export (models/gguf_export.py,
     mlx-lm reads no GGUF blocks; about 3.5x a 4-bit file). None: an MLX rank loads the files, as torch does
     (a float checkpoint, or an mlx-community quantized one as it ships)."""
+    torch_storage_size: Memory | None = Field(default=None, exclude_if=lambda v: v is None)
+    """What a torch rank loads when it is not the files: OpenAI's gpt-oss, whose MXFP4 experts the torch engine
+    dequantizes to the model's float dtype while loading (engines/torch/mxfp4.py; about 3.8x their packed bytes).
+    None: a torch rank loads the files."""
     dtype: DType = "bfloat16"
     quantization: str = "none"
     context_length: int = 4096
