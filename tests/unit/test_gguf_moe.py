@@ -246,7 +246,7 @@ def _import(family: str, tmp_path: Path, *, quantized: bool, split_kv: bool = Tr
 def test_an_f32_file_imports_as_its_checkpoint_exactly(family: str, tmp_path: Path) -> None:
     """F32 tensors: the imported checkpoint is the original's, so transformers computes the same logits."""
     hf_dir, imported, card = _import(family, tmp_path, quantized=False)
-    runtime = "native" if family in SUPPORTED_MODEL_TYPES else "transformers"  # DeepSeek V3 and GLM-4 MoE: native
+    runtime = "native" if family in SUPPORTED_MODEL_TYPES else "transformers"  # DeepSeek V3, GLM-4 MoE, gpt-oss: native
     assert card.family == family and card.torch_runtime == runtime and card.mlx_storage_size is None
     assert card.compatible_backends is None or "torch" in card.compatible_backends
     written = sum(p.stat().st_size for p in imported.glob("*.safetensors"))
