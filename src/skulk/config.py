@@ -5,7 +5,7 @@ file, the key and what is allowed, because a silently ignored typo (`staging_kee
 operator believing a budget is in force that is not. Every `Settings` field goes through `resolve` (file,
 environment as SKULK_<FIELD> or its ENV_ALIASES/NESTED_ENV name, flag), so this module says what a node's
 settings are; SKULK_ENGINES, SKULK_FAULT, SKULK_FLIGHT_RECORDER, SKULK_GROUP_TIMEOUT_SECONDS,
-SKULK_WARMUP_DEADLINE_SECONDS and SKULK_KV_CACHE_BITS are such settings.
+SKULK_WARMUP_DEADLINE_SECONDS, SKULK_KV_CACHE_BITS and SKULK_TORCH_DEVICE are such settings.
 
 Not every environment variable goes through `resolve`: a few are read directly where they act, in the process
 that acts on them (a runner inherits the node's environment). Tuning and test switches: SKULK_LINK_DELAY_MS
@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from skulk.memory_limit import parse_amount
 from skulk.tls import TlsError, check_ca, check_pair
-from skulk.types.backends import EngineName
+from skulk.types.backends import EngineName, torch_device_setting
 from skulk.types.models import KvCacheBits
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,10 @@ class Settings(BaseModel):
     """SKULK_KV_CACHE_BITS: 16, 8 or 4, the KV cache bits of a placement (or MetaInstance, or preview) made through
     this node's API that sets no kv_cache_bits (None: the card's, else 16). The torch engine built outside placement
     reads the same variable (engines/torch/core.kv_bits_or_default)."""
+    torch_device: str | None = None
+    """SKULK_TORCH_DEVICE: auto (None: the same), cpu, cuda or cuda:N, the device this node's torch ranks compute on
+    (engines/torch/device.py: auto is the GPU when torch sees one). The node hands it to its runners in their
+    environment; cpu also stops it advertising torch-cuda, so placement counts its RAM, not the GPU's memory."""
     link_bandwidth_seconds: float = Field(default=30.0, gt=0)
     """How often a node reads each peer's bandwidth (512 KiB; the round trip is sampled every second anyway)."""
     engines: list[EngineName] = []
@@ -273,6 +277,11 @@ class Settings(BaseModel):
     def _bits(cls, value: Any) -> Any:
         """The environment's text "8" as the number 8 (the Literal takes numbers only)."""
         return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+    @field_validator("torch_device")
+    @classmethod
+    def _a_torch_device(cls, value: str | None) -> str | None:
+        return torch_device_setting(value) if value is not None else None
 
     @field_validator("data_ports")
     @classmethod

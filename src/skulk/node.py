@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -45,6 +46,7 @@ from skulk.store.service import ModelFiles
 from skulk.store.staging import startable
 from skulk.tls import server_context
 from skulk.tracing.service import NodeTracing
+from skulk.types.backends import TORCH_DEVICE_ENV
 from skulk.types.commands import Command, CreateMetaInstance, OfferDesiredState
 from skulk.types.desired import rank_of
 from skulk.types.events import (
@@ -129,6 +131,7 @@ class Node:
         """Build every component, in the order each needs the others (the zenoh session gives the node its id),
         then wire their reactions; no loop runs until `run`."""
         _harden(settings)
+        _runner_environment(settings)
         event_log = open_for(settings)
         transport = Transport(TransportSettings(
             cluster=settings.cluster, listen=settings.zenoh_listen, bootstrap_peers=settings.bootstrap_peers,
@@ -513,6 +516,13 @@ def _worker(settings: Settings, node_id: NodeId, local: LocalEvents, requests: R
         spare=SpareRunner(spare_engine(settings.engines), enabled=settings.spare_runner),
         on_runner_gone=files.runner_gone,
     )
+
+
+def _runner_environment(settings: Settings) -> None:
+    """Settings a runner reads from its environment (it inherits the node's at spawn): the torch device, also
+    read by node_info.backends, which then advertises torch-cuda only where the ranks will compute on the GPU."""
+    if settings.torch_device is not None:
+        os.environ[TORCH_DEVICE_ENV] = settings.torch_device
 
 
 def _harden(settings: Settings) -> None:

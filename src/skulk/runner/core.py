@@ -210,7 +210,10 @@ class Runner:
         if draft is not None:
             log.info("draft model %s %s", draft, f"drafts for {shard.model_card.model_id} (speculative decoding)"
                      if self.spec.draft_dir is not None else "is not on this node: prompt lookup drafts instead")
+        from skulk.engines.torch.device import engine_device
+
         return TorchEngine(self.spec.model_dir, start_layer=shard.start_layer, end_layer=shard.end_layer,
+                           device=engine_device(),
                            quantize=shard.model_card.quantize_at_load, prefill_chunk=self.spec.prefill_chunk_tokens,
                            max_seq=self.spec.context_length, kv_cache_bytes=self.spec.kv_cache_bytes,
                            kv_cache_bits=shard.model_card.kv_cache_bits, draft_dir=self.spec.draft_dir)

@@ -151,16 +151,24 @@ def connect_group(
     return Group(rank, world, backend, store, control or dist.group.WORLD, op_timeout)
 
 
-def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str = "cpu") -> TorchEngine:
+def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str | None = None) -> TorchEngine:
     """This rank's engine over the formed group: its layer range for Pipeline, all layers sharded for Tensor. In a
     mixed instance an MLX rank is the torch engine's core computing with mlx-lm (engines/mlx/mixed.py), and no
-    rank shares cached prefixes (that rank keeps a cache per request)."""
+    rank shares cached prefixes (that rank keeps a cache per request). device: a torch rank's, else the one
+    SKULK_TORCH_DEVICE picks (engines/torch/device.py: a GPU when there is one); an MLX rank's core stays on the
+    CPU. The group is gloo either way, so CUDA and CPU ranks share one Pipeline (hidden states cross in host
+    memory, links.GroupLink)."""
+    from skulk.engines.torch.device import engine_device
+
     shard = spec.shard
     make: type[TorchEngine] = TorchEngine
     if spec.mixed and spec.engine == "mlx":
         from skulk.engines.mlx.mixed import MixedMlxEngine
 
         make = MixedMlxEngine
+        device = "cpu"
+    elif device is None:
+        device = engine_device()
     engine = make(
         spec.model_dir,
         rank=shard.device_rank,

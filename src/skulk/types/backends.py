@@ -7,6 +7,7 @@ A node advertises every tag it can run, the bare engine tag included (`torch`, `
 
 from __future__ import annotations
 
+import re
 from typing import Literal, get_args
 
 EngineName = Literal["torch", "mlx"]
@@ -49,3 +50,25 @@ def backends_for(engines: tuple[EngineName, ...] | list[EngineName]) -> list[Bac
 def allows(compatible: list[BackendTag] | None, engine: EngineName) -> bool:
     """A card's compatible_backends admit some tag of this engine (None: every engine)."""
     return compatible is None or any(engine_of(t) == engine for t in compatible)
+
+
+TORCH_DEVICE_ENV = "SKULK_TORCH_DEVICE"
+"""auto (default), cpu, cuda or cuda:N: the device a node's torch ranks compute on (engines/torch/device.py)."""
+TORCH_DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+_TORCH_DEVICES = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def torch_device_setting(value: str) -> str:
+    """The device setting normalised (lower case, trimmed); ValueError naming the forms when it is none of them.
+    Pure text: the node checks it without importing torch, the runner resolves it against what torch sees."""
+    normal = value.strip().lower()
+    if not _TORCH_DEVICES.match(normal):
+        raise ValueError(f"{TORCH_DEVICE_ENV}={value!r}: expected {TORCH_DEVICE_CHOICES}")
+    return normal
+
+
+def cuda_advertised(cuda_build: bool, vendor: str, setting: str | None) -> bool:
+    """Whether a node advertises torch-cuda: a CUDA build of torch, an NVIDIA GPU, and a device setting that does
+    not keep torch on the CPU (SKULK_TORCH_DEVICE=cpu: the ranks would not use the GPU, so placement must not
+    count its memory)."""
+    return cuda_build and vendor == "nvidia" and torch_device_setting(setting or "auto") != "cpu"

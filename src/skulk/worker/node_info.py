@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import os
 import platform
 import socket
 import subprocess
@@ -14,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from skulk import __version__, memory_limit
-from skulk.types.backends import BackendTag, EngineName, engine_of
+from skulk.types.backends import TORCH_DEVICE_ENV, BackendTag, EngineName, cuda_advertised, engine_of
 from skulk.types.memory import Memory
 from skulk.types.node_info import (
     AcceleratorInfo,
@@ -181,7 +183,41 @@ def accelerator() -> AcceleratorInfo:
             vram_used_bytes=int(mem.used),
         )
     except Exception:
-        return AcceleratorInfo(vendor="cpu", name=platform.processor() or platform.machine() or "cpu")
+        cpu = AcceleratorInfo(vendor="cpu", name=platform.processor() or platform.machine() or "cpu")
+        return cuda_from_torch() or cpu
+
+
+def cuda_build() -> bool:
+    """The installed torch is a CUDA build (its version has no +cpu local tag), read without importing it."""
+    try:
+        return "+cpu" not in importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@cache
+def cuda_from_torch() -> AcceleratorInfo | None:
+    """The GPU as torch sees it, where NVML (nvidia-ml-py) is not installed: a child interpreter asks
+    torch.cuda.mem_get_info (engines/torch/device.py), since the node never imports torch, and a CUDA context in it
+    would hold GPU memory for good. Asked once: its used bytes are those before any rank loaded; NVML's are live."""
+    if not cuda_build():
+        return None
+    try:
+        out = subprocess.run([sys.executable, "-m", "skulk.engines.torch.device"], capture_output=True, text=True,
+                             timeout=120, check=True)
+        facts = json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return cuda_accelerator(facts)
+
+
+def cuda_accelerator(facts: dict[str, object]) -> AcceleratorInfo | None:
+    """An NVIDIA accelerator from device.describe()'s {name, free, total} (None for {}: torch sees no GPU)."""
+    if not facts:
+        return None
+    total, free = int(str(facts["total"])), int(str(facts["free"]))
+    return AcceleratorInfo(vendor="nvidia", name=str(facts["name"]), vram_total_bytes=total,
+                           vram_used_bytes=max(0, total - free))
 
 
 def system() -> SystemPerformance:
@@ -191,18 +227,15 @@ def system() -> SystemPerformance:
 @cache
 def backends(only: tuple[EngineName, ...] = ()) -> list[BackendTag]:
     """The backend tags this node runs, bare engine tags included: torch always (Skulk's own dependency; cuda
-    when the build has it and an NVIDIA GPU is present), MLX when it imports and computes here (engines/mlx);
-    only the engines in `only` when it names any (SKULK_ENGINES)."""
+    when the build has it, an NVIDIA GPU is present and SKULK_TORCH_DEVICE does not keep torch on the CPU), MLX
+    when it imports and computes here (engines/mlx); only the engines in `only` when it names any
+    (SKULK_ENGINES)."""
     if only:
         return [t for t in backends() if engine_of(t) in only]
     from skulk.engines import mlx as mlx_engine
 
     tags: list[BackendTag] = ["torch", "torch-cpu"]
-    try:
-        cuda_build = "+cpu" not in importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        cuda_build = False
-    if cuda_build and accelerator().vendor == "nvidia":
+    if cuda_build() and cuda_advertised(True, accelerator().vendor, os.environ.get(TORCH_DEVICE_ENV)):
         tags.append("torch-cuda")
     if mlx_engine.probe() is None:
         metal: list[BackendTag] = ["mlx", "mlx-metal"]

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from skulk import memory_limit
 from skulk.engines.kv_pools import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_FRACTION,
@@ -36,6 +35,7 @@ from skulk.types.runners import RunnerPhase
 
 from .blocks import BlockAllocator
 from .cache import KVCache
+from .device import available_bytes
 from .drafter import Drafter
 from .links import GroupLink, Link, LocalLink, ShardKind, tensor_all_reduce
 from .loader import load_model
@@ -207,11 +207,12 @@ class EngineCore:
         for a model of one group)."""
         size, context, streams = self.block_size, self.context_length, self.max_batch
         if not self.local_window:
-            return pool_blocks(kv_bytes, self._per_token(), size, context, streams), 0
+            return pool_blocks(kv_bytes, self._per_token(), size, context, streams,
+                               None if kv_bytes is not None else available_bytes(self.device)), 0
         per_token = self.model.group_bytes_per_token(bits=self.kv_bits)
         if kv_bytes is None:
             ceiling = group_pool_bytes(per_token, size, context, streams, self.local_window, self.prefill_chunk)
-            kv_bytes = min(int(memory_limit.available_now() * DEFAULT_KV_FRACTION), ceiling)
+            kv_bytes = min(int(available_bytes(self.device) * DEFAULT_KV_FRACTION), ceiling)
         return group_pools(kv_bytes, per_token, size, context, streams, self.local_window, self.prefill_chunk)
 
     def _per_token(self) -> int:

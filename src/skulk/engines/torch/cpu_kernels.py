@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from .device import uses_c_kernels
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_matmul.c", "cpu_step.c", "cpu_amx.c"))
@@ -218,8 +220,9 @@ def type_code(dtype: torch.dtype) -> int:
 
 
 def handles(x: torch.Tensor) -> bool:
-    """True when x (activations) is a CPU tensor in a dtype the kernels read and write."""
-    return x.device.type == "cpu" and x.dtype in _TYPES
+    """True when x (activations) is a CPU tensor in a dtype the kernels read and write (device.uses_c_kernels: on
+    CUDA every caller takes torch's op-by-op path instead, the C layer stack included)."""
+    return uses_c_kernels(x.device) and x.dtype in _TYPES
 
 
 class HalfMatrix:

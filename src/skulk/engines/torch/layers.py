@@ -335,7 +335,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: StepBatch | MixedBatch, rope: Rotation | tuple[Rotation, ...],
                 cache: LayerCache) -> torch.Tensor:
-        if isinstance(batch, StepBatch) and x.shape[1] == 1 and (desc := self.native(x.dtype, cache)) is not None:
+        if (isinstance(batch, StepBatch) and x.shape[1] == 1 and cpu_kernels.handles(x)
+                and (desc := self.native(x.dtype, cache)) is not None):
             return cpu_kernels.decode_layer(desc, x, batch.positions, cast(Rotation, rope), batch.window, batch.tables,
                                             cache.keys, cache.values)
         h, normed = add_norm(x, self.self_attn(self.input_layernorm(x), batch, rope, cache),

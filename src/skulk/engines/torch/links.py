@@ -3,7 +3,9 @@
 The engine is one slot-batch core for every world size; only these exchanges differ. `LocalLink` is the
 world-size-1 case, where rank 0 is also the sampler and every exchange is the identity. `GroupLink` carries
 them over torch.distributed: headers on the control group (wire.py), hidden states rank to rank for a
-Pipeline, and the sampler's [token, finished, failed] rows to whoever embeds the next input.
+Pipeline, and the sampler's [token, finished, failed] rows to whoever embeds the next input. Everything travels
+from host memory (the group is gloo, so CUDA, CPU and MLX ranks share one wire): a CUDA rank copies its hidden
+states device → host before a send and host → device after a receive (device.py).
 
 A Pipeline's critical path per token is one hidden-state message per hop and the sampled rows back to rank 0,
 nothing else: headers travel ahead of the hidden states (posted to receivers that have already posted their
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .delay import DelayedSends, after_collective, emulated_delay_s
+from .device import to_device, to_host
 from .wire import Header, HeaderChannel, PostedHeaders, settle
 
 ShardKind = Literal["pipeline", "tensor"]
@@ -100,7 +103,10 @@ def tensor_all_reduce(world_size: int) -> Callable[[torch.Tensor], torch.Tensor]
     delay_s = emulated_delay_s()
 
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        host = to_host(x)  # the group is gloo: a CUDA rank's partial sum goes through host memory (NCCL: later)
+        dist.all_reduce(host, op=dist.ReduceOp.SUM)
+        if host is not x:
+            x.copy_(host)
         if delay_s:
             after_collective(delay_s, 2 * (world_size - 1))
         return x
@@ -129,16 +135,19 @@ class GroupLink:
         return self.channel.receive()
 
     def recv_hidden(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        x = torch.empty(shape, dtype=dtype, device=device)
+        """Received into host memory (the group is gloo, whatever the ranks compute on), then moved to this
+        rank's device (device.to_device: the same tensor on the CPU)."""
+        x = torch.empty(shape, dtype=dtype)
         started = time.perf_counter()
         dist.recv(x, src=self.rank - 1)
         self.wait_s += time.perf_counter() - started
-        return x
+        return to_device(x, device)
 
     def send_hidden(self, x: torch.Tensor) -> None:
         """Sent without waiting for the next rank (still busy with an earlier micro-batch, it may not have posted
-        its receive yet); the tensor is kept until the send completes (wire.settle)."""
-        x = x.contiguous()
+        its receive yet); the tensor is kept until the send completes (wire.settle). A CUDA rank's hidden states
+        are copied to host memory first (device.to_host), so a CPU or MLX rank reads them off the same wire."""
+        x = to_host(x).contiguous()
         if self.delay is None:
             self._sending.append((dist.isend(x, dst=self.rank + 1), x))
         else:

@@ -29,6 +29,7 @@ from skulk.formats.checkpoint import read_config, safetensors_header
 
 from . import mxfp4
 from .config import parse_dtype
+from .cuda_quant import cuda_from_affine, cuda_int8_from_float
 from .gguf_file import open_gguf
 from .layers import AllReduce, Attention, GatedMLP, fuse_projections
 from .model import ModelSlice, partial_sum_bias, tp_split_dim
@@ -70,8 +71,6 @@ def load_model(
     args = read_args(config)
     if dtype is not None or quant is not None:
         args = dataclasses.replace(args, dtype=parse_dtype(dtype or torch.bfloat16))
-    if quant is not None and torch.device(device).type != "cpu":
-        raise ValueError(f"{model_dir.name}: quantized weights run on the CPU kernels only, not on {device}")
     model = ModelSlice(
         args, start_layer=start_layer, end_layer=end_layer,
         tp_rank=tp_rank, tp_size=tp_size, all_reduce=all_reduce, device=device,
@@ -80,12 +79,14 @@ def load_model(
     with ExitStack() as stack:
         names = CheckpointNames(args.tie_word_embeddings, _text_prefix(files), files, _stacked_experts(files), stack)
         if quant is not None:
-            _quantize_modules(model, names, quant, Split(tp_rank, tp_size))
+            _quantize_modules(model, names, quant, Split(tp_rank, tp_size), torch.device(device))
         expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if t.is_meta}
         tensors = _read_tensors(model_dir.name, names, expected, _stacked_destinations(model, expected, args.dtype,
                                 torch.device(device)), Split(tp_rank, tp_size))
     model.load_state_dict(tensors, strict=False, assign=True)
     del tensors
+    if torch.device(device).type != "cpu":
+        model.to(device)  # what quantizing built on the host (a packed embedding's buffers); the rest is there
     fuse_projections(model)
     release_free_memory()
     return model.eval().requires_grad_(False)
@@ -283,10 +284,12 @@ class Split:
     size: int
 
 
-def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpec, split: Split) -> None:
+def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpec, split: Split,
+                      device: torch.device) -> None:
     """Swap every projection (and lm_head; the embedding too when the checkpoint packs it) for its quantized
     form, read straight from the checkpoint; what stays float is loaded afterwards as usual. Quantizing at load
-    leaves a MoE router (mlp.gate) in float: it is small, and its error would flip which experts run."""
+    leaves a MoE router (mlp.gate) in float: it is small, and its error would flip which experts run. On CUDA the
+    projections take torch's CUDA layouts (cuda_quant.py); the values are read and quantized on the host."""
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
     for name, module in targets:
         base = names.source(f"{name}.weight").removesuffix(".weight")
@@ -301,7 +304,7 @@ def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpe
             if bias is not None and split.rank and partial_sum_bias(f"{name}.bias"):
                 bias = torch.zeros_like(bias)
             build = _packed_linear if quant.prequantized else _quantized_float_linear
-            replacement = build(names, base, dim, split, quant, bias)
+            replacement = build(names, base, dim, split, quant, bias, device)
         if replacement is not None:
             if isinstance(replacement, QuantizedLinear) and isinstance(module, nn.Linear):
                 replacement.out_dtype = getattr(module, "out_dtype", None)
@@ -320,7 +323,7 @@ def _packed_embedding(names: CheckpointNames, base: str, quant: QuantSpec, dtype
 
 
 def _packed_linear(names: CheckpointNames, base: str, dim: int | None, split: Split, quant: QuantSpec,
-                   bias: torch.Tensor | None) -> nn.Module | None:
+                   bias: torch.Tensor | None, device: torch.device) -> nn.Module | None:
     """An MLX-packed projection, at the bits its module's own quantization entry gives if it has one (MLX keeps
     MoE routers at 8 bits); this rank's rows, or its columns in whole groups."""
     if f"{base}.scales" not in names:
@@ -331,20 +334,30 @@ def _packed_linear(names: CheckpointNames, base: str, dim: int | None, split: Sp
     if q.shape[1] != scales.shape[1] * quant.group_size:
         raise ValueError(f"{base}: its columns do not split across {split.size} tensor-parallel ranks in whole "
                          f"groups of {quant.group_size}; use fewer ranks")
-    return QuantizedLinear.from_affine(q, scales, biases, quant.bits, quant.group_size, bias)
+    return _affine_linear(q, scales, biases, quant.bits, quant.group_size, bias, device)
+
+
+def _affine_linear(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
+                   bias: torch.Tensor | None, device: torch.device) -> QuantizedLinear:
+    """MLX-style groups as the device's quantized linear: ours or torch's CPU layout, else torch's CUDA one."""
+    if device.type == "cpu":
+        return QuantizedLinear.from_affine(q, scales, biases, bits, group, bias)
+    return cuda_from_affine(q, scales, biases, bits, group, bias, device)
 
 
 def _quantized_float_linear(names: CheckpointNames, base: str, dim: int | None, split: Split, quant: QuantSpec,
-                            bias: torch.Tensor | None) -> nn.Module | None:
+                            bias: torch.Tensor | None, device: torch.device) -> nn.Module | None:
     """A float projection quantized while loading: int8 per row, int4 in groups."""
     weight = names.read(f"{base}.weight", dim, split)
     group = fitting_group(weight.shape[1], quant.group_size)
     if group is None:
         return None  # no group size divides its columns: it stays float, the rest is quantized
     if quant.bits == 8:
+        if device.type != "cpu":
+            return cuda_int8_from_float(weight, group, bias, device)
         return QuantizedLinear.int8_from_float(weight, group, bias)
     q, scales, biases = affine_quantize(weight, quant.bits, group)
-    return QuantizedLinear.from_affine(q, scales, biases, quant.bits, group, bias)
+    return _affine_linear(q, scales, biases, quant.bits, group, bias, device)
 
 
 _PARTS = ("weight", "scales", "biases")
