@@ -30,13 +30,16 @@ from skulk.engines.torch.device import (
     to_host,
     uses_c_kernels,
 )
+from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.quant import affine_quantize, dequantize
 from skulk.master.memory_pool import gpu_free_bytes, usable_bytes
 from skulk.master.placement import place
 from skulk.models.demo import ensure_demo_model
 from skulk.testing.nodes import free_port
+from skulk.testing.random_llama import write_random_llama
 from skulk.types.backends import cuda_advertised
+from skulk.types.chat import SamplingParams
 from skulk.types.ids import InstanceId, NodeId, RunnerId
 from skulk.types.instances import InstanceMeta, MlxRingInstance, Sharding
 from skulk.types.memory import Memory
@@ -113,6 +116,42 @@ def test_the_layer_stack_is_not_built_for_activations_off_the_cpu(tmp_path: Path
     assert model._layer_stack(torch.zeros(1, 1, hidden, dtype=model.args.dtype), batch, model.make_cache(2, 4))
     off = torch.zeros(1, 1, hidden, dtype=model.args.dtype, device="meta")
     assert model._layer_stack(off, batch, model.make_cache(2, 4)) is None
+
+
+SMALL_LLAMA = {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+               "num_key_value_heads": 2, "intermediate_size": 1024, "head_dim": 32}
+
+
+def _greedy(engine: TorchEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=32, temperature=0))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_work():
+        for token in engine.step():
+            out[token.request_id].append(token.token_id)
+    return out
+
+
+@pytest.mark.slow
+def test_the_op_by_op_path_a_cuda_rank_runs_gives_the_c_kernels_tokens(tmp_path: Path) -> None:
+    """What a CUDA rank computes is torch's op-by-op path (every layer, paged attention as a gather then SDPA):
+    on the CPU, with the kernels switched off, it gives the kernels' 32 greedy tokens (f32: no rounding apart)."""
+    if not cpu_kernels.available():
+        pytest.skip("the C kernels do not load here")
+    path = write_random_llama(tmp_path / "llama", SMALL_LLAMA, ensure_demo_model(tmp_path / "demo"), std=0.2)
+    prompts = [[258, *b"The quick brown fox jumps", 10], [*b"abc def ghi jkl mno", 10, 258]]
+    sized: dict[str, Any] = {"max_seq": 128, "max_batch": 2, "kv_cache_bytes": 8 << 20, "dtype": "float32"}
+    kernels = _greedy(TorchEngine(path, **sized), prompts)
+    cpu_kernels.set_enabled(False)
+    try:
+        engine = TorchEngine(path, **sized)
+        assert engine.model._layer_stack(torch.zeros(1, 1, 256), StepBatch.build(
+            torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32), kv_len=1), engine.cache) is None
+        op_by_op = _greedy(engine, prompts)
+    finally:
+        cpu_kernels.set_enabled(True)
+    assert all(len(t) == 32 for t in kernels.values())
+    assert op_by_op == kernels
 
 
 # --- host-memory copies ------------------------------------------------------------------------------------------
