@@ -2,7 +2,23 @@
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+# CUDA=1 installs the CUDA build of torch (same version) from PyTorch's wheel index for CUDA_TAG instead of the
+# default build, and NVML's bindings, through which the node reports the GPU's memory without a CUDA context:
+# `make run CUDA=1` on a Linux box with an NVIDIA driver (the driver must support CUDA_TAG's toolkit; cu126 or cu128
+# for an older driver). Without it a CPU-only machine keeps the small CPU build.
+CUDA ?=
+CUDA_TAG ?= cu130
+TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/$(CUDA_TAG)
+ifeq ($(CUDA),1)
+STAMP := $(VENV)/.installed-stamp-$(CUDA_TAG)
+TORCH_PIP := torch==$(TORCH_VERSION)+$(CUDA_TAG) --index-url $(TORCH_CUDA_INDEX)
+EXTRA_PIP := nvidia-ml-py==13.615.71
+else
 STAMP := $(VENV)/.installed-stamp
+TORCH_PIP := torch==$(TORCH_VERSION)
+EXTRA_PIP :=
+endif
 
 .PHONY: run test test-fast lint bench dist clean chromium
 
@@ -11,8 +27,8 @@ $(STAMP): pyproject.toml
 	  "$(PYTHON) is $$($(PYTHON) -V 2>&1). Install one (macOS: brew install python@3.12) and run e.g." \
 	  "make run PYTHON=python3.12"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet torch==2.13.0
-	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	$(VENV)/bin/pip install --quiet $(TORCH_PIP)
+	$(VENV)/bin/pip install --quiet -e '.[dev]' $(EXTRA_PIP)
 	touch $(STAMP)
 
 run: $(STAMP)
