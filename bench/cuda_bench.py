@@ -133,7 +133,7 @@ def measure(path: Path, name: str, args: argparse.Namespace, bandwidth: float, s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--tokens", type=int, default=64, help="decode steps timed per run")
     parser.add_argument("--streams", type=int, default=32)
