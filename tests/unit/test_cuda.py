@@ -32,7 +32,7 @@ from skulk.engines.torch.device import (
 )
 from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.loader import load_model
-from skulk.engines.torch.quant import affine_quantize, dequantize
+from skulk.engines.torch.quant import affine_quantize, dequantize, pack_mlx, unpack_mlx
 from skulk.master.memory_pool import gpu_free_bytes, usable_bytes
 from skulk.master.placement import place
 from skulk.models.demo import ensure_demo_model
@@ -324,3 +324,12 @@ def test_a_cuda_rank_never_loads_the_cpu_kernels_layout() -> None:
     assert issubclass(cuda_quant.CudaQuantizedLinear, cuda_quant.QuantizedLinear)
     linear = cuda_quant.cuda_int8_from_float(torch.randn(8, 64), 64, None, torch.device("meta"))
     assert linear.weight.device.type == "meta" and not linear.kernel
+
+
+def test_packed_rows_unpack_on_the_device_they_live_on() -> None:
+    """An MLX checkpoint's packed embedding is moved to a CUDA rank's device; its rows unpack there (the shifts
+    are made on the words' device, not the CPU's)."""
+    q = torch.randint(0, 16, (3, 16), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+    assert torch.equal(unpack_mlx(pack_mlx(q, 4), 4), q)
+    off = unpack_mlx(pack_mlx(q, 4).to("meta"), 4)
+    assert off.device.type == "meta" and off.shape == q.shape

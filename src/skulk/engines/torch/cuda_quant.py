@@ -56,7 +56,7 @@ class CudaQuantizedLinear(QuantizedLinear):
     with its neighbours: each projection is its own call, as torch's layouts are on the CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
         if self.bits == 4:
             y = torch.ops.aten._weight_int4pack_mm(flat, self.weight, self.group, self.params)
             y = y[:, : self.out_features] if y.shape[-1] != self.out_features else y

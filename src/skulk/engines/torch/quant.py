@@ -127,7 +127,7 @@ def unpack_mlx(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """MLX's uint32 words [N, W] → uint8 values [N, W * 32 / bits]."""
     per_word = 32 // bits
     words = packed.to(torch.int64).unsqueeze(-1)
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=packed.device) * bits  # a CUDA rank's embedding rows
     return ((words >> shifts) & (2**bits - 1)).reshape(packed.shape[0], -1).to(torch.uint8)
 
 
