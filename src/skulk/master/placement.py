@@ -241,7 +241,9 @@ def _evaluate(
     pending = [n for n in ring if n not in state.node_memory]
     if pending:
         return _Candidate(ring, error=InfoPending(node_ids=pending))
-    free = [usable_bytes(state, n, e) for n, e in zip(ring, chosen, strict=True)]  # GTT on UMA, VRAM on CUDA
+    on_device = card.torch_runtime != "transformers"  # the transformers fallback computes on the CPU
+    free = [usable_bytes(state, n, e if on_device else None)  # GTT on UMA, VRAM for a torch rank on CUDA
+            for n, e in zip(ring, chosen, strict=True)]
     draft = draft_card(state, card)
     plans = plan_ring(card, sharding, ring, free, context=kv.context, kv_cache_bytes=kv.pool_bytes, engines=chosen,
                       draft=draft, costs=_node_costs(state, ring), runtimes=_runtimes(state, ring, chosen))
