@@ -7,6 +7,7 @@ in test_cuda_gpu.py (skipped here, with the reason)."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,21 @@ def test_the_node_setting_is_validated_and_normalised(tmp_path: Path) -> None:
     assert resolve({"config": str(tmp_path / "none.yaml"), "home": str(tmp_path)}, {}).torch_device is None
     with pytest.raises(ConfigError, match="auto, cpu, cuda or cuda:N"):
         resolve({"config": str(tmp_path / "none.yaml"), "home": str(tmp_path)}, {DEVICE_ENV: "gpu0"})
+
+
+def test_the_node_hands_its_device_setting_to_its_runners(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Runners inherit the node's environment: a device set in skulk.yaml reaches them as SKULK_TORCH_DEVICE (and
+    node_info.backends, which reads it too); none set leaves the environment alone."""
+    from skulk.node import _runner_environment
+
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    none = tmp_path / "none.yaml"
+    _runner_environment(resolve({"config": str(none), "home": str(tmp_path)}, {}))
+    assert DEVICE_ENV not in os.environ
+    config = tmp_path / "skulk.yaml"
+    config.write_text("torch_device: cpu\n")
+    _runner_environment(resolve({"config": str(config), "home": str(tmp_path)}, {}))
+    assert os.environ[DEVICE_ENV] == "cpu"
 
 
 # --- the C kernels stay on the CPU -------------------------------------------------------------------------------

