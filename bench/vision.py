@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from skulk.engines.torch.engine import TorchEngine
-from skulk.engines.torch.vision import VisionInput, digest
+from skulk.engines.torch.vision import VisionInput, VisionTower, digest
 from skulk.formats.images import image_bytes, open_image
 from skulk.models.demo import ensure_demo_model
 from skulk.types.chat import ChatMessage, SamplingParams
@@ -53,6 +53,7 @@ def _first_token(engine: TorchEngine, request_id: str, prompt: list[int], vision
 def one_round(engine: TorchEngine, url: str, n: int) -> dict[str, float]:
     """Each part of one image request's time to first token, and the text-only prompt's, in seconds."""
     tower = engine.vision_tower()
+    assert isinstance(tower, VisionTower), "this bench times Gemma 3's tower (pixels, then project)"
     started = time.perf_counter()
     data = image_bytes(url)
     pixels = tower.pixels([open_image(data)])

@@ -1,11 +1,14 @@
 """Images on a Pipeline over 2 ranks (real rank processes over gloo on loopback): rank 0 runs the vision tower and
 embeds, rank 1 gets hidden states; two image requests at once, in small prefill chunks riding on each other's
-decode steps, give each one's single-rank greedy tokens."""
+decode steps, give each one's single-rank greedy tokens. For Gemma 3 and for Qwen2.5-VL, whose rank 1 rotates the
+image's keys by its grid (multimodal rope: the grids travel in the step header) and every later position by index
+plus the image's delta, as rank 0 does."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +24,33 @@ from skulk.runner.spec import RunnerSpec
 from skulk.testing.nodes import free_port
 from skulk.types.ids import InstanceId, NodeId, RunnerId
 from skulk.types.instances import Rendezvous, Sharding
+from skulk.types.chat import SamplingParams
 from skulk.types.shards import PipelineShardMetadata
+from tests.unit import qwen_vl_checkpoint
 from tests.unit.test_vision import GREEDY, image_message
 from tests.unit.vlm_checkpoint import png, write_gemma3_vlm
 
 LAYERS = [(0, 2), (2, 4)]
 PICTURES = {"a": 1, "b": 2}
+FAMILIES: dict[str, tuple[Callable[[Path, Path], Path], Callable[[int], bytes], SamplingParams]] = {
+    "gemma3": (write_gemma3_vlm, png, GREEDY),
+    "qwen2_5_vl": (qwen_vl_checkpoint.write_qwen25_vl, qwen_vl_checkpoint.picture,
+                   SamplingParams(max_tokens=qwen_vl_checkpoint.TOKENS, temperature=0)),
+}
+"""Per family: its checkpoint's writer, its pictures (a Qwen picture is not square: its rows and columns differ) and
+its greedy sampling."""
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     root = tmp_path_factory.mktemp("vlm")
-    return write_gemma3_vlm(root, ensure_demo_model(root / "models"))
+    return request.param, FAMILIES[request.param][0](root, ensure_demo_model(root / "models"))
 
 
-def alone(path: Path, rid: str) -> list[int]:
+def alone(family: str, path: Path, rid: str) -> list[int]:
     engine = TorchEngine(path, max_batch=2, block_size=4, prefill_chunk=64)
-    prompt, vision = engine.encode_images([image_message(png(PICTURES[rid]))])
-    engine.add_request(rid, prompt, GREEDY, vision=vision)
+    prompt, vision = engine.encode_images([image_message(FAMILIES[family][1](PICTURES[rid]))])
+    engine.add_request(rid, prompt, FAMILIES[family][2], vision=vision)
     out: list[int] = []
     while engine.has_work():
         out += [t.token_id for t in engine.step()]
@@ -56,7 +68,7 @@ def spec(path: Path, rank: int, port: int) -> RunnerSpec:
                       warmup_deadline_s=60.0)
 
 
-def rank_main(spec: RunnerSpec, results: Any) -> None:
+def rank_main(spec: RunnerSpec, family: str, results: Any) -> None:
     torch.set_num_threads(1)
     group = connect_group(spec, FlightRecorder(spec.context(os.getpid()), enabled=False))
     engine = TorchEngine(spec.model_dir, rank=group.rank, world_size=2, kind="pipeline",
@@ -67,8 +79,8 @@ def rank_main(spec: RunnerSpec, results: Any) -> None:
     outs: dict[str, list[int]] = {}
     if engine.is_scheduler:
         for rid, seed in PICTURES.items():
-            prompt, vision = engine.encode_images([image_message(png(seed))])
-            engine.add_request(rid, prompt, GREEDY, vision=vision)
+            prompt, vision = engine.encode_images([image_message(FAMILIES[family][1](seed))])
+            engine.add_request(rid, prompt, FAMILIES[family][2], vision=vision)
         open_ids = set(PICTURES)
         while open_ids:
             engine.step()
@@ -83,12 +95,13 @@ def rank_main(spec: RunnerSpec, results: Any) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_pipeline_over_two_ranks_gives_the_single_rank_tokens(vlm: Path) -> None:
-    expected = {rid: alone(vlm, rid) for rid in PICTURES}
+def test_pipeline_over_two_ranks_gives_the_single_rank_tokens(vlm: tuple[str, Path]) -> None:
+    family, path = vlm
+    expected = {rid: alone(family, path, rid) for rid in PICTURES}
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(spec(vlm, r, port), results)) for r in range(2)]
+    procs = [ctx.Process(target=rank_main, args=(spec(path, r, port), family, results)) for r in range(2)]
     for proc in procs:
         proc.start()
     try:

@@ -21,6 +21,7 @@ from skulk.engines.constrained import Grammars, tool_call_style
 
 from .core import WARMUP_ID
 from .flight import Flight
+from .mrope import mrope_index
 from .requests import Request, held_for_reasoning, reasoning_budget, row_sampling
 from .schedule import chunk_tokens
 from .scheduler import Dropped, Scheduled, StepPlan
@@ -112,10 +113,10 @@ class Admission(Flight):
             constraint = self.grammars.matcher(s.constraint, harmony_reply=harmony)
         budget = reasoning_budget(s, add.prompt, self.tokenizer, constraint) if self.is_sampler else None
         constraint, held, gate = held_for_reasoning(constraint, add.prompt, self.tokenizer)
+        spans = image_spans(add.prompt, self.model.args.image_token_id)
         return Request(add.request_id, add.prompt, s.max_tokens, row, decoder, stops, command_id=add.command_id,
-                       constraint=constraint, budget=budget, held=held, gate=gate,
-                       spans=image_spans(add.prompt, self.model.args.image_token_id),
-                       vision=self._visions.get(add.request_id))
+                       constraint=constraint, budget=budget, held=held, gate=gate, spans=spans,
+                       vision=self._visions.get(add.request_id), mrope=mrope_index(len(add.prompt), spans, add.grids))
 
     @functools.cached_property
     def grammars(self) -> Grammars:

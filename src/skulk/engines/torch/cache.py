@@ -39,10 +39,17 @@ class StepBatch:
     window: int = 0  # a sliding-window layer's batch: each token sees its last `window` keys only (0: all)
     local: torch.Tensor | None = None  # a hybrid model's sliding layers' block tables [B, n] (None: `tables`)
     bidirectional: bool = False  # the mask lets an image's tokens see each other both ways (vision.py)
+    rope: torch.Tensor | None = None
+    """The positions rope turns the tokens by where they are not `positions`: multimodal rope's [3, B, T]
+    (mrope.py); None: `positions`."""
+
+    @property
+    def rope_positions(self) -> torch.Tensor:
+        return self.positions if self.rope is None else self.rope
 
     @classmethod
     def build(cls, positions: torch.Tensor, tables: torch.Tensor | int, kv_len: int | None = None,
-              local: torch.Tensor | None = None) -> StepBatch:
+              local: torch.Tensor | None = None, rope: torch.Tensor | None = None) -> StepBatch:
         """A batch whose row b sits at positions[b] ([B, T] long) through block table tables[b]; an int `first`
         gives row b the one block first + b (a cache whose blocks hold a whole sequence: one per slot).
 
@@ -55,7 +62,7 @@ class StepBatch:
             kv_len = int(positions.max().item()) + 1
         keys = torch.arange(kv_len, device=positions.device)
         mask = keys.view(1, 1, 1, kv_len) <= positions.view(batch, 1, -1, 1)
-        return cls(tables, positions, mask, kv_len, local=local)
+        return cls(tables, positions, mask, kv_len, local=local, rope=rope)
 
     def write_index(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, row) of every input token in a cache of block_size positions a block, [B, T] each."""

@@ -25,8 +25,11 @@ _GEMMA3_ROPE_DEFAULTS = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_0
 SLIDING = "sliding_attention"
 
 
-VISION_MODEL_TYPES = ("gemma3",)
+VISION_MODEL_TYPES = ("gemma3", "qwen2_5_vl")
 """Checkpoints whose vision tower the engine runs (vision.py: a `vision_config` beside the language model's)."""
+BIDIRECTIONAL_IMAGE_TYPES = ("gemma3",)
+"""Vision families whose image tokens attend to each other both ways within one image (Gemma 3); the rest (Qwen2.5-VL)
+attend causally over them like any prompt."""
 
 
 def is_vision_config(config: dict[str, Any]) -> bool:
@@ -129,7 +132,12 @@ class ModelArgs:
     """gpt-oss's experts: the gate's sigmoid gain (gate * sigmoid(alpha * gate))."""
     image_token_id: int | None = None
     """A vision-language checkpoint's image placeholder token (Gemma 3's <image_soft_token>): the positions whose
-    input embedding is the vision tower's output, attending to each other both ways within one image."""
+    input embedding is the vision tower's output."""
+    images_bidirectional: bool = False
+    """An image's tokens attend to each other both ways (Gemma 3: cache.StepBatch's mask, vision.image_mask)."""
+    mrope_section: tuple[int, ...] | None = None
+    """Multimodal rope (Qwen2.5-VL): the rotary pairs turned by the temporal, height and width position, in that
+    order (mrope.py); None: one position turns every pair."""
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING

@@ -45,7 +45,7 @@ from .requests import FaultHook, Request
 from .schedule import pool_blocks
 from .scheduler import Scheduler
 from .tokenizer import ChatTokenizer
-from .vision import VisionInput, VisionTower
+from .vision import Tower, VisionInput
 from .wire import NewRequest, Release, RequestEvent
 
 DEFAULT_MAX_BATCH = 64  # concurrent streams per instance (the pool may hold fewer: the rest queue)
@@ -144,7 +144,7 @@ class EngineCore:
         self.tokenizer = ChatTokenizer(model_dir)
         # rank 0 runs a vision-language model's tower (vision.py); loaded on first use: a text request never pays
         self._model_dir, self._tower_dtype = model_dir, self.model.args.dtype
-        self._tower: VisionTower | None = None
+        self._tower: Tower | None = None
         self._visions: dict[str, VisionInput] = {}  # rank 0: added requests' image embeddings, until released
         self.needs_ids = tensor or rank == 0  # who embeds token ids
         self.link: Link = LocalLink() if world_size == 1 else GroupLink(rank, world_size, kind, control_group)

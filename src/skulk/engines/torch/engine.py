@@ -46,7 +46,7 @@ from .blocks import BlockAllocator
 from .core import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, WARMUP_ID, PhaseHook
 from .links import GroupLink
 from .local_step import LocalStep
-from .vision import VisionInput, VisionTower, digest, image_spans, load_tower
+from .vision import Tower, VisionInput, digest, image_spans, load_tower
 from .wire import Header, NewRequest, Release, RequestEvent, StepKind
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_BATCH", "DEFAULT_PREFILL_CHUNK", "PhaseHook", "TorchEngine"]
@@ -73,9 +73,10 @@ class TorchEngine(LocalStep):
         except ImageRefused as exc:
             raise PromptRejected(str(exc)) from exc
         prompt = self.tokenizer.encode_chat(messages, tools, template_kwargs)  # each marker expanded (render_chat)
-        return prompt, VisionInput(tower.embed(images), digest(data))
+        embeds, grids = tower.encode(images)
+        return prompt, VisionInput(embeds, digest(data), grids)
 
-    def vision_tower(self) -> VisionTower:
+    def vision_tower(self) -> Tower:
         """The checkpoint's vision tower, loaded at the first image (PromptRejected where images are not read)."""
         if self.kind == "tensor" and self.world_size > 1:
             raise PromptRejected("images are not served on a Tensor split: place the model as Pipeline or alone")
@@ -99,11 +100,11 @@ class TorchEngine(LocalStep):
             spans = image_spans(prompt_ids, self.model.args.image_token_id)
             if sum(e - s for s, e in spans) != vision.embeds.shape[0]:
                 raise PromptRejected("the prompt's image placeholders do not match its images")
-            self._visions[request_id] = vision
+            self._visions[request_id] = vision  # its grids travel in the header (mrope.py); _new_request checks them
         known = {r.request_id for r in (*self._pending, *self._running)} | {a.request_id for a in self._adds}
         if request_id in known:
             raise ValueError(f"request {request_id!r} is already running")
-        add = NewRequest.of(request_id, command_id, list(prompt_ids), sampling)
+        add = NewRequest.of(request_id, command_id, list(prompt_ids), sampling, vision.grids if vision else ())
         try:
             req = self._new_request(add)  # what every rank will build from the header: if it raises, it does here
             if self.fault_hook is not None:

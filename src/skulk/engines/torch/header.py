@@ -33,10 +33,14 @@ class NewRequest:
     command_id: str
     prompt: list[int]
     sampling: SamplingParams  # the whole validated model: a field added to it rides along on the wire
+    grids: tuple[tuple[int, int, int], ...] = ()
+    """Its images' (temporal, rows, columns) of merged patches, in prompt order, where the model's rope reads them
+    (Qwen2.5-VL: mrope.py); () for a text prompt or a model whose rope does not."""
 
     @classmethod
-    def of(cls, request_id: str, command_id: str, prompt: list[int], s: SamplingParams) -> NewRequest:
-        return cls(request_id, command_id, prompt, s)
+    def of(cls, request_id: str, command_id: str, prompt: list[int], s: SamplingParams,
+           grids: tuple[tuple[int, int, int], ...] = ()) -> NewRequest:
+        return cls(request_id, command_id, prompt, s, grids)
 
     def sampling_params(self) -> SamplingParams:
         return self.sampling

@@ -72,12 +72,19 @@ class Rope(nn.Module):
             inv_freq = inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32, device=device)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.mrope_section = None if local else args.mrope_section
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin for positions [B, T], shaped [B, 1, T, head_dim] to broadcast over heads.
+        Multimodal rope's positions come as [3, B, T] (temporal, height, width: mrope.py): each rotary pair turns
+        by the coordinate its mrope_section assigns it (transformers' recomposition_frequencies).
 
         The sin's first half is negated once here, so _rotate needs no negation per call (see there)."""
         freqs = positions.unsqueeze(-1).float() * self.inv_freq
+        if positions.dim() == 3:
+            assert self.mrope_section is not None, "3-D rope positions on a model without mrope_section"
+            parts = freqs.split(list(self.mrope_section), dim=-1)
+            freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         sin, cos = emb.sin(), emb.cos()
         if self.attention_factor != 1.0:

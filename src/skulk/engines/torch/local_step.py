@@ -11,6 +11,7 @@ from skulk.engines.base import TokenOut
 from .cache import MixedBatch, StepBatch
 from .drafter import DRAFT_TOKENS, Draws
 from .model import MIXED_STACK_ROWS
+from .mrope import rope_rows
 from .requests import Request, accept_each
 from .sampling import distribution, greedy
 from .speculate import MAX_DRAFT, PromptLookup, accepted_prefix, verify_sampled
@@ -71,7 +72,9 @@ class LocalStep(Step):
             table = torch.tensor([req.table], dtype=torch.int32, device=self.device)
             positions = torch.arange(req.length, req.length + len(tokens), device=self.device).unsqueeze(0)
             parts.append(StepBatch.build(positions, table, kv_len=req.length + len(tokens),
-                                         local=self._local_tables([req])))
+                                         local=self._local_tables([req]),
+                                         rope=rope_rows([(req.mrope, req.length, req.length + len(tokens))],
+                                                        self.device)))
         logits = self._forward(torch.tensor([ids], device=self.device), MixedBatch(tuple(parts)), (1, len(ids)))
         assert logits is not None
         greedy_ids = greedy(logits[0]).tolist()

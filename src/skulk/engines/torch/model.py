@@ -149,7 +149,7 @@ class ModelSlice(nn.Module):
         """
         h = self.embed(x) if self.embed_tokens is not None and not x.is_floating_point() else x
         if isinstance(batch, StepBatch) and h.shape[1] == 1 and (stack := self._layer_stack(h, batch, cache)):
-            h = stack(h, batch.positions, self.rope(batch.positions, h.dtype), batch.tables)
+            h = stack(h, batch.positions, self.rope(batch.rope_positions, h.dtype), batch.tables)
         elif (isinstance(batch, MixedBatch) and h.shape[1] < MIXED_STACK_ROWS
               and not any(part.bidirectional for part in batch.parts)
               and (stack := self._layer_stack(h, batch.parts[0], cache))):
@@ -177,7 +177,7 @@ class ModelSlice(nn.Module):
             pairs = [self._contexts(part, dtype) for part in batch.parts]
             return ((MixedBatch(tuple(p[0][0] for p in pairs)), tuple(p[0][1] for p in pairs)),
                     (MixedBatch(tuple(p[1][0] for p in pairs)), tuple(p[1][1] for p in pairs)))
-        rope = self.rope(batch.positions, dtype)
+        rope = self.rope(batch.rope_positions, dtype)
         local_rope = self.local_rope(batch.positions, dtype) if self.local_rope is not None else rope
         return (batch, rope), (self._windowed_batch(batch) if self.windowed else batch, local_rope)
 
@@ -190,7 +190,7 @@ class ModelSlice(nn.Module):
         tables = torch.cat([torch.nn.functional.pad(part.tables, (0, width - part.tables.shape[1]))
                             .repeat_interleave(part.positions.shape[1], dim=0) for part in batch.parts])
         rows = positions.shape[0]
-        out = stack(h.reshape(rows, 1, -1), positions, self.rope(positions, h.dtype), tables)
+        out = stack(h.reshape(rows, 1, -1), positions, self.rope(_rope_rows(batch, positions), h.dtype), tables)
         return out.view(1, rows, -1)
 
     def _layer_stack(self, h: torch.Tensor, batch: StepBatch, cache: KVCache) -> cpu_kernels.LayerStack | None:
@@ -219,6 +219,16 @@ class ModelSlice(nn.Module):
         near = keys > batch.positions.unsqueeze(1).unsqueeze(-1) - window
         tables = batch.tables if batch.local is None else batch.local  # a hybrid model's sliding group's own
         return dataclasses.replace(batch, mask=near & batch.mask, window=window, tables=tables)
+
+
+def _rope_rows(batch: MixedBatch, positions: torch.Tensor) -> torch.Tensor:
+    """The rope positions of a mixed step's rows as _mixed_stack lays them out (one token a row): `positions`
+    ([rows, 1]), or where a part has multimodal rope's, every part's as [3, rows, 1] (mrope.py)."""
+    if all(part.rope is None for part in batch.parts):
+        return positions
+    rows = [part.rope.reshape(3, -1) if part.rope is not None else part.positions.reshape(1, -1).expand(3, -1)
+            for part in batch.parts]
+    return torch.cat(rows, dim=1).unsqueeze(-1)
 
 
 def _last_rows(batch: MixedBatch) -> list[int]:

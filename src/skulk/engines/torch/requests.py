@@ -18,6 +18,7 @@ from skulk.engines.reasoning import CLOSE_TEXT, HARMONY_TO_CALL, ReasoningBudget
 from skulk.types.chat import SamplingParams
 from skulk.types.chunks import TokenLogprob, TopLogprob
 
+from .mrope import MRope
 from .sampling import RowSampling, sample, token_logprobs
 from .speculate import PromptLookup
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
@@ -60,6 +61,7 @@ class Request:
     gate: Gate | None = None  # where the reply is in that reasoning (held_for_reasoning)
     spans: tuple[tuple[int, int], ...] = ()  # every rank: its images' placeholder runs (vision.image_spans)
     vision: VisionInput | None = None  # rank 0: its images' embeddings, one per placeholder token
+    mrope: MRope | None = None  # every rank: its multimodal rope positions (mrope.py); None: plain positions
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
         """Its token ids [start, end): the prompt's, then the generated ones (position p's KV is token p's)."""

@@ -17,6 +17,7 @@ from skulk.types.runners import RunnerPhase
 from .admission import Admission
 from .cache import MixedBatch, StepBatch
 from .links import TokenRows
+from .mrope import rope_rows
 from .requests import Request, accept_each
 from .schedule import share_chunk
 from .vision import image_mask, image_rows, whole_images
@@ -104,8 +105,8 @@ class Step(Admission):
         tables = torch.tensor([req.table], dtype=torch.int32, device=self.device)
         local = torch.tensor([req.local], dtype=torch.int32, device=self.device) if self.local_blocks else None
         batch = StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), tables, kv_len=end,
-                                local=local)
-        if not req.spans:
+                                local=local, rope=rope_rows([(req.mrope, start, end)], self.device))
+        if not req.spans or not self.model.args.images_bidirectional:
             return batch
         mask = image_mask(req.spans, start, end, self.device)
         return dataclasses.replace(batch, mask=batch.mask | mask, bidirectional=True) if mask is not None else batch
@@ -164,7 +165,8 @@ class Step(Admission):
         tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in running], dtype=torch.int32,
                               device=self.device)
         batch = StepBatch.build(torch.tensor([[r.length] for r in running], device=self.device), tables,
-                                kv_len=max(r.length for r in running) + 1, local=self._local_tables(running))
+                                kv_len=max(r.length for r in running) + 1, local=self._local_tables(running),
+                                rope=rope_rows([(r.mrope, r.length, r.length + 1) for r in running], self.device))
         rows = [i for i, r in enumerate(running) if r.length >= len(r.prompt)]
         return batch, [max(r.last_token, 0) for r in running], rows
 

@@ -23,6 +23,7 @@ from skulk.engines.reasoning import ReasoningMode, ReasoningOverride, reasoning_
 from skulk.engines.tool_prompt import PROBE_TOOL, inline_tools
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import read_config
+from skulk.formats.images import ImageRefused, image_bytes, open_image
 from skulk.types.chat import ChatMessage, TextPart
 
 _REPLACEMENT = "\ufffd"
@@ -84,28 +85,62 @@ class ChatTokenizer:
     def render_chat(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None,
                     template_kwargs: dict[str, Any] | None = None) -> str:
         """The chat template's text for encode_chat, each image's marker expanded to its placeholder run
-        (image_run): the runner's prompt and the API node's count_tokens are the same tokens."""
+        (image_run, or image_pad's per image): the runner's prompt and the API node's count_tokens are the same
+        tokens."""
         rendered = self._render(messages, tools, template_kwargs)
-        run = self.image_run if any(m.images for m in messages) else None
-        return rendered if run is None else rendered.replace(run[0], run[1])
+        if not any(m.images for m in messages):
+            return rendered
+        if (run := self.image_run) is not None:
+            return rendered.replace(run[0], run[1])
+        if (pad := self.image_pad) is not None:
+            return _expand(rendered, pad[0], [pad[0] * pad[1](url) for m in messages for url in m.images])
+        return rendered
 
     @functools.cached_property
     def image_run(self) -> tuple[str, str] | None:
-        """(marker, run): the image marker a vision model's template writes once per image and the placeholder
-        run the model reads in its place, as transformers' Gemma3Processor writes it (the marker, that many image
-        tokens and the end marker, between blank lines); None for a model without a vision config."""
-        path = self._model_dir / "config.json"
-        if not path.exists() or not read_config(path).get("vision_config"):
+        """(marker, run): the image marker a Gemma 3 template writes once per image and the placeholder run the
+        model reads in its place, as transformers' Gemma3Processor writes it (the marker, that many image tokens and
+        the end marker, between blank lines); None for a model without a vision config, or another family's."""
+        config = self._vision_config()
+        if config is None:
             return None
-        from transformers import AutoConfig
-
-        config: Any = AutoConfig.from_pretrained(str(self._model_dir), local_files_only=True)
         numbers = [getattr(config, k, None) for k in ("boi_token_index", "eoi_token_index", "image_token_id",
                                                       "mm_tokens_per_image")]
         if not all(isinstance(n, int) for n in numbers):  # a vision family other than Gemma 3's: markers unknown
             return None
         boi, eoi, image = (self._tok.convert_ids_to_tokens(i) for i in numbers[:3])
         return boi, f"\n\n{boi}{image * numbers[3]}{eoi}\n\n"
+
+    @functools.cached_property
+    def image_pad(self) -> tuple[str, Callable[[str], int]] | None:
+        """Qwen2.5-VL's (pad, count): the template writes <|image_pad|> once per image and the processor repeats it
+        once per merged patch of the image as its image processor resizes it (min/max pixels, patch and merge
+        sizes: get_number_of_image_patches / merge²), which only the image's size decides; count(url) is that for
+        one image. None for any other model."""
+        config = self._vision_config()
+        if config is None or getattr(config, "model_type", None) != "qwen2_5_vl":
+            return None
+        from transformers import AutoImageProcessor
+
+        processor: Any = AutoImageProcessor.from_pretrained(str(self._model_dir), local_files_only=True)
+
+        def count(url: str) -> int:
+            try:
+                width, height = open_image(image_bytes(url)).size
+            except ImageRefused as exc:
+                raise PromptRejected(str(exc)) from exc
+            return int(processor.get_number_of_image_patches(height, width)) // int(processor.merge_size) ** 2
+
+        return self._tok.convert_ids_to_tokens(config.image_token_id), count
+
+    def _vision_config(self) -> Any:
+        """transformers' config of a vision-language checkpoint; None without a vision config."""
+        path = self._model_dir / "config.json"
+        if not path.exists() or not read_config(path).get("vision_config"):
+            return None
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(self._model_dir), local_files_only=True)
 
     def _render(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None,
                 template_kwargs: dict[str, Any] | None) -> str:
@@ -155,6 +190,15 @@ class ChatTokenizer:
         if dropped is None:
             return self._tok.decode(list(ids), skip_special_tokens=True)
         return self._tok.decode([i for i in ids if i not in dropped], skip_special_tokens=False)
+
+
+def _expand(rendered: str, marker: str, runs: Sequence[str]) -> str:
+    """The rendered prompt with its n-th image marker replaced by runs[n]; PromptRejected when the template wrote a
+    marker for other than every image (they could not be told apart)."""
+    pieces = rendered.split(marker)
+    if len(pieces) != len(runs) + 1:
+        raise PromptRejected(f"the chat template wrote {len(pieces) - 1} image markers for {len(runs)} images")
+    return "".join(p + r for p, r in zip(pieces, [*runs, ""], strict=True))
 
 
 def _content(message: ChatMessage) -> str | list[dict[str, str]]:

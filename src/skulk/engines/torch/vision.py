@@ -1,12 +1,13 @@
 """A vision-language model's images, turned into what our language model reads: placeholder tokens in the prompt
 and, for them, the vision tower's embeddings.
 
-The tower and its projector are transformers' own implementation (Gemma 3: SigLIP and Gemma3MultiModalProjector),
-loaded from the checkpoint's own weights beside our language model. They run on rank 0 only, in its runner,
-before the request is added: rank 0 embeds the prompt, so it alone needs the image embeddings, and every later
-rank of a Pipeline receives hidden states as for any prompt. Every rank finds the images' positions in the
-prompt itself (runs of the image token), because Gemma 3 lets an image's tokens attend to each other both ways
-(image_spans; cache.StepBatch's mask) and those runs are the same on every rank.
+The tower and its projector are transformers' own implementation (Gemma 3: SigLIP and Gemma3MultiModalProjector;
+Qwen2.5-VL: its windowed-attention ViT with the patch merger), loaded from the checkpoint's own weights beside our
+language model. They run on rank 0 only, in its runner, before the request is added: rank 0 embeds the prompt, so
+it alone needs the image embeddings, and every later rank of a Pipeline receives hidden states as for any prompt.
+Every rank finds the images' positions in the prompt itself (runs of the image token), because Gemma 3 lets an
+image's tokens attend to each other both ways (image_spans; cache.StepBatch's mask) and Qwen2.5-VL rotates them by
+their place in the image's grid (mrope.py: the grids travel with the request), the same on every rank.
 
 A request with images neither shares nor publishes cached blocks (scheduler.py): two different images have the
 same placeholder tokens, so a block keyed by its tokens could hand one image's keys and values to another.
@@ -25,18 +26,23 @@ import torch
 from safetensors import safe_open
 
 from .config import is_vision_config
+from .mrope import Grid
 
 _PREFIXES = {"vision_tower.": ("model.vision_tower.", "vision_tower."),
              "multi_modal_projector.": ("model.multi_modal_projector.", "multi_modal_projector.")}
+_QWEN_PREFIXES = {"visual.": ("model.visual.", "visual.")}
+"""Where each family keeps its tower's tensors: the published layout's prefix, or transformers 5's (model.)."""
 
 
 @dataclass(frozen=True)
 class VisionInput:
     """One request's images as the language model reads them: an embedding per placeholder token, in prompt order
-    ([tokens, hidden], the model's dtype), and a digest of the images (what tells two image prompts apart)."""
+    ([tokens, hidden], the model's dtype), a digest of the images (what tells two image prompts apart), and where
+    the model's rope reads them, each image's grid of merged patches (mrope.Grid; () for Gemma 3)."""
 
     embeds: torch.Tensor
     digest: str
+    grids: tuple[Grid, ...] = ()
 
 
 def image_spans(prompt: Sequence[int], image_token: int | None) -> tuple[tuple[int, int], ...]:
@@ -119,6 +125,10 @@ class VisionTower:
         self.projector.to(device=device, dtype=dtype).eval()
         self.processor: Any = AutoImageProcessor.from_pretrained(model_dir)
 
+    def encode(self, images: Sequence[Any]) -> tuple[torch.Tensor, tuple[Grid, ...]]:
+        """[tokens, hidden] every image's embeddings, in order; Gemma 3's rope reads no grids."""
+        return self.embed(images), ()
+
     def embed(self, images: Sequence[Any]) -> torch.Tensor:
         """[tokens, hidden]: every image's projected tower output, in order."""
         return self.project(self.pixels(images))
@@ -134,6 +144,35 @@ class VisionTower:
         return self.projector(hidden).reshape(-1, self.config.text_config.hidden_size).to(self.dtype)
 
 
+class QwenVisionTower:
+    """Qwen2.5-VL's vision transformer (patch embedding, windowed and full attention blocks, the 2x2 patch merger)
+    and image processor (resize to a multiple of patch x merge within min/max pixels, then patches)."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+        from transformers import AutoConfig, AutoImageProcessor
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        config: Any = AutoConfig.from_pretrained(model_dir)
+        self.dtype, self.device = dtype, device
+        self.merge = int(config.vision_config.spatial_merge_size)
+        self.tower: Any = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
+        self.tower.load_state_dict(_weights(model_dir, _QWEN_PREFIXES)["visual."])
+        self.tower.to(device=device, dtype=dtype).eval()
+        self.processor: Any = AutoImageProcessor.from_pretrained(model_dir)
+
+    def encode(self, images: Sequence[Any]) -> tuple[torch.Tensor, tuple[Grid, ...]]:
+        """[tokens, hidden] every image's merged-patch embeddings, in order, and each image's grid of them."""
+        out = self.processor(images=list(images), return_tensors="pt")
+        grid = out["image_grid_thw"]
+        with torch.inference_mode():
+            embeds = self.tower(out["pixel_values"].to(self.device, self.dtype), grid_thw=grid).pooler_output
+        grids = tuple((int(t), int(h) // self.merge, int(w) // self.merge) for t, h, w in grid.tolist())
+        return embeds.to(self.dtype), grids
+
+
+Tower = VisionTower | QwenVisionTower
+
+
 def digest(images: Sequence[bytes]) -> str:
     h = hashlib.sha256()
     for data in images:
@@ -141,19 +180,22 @@ def digest(images: Sequence[bytes]) -> str:
     return h.hexdigest()
 
 
-def load_tower(model_dir: Path, dtype: torch.dtype, device: torch.device) -> VisionTower | None:
+def load_tower(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Tower | None:
     """The checkpoint's vision tower, or None for a text-only model."""
     config = json.loads((model_dir / "config.json").read_text())
-    return VisionTower(model_dir, dtype, device) if is_vision_config(config) else None
+    if not is_vision_config(config):
+        return None
+    tower = QwenVisionTower if config.get("model_type") == "qwen2_5_vl" else VisionTower
+    return tower(model_dir, dtype, device)
 
 
-def _weights(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """The tower's and projector's tensors, by module, named as the module names them (either layout's prefix)."""
-    found: dict[str, dict[str, torch.Tensor]] = {module: {} for module in _PREFIXES}
+def _weights(model_dir: Path, modules: dict[str, tuple[str, ...]] = _PREFIXES) -> dict[str, dict[str, torch.Tensor]]:
+    """The tower's (and projector's) tensors, by module, named as the module names them (either layout's prefix)."""
+    found: dict[str, dict[str, torch.Tensor]] = {module: {} for module in modules}
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                for module, prefixes in _PREFIXES.items():
+                for module, prefixes in modules.items():
                     prefix = next((p for p in prefixes if key.startswith(p)), None)
                     if prefix is not None:
                         found[module][key[len(prefix):]] = f.get_tensor(key)

@@ -85,6 +85,7 @@ class _WireAdd(BaseModel):
     command_id: str = Field(max_length=256)
     prompt: list[int]
     sampling: SamplingParams
+    grids: list[tuple[int, int, int]] = Field(default=[], max_length=64, exclude_if=lambda g: not g)
 
 
 class _WireRelease(BaseModel):
@@ -123,7 +124,7 @@ def _copies(header: Header) -> bool:
 def encode_changes(header: Header) -> bytes:
     changes = StepChanges(
         adds=[_WireAdd(request_id=a.request_id, command_id=a.command_id, prompt=a.prompt,
-                       sampling=a.sampling_params()) for a in header.adds],
+                       sampling=a.sampling_params(), grids=list(a.grids)) for a in header.adds],
         releases=[_WireRelease(request_id=r.request_id, cancelled=r.cancelled, failed=r.failed)
                   for r in header.releases],
         shared=[list(blocks) for blocks in header.admits] if any(header.admits) else [],
@@ -142,7 +143,8 @@ def decode_changes(payload: bytes, admissions: int) -> Header:
         raise WireError(f"malformed step header payload ({len(payload)} bytes): {exc.error_count()} errors") from None
     if changes.shared and len(changes.shared) != admissions:
         raise WireError(f"step header shares blocks for {len(changes.shared)} of {admissions} admissions")
-    adds = tuple(NewRequest.of(a.request_id, a.command_id, a.prompt, a.sampling) for a in changes.adds)
+    adds = tuple(NewRequest.of(a.request_id, a.command_id, a.prompt, a.sampling, tuple(a.grids))
+                 for a in changes.adds)
     releases = tuple(Release(r.request_id, r.cancelled, r.failed) for r in changes.releases)
     if changes.copies and len(changes.copies) != admissions:
         raise WireError(f"step header copies blocks for {len(changes.copies)} of {admissions} admissions")

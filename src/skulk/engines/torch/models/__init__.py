@@ -16,7 +16,7 @@ from torch import nn
 
 from skulk.formats.checkpoint import read_config
 
-from ..config import ModelArgs, common_fields, text_config
+from ..config import BIDIRECTIONAL_IMAGE_TYPES, ModelArgs, common_fields, text_config
 from ..layers import AllReduce
 from . import deepseek_v3, gemma3, glm4_moe, gpt_oss, llama, qwen3_moe
 from .family import Family
@@ -40,7 +40,8 @@ def read_args(cfg: dict[str, Any]) -> ModelArgs:
     image_token = cfg.get("image_token_id", cfg.get("image_token_index")) if cfg.get("vision_config") else None
     text = text_config({**cfg, "model_type": model_type})
     family = FAMILIES[text["model_type"]]
-    return ModelArgs(**{**common_fields(text), **family.fields(text)}, image_token_id=image_token)
+    return ModelArgs(**{**common_fields(text), **family.fields(text)}, image_token_id=image_token,
+                     images_bidirectional=image_token is not None and model_type in BIDIRECTIONAL_IMAGE_TYPES)
 
 
 def read_args_dir(model_dir: Path) -> ModelArgs:
