@@ -22,9 +22,9 @@ from skulk.runner.group import connect_group
 from skulk.runner.recorder import FlightRecorder
 from skulk.runner.spec import RunnerSpec
 from skulk.testing.nodes import free_port
+from skulk.types.chat import SamplingParams
 from skulk.types.ids import InstanceId, NodeId, RunnerId
 from skulk.types.instances import Rendezvous, Sharding
-from skulk.types.chat import SamplingParams
 from skulk.types.shards import PipelineShardMetadata
 from tests.unit import qwen_vl_checkpoint
 from tests.unit.test_vision import GREEDY, image_message

@@ -155,3 +155,22 @@ def test_the_card_says_vision_and_counts_the_tower_on_the_first_rank(model: Path
     assert card.vision and card.torch_runtime == "native" and card.memory is not None and tower > 0
     assert card.memory.embed_bytes >= tower + 4 * card.hidden_size * (card.vocab_size or 0)
     assert card.n_layers == 4 and sum(layer.weight_bytes for layer in card.memory.layers) < sum(tensors.values())
+
+
+@pytest.mark.timeout(300)
+def test_speculative_decode_steps_rotate_as_plain_ones(model: Path) -> None:
+    """Prompt lookup's verify chunk (local_step._speculate) rotates its rows at index + delta like a decode step:
+    48 tokens with drafting (some proposed) are the 48 without."""
+    message = image_message(picture(1))
+    long = SamplingParams(max_tokens=48, temperature=0)
+    outs = []
+    for speculate in (True, False):
+        engine = TorchEngine(model, max_batch=2, block_size=4, prefill_chunk=64, speculate=speculate)
+        prompt, vision = engine.encode_images([message])
+        engine.add_request("s", prompt, long, vision=vision)
+        got: list[int] = []
+        while engine.has_work():
+            got += [t.token_id for t in engine.step()]
+        outs.append((got, engine.spec_drafted))
+    (drafted_tokens, drafted), (plain, _) = outs
+    assert drafted > 0 and len(plain) == 48 and drafted_tokens == plain
