@@ -33,8 +33,10 @@ QWEN25_VL_TEMPLATE = (
 <|vision_start|><|image_pad|><|vision_end|>; the processor repeats <|image_pad|> once per merged patch)."""
 
 
-def write_qwen25_vl(root: Path, demo: Path, name: str = "qwen25-vl") -> Path:
-    """The checkpoint under root/name; demo: the demo model's directory (its byte tokenizer)."""
+def write_qwen25_vl(root: Path, demo: Path, name: str = "qwen25-vl", *, published: bool = True) -> Path:
+    """The checkpoint under root/name; demo: the demo model's directory (its byte tokenizer). published=False: the
+    same weights as transformers 5's save_pretrained writes them (its config nests the language model's numbers in
+    text_config, with rope_parameters; the tensors keep the published names)."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -60,8 +62,11 @@ def write_qwen25_vl(root: Path, demo: Path, name: str = "qwen25-vl") -> Path:
         for key, weight in model.named_parameters():
             if key.endswith("norm.weight") or key.endswith("ln_q.weight"):
                 weight.normal_(1.0, 0.5)
-    save_file({_published_name(k): v.contiguous() for k, v in model.state_dict().items()},
-              str(path / "model.safetensors"), metadata={"format": "pt"})
+    if published:
+        save_file({_published_name(k): v.contiguous() for k, v in model.state_dict().items()},
+                  str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        model.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps({
         "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "patch_size": 14, "temporal_patch_size": 2,
         "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],

@@ -174,3 +174,17 @@ def test_speculative_decode_steps_rotate_as_plain_ones(model: Path) -> None:
         outs.append((got, engine.spec_drafted))
     (drafted_tokens, drafted), (plain, _) = outs
     assert drafted > 0 and len(plain) == 48 and drafted_tokens == plain
+
+
+@pytest.mark.timeout(300)
+def test_transformers_5s_own_layout_reads_the_same(engine: TorchEngine, model: Path, tmp_path: Path) -> None:
+    """The same weights saved by transformers 5's save_pretrained (the language model's numbers in text_config,
+    its rope under rope_parameters) give the published layout's tokens."""
+    saved = write_qwen25_vl(tmp_path, ensure_demo_model(tmp_path / "models"), published=False)
+    config = json.loads((saved / "config.json").read_text())
+    assert "rope_parameters" in config["text_config"] and "rope_scaling" not in config
+    other = TorchEngine(saved, max_batch=2, block_size=4, prefill_chunk=64)
+    assert other.model.args.mrope_section == engine.model.args.mrope_section == (2, 3, 3)
+    message = image_message(picture(1))
+    assert run(other, {"a": message}) == run(engine, {"a": message})
+

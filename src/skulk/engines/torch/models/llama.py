@@ -17,9 +17,9 @@ from .family import Family
 def fields(cfg: dict[str, Any]) -> dict[str, Any]:
     model_type = cfg["model_type"]
     out: dict[str, Any] = {}
-    if model_type in ("qwen2", *QWEN25_VL):
+    if model_type in ("qwen2", "qwen2_5_vl"):
         out["attention_bias"] = True
-    if model_type in QWEN25_VL:
+    if model_type == "qwen2_5_vl":
         out.update(_mrope(cfg))
     if model_type == "qwen3":
         out["qk_norm"] = True
@@ -39,7 +39,4 @@ def layer(args: ModelArgs, index: int, tp_size: int, reduce: AllReduce) -> nn.Mo
     return DecoderLayer(args, tp_size, reduce, MLP(args, tp_size, reduce), args.is_sliding(index))
 
 
-QWEN25_VL = ("qwen2_5_vl", "qwen2_5_vl_text")
-"""Qwen2.5-VL's language model: model_type as the published flat config says it, or its transformers 5 text_config."""
-
-FAMILY = Family(("llama", "qwen2", "qwen3", "mistral", *QWEN25_VL), layer, fields)
+FAMILY = Family(("llama", "qwen2", "qwen3", "mistral", "qwen2_5_vl"), layer, fields)
