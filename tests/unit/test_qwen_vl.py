@@ -188,3 +188,16 @@ def test_transformers_5s_own_layout_reads_the_same(engine: TorchEngine, model: P
     message = image_message(picture(1))
     assert run(other, {"a": message}) == run(engine, {"a": message})
 
+
+
+def test_the_grids_ride_in_the_step_header_and_a_text_add_is_unchanged() -> None:
+    """What rank 0 tells the later stages: an image add's grids round-trip; a text add's payload has no grids key
+    (an older rank still reads it)."""
+    from skulk.engines.torch.wire import Header, NewRequest, StepKind, decode_changes, encode_changes
+
+    image = NewRequest.of("i", "c", [1, 2], GREEDY, ((1, 2, 4), (1, 3, 2)))
+    text = NewRequest.of("t", "c", [1, 2], GREEDY)
+    payload = encode_changes(Header(StepKind.PREFILL, adds=(image, text)))
+    back = decode_changes(payload, 0).adds
+    assert [a.grids for a in back] == [((1, 2, 4), (1, 3, 2)), ()]
+    assert json.loads(payload)["adds"][1].keys() == {"request_id", "command_id", "prompt", "sampling"}
