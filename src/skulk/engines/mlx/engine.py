@@ -42,7 +42,7 @@ from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
 from skulk.engines.errors import PromptRejected, check_prompt
 from skulk.engines.torch.requests import FaultHook, Request, accept_each, reasoning_budget, row_sampling
 from skulk.engines.torch.tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
-from skulk.engines.torch.vision import VisionInput, VisionTower, digest, image_spans, load_tower, whole_images
+from skulk.engines.torch.vision import Tower, VisionInput, digest, image_spans, load_tower, whole_images
 from skulk.engines.torch.wire import Admitted, Released, RequestEvent, Started
 from skulk.formats.images import ImageRefused, image_bytes, open_image
 from skulk.models.gguf_export import float_checkpoint
@@ -164,7 +164,7 @@ class MlxEngine:
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.tokenizer = ChatTokenizer(model_dir)
         self._model_dir, self.image_token = model_dir, image_token(config)
-        self._tower: VisionTower | None = None
+        self._tower: Tower | None = None
         self._visions: dict[str, VisionInput] = {}  # rank 0: a request's image embeddings, until it starts
         self.is_scheduler, self.is_sampler = self.rank == 0, self.rank == self.world_size - 1
         self.on_phase: PhaseHook | None = None
@@ -203,9 +203,9 @@ class MlxEngine:
         except ImageRefused as exc:
             raise PromptRejected(str(exc)) from exc
         prompt = self.tokenizer.encode_chat(messages, tools, template_kwargs)  # each marker expanded (render_chat)
-        return prompt, VisionInput(tower.embed(images), digest(data))
+        return prompt, VisionInput(tower.encode(images)[0], digest(data))
 
-    def vision_tower(self) -> VisionTower:
+    def vision_tower(self) -> Tower:
         """The checkpoint's vision tower (torch, float32, on the CPU), loaded at the first image."""
         if self.kind == "tensor" and self.world_size > 1:
             raise PromptRejected("images are not served on a Tensor split: place the model as Pipeline or alone")
