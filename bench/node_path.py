@@ -19,7 +19,7 @@ rounds, trees interleaved; CPU ms per generated token):
               HandOver (6a11808) 89.6 tok/s: node0 0.37, runner0 5.66
   Pipeline 2  main 42.7 tok/s: node0 (API, rank 0) 0.76, runner0 9.35, node1 (sampler) 0.40, runner1 8.62
               HandOver 50.8 tok/s: node0 0.62, runner0 6.04, node1 0.35, runner1 5.66
-              HandOver, Flight.micro_batches = False: 116.0 tok/s: node0 0.35, runner0 2.85, node1 0.24, runner1 2.94
+              HandOver, engine.micro_batches = False: 116.0 tok/s: node0 0.35, runner0 2.85, node1 0.24, runner1 2.94
 So the node processes are 0.2-0.4 ms per token above an idle node (SSE socket writes, the chunk's pydantic
 encode/decode and zenoh put/receive when the sampler is on another node), 4-10 % of a token's CPU; the runners are
 85-95 % in the layer kernels (py-spy). What makes Pipeline 2 lose at 8 streams on this machine is the micro-batched

@@ -55,7 +55,7 @@ MODELS = {"bench": ("skulk/bench-random-100m", "int4"), "smollm2": ("", None),  
           "bench700m": ("skulk/bench-random-700m", "int4")}
 PLACEMENTS = (("1 rank", 1, "pipeline"), ("Pipeline 2", 2, "pipeline"), ("Tensor 2", 2, "tensor"))
 FORCED = (("P2 plain", 2, "plain"), ("P2 always", 2, "always"))
-"""--forced: Pipeline 2 without micro-batches and with them always (Flight.micro_batches False / True), beside
+"""--forced: Pipeline 2 without micro-batches and with them always (engine.micro_batches False / True), beside
 Pipeline 2 as the engine decides (micro_batching's rule, from its measured pace)."""
 HALVES = ("P2 halves", 2, "halves-pipeline")
 """--halves: Pipeline 2 on equal layer counts beside Pipeline 2 on placement's split, in the same rounds."""

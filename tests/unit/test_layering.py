@@ -123,13 +123,16 @@ def test_no_import_circle_between_modules() -> None:
 
 ENGINE = "skulk.engines.torch"
 RUNTIME = tuple(f"{ENGINE}.{m}" for m in ("core", "flight", "admission", "step", "local_step", "engine", "links",
-                                           "wire", "drafter", "fallback", "model", "loader", "scheduler"))
+                                           "wire", "drafter", "fallback", "model", "loader", "executor", "options",
+                                           "scheduler"))
 """The torch engine's runtime: what runs a model and its requests, above the model families and the scheduler."""
 ENGINE_FLOORS = {
     # module prefix: what it must not import (anywhere in its body), so the floors inside the engine hold
     f"{ENGINE}.models": RUNTIME,  # a family is its layers on shared building blocks, never the engine around it
     f"{ENGINE}.scheduler": ("torch", *RUNTIME[:-1], f"{ENGINE}.cache", f"{ENGINE}.layers", f"{ENGINE}.requests"),
     f"{ENGINE}.header": ("torch", *RUNTIME),
+    # the executor runs what a header names over tensors: no request bookkeeping, nothing of the engine above it
+    f"{ENGINE}.executor": (f"{ENGINE}.scheduler", f"{ENGINE}.header", *RUNTIME[:6]),
 }
 
 
@@ -151,7 +154,8 @@ def _absolute_imports(path: Path, module: str) -> set[str]:
 @pytest.mark.parametrize("prefix", sorted(ENGINE_FLOORS))
 def test_the_engines_floors(prefix: str) -> None:
     """Inside the torch engine too, dependencies point down: the model families import building blocks only, and
-    the scheduler and its header no torch and nothing that holds tensors (issue 39)."""
+    the scheduler and its header no torch and nothing that holds tensors, the executor no scheduler and nothing of
+    the engine above it (issue 39)."""
     files = [p for p in SRC.rglob("*.py") if _module_name(p) == prefix or _module_name(p).startswith(prefix + ".")]
     assert files, prefix
     bad = [f"{_module_name(p)} imports {name}" for p in files for name in sorted(_absolute_imports(p, _module_name(p)))

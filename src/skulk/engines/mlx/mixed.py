@@ -35,9 +35,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from skulk.engines.torch.cache import MixedBatch, StepBatch
 from skulk.engines.torch.engine import TorchEngine
+from skulk.engines.torch.executor import PromptPart
 from skulk.engines.torch.models import read_args_dir
 from skulk.engines.torch.requests import Request
-from skulk.engines.torch.step import PromptPart
 
 from .caches import SequenceCaches
 from .engine import load, set_wired_limit

@@ -2,9 +2,9 @@
 
 The Scheduler owns the queue, the running rows and the block tables and makes every scheduling decision without
 tensors. This layer gives it what only the engine has: requests with their sampling state (_new_request), the
-steps still in flight (flight.py), the measured timings that size a prefill chunk, the link that sends and receives
-headers, and the KV cache that performs the block copies an admission asks for. It also records what happened to
-requests for the runner (wire.Admitted, Started, Released).
+steps still in flight (flight.Flights), the measured timings that size a prefill chunk, the link that sends and
+receives headers, and the Executor's KV cache, which performs the block copies an admission asks for. It also
+records what happened to requests for the runner (wire.Admitted, Started, Released).
 
 Rank 0 (_lead) turns queued adds and releases into a header, has the Scheduler plan preemptions and admissions
 against the pool, and sends it; every other rank (_follow) applies the same header to its own Scheduler, in the
@@ -19,8 +19,7 @@ import time
 
 from skulk.engines.constrained import Grammars, tool_call_style
 
-from .core import WARMUP_ID
-from .flight import Flight
+from .core import WARMUP_ID, EngineCore
 from .mrope import mrope_index
 from .requests import Request, held_for_reasoning, reasoning_budget, row_sampling
 from .schedule import chunk_tokens
@@ -32,12 +31,12 @@ from .wire import Admitted, Header, NewRequest, Released, Started, StepKind
 log = logging.getLogger(__name__)
 
 
-class Admission(Flight):
+class Admission(EngineCore):
     def _lead(self) -> Header:
         self._sync_scheduler()
-        self._take_due(startable=bool(self._adds or self._releases or self.scheduler.rests()))
-        if self._in_flight and self.scheduler.short_of_blocks():
-            self._drain()  # a preemption may follow: it carries its victim's tokens, so all must be back
+        self.flights.take_due(startable=bool(self._adds or self._releases or self.scheduler.rests()))
+        if self.flights.in_flight and self.scheduler.short_of_blocks():
+            self.flights.drain()  # a preemption may follow: it carries its victim's tokens, so all must be back
         changes = Header(StepKind.HEARTBEAT, tuple(self._adds), tuple(self._releases))
         self._adds, self._releases = [], []
         self._apply(changes)
@@ -66,30 +65,24 @@ class Admission(Flight):
         """Rank 0, once preemptions are planned: the rows the step decodes (flight.py: a micro-batch, or every
         decoding row) and its prefill chunk (schedule.chunk_tokens from the measured step times; raised to a
         whole image the first prompt being prefilled starts with)."""
-        rows = self._decode_range()
+        rows = self.flights.decode_range()
         decoding = rows is not None
         chunk = chunk_tokens(self.prefill_chunk, decoding=decoding, decode_s=self._decode_s,
                              last_chunk=self._last_chunk)
         head = next((r for r in self._running if r.length < len(r.prompt)), None)  # the chunk goes to it first
         if head is not None and head.spans:
             chunk = image_chunk(chunk, head.spans, head.length, self.prefill_chunk)
-        return StepPlan(decoding, chunk, rows if self._pipelined and decoding else None)  # None: every row
+        return StepPlan(decoding, chunk, rows if self.flights.pipelined and decoding else None)  # None: every row
 
     def _drain_some(self) -> bool:
         """Take every step in flight, if any (the Scheduler's drain before a preemption)."""
-        if not self._in_flight:
-            return False
-        self._drain()
-        return True
+        return self.flights.drain()
 
     def _carry_out(self, done: Scheduled[Request]) -> None:
         """The tensor side of a scheduled step: the KV block copies its admissions asked for, in order, and a
         Started event per admitted request."""
         for copy in done.copies:
-            if copy.group:
-                self.cache.copy_block(copy.source, copy.dest, group=copy.group)
-            else:
-                self.cache.copy_block(copy.source, copy.dest)
+            self.executor.copy_block(copy.source, copy.dest, copy.group)
         for req in done.started:
             if req.request_id != WARMUP_ID:
                 self._events.append(Started(req.request_id, req.command_id, req.length))

@@ -23,10 +23,12 @@ Pipeline: rank r owns [start_layer, end_layer); hidden states go rank to rank, t
 [token, finished, failed] per row back to rank 0. Tensor: every rank runs all layers on its shard with a real
 all_reduce; the last rank samples and broadcasts. Only the sampler's step() returns TokenOuts.
 
-The class is a stack split by concern (core.py's docstring lists it): core (state and construction), flight (a
-Pipeline's steps in flight), admission (sending and applying headers), step (the forward pass of each step kind on
-every rank), local_step (single-rank speculative steps), and this module (the Engine protocol and step()'s
-dispatch). The scheduling decisions themselves (admission, preemption, block tables) are scheduler.py's, pure.
+The engine holds its parts (core.py's docstring lists them): an Executor (executor.py: the model slice, the KV
+tensors, the link, a draft model), the Scheduler (scheduler.py, pure: admission, preemption, block tables) and
+rank 0's steps in flight (flight.Flights). Over them the class is a stack split by concern: core (state and
+construction, core.build_parts), admission (sending and applying headers), step (the forward pass of each step
+kind on every rank), local_step (single-rank speculative steps), and this module (the Engine protocol and step()'s
+dispatch).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_BATCH", "DEFAULT_PREFILL_CHUNK", "
 
 
 class TorchEngine(LocalStep):
-    """The Engine protocol over the stack in core.py's docstring; construction is EngineCore.__init__."""
+    """The Engine protocol over the parts and stack in core.py's docstring; construction is EngineCore.__init__
+    (core.build_parts, from the keywords options.EngineKeywords types)."""
 
     # --- the Engine protocol -------------------------------------------------------------------------------
 
@@ -155,7 +158,7 @@ class TorchEngine(LocalStep):
             if self.is_scheduler:
                 seconds = time.perf_counter() - started
                 self._measure(header, seconds, self._chunk_done)
-                self._pace_part(header.kind, seconds - (self.link.wait_s - waited))
+                self.flights.pace_part(header.kind, seconds - (self.link.wait_s - waited), self._step_rows)
             return outs
 
     def _agree_pool(self) -> None:
@@ -171,7 +174,7 @@ class TorchEngine(LocalStep):
         if (blocks, local_blocks) != (self.blocks.num_blocks, local):  # a hybrid model's groups agree each
             self.blocks = BlockAllocator(blocks, self.block_size)
             self.local_blocks = BlockAllocator(local_blocks, self.block_size) if local_blocks else None
-            self.cache = self._make_cache()
+            self.executor.resize(blocks, local_blocks or None)
 
     def warmup(self) -> None:
         """Rank 0 generates two tokens of a throwaway request and every rank steps until the header releases
@@ -226,7 +229,7 @@ class TorchEngine(LocalStep):
             try:
                 if self._agree:  # the others wait for the agreement before any header
                     self._agree_pool()
-                self._drain()  # the sampler's sends of the steps in flight complete into rank 0's receives
+                self.flights.drain()  # the sampler's sends of the steps in flight complete into rank 0's receives
                 self.link.send_header(Header(StepKind.SHUTDOWN, (), tuple(self._releases)))
                 self.link.flush()
             except RuntimeError:

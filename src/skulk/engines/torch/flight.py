@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from skulk.engines.micro_batching import micro_batches_for
 
-from .core import EngineCore
 from .links import PendingTokens, TokenRows
-from .pace import Pace, head_in_layers
+from .options import Shard
+from .pace import Pace
 from .requests import Request
 from .schedule import micro_batch
-from .wire import Release, StepKind
+from .wire import StepKind
 
+Lander = Callable[[Sequence[Request | None], TokenRows], None]
+"""Records a step's [token, finished, failed] rows on its requests (None: a request released since)."""
 InFlight = tuple[list[Request], PendingTokens, float, bool]
 """A step's requests, its tokens on their way, when rank 0 sent it, and whether it was a decode step alone."""
 DECIDE_EVERY = 16
@@ -43,76 +44,76 @@ DECIDE_EVERY = 16
 slowly)."""
 
 
-class Flight(EngineCore):
-    micro_batches: bool | None = None
-    """Rank 0 of a Pipeline leads micro-batches while earlier ones are in flight: always (True), never (False), or
-    where they pay, by the group's measured pace (None, the default; module docstring)."""
+class Flights:
+    """Rank 0's steps in flight through a Pipeline, a part the engine holds (every rank holds one; only rank 0's
+    ever keeps a step in flight). It owns the steps whose tokens are due and the group's measured pace; the
+    requests stay the engine's: `running` reads its running rows and `land` records a step's tokens on them."""
 
-    def __init__(self, model_dir: Path, **kwargs: Any) -> None:
-        super().__init__(model_dir, **kwargs)
-        total = self.model.args.num_hidden_layers
-        end = kwargs.get("end_layer")
-        own = (total if end is None else end) - kwargs.get("start_layer", 0)
-        head = head_in_layers(self.model) if self.is_scheduler else 0
-        self.pace = Pace(self.world_size, own, total, head)  # rank 0: its own part and the tokens' trip, by rows
-        self.micro = self.world_size  # rank 0: micro-batches in flight now (until the pace says otherwise)
+    def __init__(self, shard: Shard, pace: Pace, running: Callable[[], Sequence[Request]], land: Lander) -> None:
+        self.micro_batches: bool | None = None
+        """Rank 0 of a Pipeline leads micro-batches while earlier ones are in flight: always (True), never
+        (False), or where they pay, by the group's measured pace (None, the default; module docstring)."""
+        self.shard, self.pace, self._running, self._land = shard, pace, running, land
+        self.micro = shard.world_size  # rank 0: micro-batches in flight now (until the pace says otherwise)
         self._decided: tuple[int, int] = (0, 0)  # rank 0: (decoding rows, decode steps left) of the last decision
-        self._in_flight: deque[InFlight] = deque()  # rank 0: steps whose tokens are due
+        self.in_flight: deque[InFlight] = deque()  # rank 0: steps whose tokens are due
         self._busy: set[int] = set()  # rank 0: id() of each request in a step in flight
         self.overlapped = 0  # rank 0: steps led while an earlier one was still in flight
 
     @property
-    def _pipelined(self) -> bool:
-        return self.kind == "pipeline" and self.world_size > 1 and self.micro_batches is not False
+    def pipelined(self) -> bool:
+        return self.shard.kind == "pipeline" and self.shard.world_size > 1 and self.micro_batches is not False
 
-    def _fly(self, reqs: list[Request], pending: PendingTokens, decode: bool) -> None:
+    def fly(self, reqs: list[Request], pending: PendingTokens, decode: bool) -> None:
         """A step's sampled rows are on their way: rank 0 of a pipelined group takes them later, anyone else now."""
-        if self.is_scheduler and self._pipelined:
-            self._in_flight.append((reqs, pending, time.perf_counter(), decode))
+        if self.shard.is_scheduler and self.pipelined:
+            self.in_flight.append((reqs, pending, time.perf_counter(), decode))
             self._busy.update(map(id, reqs))
         else:
             self._land(reqs, pending.wait())
 
-    def _take_due(self, startable: bool) -> None:
+    def take_due(self, startable: bool) -> None:
         """Rank 0, before leading a step: take the oldest step's tokens while as many steps as micro-batches are
         in flight or nothing else could start (every decoding row is in flight and nothing is to be prefilled,
         added or released)."""
-        if self._pipelined:
+        if self.pipelined:
             self.micro = self._micro_batches()
-        while self._in_flight and (len(self._in_flight) >= self.micro or not (startable or self._idle_row())):
+        while self.in_flight and (len(self.in_flight) >= self.micro or not (startable or self._idle_row())):
             self._take_oldest()
-        if self._in_flight:
+        if self.in_flight:
             self.overlapped += 1
 
     def _micro_batches(self) -> int:
         """How many micro-batches the next steps keep in flight (module docstring), decided again when the
         decoding rows change or every DECIDE_EVERY steps."""
         if self.micro_batches is not None:
-            return self.world_size
-        rows = sum(1 for r in self._running if r.length >= len(r.prompt))
+            return self.shard.world_size
+        rows = sum(1 for r in self._running() if r.length >= len(r.prompt))
         last, left = self._decided
         if rows == last and left > 0:
             self._decided = (rows, left - 1)
             return self.micro
         self._decided = (rows, DECIDE_EVERY)
-        chosen = micro_batches_for(self.pace.shares, self.pace.hops, rows, self.world_size)
+        chosen = micro_batches_for(self.pace.shares, self.pace.hops, rows, self.shard.world_size)
         return self.micro if chosen is None else chosen
 
-    def _pace_part(self, kind: StepKind, seconds: float) -> None:
+    def pace_part(self, kind: StepKind, seconds: float, step_rows: tuple[int, int] | None) -> None:
         """Rank 0 of a pipelined group: its own part of a decode step just led (Pace)."""
-        if kind == StepKind.DECODE and self._pipelined and self.micro_batches is None:
-            start, end = self._step_rows or (0, len(self._running))
+        if kind == StepKind.DECODE and self.pipelined and self.micro_batches is None:
+            start, end = step_rows or (0, len(self._running()))
             self.pace.part(end - start, seconds)
 
-    def _drain(self) -> None:
-        """Take every step in flight (before a preemption or a shutdown)."""
-        while self._in_flight:
+    def drain(self) -> bool:
+        """Take every step in flight (before a preemption or a shutdown); whether there was any."""
+        had = bool(self.in_flight)
+        while self.in_flight:
             self._take_oldest()
+        return had
 
     def _take_oldest(self) -> None:
-        reqs, pending, sent, decode = self._in_flight.popleft()
+        reqs, pending, sent, decode = self.in_flight.popleft()
         self._busy.difference_update(map(id, reqs))
-        running = set(map(id, self._running))  # a request released while in flight: nothing left to record
+        running = set(map(id, self._running()))  # a request released while in flight: nothing left to record
         waiting = time.perf_counter()
         rows = pending.wait()
         if decode:
@@ -120,27 +121,13 @@ class Flight(EngineCore):
             self.pace.tokens_back(len(reqs), arrived - sent, arrived - waiting)
         self._land([r if id(r) in running else None for r in reqs], rows)
 
-    def _land(self, reqs: list[Request] | list[Request | None], rows: TokenRows) -> None:
-        """Record [token, finished, failed] per row on a rank that embeds the next input. A row that failed on the
-        sampler is finished too: rank 0 releases it in the next header, so every rank frees its slot, while its
-        batch-mates go on."""
-        for req, (token, finished, failed) in zip(reqs, rows, strict=True):
-            if req is None:
-                continue
-            req.last_token = token
-            if not failed:
-                req.emitted.append(token)
-            if self.is_scheduler and finished:
-                req.finished = True
-                self._releases.append(Release(req.request_id, cancelled=False, failed=bool(failed)))
-
     def _idle_row(self) -> bool:
-        return any(r.length >= len(r.prompt) and not r.finished and id(r) not in self._busy for r in self._running)
+        return any(r.length >= len(r.prompt) and not r.finished and id(r) not in self._busy for r in self._running())
 
-    def _decode_range(self) -> tuple[int, int] | None:
+    def decode_range(self) -> tuple[int, int] | None:
         """Rank 0: the running rows the next step decodes; None when no row can (schedule.micro_batch)."""
-        running = self._running
+        running = self._running()
         decoding = [r.length >= len(r.prompt) for r in running]
-        if not self._pipelined:
+        if not self.pipelined:
             return (0, len(running)) if any(decoding) else None
         return micro_batch([id(r) in self._busy for r in running], decoding, self.micro)

@@ -8,10 +8,8 @@ import torch
 
 from skulk.engines.base import TokenOut
 
-from .cache import MixedBatch, StepBatch
 from .drafter import DRAFT_TOKENS, Draws
 from .model import MIXED_STACK_ROWS
-from .mrope import rope_rows
 from .requests import Request, accept_each
 from .sampling import distribution, greedy
 from .speculate import MAX_DRAFT, PromptLookup, accepted_prefix, verify_sampled
@@ -64,18 +62,10 @@ class LocalStep(Step):
         (speculate.py). Single rank only: nothing is shared."""
         drafts, draws = proposal
         self._enter_phase(PHASES[self.kind, StepKind.DECODE], "decode")
-        parts, ids = [], []
         for req, draft in zip(self._running, drafts, strict=True):
-            tokens = [req.last_token, *draft]
-            self.scheduler.reserve(req, req.length + len(tokens))
-            ids += tokens
-            table = torch.tensor([req.table], dtype=torch.int32, device=self.device)
-            positions = torch.arange(req.length, req.length + len(tokens), device=self.device).unsqueeze(0)
-            parts.append(StepBatch.build(positions, table, kv_len=req.length + len(tokens),
-                                         local=self._local_tables([req]),
-                                         rope=rope_rows([(req.mrope, req.length, req.length + len(tokens))],
-                                                        self.device)))
-        logits = self._forward(torch.tensor([ids], device=self.device), MixedBatch(tuple(parts)), (1, len(ids)))
+            self.scheduler.reserve(req, req.length + 1 + len(draft))
+        ids, batch = self.executor.verify_batch(self._running, drafts, self.local_blocks is not None)
+        logits = self._forward(ids, batch, (1, ids.shape[1]))
         assert logits is not None
         greedy_ids = greedy(logits[0]).tolist()
         outs: list[TokenOut] = []

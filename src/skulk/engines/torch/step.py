@@ -7,8 +7,6 @@ rank samples and broadcasts. Only the sampler's step returns TokenOuts.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from skulk.engines.base import TokenOut
@@ -16,15 +14,12 @@ from skulk.types.runners import RunnerPhase
 
 from .admission import Admission
 from .cache import MixedBatch, StepBatch
+from .executor import PromptPart
 from .links import TokenRows
-from .mrope import rope_rows
 from .requests import Request, accept_each
 from .schedule import share_chunk
-from .vision import image_mask, image_rows, whole_images
+from .vision import whole_images
 from .wire import Header, StepKind
-
-PromptPart = tuple[int, Request, int, int]
-"""(row, request, start, end): the prompt positions [start, end) one step prefills for the request in row."""
 
 PHASES: dict[tuple[str, StepKind], RunnerPhase] = {
     ("pipeline", StepKind.PREFILL): "prefill_pipeline",
@@ -101,38 +96,11 @@ class Step(Admission):
         return [(i, r, r.length, r.length + take) for (i, r), take in zip(prefilling, shares, strict=True) if take]
 
     def _chunk_batch(self, part: PromptPart) -> StepBatch:
-        _, req, start, end = part
-        tables = torch.tensor([req.table], dtype=torch.int32, device=self.device)
-        local = torch.tensor([req.local], dtype=torch.int32, device=self.device) if self.local_blocks else None
-        batch = StepBatch.build(torch.arange(start, end, device=self.device).unsqueeze(0), tables, kv_len=end,
-                                local=local, rope=rope_rows([(req.mrope, start, end)], self.device))
-        if not req.spans or not self.model.args.images_bidirectional:
-            return batch
-        mask = image_mask(req.spans, start, end, self.device)
-        return dataclasses.replace(batch, mask=batch.mask | mask, bidirectional=True) if mask is not None else batch
+        return self.executor.chunk_batch(part, self.local_blocks is not None)
 
     def _inputs(self, last_tokens: list[int], chunks: list[PromptPart]) -> torch.Tensor | None:
-        """The step's input: its ids (_ids), or on rank 0 where a chunk holds image positions, their embeddings
-        with those rows replaced by the vision tower's (vision.image_rows)."""
-        ids = self._ids(last_tokens, chunks)
-        if ids is None or not any(req.vision is not None for _, req, _, _ in chunks):
-            return ids
-        h = self.model.embed(ids)
-        at = len(last_tokens)
-        for _, req, start, end in chunks:
-            if req.vision is not None:
-                offsets, index = image_rows(req.spans, start, end)
-                if offsets:
-                    h[0, [at + o for o in offsets]] = req.vision.embeds[index].to(h.dtype)
-            at += end - start
-        return h
-
-    def _ids(self, last_tokens: list[int], chunks: list[PromptPart]) -> torch.Tensor | None:
-        """The step's input ids as one sequence: decode rows' last tokens, then each chunk's prompt tokens."""
-        if not self.needs_ids:
-            return None
-        return torch.tensor([[*last_tokens, *(t for _, req, start, end in chunks for t in req.prompt[start:end])]],
-                            device=self.device)
+        """The step's input ids, or on rank 0 embeddings with a chunk's image rows (Executor.inputs)."""
+        return self.executor.inputs(last_tokens, chunks)
 
     def _finish(self, chunks: list[PromptPart]) -> list[int]:
         """Advance each chunk's request to its end (publishing its new full blocks); the indices of the chunks
@@ -161,22 +129,9 @@ class Step(Admission):
         dropped) and the indices, within the batch, of the rows that sample."""
         start, end = self._step_rows or (0, len(self._running))
         running = self._running[start:end]
-        width = max(len(r.table) for r in running)
-        tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in running], dtype=torch.int32,
-                              device=self.device)
-        batch = StepBatch.build(torch.tensor([[r.length] for r in running], device=self.device), tables,
-                                kv_len=max(r.length for r in running) + 1, local=self._local_tables(running),
-                                rope=rope_rows([(r.mrope, r.length, r.length + 1) for r in running], self.device))
+        batch = self.executor.decode_batch(running, self.local_blocks is not None)
         rows = [i for i, r in enumerate(running) if r.length >= len(r.prompt)]
         return batch, [max(r.last_token, 0) for r in running], rows
-
-    def _local_tables(self, running: list[Request]) -> torch.Tensor | None:
-        """A hybrid model's sliding tables of the rows, padded like the full group's (None: one group)."""
-        if self.local_blocks is None:
-            return None
-        width = max(len(r.local) for r in running)
-        return torch.tensor([r.local + [0] * (width - len(r.local)) for r in running], dtype=torch.int32,
-                            device=self.device)
 
     def _advance(self, rows: list[int]) -> list[Request]:
         """The requests of the sampling rows (indices within this step's rows), each one position further along."""
@@ -190,16 +145,8 @@ class Step(Admission):
         self, ids: torch.Tensor | None, batch: StepBatch | MixedBatch, shape: tuple[int, int], *,
         last_only: bool = False
     ) -> torch.Tensor | None:
-        """Run this rank's part of the forward pass; the sampler gets logits, everyone else None."""
-        if ids is not None:
-            x = ids
-        else:
-            x = self.link.recv_hidden((*shape, self.model.args.hidden_size), self.model.args.dtype, self.device)
-        out = self.model(x, batch, self.cache, last_only=last_only)
-        if self.kind == "pipeline" and not self.is_sampler:
-            self.link.send_hidden(out)
-            return None
-        return out if self.is_sampler else None
+        """Run this rank's part of the forward pass (Executor.forward); the sampler gets logits, others None."""
+        return self.executor.forward(ids, batch, shape, last_only=last_only)
 
     def _share_tokens(self, reqs: list[Request], outs: list[TokenOut], *, decode: bool = False) -> None:
         """Get [token, finished, failed] per row from the sampler to the ranks that embed the next input: now, or
@@ -212,7 +159,7 @@ class Step(Admission):
             rows = [[0, 1, 1] if o.error else [o.token_id, int(o.finish_reason is not None), 0] for o in outs]
         pending = self.link.exchange_tokens(rows, len(reqs))
         if pending is not None:
-            self._fly(reqs, pending, decode)
+            self.flights.fly(reqs, pending, decode)
 
     def _accept(self, logits: torch.Tensor, reqs: list[Request]) -> list[TokenOut]:
         """The sampler's bookkeeping: text, finish and per-request failure (requests.py)."""
