@@ -20,8 +20,9 @@ import torch
 
 from skulk.engines.torch.cache import MixedBatch
 from skulk.engines.torch.engine import TorchEngine
+from skulk.engines.torch.layers import DecoderLayer
 from skulk.engines.torch.loader import load_model
-from skulk.engines.torch.models.deepseek_v3 import MlaAttention, MlaDecoderLayer
+from skulk.engines.torch.models.deepseek_v3 import MlaAttention
 from skulk.engines.torch.moe import GroupedMoe
 from skulk.master.shard_plan import group_bytes_per_token
 from skulk.models.catalog import card_from_config
@@ -87,8 +88,9 @@ def test_the_layers_are_the_configs(checkpoints: dict[str, Path]) -> None:
     assert args.head_dim == 32 and args.num_key_value_heads == 4 and args.rotary_dim == 8
     assert model.rope.attention_factor != 1.0 and args.mla.scale != pytest.approx(24**-0.5)
     dense, sparse = model.layers["0"], model.layers["1"]
-    assert isinstance(dense, MlaDecoderLayer) and not isinstance(dense.mlp, GroupedMoe)
-    assert isinstance(sparse, MlaDecoderLayer) and isinstance(sparse.mlp, GroupedMoe)
+    assert isinstance(dense, DecoderLayer) and isinstance(dense.self_attn, MlaAttention)
+    assert not isinstance(dense.mlp, GroupedMoe)
+    assert isinstance(sparse, DecoderLayer) and isinstance(sparse.mlp, GroupedMoe)
     assert sparse.mlp.shared_experts is not None and sparse.mlp.shared_experts.down_proj.weight.shape == (64, 64)
     assert hasattr(dense.self_attn, "q_proj") and not hasattr(dense.self_attn, "q_a_proj")
 

@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 import torch
 
+from skulk.engines.torch.layers import DecoderLayer
 from skulk.engines.torch.loader import load_model
-from skulk.engines.torch.models.gpt_oss import GptOssAttention, GptOssDecoderLayer, GptOssExperts, GptOssMoe
+from skulk.engines.torch.models.gpt_oss import GptOssAttention, GptOssExperts, GptOssMoe
 from skulk.engines.torch.mxfp4 import BLOCK, FP4_VALUES
 from skulk.models.catalog import card_from_config
 from skulk.models.demo import generate_random_llama
@@ -129,7 +130,7 @@ def test_the_layers_are_the_configs(checkpoints: dict[str, Path]) -> None:
     assert [args.is_sliding(i) for i in range(4)] == [False, True, True, False] and args.sliding_window == 4
     assert model.rope.attention_factor != 1.0 and args.swiglu_limit == 1.0 and args.num_experts_per_tok == 3
     layer = model.layers["1"]
-    assert isinstance(layer, GptOssDecoderLayer) and layer.sliding
+    assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, GptOssAttention) and layer.sliding
     assert isinstance(layer.self_attn, GptOssAttention) and layer.self_attn.sinks.shape == (4,)
     assert isinstance(layer.mlp, GptOssMoe) and isinstance(layer.mlp.experts, GptOssExperts)
     assert layer.mlp.experts.gate_up_proj.shape == (4, 64, 128) and layer.mlp.experts.down_proj.shape == (4, 64, 64)

@@ -42,9 +42,8 @@ from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
 from skulk.engines.errors import PromptRejected, check_prompt
 from skulk.engines.torch.requests import FaultHook, Request, accept_each, reasoning_budget, row_sampling
 from skulk.engines.torch.tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
-from skulk.engines.torch.vision import Tower, VisionInput, digest, image_spans, load_tower, whole_images
+from skulk.engines.torch.vision import Tower, VisionInput, image_spans, load_tower, read_images, whole_images
 from skulk.engines.torch.wire import Admitted, Released, RequestEvent, Started
-from skulk.formats.images import ImageRefused, image_bytes, open_image
 from skulk.models.gguf_export import float_checkpoint
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
@@ -196,14 +195,8 @@ class MlxEngine:
         the vision tower's embeddings for it (vision.py), as the torch engine gives them. PromptRejected for a
         model without vision (or one whose images this engine cannot read), a Tensor split (every rank embeds
         there; only rank 0 has the tower) or an image that cannot be read."""
-        tower = self.vision_tower()
-        try:
-            data = [image_bytes(url) for message in messages for url in message.images]
-            images = [open_image(d) for d in data]
-        except ImageRefused as exc:
-            raise PromptRejected(str(exc)) from exc
-        prompt = self.tokenizer.encode_chat(messages, tools, template_kwargs)  # each marker expanded (render_chat)
-        return prompt, VisionInput(tower.encode(images)[0], digest(data))
+        vision = read_images(self.vision_tower(), messages)
+        return self.tokenizer.encode_chat(messages, tools, template_kwargs), vision  # each marker expanded
 
     def vision_tower(self) -> Tower:
         """The checkpoint's vision tower (torch, float32, on the CPU), loaded at the first image."""

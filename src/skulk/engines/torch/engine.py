@@ -41,14 +41,13 @@ import torch.distributed as dist
 
 from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
 from skulk.engines.errors import PromptRejected, check_prompt
-from skulk.formats.images import ImageRefused, image_bytes, open_image
 from skulk.types.chat import ChatMessage, SamplingParams
 
 from .blocks import BlockAllocator
 from .core import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, WARMUP_ID, PhaseHook
 from .links import GroupLink
 from .local_step import LocalStep
-from .vision import Tower, VisionInput, digest, image_spans, load_tower
+from .vision import Tower, VisionInput, image_spans, load_tower, read_images
 from .wire import Header, NewRequest, Release, RequestEvent, StepKind
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_BATCH", "DEFAULT_PREFILL_CHUNK", "PhaseHook", "TorchEngine"]
@@ -69,15 +68,8 @@ class TorchEngine(LocalStep):
         """Rank 0: the prompt of a request with images (each image's marker expanded to its placeholder run) and
         the vision tower's embeddings for it (vision.py). PromptRejected for a model without vision, a Tensor
         split (every rank embeds there; only rank 0 has the tower) or an image that cannot be read."""
-        tower = self.vision_tower()
-        try:
-            data = [image_bytes(url) for message in messages for url in message.images]
-            images = [open_image(d) for d in data]
-        except ImageRefused as exc:
-            raise PromptRejected(str(exc)) from exc
-        prompt = self.tokenizer.encode_chat(messages, tools, template_kwargs)  # each marker expanded (render_chat)
-        embeds, grids = tower.encode(images)
-        return prompt, VisionInput(embeds, digest(data), grids)
+        vision = read_images(self.vision_tower(), messages)
+        return self.tokenizer.encode_chat(messages, tools, template_kwargs), vision  # each marker expanded
 
     def vision_tower(self) -> Tower:
         """The checkpoint's vision tower, loaded at the first image (PromptRejected where images are not read)."""

@@ -328,17 +328,20 @@ def softcap_logits(logits: torch.Tensor, args: ModelArgs) -> torch.Tensor:
 class DecoderLayer(nn.Module):
     """Pre-norm attention then MLP, each added to the residual. mlp: a dense MLP or a sparse MoE block.
 
-    sliding: the layer attends through the config's sliding window (the model hands it the windowed mask)."""
+    sliding: the layer attends through the config's sliding window (the model hands it the windowed mask).
+    attention: a family's own (DeepSeek's latent attention, gpt-oss's sinks); such a layer never runs on the
+    C layer kernel, which computes Attention's math only."""
 
     def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce, mlp: nn.Module | None = None,
-                 sliding: bool = False) -> None:
+                 sliding: bool = False, attention: nn.Module | None = None) -> None:
         super().__init__()
         self.sliding = sliding
-        self.self_attn = Attention(args, tp_size, all_reduce)
+        self.self_attn = attention if attention is not None else Attention(args, tp_size, all_reduce)
         self.mlp = mlp if mlp is not None else MLP(args, tp_size, all_reduce)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self._native: tuple[cpu_kernels.LayerDesc, torch.dtype] | bool | None = None  # None: not yet decided
+        self._native: tuple[cpu_kernels.LayerDesc, torch.dtype] | bool | None = None if attention is None else False
+        """The C kernel's description of the layer; None: not yet decided, False: it runs as separate steps."""
 
     def forward(self, x: torch.Tensor, batch: StepBatch | MixedBatch, rope: Rotation | tuple[Rotation, ...],
                 cache: LayerCache) -> torch.Tensor:
@@ -362,6 +365,9 @@ class DecoderLayer(nn.Module):
         not apply: a tensor-parallel rank (its all-reduces sit between the steps), a MoE block, CUDA weights,
         partial rotary, or projections that did not stack."""
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(attn, Attention):
+            self._native = False
+            return False
         matrices = [_kernel_matrix(m) for m in (attn.qkv, attn.o_proj, getattr(mlp, "gate_up", None),
                                                 getattr(mlp, "down_proj", None))]
         norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]

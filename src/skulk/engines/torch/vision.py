@@ -25,6 +25,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from skulk.engines.errors import PromptRejected
+from skulk.formats.images import ImageRefused, image_bytes, open_image
+from skulk.types.chat import ChatMessage
+
 from .config import is_vision_config
 from .mrope import Grid
 
@@ -178,6 +182,19 @@ def digest(images: Sequence[bytes]) -> str:
     for data in images:
         h.update(hashlib.sha256(data).digest())
     return h.hexdigest()
+
+
+def read_images(tower: Tower, messages: Sequence[ChatMessage]) -> VisionInput:
+    """A request's images, in order, read (formats/images.py: data URLs, or files under the admin's directory)
+    and through `tower`: what an engine's encode_images hands its add_request. PromptRejected for an image that
+    cannot be read."""
+    try:
+        data = [image_bytes(url) for message in messages for url in message.images]
+        images = [open_image(d) for d in data]
+    except ImageRefused as exc:
+        raise PromptRejected(str(exc)) from exc
+    embeds, grids = tower.encode(images)
+    return VisionInput(embeds, digest(data), grids)
 
 
 def load_tower(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Tower | None:

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..cache import LayerCache, MixedBatch, StepBatch
 from ..config import MlaShape, ModelArgs
-from ..layers import MLP, AllReduce, RMSNorm, Rotation, _rotate, add_norm, yarn_mscale
+from ..layers import MLP, AllReduce, DecoderLayer, RMSNorm, Rotation, _rotate, yarn_mscale
 from ..matmul import Linear
 from ..moe import GroupedMoe, grouped_fields
 from .family import Family
@@ -148,27 +148,11 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
-class MlaDecoderLayer(nn.Module):
-    """Pre-norm MLA then MLP (dense or GroupedMoe), each added to the residual, as layers.DecoderLayer."""
-
-    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce, mlp: nn.Module) -> None:
-        super().__init__()
-        self.sliding = False  # every layer attends to the whole context
-        self.self_attn = MlaAttention(args, tp_size, all_reduce)
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, batch: StepBatch | MixedBatch, rope: Rotation | tuple[Rotation, ...],
-                cache: LayerCache) -> torch.Tensor:
-        h, normed = add_norm(x, self.self_attn(self.input_layernorm(x), batch, rope, cache),
-                             self.post_attention_layernorm)
-        return h + self.mlp(normed)
-
-
 def layer(args: ModelArgs, index: int, tp_size: int, reduce: AllReduce) -> nn.Module:
     mlp = GroupedMoe(args, tp_size, reduce) if index in args.sparse_layers else MLP(args, tp_size, reduce)
-    return MlaDecoderLayer(args, tp_size, reduce, mlp)
+    """Pre-norm MLA then the MLP (dense or GroupedMoe), each added to the residual; every layer attends to the
+    whole context."""
+    return DecoderLayer(args, tp_size, reduce, mlp, attention=MlaAttention(args, tp_size, reduce))
 
 
 FAMILY = Family(("deepseek_v3",), layer, fields)

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import LayerCache, MixedBatch, StepBatch
+from ..cache import LayerCache
 from ..config import ModelArgs
-from ..layers import AllReduce, Attention, RMSNorm, Rotation, add_norm
+from ..layers import AllReduce, Attention, DecoderLayer
 from ..matmul import Linear
 from ..moe import SparseMoe
 from .family import Family
@@ -127,26 +127,10 @@ class GptOssMoe(SparseMoe):
         return self.experts.run(expert, rows)
 
 
-class GptOssDecoderLayer(nn.Module):
-    """Pre-norm attention (windowed on sliding layers) then the MoE, each added to the residual."""
-
-    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce, sliding: bool) -> None:
-        super().__init__()
-        self.sliding = sliding
-        self.self_attn = GptOssAttention(args, tp_size, all_reduce)
-        self.mlp = GptOssMoe(args, tp_size, all_reduce)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, batch: StepBatch | MixedBatch, rope: Rotation | tuple[Rotation, ...],
-                cache: LayerCache) -> torch.Tensor:
-        h, normed = add_norm(x, self.self_attn(self.input_layernorm(x), batch, rope, cache),
-                             self.post_attention_layernorm)
-        return h + self.mlp(normed)
-
-
 def layer(args: ModelArgs, index: int, tp_size: int, reduce: AllReduce) -> nn.Module:
-    return GptOssDecoderLayer(args, tp_size, reduce, args.is_sliding(index))
+    """Pre-norm attention with sinks (windowed on sliding layers) then the MoE, each added to the residual."""
+    return DecoderLayer(args, tp_size, reduce, GptOssMoe(args, tp_size, reduce), args.is_sliding(index),
+                        GptOssAttention(args, tp_size, reduce))
 
 
 FAMILY = Family(("gpt_oss",), layer, fields)
