@@ -18,8 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from skulk.engines.torch.cache import MixedBatch
-from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.layers import DecoderLayer
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.models.deepseek_v3 import MlaAttention
@@ -28,10 +26,10 @@ from skulk.master.shard_plan import group_bytes_per_token
 from skulk.models.catalog import card_from_config
 from skulk.models.demo import generate_random_llama
 from skulk.models.memory_math import model_memory
-from skulk.types.chat import SamplingParams
-from tests.unit.family_checkpoints import PROMPTS, TOKENS, disagreement, reference, with_tokenizer, write, write_model
+from tests.unit.family_checkpoints import PROMPTS, with_tokenizer, write, write_model
 from tests.unit.test_glm4_moe import (
     assert_bf16_near_transformers,
+    assert_mixed_step_tokens,
     assert_tensor_ranks_match,
     assert_transformers_tokens,
     one_thread,  # noqa: F401 - the module's autouse fixture: one torch thread for tiny models
@@ -132,25 +130,4 @@ def test_a_prompt_joining_running_decodes_rides_a_mixed_step(checkpoints: dict[s
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A second request arriving while the first decodes: its prefill shares steps with the decode row (a
     MixedBatch, each part attended on its own rows), and both still give transformers' tokens."""
-    mixed, forward = [], MlaAttention.forward
-
-    def counting(self: MlaAttention, x: torch.Tensor, batch: Any, rope: Any, cache: Any) -> torch.Tensor:
-        mixed.append(isinstance(batch, MixedBatch))
-        return forward(self, x, batch, rope, cache)
-
-    monkeypatch.setattr(MlaAttention, "forward", counting)
-    path = checkpoints["shared"]
-    engine = TorchEngine(path, max_batch=2, max_seq=64)
-    greedy = SamplingParams(max_tokens=TOKENS, temperature=0)
-    engine.add_request("r0", PROMPTS[0], greedy)
-    got: dict[str, list[int]] = {"r0": [], "r1": []}
-    for step in range(4 * TOKENS):
-        if step == 3:
-            engine.add_request("r1", PROMPTS[1], greedy)
-        if step > 3 and not engine.has_work():
-            break
-        for out in engine.step():
-            assert out.error is None, out.error
-            got[out.request_id].append(out.token_id)
-    assert any(mixed), "no step mixed the prefill with the decode"
-    assert (why := disagreement(got, reference(path))) is None, why
+    assert_mixed_step_tokens(checkpoints["shared"], MlaAttention, monkeypatch)

@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
+from skulk.engines.torch.cache import MixedBatch
 from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.layers import DecoderLayer
 from skulk.engines.torch.loader import load_model
@@ -26,6 +28,7 @@ from skulk.engines.torch.moe import GroupedMoe, grouped_top_k
 from skulk.models.catalog import card_from_config
 from skulk.models.demo import generate_random_llama
 from skulk.models.memory_math import model_memory
+from skulk.types.chat import SamplingParams
 from tests.unit.family_checkpoints import (
     COMMON,
     FAMILIES,
@@ -134,6 +137,33 @@ def assert_bf16_near_transformers(path: Path) -> None:
         got = logits(model, ids)[0]
         errors = (got - expected).abs().amax(-1) / expected.abs().amax(-1)
         assert int((errors >= 0.03).sum()) <= 1, errors
+
+
+def assert_mixed_step_tokens(path: Path, attention: type[nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second request arriving while the first decodes: its prefill shares steps with the decode row (a
+    MixedBatch, each part attended on its own rows by the family's `attention`), and both still give
+    transformers' tokens."""
+    mixed, forward = [], attention.forward
+
+    def counting(self: nn.Module, x: torch.Tensor, batch: Any, rope: Any, cache: Any) -> torch.Tensor:
+        mixed.append(isinstance(batch, MixedBatch))
+        return forward(self, x, batch, rope, cache)
+
+    monkeypatch.setattr(attention, "forward", counting)
+    engine = TorchEngine(path, max_batch=2, max_seq=64)
+    greedy = SamplingParams(max_tokens=TOKENS, temperature=0)
+    engine.add_request("r0", PROMPTS[0], greedy)
+    got: dict[str, list[int]] = {"r0": [], "r1": []}
+    for step in range(4 * TOKENS):
+        if step == 3:
+            engine.add_request("r1", PROMPTS[1], greedy)
+        if step > 3 and not engine.has_work():
+            break
+        for out in engine.step():
+            assert out.error is None, out.error
+            got[out.request_id].append(out.token_id)
+    assert any(mixed), "no step mixed the prefill with the decode"
+    assert (why := disagreement(got, reference(path))) is None, why
 
 
 @pytest.mark.parametrize("name", ["shared", "grouped"])

@@ -30,6 +30,7 @@ from skulk.models.demo import generate_random_llama
 from skulk.models.memory_math import model_memory
 from tests.unit.family_checkpoints import PROMPTS, disagreement, reference, with_tokenizer, write, write_model
 from tests.unit.test_glm4_moe import (
+    assert_mixed_step_tokens,
     assert_tensor_ranks_match,
     assert_transformers_tokens,
     one_thread,  # noqa: F401 - the module's autouse fixture: one torch thread for tiny models
@@ -246,30 +247,4 @@ def test_a_prompt_joining_running_decodes_rides_a_mixed_step(checkpoints: dict[s
     """A second request arriving while the first decodes: its prefill shares steps with the decode row (a
     MixedBatch, each part attended with its sinks on its own rows, windowed on the sliding layers), and both still
     give transformers' tokens."""
-    from skulk.engines.torch.cache import MixedBatch
-    from skulk.engines.torch.engine import TorchEngine
-    from skulk.types.chat import SamplingParams
-    from tests.unit.family_checkpoints import TOKENS
-
-    mixed, forward = [], GptOssAttention.forward
-
-    def counting(self: GptOssAttention, x: torch.Tensor, batch: Any, rope: Any, cache: Any) -> torch.Tensor:
-        mixed.append(isinstance(batch, MixedBatch))
-        return forward(self, x, batch, rope, cache)
-
-    monkeypatch.setattr(GptOssAttention, "forward", counting)
-    path = checkpoints["variant"]
-    engine = TorchEngine(path, max_batch=2, max_seq=64)
-    greedy = SamplingParams(max_tokens=TOKENS, temperature=0)
-    engine.add_request("r0", PROMPTS[0], greedy)
-    got: dict[str, list[int]] = {"r0": [], "r1": []}
-    for step in range(4 * TOKENS):
-        if step == 3:
-            engine.add_request("r1", PROMPTS[1], greedy)
-        if step > 3 and not engine.has_work():
-            break
-        for out in engine.step():
-            assert out.error is None, out.error
-            got[out.request_id].append(out.token_id)
-    assert any(mixed), "no step mixed the prefill with the decode"
-    assert (why := disagreement(got, reference(path))) is None, why
+    assert_mixed_step_tokens(checkpoints["variant"], GptOssAttention, monkeypatch)
