@@ -32,6 +32,7 @@ from tests.unit.test_glm4_moe import (
     assert_mixed_step_tokens,
     assert_tensor_ranks_match,
     assert_transformers_tokens,
+    held_bytes,
     one_thread,  # noqa: F401 - the module's autouse fixture: one torch thread for tiny models
 )
 
@@ -118,8 +119,7 @@ def test_the_catalog_cards_deepseek_v3_as_native(checkpoints: dict[str, Path]) -
     memory = model_memory(config)
     assert memory is not None
     model = load_model(path)
-    held = [sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                 for t in (*layer.parameters(), *layer.buffers())}.values()) for layer in model.layers.values()]
+    held = [held_bytes(layer) for layer in model.layers.values()]
     assert [layer.weight_bytes for layer in memory.layers] == held
     layered = card.model_copy(update={"memory": memory})  # a tiny file's headers are too much of it to card
     assert group_bytes_per_token(layered, 0, 3, engine="torch") == (model.kv_bytes_per_token(), 0)

@@ -139,6 +139,12 @@ def assert_bf16_near_transformers(path: Path) -> None:
         assert int((errors >= 0.03).sum()) <= 1, errors
 
 
+def held_bytes(module: nn.Module) -> int:
+    """The bytes `module`'s parameters and buffers hold, each storage once (a view shares its base's)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*module.parameters(), *module.buffers())}.values())
+
+
 def assert_mixed_step_tokens(path: Path, attention: type[nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
     """A second request arriving while the first decodes: its prefill shares steps with the decode row (a
     MixedBatch, each part attended on its own rows by the family's `attention`), and both still give
@@ -221,6 +227,5 @@ def test_the_catalog_cards_glm4_moe_as_native(checkpoints: dict[str, Path]) -> N
     memory = model_memory(config)
     assert memory is not None
     model = load_model(path)
-    held = [sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                 for t in (*layer.parameters(), *layer.buffers())}.values()) for layer in model.layers.values()]
+    held = [held_bytes(layer) for layer in model.layers.values()]
     assert [layer.weight_bytes for layer in memory.layers] == held

@@ -33,6 +33,7 @@ from tests.unit.test_glm4_moe import (
     assert_mixed_step_tokens,
     assert_tensor_ranks_match,
     assert_transformers_tokens,
+    held_bytes,
     one_thread,  # noqa: F401 - the module's autouse fixture: one torch thread for tiny models
 )
 from tests.unit.test_quantized import logits
@@ -202,8 +203,7 @@ def test_the_catalog_cards_gpt_oss_as_native(checkpoints: dict[str, Path]) -> No
     memory = model_memory(config)
     assert memory is not None
     model = load_model(path)
-    held = [sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                 for t in (*layer.parameters(), *layer.buffers())}.values()) for layer in model.layers.values()]
+    held = [held_bytes(layer) for layer in model.layers.values()]
     assert [layer.weight_bytes for layer in memory.layers] == held
 
 
@@ -223,7 +223,7 @@ def test_an_mxfp4_card_counts_what_a_torch_rank_holds(checkpoints: dict[str, Pat
     tensor_bytes = sum(end - start for k, v in header.items() if k != "__metadata__"
                        for start, end in [v["data_offsets"]])
     held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in (*load_model(packed).parameters(),)}.values())
+                for t in load_model(packed).parameters()}.values())  # the weights: buffers (rope tables) aside
     assert card.torch_storage_size.in_bytes - (size - tensor_bytes) == held  # the file's header aside
     assert loaded_bytes(card, "torch") == card.torch_storage_size.in_bytes and loaded_bytes(card, "mlx") == size
     assert not exact_weights(card, ["torch"]) and exact_weights(card, ["mlx"])
