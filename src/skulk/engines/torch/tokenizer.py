@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import tokenizers
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -175,7 +176,19 @@ class ChatTokenizer:
         return reasoning_mode(self.template_text, tail, override)
 
     def encode(self, text: str) -> list[int]:
+        """The text's ids without specials added. A fast tokenizer's own Rust object is asked directly: the same
+        ids at half the cost of transformers' wrapper around it (0.27 against 0.13 ms for the bench prompt, on a
+        request's path to its first token; issue 43)."""
+        backend = self._backend
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=False).ids
         return list(self._tok.encode(text, add_special_tokens=False))
+
+    @functools.cached_property
+    def _backend(self) -> Any:
+        """The `tokenizers.Tokenizer` a fast tokenizer wraps, or None (a slow or custom tokenizer)."""
+        backend = getattr(self._tok, "_tokenizer", None)
+        return backend if isinstance(backend, tokenizers.Tokenizer) else None
 
     @functools.cached_property
     def _dropped_ids(self) -> frozenset[int] | None:
