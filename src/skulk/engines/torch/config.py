@@ -77,6 +77,21 @@ class MlaShape:
 
 
 @dataclass(frozen=True, slots=True)
+class DeltaNetShape:
+    """Qwen3-Next's linear-attention (gated DeltaNet) layers (models/qwen3_next.py): which layers they are, their
+    key/value heads and widths, the causal conv's kernel, and the MoE's gated shared expert's width. Their past is
+    a constant-size state per stream (conv window and recurrent matrix), not KV rows."""
+
+    linear_layers: tuple[int, ...]
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    shared_expert_intermediate_size: int
+
+
+@dataclass(frozen=True, slots=True)
 class ModelArgs:
     """One decoder architecture, as models.read_args reads it from a config (common_fields plus its family's
     own: the family files under models/). Qwen2 differs from Llama by qkv bias, Qwen3 by per-head q/k RMSNorm,
@@ -128,6 +143,8 @@ class ModelArgs:
     mla: MlaShape | None = None
     """DeepSeek V3's attention; its cache holds each head's expanded key and value (head_dim wide, the value
     zero-padded), num_key_value_heads being num_attention_heads."""
+    delta_net: DeltaNetShape | None = None
+    """Qwen3-Next's linear-attention layers and shared expert (None: no such layers)."""
     swiglu_limit: float = 0.0
     """gpt-oss's experts: the gate clamped above and the up projection both ways at this limit (0: no clamp)."""
     swiglu_alpha: float = 1.0

@@ -14,6 +14,7 @@ protocol); an engine is always the whole stack.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 from collections import deque
@@ -42,6 +43,7 @@ from .flight import Flights
 from .links import GroupLink, Link, LocalLink, TokenRows, tensor_all_reduce
 from .loader import load_model
 from .model import ModelSlice
+from .models.family import forget_stream
 from .options import (
     DEFAULT_MAX_BATCH,
     KV_BITS_ENV,
@@ -160,6 +162,9 @@ class EngineCore:
         self.is_scheduler, self.is_sampler = self.shard.is_scheduler, self.shard.is_sampler
         self.device = self.executor.device
         self.context_length, self.kv_bits, self.speculate = parts.context_length, parts.kv_bits, parts.speculate
+        if getattr(getattr(self.model, "family", None), "stateful", False):  # per-stream state: models/family.py
+            self.share_prefixes = self.speculate = False
+            self.scheduler.on_free = functools.partial(forget_stream, self.model)
         self.window, self.local_window = parts.window, parts.local_window
         self.max_batch, self.prefill_chunk, self.block_size = pool.max_batch, pool.prefill_chunk, pool.block_size
         self._agree = self.world_size > 1  # a group agrees on one pool size at its first step (_agree_pool)

@@ -109,6 +109,9 @@ class Scheduler(Generic[S]):
         self.leads, self.share_prefixes = leads, share_prefixes
         self.pending: deque[S] = deque()
         self.running: list[S] = []  # index == batch row, identical on every rank
+        self.on_free: Callable[[int], None] | None = None
+        """Told a leaving (or preempted) request's first block as its table goes back: a stateful family's model
+        drops the state it keeps for that stream (models/family.forget_stream)."""
         self.preemptions = 0
 
     # --- the header's changes, on every rank ------------------------------------------------------------------
@@ -448,6 +451,8 @@ class Scheduler(Generic[S]):
         prompt starting with them finds them (whole blocks shared, a last partial one copied)."""
         kept = blocks_for(req.length, self.block_size)
         self.publish(req)
+        if self.on_free is not None and req.table:
+            self.on_free(req.table[0])
         self._let_go(req, req.table, self.blocks, kept)
         req.table = []
         if self.local_blocks is not None:

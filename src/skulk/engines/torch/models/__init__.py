@@ -1,9 +1,9 @@
 """The torch engine's native model families, one file each, registered here by model_type.
 
-A family file (llama.py, gemma3.py, qwen3_moe.py, glm4_moe.py, deepseek_v3.py, gpt_oss.py) builds its layers from
-the shared blocks (layers.py: attention over the paged cache, MLPs, norms, rope; moe.py: expert dispatch and
-routing) and says which config fields it reads beyond config.common_fields. This registry is the one list of what
-runs natively (SUPPORTED_MODEL_TYPES: the catalog's native_types, the rest going through the transformers
+A family file (llama.py, gemma3.py, qwen3_moe.py, glm4_moe.py, deepseek_v3.py, gpt_oss.py, qwen3_next.py) builds
+its layers from the shared blocks (layers.py: attention over the paged cache, MLPs, norms, rope; moe.py: expert
+dispatch and routing) and says which config fields it reads beyond config.common_fields. This registry is the one
+list of what runs natively (SUPPORTED_MODEL_TYPES: the catalog's native_types, the rest going through the transformers
 fallback) and the one place a config becomes ModelArgs.
 """
 
@@ -18,11 +18,13 @@ from skulk.formats.checkpoint import read_config
 
 from ..config import BIDIRECTIONAL_IMAGE_TYPES, ModelArgs, common_fields, text_config
 from ..layers import AllReduce
-from . import deepseek_v3, gemma3, glm4_moe, gpt_oss, llama, qwen3_moe
+from . import deepseek_v3, gemma3, glm4_moe, gpt_oss, llama, qwen3_moe, qwen3_next
 from .family import Family
 
 FAMILIES: dict[str, Family] = {
-    t: f.FAMILY for f in (llama, gemma3, qwen3_moe, glm4_moe, deepseek_v3, gpt_oss) for t in f.FAMILY.model_types
+    t: f.FAMILY
+    for f in (llama, gemma3, qwen3_moe, glm4_moe, deepseek_v3, gpt_oss, qwen3_next)
+    for t in f.FAMILY.model_types
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 

@@ -41,3 +41,16 @@ class Family:
     """The first slice's token embeddings as the decoder reads them (Gemma scales them)."""
     norm_unit_offset: bool = False
     """The final norm scales by 1 + weight (Gemma's checkpoints store it that way)."""
+    stateful: bool = False
+    """Some layers keep a state per stream instead of KV rows (Qwen3-Next's linear attention), keyed by the
+    stream's first KV block: the engine shares no prefixes and speculates none for it, and tells the model when a
+    stream's blocks go back (forget_stream)."""
+
+
+def forget_stream(model: nn.Module, block: int) -> None:
+    """Drop the per-stream state every layer of a stateful family's slice keeps for the stream whose first KV
+    block is `block` (its request left or was preempted)."""
+    for module in model.modules():
+        forget = getattr(module, "forget_stream", None)
+        if callable(forget):
+            forget(block)

@@ -1,0 +1,178 @@
+"""Qwen3-Next on the torch engine's own layers (engines/torch/models/qwen3_next.py), against transformers' modeling.
+
+family_checkpoints' seeded random checkpoint (three gated-DeltaNet layers, then one gated full-attention layer,
+every MLP a MoE with a gated shared expert), and a variant whose norms, decays and conv kernels are drawn (the
+shared one keeps transformers' initial values: zero norm weights, dt_bias one). Their 16 greedy tokens for two
+prompts of different lengths, decoded together, are transformers' (its forward over the whole sequence each
+step): so neither stream's linear-attention state leaks into the other's. So are they through a two-stage
+pipeline (each stage building only its layers and their states), with the second request arriving while the
+first decodes (its chunks ride on the decode step, beside the decode row the engine computes and drops for it),
+and for a request admitted after another left (its state starts from zeros; the leaver's was freed). A prompt
+longer than the delta rule's chunk, prefilled in two engine chunks, ends on transformers' logits. The engine
+shares no prefixes and speculates none for the family, and the catalog cards it as native."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from skulk.engines.torch.cache import StepBatch
+from skulk.engines.torch.engine import TorchEngine
+from skulk.engines.torch.loader import load_model
+from skulk.engines.torch.model import ModelSlice
+from skulk.engines.torch.models.qwen3_next import GatedAttention, GatedDeltaNet, Qwen3NextLayer, StreamStates
+from skulk.engines.torch.wire import Started
+from skulk.models.catalog import card_from_config
+from skulk.models.demo import generate_random_llama
+from skulk.types.chat import SamplingParams
+from tests.unit.family_checkpoints import COMMON, FAMILIES, PROMPTS, TOKENS, disagreement, reference, with_tokenizer
+from tests.unit.family_checkpoints import write as write_family
+from tests.unit.test_glm4_moe import assert_mixed_step_tokens, assert_transformers_tokens
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # real model compute: `make test`, not `make test-fast`
+
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models: a second torch thread only adds barrier waits on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _write_drawn(root: Path, demo: Path) -> Path:
+    """The variant: norm weights, A_log, dt_bias and conv kernels drawn, the layers linear, full, linear, full."""
+    import transformers
+
+    torch.manual_seed(1)
+    shape: dict[str, Any] = FAMILIES["qwen3_next"][2] | {"layer_types": ["linear_attention", "full_attention"] * 2}
+    config = transformers.Qwen3NextConfig(**(COMMON | shape))
+    model = transformers.Qwen3NextForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias")):
+                tensor.normal_(0.5, 0.3)
+            elif name.endswith("A_log"):
+                tensor.uniform_(-1, 1)
+    path = root / "qwen3_next_drawn"
+    model.save_pretrained(path)
+    return with_tokenizer(path, demo)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qwen3-next")
+    demo = generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                 intermediate_size=128, seed=3)
+    return {"shared": write_family("qwen3_next", root, demo), "drawn": _write_drawn(root, demo)}
+
+
+@pytest.mark.parametrize("name", ["shared", "drawn"])
+def test_greedy_tokens_are_transformers_on_one_rank_and_a_pipeline(name: str, checkpoints: dict[str, Path]) -> None:
+    """Both prompts decoded together on one rank (their states side by side in each linear layer's pool), and
+    through stages [0, 2) and [2, 4)."""
+    assert_transformers_tokens(checkpoints[name])
+
+
+def test_a_request_arriving_mid_decode_rides_on_it(checkpoints: dict[str, Path],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    assert_mixed_step_tokens(checkpoints["drawn"], GatedAttention, monkeypatch)
+
+
+def _one_by_one(engine: TorchEngine, order: list[int]) -> dict[str, list[int]]:
+    """Each prompt of `order` alone, the next added once the last has left."""
+    got: dict[str, list[int]] = {}
+    for i in order:
+        rid = f"r{i}" if f"r{i}" not in got else f"again{i}"
+        engine.add_request(rid, PROMPTS[i], GREEDY)
+        got[rid] = []
+        while engine.has_work():
+            for out in engine.step():
+                assert out.error is None, out.error
+                got[out.request_id].append(out.token_id)
+    return got
+
+
+def _linear_layers(model: ModelSlice) -> list[GatedDeltaNet]:
+    return [layer.linear_attn for layer in model.layers.values()
+            if isinstance(layer, Qwen3NextLayer) and layer.linear_attn is not None]
+
+
+def test_a_stream_admitted_after_another_left_starts_clean(checkpoints: dict[str, Path]) -> None:
+    """One row: r0, then r1, then r0's prompt again; each gives transformers' tokens, and a request's states are
+    freed when it leaves (none held once the engine is idle)."""
+    path = checkpoints["drawn"]
+    engine = TorchEngine(path, max_batch=1, max_seq=64)
+    got = _one_by_one(engine, [0, 1, 0])
+    expected = reference(path)
+    assert got.pop("again0") == got["r0"]
+    assert (why := disagreement(got, expected)) is None, why
+    layers = _linear_layers(engine.model)
+    assert len(layers) == 2 and all(layer.states.streams == 0 for layer in layers)
+
+
+def test_the_engine_shares_no_prefix_and_speculates_none(checkpoints: dict[str, Path]) -> None:
+    """A shared block carries no linear-attention state, and a rejected draft would leave it past the kept
+    tokens: the family's `stateful` flag turns both off. The same prompt again starts from its first position
+    (a family without state would reuse the blocks the first one left)."""
+    engine = TorchEngine(checkpoints["shared"], max_batch=2, max_seq=64, block_size=4)
+    assert not engine.share_prefixes and not engine.speculate and engine.model.family.stateful
+    got = _one_by_one(engine, [0, 0])
+    assert got["r0"] == got["again0"]
+    started = [e for e in engine.take_events() if isinstance(e, Started)]
+    assert [e.reused_tokens for e in started] == [0, 0]
+
+
+def test_a_long_prompt_in_two_chunks_ends_on_transformers_logits(checkpoints: dict[str, Path]) -> None:
+    """150 positions (three of the delta rule's 64-position chunks) prefilled as 100 then 50, the second chunk
+    starting from the first's states: the last position's logits are transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoints["drawn"]
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 150), generator=torch.Generator().manual_seed(5))
+    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = load_model(path)
+    cache = model.make_cache(16, 16)
+    table = torch.arange(10, dtype=torch.int32).unsqueeze(0)
+    with torch.inference_mode():
+        expected = theirs(ids).logits[0, -1]
+        model(ids[:, :100], StepBatch.build(torch.arange(100).unsqueeze(0), table), cache)
+        got = model(ids[:, 100:], StepBatch.build(torch.arange(100, 150).unsqueeze(0), table), cache)[0, -1]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_stream_states_restart_at_zero_and_survive_a_dropped_step() -> None:
+    """A step at position 0 reads zeros; a step the engine drops (the same position computed again) reads the
+    state before it; a position no step reached is an error, not a silent zero state; forget frees the slots."""
+    states = StreamStates((2, 3), (1, 2, 2))
+    sources, dests = states.step([7], [0], 4, torch.float32, torch.device("cpu"))
+    assert sources == [None]
+    states.write(dests, torch.ones(1, 2, 3), torch.ones(1, 1, 2, 2))
+    sources, dropped = states.step([7], [4], 1, torch.float32, torch.device("cpu"))
+    assert sources == dests
+    states.write(dropped, torch.full((1, 2, 3), 5.0), torch.full((1, 1, 2, 2), 5.0))
+    again, _ = states.step([7], [4], 3, torch.float32, torch.device("cpu"))  # the chunk the decode row rode beside
+    conv, recurrent = states.read(again)
+    assert again == dests and float(conv.sum()) == 6 and float(recurrent.sum()) == 4
+    with pytest.raises(RuntimeError, match="no linear-attention state at position 9"):
+        states.step([7], [9], 1, torch.float32, torch.device("cpu"))
+    sources, _ = states.step([7], [0], 2, torch.float32, torch.device("cpu"))
+    conv, recurrent = states.read(sources)
+    assert sources == [None] and float(conv.abs().sum()) == 0 and float(recurrent.abs().sum()) == 0
+    states.forget(7)
+    assert states.streams == 0 and len(states.free) == len(set(states.free)) == states.recurrent.shape[0]  # type: ignore[union-attr]
+
+
+def test_the_catalog_cards_qwen3_next_as_native(checkpoints: dict[str, Path]) -> None:
+    path = checkpoints["shared"]
+    config = json.loads((path / "config.json").read_text())
+    card = card_from_config("Qwen/qwen3-next-tiny", config, (path / "model.safetensors").stat().st_size)
+    assert card.torch_runtime == "native" and card.family == "qwen3_next"
