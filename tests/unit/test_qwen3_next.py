@@ -82,6 +82,32 @@ def test_greedy_tokens_are_transformers_on_one_rank_and_a_pipeline(name: str, ch
     assert_transformers_tokens(checkpoints[name])
 
 
+def test_two_pipeline_ranks_give_transformers_tokens(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """Two rank processes, layers [0, 2) (linear only: no KV block to hold) and [2, 4): each builds its own layers
+    and their states and follows rank 0's headers (micro-batched, 8-token chunks: decode rows of a request still
+    being prefilled ride along and are dropped), and the sampler's tokens are transformers'."""
+    from skulk.testing.nodes import free_port
+    from tests.unit.rank_jobs import launch
+
+    path = checkpoints["shared"]
+    port, out = free_port(), tmp_path / "pipeline.json"
+    launch("mixed_rank.py", [{"model": str(path), "rank": rank, "port": port, "layers": [[0, 2], [2, 4]],
+                              "engines": ["torch", "torch"], "prompts": PROMPTS, "tokens": TOKENS,
+                              "out": str(out), "max_seq": 64, "block_size": 4} for rank in range(2)], 300)
+    got = json.loads(out.read_text())["tokens"]
+    assert (why := disagreement(got, reference(path))) is None, why
+
+
+def test_linear_layers_hold_no_kv_block(checkpoints: dict[str, Path]) -> None:
+    """A linear layer's past is its states: its KV pool has no block, and a position costs only the full layer's
+    keys and values (a slice of linear layers only: 1 byte, so it sizes its pool by the streams' ceiling)."""
+    model = load_model(checkpoints["shared"])
+    cache = model.make_cache(8, 16)
+    assert [layer.keys.shape[0] for layer in cache.layers] == [0, 0, 0, 8]
+    assert model.kv_bytes_per_token() == 2 * 2 * 16 * 4  # one layer: a key and a value, 2 heads x 16, float32
+    assert load_model(checkpoints["shared"], end_layer=3).kv_bytes_per_token() == 1
+
+
 def test_a_request_arriving_mid_decode_rides_on_it(checkpoints: dict[str, Path],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     assert_mixed_step_tokens(checkpoints["drawn"], GatedAttention, monkeypatch)

@@ -113,7 +113,7 @@ class ModelSlice(nn.Module):
         """A paged cache of num_blocks blocks for this slice's layers and shard's heads; local_blocks: a hybrid
         model's sliding layers get their own pools of that many blocks (None: one pool size for every layer, read
         through one block table); bits: 16 keeps keys and values in the model's dtype, 8 or 4 quantizes them."""
-        local = self._sliding() if local_blocks is not None else ()
+        local = self._sliding() if local_blocks is not None else self._stateful()
         return KVCache(
             len(self.layers), num_blocks, self.n_kv_heads, block_size, self.args.head_dim,
             dtype=dtype or self.args.dtype, device=self.rope.inv_freq.device, local=local,
@@ -121,9 +121,12 @@ class ModelSlice(nn.Module):
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None, bits: int = 16) -> int:
-        """What one position of one request costs in this slice's cache at `bits`."""
-        return KVCache.bytes_per_token(len(self.layers), self.n_kv_heads, self.args.head_dim, dtype or self.args.dtype,
-                                       bits)
+        """What one position of one request costs in this slice's cache at `bits`: its layers that hold KV only. At
+        least 1: a slice of state-only layers (Qwen3-Next's linear ones) then sizes its pool by the streams'
+        ceiling (schedule.pool_blocks), not by the least one whole-context request needs, which would become
+        the whole group's pool (the group takes its smallest)."""
+        return max(1, KVCache.bytes_per_token(len(self.layers) - sum(self._stateful()), self.n_kv_heads,
+                                              self.args.head_dim, dtype or self.args.dtype, bits))
 
     def group_bytes_per_token(self, dtype: torch.dtype | None = None, bits: int = 16) -> tuple[int, int]:
         """What one position costs in this slice's (full group, sliding group) pools of a hybrid model."""
@@ -131,6 +134,13 @@ class ModelSlice(nn.Module):
         per = [KVCache.bytes_per_token(n, self.n_kv_heads, self.args.head_dim, dtype or self.args.dtype, bits)
                for n in (len(self.layers) - sliding, sliding)]
         return per[0], per[1]
+
+    def _stateful(self) -> tuple[bool, ...]:
+        """Per owned layer, whether it keeps a per-stream state instead of KV rows (Qwen3-Next's linear attention:
+        its layer's holds_kv is False), when any does: those layers' pools hold no block (a second KV group of 0
+        blocks). Empty: every layer holds KV."""
+        flags = tuple(not getattr(layer, "holds_kv", True) for layer in self.layers.values())
+        return flags if any(flags) else ()
 
     def _sliding(self) -> tuple[bool, ...]:
         """Per owned layer, whether it attends through the sliding window."""

@@ -266,6 +266,18 @@ def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return out.reshape(b, h, -1, out.shape[-1])[:, :, :t], state
 
 
+_LAST: list[Any] = [None, ([], [])]
+"""The last batch part _streams read and its rows' streams (compared by identity: one read per part and step)."""
+
+
+def _streams(batch: StepBatch) -> tuple[list[int], list[int]]:
+    """Each row's stream (its first KV block) and first position: read once per batch part, not once per linear
+    layer (a device sync each on a GPU)."""
+    if _LAST[0] is not batch:
+        _LAST[0], _LAST[1] = batch, (batch.tables[:, 0].tolist(), batch.positions[:, 0].tolist())
+    return _LAST[1]
+
+
 class GatedDeltaNet(nn.Module):
     """linear_attn: see the module docstring. Its states live in `states` (StreamStates), not in the KV cache."""
 
@@ -314,7 +326,7 @@ class GatedDeltaNet(nn.Module):
     def _part(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         s = self.shape
         rows, t, _ = x.shape
-        keys, starts = batch.tables[:, 0].tolist(), batch.positions[:, 0].tolist()
+        keys, starts = _streams(batch)
         sources, dests = self.states.step(keys, starts, t, x.dtype, x.device)
         conv_state, state = self.states.read(sources)
         mixed, z, b, a = self._split(x)
@@ -363,6 +375,11 @@ class Qwen3NextLayer(nn.Module):
         self.linear_attn = GatedDeltaNet(args) if index in _shape(args).linear_layers else None
         self.self_attn = GatedAttention(args, tp_size, reduce) if self.linear_attn is None else None
         self.mlp = SharedExpertMoe(args, tp_size, reduce) if index in args.sparse_layers else MLP(args, tp_size, reduce)
+
+    @property
+    def holds_kv(self) -> bool:
+        """A linear layer's past is its StreamStates: the slice gives it an empty KV pool (ModelSlice._stateful)."""
+        return self.linear_attn is None
 
     def forward(self, x: torch.Tensor, batch: StepBatch | MixedBatch, rope: Rotation | tuple[Rotation, ...],
                 cache: LayerCache) -> torch.Tensor:
