@@ -9,9 +9,9 @@ grammars (JSON, forced tool calls) and reasoning budgets (requests.py), the chat
 runner's events. It runs on one node only: placement refuses to split a fallback family over torch ranks
 (master/engine_choice.torch_splits), and the card says which runtime runs it (ModelCard.torch_runtime).
 
-The families that need a cluster and have no native file yet (Qwen3-Next, MiniMax M2, ...) are accepted on a
+The families that need a cluster and have no native file yet (MiniMax M2, Nemotron-H, ...) are accepted on a
 Linux node this way, one node each; native family files (engines/torch/models/, issue 40: GLM-4 MoE, DeepSeek V3,
-gpt-oss so far) replace this path family by family.
+gpt-oss, Qwen3-Next so far) replace this path family by family.
 """
 
 from __future__ import annotations
