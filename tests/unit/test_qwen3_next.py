@@ -5,11 +5,12 @@ every MLP a MoE with a gated shared expert), and a variant whose norms, decays a
 shared one keeps transformers' initial values: zero norm weights, dt_bias one). Their 16 greedy tokens for two
 prompts of different lengths, decoded together, are transformers' (its forward over the whole sequence each
 step): so neither stream's linear-attention state leaks into the other's. So are they through a two-stage
-pipeline (each stage building only its layers and their states), with the second request arriving while the
-first decodes (its chunks ride on the decode step, beside the decode row the engine computes and drops for it),
-and for a request admitted after another left (its state starts from zeros; the leaver's was freed). A prompt
-longer than the delta rule's chunk, prefilled in two engine chunks, ends on transformers' logits. The engine
-shares no prefixes and speculates none for the family, and the catalog cards it as native."""
+pipeline (each stage building only its layers and their states) and two tensor-parallel ranks (each holding half
+of every layer's heads and their states), with the second request arriving while the first decodes (its chunks
+ride on the decode step, beside the decode row the engine computes and drops for it), and for a request admitted
+after another left (its state starts from zeros; the leaver's was freed). A prompt longer than the delta rule's
+chunk, prefilled in two engine chunks, ends on transformers' logits. The engine shares no prefixes and speculates
+none for the family, and the catalog cards it as native."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from skulk.models.demo import generate_random_llama
 from skulk.types.chat import SamplingParams
 from tests.unit.family_checkpoints import COMMON, FAMILIES, PROMPTS, TOKENS, disagreement, reference, with_tokenizer
 from tests.unit.family_checkpoints import write as write_family
-from tests.unit.test_glm4_moe import assert_mixed_step_tokens, assert_transformers_tokens
+from tests.unit.test_glm4_moe import assert_mixed_step_tokens, assert_tensor_ranks_match, assert_transformers_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # real model compute: `make test`, not `make test-fast`
 
@@ -94,6 +95,29 @@ def test_two_pipeline_ranks_give_transformers_tokens(checkpoints: dict[str, Path
     launch("mixed_rank.py", [{"model": str(path), "rank": rank, "port": port, "layers": [[0, 2], [2, 4]],
                               "engines": ["torch", "torch"], "prompts": PROMPTS, "tokens": TOKENS,
                               "out": str(out), "max_seq": 64, "block_size": 4} for rank in range(2)], 300)
+    got = json.loads(out.read_text())["tokens"]
+    assert (why := disagreement(got, reference(path))) is None, why
+
+
+@pytest.mark.parametrize("name", ["shared", "drawn"])
+def test_two_tensor_parallel_ranks_give_one_ranks_logits(name: str, checkpoints: dict[str, Path]) -> None:
+    """Each rank holds half the heads of every layer, linear ones included (its key heads' rows of in_proj_qkvz
+    and in_proj_ba, its q, k and v channels of the conv, its value heads' decays), half of every expert and of the
+    shared expert; the all-reduced logits are one rank's."""
+    assert_tensor_ranks_match(checkpoints[name])
+
+
+def test_two_tensor_rank_processes_give_transformers_tokens(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """The engine over two Tensor rank processes (gloo): both prompts' tokens are transformers'."""
+    from skulk.testing.nodes import free_port
+    from tests.unit.rank_jobs import launch
+
+    path = checkpoints["drawn"]
+    port, out = free_port(), tmp_path / "tensor.json"
+    launch("mixed_rank.py", [{"model": str(path), "rank": rank, "port": port, "layers": [[0, 4], [0, 4]],
+                              "kind": "tensor", "engines": ["torch", "torch"], "prompts": PROMPTS, "tokens": TOKENS,
+                              "out": str(out), "max_seq": 64, "block_size": 4, "dtype": "float32"}
+                             for rank in range(2)], 300)
     got = json.loads(out.read_text())["tokens"]
     assert (why := disagreement(got, reference(path))) is None, why
 

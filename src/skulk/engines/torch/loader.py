@@ -82,7 +82,7 @@ def load_model(
             _quantize_modules(model, names, quant, Split(tp_rank, tp_size), torch.device(device))
         expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if t.is_meta}
         tensors = _read_tensors(model_dir.name, names, expected, _stacked_destinations(model, expected, args.dtype,
-                                torch.device(device)), Split(tp_rank, tp_size))
+                                torch.device(device)), Split(tp_rank, tp_size), _tp_parts(model))
     model.load_state_dict(tensors, strict=False, assign=True)
     del tensors
     if torch.device(device).type != "cpu":
@@ -177,19 +177,32 @@ class CheckpointNames:
         return f"{self.prefix}{param}"
 
 
+def _tp_parts(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Parameters made of consecutive parts that each split across tensor-parallel ranks (a module's tp_parts:
+    Qwen3-Next's conv over q, k and v channels), by their whole parts' sizes along dim 0."""
+    return {f"{name}.{tensor}": sizes for name, module in model.named_modules()
+            for tensor, sizes in getattr(module, "tp_parts", {}).items()}
+
+
 def _read_tensors(
     name: str,
     names: CheckpointNames,
     expected: dict[str, tuple[int, ...]],
     destinations: dict[str, torch.Tensor],
     split: Split,
+    parted: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every parameter still on the meta device, read into its destination: its rows of a stacked buffer, or a
-    buffer of its own in the slice's dtype."""
+    buffer of its own in the slice's dtype; of a parameter in `parted` (_tp_parts), this rank's rows of each
+    part."""
     loaded: dict[str, torch.Tensor] = {}
     read: dict[tuple[str, int | None], torch.Tensor] = {}
     for param, out in destinations.items():
         source, dim = names.source(param), tp_split_dim(param)
+        if parted and param in parted and split.size > 1:
+            whole = names.read(source, None, Split(0, 1)).split(list(parted[param]))
+            loaded[param] = out.copy_(torch.cat([p.chunk(split.size)[split.rank] for p in whole]))
+            continue
         if split.rank and partial_sum_bias(param):
             loaded[param] = out.zero_()  # added once, by rank 0: the all_reduce sums the ranks' outputs
             continue

@@ -25,8 +25,11 @@ from .layers import AllReduce, DecoderLayer, RMSNorm, Rope, identity, softcap_lo
 from .matmul import Linear
 from .models import family_of, make_layer
 
-_COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj)\.(weight|bias)$")
-_ROW_SPLIT = re.compile(r"\.(o_proj|down_proj)\.weight$")
+_COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj|in_proj_qkvz|in_proj_ba)"
+                           r"\.(weight|bias)$|\.linear_attn\.(A_log|dt_bias)$")
+"""Split by output rows (heads, MLP width); Qwen3-Next's linear attention by key-head groups (in_proj_qkvz and
+in_proj_ba hold each key head's q, k, v, z and b, a side by side) and value heads (A_log, dt_bias)."""
+_ROW_SPLIT = re.compile(r"\.(o_proj|down_proj|out_proj)\.weight$")
 _GPT_OSS_SPLIT = {"self_attn.sinks": 0, "mlp.experts.gate_up_proj": 2, "mlp.experts.gate_up_proj_bias": 1,
                   "mlp.experts.down_proj": 1}
 """gpt-oss's per-head sinks, and its stacked experts ([experts, hidden, 2 x width] with gate and up interleaved
@@ -34,7 +37,7 @@ column by column, [experts, width, hidden]): each rank holds its heads' sinks an
 (a block of interleaved columns is whole gate/up pairs)."""
 _GPT_OSS = re.compile(r"\.(self_attn\.sinks|mlp\.experts\.(?:gate_up_proj|gate_up_proj_bias|down_proj))$")
 _ROW_SPLIT_BIAS = re.compile(r"\.(o_proj\.bias|down_proj\.bias|experts\.down_proj_bias)$")
-_PARTIAL_SUM = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)$")
+_PARTIAL_SUM = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj|linear_attn\.out_proj)$")
 """Row-split projections whose per-rank partial sums the all_reduce adds in float32 (a MoE's experts add theirs
 into one buffer in the activations' dtype)."""
 

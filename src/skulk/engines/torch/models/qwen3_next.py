@@ -24,7 +24,9 @@ engine frees a stream's slots when its blocks go back (Scheduler.on_free, family
 reason the family is `stateful`: no prefix sharing (a shared block carries no state) and no speculative decoding
 (a rejected draft would leave the state past the accepted tokens).
 
-One tensor-parallel rank only: a pipeline stage holds its layers whole, and its linear layers' states.
+A pipeline stage holds its layers whole, and its linear layers' states. Tensor parallel: attention heads and
+expert widths split as every family's do; a linear layer's key heads (with their value heads) split the same way,
+each rank keeping its heads' states, and the shared expert's width splits like the experts'.
 """
 
 from __future__ import annotations
@@ -206,11 +208,14 @@ class GatedRMSNorm(nn.Module):
 
 
 class Conv(nn.Module):
-    """linear_attn.conv1d: a depthwise kernel [channels, 1, kernel] (no bias), as nn.Conv1d stores it."""
+    """linear_attn.conv1d: a depthwise kernel [channels, 1, kernel] (no bias), as nn.Conv1d stores it. Its channels
+    are q's, k's and v's side by side: a tensor-parallel rank holds its heads' rows of each (tp_parts, the whole
+    parts' sizes, which the loader splits one by one)."""
 
-    def __init__(self, channels: int, kernel: int) -> None:
+    def __init__(self, parts: tuple[int, int, int], kernel: int, tp_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.weight = nn.Parameter(torch.empty(sum(parts) // tp_size, 1, kernel))
+        self.tp_parts = {"weight": parts}
 
     def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """SiLU(conv) of x [B, channels, T] after the state [B, channels, kernel - 1]; and the new state."""
@@ -279,23 +284,30 @@ def _streams(batch: StepBatch) -> tuple[list[int], list[int]]:
 
 
 class GatedDeltaNet(nn.Module):
-    """linear_attn: see the module docstring. Its states live in `states` (StreamStates), not in the KV cache."""
+    """linear_attn: see the module docstring. Its states live in `states` (StreamStates), not in the KV cache.
+    Tensor parallel: a rank holds num_k_heads / tp_size key heads and their value heads (the projections' rows
+    come grouped by key head), and all-reduces out_proj's partial sum."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
         super().__init__()
         shape = _shape(args)
-        self.shape = shape
-        self.key_dim, self.value_dim = shape.num_k_heads * shape.head_k_dim, shape.num_v_heads * shape.head_v_dim
+        if shape.num_k_heads % tp_size or shape.num_v_heads % tp_size:
+            raise ValueError(f"linear-attention heads ({shape.num_k_heads} key, {shape.num_v_heads} value) do not "
+                             f"split evenly across {tp_size} tensor-parallel ranks")
+        self.dk, self.dv = shape.head_k_dim, shape.head_v_dim
+        self.nk, self.nv = shape.num_k_heads // tp_size, shape.num_v_heads // tp_size
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         channels = 2 * self.key_dim + self.value_dim
         self.in_proj_qkvz = Linear(args.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = Linear(args.hidden_size, 2 * shape.num_v_heads, bias=False)
-        self.conv1d = Conv(channels, shape.conv_kernel)
-        self.dt_bias = nn.Parameter(torch.empty(shape.num_v_heads))
-        self.A_log = nn.Parameter(torch.empty(shape.num_v_heads))
-        self.norm = GatedRMSNorm(shape.head_v_dim, args.rms_norm_eps)
+        self.in_proj_ba = Linear(args.hidden_size, 2 * self.nv, bias=False)
+        whole = (shape.num_k_heads * self.dk, shape.num_k_heads * self.dk, shape.num_v_heads * self.dv)
+        self.conv1d = Conv(whole, shape.conv_kernel, tp_size)
+        self.dt_bias = nn.Parameter(torch.empty(self.nv))
+        self.A_log = nn.Parameter(torch.empty(self.nv))
+        self.norm = GatedRMSNorm(self.dv, args.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, args.hidden_size, bias=False)
-        self.states = StreamStates((channels, shape.conv_kernel - 1),
-                                   (shape.num_v_heads, shape.head_k_dim, shape.head_v_dim))
+        self.all_reduce = all_reduce
+        self.states = StreamStates((channels, shape.conv_kernel - 1), (self.nv, self.dk, self.dv))
 
     def forget_stream(self, key: int) -> None:
         self.states.forget(key)
@@ -314,17 +326,15 @@ class GatedDeltaNet(nn.Module):
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v flat side by side as the conv takes them [B, T, channels], z [B, T, v_heads, dv], b, a [B, T,
         v_heads]) from the projections' per-key-head groups (transformers' fix_query_key_value_ordering)."""
-        s = self.shape
         b, t, _ = x.shape
-        ratio = s.num_v_heads // s.num_k_heads
-        qkvz = self.in_proj_qkvz(x).view(b, t, s.num_k_heads, -1)
-        q, k, v, z = qkvz.split([s.head_k_dim, s.head_k_dim, ratio * s.head_v_dim, ratio * s.head_v_dim], dim=3)
-        beta, a = self.in_proj_ba(x).view(b, t, s.num_k_heads, -1).split([ratio, ratio], dim=3)
+        ratio = self.nv // self.nk
+        qkvz = self.in_proj_qkvz(x).view(b, t, self.nk, -1)
+        q, k, v, z = qkvz.split([self.dk, self.dk, ratio * self.dv, ratio * self.dv], dim=3)
+        beta, a = self.in_proj_ba(x).view(b, t, self.nk, -1).split([ratio, ratio], dim=3)
         mixed = torch.cat((q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)), dim=-1)
-        return mixed, z.reshape(b, t, -1, s.head_v_dim), beta.reshape(b, t, -1), a.reshape(b, t, -1)
+        return mixed, z.reshape(b, t, -1, self.dv), beta.reshape(b, t, -1), a.reshape(b, t, -1)
 
     def _part(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        s = self.shape
         rows, t, _ = x.shape
         keys, starts = _streams(batch)
         sources, dests = self.states.step(keys, starts, t, x.dtype, x.device)
@@ -332,19 +342,19 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._split(x)
         mixed, conv_state = self.conv1d(mixed.transpose(1, 2), conv_state)
         q, k, v = mixed.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        ratio = s.num_v_heads // s.num_k_heads
-        q = q.reshape(rows, t, -1, s.head_k_dim).repeat_interleave(ratio, dim=2)
-        k = k.reshape(rows, t, -1, s.head_k_dim).repeat_interleave(ratio, dim=2)
-        v = v.reshape(rows, t, -1, s.head_v_dim)
+        ratio = self.nv // self.nk
+        q = q.reshape(rows, t, -1, self.dk).repeat_interleave(ratio, dim=2)
+        k = k.reshape(rows, t, -1, self.dk).repeat_interleave(ratio, dim=2)
+        v = v.reshape(rows, t, -1, self.dv)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         q, k, v, beta, g = (y.transpose(1, 2).float().contiguous() for y in (q, k, v, beta, g))
-        q, k = l2norm(q) * s.head_k_dim**-0.5, l2norm(k)
+        q, k = l2norm(q) * self.dk**-0.5, l2norm(k)
         rule = recurrent_rule if t == 1 else chunk_rule
         out, state = rule(q, k, v, g, beta, state)
         self.states.write(dests, conv_state, state)
         out = self.norm(out.transpose(1, 2).to(x.dtype), z)
-        return self.out_proj(out.reshape(rows, t, -1))
+        return self.all_reduce(self.out_proj(out.reshape(rows, t, -1)))
 
 
 class SharedExpertMoe(SparseMoe):
@@ -353,7 +363,7 @@ class SharedExpertMoe(SparseMoe):
 
     def __init__(self, args: ModelArgs, tp_size: int, all_reduce: AllReduce) -> None:
         super().__init__(args, tp_size, all_reduce)
-        self.shared_expert = Expert(args.hidden_size, _shape(args).shared_expert_intermediate_size)
+        self.shared_expert = Expert(args.hidden_size, _shape(args).shared_expert_intermediate_size // tp_size)
         self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -372,7 +382,8 @@ class Qwen3NextLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, unit_offset=True)
-        self.linear_attn = GatedDeltaNet(args) if index in _shape(args).linear_layers else None
+        linear = index in _shape(args).linear_layers
+        self.linear_attn = GatedDeltaNet(args, tp_size, reduce) if linear else None
         self.self_attn = GatedAttention(args, tp_size, reduce) if self.linear_attn is None else None
         self.mlp = SharedExpertMoe(args, tp_size, reduce) if index in args.sparse_layers else MLP(args, tp_size, reduce)
 
@@ -394,8 +405,6 @@ class Qwen3NextLayer(nn.Module):
 
 
 def layer(args: ModelArgs, index: int, tp_size: int, reduce: AllReduce) -> nn.Module:
-    if tp_size != 1:
-        raise ValueError("Qwen3-Next runs natively on pipeline stages only (one tensor-parallel rank each)")
     return Qwen3NextLayer(args, index, tp_size, reduce)
 
 
