@@ -110,6 +110,24 @@ static inline int hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
+/* exp for the softmax, 8 lanes: 2^(x log2 e) split into an integer power (exponent bits) and a degree-6
+ * polynomial of the remainder; relative error about 2e-7 over the range softmax feeds it (x <= 0). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 fi = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, fi);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 static inline size_t type_size(int type) { return type == T_F32 ? 4 : 2; }
 
 /* Columns n0..n1 of every row's f32 sums (stride floats apart), plus bias, stored to y [rows, n] in ytype. Each
@@ -169,4 +187,31 @@ void skulk_half_mv(const void *w, int wtype, int N, int K, const void *x, int xt
                    void *y, int ytype);
 void skulk_quant_mv(const uint8_t *w, const uint16_t *scales, const uint16_t *biases, int bits, int group, int N, int K,
                     const void *x, int xtype, int R, const float *bias, void *y, int ytype);
+/* A matrix as the layer and MoE kernels read it (cpu_kernels.MatrixDesc): f16/bf16/f32 weights, or our quantized
+ * layout (quant.interleave8). */
+typedef struct {
+    int kind; /* 0: f16/bf16/f32 weights, 1: our quantized layout */
+    int wtype, bits, group, n, k;
+    const void *w;
+    const uint16_t *scales, *biases;
+    const float *bias;
+} matrix_t;
+
+/* y [R, n] = x [R, k] @ m.T (+ bias), x and y in `type` */
+static inline void mv(const matrix_t *m, const void *x, int type, int R, void *y) {
+    if (m->kind == 0) skulk_half_mv(m->w, m->wtype, m->n, m->k, x, type, R, m->bias, y, type);
+    else skulk_quant_mv(m->w, m->scales, m->biases, m->bits, m->group, m->n, m->k, x, type, R, m->bias, y, type);
+}
+
+/* A sparse MoE block (moe.SparseMoe, cpu_moe.c): a softmax router and per expert its stacked gate/up [2 inter,
+ * hidden] and down [hidden, inter], SiLU-gated (cpu_kernels.MoeDesc). */
+typedef struct {
+    matrix_t router;
+    const matrix_t *gate_up, *down;
+    int experts, top_k, inter, hidden, normalize;
+} moe_t;
+
+void skulk_act_mul(const void *gate_up, int type, int rows, int I, int gelu, void *out);
+void skulk_moe_mix(const moe_t *M, const void *x, int type, int R, const int32_t *ids, const float *weights, void *out);
+void skulk_moe(const moe_t *M, const void *x, int type, int R, void *out);
 #endif

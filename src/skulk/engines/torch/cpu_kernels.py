@@ -33,7 +33,7 @@ from .device import uses_c_kernels
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_matmul.c", "cpu_step.c", "cpu_amx.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_matmul.c", "cpu_step.c", "cpu_amx.c", "cpu_moe.c"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -148,7 +148,17 @@ class LayerDesc(ctypes.Structure):
                 ("k_norm", ctypes.c_void_p), ("norm_type", ctypes.c_int), ("heads", ctypes.c_int),
                 ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("hidden", ctypes.c_int),
                 ("inter", ctypes.c_int), ("gelu", ctypes.c_int), ("unit_offset", ctypes.c_int),
-                ("eps", ctypes.c_float), ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("moe", ctypes.c_void_p)]
+    """moe: a MoeDesc's address (MoeKernel.address) when the layer's MLP is a sparse MoE block, else None."""
+
+
+class MoeDesc(ctypes.Structure):
+    """cpu_kernels.h's moe_t: a sparse MoE block's router and its experts' stacked gate/up and down matrices."""
+
+    _fields_ = [("router", MatrixDesc), ("gate_up", ctypes.POINTER(MatrixDesc)), ("down", ctypes.POINTER(MatrixDesc)),
+                ("experts", ctypes.c_int), ("top_k", ctypes.c_int), ("inter", ctypes.c_int), ("hidden", ctypes.c_int),
+                ("normalize", ctypes.c_int)]
 
 
 _enabled = True
@@ -206,6 +216,10 @@ def library() -> ctypes.CDLL | None:
     lib.skulk_decode_layer.restype = None
     lib.skulk_decode_layers.argtypes = [ptr, i32, ptr, ptr, ptr, i32, i32, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, ptr]
     lib.skulk_decode_layers.restype = None
+    lib.skulk_moe_mix.argtypes = [ctypes.POINTER(MoeDesc), ptr, i32, i32, ptr, ptr, ptr]
+    lib.skulk_moe_mix.restype = None
+    lib.skulk_moe.argtypes = [ctypes.POINTER(MoeDesc), ptr, i32, i32, ptr]
+    lib.skulk_moe.restype = None
     _enable_amx(lib)
     return lib
 
@@ -405,4 +419,51 @@ class LayerStack:
         lib.skulk_decode_layers(self.descs, self.n, x.data_ptr(), out.data_ptr(), tmp.data_ptr(), _TYPES[x.dtype],
                                 x.shape[0], positions.data_ptr(), tables.data_ptr(), tables.shape[1], self.block_size,
                                 cos.data_ptr(), sin.data_ptr(), self.windows, self.keys, self.values)
+        return out
+
+
+Matrix = HalfMatrix | QuantMatrix
+
+
+class MoeKernel:
+    """A sparse MoE block (moe.SparseMoe: softmax router, SiLU experts with stacked gate/up) described once for
+    cpu_moe.c: its picked experts in one call (mix), or routing too (__call__), or as a part of a decoder layer's
+    skulk_decode_layer call (LayerDesc.moe = address). Holds the matrices' descriptions; the matrices themselves
+    stay the modules' (their tensors must outlive it, as the modules that build it keep them)."""
+
+    __slots__ = ("desc", "down", "gate_up", "matrices")
+
+    def __init__(self, router: Matrix, gate_up: list[Matrix], down: list[Matrix], top_k: int,
+                 normalize: bool) -> None:
+        self.matrices = (router, gate_up, down)
+        self.gate_up = (MatrixDesc * len(gate_up))(*(m.describe() for m in gate_up))
+        self.down = (MatrixDesc * len(down))(*(m.describe() for m in down))
+        hidden, inter = gate_up[0].k, down[0].k
+        self.desc = MoeDesc(router.describe(), self.gate_up, self.down, len(gate_up), top_k, inter, hidden,
+                            int(normalize))
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.desc)
+
+    def mix(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden]'s rows through their chosen experts (chosen [N, k]) times weights [N, k], summed:
+        SparseMoe.mix's result and roundings."""
+        lib = library()
+        assert lib is not None
+        x = x.contiguous()
+        ids = chosen.to(torch.int32).contiguous()
+        w = weights.float().contiguous()
+        out = torch.empty_like(x)
+        lib.skulk_moe_mix(ctypes.byref(self.desc), x.data_ptr(), _TYPES[x.dtype], x.shape[0], ids.data_ptr(),
+                          w.data_ptr(), out.data_ptr())
+        return out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole block for x [N, hidden]: routing (SparseMoe.route's softmax top-k) and mix."""
+        lib = library()
+        assert lib is not None
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        lib.skulk_moe(ctypes.byref(self.desc), x.data_ptr(), _TYPES[x.dtype], x.shape[0], out.data_ptr())
         return out

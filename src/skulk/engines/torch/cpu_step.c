@@ -38,24 +38,6 @@ void skulk_rms_norm(const void *x, int xtype, int rows, int n, const void *weigh
 }
 
 /* ---- decode attention --------------------------------------------------------------------------------------- */
-/* exp for the softmax, 8 lanes: 2^(x log2 e) split into an integer power (exponent bits) and a degree-6
- * polynomial of the remainder; relative error about 2e-7 over the range softmax feeds it (x <= 0). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    __m256 fi = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_sub_ps(t, fi);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 static inline __m256 load8(const void *base, int type, size_t at) {
     if (type == T_F32) return _mm256_loadu_ps((const float *)base + at);
     if (type == T_F16) return load_f16((const uint16_t *)base + at);
@@ -416,27 +398,15 @@ void skulk_act_mul(const void *gate_up, int type, int rows, int I, int gelu, voi
  * B rows of one token each, as one call: the same kernels as the torch path's calls, in the same order, with the
  * same roundings, but no Python between them. The layer and its matrices are described once (cpu_kernels.py). */
 typedef struct {
-    int kind; /* 0: f16/bf16/f32 weights, 1: our quantized layout */
-    int wtype, bits, group, n, k;
-    const void *w;
-    const uint16_t *scales, *biases;
-    const float *bias;
-} matrix_t;
-
-typedef struct {
     matrix_t qkv, o, gate_up, down;
     const void *in_norm, *post_norm, *q_norm, *k_norm; /* q/k norms NULL when the model has none */
     int norm_type, heads, kv_heads, head_dim, hidden, inter, gelu, unit_offset;
     float eps, qk_eps, scale;
+    const moe_t *moe; /* a sparse MoE block in place of the dense MLP (gate_up, down, inter unused), or NULL */
 } layer_t;
 
 static __thread void *arena_buf;
 static __thread size_t arena_len;
-
-static void mv(const matrix_t *m, const void *x, int type, int R, void *y) {
-    if (m->kind == 0) skulk_half_mv(m->w, m->wtype, m->n, m->k, x, type, R, m->bias, y, type);
-    else skulk_quant_mv(m->w, m->scales, m->biases, m->bits, m->group, m->n, m->k, x, type, R, m->bias, y, type);
-}
 
 /* out = the layer applied to x ([B, hidden] in `type`): B rows of one token, row b at positions[b] through block
  * table tables + b * stride. Rows of one request at consecutive positions are a prefill chunk: every row's k/v is
@@ -464,9 +434,13 @@ void skulk_decode_layer(const layer_t *L, const void *x, void *out, int type, in
                            bs, window, L->scale, attn);
     mv(&L->o, attn, type, B, delta);
     skulk_add_rms_norm(x, delta, type, B, L->hidden, L->post_norm, L->norm_type, L->eps, L->unit_offset, out, normed);
-    mv(&L->gate_up, normed, type, B, gate_up);
-    skulk_act_mul(gate_up, type, B, L->inter, L->gelu, act);
-    mv(&L->down, act, type, B, delta);
+    if (L->moe) {
+        skulk_moe(L->moe, normed, type, B, delta);
+    } else {
+        mv(&L->gate_up, normed, type, B, gate_up);
+        skulk_act_mul(gate_up, type, B, L->inter, L->gelu, act);
+        mv(&L->down, act, type, B, delta);
+    }
     float *row = scratch((size_t)2 * L->hidden * sizeof(float)), *d = row + L->hidden;
     for (int r = 0; r < B; r++) { /* h + mlp(h), rounded as torch's add rounds */
         const size_t at = (size_t)r * L->hidden;

@@ -361,39 +361,55 @@ class DecoderLayer(nn.Module):
 
     def _describe(self) -> tuple[cpu_kernels.LayerDesc, torch.dtype] | bool:
         """The layer as skulk_decode_layer reads it (decided once, after loading): the same steps as forward's
-        torch path in one call, so a decode step pays Python once per layer, not ~20 times. False where it does
-        not apply: a tensor-parallel rank (its all-reduces sit between the steps), a MoE block, CUDA weights,
-        partial rotary, or projections that did not stack."""
-        attn, mlp = self.self_attn, self.mlp
-        if not isinstance(attn, Attention):
+        torch path in one call, so a decode step pays Python once per layer, not ~20 times. The MLP is a dense one
+        or a sparse MoE block whose routing and experts cpu_moe.c runs (moe.SparseMoe.layer_kernel). False where it
+        does not apply: a tensor-parallel rank (its all-reduces sit between the steps), another MoE block, CUDA
+        weights, partial rotary, or projections that did not stack."""
+        attn, mlp_part = self.self_attn, self._describe_mlp()
+        if not isinstance(attn, Attention) or mlp_part is None:
             self._native = False
             return False
-        matrices = [_kernel_matrix(m) for m in (attn.qkv, attn.o_proj, getattr(mlp, "gate_up", None),
-                                                getattr(mlp, "down_proj", None))]
+        matrices = [kernel_matrix(m) for m in (attn.qkv, attn.o_proj)]
         norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
         if attn.q_norm is not None and attn.k_norm is not None:
             norms += [attn.q_norm.weight, attn.k_norm.weight]
         usable = (attn.all_reduce is identity and not attn.softcap and attn.head_dim % 8 == 0 and attn.head_dim <= 512
                   and attn.rotary_dim == attn.head_dim and len({w.dtype for w in norms}) == 1
                   and norms[0].dtype in _KERNEL_DTYPES)
-        if not usable or not isinstance(mlp, MLP) or any(m is None for m in matrices):
+        if not usable or any(m is None for m in matrices):
             self._native = False
             return False
-        qkv, o, gate_up, down = (m.describe() for m in matrices)  # type: ignore[union-attr]
+        qkv, o = (m.describe() for m in matrices)  # type: ignore[union-attr]
+        gate_up, down, inter, gelu, moe = mlp_part
         q_norm, k_norm = (norms[2].data_ptr(), norms[3].data_ptr()) if len(norms) == 4 else (None, None)
         desc = cpu_kernels.LayerDesc(
             qkv, o, gate_up, down, norms[0].data_ptr(), norms[1].data_ptr(), q_norm, k_norm,
             cpu_kernels.type_code(norms[0].dtype), attn.n_heads, attn.n_kv_heads, attn.head_dim,
-            self.input_layernorm.weight.shape[0], mlp.inter, int(mlp.gelu), 0, self.input_layernorm.eps,
-            attn.q_norm.eps if attn.q_norm is not None else 0.0, attn.scale or attn.head_dim**-0.5)
+            self.input_layernorm.weight.shape[0], inter, gelu, 0, self.input_layernorm.eps,
+            attn.q_norm.eps if attn.q_norm is not None else 0.0, attn.scale or attn.head_dim**-0.5, moe)
         self._native = (desc, norms[0].dtype)
         return self._native
 
+    def _describe_mlp(self) -> tuple[cpu_kernels.MatrixDesc, cpu_kernels.MatrixDesc, int, int, int | None] | None:
+        """(gate_up, down, intermediate size, gelu, MoE description's address) of the layer's MLP for
+        skulk_decode_layer: a dense MLP's matrices, or a sparse MoE block's kernel (the dense fields left empty);
+        None when neither runs there."""
+        mlp = self.mlp
+        if isinstance(mlp, MLP):
+            gate_up, down = kernel_matrix(mlp.gate_up), kernel_matrix(mlp.down_proj)
+            if gate_up is None or down is None:
+                return None
+            return gate_up.describe(), down.describe(), mlp.inter, int(mlp.gelu), None
+        layer_kernel = getattr(mlp, "layer_kernel", None)  # moe.SparseMoe's (moe.py imports this module)
+        kernel = layer_kernel() if callable(layer_kernel) else None
+        if not isinstance(kernel, cpu_kernels.MoeKernel):
+            return None
+        return cpu_kernels.MatrixDesc(), cpu_kernels.MatrixDesc(), 0, 0, kernel.address
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _kernel_matrix(module: nn.Module | None) -> cpu_kernels.HalfMatrix | cpu_kernels.QuantMatrix | None:
+def kernel_matrix(module: nn.Module | None) -> cpu_kernels.HalfMatrix | cpu_kernels.QuantMatrix | None:
     """A projection as the kernels read it, or None when it runs elsewhere (CUDA weights, torch's quantized
     layout, a tensor-parallel partial sum)."""
     if module is None or getattr(module, "out_dtype", None) is not None or not cpu_kernels.available():

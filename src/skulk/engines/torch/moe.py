@@ -8,7 +8,11 @@ block's output that one all_reduce per block completes. Pipeline: a stage holds 
 
 Dispatch runs only the experts some token picked, each once over all the rows that picked it (sorted by
 expert, gathered, scattered back with index_add_), so a decode step of B tokens costs at most B * k expert
-MLPs of one row each, and a prefill groups its tokens into one matmul per expert.
+MLPs of one row each, and a prefill groups its tokens into one matmul per expert. Where the C kernels run and
+every expert is in their layout, that dispatch is one call (cpu_moe.c through cpu_kernels.MoeKernel: the same
+matmuls and roundings without a dozen torch ops per expert), and a softmax-routed block runs inside its decoder
+layer's one decode call (layers.DecoderLayer._describe), so a MoE model's decode step is one C call, as a dense
+model's is.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .config import ModelArgs
-from .layers import AllReduce, GatedMLP
+from .layers import AllReduce, GatedMLP, identity, kernel_matrix
 from .matmul import Linear
 
 
@@ -43,6 +48,35 @@ class SparseMoe(nn.Module):
         self.experts = experts if experts is not None else nn.ModuleList(
             Expert(args.hidden_size, inter) for _ in range(args.num_experts))
         self.all_reduce = all_reduce
+        self._kernel: cpu_kernels.MoeKernel | bool | None = None
+        """The experts as cpu_moe.c runs them; None: not yet decided (after loading), False: they run in torch."""
+
+    def kernel(self) -> cpu_kernels.MoeKernel | None:
+        """The experts (and, for SparseMoe's own routing, the router) as one cpu_moe.c call: where every expert is an
+        Expert with SiLU, its gate/up stacked and both matrices in the kernels' layout (decided once, on first use
+        after loading). A family that runs its experts otherwise (gpt-oss's run_expert) gets None."""
+        if self._kernel is None:
+            self._kernel = self._build_kernel() or False
+        return self._kernel or None
+
+    def _build_kernel(self) -> cpu_kernels.MoeKernel | None:
+        if type(self).run_expert is not SparseMoe.run_expert or not isinstance(self.experts, nn.ModuleList):
+            return None
+        experts = [e for e in self.experts if isinstance(e, Expert) and not e.gelu]
+        if len(experts) != self.n_experts:
+            return None
+        gate_up = [kernel_matrix(e.gate_up) for e in experts]
+        down = [kernel_matrix(e.down_proj) for e in experts]
+        router = kernel_matrix(self.gate) if isinstance(self.gate, nn.Module) else None
+        if router is None or any(m is None for m in (*gate_up, *down)):
+            return None
+        return cpu_kernels.MoeKernel(router, gate_up, down, self.top_k, self.normalize)  # type: ignore[arg-type]
+
+    def layer_kernel(self) -> cpu_kernels.MoeKernel | None:
+        """The block whole (routing and experts) as a decoder layer's C call runs it: SparseMoe's softmax routing,
+        one tensor-parallel rank."""
+        routed = type(self).route is SparseMoe.route and type(self).forward is SparseMoe.forward
+        return self.kernel() if routed and self.all_reduce is identity else None
 
     def run_expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """One expert's output for the rows that picked it."""
@@ -59,11 +93,15 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        if cpu_kernels.handles(flat) and (kernel := self.layer_kernel()) is not None:
+            return kernel(flat).view(x.shape)
         return self.all_reduce(self.mix(flat, *self.route(flat)).view(x.shape))
 
     def mix(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Each row's picked experts' outputs times their weights, summed in the activations' dtype (each product
         rounded to it before the add, as transformers adds them)."""
+        if cpu_kernels.handles(flat) and (kernel := self.kernel()) is not None:
+            return kernel.mix(flat, weights, chosen)
         if flat.shape[0] == 1:
             return self._one_token(flat, weights[0], chosen[0])
         picks = chosen.reshape(-1)
