@@ -7,6 +7,7 @@ path's logits."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ pytestmark = [
     pytest.mark.skipif(not cpu_kernels.available(), reason="needs an AVX2/FMA/F16C CPU and a C compiler"),
 ]
 MODEL_ID = "Qwen/Qwen3-30B-A3B"
-OPTIONS = [{"dtype": "float32"}, {"dtype": "bfloat16"}, {"quantize": "int4"}, {"quantize": "int8"}]
+OPTIONS: list[dict[str, Any]] = [{"dtype": "float32"}, {"dtype": "bfloat16"},
+                                 {"quantize": "int4"}, {"quantize": "int8"}]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def _torch_path(block: SparseMoe) -> None:
 
 
 @pytest.mark.parametrize("options", OPTIONS)
-def test_the_experts_in_one_call_are_the_per_expert_loop(checkpoint: Path, options: dict[str, str]) -> None:
+def test_the_experts_in_one_call_are_the_per_expert_loop(checkpoint: Path, options: dict[str, Any]) -> None:
     """mix through cpu_moe.c: every row count from one (the single-token path) to more rows than experts, the same
     routing given to both, identical outputs."""
     model = load_model(checkpoint, **options)
@@ -61,7 +63,7 @@ def test_the_experts_in_one_call_are_the_per_expert_loop(checkpoint: Path, optio
 
 
 @pytest.mark.parametrize("options", OPTIONS[1:3])
-def test_the_router_in_c_picks_what_torch_picks(checkpoint: Path, options: dict[str, str]) -> None:
+def test_the_router_in_c_picks_what_torch_picks(checkpoint: Path, options: dict[str, Any]) -> None:
     """The whole block in C (its softmax top-k routing too) against route + mix in torch: the same experts, so the
     outputs agree within the weights' rounding (the softmax's exp differs from torch's in the last bits)."""
     model = load_model(checkpoint, **options)
@@ -78,7 +80,7 @@ def test_the_router_in_c_picks_what_torch_picks(checkpoint: Path, options: dict[
 
 @pytest.mark.parametrize("options", OPTIONS)
 def test_a_moe_decode_step_runs_through_the_one_call_layer_stack(tmp_path: Path, checkpoint: Path,
-                                                                 options: dict[str, str]) -> None:
+                                                                 options: dict[str, Any]) -> None:
     """Every Qwen3-MoE layer (attention, norms and the MoE block) in skulk_decode_layers, rows at different
     positions: the per-step torch path's logits and greedy tokens (its routing's softmax is torch's)."""
     model = load_model(checkpoint, **options)

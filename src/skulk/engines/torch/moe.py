@@ -57,7 +57,7 @@ class SparseMoe(nn.Module):
         after loading). A family that runs its experts otherwise (gpt-oss's run_expert) gets None."""
         if self._kernel is None:
             self._kernel = self._build_kernel() or False
-        return self._kernel or None
+        return self._kernel if isinstance(self._kernel, cpu_kernels.MoeKernel) else None
 
     def _build_kernel(self) -> cpu_kernels.MoeKernel | None:
         if type(self).run_expert is not SparseMoe.run_expert or not isinstance(self.experts, nn.ModuleList):
