@@ -60,6 +60,8 @@ def test_the_experts_in_one_call_are_the_per_expert_loop(checkpoint: Path, optio
             theirs = block.mix(x, weights, chosen)
             block._kernel = kernel
         assert torch.equal(ours, theirs), rows
+    many = torch.zeros(40, model.args.hidden_size, dtype=model.args.dtype)  # a prefill's rows
+    assert (block.kernel_for(many) is kernel) == ("quantize" in options or model.args.dtype == torch.float32)
 
 
 @pytest.mark.parametrize("options", OPTIONS[1:3])

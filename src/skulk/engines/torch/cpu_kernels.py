@@ -431,11 +431,14 @@ class MoeKernel:
     skulk_decode_layer call (LayerDesc.moe = address). Holds the matrices' descriptions; the matrices themselves
     stay the modules' (their tensors must outlive it, as the modules that build it keep them)."""
 
-    __slots__ = ("desc", "down", "gate_up", "matrices")
+    __slots__ = ("any_rows", "desc", "down", "gate_up", "matrices")
 
     def __init__(self, router: Matrix, gate_up: list[Matrix], down: list[Matrix], top_k: int,
                  normalize: bool) -> None:
         self.matrices = (router, gate_up, down)
+        self.any_rows = all(isinstance(m, QuantMatrix) or m.args[1] == _TYPES[torch.float32] for m in (*gate_up, *down))
+        """Quantized or f32 experts: torch's path runs them on these kernels at any row count too (f16/bf16 ones
+        turn to a GEMM from matmul.FLOAT_GEMM_ROWS rows, which a prefill should keep: SparseMoe.kernel_for)."""
         self.gate_up = (MatrixDesc * len(gate_up))(*(m.describe() for m in gate_up))
         self.down = (MatrixDesc * len(down))(*(m.describe() for m in down))
         hidden, inter = gate_up[0].k, down[0].k

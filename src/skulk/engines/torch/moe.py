@@ -26,7 +26,7 @@ from torch import nn
 from . import cpu_kernels
 from .config import ModelArgs
 from .layers import AllReduce, GatedMLP, identity, kernel_matrix
-from .matmul import Linear
+from .matmul import FLOAT_GEMM_ROWS, Linear
 
 
 class Expert(GatedMLP):
@@ -72,6 +72,15 @@ class SparseMoe(nn.Module):
             return None
         return cpu_kernels.MoeKernel(router, gate_up, down, self.top_k, self.normalize)  # type: ignore[arg-type]
 
+    def kernel_for(self, flat: torch.Tensor, routed: bool = False) -> cpu_kernels.MoeKernel | None:
+        """The C kernel for these rows (routed: with the routing too, layer_kernel's), where it computes what the
+        torch path does as fast or faster: on the kernels' devices and dtypes, and for float experts only below
+        FLOAT_GEMM_ROWS rows (from there on each expert's matmul is a GEMM in torch: a prefill's)."""
+        if not cpu_kernels.handles(flat):
+            return None
+        kernel = self.layer_kernel() if routed else self.kernel()
+        return kernel if kernel is not None and (kernel.any_rows or flat.shape[0] < FLOAT_GEMM_ROWS) else None
+
     def layer_kernel(self) -> cpu_kernels.MoeKernel | None:
         """The block whole (routing and experts) as a decoder layer's C call runs it: SparseMoe's softmax routing,
         one tensor-parallel rank."""
@@ -93,14 +102,14 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if cpu_kernels.handles(flat) and (kernel := self.layer_kernel()) is not None:
+        if (kernel := self.kernel_for(flat, routed=True)) is not None:
             return kernel(flat).view(x.shape)
         return self.all_reduce(self.mix(flat, *self.route(flat)).view(x.shape))
 
     def mix(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Each row's picked experts' outputs times their weights, summed in the activations' dtype (each product
         rounded to it before the add, as transformers adds them)."""
-        if cpu_kernels.handles(flat) and (kernel := self.kernel()) is not None:
+        if (kernel := self.kernel_for(flat)) is not None:
             return kernel.mix(flat, weights, chosen)
         if flat.shape[0] == 1:
             return self._one_token(flat, weights[0], chosen[0])
