@@ -29,9 +29,22 @@ one thread timed by its CPU time so the load is left out, with
   moe     329,525,248   46,409,728   184.9     382.4
   dense    46,147,584   46,147,584   453.5    1164.2
   MoE ÷ dense-of-active: 0.41 at 1 stream, 0.32 at 8                  (target >= 0.75: missed at both)
-Why, as the code reads: the dense model's decode step is one C call for all its layers (model._layer_stack), which
-layers.DecoderLayer._describe declines for a MoE block, so every MoE layer runs attention, norms and rope op by op in
-torch and each picked expert as three separate int4 matmuls (gate, up, down: not stacked) from a Python loop.
+Why, as the code read then: the dense model's decode step is one C call for all its layers (model._layer_stack),
+which layers.DecoderLayer._describe declined for a MoE block, so every MoE layer ran attention, norms and rope op by
+op in torch and each picked expert's matmuls from a Python loop (a dozen torch ops and three kernel calls each).
+2026-12-07, once a softmax-routed MoE block ran on the C kernels (cpu_moe.c: routing and the picked experts, each
+once over its rows, in one call) inside its layer's skulk_decode_layer (LayerDesc.moe), so the MoE's decode step is
+one C call as the dense one's is, the same command with --part moe --rounds 3 (CPU clock; load average 8-10 from the
+other sessions), two runs:
+  model   1 stream  8 streams   (tok/s)     1 stream  8 streams
+  moe      238.9     618.2                  221.8     632.1
+  dense    243.9     815.6                  231.2     830.4
+  MoE ÷ dense-of-active: 0.98 and 0.76      0.96 and 0.74                (target >= 0.75: met at 1 stream; at 8
+  streams on the line, the per-round ratios spreading 0.69-0.99 under the load)
+What is left at 8 streams is the experts' weights: 8 streams pick about 26 of a layer's 64 experts, so the step
+reads about 6.5x the dense MLP's int4 bytes (15 MB a layer against 2.4 MB), each expert for one or two rows, from
+DRAM (the MoE's 150 MB of experts do not stay in cache as the dense model's 23 MB can). One row of a 768 x 1024
+int4 matrix ran 30-45 us in cache against 55-70 us cycling through 64 such matrices (this machine, one thread).
   family        fallback   native  nat÷fb   (tok/s)
   deepseek_v3     236.8
   glm4_moe        319.5
