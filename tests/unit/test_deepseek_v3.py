@@ -26,8 +26,9 @@ from skulk.master.shard_plan import group_bytes_per_token
 from skulk.models.catalog import card_from_config
 from skulk.models.demo import generate_random_llama
 from skulk.models.memory_math import model_memory
-from tests.unit.family_checkpoints import PROMPTS, with_tokenizer, write, write_model
+from tests.unit.family_checkpoints import PROMPTS, disagreement, reference, with_tokenizer, write, write_model
 from tests.unit.test_glm4_moe import (
+    _engine_tokens,
     assert_bf16_near_transformers,
     assert_mixed_step_tokens,
     assert_tensor_ranks_match,
@@ -68,13 +69,43 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepseek-v3")
     demo = generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                  intermediate_size=128, seed=3)
-    return {"shared": write("deepseek_v3", root, demo), "variant": _write_variant(root, demo),
-            "variant_bf16": _write_variant(root, demo, torch.bfloat16)}
+    shared = write("deepseek_v3", root, demo)
+    return {"shared": shared, "variant": _write_variant(root, demo),
+            "variant_bf16": _write_variant(root, demo, torch.bfloat16), "kimi_k2": _as_kimi_k2(shared, root)}
+
+
+def _as_kimi_k2(path: Path, root: Path) -> Path:
+    """The shared checkpoint as Kimi K2 publishes its config: DeepSeek V3's architecture (architectures
+    DeepseekV3ForCausalLM) under its own model_type, kimi_k2, which transformers does not know."""
+    import json
+    import shutil
+
+    kimi = shutil.copytree(path, root / "kimi_k2")
+    config = json.loads((kimi / "config.json").read_text())
+    (kimi / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    return kimi
 
 
 @pytest.mark.parametrize("name", ["shared", "variant"])
 def test_greedy_tokens_are_transformers_on_one_rank_and_a_pipeline(name: str, checkpoints: dict[str, Path]) -> None:
     assert_transformers_tokens(checkpoints[name])
+
+
+def test_kimi_k2_runs_natively_as_deepseek_v3(checkpoints: dict[str, Path]) -> None:
+    """A kimi_k2-typed config loads through this family: its greedy tokens are transformers' DeepseekV3 ones for
+    the same weights, and the catalog cards it native on torch, caching what the engine caches."""
+    import json
+
+    path = checkpoints["kimi_k2"]
+    assert load_model(path).args.model_type == "kimi_k2"
+    assert (why := disagreement(_engine_tokens(path), reference(checkpoints["shared"]))) is None, why
+    config = json.loads((path / "config.json").read_text())
+    card = card_from_config("moonshotai/kimi-tiny", config, (path / "model.safetensors").stat().st_size)
+    assert card.torch_runtime == "native" and card.family == "kimi_k2"
+    memory = model_memory(config)
+    assert memory is not None
+    layered = card.model_copy(update={"memory": memory})
+    assert group_bytes_per_token(layered, 0, 3, engine="torch") == (load_model(path).kv_bytes_per_token(), 0)
 
 
 def test_the_layers_are_the_configs(checkpoints: dict[str, Path]) -> None:

@@ -30,7 +30,6 @@ DEEPSEEK_V3: dict[str, Any] = {  # deepseek-ai/DeepSeek-V3's config.json (the ke
                             "weight_block_size": [128, 128]},
 }
 PUBLISHED: dict[str, dict[str, Any]] = {
-    "moonshotai/Kimi-K2-Instruct": {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]},
     "MiniMaxAI/MiniMax-M2": {"model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"]},
     "meta-llama/Llama-4-Scout-17B-16E-Instruct": {"model_type": "llama4",
                                                   "architectures": ["Llama4ForConditionalGeneration"]},
@@ -38,10 +37,10 @@ PUBLISHED: dict[str, dict[str, Any]] = {
     "nvidia/Nemotron-H-8B-Base-8K": {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"]},
 }
 """Each family's published model_type and architectures: every one is run by the MLX engine only. (DeepSeek V3's
-family runs natively on torch too; its published FP8 checkpoint is MLX's alone by its quantization, which
-test_a_deepseek_v3_card_is_mlx_only_and_its_attention_is_not_llama_shaped checks on the card. gpt-oss runs
-natively on torch, its MXFP4 experts dequantized while loading: GPT_OSS_20B. Qwen3-Next runs natively on torch
-too: models/qwen3_next.py.)"""
+family, Kimi K2's kimi_k2 among it, runs natively on torch too; its published FP8 checkpoint is MLX's alone by its
+quantization, which test_a_deepseek_v3_card_is_mlx_only_and_its_attention_is_not_llama_shaped checks on the card.
+gpt-oss runs natively on torch, its MXFP4 experts dequantized while loading: GPT_OSS_20B. Qwen3-Next runs natively
+on torch too: models/qwen3_next.py.)"""
 GPT_OSS_20B: dict[str, Any] = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
                                "quantization_config": {"quant_method": "mxfp4"}}
 MLX_ONLY: list[BackendTag] = ["mlx", "mlx-metal", "mlx-cpu"]

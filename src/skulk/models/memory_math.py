@@ -117,7 +117,7 @@ def state_bytes(c: dict[str, Any], kind: LayerKind, fb: int) -> int:
     return 0
 
 
-TORCH_EXPANDED_MLA = ("deepseek_v3",)
+TORCH_EXPANDED_MLA = ("deepseek_v3", "kimi_k2")
 """The MLA families the torch engine runs natively (engines/torch/models/), caching expanded per-head keys and
 padded values rather than the latent (LayerMemory.torch_kv_heads). Its fallback (transformers) and MLX keep the
 latent."""

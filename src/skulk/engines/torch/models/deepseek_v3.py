@@ -1,5 +1,5 @@
-"""DeepSeek V3 (Kimi K2 has the same architecture, but its published config names its own model_type, kimi_k2,
-which is not registered here): GLM-4 MoE's decoder (dense layers before first_k_dense_replace, then
+"""DeepSeek V3 and Kimi K2 (the same architecture; Kimi's published config names its own model_type, kimi_k2,
+registered here beside deepseek_v3): GLM-4 MoE's decoder (dense layers before first_k_dense_replace, then
 moe.GroupedMoe: sigmoid grouped top-k routing, a correction bias, shared experts) with Multi-head Latent
 Attention.
 
@@ -155,4 +155,4 @@ def layer(args: ModelArgs, index: int, tp_size: int, reduce: AllReduce) -> nn.Mo
     return DecoderLayer(args, tp_size, reduce, mlp, attention=MlaAttention(args, tp_size, reduce))
 
 
-FAMILY = Family(("deepseek_v3",), layer, fields)
+FAMILY = Family(("deepseek_v3", "kimi_k2"), layer, fields)
