@@ -12,12 +12,14 @@ bfloat16. The catalog then cards the family as native, with the cache the torch 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from skulk.engines.torch import fp8
 from skulk.engines.torch.layers import DecoderLayer
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.models.deepseek_v3 import MlaAttention
@@ -36,6 +38,7 @@ from tests.unit.test_glm4_moe import (
     held_bytes,
     one_thread,  # noqa: F401 - the module's autouse fixture: one torch thread for tiny models
 )
+from tests.unit.test_quantized import logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real model compute: `make test`, not `make test-fast`
 
@@ -70,8 +73,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     demo = generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                  intermediate_size=128, seed=3)
     shared = write("deepseek_v3", root, demo)
+    fp8_path, dequantized = _as_fp8(shared, root)
     return {"shared": shared, "variant": _write_variant(root, demo),
-            "variant_bf16": _write_variant(root, demo, torch.bfloat16), "kimi_k2": _as_kimi_k2(shared, root)}
+            "variant_bf16": _write_variant(root, demo, torch.bfloat16), "kimi_k2": _as_kimi_k2(shared, root),
+            "fp8": fp8_path, "fp8_dequantized": dequantized}
 
 
 def _as_kimi_k2(path: Path, root: Path) -> Path:
@@ -89,6 +94,106 @@ def _as_kimi_k2(path: Path, root: Path) -> Path:
 @pytest.mark.parametrize("name", ["shared", "variant"])
 def test_greedy_tokens_are_transformers_on_one_rank_and_a_pipeline(name: str, checkpoints: dict[str, Path]) -> None:
     assert_transformers_tokens(checkpoints[name])
+
+
+FP8_BLOCK = (16, 16)
+"""The test's FP8 blocks: DeepSeek publishes 128 x 128, which would make every matrix of the tiny model one block;
+16 x 16 gives each several, and kv_a_proj_with_mqa's 24 rows a partial last one."""
+
+
+def _as_fp8(path: Path, root: Path) -> tuple[Path, Path]:
+    """The shared checkpoint as DeepSeek publishes its weights: every decoder projection (not the router, the
+    embedding or the head) float8_e4m3fn with a `weight_scale_inv` per block, and quantization_config saying so;
+    beside it the float32 checkpoint of exactly those weights dequantized by hand (the reference). The FP8 one
+    names no end-of-sequence token, so every request runs its 16 tokens."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    packed, plain = dict(tensors), dict(tensors)
+    for name, weight in tensors.items():
+        if ".layers." in name and name.endswith(("proj.weight", "proj_with_mqa.weight")):
+            q, scale = fp8.quantize(weight, FP8_BLOCK)
+            packed[name], packed[f"{name}_scale_inv"] = q, scale
+            per_row = scale.repeat_interleave(FP8_BLOCK[0], 0)[: weight.shape[0]]
+            plain[name] = q.float() * per_row.repeat_interleave(FP8_BLOCK[1], 1)[:, : weight.shape[1]]
+    out = {}
+    for kind, weights in (("fp8", packed), ("fp8_dequantized", plain)):
+        out[kind] = shutil.copytree(path, root / kind)
+        save_file(weights, out[kind] / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (out["fp8"] / "generation_config.json").unlink()  # no end token: the weights moved, and may now pick it
+    (out["fp8"] / "config.json").write_text(json.dumps({**config, "eos_token_id": None, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)}}))
+    return out["fp8"], out["fp8_dequantized"]
+
+
+def test_fp8_blocks_dequantize_to_their_scaled_values() -> None:
+    """DeepSeek's 128 x 128 blocks over a matrix that ends in partial ones: each value is its block's multiplier
+    times the float8 value, in float32, and within e4m3's rounding (3 mantissa bits: 1/16 of the value, or a
+    subnormal step of the block's scale) of the matrix quantized."""
+    torch.manual_seed(0)
+    weight = torch.randn(300, 200)
+    q, scale = fp8.quantize(weight, (128, 128))
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 2)
+    got = fp8.dequantize(q, scale, (128, 128))
+    assert torch.equal(got[130:140, 150:160], q[130:140, 150:160].float() * scale[1, 1])
+    assert torch.equal(got[299, :128], q[299, :128].float() * scale[2, 0])
+    per_row = scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
+    assert bool(((got - weight).abs() <= weight.abs() / 16 + per_row * 2**-9).all())
+    into = torch.empty(300, 200, dtype=torch.bfloat16)
+    assert fp8.dequantize(q, scale, (128, 128), into) is into and torch.equal(into, got.bfloat16())
+    with pytest.raises(ValueError, match="needs scales"):
+        fp8.dequantize(q, scale[:2], (128, 128))
+
+
+def test_an_fp8_checkpoint_loads_dequantized_and_decodes_as_its_float_weights(
+        checkpoints: dict[str, Path]) -> None:
+    """Block-scaled FP8 weights are dequantized while loading: the slice holds exactly the float weights they
+    encode (logits equal the hand-dequantized checkpoint's), its greedy tokens are transformers' on those weights,
+    tensor ranks (each reading its rows or columns of the dequantized whole) give one rank's logits, and the card
+    opens the checkpoint to torch with the bytes dequantizing adds."""
+    import json
+
+    path, plain = checkpoints["fp8"], checkpoints["fp8_dequantized"]
+    model = load_model(path)
+    assert model.args.dtype == torch.float32
+    torch.testing.assert_close(logits(model, IDS), logits(load_model(plain), IDS), atol=0, rtol=0)
+    assert (why := disagreement(_engine_tokens(path), reference(plain))) is None, why
+    assert_tensor_ranks_match(path)
+    config = json.loads((path / "config.json").read_text())
+    size = (path / "model.safetensors").stat().st_size
+    card = card_from_config("deepseek-ai/deepseek-tiny-fp8", config, size)
+    assert card.torch_runtime == "native" and card.compatible_backends is None
+    assert card.torch_storage_size is not None and card.torch_storage_size.in_bytes == size + _fp8_growth(path)
+
+
+@pytest.mark.parametrize("name", ["DEEPSEEK_V3", "KIMI_K2"])
+def test_a_published_fp8_checkpoint_grows_to_its_bfloat16_bytes_on_torch(name: str) -> None:
+    """What the torch engine adds to DeepSeek V3's (Kimi K2's) FP8 files by dequantizing is exactly the
+    difference between the model's bfloat16 weights and its FP8 ones: every FP8 weight, dense layers'
+    mlp.gate_proj too (the router, mlp.gate, and the embedding and head stay bfloat16 in both)."""
+    from skulk.models.memory_math import torch_dequantized_growth
+    from tests.unit import flagship_configs
+
+    config = getattr(flagship_configs, name)
+    quantized = {**config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    bf16, packed = model_memory(config), model_memory(quantized)
+    assert bf16 is not None and packed is not None
+    assert torch_dequantized_growth(quantized) == bf16.loaded_bytes - packed.loaded_bytes > 0.99 * packed.loaded_bytes
+
+
+def _fp8_growth(path: Path) -> int:
+    """What dequantizing adds to the file's bytes: each FP8 weight at 4 bytes a value instead of 1, less its
+    float32 scales."""
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        return sum(3 * math.prod(f.get_slice(n).get_shape()) - 4 * math.prod(f.get_slice(f"{n}_scale_inv").get_shape())
+                   for n in names if f"{n}_scale_inv" in names)
 
 
 def test_kimi_k2_runs_natively_as_deepseek_v3(checkpoints: dict[str, Path]) -> None:

@@ -37,13 +37,15 @@ PUBLISHED: dict[str, dict[str, Any]] = {
     "nvidia/Nemotron-H-8B-Base-8K": {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"]},
 }
 """Each family's published model_type and architectures: every one is run by the MLX engine only. (DeepSeek V3's
-family, Kimi K2's kimi_k2 among it, runs natively on torch too; its published FP8 checkpoint is MLX's alone by its
-quantization, which test_a_deepseek_v3_card_is_mlx_only_and_its_attention_is_not_llama_shaped checks on the card.
-gpt-oss runs natively on torch, its MXFP4 experts dequantized while loading: GPT_OSS_20B. Qwen3-Next runs natively
-on torch too: models/qwen3_next.py.)"""
+family, Kimi K2's kimi_k2 among it, runs natively on torch too, its FP8 blocks dequantized while loading:
+test_a_deepseek_v3_fp8_card_is_open_to_torch_and_its_attention_is_not_llama_shaped. gpt-oss runs natively on
+torch, its MXFP4 experts dequantized while loading: GPT_OSS_20B. Qwen3-Next runs natively on torch too:
+models/qwen3_next.py.)"""
 GPT_OSS_20B: dict[str, Any] = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
                                "quantization_config": {"quant_method": "mxfp4"}}
 MLX_ONLY: list[BackendTag] = ["mlx", "mlx-metal", "mlx-cpu"]
+PER_TENSOR_FP8 = {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}
+"""An FP8 layout without block scales (one scale a tensor): the torch engine reads DeepSeek's blocks only."""
 TOY = MlxRegistry(version="0.0", modules=frozenset({"llama", "deepseek_v3", "minimax", "bailing_moe_v3"}),
                   remapping={"mistral": "llama", "kimi_k2": "deepseek_v3", "minimax_m2": "minimax"},
                   architecture_remapping={("bailing_hybrid", "BailingMoeV3ForCausalLM"): "bailing_moe_v3"})
@@ -88,17 +90,20 @@ def test_the_torch_engine_s_own_families_run_everywhere(registry: MlxRegistry) -
     assert made.compatible_backends is None and (made.num_key_value_heads, made.head_dim) == (8, 128)
 
 
-def test_a_deepseek_v3_card_is_mlx_only_and_its_attention_is_not_llama_shaped(
+def test_a_deepseek_v3_fp8_card_is_open_to_torch_and_its_attention_is_not_llama_shaped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """MLA: every query head has its own expanded key (nope + rope = 192 wide), not grouped KV heads. The torch
-    engine runs the family natively (models/deepseek_v3.py) but not this checkpoint's FP8 weights (quant_spec
-    refuses them), so the published card is MLX's alone."""
+    engine runs the family natively (models/deepseek_v3.py) and dequantizes the checkpoint's block-scaled FP8
+    weights while loading (engines/torch/fp8.py), so the published card is open to every engine; a per-tensor FP8
+    layout (no weight_block_size) it does not read leaves the card MLX's alone."""
     monkeypatch.setattr(mlx_engine, "model_registry", lambda: TOY)
     made = card_from_config("deepseek-ai/DeepSeek-V3", DEEPSEEK_V3, 688_000_000_000)
-    assert made.compatible_backends == MLX_ONLY and made.family == "deepseek_v3" and made.n_layers == 61
+    assert made.compatible_backends is None and made.family == "deepseek_v3" and made.n_layers == 61
     assert (made.num_key_value_heads, made.head_dim) == (128, 192) == attention_shape(DEEPSEEK_V3)
-    assert made.model_dump(by_alias=True)["compatibleBackends"] == MLX_ONLY
+    assert made.model_dump(by_alias=True).get("compatibleBackends") is None
+    per_tensor = card_from_config("x/deepseek-v3-fp8-per-tensor", {**DEEPSEEK_V3, **PER_TENSOR_FP8}, 1)
+    assert per_tensor.compatible_backends == MLX_ONLY
 
 
 def test_a_family_no_engine_runs_is_refused_naming_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,7 +117,7 @@ def test_a_family_no_engine_runs_is_refused_naming_the_engines(monkeypatch: pyte
     assert "the MLX engine (mlx-lm)" in said and "mlx-lm 0.0 has no model module 'made_up'" in said
     monkeypatch.setattr(mlx_engine, "model_registry", lambda: None)  # mlx-lm is not installed on this node
     with pytest.raises(UnsupportedArchitecture) as caught:
-        card_from_config("deepseek-ai/DeepSeek-V3", DEEPSEEK_V3, 1)
+        card_from_config("deepseek-ai/DeepSeek-V3", {**DEEPSEEK_V3, **PER_TENSOR_FP8}, 1)
     assert "the MLX engine (mlx-lm) runs the families mlx-lm loads" in str(caught.value)
     assert INSTALL["mlx"] in str(caught.value)
     mlx4 = {**unknown, "model_type": "qwen3", "quantization": {"bits": 3, "group_size": 64}}

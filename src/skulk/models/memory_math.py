@@ -35,7 +35,8 @@ from skulk.types.model_memory import LayerKind, LayerMemory, ModelMemory
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MXFP4_BLOCK = 32
 """MXFP4: one shared e8m0 exponent byte per 32 four-bit values (OCP microscaling)."""
-_NOT_FP8 = ("model.embed_tokens", "lm_head", ".mlp.gate")
+_NOT_FP8 = ("model.embed_tokens.", "lm_head.", ".mlp.gate.")
+"""What DeepSeek's FP8 checkpoint leaves in float, as prefixes of a path + "." (the router, not mlp.gate_proj)."""
 _LAYER = re.compile(r"^(?:(?:model|language_model|backbone)\.)*layers\.(\d+)\.")
 _FINAL_NORM = re.compile(r"^(?:(?:model|language_model|backbone)\.)*(?:norm|norm_f|final_layernorm)\.")
 
@@ -79,7 +80,7 @@ def tensor_bytes(t: Tensor, layout: Layout, fb: int) -> int:
     if not t.quantizable or layout.kind == "float":
         return n * fb
     if layout.kind == "fp8":
-        if any(mark in t.path for mark in _NOT_FP8):
+        if any(mark in f"{t.path}." for mark in _NOT_FP8):
             return n * fb
         *stack, rows, cols = t.shape
         blocks = math.prod(stack) * -(-rows // layout.block[0]) * -(-cols // layout.block[1])
@@ -148,17 +149,20 @@ def _layers(c: dict[str, Any], weights: list[int]) -> list[LayerMemory]:
 def torch_dequantized_growth(config: dict[str, Any]) -> int:
     """Bytes a torch rank holds beyond the files: gpt-oss's MXFP4 experts, which the torch engine dequantizes to
     the model's float dtype while loading (engines/torch/mxfp4.py), at fb bytes a value instead of half a byte
-    and a scale byte per 32. 0 for anything else, or a config without the dimensions."""
+    and a scale byte per 32; DeepSeek's block-scaled FP8 weights (engines/torch/fp8.py), fb bytes a value instead
+    of one and a float32 scale a block. 0 for anything else, or a config without the dimensions."""
     c = text_of(config)
     layout = layout_of(c)
-    if c.get("model_type") != "gpt_oss" or layout.kind != "mxfp4":
+    mxfp4 = c.get("model_type") == "gpt_oss" and layout.kind == "mxfp4"
+    if not mxfp4 and layout.kind != "fp8":
         return 0
     try:
         kinds, moe, fb = layer_kinds(c), moe_layers(c), float_bytes(c)
-        experts = [t for i, kind in enumerate(kinds) for t in layer_tensors(c, i, kind, i in moe) if t.expert]
+        grown = [t for i, kind in enumerate(kinds) for t in layer_tensors(c, i, kind, i in moe)
+                 if t.expert or not mxfp4]
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return 0
-    return sum(math.prod(t.shape) * fb - tensor_bytes(t, layout, fb) for t in experts)
+    return sum(math.prod(t.shape) * fb - tensor_bytes(t, layout, fb) for t in grown)
 
 
 def kinds_of(config: dict[str, Any]) -> list[LayerKind] | None:

@@ -27,7 +27,7 @@ from torch import nn
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import read_config, safetensors_header
 
-from . import mxfp4
+from . import fp8, mxfp4
 from .config import parse_dtype
 from .cuda_quant import cuda_from_affine, cuda_int8_from_float
 from .gguf_file import open_gguf
@@ -77,7 +77,8 @@ def load_model(
     )
     files = _weight_files(model_dir)
     with ExitStack() as stack:
-        names = CheckpointNames(args.tie_word_embeddings, _text_prefix(files), files, _stacked_experts(files), stack)
+        names = CheckpointNames(args.tie_word_embeddings, _text_prefix(files), files, _stacked_experts(files), stack,
+                                fp8_block=fp8.block_size(config))
         if quant is not None:
             _quantize_modules(model, names, quant, Split(tp_rank, tp_size), torch.device(device))
         expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if t.is_meta}
@@ -138,6 +139,8 @@ class CheckpointNames:
     stacked: dict[str, tuple[str, int]] = field(default_factory=dict)
     stack: ExitStack = field(default_factory=ExitStack)
     handles: dict[Path, Any] = field(default_factory=dict)
+    fp8_block: tuple[int, int] | None = None
+    """Block-scaled FP8 weights (fp8.py): a weight with a `_scale_inv` beside it is dequantized as it is read."""
 
     def __contains__(self, tensor: str) -> bool:
         return tensor in self.files or tensor in self.stacked
@@ -153,12 +156,39 @@ class CheckpointNames:
         real, expert = self.stacked.get(tensor, (tensor, None))
         if real not in self.files:
             raise ValueError(f"checkpoint has no tensor {tensor}")
+        if self.fp8_block is not None and expert is None and f"{real}{fp8.SCALE_SUFFIX}" in self.files:
+            return self._read_fp8(real, dim, split, out, self.fp8_block)
+        return self._read(real, expert, dim, split, out)
+
+    def _read(self, real: str, expert: int | None, dim: int | None, split: Split,
+              out: torch.Tensor | None) -> torch.Tensor:
         path = self.files[real]
         if path not in self.handles:
             # a safetensors header is checked against its file as it opens (a stage opens only the files it holds)
             self.handles[path] = open_gguf(path) if path.suffix == GGUF_SUFFIX else self.stack.enter_context(
                 TensorFile(path))
         return _shard(self.handles[path].get_slice(real), dim, split.rank, split.size, expert, out)
+
+    def _read_fp8(self, real: str, dim: int | None, split: Split, out: torch.Tensor | None,
+                  block: tuple[int, int]) -> torch.Tensor:
+        """A block-scaled FP8 weight (fp8.py) dequantized whole, straight into out when it is the whole tensor,
+        else into a tensor of out's dtype (float32 for a weight quantized again while loading) cut to this rank's
+        block along dim."""
+        whole = Split(0, 1)
+        weight = self._read(real, None, None, whole, None)
+        scales = self._read(f"{real}{fp8.SCALE_SUFFIX}", None, None, whole, None)
+        if dim is None or split.size == 1:
+            if out is not None and out.shape != weight.shape:
+                raise ShapeMismatch(f"shape {tuple(weight.shape)}, expected {tuple(out.shape)}")
+            return fp8.dequantize(weight, scales, block, out)
+        values = fp8.dequantize(weight, scales, block, dtype=torch.float32 if out is None else out.dtype)
+        size = values.shape[dim] // split.size
+        values = values.narrow(dim, split.rank * size, size)
+        if out is None:
+            return values.contiguous()
+        if values.shape != out.shape:
+            raise ShapeMismatch(f"shape {tuple(values.shape)}, expected {tuple(out.shape)}")
+        return out.copy_(values)
 
     def quant_path(self, base: str) -> str:
         """The module path a per-module quantization entry names: a stacked expert's is its switch_mlp tensor."""

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
+from .fp8 import block_size as fp8_block_size
 
 INT4_ROWS = 16
 """torch's int4 packing needs the output dimension in multiples of 16; other sizes are zero-padded."""
@@ -54,9 +55,12 @@ class QuantSpec:
 def quant_spec(config: dict[str, Any], requested: str | None) -> QuantSpec | None:
     """How a checkpoint's linears are quantized: MLX's `quantization` section, else `requested`
     ("int4" / "int8") for a float checkpoint, else None. ValueError names what is not supported. gpt-oss's
-    MXFP4 section (only its experts, which the loader dequantizes: mxfp4.py) counts as a float checkpoint."""
+    MXFP4 section (only its experts, which the loader dequantizes: mxfp4.py) and DeepSeek's block-scaled FP8
+    (fp8.py, dequantized the same way) count as float checkpoints."""
     section = config.get("quantization") or config.get("quantization_config")
     if section and section.get("quant_method") == "mxfp4" and config.get("model_type") == "gpt_oss":
+        section = None
+    if section and fp8_block_size(config) is not None:  # block-scaled FP8: dequantized while loading (fp8.py)
         section = None
     if section:
         if "bits" not in section or "group_size" not in section:
