@@ -8,7 +8,10 @@ half-split rope layout, YaRN with an mscale_all_dim folded into the softmax scal
 q/kv biases drawn, unnormalised weights). Each one's 16 greedy tokens for two prompts are transformers' (its
 forward over the whole sequence each step): on one rank through the engine (both prompts batched), and through
 a two-stage pipeline; two tensor-parallel ranks give one rank's logits; bfloat16 stays near transformers'
-bfloat16. The catalog then cards the family as native, with the cache the torch engine really keeps."""
+bfloat16. Decode attends with kv_b_proj absorbed over a cache of one latent a position (its bytes what the card
+says), a prefill expanding the latents, the two forms agreeing. A kimi_k2-typed config runs as this family, and an
+FP8 block-scaled copy loads dequantized to the float weights it encodes. The catalog then cards the family as
+native, with the cache the torch engine really keeps."""
 
 from __future__ import annotations
 
@@ -20,8 +23,11 @@ import pytest
 import torch
 
 from skulk.engines.torch import fp8
+from skulk.engines.torch.cache import StepBatch
 from skulk.engines.torch.layers import DecoderLayer
 from skulk.engines.torch.loader import load_model
+from skulk.engines.torch.model import ModelSlice
+from skulk.engines.torch.models import deepseek_v3
 from skulk.engines.torch.models.deepseek_v3 import MlaAttention
 from skulk.engines.torch.moe import GroupedMoe
 from skulk.master.shard_plan import group_bytes_per_token
@@ -39,6 +45,7 @@ from tests.unit.test_glm4_moe import (
     one_thread,  # noqa: F401 - the module's autouse fixture: one torch thread for tiny models
 )
 from tests.unit.test_quantized import logits
+from tests.unit.test_torch_engine import ThreadAllReduce
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real model compute: `make test`, not `make test-fast`
 
@@ -215,12 +222,12 @@ def test_kimi_k2_runs_natively_as_deepseek_v3(checkpoints: dict[str, Path]) -> N
 
 def test_the_layers_are_the_configs(checkpoints: dict[str, Path]) -> None:
     """The variant: one q_proj, YaRN (its cos/sin scaled, the softmax scale with mscale_all_dim's factor squared),
-    the cache as wide as the widest of key (16 + 8) and value (32), one cache head per query head; layer 0 dense,
-    the rest grouped MoE with two shared experts."""
+    one cache head as wide as the latent and its rope key (16 + 8); layer 0 dense, the rest grouped MoE with two
+    shared experts."""
     model = load_model(checkpoints["variant"])
     args = model.args
     assert args.mla is not None and args.mla.q_lora_rank is None and not args.mla.interleaved
-    assert args.head_dim == 32 and args.num_key_value_heads == 4 and args.rotary_dim == 8
+    assert args.head_dim == 24 and args.num_key_value_heads == 1 and args.rotary_dim == 8
     assert model.rope.attention_factor != 1.0 and args.mla.scale != pytest.approx(24**-0.5)
     dense, sparse = model.layers["0"], model.layers["1"]
     assert isinstance(dense, DecoderLayer) and isinstance(dense.self_attn, MlaAttention)
@@ -245,7 +252,7 @@ def test_bfloat16_stays_near_transformers(checkpoints: dict[str, Path]) -> None:
 def test_the_catalog_cards_deepseek_v3_as_native(checkpoints: dict[str, Path]) -> None:
     """Native now: its card says so, the per-layer weight arithmetic (models/memory_math.model_memory) is the
     bytes the engine holds, layer for layer, and placement's torch figure for a position's cache is the engine's
-    own (expanded heads, not the latent MLX keeps)."""
+    own: the latent, as MLX keeps it."""
     import json
 
     path = checkpoints["shared"]
@@ -260,6 +267,64 @@ def test_the_catalog_cards_deepseek_v3_as_native(checkpoints: dict[str, Path]) -
     layered = card.model_copy(update={"memory": memory})  # a tiny file's headers are too much of it to card
     assert group_bytes_per_token(layered, 0, 3, engine="torch") == (model.kv_bytes_per_token(), 0)
     assert group_bytes_per_token(layered, 0, 3, engine="mlx") == (3 * (16 + 8) * 4, 0)  # the latent, float32
+    assert model.kv_bytes_per_token() == 3 * (16 + 8) * 4
+
+
+def test_the_cache_holds_one_latent_and_rope_key_a_position(checkpoints: dict[str, Path]) -> None:
+    """Per layer and position the cache holds kv_lora_rank + qk_rope_head_dim elements (16 + 8, float32: 96
+    bytes), once: a single key head whose first kv_lora_rank columns are also the values (so the value pool is
+    empty, not a copy). That is what the engine allocates and what it advertises, in float and at 8 bits (the
+    elements and one float16 scale); a tensor rank holds the whole latent, as the card says."""
+    model = load_model(checkpoints["shared"])
+    cache = model.make_cache(4, 32)
+    for layer in cache.layers:
+        assert tuple(layer.keys.shape) == (4, 1, 32, 16 + 8) and layer.values.numel() == 0
+    assert cache.nbytes == 4 * 32 * model.kv_bytes_per_token() == 4 * 32 * 3 * (16 + 8) * 4
+    assert model.make_cache(4, 32, bits=8).nbytes == 4 * 32 * model.kv_bytes_per_token(bits=8) == 4 * 32 * 3 * 26
+    rank = load_model(checkpoints["shared"], tp_rank=1, tp_size=2, all_reduce=ThreadAllReduce(2).for_rank(1))
+    assert rank.kv_bytes_per_token() == model.kv_bytes_per_token()
+
+
+def _greedy(model: ModelSlice, steps: int = 8, bits: int = 16, fed: list[int] | None = None
+            ) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens after PROMPTS[0] (one prefill pass, then one token a step) and each step's last logits; fed:
+    the tokens to feed back instead of the greedy ones."""
+    ids, pos = IDS, torch.arange(IDS.shape[1]).unsqueeze(0)
+    cache, tokens, rows = model.make_cache(1, IDS.shape[1] + steps, bits=bits), [], []
+    with torch.inference_mode():
+        for _ in range(steps):
+            rows.append(model(ids, StepBatch.build(pos, 0), cache)[0, -1])
+            tokens.append(int(rows[-1].argmax()) if fed is None else fed[len(tokens)])
+            ids = torch.tensor([[tokens[-1]]])
+            pos = pos[:, -1:] + 1
+    return tokens, torch.stack(rows)
+
+
+def test_decode_attends_in_latent_space_and_agrees_with_the_expanded_form(
+        checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step attends with kv_b_proj absorbed (queries in latent space over the one cached latent head);
+    the prompt's pass expands the cached latents per head. Either form over every step gives the same logits,
+    and so does an 8-bit cache of the latent, within its rounding (fed the same tokens)."""
+    model = load_model(checkpoints["shared"])
+    seen: list[tuple[int, int]] = []
+    attend = deepseek_v3._attention
+
+    def spying(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        seen.append((q.shape[2], k.shape[1]))
+        return attend(q, k, v, mask, scale)
+
+    monkeypatch.setattr(deepseek_v3, "_attention", spying)
+    tokens, mixed = _greedy(model)
+    assert {heads for rows, heads in seen if rows == 1} == {1} and {h for r, h in seen if r > 1} == {4}
+    for rows in (0, 1 << 20):  # every step expanded, every step absorbed
+        monkeypatch.setattr(MlaAttention, "ABSORB_ROWS", rows)
+        same, got = _greedy(model)
+        assert same == tokens
+        torch.testing.assert_close(got, mixed, atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(MlaAttention, "ABSORB_ROWS", 1)
+    _, eight = _greedy(model, bits=8, fed=tokens)
+    errors = (eight - mixed).abs().amax(-1) / mixed.abs().amax(-1)
+    assert int((errors >= 0.05).sum()) <= 1, errors  # about 1%; one step may route to other experts on the noise
 
 
 def test_a_prompt_joining_running_decodes_rides_a_mixed_step(checkpoints: dict[str, Path],

@@ -217,22 +217,21 @@ def test_deepseek_v3_4bit_previews_show_each_nodes_real_weights_and_kv(nodes: in
     assert sum(r.weights.in_bytes for r in ranks) == m.loaded_bytes
 
 
-def test_deepseek_v3_on_torch_costs_its_expanded_heads_and_on_mlx_its_latent() -> None:
-    """The torch engine's native MLA caches every head's key and zero-padded value (128 heads x 192, keys and
-    values: 98,304 bf16 bytes a layer and position, engines/torch/models/deepseek_v3.py), MLX the 576-wide latent
-    (1,152 bytes); a torch Tensor rank holds its share of the heads, an MLX one the whole latent."""
+def test_deepseek_v3_costs_its_latent_on_torch_as_on_mlx() -> None:
+    """The torch engine's native MLA caches the 576-wide latent (kv_lora_rank + qk_rope_head_dim, 1,152 bf16 bytes
+    a layer and position, engines/torch/models/deepseek_v3.py) as MLX does, whole on every Tensor rank."""
     from skulk.master.shard_plan import group_bytes_per_token
 
     c = deepseek_4bit_card()
-    assert c.memory is not None and c.memory.layers[0].torch_kv_heads == 128
-    assert group_bytes_per_token(c, 0, 61, engine="torch") == (61 * 2 * 128 * 192 * 2, 0)
-    assert group_bytes_per_token(c, 0, 61, 4, engine="torch") == (61 * 2 * 32 * 192 * 2, 0)
+    assert c.memory is not None and c.memory.layers[0].torch_kv_heads == 0
+    assert group_bytes_per_token(c, 0, 61, engine="torch") == group_bytes_per_token(c, 0, 61, 4, engine="torch")
     assert group_bytes_per_token(c, 0, 61, engine="mlx") == group_bytes_per_token(c, 0, 61, 4) == (61 * 576 * 2, 0)
+    assert group_bytes_per_token(c, 0, 61, engine="torch") == (61 * 576 * 2, 0)
 
 
 def test_an_explicit_deepseek_pool_is_checked_against_the_rings_engine() -> None:
-    """20 GB holds a whole 163,840-token context of MLX's latent (11.4 GB) but not of the torch engine's expanded
-    heads (about 960 GB): two Macs take it, two Linux nodes (torch) refuse it naming the bytes torch needs."""
+    """20 GB holds a whole 163,840-token context of the latent (11.4 GB), which both engines cache: two Macs take
+    it, and so do two Linux nodes (torch); 10 GB is refused on either, naming the bytes the latent needs."""
     from skulk.master.placement import preview_placements
     from skulk.types.instances import InstanceMeta, Sharding
     from skulk.types.placement import KvPoolTooSmall
@@ -240,8 +239,8 @@ def test_an_explicit_deepseek_pool_is_checked_against_the_rings_engine() -> None
     from .test_engine_choice import LINUX, MAC
     from .test_placement import state
 
-    c = deepseek_4bit_card().model_copy(update={"kv_cache_gb": 20.0})
-    for tags, fits in ((MAC, True), (LINUX, False)):
+    for tags, gb, fits in ((MAC, 20.0, True), (LINUX, 20.0, True), (LINUX, 10.0, False), (MAC, 10.0, False)):
+        c = deepseek_4bit_card().model_copy(update={"kv_cache_gb": gb})
         nodes = state({"a": 512 * GB, "b": 512 * GB}).model_copy(update={"node_backends": dict.fromkeys("ab", tags)})
         whole = [p for p in preview_placements(nodes, c, Sharding.Pipeline, InstanceMeta.MlxRing)
                  if len(p.node_ids) == 2]
@@ -251,7 +250,7 @@ def test_an_explicit_deepseek_pool_is_checked_against_the_rings_engine() -> None
         else:
             error = whole[0].error
             assert isinstance(error, KvPoolTooSmall) and error.context_length == 163840, error
-            assert error.least.in_bytes == 61 * 2 * 128 * 192 * 2 * 163840
+            assert error.least.in_bytes == 61 * 576 * 2 * 163840
 
 
 def test_a_store_copy_is_carded_from_its_safetensors_headers(tmp_path: Any) -> None:

@@ -118,21 +118,10 @@ def state_bytes(c: dict[str, Any], kind: LayerKind, fb: int) -> int:
     return 0
 
 
-TORCH_EXPANDED_MLA = ("deepseek_v3", "kimi_k2")
-"""The MLA families the torch engine runs natively (engines/torch/models/), caching expanded per-head keys and
-padded values rather than the latent (LayerMemory.torch_kv_heads). Its fallback (transformers) and MLX keep the
-latent."""
-
-
 def cache_shape(c: dict[str, Any], kind: LayerKind) -> dict[str, Any]:
     """A layer's KV fields: heads and width cached per position, and the window that bounds them."""
-    if kind == "mla":
-        latent = {"kv_heads": 1, "head_dim": int(c["kv_lora_rank"]) + int(c["qk_rope_head_dim"])}
-        if c.get("model_type") not in TORCH_EXPANDED_MLA:
-            return latent
-        qk = int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"])
-        return {**latent, "torch_kv_heads": int(c["num_attention_heads"]),
-                "torch_head_dim": max(qk, int(c.get("v_head_dim") or 0))}
+    if kind == "mla":  # the latent, which MLX, the torch engine's native MLA and its fallback all keep
+        return {"kv_heads": 1, "head_dim": int(c["kv_lora_rank"]) + int(c["qk_rope_head_dim"])}
     if kind in ("linear", "ssm", "mlp"):
         return {}
     kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])

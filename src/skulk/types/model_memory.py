@@ -24,7 +24,7 @@ LayerKind = Literal["full", "nope", "sliding", "chunked", "mla", "linear", "ssm"
 - sliding: only the last `window` positions a stream has (Gemma 3's local layers, gpt-oss' alternate ones);
 - chunked: only the positions of the stream's current attention chunk (Llama 4's other layers), at most `window`;
 - mla: one compressed latent per position, shared by every head (kv_lora_rank + qk_rope_head_dim elements), as
-  MLX keeps it; the torch engine's native MLA keeps expanded heads instead (LayerMemory.torch_kv_heads);
+  MLX and the torch engine's native MLA keep it;
 - linear / ssm: a constant state per stream whatever its length (gated DeltaNet, Mamba 2);
 - mlp: nothing (Nemotron-H's feed-forward-only layers)."""
 WeightsSource = Literal["config", "tensors"]
@@ -42,9 +42,9 @@ class LayerMemory(CamelModel):
     """Elements per cached head and position (MLA: kv_lora_rank + qk_rope_head_dim)."""
     torch_kv_heads: int = Field(default=0, exclude_if=lambda v: v == 0)  # left out at 0: older releases forbid it
     torch_head_dim: int = Field(default=0, exclude_if=lambda v: v == 0)
-    """What the torch engine caches here instead, where it differs (0: kv_heads and head_dim): its native MLA
-    (engines/torch/models/deepseek_v3.py) keeps every head's expanded key and its value zero-padded to that width
-    (num_attention_heads heads of max(qk_nope + qk_rope, v_head_dim)), keys and values, not the latent."""
+    """What the torch engine caches here instead, where it differs (0: kv_heads and head_dim). No layer differs
+    now: its native MLA (engines/torch/models/deepseek_v3.py) caches the latent too; cards of releases that
+    expanded MLA's heads there may still carry it."""
     window: int | None = None
     """Sliding window or attention chunk: the most positions a stream keeps in this layer (None: all of them)."""
     state_bytes: int = 0

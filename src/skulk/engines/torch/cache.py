@@ -86,11 +86,13 @@ class MixedBatch:
 
 
 class LayerCache:
-    """Keys and values of one layer: a pool of blocks [num_blocks, n_kv_heads, block_size, head_dim]."""
+    """Keys and values of one layer: a pool of blocks [num_blocks, n_kv_heads, block_size, head_dim]; value_dim: the
+    values' own width where it differs (0: a layer that stores keys only, MLA's latent: models/deepseek_v3.py)."""
 
-    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device,
+                 value_dim: int | None = None) -> None:
         self.keys = _pool(shape, dtype, device)
-        self.values = _pool(shape, dtype, device)
+        self.values = _pool(_values(shape, value_dim), dtype, device)
 
     def update(
         self, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
@@ -107,8 +109,8 @@ class LayerCache:
         size = self.keys.shape[2]
         used = tables[:, : -(-length // size)].long()
         b, n = used.shape
-        keys = self.keys[used].transpose(1, 2).reshape(b, self.keys.shape[1], n * size, -1)
-        values = self.values[used].transpose(1, 2).reshape(b, self.values.shape[1], n * size, -1)
+        keys = self.keys[used].transpose(1, 2).reshape(b, self.keys.shape[1], n * size, self.keys.shape[3])
+        values = self.values[used].transpose(1, 2).reshape(b, self.values.shape[1], n * size, self.values.shape[3])
         return keys[:, :, :length], values[:, :, :length]
 
     def copy_block(self, src: int, dst: int) -> None:
@@ -130,20 +132,19 @@ class QuantizedLayerCache(LayerCache):
     activations' dtype, and attended by the torch path. The CPU kernels, which read a float pool in place, never
     see such a cache: their dtype checks (layers.py) find int8/uint8 pools and step aside."""
 
-    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, bits: int) -> None:
-        blocks, heads, size, dim = shape
+    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, bits: int,
+                 value_dim: int | None = None) -> None:
         self.bits, self.dtype = bits, dtype
-        packed = (blocks, heads, size, kv_quant.packed_width(dim, bits))
-        store = torch.int8 if bits == 8 else torch.uint8
-        self.keys, self.values = _pool(packed, store, device), _pool(packed, store, device)
-        scales = (blocks, heads, size, kv_quant.scale_groups(dim, bits))
-        self.key_scales, self.value_scales = _pool(scales, torch.float16, device), _pool(scales, torch.float16, device)
+        self.keys, self.key_scales = _quantized_pools(shape, bits, device)
+        self.values, self.value_scales = _quantized_pools(_values(shape, value_dim), bits, device)
 
     def update(
         self, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         blocks, rows = batch.write_index(self.keys.shape[2])
         for x, data, scales in ((k, self.keys, self.key_scales), (v, self.values, self.value_scales)):
+            if not x.shape[-1]:
+                continue  # a keys-only layer's empty values
             q, s = kv_quant.quantize(x.transpose(1, 2), self.bits)
             data[blocks, :, rows] = q
             scales[blocks, :, rows] = s
@@ -155,6 +156,9 @@ class QuantizedLayerCache(LayerCache):
         b, n = used.shape
         out = []
         for data, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
+            if not data.shape[-1]:
+                out.append(data.new_empty((b, data.shape[1], length, 0), dtype=self.dtype))
+                continue
             full = kv_quant.dequantize(data[used], scales[used], self.bits, self.dtype)  # [b, n, H, size, D]
             out.append(full.transpose(1, 2).reshape(b, data.shape[1], n * size, -1)[:, :, :length])
         return out[0], out[1]
@@ -166,6 +170,21 @@ class QuantizedLayerCache(LayerCache):
 
 ZEROED_BELOW = 64 << 20
 """A CPU pool smaller than this is zeroed when allocated (resident at once); a larger one is touched as used."""
+
+
+def _quantized_pools(shape: tuple[int, int, int, int], bits: int, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed elements and float16 scales of [blocks, heads, size, dim] at `bits` (empty at dim 0)."""
+    blocks, heads, size, dim = shape
+    width, groups = (kv_quant.packed_width(dim, bits), kv_quant.scale_groups(dim, bits)) if dim else (0, 0)
+    store = torch.int8 if bits == 8 else torch.uint8
+    return (_pool((blocks, heads, size, width), store, device),
+            _pool((blocks, heads, size, groups), torch.float16, device))
+
+
+def _values(shape: tuple[int, int, int, int], value_dim: int | None) -> tuple[int, int, int, int]:
+    """The value pool's shape: the keys' unless value_dim says its own width."""
+    return shape if value_dim is None else (*shape[:3], value_dim)
 
 
 def _pool(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -200,16 +219,18 @@ class KVCache:
         local: tuple[bool, ...] = (),
         local_blocks: int = 0,
         bits: int = 16,
+        value_dim: int | None = None,
     ) -> None:
-        """bits: 16 keeps the model's float dtype; 8 or 4 quantize (QuantizedLayerCache)."""
+        """bits: 16 keeps the model's float dtype; 8 or 4 quantize (QuantizedLayerCache); value_dim: the values'
+        width where it is not head_dim (LayerCache)."""
         self.num_blocks, self.block_size, self.local_blocks = num_blocks, block_size, local_blocks
         self.bits = bits
         self.groups = [int(g) for g in local] or [0] * n_layers
         sizes = (num_blocks, local_blocks)
         where = torch.device(device)
         self.layers = [
-            LayerCache((sizes[g], n_kv_heads, block_size, head_dim), dtype, where) if bits == 16
-            else QuantizedLayerCache((sizes[g], n_kv_heads, block_size, head_dim), dtype, where, bits)
+            LayerCache((sizes[g], n_kv_heads, block_size, head_dim), dtype, where, value_dim) if bits == 16
+            else QuantizedLayerCache((sizes[g], n_kv_heads, block_size, head_dim), dtype, where, bits, value_dim)
             for g in self.groups
         ]
 
@@ -230,8 +251,12 @@ class KVCache:
         return sum(t.nbytes for layer in self.layers for t in layer.tensors if _zeroed(t))
 
     @staticmethod
-    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, bits: int = 16) -> int:
+    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, bits: int = 16,
+                        value_dim: int | None = None) -> int:
         """KV bytes one position costs in a slice: a key and a value per kv head per layer, at `bits`
-        (kv_pools.kv_head_bytes, the rule placement sizes pools by)."""
+        (kv_pools.kv_head_bytes, the rule placement sizes pools by); a value of value_dim where it differs (0:
+        none)."""
         float_bytes = torch.empty((), dtype=dtype).element_size()
-        return 2 * n_layers * n_kv_heads * kv_head_bytes(head_dim, bits, float_bytes)
+        width = head_dim if value_dim is None else value_dim
+        value = kv_head_bytes(width, bits, float_bytes) if width else 0
+        return n_layers * n_kv_heads * (kv_head_bytes(head_dim, bits, float_bytes) + value)

@@ -141,8 +141,8 @@ class ModelArgs:
     """Partial rotary (GLM-4 MoE's partial_rotary_factor): rope turns the first rotary_dim of each head's
     dimensions; None: all head_dim."""
     mla: MlaShape | None = None
-    """DeepSeek V3's attention; its cache holds each head's expanded key and value (head_dim wide, the value
-    zero-padded), num_key_value_heads being num_attention_heads."""
+    """DeepSeek V3's attention; its cache holds one latent a position (num_key_value_heads 1, head_dim
+    kv_lora_rank + qk_rope_head_dim wide, no separate values: models/deepseek_v3.py)."""
     delta_net: DeltaNetShape | None = None
     """Qwen3-Next's linear-attention layers and shared expert (None: no such layers)."""
     swiglu_limit: float = 0.0

@@ -108,8 +108,14 @@ class ModelSlice(nn.Module):
 
     @property
     def n_kv_heads(self) -> int:
-        """Key/value heads this shard holds: the cache is sized by it."""
-        return self.args.num_key_value_heads // self.tp_size
+        """Key/value heads this shard holds: the cache is sized by it (MLA's one latent: whole on every rank)."""
+        return self.args.num_key_value_heads // (1 if self.args.mla else self.tp_size)
+
+    @property
+    def value_dim(self) -> int | None:
+        """The cached values' width where it is not head_dim: none at all for MLA, whose latent is its key's first
+        kv_lora_rank columns (models/deepseek_v3.py)."""
+        return 0 if self.args.mla else None
 
     def make_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
                    local_blocks: int | None = None, bits: int = 16) -> KVCache:
@@ -120,7 +126,7 @@ class ModelSlice(nn.Module):
         return KVCache(
             len(self.layers), num_blocks, self.n_kv_heads, block_size, self.args.head_dim,
             dtype=dtype or self.args.dtype, device=self.rope.inv_freq.device, local=local,
-            local_blocks=local_blocks or 0, bits=bits,
+            local_blocks=local_blocks or 0, bits=bits, value_dim=self.value_dim,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None, bits: int = 16) -> int:
@@ -129,13 +135,13 @@ class ModelSlice(nn.Module):
         ceiling (schedule.pool_blocks), not by the least one whole-context request needs, which would become
         the whole group's pool (the group takes its smallest)."""
         return max(1, KVCache.bytes_per_token(len(self.layers) - sum(self._stateful()), self.n_kv_heads,
-                                              self.args.head_dim, dtype or self.args.dtype, bits))
+                                              self.args.head_dim, dtype or self.args.dtype, bits, self.value_dim))
 
     def group_bytes_per_token(self, dtype: torch.dtype | None = None, bits: int = 16) -> tuple[int, int]:
         """What one position costs in this slice's (full group, sliding group) pools of a hybrid model."""
         sliding = sum(self._sliding())
-        per = [KVCache.bytes_per_token(n, self.n_kv_heads, self.args.head_dim, dtype or self.args.dtype, bits)
-               for n in (len(self.layers) - sliding, sliding)]
+        per = [KVCache.bytes_per_token(n, self.n_kv_heads, self.args.head_dim, dtype or self.args.dtype, bits,
+                                       self.value_dim) for n in (len(self.layers) - sliding, sliding)]
         return per[0], per[1]
 
     def _stateful(self) -> tuple[bool, ...]:
@@ -272,7 +278,7 @@ def _check_partition(args: ModelArgs, start: int, end: int, tp_rank: int, tp_siz
         raise ValueError(f"tp_rank {tp_rank} is not in [0, {tp_size})")
     for what, n in (
         ("attention heads", args.num_attention_heads),
-        ("key/value heads", args.num_key_value_heads),
+        ("key/value heads", 0 if args.mla else args.num_key_value_heads),  # MLA's latent: whole on every rank
         ("intermediate size", args.intermediate_size),
         ("expert intermediate size", args.moe_intermediate_size),
     ):
