@@ -7,10 +7,9 @@ Hugging Face layouts (float32, since mlx[cpu]'s GatherMM takes float32 only), se
   nodes (mlx-lm's stack re-indexes its first attention layer in the second rank's slice), and Tensor refused (no
   shard()).
 Each gives the 16 greedy tokens, with their logprobs, of transformers' own forward on the same prompt ids. The
-torch engine runs DeepSeek-V3 too, natively (engines/torch/models/deepseek_v3.py): a node whose only engine is
-torch places it on one rank and gives the same tokens; Qwen3-Next, which torch runs only through transformers'
-modeling (engines/torch/fallback.py), is refused on two torch ranks naming the way out. One hub and one set of
-nodes for the module."""
+torch engine runs both natively too (engines/torch/models/deepseek_v3.py, qwen3_next.py): a node whose only engine
+is torch places DeepSeek-V3 on one rank and gives the same tokens, and Qwen3-Next as a torch Pipeline over two
+nodes does. One hub and one set of nodes for the module."""
 
 from __future__ import annotations
 
@@ -219,16 +218,25 @@ def test_qwen3_next_over_two_mlx_nodes_gives_transformers_tokens(served: Served)
     node = served.mlx[0]
     status, added = node.post("/models/add", {"model_id": NEXT})
     assert status == 200 and added["compatible_backends"] is None and added["family"] == "qwen3_next", added
-    instance = serve_and_compare(served, NEXT, min_nodes=2, sharding="Pipeline")
+    instance = serve_and_compare(served, NEXT, min_nodes=2, sharding="Pipeline", engine="mlx")
     assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
-    status, reply = node.post("/place_instance", {"model_id": NEXT, "min_nodes": 2, "sharding": "Tensor"})
+    status, reply = node.post("/place_instance", {"model_id": NEXT, "min_nodes": 2, "sharding": "Tensor",
+                                                  "engine": "mlx"})
     assert status == 400 and "mlx-lm cannot split model" in str(reply) and "no shard()" in str(reply), reply
+
+
+def test_qwen3_next_as_a_torch_pipeline_gives_transformers_tokens(served: Served) -> None:
+    """torch runs Qwen3-Next natively (its linear layers' per-stream states on each stage): carded native, and a
+    Pipeline over the two nodes gives transformers' tokens."""
+    status, added = served.mlx[0].post("/models/add", {"model_id": NEXT})
+    assert status == 200 and added["torch_runtime"] == "native", added
+    instance = serve_and_compare(served, NEXT, min_nodes=2, sharding="Pipeline", engine="torch")
+    assert instance["engine"] == "torch" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
 
 
 def test_a_torch_only_node_runs_it_natively(served: Served) -> None:
     """auto puts it on torch where torch is all there is: one rank, the torch engine's own MLA layers, the same
-    tokens and logprobs; the MLX cluster's nodes have torch too, and two torch ranks of a family torch runs only
-    through transformers' modeling (Qwen3-Next) are refused with the way out."""
+    tokens and logprobs."""
     node = served.torch_only
     assert node.get("/state")["nodeBackends"][node.node_id] == ["torch", "torch-cpu"]
     status, added = node.post("/models/add", {"model_id": MODEL})
@@ -243,8 +251,3 @@ def test_a_torch_only_node_runs_it_natively(served: Served) -> None:
     finally:
         with node.client() as client:
             assert client.delete(f"/instance/{placed['instanceId']}").status_code == 200
-    status, added = served.mlx[0].post("/models/add", {"model_id": NEXT})
-    assert status == 200 and added["torch_runtime"] == "transformers", added
-    status, reply = served.mlx[0].post("/place_instance", {"model_id": NEXT, "min_nodes": 2, "engine": "torch"})
-    said = str(reply)
-    assert status == 400 and "through transformers' modeling, which does not split" in said, reply
