@@ -431,19 +431,21 @@ class MoeKernel:
     skulk_decode_layer call (LayerDesc.moe = address). Holds the matrices' descriptions; the matrices themselves
     stay the modules' (their tensors must outlive it, as the modules that build it keep them)."""
 
-    __slots__ = ("any_rows", "desc", "down", "gate_up", "matrices")
+    __slots__ = ("any_rows", "desc", "down", "gate_up", "matrices", "routes")
 
-    def __init__(self, router: Matrix, gate_up: list[Matrix], down: list[Matrix], top_k: int,
+    def __init__(self, router: Matrix | None, gate_up: list[Matrix], down: list[Matrix], top_k: int,
                  normalize: bool) -> None:
+        """router: the softmax router's matrix, or None where routing runs elsewhere (then only mix runs)."""
         self.matrices = (router, gate_up, down)
+        self.routes = router is not None
         self.any_rows = all(isinstance(m, QuantMatrix) or m.args[1] == _TYPES[torch.float32] for m in (*gate_up, *down))
         """Quantized or f32 experts: torch's path runs them on these kernels at any row count too (f16/bf16 ones
         turn to a GEMM from matmul.FLOAT_GEMM_ROWS rows, which a prefill should keep: SparseMoe.kernel_for)."""
         self.gate_up = (MatrixDesc * len(gate_up))(*(m.describe() for m in gate_up))
         self.down = (MatrixDesc * len(down))(*(m.describe() for m in down))
         hidden, inter = gate_up[0].k, down[0].k
-        self.desc = MoeDesc(router.describe(), self.gate_up, self.down, len(gate_up), top_k, inter, hidden,
-                            int(normalize))
+        routing = router.describe() if router is not None else MatrixDesc()
+        self.desc = MoeDesc(routing, self.gate_up, self.down, len(gate_up), top_k, inter, hidden, int(normalize))
 
     @property
     def address(self) -> int:
@@ -465,7 +467,7 @@ class MoeKernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The whole block for x [N, hidden]: routing (SparseMoe.route's softmax top-k) and mix."""
         lib = library()
-        assert lib is not None
+        assert lib is not None and self.routes
         x = x.contiguous()
         out = torch.empty_like(x)
         lib.skulk_moe(ctypes.byref(self.desc), x.data_ptr(), _TYPES[x.dtype], x.shape[0], out.data_ptr())

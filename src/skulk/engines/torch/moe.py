@@ -27,6 +27,7 @@ from . import cpu_kernels
 from .config import ModelArgs
 from .layers import AllReduce, GatedMLP, identity, kernel_matrix
 from .matmul import FLOAT_GEMM_ROWS, Linear
+from .quant import QuantizedLinear
 
 
 class Expert(GatedMLP):
@@ -52,9 +53,10 @@ class SparseMoe(nn.Module):
         """The experts as cpu_moe.c runs them; None: not yet decided (after loading), False: they run in torch."""
 
     def kernel(self) -> cpu_kernels.MoeKernel | None:
-        """The experts (and, for SparseMoe's own routing, the router) as one cpu_moe.c call: where every expert is an
-        Expert with SiLU, its gate/up stacked and both matrices in the kernels' layout (decided once, on first use
-        after loading). A family that runs its experts otherwise (gpt-oss's run_expert) gets None."""
+        """The experts (and a linear router, for SparseMoe's own routing) as one cpu_moe.c call: where every expert is
+        an Expert with SiLU, its gate/up stacked and both matrices in the kernels' layout (decided once, on first use
+        after loading). GroupedMoe's experts run on it too, routed in torch; a family that runs its experts
+        otherwise (gpt-oss's run_expert) gets None."""
         if self._kernel is None:
             self._kernel = self._build_kernel() or False
         return self._kernel if isinstance(self._kernel, cpu_kernels.MoeKernel) else None
@@ -67,8 +69,8 @@ class SparseMoe(nn.Module):
             return None
         gate_up = [kernel_matrix(e.gate_up) for e in experts]
         down = [kernel_matrix(e.down_proj) for e in experts]
-        router = kernel_matrix(self.gate) if isinstance(self.gate, nn.Module) else None
-        if router is None or any(m is None for m in (*gate_up, *down)):
+        router = kernel_matrix(self.gate) if isinstance(self.gate, Linear | QuantizedLinear) else None
+        if any(m is None for m in (*gate_up, *down)):
             return None
         return cpu_kernels.MoeKernel(router, gate_up, down, self.top_k, self.normalize)  # type: ignore[arg-type]
 
@@ -85,7 +87,8 @@ class SparseMoe(nn.Module):
         """The block whole (routing and experts) as a decoder layer's C call runs it: SparseMoe's softmax routing,
         one tensor-parallel rank."""
         routed = type(self).route is SparseMoe.route and type(self).forward is SparseMoe.forward
-        return self.kernel() if routed and self.all_reduce is identity else None
+        kernel = self.kernel() if routed and self.all_reduce is identity else None
+        return kernel if kernel is not None and kernel.routes else None
 
     def run_expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """One expert's output for the rows that picked it."""
