@@ -1,4 +1,4 @@
-"""Our AVX2 kernels (cpu_matmul.c, cpu_step.c), compiled on first use and called through ctypes.
+"""Our AVX2 kernels (cpu_matmul.c, cpu_step.c, cpu_moe.c), compiled on first use and called through ctypes.
 
 torch's CPU matmuls are fast for f16 weights one row at a time only, slow for bf16 weights at any row count
 below a GEMM's, and its weight-only int4/int8 kernels want bf16 activations and reach about a third of the

@@ -394,7 +394,8 @@ void skulk_act_mul(const void *gate_up, int type, int rows, int I, int gelu, voi
 }
 
 /* ---- a whole decoder layer for a decode step ---------------------------------------------------------------- */
-/* layers.DecoderLayer (Llama, Qwen2/3, Mistral: pre-norm attention then a dense MLP, one tensor-parallel rank) for
+/* layers.DecoderLayer (Llama, Qwen2/3, Mistral: pre-norm attention then a dense MLP, or Qwen3-MoE's sparse block
+ * through cpu_moe.c's skulk_moe, one tensor-parallel rank) for
  * B rows of one token each, as one call: the same kernels as the torch path's calls, in the same order, with the
  * same roundings, but no Python between them. The layer and its matrices are described once (cpu_kernels.py). */
 typedef struct {
