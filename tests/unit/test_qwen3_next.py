@@ -33,6 +33,7 @@ from skulk.models.demo import generate_random_llama
 from skulk.types.chat import SamplingParams
 from tests.unit.family_checkpoints import COMMON, FAMILIES, PROMPTS, TOKENS, disagreement, reference, with_tokenizer
 from tests.unit.family_checkpoints import write as write_family
+from tests.unit.test_fallback_families import run
 from tests.unit.test_glm4_moe import assert_mixed_step_tokens, assert_tensor_ranks_match, assert_transformers_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # real model compute: `make test`, not `make test-fast`
@@ -167,6 +168,19 @@ def test_a_stream_admitted_after_another_left_starts_clean(checkpoints: dict[str
     assert (why := disagreement(got, expected)) is None, why
     layers = _linear_layers(engine.model)
     assert len(layers) == 2 and all(layer.states.streams == 0 for layer in layers)
+
+
+def test_preempted_requests_restart_from_a_clean_state(checkpoints: dict[str, Path]) -> None:
+    """A pool of one whole-context request (11 blocks of 4 for 40 positions): the two requests' growth (9 and 6
+    blocks) preempts the second, whose blocks (and states) go back; recomputed from its first position later, both
+    still give transformers' tokens, and no state is held once they have left."""
+    path = checkpoints["drawn"]
+    engine = TorchEngine(path, max_batch=2, max_seq=40, block_size=4, prefill_chunk=8, kv_cache_bytes=1)
+    assert engine.blocks.num_blocks == 11
+    got = run(engine)
+    assert engine.preemptions > 0
+    assert (why := disagreement(got, reference(path))) is None, why
+    assert all(layer.states.streams == 0 for layer in _linear_layers(engine.model))
 
 
 def test_the_engine_shares_no_prefix_and_speculates_none(checkpoints: dict[str, Path]) -> None:

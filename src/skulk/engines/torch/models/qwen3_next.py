@@ -271,16 +271,19 @@ def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return out.reshape(b, h, -1, out.shape[-1])[:, :, :t], state
 
 
-_LAST: list[Any] = [None, ([], [])]
-"""The last batch part _streams read and its rows' streams (compared by identity: one read per part and step)."""
+_LAST: list[tuple[StepBatch, tuple[list[int], list[int]]] | None] = [None]
+"""The last batch part _streams read, with its rows' streams (one tuple, replaced whole: ranks run as threads in
+tests), compared by identity: one read per part and step."""
 
 
 def _streams(batch: StepBatch) -> tuple[list[int], list[int]]:
     """Each row's stream (its first KV block) and first position: read once per batch part, not once per linear
     layer (a device sync each on a GPU)."""
-    if _LAST[0] is not batch:
-        _LAST[0], _LAST[1] = batch, (batch.tables[:, 0].tolist(), batch.positions[:, 0].tolist())
-    return _LAST[1]
+    memo = _LAST[0]
+    if memo is None or memo[0] is not batch:
+        memo = (batch, (batch.tables[:, 0].tolist(), batch.positions[:, 0].tolist()))
+        _LAST[0] = memo
+    return memo[1]
 
 
 class GatedDeltaNet(nn.Module):
