@@ -22,7 +22,9 @@ step's result goes to a fresh slot beside the one it read, so a step the engine 
 still being prefilled: its chunk then starts again at the same position) leaves the state it read intact. The
 engine frees a stream's slots when its blocks go back (Scheduler.on_free, family.forget_stream). For the same
 reason the family is `stateful`: no prefix sharing (a shared block carries no state) and no speculative decoding
-(a rejected draft would leave the state past the accepted tokens).
+(a rejected draft would leave the state past the accepted tokens). The linear layers' KV pools hold no block
+(ModelSlice._stateful). A decoding stream holds two slots per linear layer, float32: on Qwen3-Next-80B about
+150 MB a stream, where models/memory_math budgets one state in the model's dtype (40 MB).
 
 A pipeline stage holds its layers whole, and its linear layers' states. Tensor parallel: attention heads and
 expert widths split as every family's do; a linear layer's key heads (with their value heads) split the same way,
