@@ -9,8 +9,9 @@ pipeline (each stage building only its layers and their states) and two tensor-p
 of every layer's heads and their states), with the second request arriving while the first decodes (its chunks
 ride on the decode step, beside the decode row the engine computes and drops for it), and for a request admitted
 after another left (its state starts from zeros; the leaver's was freed). A prompt longer than the delta rule's
-chunk, prefilled in two engine chunks, ends on transformers' logits. The engine shares no prefixes and speculates
-none for the family, and the catalog cards it as native."""
+chunk, prefilled in two engine chunks, ends on transformers' logits, and bfloat16 stays near transformers'
+bfloat16. The engine shares no prefixes and speculates none for the family, a preempted request restarts from
+zeros, and the catalog cards the family as native."""
 
 from __future__ import annotations
 
@@ -34,7 +35,12 @@ from skulk.types.chat import SamplingParams
 from tests.unit.family_checkpoints import COMMON, FAMILIES, PROMPTS, TOKENS, disagreement, reference, with_tokenizer
 from tests.unit.family_checkpoints import write as write_family
 from tests.unit.test_fallback_families import run
-from tests.unit.test_glm4_moe import assert_mixed_step_tokens, assert_tensor_ranks_match, assert_transformers_tokens
+from tests.unit.test_glm4_moe import (
+    assert_bf16_near_transformers,
+    assert_mixed_step_tokens,
+    assert_tensor_ranks_match,
+    assert_transformers_tokens,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # real model compute: `make test`, not `make test-fast`
 
@@ -50,7 +56,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _write_drawn(root: Path, demo: Path) -> Path:
+def _write_drawn(root: Path, demo: Path, dtype: torch.dtype = torch.float32) -> Path:
     """The variant: norm weights, A_log, dt_bias and conv kernels drawn, the layers linear, full, linear, full."""
     import transformers
 
@@ -64,8 +70,8 @@ def _write_drawn(root: Path, demo: Path) -> Path:
                 tensor.normal_(0.5, 0.3)
             elif name.endswith("A_log"):
                 tensor.uniform_(-1, 1)
-    path = root / "qwen3_next_drawn"
-    model.save_pretrained(path)
+    path = root / f"qwen3_next_drawn_{str(dtype).removeprefix('torch.')}"
+    (model.bfloat16() if dtype == torch.bfloat16 else model).save_pretrained(path)
     return with_tokenizer(path, demo)
 
 
@@ -74,7 +80,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("qwen3-next")
     demo = generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                  intermediate_size=128, seed=3)
-    return {"shared": write_family("qwen3_next", root, demo), "drawn": _write_drawn(root, demo)}
+    return {"shared": write_family("qwen3_next", root, demo), "drawn": _write_drawn(root, demo),
+            "drawn_bf16": _write_drawn(root, demo, torch.bfloat16)}
 
 
 @pytest.mark.parametrize("name", ["shared", "drawn"])
@@ -121,6 +128,12 @@ def test_two_tensor_rank_processes_give_transformers_tokens(checkpoints: dict[st
                              for rank in range(2)], 300)
     got = json.loads(out.read_text())["tokens"]
     assert (why := disagreement(got, reference(path))) is None, why
+
+
+def test_bfloat16_stays_near_transformers(checkpoints: dict[str, Path]) -> None:
+    """A bfloat16 checkpoint in bfloat16 on both sides (the recurrent state float32 on both): each position's
+    logits within 3% of transformers' (test_glm4_moe's check; measured at most 2.3% here)."""
+    assert_bf16_near_transformers(checkpoints["drawn_bf16"])
 
 
 def test_linear_layers_hold_no_kv_block(checkpoints: dict[str, Path]) -> None:
