@@ -32,19 +32,6 @@ one thread timed by its CPU time so the load is left out, with
 Why, as the code read then: the dense model's decode step is one C call for all its layers (model._layer_stack),
 which layers.DecoderLayer._describe declined for a MoE block, so every MoE layer ran attention, norms and rope op by
 op in torch and each picked expert's matmuls from a Python loop (a dozen torch ops and three kernel calls each).
-2026-12-07, once a softmax-routed MoE block ran on the C kernels (cpu_moe.c: routing and the picked experts, each
-once over its rows, in one call) inside its layer's skulk_decode_layer (LayerDesc.moe), so the MoE's decode step is
-one C call as the dense one's is, the same command with --part moe --rounds 3 (CPU clock; load average 8-10 from the
-other sessions), two runs:
-  model   1 stream  8 streams   (tok/s)     1 stream  8 streams
-  moe      238.9     618.2                  221.8     632.1
-  dense    243.9     815.6                  231.2     830.4
-  MoE ÷ dense-of-active: 0.98 and 0.76      0.96 and 0.74                (target >= 0.75: met at 1 stream; at 8
-  streams on the line, the per-round ratios spreading 0.69-0.99 under the load)
-What is left at 8 streams is the experts' weights: 8 streams pick about 26 of a layer's 64 experts, so the step
-reads about 6.5x the dense MLP's int4 bytes (15 MB a layer against 2.4 MB), each expert for one or two rows, from
-DRAM (the MoE's 150 MB of experts do not stay in cache as the dense model's 23 MB can). One row of a 768 x 1024
-int4 matrix ran 30-45 us in cache against 55-70 us cycling through 64 such matrices (this machine, one thread).
   family        fallback   native  nat÷fb   (tok/s)
   deepseek_v3     236.8
   glm4_moe        319.5
@@ -64,6 +51,25 @@ its grouped sigmoid routing runs in torch per step.
 The same day as the table, the defaults (two threads, the wall clock) with --rounds 3 --tokens 32 --part moe, load
 average about 5: moe 10.5 / 29.1, dense 49.2 / 164.2 tok/s, MoE ÷ dense 0.27 at 1 stream, 0.22 at 8 (rounds spread
 3x: two threads on two busy cores wait on each other, the MoE's many small ops the most).
+2026-12-07, once a softmax-routed MoE block ran on the C kernels (cpu_moe.c: routing and the picked experts, each
+once over its rows, in one call) inside its layer's skulk_decode_layer (LayerDesc.moe), so the MoE's decode step is
+one C call as the dense one's is, three runs of
+  PYTHONPATH=src .venv/bin/python bench/moe.py --part moe --rounds 3 --tokens 64 --threads 1 --clock cpu
+the first two under load average 8-10 from the other sessions, the third (after rebasing on main) under 3-6:
+  model   1 stream  8 streams   1 stream  8 streams   1 stream  8 streams   (tok/s)
+  moe      238.9     618.2       221.8     632.1       235.0     646.0
+  dense    243.9     815.6       231.2     830.4       232.1     874.4
+  MoE ÷ dense-of-active:
+           0.98      0.76        0.96      0.74        0.87      0.66        (target >= 0.75)
+Met at 1 stream (before: 0.41-0.46); missed at 8 streams by 0-0.09 (before: 0.30-0.32), the per-round ratios
+spreading 0.69-0.99 and 0.66-0.80 under the load. What is left at 8 streams is the experts' weights: 8 streams pick
+about 26 of a layer's 64 experts, so the step reads about 6.5x the dense MLP's int4 bytes (15 MB a layer against
+2.4 MB), each expert for one or two rows, from DRAM (the MoE's 150 MB of experts do not stay in cache as the dense
+model's 23 MB can, and the less other work shares the cache the better the dense model's do: it gained most in
+the third run). One thread here streams about 5-6 GB/s from DRAM (torch's sum over 150 MB); one row of a
+768 x 1024 int4 matrix ran 30-45 us in cache against 55-70 us cycling through 64 such matrices, and the 8-row MoE
+blocks of this shape (four layers) about 7.6 ms against the dense MLPs' 2.5 ms (bound by the dense's compute, two
+passes of 4 rows).
 """
 
 from __future__ import annotations
