@@ -86,14 +86,17 @@ def test_grouped_experts_run_in_one_call_routed_in_torch(tmp_path: Path, options
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("options", OPTIONS[1:3])
-def test_the_router_in_c_picks_what_torch_picks(checkpoint: Path, options: dict[str, Any]) -> None:
-    """The whole block in C (its softmax top-k routing too) against route + mix in torch: the same experts, so the
-    outputs agree within the weights' rounding (the softmax's exp differs from torch's in the last bits)."""
+def test_the_router_in_c_picks_what_torch_picks(checkpoint: Path, options: dict[str, Any], normalize: bool) -> None:
+    """The whole block in C (its softmax top-k routing too, the top k renormalised or not: norm_topk_prob) against
+    route + mix in torch: the same experts, so the outputs agree within the weights' rounding (the softmax's exp
+    differs from torch's in the last bits); another pick would be a whole expert's output off."""
     model = load_model(checkpoint, **options)
     block = _blocks(model)[0]
+    block.normalize = normalize
     kernel = block.kernel()
-    assert kernel is not None
+    assert kernel is not None and kernel.desc.normalize == normalize
     x = torch.randn(16, model.args.hidden_size, generator=torch.Generator().manual_seed(1)).to(model.args.dtype)
     with torch.inference_mode():
         ours = kernel(x)
