@@ -1,7 +1,7 @@
 """Where a decode step's time goes as the batch grows: bench/paged.py --profile prints a table of ms per part of one
 decode step at 1, 8, 16 and 32 streams on the 100M int4 model, to say where many streams ÷ one saturates and why.
 
-Parts of engine.step(), timed in place (wrapped methods of the engine): the scheduler's header (`sched`), the
+Parts of engine.step(), timed in place (wrapped methods of the engine's parts): the scheduler's header (`sched`), the
 decode rows' block tables and positions (`rows`), the forward pass (`fwd`), sampling and detokenising (`sample`),
 and moving rows on and sharing tokens (`advance`). Inside the forward pass, which is one kernel call for every
 layer, each part is timed alone on the same shapes: the embedding, the four projections of all 12 layers (`qkv`,
@@ -29,7 +29,10 @@ from skulk.engines.torch.engine import TorchEngine
 from skulk.types.chat import SamplingParams
 
 BATCHES = (1, 8, 16, 32)
-WRAPPED = ("_lead", "_decode_rows", "_forward", "_advance", "_accept", "_share_tokens")
+WRAPPED = {"_lead": ("admission", "lead"), "_decode_rows": ("stepper", "decode_rows"),
+           "_forward": ("executor", "forward"), "_advance": ("stepper", "advance"), "_accept": ("stepper", "accept"),
+           "_share_tokens": ("stepper", "share_tokens")}
+"""Each timed part of a step: its column, and the engine's part and method that computes it."""
 STEPS = 20
 
 
@@ -45,8 +48,9 @@ def _timed(fn: Callable[[], Any], n: int = 15) -> float:
 
 
 def _wrap(engine: TorchEngine, totals: dict[str, float]) -> None:
-    for name in WRAPPED:
-        method = getattr(engine, name)
+    for name, (part_name, method_name) in WRAPPED.items():
+        part = getattr(engine, part_name)
+        method = getattr(part, method_name)
 
         def timed(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
             start = time.thread_time()
@@ -55,7 +59,7 @@ def _wrap(engine: TorchEngine, totals: dict[str, float]) -> None:
             finally:
                 totals[_name] = totals.get(_name, 0.0) + time.thread_time() - start
 
-        setattr(engine, name, timed)
+        setattr(part, method_name, timed)
 
 
 def fill(engine: TorchEngine, streams: int) -> None:

@@ -287,17 +287,18 @@ def test_a_mixed_pipeline_generates_the_single_ranks_tokens(engines: list[str], 
 def test_an_mlx_rank_refuses_a_step_its_caches_do_not_match(demo: Path) -> None:
     """A header that steps a request at a position its MLX cache does not end at (a forged or out-of-order step)
     is a WireError, which fails the rank like any group error, never a silently wrong token."""
-    from skulk.engines.mlx.mixed import MixedMlxEngine
+    from skulk.engines.mlx.mixed import MixedMlxEngine, MlxExecutor
     from skulk.engines.torch.requests import Request
     from skulk.engines.torch.wire import WireError
 
-    engine = MixedMlxEngine(demo, max_seq=64)
+    executor = MixedMlxEngine(demo, max_seq=64).executor
+    assert isinstance(executor, MlxExecutor)
     req = Request("x", [1, 2, 3], 4, None, None, None)  # type: ignore[arg-type]
     with pytest.raises(WireError, match="its MLX cache holds"):
-        engine._cache_for(req, 5)
-    assert engine._cache_for(req, 0)[0].offset == 0
+        executor._cache_for(req, 5)
+    assert executor._cache_for(req, 0)[0].offset == 0
     with pytest.raises(WireError, match="position 2; its MLX cache holds 0"):
-        engine._cache_for(req, 2)
+        executor._cache_for(req, 2)
 
 
 def test_an_mlx_stage_decodes_rows_together_as_each_would_alone(demo: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 from skulk.engines.torch.blocks import BlockAllocator, OutOfBlocks, block_keys, blocks_for
 from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.schedule import pool_blocks
+from skulk.engines.torch.timing import StepTimes
 from skulk.engines.torch.wire import (
     NO_COPY,
     Admitted,
@@ -36,7 +37,7 @@ def fixed_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks beside running streams stay at the floor instead of following measured step times: the schedule,
     hence which path each chunk takes (the layer stack or torch's, whose int4 roundings differ), is the same in
     every engine of a comparison however loaded the machine is."""
-    monkeypatch.setattr(TorchEngine, "_measure", lambda *_: None)
+    monkeypatch.setattr(StepTimes, "measure", lambda *_: None)
 
 
 @pytest.fixture(scope="module")

@@ -159,8 +159,8 @@ def test_the_card_says_vision_and_counts_the_tower_on_the_first_rank(model: Path
 
 @pytest.mark.timeout(300)
 def test_speculative_decode_steps_rotate_as_plain_ones(model: Path) -> None:
-    """Prompt lookup's verify chunk (local_step._speculate) rotates its rows at index + delta like a decode step:
-    48 tokens with drafting (some proposed) are the 48 without."""
+    """Prompt lookup's verify chunk (local_step.Speculator.verify) rotates its rows at index + delta like a decode
+    step: 48 tokens with drafting (some proposed) are the 48 without."""
     message = image_message(picture(1))
     long = SamplingParams(max_tokens=48, temperature=0)
     outs = []

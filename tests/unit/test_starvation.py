@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from skulk.engines.torch.engine import TorchEngine
+from skulk.engines.torch.timing import StepTimes
 from skulk.models.demo import ensure_demo_model
 from skulk.types.chat import SamplingParams
 
@@ -42,7 +43,7 @@ def never_ending(where: str, req: Any) -> int | None:
 def fixed_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunk sizes stay at the floor instead of following measured step times: the step counts are the same
     however loaded the machine is."""
-    monkeypatch.setattr(TorchEngine, "_measure", lambda *_: None)
+    monkeypatch.setattr(StepTimes, "measure", lambda *_: None)
 
 
 @pytest.mark.parametrize(("long_prompt", "kv_cache_bytes", "preempts"), [(40, None, False), (120, 0, True)],

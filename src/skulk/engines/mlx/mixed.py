@@ -4,10 +4,11 @@ MLX beside a Linux box's torch), as llama.cpp's RPC mixes backends.
 The two engines' own multi-rank protocols differ (the MLX ring shares adds and tokens by all_sum over
 mx.distributed; the torch group broadcasts step headers over gloo), so a mixed instance speaks one of them
 everywhere: the torch engine's. Every rank joins the torch.distributed group at the rendezvous, and the MLX
-rank is a `TorchEngine` whose scheduling, step headers (wire.py: fixed int64s and pydantic-validated JSON,
-never pickle), block bookkeeping, hidden-state sends and token shares (links.py) are the torch engine's own
-code; only its forward pass is mlx-lm's model, cut to this rank's layers (`MlxStage`). Hidden states cross as
-torch tensors in the checkpoint's dtype (bf16 goes through an int16 view: numpy has no bfloat16).
+rank is a `TorchEngine` built from the same parts but its Executor (MixedMlxEngine, MlxExecutor): its scheduling,
+step headers (wire.py: fixed int64s and pydantic-validated JSON, never pickle), block bookkeeping, hidden-state
+sends and token shares (links.py) are the torch engine's own code; only its forward pass is mlx-lm's model, cut to
+this rank's layers (`MlxStage`). Hidden states cross as torch tensors in the checkpoint's dtype (bf16 goes through
+an int16 view: numpy has no bfloat16).
 
 mlx-lm's layers keep KV caches per sequence, not the torch engine's block pool, so the MLX rank keeps mlx-lm
 caches for its running requests (caches.py): a step's decode rows run as one batched forward over a
@@ -23,7 +24,7 @@ dropped at the next forward.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,9 +35,11 @@ import torch
 from mlx_lm.models.cache import make_prompt_cache
 
 from skulk.engines.torch.cache import MixedBatch, StepBatch
+from skulk.engines.torch.core import Parts, build_parts
 from skulk.engines.torch.engine import TorchEngine
-from skulk.engines.torch.executor import PromptPart
+from skulk.engines.torch.executor import Executor, PromptPart
 from skulk.engines.torch.models import read_args_dir
+from skulk.engines.torch.options import Pool, Shard, Weights
 from skulk.engines.torch.requests import Request
 
 from .caches import SequenceCaches
@@ -137,39 +140,33 @@ class MlxStage:
             self._given = self._taken = None
 
 
-class MixedMlxEngine(TorchEngine):
-    """The torch engine's core over its group link, computing with an MlxStage (module docstring)."""
+class MlxExecutor(Executor):
+    """The torch engine's Executor computing with an MlxStage: the same batches (it notes each part's requests as it
+    builds them) and the same link, with mlx-lm's forward pass over a cache per request (module docstring)."""
 
-    share_prefixes = False
-
-    def __init__(self, model_dir: Path, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.running: Callable[[], Sequence[Request]] = list
+        """The engine's running rows (MixedMlxEngine sets it): a request that left has its cache dropped."""
         self._rows: dict[int, Rows] = {}  # id(batch part) -> its rows' requests, for this step's forward
         self._caches = SequenceCaches(lambda: cast(MlxStage, self.model).new_cache())
-        super().__init__(model_dir, **kwargs)
-
-    def _load_model(self, model_dir: Path, *, start_layer: int, end_layer: int | None, tp_size: int,
-                    quantize: str | None, **_: Any) -> Any:
-        if tp_size > 1:
-            raise ValueError("an MLX rank joins a torch group as a Pipeline stage only")
-        return MlxStage(model_dir, start_layer, end_layer, quantize)
 
     # --- where each row of a step comes from (the torch engine builds the batches; these note their requests) ---
 
-    def _decode_rows(self) -> tuple[StepBatch, list[int], list[int]]:
-        batch, last_tokens, rows = super()._decode_rows()
-        sampling = set(rows)
-        start, end = self._step_rows or (0, len(self._running))  # a pipelined step's micro-batch (flight.py)
-        self._rows[id(batch)] = [r if i in sampling else None for i, r in enumerate(self._running[start:end])]
-        return batch, last_tokens, rows
+    def decode_batch(self, running: Sequence[Request], local: bool) -> StepBatch:
+        """The torch batch, with the rows that sample noted (a row still being prefilled is skipped)."""
+        batch = super().decode_batch(running, local)
+        self._rows[id(batch)] = [r if r.length >= len(r.prompt) else None for r in running]
+        return batch
 
-    def _chunk_batch(self, part: PromptPart) -> StepBatch:
-        batch = super()._chunk_batch(part)
+    def chunk_batch(self, part: PromptPart, local: bool) -> StepBatch:
+        batch = super().chunk_batch(part, local)
         self._rows[id(batch)] = [part[1]]
         return batch
 
-    def _forward(self, ids: torch.Tensor | None, batch: StepBatch | MixedBatch, shape: tuple[int, int], *,
-                 last_only: bool = False) -> torch.Tensor | None:
-        """The torch engine's _forward (receive, compute, send on or return logits) with mlx-lm computing."""
+    def forward(self, ids: torch.Tensor | None, batch: StepBatch | MixedBatch, shape: tuple[int, int], *,
+                last_only: bool = False) -> torch.Tensor | None:
+        """The torch Executor's forward (receive, compute, send on or return logits) with mlx-lm computing."""
         args = self.model.args
         x = ids if ids is not None else self.link.recv_hidden((*shape, args.hidden_size), args.dtype, self.device)
         parts = batch.parts if isinstance(batch, MixedBatch) else (batch,)
@@ -219,5 +216,28 @@ class MixedMlxEngine(TorchEngine):
         return self._caches.one(req.request_id, position)
 
     def _drop_caches(self) -> None:
-        if len(self._caches) > len(self._running):
-            self._caches.keep({r.request_id for r in self._running})
+        running = self.running()
+        if len(self._caches) > len(running):
+            self._caches.keep({r.request_id for r in running})
+
+
+class MixedMlxEngine(TorchEngine):
+    """The torch engine's parts over its group link, computing with an MlxStage (module docstring): only the parts
+    it is built from differ (build)."""
+
+    @classmethod
+    def build(cls, model_dir: Path, shard: Shard, pool: Pool, weights: Weights) -> Parts:
+        """The torch engine's parts with an MlxStage for the model and an MlxExecutor over it; no shared prefixes."""
+        parts = build_parts(model_dir, shard, pool, weights, load=load_stage, executor=MlxExecutor,
+                            share_prefixes=False)
+        scheduler = parts.scheduler
+        cast(MlxExecutor, parts.executor).running = lambda: scheduler.running
+        return parts
+
+
+def load_stage(model_dir: Path, *, start_layer: int, end_layer: int | None, tp_size: int, quantize: str | None,
+               **_: Any) -> MlxStage:
+    """This rank's layers as an MlxStage (core.Loader's keywords): a Pipeline stage only."""
+    if tp_size > 1:
+        raise ValueError("an MLX rank joins a torch group as a Pipeline stage only")
+    return MlxStage(model_dir, start_layer, end_layer, quantize)

@@ -5,7 +5,7 @@ long runs where the next tokens are the ones that followed the same few tokens e
 them, runs the request's last token and the draft as one chunk (one read of the weights for up to MAX_DRAFT + 1
 tokens, which on a memory-bound decode costs little more than one), and keeps the draft's longest prefix that
 greedy decoding would have produced itself, plus the model's own next token: output is token for token what
-plain greedy decoding gives. The pure parts live here; local_step.LocalStep._speculate runs the step.
+plain greedy decoding gives. The pure parts live here; local_step.Speculator runs the step.
 
 A sampled request keeps its drafts by the standard rejection rule (Leviathan et al. 2023, Chen et al. 2023;
 `verify_sampled`): its tokens then follow exactly the distribution plain sampling draws from (temperature,
