@@ -122,9 +122,9 @@ def test_no_import_circle_between_modules() -> None:
 
 
 ENGINE = "skulk.engines.torch"
-RUNTIME = tuple(f"{ENGINE}.{m}" for m in ("core", "flight", "admission", "step", "local_step", "engine", "links",
-                                           "wire", "drafter", "fallback", "model", "loader", "executor", "options",
-                                           "scheduler"))
+RUNTIME = tuple(f"{ENGINE}.{m}" for m in ("core", "flight", "admission", "step", "local_step", "engine", "journal",
+                                           "timing", "links", "wire", "drafter", "fallback", "model", "loader",
+                                           "executor", "options", "scheduler"))
 """The torch engine's runtime: what runs a model and its requests, above the model families and the scheduler."""
 ENGINE_FLOORS = {
     # module prefix: what it must not import (anywhere in its body), so the floors inside the engine hold
@@ -132,7 +132,7 @@ ENGINE_FLOORS = {
     f"{ENGINE}.scheduler": ("torch", *RUNTIME[:-1], f"{ENGINE}.cache", f"{ENGINE}.layers", f"{ENGINE}.requests"),
     f"{ENGINE}.header": ("torch", *RUNTIME),
     # the executor runs what a header names over tensors: no request bookkeeping, nothing of the engine above it
-    f"{ENGINE}.executor": (f"{ENGINE}.scheduler", f"{ENGINE}.header", *RUNTIME[:6]),
+    f"{ENGINE}.executor": (f"{ENGINE}.scheduler", f"{ENGINE}.header", *RUNTIME[:8]),
 }
 
 

@@ -91,7 +91,7 @@ class TorchEngine:
         self.admission = Admission(shard, self.scheduler, self.executor, self.flights, self.inbox, self.journal,
                                    self.times, self.tokenizer)
         speculator = Speculator(self.scheduler, self.executor, self.journal, self.inbox.finish,
-                                self.tokenizer.eos_ids, kind=shard.kind, context_length=self.context_length,
+                                self.tokenizer, kind=shard.kind, context_length=self.context_length,
                                 block_size=pool.block_size) if parts.speculate else None
         self.stepper = Stepper(shard, self.scheduler, self.executor, self.flights, self.journal, self.tokenizer,
                                self.context_length, speculator)

@@ -5,7 +5,7 @@ Stepper asks first on each decode step of an engine that speculates."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import torch
 
@@ -19,6 +19,7 @@ from .requests import Request, accept_each
 from .sampling import distribution, greedy
 from .scheduler import Scheduler
 from .speculate import MAX_DRAFT, PromptLookup, accepted_prefix, verify_sampled
+from .tokenizer import ChatTokenizer
 from .wire import StepKind
 
 Proposal = tuple[list[list[int]], list[Draws]]
@@ -33,10 +34,10 @@ class Speculator:
     only: nothing is shared, and rank 0 is the sampler."""
 
     def __init__(self, scheduler: Scheduler[Request], executor: Executor, journal: Journal,
-                 finish: Finisher, eos_ids: Collection[int], *, kind: str, context_length: int,
+                 finish: Finisher, tokenizer: ChatTokenizer, *, kind: str, context_length: int,
                  block_size: int) -> None:
         self.scheduler, self.executor, self.journal, self.finish = scheduler, executor, journal, finish
-        self.eos_ids, self.kind, self.context_length, self.block_size = eos_ids, kind, context_length, block_size
+        self.tokenizer, self.kind, self.context_length, self.block_size = tokenizer, kind, context_length, block_size
 
     def drafts(self) -> Proposal | None:
         """A draft per running request (some empty): the draft model's when the engine has one, else prompt
@@ -110,7 +111,7 @@ class Speculator:
         outs: list[TokenOut] = []
         for j, token in enumerate(tokens):
             req.length += 1
-            out = accept_each(rows[j : j + 1], [req], self.eos_ids, self.context_length, None, [token])[0]
+            out = accept_each(rows[j : j + 1], [req], self.tokenizer.eos_ids, self.context_length, None, [token])[0]
             outs.append(out)
             if not out.error:
                 req.emitted.append(out.token_id)
