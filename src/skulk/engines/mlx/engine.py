@@ -26,7 +26,6 @@ import functools
 import json
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from mlx_lm.utils import load_model
 from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
 from skulk.engines.errors import PromptRejected, check_prompt
 from skulk.engines.torch.requests import FaultHook, Request, accept_each, reasoning_budget, row_sampling
+from skulk.engines.torch.scheduler import Queue
 from skulk.engines.torch.tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 from skulk.engines.torch.vision import Tower, VisionInput, image_spans, load_tower, read_images, whole_images
 from skulk.engines.torch.wire import Admitted, Released, RequestEvent, Started
@@ -171,9 +171,10 @@ class MlxEngine:
         self.closed = False
         self._adds: list[NewRequest] = []  # rank 0: for the next header
         self._cancels: list[str] = []  # rank 0: for the next header
-        self._pending: deque[Request] = deque()
+        # the torch scheduler's queue half (its block half stays there: mlx-lm's caches hold the KV here)
+        self._queue: Queue[Request] = Queue()
+        self._pending, self._running = self._queue.pending, self._queue.running  # running: row i of the batch cache
         self._prefilling: tuple[Request, Cache] | None = None
-        self._running: list[Request] = []  # row i of the batch cache
         self._batch: Cache | None = None
         self._batched = False  # _batch is mlx-lm's BatchKVCache (else one request's own KVCache)
         self._releases: list[tuple[str, bool, bool]] = []  # (request_id, cancelled, failed), at the next step
@@ -222,7 +223,9 @@ class MlxEngine:
         if vision is not None and sum(e - s for s, e in image_spans(prompt_ids, self.image_token)) != len(
                 vision.embeds):
             raise PromptRejected("the prompt's image placeholders do not match its images")
-        known = {r.request_id for r in self._requests()} | {a.request_id for a in self._adds}
+        known = self._queue.ids() | {a.request_id for a in self._adds}
+        if self._prefilling is not None:
+            known.add(self._prefilling[0].request_id)
         if request_id in known:
             raise ValueError(f"request {request_id!r} is already running")
         if sampling.constraint is not None:  # never an unconstrained reply to a request that asked for one
@@ -332,28 +335,20 @@ class MlxEngine:
                        budget=reasoning_budget(s, add.prompt, self.tokenizer) if self.is_sampler else None,
                        spans=image_spans(add.prompt, self.image_token), vision=self._visions.get(add.request_id))
 
-    def _requests(self) -> list[Request]:
-        prefilling = [self._prefilling[0]] if self._prefilling else []
-        return [*self._pending, *prefilling, *self._running]
-
     def _apply_releases(self) -> None:
         releases, self._releases = self._releases, []
         for request_id, cancelled, failed in releases:
             self._release(request_id, cancelled, failed)
 
     def _release(self, request_id: str, cancelled: bool, failed: bool = False) -> None:
-        """Drop the request wherever it is: the queue, the prefill, or its row of the batch."""
-        found = next((r for r in self._pending if r.request_id == request_id), None)
-        if found is not None:
-            self._pending.remove(found)
-        elif self._prefilling is not None and self._prefilling[0].request_id == request_id:
-            found, self._prefilling = self._prefilling[0], None
-        else:
-            row = next((i for i, r in enumerate(self._running) if r.request_id == request_id), None)
-            if row is None:
-                return
-            found = self._running.pop(row)
+        """Drop the request wherever it is: the queue, its row of the batch, or the prefill."""
+        found, row = self._queue.take(request_id)
+        if row is not None:
             self._filter_batch([i for i in range(len(self._running) + 1) if i != row])
+        elif found is None and self._prefilling is not None and self._prefilling[0].request_id == request_id:
+            found, self._prefilling = self._prefilling[0], None
+        if found is None:
+            return
         if found.request_id == WARMUP_ID:
             self._warming = False
         else:

@@ -85,6 +85,39 @@ class Dropped(Generic[S]):
     running: bool
 
 
+class Named(Protocol):
+    request_id: str
+
+
+N = TypeVar("N", bound=Named)
+
+
+class Queue(Generic[N]):
+    """The scheduler's queue half, apart from blocks: the requests waiting (FIFO) and those running (index == batch
+    row), and a request taken from either by its id. The Scheduler keeps its requests in one; so does the MLX engine
+    (engines/mlx/engine.py), whose KV lives in mlx-lm's caches rather than a block pool."""
+
+    def __init__(self) -> None:
+        self.pending: deque[N] = deque()
+        self.running: list[N] = []
+
+    def ids(self) -> set[str]:
+        """The ids of every request queued or running."""
+        return {r.request_id for r in (*self.pending, *self.running)}
+
+    def take(self, request_id: str) -> tuple[N | None, int | None]:
+        """Drop the request from the queue or the running rows: (it, its row; None while it was pending), or (None,
+        None) where it is in neither."""
+        found = next((r for r in self.pending if r.request_id == request_id), None)
+        if found is not None:
+            self.pending.remove(found)
+            return found, None
+        row = next((i for i, r in enumerate(self.running) if r.request_id == request_id), None)
+        if row is None:
+            return None, None
+        return self.running.pop(row), row
+
+
 def _settled() -> bool:
     return False
 
@@ -107,8 +140,8 @@ class Scheduler(Generic[S]):
         self.window = window  # every layer slides: blocks wholly behind it go back
         self.local_window = local_window  # a hybrid model's sliding group's window
         self.leads, self.share_prefixes = leads, share_prefixes
-        self.pending: deque[S] = deque()
-        self.running: list[S] = []  # index == batch row, identical on every rank
+        self.queue: Queue[S] = Queue()
+        self.pending, self.running = self.queue.pending, self.queue.running  # running: identical on every rank
         self.on_free: Callable[[int], None] | None = None
         """Told a leaving (or preempted) request's first block as its table goes back: a stateful family's model
         drops the state it keeps for that stream (models/family.forget_stream)."""
@@ -133,14 +166,9 @@ class Scheduler(Generic[S]):
 
     def release(self, release: Release) -> Dropped[S]:
         """Drop a pending request, or a running one and its blocks (its full blocks stay cached for reuse)."""
-        found = next((r for r in self.pending if r.request_id == release.request_id), None)
-        if found is not None:
-            self.pending.remove(found)
+        found, row = self.queue.take(release.request_id)
+        if found is None or row is None:
             return Dropped(release, found, False)
-        found = next((r for r in self.running if r.request_id == release.request_id), None)
-        if found is None:
-            return Dropped(release, None, False)
-        self.running.remove(found)
         self._free_table(found)
         return Dropped(release, found, True)
 
