@@ -117,6 +117,31 @@ def test_linear_attention_and_ssm_keep_a_constant_state_per_stream() -> None:
     assert stream_state_bytes(card(QWEN3_NEXT_80B), 0, 4) == 3 * 548_864 * 2  # layers 0-2 linear, 3 full
 
 
+def test_the_torch_engine_holds_two_float32_slots_a_stream_in_each_delta_net_layer() -> None:
+    """engines/torch/models/qwen3_next.StreamStates: a stream holds the state a step read and the one it wrote, the
+    recurrent matrices in float32, the conv window in bf16: 36 x 2 x (524,288 x 4 + 24,576 x 2) = 36 x 4,292,608 =
+    154,533,888 bytes a stream on Qwen3-Next-80B (MLX's figure, the card's state_bytes, stays 39,518,208). Mamba
+    runs through transformers' fallback on torch: the layer's own figure. A placement counts MAX_STREAMS of them
+    on each rank by its engine."""
+    from skulk.master.shard_plan import MAX_STREAMS, plan_ring, pool_bytes
+    from skulk.types.ids import NodeId
+    from skulk.types.instances import Sharding
+
+    nxt = card(QWEN3_NEXT_80B)
+    assert stream_state_bytes(nxt, 0, 48, engine="torch") == 154_533_888
+    assert stream_state_bytes(nxt, 0, 48, engine="mlx") == stream_state_bytes(nxt, 0, 48) == 39_518_208
+    assert stream_state_bytes(nxt, 0, 48, tensor_ways=2, engine="torch") == 154_533_888 // 2
+    assert stream_state_bytes(nxt, 0, 4, engine="torch") == 3 * 4_292_608
+    nemotron = card(NEMOTRON_H_8B)
+    assert stream_state_bytes(nemotron, 0, 52, engine="torch") == stream_state_bytes(nemotron, 0, 52) == 51_806_208
+    more = MAX_STREAMS * (154_533_888 - 39_518_208)
+    assert pool_bytes(nxt, 0, 48, 4096, streams=MAX_STREAMS, engine="torch") == (
+        pool_bytes(nxt, 0, 48, 4096, streams=MAX_STREAMS, engine="mlx") + more)
+    nxt = nxt.model_copy(update={"context_length": 4096})
+    plans = {e: plan_ring(nxt, Sharding.Pipeline, [NodeId("a")], [1 << 40], engines=[e]) for e in ("torch", "mlx")}
+    assert plans["torch"][0].kv_pool - plans["mlx"][0].kv_pool == more
+
+
 def test_quantized_layouts_as_they_ship() -> None:
     # MLX affine 4-bit, groups of 64: 0.5 + 2 x 2 / 64 bytes a packed weight. DeepSeek's MoE layer packs all but
     # its norms (7168 x 2 + 1536 + 512) and its router (1,835,008 + 256, not a Linear in mlx-lm):

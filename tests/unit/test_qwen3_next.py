@@ -226,6 +226,37 @@ def test_a_long_prompt_in_two_chunks_ends_on_transformers_logits(checkpoints: di
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_the_state_pools_hold_what_placement_counts_a_torch_stream(checkpoints: dict[str, Path]) -> None:
+    """Two bf16 requests decoded side by side: each holds TORCH_STATE_SLOTS slots in every linear layer, whose
+    pools (the conv windows in bf16, the recurrent matrices in float32) are then max_batch streams of exactly the
+    memory arithmetic's torch figure (LayerMemory.torch_state_bytes, what placement counts a torch rank's stream),
+    where the card's state_bytes counts one state in bf16."""
+    from skulk.models.memory_math import TORCH_STATE_SLOTS, model_memory
+
+    path = checkpoints["drawn_bf16"]
+    engine = TorchEngine(path, max_batch=2, max_seq=64)
+    for i in (0, 1):
+        engine.add_request(f"r{i}", PROMPTS[i], GREEDY)
+    layers = _linear_layers(engine.model)
+    held = 0
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+        held = max([held, *(len(v) for layer in layers for v in layer.states.versions.values())])
+    assert held == TORCH_STATE_SLOTS
+    pools = [(layer.states.conv, layer.states.recurrent) for layer in layers]
+    assert all(c is not None and r is not None and c.dtype == torch.bfloat16 and r.dtype == torch.float32
+               and c.shape[0] == r.shape[0] == 2 * TORCH_STATE_SLOTS for c, r in pools)
+    allocated = sum(c.nbytes + r.nbytes for c, r in pools if c is not None and r is not None)
+    memory = model_memory(json.loads((path / "config.json").read_text()))
+    assert memory is not None and [layer.kind for layer in memory.layers] == ["linear", "full"] * 2
+    counted = sum(layer.torch_state_bytes for layer in memory.layers)
+    assert allocated == 2 * counted
+    # 2 layers x 2 slots x (4 heads x 16 x 16 float32 + 3 x (2 x 32 + 64) bf16); the card's one bf16 state: 5,632
+    assert counted == 2 * 2 * (1024 * 4 + 384 * 2) == 19_456
+    assert sum(layer.state_bytes for layer in memory.layers) == 2 * (1024 + 384) * 2 == 5_632
+
+
 def test_stream_states_restart_at_zero_and_survive_a_dropped_step() -> None:
     """A step at position 0 reads zeros; a step the engine drops (the same position computed again) reads the
     state before it; a position no step reached is an error, not a silent zero state; forget frees the slots."""

@@ -83,12 +83,16 @@ def layer_kv_bytes(card: ModelCard, layer: LayerMemory, tensor_ways: int = 1, en
     return head if layer.latent else 2 * (layer.kv_heads // tensor_ways) * head
 
 
-def stream_state_bytes(card: ModelCard, start: int, end: int, tensor_ways: int = 1) -> int:
+def stream_state_bytes(card: ModelCard, start: int, end: int, tensor_ways: int = 1,
+                       engine: EngineName | None = None) -> int:
     """The constant state one stream keeps in layers [start, end): linear attention's and SSMs' (its heads split
-    among tensor ranks); 0 for a card without per-layer memory."""
+    among tensor ranks); 0 for a card without per-layer memory. engine "torch": what that engine holds where it
+    holds more (LayerMemory.torch_state_bytes: two float32 slots a stream); None: the layer's own figure."""
     if card.memory is None or card.embeds:
         return 0
-    return sum(layer.state_bytes for layer in card.memory.layers[start:end]) // tensor_ways
+    torch = engine == "torch"
+    return sum((layer.torch_state_bytes if torch and layer.torch_state_bytes else layer.state_bytes)
+               for layer in card.memory.layers[start:end]) // tensor_ways
 
 
 def kv_headroom_bytes(card: ModelCard, n_layers: int, tensor_ways: int = 1, context: int | None = None,
@@ -146,7 +150,7 @@ def pool_bytes(card: ModelCard, start: int, end: int, tokens: int, tensor_ways: 
     """A rank's pool of `tokens` positions for layers [start, end): a hybrid model's sliding layers hold at most
     local_cap of them; and the constant state of `streams` streams in its linear-attention and SSM layers."""
     full, local = group_bytes_per_token(card, start, end, tensor_ways, engine)
-    states = streams * stream_state_bytes(card, start, end, tensor_ways)
+    states = streams * stream_state_bytes(card, start, end, tensor_ways, engine)
     return tokens * full + min(tokens, local_cap(card)) * local + states
 
 
@@ -168,7 +172,7 @@ def explicit_pool_tokens(card: ModelCard, kv_cache_bytes: int, engine: EngineNam
     ranks (None: the card's own figure, layer_kv_bytes)."""
     if card.embeds:
         return 0
-    kv_cache_bytes = max(0, kv_cache_bytes - MAX_STREAMS * stream_state_bytes(card, 0, card.n_layers))
+    kv_cache_bytes = max(0, kv_cache_bytes - MAX_STREAMS * stream_state_bytes(card, 0, card.n_layers, engine=engine))
     per_token = group_bytes_per_token(card, 0, card.n_layers, engine=engine)
     return tokens_for(kv_cache_bytes, per_token, local_cap(card), _UNBOUNDED)
 
@@ -359,11 +363,12 @@ def _plans(
     per_token = [group_bytes_per_token(card, start, end, ways, e)
                  for (start, end), e in zip(ranges, ranks, strict=True)]
     whole = ranks[0] if len(set(ranks)) == 1 else None  # an explicit pool's split: mixed engines keep the card's
-    states = [MAX_STREAMS * stream_state_bytes(card, start, end, ways) for start, end in ranges]
+    states = [MAX_STREAMS * stream_state_bytes(card, start, end, ways, e) for (start, end), e in zip(ranges, ranks,
+                                                                                                      strict=True)]
     runtimes = list(runtimes) if runtimes is not None else [None] * len(ring)
     bases = [planned_base(s, r, exact) + st for s, r, st in zip(shares, runtimes, states, strict=True)]
     if kv_cache_bytes is not None:
-        kv_cache_bytes = max(0, kv_cache_bytes - MAX_STREAMS * stream_state_bytes(card, 0, card.n_layers))
+        kv_cache_bytes = max(0, kv_cache_bytes - MAX_STREAMS * stream_state_bytes(card, 0, card.n_layers, engine=whole))
     tokens = pool_tokens(per_token, bases, free, context or card.context_length,
                          kv_cache_bytes, group_bytes_per_token(card, 0, card.n_layers, engine=whole), local_cap(card))
     plans = tuple(

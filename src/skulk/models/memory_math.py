@@ -8,7 +8,8 @@ blocks (DeepSeek's own checkpoint: a byte a weight, a float32 scale per 128 x 12
 headers are at hand, memory_from_tensors takes each layer's bytes from the tensors themselves.
 
 The cache side follows each layer's kind: keys and values per position for attention, bounded by a sliding window
-or an attention chunk, one latent per position for MLA, a constant state per stream for linear attention and SSMs.
+or an attention chunk, one latent per position for MLA, a constant state per stream for linear attention and SSMs
+(and what the torch engine holds a stream where it holds more: torch_state_bytes).
 """
 
 from __future__ import annotations
@@ -100,15 +101,26 @@ def tensor_bytes(t: Tensor, layout: Layout, fb: int) -> int:
     return n * bits // 8 + 2 * (n // group) * fb  # packed values, a scale and a bias per group
 
 
+TORCH_STATE_SLOTS = 2
+"""Slots a stream holds in each of the torch engine's gated DeltaNet layers (engines/torch/models/qwen3_next.py,
+StreamStates): the state a step read and the one it wrote, so a step the engine drops leaves the read one intact."""
+
+
+def _delta_net(c: dict[str, Any]) -> tuple[int, int]:
+    """Gated DeltaNet's elements per stream: the recurrent value-heads x key-dim x value-dim matrices, and the
+    convolution's last kernel-1 inputs of q, k and v."""
+    kh, kd = int(c["linear_num_key_heads"]), int(c["linear_key_head_dim"])
+    vh, vd = int(c["linear_num_value_heads"]), int(c["linear_value_head_dim"])
+    return vh * kd * vd, (int(c.get("linear_conv_kernel_dim") or 4) - 1) * (2 * kh * kd + vh * vd)
+
+
 def state_bytes(c: dict[str, Any], kind: LayerKind, fb: int) -> int:
     """One stream's constant state in a linear-attention or SSM layer, in the model's float bytes (Nemotron-H's
-    SSM state in its mamba_ssm_cache_dtype): gated DeltaNet's value-heads x key-dim x value-dim matrix and its
-    convolution's last kernel-1 inputs; Mamba 2's heads x head-dim x state-size and its convolution's."""
+    SSM state in its mamba_ssm_cache_dtype): gated DeltaNet's recurrent matrices and its convolution's inputs
+    (_delta_net); Mamba 2's heads x head-dim x state-size and its convolution's last kernel-1 inputs."""
     if kind == "linear":
-        kh, kd = int(c["linear_num_key_heads"]), int(c["linear_key_head_dim"])
-        vh, vd = int(c["linear_num_value_heads"]), int(c["linear_value_head_dim"])
-        conv = (int(c.get("linear_conv_kernel_dim") or 4) - 1) * (2 * kh * kd + vh * vd)
-        return (vh * kd * vd + conv) * fb
+        recurrent, conv = _delta_net(c)
+        return (recurrent + conv) * fb
     if kind == "ssm":
         heads, state, groups = int(c["mamba_num_heads"]), int(c["ssm_state_size"]), int(c.get("n_groups") or 1)
         inner = heads * int(c["mamba_head_dim"])
@@ -116,6 +128,16 @@ def state_bytes(c: dict[str, Any], kind: LayerKind, fb: int) -> int:
         conv = (int(c.get("conv_kernel") or 4) - 1) * (inner + 2 * groups * state)
         return heads * int(c["mamba_head_dim"]) * state * ssm_fb + conv * fb
     return 0
+
+
+def torch_state_bytes(c: dict[str, Any], kind: LayerKind, fb: int) -> int:
+    """What a stream costs the torch engine's gated DeltaNet layer: TORCH_STATE_SLOTS slots, each the recurrent
+    matrices in float32 (as transformers keeps them) and the convolution's inputs in the model's dtype. 0 (the
+    layer's state_bytes) for every other kind: Nemotron-H's Mamba runs through transformers' fallback."""
+    if kind != "linear":
+        return 0
+    recurrent, conv = _delta_net(c)
+    return TORCH_STATE_SLOTS * (recurrent * FLOAT_BYTES["float32"] + conv * fb)
 
 
 def cache_shape(c: dict[str, Any], kind: LayerKind) -> dict[str, Any]:
@@ -131,7 +153,8 @@ def cache_shape(c: dict[str, Any], kind: LayerKind) -> dict[str, Any]:
 
 def _layers(c: dict[str, Any], weights: list[int]) -> list[LayerMemory]:
     fb = float_bytes(c)
-    return [LayerMemory(kind=kind, state_bytes=state_bytes(c, kind, fb), weight_bytes=w, **cache_shape(c, kind))
+    return [LayerMemory(kind=kind, state_bytes=state_bytes(c, kind, fb), weight_bytes=w,
+                        torch_state_bytes=torch_state_bytes(c, kind, fb), **cache_shape(c, kind))
             for kind, w in zip(layer_kinds(c), weights, strict=True)]
 
 

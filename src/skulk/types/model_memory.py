@@ -49,6 +49,9 @@ class LayerMemory(CamelModel):
     """Sliding window or attention chunk: the most positions a stream keeps in this layer (None: all of them)."""
     state_bytes: int = 0
     """Linear attention / SSM: the recurrent and convolution state one stream keeps, whatever its length."""
+    torch_state_bytes: int = Field(default=0, exclude_if=lambda v: v == 0)
+    """What the torch engine holds a stream here instead, where it differs (0: state_bytes): its gated DeltaNet
+    keeps two slots a stream, the recurrent matrices in float32 (models/memory_math.torch_state_bytes)."""
     weight_bytes: int = 0
     """This layer's weights as a rank loads them (every expert resident, routed and shared)."""
 
