@@ -23,8 +23,9 @@ still being prefilled: its chunk then starts again at the same position) leaves 
 engine frees a stream's slots when its blocks go back (Scheduler.on_free, family.forget_stream). For the same
 reason the family is `stateful`: no prefix sharing (a shared block carries no state) and no speculative decoding
 (a rejected draft would leave the state past the accepted tokens). The linear layers' KV pools hold no block
-(ModelSlice._stateful). A decoding stream holds two slots per linear layer, float32: on Qwen3-Next-80B about
-150 MB a stream, where models/memory_math budgets one state in the model's dtype (40 MB).
+(ModelSlice._stateful). A decoding stream holds two slots per linear layer, the recurrent matrices float32: on
+Qwen3-Next-80B 154.5 MB a stream, what placement counts a torch rank's stream (memory_math.torch_state_bytes; one
+state in the model's dtype, 39.5 MB, on MLX).
 
 A pipeline stage holds its layers whole, and its linear layers' states. Tensor parallel: attention heads and
 expert widths split as every family's do; a linear layer's key heads (with their value heads) split the same way,
