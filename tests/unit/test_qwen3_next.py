@@ -257,6 +257,25 @@ def test_the_state_pools_hold_what_placement_counts_a_torch_stream(checkpoints: 
     assert sum(layer.state_bytes for layer in memory.layers) == 2 * (1024 + 384) * 2 == 5_632
 
 
+def test_a_set_kv_budget_leaves_room_for_the_streams_states(checkpoints: dict[str, Path]) -> None:
+    """Placement's budget for a torch rank counts max_batch streams of states (shard_plan.pool_bytes): the engine
+    takes them out before it sizes the block pool, so blocks and states together stay within the budget. Without
+    that, the states came on top of a pool that had spent all of it."""
+    path = checkpoints["drawn_bf16"]
+    probe = TorchEngine(path, max_batch=4, max_seq=64, block_size=4)
+    per_stream = probe.model.state_bytes_per_stream()
+    layers = _linear_layers(probe.model)
+    assert per_stream == sum(layer.states.stream_bytes(torch.bfloat16) for layer in layers) == 19_456
+    block_bytes = probe.model.kv_bytes_per_token() * 4
+    probe.close()
+    budget = 4 * per_stream + 50 * block_bytes + block_bytes // 2
+    engine = TorchEngine(path, max_batch=4, max_seq=64, block_size=4, kv_cache_bytes=budget)
+    try:
+        assert engine.blocks.num_blocks == 50
+    finally:
+        engine.close()
+
+
 def test_stream_states_restart_at_zero_and_survive_a_dropped_step() -> None:
     """A step at position 0 reads zeros; a step the engine drops (the same position computed again) reads the
     state before it; a position no step reached is an error, not a silent zero state; forget frees the slots."""

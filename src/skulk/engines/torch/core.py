@@ -132,14 +132,19 @@ def pool_sizes(model: Any, pool: Pool, context: int, local_window: int, kv_bits:
     """(blocks, local blocks): the block pool's size (schedule.pool_blocks), or a hybrid model's two pools'
     (kv_pools.group_pools: its budget split by each group's real bytes a position on this rank; 0 local blocks
     for a model of one group). An MLX stage of a mixed group counts its own bytes, at 16 bits. Without a set
-    budget, a share of what `device` has free (device.available_bytes: the RAM's, or a GPU's)."""
+    budget, a share of what `device` has free (device.available_bytes: the RAM's, or a GPU's). A family whose
+    layers keep per-stream states (Qwen3-Next) holds max_batch streams of them beside the blocks: they come out of
+    the budget first, as placement counts them in it (shard_plan.pool_bytes)."""
     size, streams, kv_bytes = pool.block_size, pool.max_batch, pool.kv_cache_bytes
+    states = streams * int(model.state_bytes_per_stream()) if isinstance(model, ModelSlice) else 0
+    if kv_bytes is not None:
+        kv_bytes = max(0, kv_bytes - states)
     if not local_window:
         per_token = model.kv_bytes_per_token() if kv_bits == 16 else model.kv_bytes_per_token(bits=kv_bits)
         return pool_blocks(kv_bytes, per_token, size, context, streams,
-                           None if kv_bytes is not None else available_bytes(device)), 0
+                           None if kv_bytes is not None else max(0, available_bytes(device) - states)), 0
     group_per_token = model.group_bytes_per_token(bits=kv_bits)
     if kv_bytes is None:
         ceiling = group_pool_bytes(group_per_token, size, context, streams, local_window, pool.prefill_chunk)
-        kv_bytes = min(int(available_bytes(device) * DEFAULT_KV_FRACTION), ceiling)
+        kv_bytes = min(int(max(0, available_bytes(device) - states) * DEFAULT_KV_FRACTION), ceiling)
     return group_pools(kv_bytes, group_per_token, size, context, streams, local_window, pool.prefill_chunk)

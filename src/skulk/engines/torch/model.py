@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import weakref
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -64,6 +64,13 @@ def partial_sum_bias(param_name: str) -> bool:
     """The bias of a row-split projection: each tensor-parallel rank's output is a partial sum, so only rank 0
     adds the bias (the loader gives the others zeros) and the all_reduce adds it once."""
     return bool(_ROW_SPLIT_BIAS.search(param_name))
+
+
+@runtime_checkable
+class HoldsStreamStates(Protocol):
+    """A token mixer keeping per-stream states outside the KV cache (Qwen3-Next's GatedDeltaNet)."""
+
+    def state_bytes_per_stream(self, dtype: torch.dtype) -> int: ...
 
 
 class ModelSlice(nn.Module):
@@ -136,6 +143,13 @@ class ModelSlice(nn.Module):
         the whole group's pool (the group takes its smallest)."""
         return max(1, KVCache.bytes_per_token(len(self.layers) - sum(self._stateful()), self.n_kv_heads,
                                               self.args.head_dim, dtype or self.args.dtype, bits, self.value_dim))
+
+    def state_bytes_per_stream(self) -> int:
+        """What one stream's per-stream states cost this slice at most (Qwen3-Next's linear layers:
+        state_bytes_per_stream on their token mixer); 0 for a slice of KV layers only. The pool budget leaves
+        room for them (core.pool_sizes)."""
+        return sum(module.state_bytes_per_stream(self.args.dtype) for module in self.modules()
+                   if module is not self and isinstance(module, HoldsStreamStates))
 
     def group_bytes_per_token(self, dtype: torch.dtype | None = None, bits: int = 16) -> tuple[int, int]:
         """What one position costs in this slice's (full group, sliding group) pools of a hybrid model."""

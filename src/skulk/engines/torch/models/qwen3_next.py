@@ -122,6 +122,10 @@ class GatedAttention(Attention):
         return self.all_reduce(self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1))))
 
 
+SLOTS_A_STREAM = 2
+"""A stream's slots in a layer's pool: the state its last step read and the one it wrote (the module docstring)."""
+
+
 class StreamStates:
     """One linear layer's per-stream states: conv windows [slots, channels, kernel - 1] in the model's dtype and
     recurrent matrices [slots, v_heads, k_dim, v_dim] in float32, in pools that grow by doubling. `versions`
@@ -134,6 +138,13 @@ class StreamStates:
         self.recurrent: torch.Tensor | None = None
         self.free: list[int] = []
         self.versions: dict[int, list[tuple[int, int]]] = {}
+
+    def stream_bytes(self, dtype: torch.dtype) -> int:
+        """What one stream holds here at most: SLOTS_A_STREAM slots of its conv window in `dtype` and its recurrent
+        matrices in float32 (memory_math.torch_state_bytes counts the same for placement)."""
+        conv = self.conv_shape[0] * self.conv_shape[1] * dtype.itemsize
+        recurrent = self.recurrent_shape[0] * self.recurrent_shape[1] * self.recurrent_shape[2] * 4
+        return SLOTS_A_STREAM * (conv + recurrent)
 
     def _grow(self, dtype: torch.dtype, device: torch.device) -> None:
         have = 0 if self.conv is None else self.conv.shape[0]
@@ -317,6 +328,9 @@ class GatedDeltaNet(nn.Module):
 
     def forget_stream(self, key: int) -> None:
         self.states.forget(key)
+
+    def state_bytes_per_stream(self, dtype: torch.dtype) -> int:
+        return self.states.stream_bytes(dtype)
 
     def forward(self, x: torch.Tensor, batch: StepBatch | MixedBatch) -> torch.Tensor:
         """x [B, T, hidden]; a MixedBatch's parts (one sequence of rows) each on its own streams, in order."""
