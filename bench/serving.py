@@ -8,7 +8,11 @@ Prints three ratios, each from runs interleaved with its baseline so machine noi
   or runner), --ttft-only --rounds 4, two interleaved pairs against 2762a4f run from the same script: kept-alive
   11.3 / 10.3 ms before the supervisor's tokens-first relay, the local payload read and api/disconnect.Stream,
   8.6 / 8.3 after (a new connection: 13.3 / 13.1 -> 10.9 / 8.6). The full bench the same way, --rounds 3: API ÷
-  bare decode 0.965, logprobs ÷ none 0.978, /v1/messages 0.976, Ollama 0.831 (per-round median 0.984)
+  bare decode 0.965, logprobs ÷ none 0.978, /v1/messages 0.976, Ollama 0.831 (per-round median 0.984).
+  Again 2026-12-07 13:36 UTC on another quiet 2-core VM (bare prefill 30-35 ms there against ~20), dad5359 against
+  main with the node's own puts handed over locally and the tokenizer's fast path, --ttft-only --rounds 6 under
+  `chrt -f 10`, interleaved: kept-alive 10.2 / 10.1 -> 9.0 / 9.0 ms, read by hand 6.8 / 7.2 -> 7.5 / 7.3 ms (no
+  change beyond noise there), a new connection 11.4 / 10.8 -> 11.1 / 11.9 ms: the target is not met on this VM.
   aggregate tokens/s of 8 concurrent streams ÷ one stream via the API (target ≥ 3)
   streaming decode tokens/s of /v1/messages and /ollama/api/chat ÷ /v1/chat/completions (target ≥ 0.98 each;
   the routes run back to back in every round, each going first in turn)
