@@ -110,9 +110,8 @@ def build_parts(model_dir: Path, shard: Shard, pool: Pool, weights: Weights, *, 
         BlockAllocator(num_blocks, pool.block_size),
         BlockAllocator(local_blocks, pool.block_size) if local_blocks else None,
         max_batch=pool.max_batch, prefill_chunk=pool.prefill_chunk, window=window, local_window=local_window,
-        leads=shard.is_scheduler, share_prefixes=share_prefixes and not stateful)
-    if stateful:
-        scheduler.on_free = functools.partial(forget_stream, model)
+        leads=shard.is_scheduler, share_prefixes=share_prefixes and not stateful,
+        on_free=functools.partial(forget_stream, model) if stateful else None)
     speculate = (weights.speculate and shard.world_size == 1 and not stateful
                  and os.environ.get(SPECULATE_ENV, "1") not in OFF)
     cache = make_cache(model, num_blocks, pool.block_size, local_blocks or None, kv_bits)

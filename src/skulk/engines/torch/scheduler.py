@@ -133,7 +133,7 @@ class Scheduler(Generic[S]):
 
     def __init__(self, blocks: BlockAllocator, local_blocks: BlockAllocator | None = None, *, max_batch: int,
                  prefill_chunk: int, window: int = 0, local_window: int = 0, leads: bool = True,
-                 share_prefixes: bool = True) -> None:
+                 share_prefixes: bool = True, on_free: Callable[[int], None] | None = None) -> None:
         self.blocks, self.local_blocks = blocks, local_blocks
         self.block_size = blocks.block_size
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
@@ -142,7 +142,7 @@ class Scheduler(Generic[S]):
         self.leads, self.share_prefixes = leads, share_prefixes
         self.queue: Queue[S] = Queue()
         self.pending, self.running = self.queue.pending, self.queue.running  # running: identical on every rank
-        self.on_free: Callable[[int], None] | None = None
+        self.on_free = on_free
         """Told a leaving (or preempted) request's first block as its table goes back: a stateful family's model
         drops the state it keeps for that stream (models/family.forget_stream)."""
         self.preemptions = 0
