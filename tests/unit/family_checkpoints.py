@@ -105,6 +105,24 @@ def reference(path: Path) -> dict[str, tuple[list[int], list[float]]]:
 Reference = dict[str, tuple[list[int], list[float]]]
 
 
+def tokenizer_donor(root: Path) -> Path:
+    """The tiny Llama under root/demo whose byte tokenizer the family checkpoints borrow (with_tokenizer)."""
+    from skulk.models.demo import generate_random_llama
+
+    return generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                 intermediate_size=128, seed=3)
+
+
+def save_drawn(model: Any, root: Path, name: str, dtype: Any, demo: Path) -> Path:
+    """A family model whose weights a test drew itself, saved in its Hugging Face layout as `name_<dtype>` (in
+    bfloat16 when asked) with the donor's tokenizer."""
+    import torch
+
+    path = root / f"{name}_{str(dtype).removeprefix('torch.')}"
+    (model.bfloat16() if dtype == torch.bfloat16 else model).save_pretrained(path)
+    return with_tokenizer(path, demo)
+
+
 def with_tokenizer(path: Path, demo: Path) -> Path:
     """A random family checkpoint gets the demo's byte tokenizer (its vocabulary fits every scaled-down one), with
     no end-of-sequence token: random weights would otherwise end some requests early."""

@@ -15,7 +15,7 @@ import torch
 from skulk.engines.torch import cpu_kernels
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.moe import GroupedMoe, SparseMoe
-from skulk.models.demo import generate_random_llama
+from tests.unit.family_checkpoints import tokenizer_donor
 from tests.unit.test_cpu_kernels import _batched_logits, _mixed_logits, relative
 from tests.unit.test_glm4_moe import _write_grouped
 from tests.unit.test_model_families import REAL_CONFIGS, scaled_down, write_checkpoint
@@ -70,8 +70,7 @@ def test_the_experts_in_one_call_are_the_per_expert_loop(checkpoint: Path, optio
 def test_grouped_experts_run_in_one_call_routed_in_torch(tmp_path: Path, options: dict[str, Any]) -> None:
     """GLM-4 MoE's block (DeepSeek V3's kind): its sigmoid grouped routing stays torch's, its float32 weights and
     routed experts go to the one call, which gives the per-expert loop's output."""
-    demo = generate_random_llama(tmp_path / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                 intermediate_size=128, seed=3)
+    demo = tokenizer_donor(tmp_path)
     model = load_model(_write_grouped(tmp_path, demo), **options)
     block = next(m for m in model.modules() if isinstance(m, GroupedMoe))
     kernel = block.kernel()

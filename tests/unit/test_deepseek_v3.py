@@ -32,9 +32,16 @@ from skulk.engines.torch.models.deepseek_v3 import MlaAttention
 from skulk.engines.torch.moe import GroupedMoe
 from skulk.master.shard_plan import group_bytes_per_token
 from skulk.models.catalog import card_from_config
-from skulk.models.demo import generate_random_llama
 from skulk.models.memory_math import model_memory
-from tests.unit.family_checkpoints import PROMPTS, disagreement, reference, with_tokenizer, write, write_model
+from tests.unit.family_checkpoints import (
+    PROMPTS,
+    disagreement,
+    reference,
+    tokenizer_donor,
+    with_tokenizer,
+    write,
+    write_model,
+)
 from tests.unit.test_glm4_moe import (
     _engine_tokens,
     assert_bf16_near_transformers,
@@ -77,8 +84,7 @@ def _write_variant(root: Path, demo: Path, dtype: torch.dtype = torch.float32) -
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepseek-v3")
-    demo = generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                 intermediate_size=128, seed=3)
+    demo = tokenizer_donor(root)
     shared = write("deepseek_v3", root, demo)
     fp8_path, dequantized = _as_fp8(shared, root)
     return {"shared": shared, "variant": _write_variant(root, demo),

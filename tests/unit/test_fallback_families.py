@@ -18,7 +18,6 @@ import pytest
 from skulk.engines.base import Engine
 from skulk.engines.torch.fallback import FallbackEngine
 from skulk.engines.torch.wire import Admitted, Released, Started
-from skulk.models.demo import generate_random_llama
 from skulk.types.chat import OutputConstraint, SamplingParams
 from tests.unit.family_checkpoints import (
     FAMILIES,
@@ -28,6 +27,7 @@ from tests.unit.family_checkpoints import (
     Reference,
     disagreement,
     reference,
+    tokenizer_donor,
     write,
 )
 
@@ -39,8 +39,7 @@ GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0)
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fallback-families")
-    demo = generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                 intermediate_size=128, seed=3)
+    demo = tokenizer_donor(root)
     return {name: write(name, root, demo) for name in (*FAMILIES, *MORE)}
 
 

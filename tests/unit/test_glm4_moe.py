@@ -26,7 +26,6 @@ from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.model import ModelSlice
 from skulk.engines.torch.moe import GroupedMoe, grouped_top_k
 from skulk.models.catalog import card_from_config
-from skulk.models.demo import generate_random_llama
 from skulk.models.memory_math import model_memory
 from skulk.types.chat import SamplingParams
 from tests.unit.family_checkpoints import (
@@ -36,7 +35,8 @@ from tests.unit.family_checkpoints import (
     TOKENS,
     disagreement,
     reference,
-    with_tokenizer,
+    save_drawn,
+    tokenizer_donor,
     write,
 )
 from tests.unit.test_fallback_families import run
@@ -77,16 +77,13 @@ def _write_grouped(root: Path, demo: Path, dtype: torch.dtype = torch.float32) -
                 tensor.normal_(0, 0.1)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 tensor.normal_(1, 0.2)
-    path = root / f"glm4_moe_grouped_{str(dtype).removeprefix('torch.')}"
-    (model.bfloat16() if dtype == torch.bfloat16 else model).save_pretrained(path)
-    return with_tokenizer(path, demo)
+    return save_drawn(model, root, "glm4_moe_grouped", dtype, demo)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("glm4-moe")
-    demo = generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                 intermediate_size=128, seed=3)
+    demo = tokenizer_donor(root)
     return {"shared": write("glm4_moe", root, demo), "grouped": _write_grouped(root, demo),
             "grouped_bf16": _write_grouped(root, demo, torch.bfloat16)}
 

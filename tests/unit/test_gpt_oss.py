@@ -26,9 +26,16 @@ from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.models.gpt_oss import GptOssAttention, GptOssExperts, GptOssMoe
 from skulk.engines.torch.mxfp4 import BLOCK, FP4_VALUES
 from skulk.models.catalog import card_from_config
-from skulk.models.demo import generate_random_llama
 from skulk.models.memory_math import model_memory
-from tests.unit.family_checkpoints import PROMPTS, disagreement, reference, with_tokenizer, write, write_model
+from tests.unit.family_checkpoints import (
+    PROMPTS,
+    disagreement,
+    reference,
+    tokenizer_donor,
+    with_tokenizer,
+    write,
+    write_model,
+)
 from tests.unit.test_glm4_moe import (
     assert_mixed_step_tokens,
     assert_tensor_ranks_match,
@@ -111,8 +118,7 @@ def _write_mxfp4(source: Path, root: Path) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gpt-oss")
-    demo = generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                 intermediate_size=128, seed=3)
+    demo = tokenizer_donor(root)
     variant = _write_variant(root, demo)
     return {"shared": write("gpt_oss", root, demo), "variant": variant,
             "variant_bf16": _write_variant(root, demo, torch.bfloat16), **_write_mxfp4(variant, root)}

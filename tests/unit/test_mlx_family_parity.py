@@ -23,10 +23,19 @@ pytest.importorskip("mlx_lm")  # the engine is absent (not broken) where MLX has
 
 from skulk.master.engine_choice import mlx_splits
 from skulk.models.catalog import card_from_config
-from skulk.models.demo import generate_random_llama
 from skulk.types.chat import SamplingParams
 from skulk.types.instances import Sharding
-from tests.unit.family_checkpoints import FAMILIES, PROMPTS, TOKENS, UNSPLIT, Reference, disagreement, reference, write
+from tests.unit.family_checkpoints import (
+    FAMILIES,
+    PROMPTS,
+    TOKENS,
+    UNSPLIT,
+    Reference,
+    disagreement,
+    reference,
+    tokenizer_donor,
+    write,
+)
 from tests.unit.rank_jobs import launch
 from tests.unit.test_mlx_engine import run
 
@@ -38,8 +47,7 @@ BOUND_S = 400
 @pytest.fixture(scope="module")
 def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Reference]]:
     root = tmp_path_factory.mktemp("mlx-families")
-    demo = generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                 intermediate_size=128, seed=3)
+    demo = tokenizer_donor(root)
     made = {name: write(name, root, demo) for name in FAMILIES}
     return {name: (path, reference(path)) for name, path in made.items()}
 

@@ -23,9 +23,9 @@ pytest.importorskip("mlx_lm")  # the engine is absent (not broken) where MLX has
 from skulk.engines.torch.engine import TorchEngine
 from skulk.master.engine_choice import mlx_splits
 from skulk.models.catalog import card_from_config
-from skulk.models.demo import generate_random_llama
 from skulk.types.chat import SamplingParams
 from skulk.types.instances import Sharding
+from tests.unit.family_checkpoints import tokenizer_donor
 from tests.unit.rank_jobs import launch
 from tests.unit.test_mlx_engine import PROMPTS, run, tokens, with_tokenizer
 from tests.unit.test_model_families import REAL_CONFIGS, scaled_down, write_checkpoint
@@ -66,8 +66,7 @@ def ring_config(model_id: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    demo = generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                 intermediate_size=128, seed=3)
+    demo = tokenizer_donor(root)
     return {m: with_tokenizer(write_checkpoint(ring_config(m), root / m.replace("/", "--")), demo) for m in FAMILIES}
 
 

@@ -30,9 +30,17 @@ from skulk.engines.torch.model import ModelSlice
 from skulk.engines.torch.models.qwen3_next import GatedAttention, GatedDeltaNet, Qwen3NextLayer, StreamStates
 from skulk.engines.torch.wire import Started
 from skulk.models.catalog import card_from_config
-from skulk.models.demo import generate_random_llama
 from skulk.types.chat import SamplingParams
-from tests.unit.family_checkpoints import COMMON, FAMILIES, PROMPTS, TOKENS, disagreement, reference, with_tokenizer
+from tests.unit.family_checkpoints import (
+    COMMON,
+    FAMILIES,
+    PROMPTS,
+    TOKENS,
+    disagreement,
+    reference,
+    save_drawn,
+    tokenizer_donor,
+)
 from tests.unit.family_checkpoints import write as write_family
 from tests.unit.test_fallback_families import run
 from tests.unit.test_glm4_moe import (
@@ -70,16 +78,13 @@ def _write_drawn(root: Path, demo: Path, dtype: torch.dtype = torch.float32) -> 
                 tensor.normal_(0.5, 0.3)
             elif name.endswith("A_log"):
                 tensor.uniform_(-1, 1)
-    path = root / f"qwen3_next_drawn_{str(dtype).removeprefix('torch.')}"
-    (model.bfloat16() if dtype == torch.bfloat16 else model).save_pretrained(path)
-    return with_tokenizer(path, demo)
+    return save_drawn(model, root, "qwen3_next_drawn", dtype, demo)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("qwen3-next")
-    demo = generate_random_llama(root / "demo", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                 intermediate_size=128, seed=3)
+    demo = tokenizer_donor(root)
     return {"shared": write_family("qwen3_next", root, demo), "drawn": _write_drawn(root, demo),
             "drawn_bf16": _write_drawn(root, demo, torch.bfloat16)}
 
