@@ -13,6 +13,27 @@ Prints three ratios, each from runs interleaved with its baseline so machine noi
   main with the node's own puts handed over locally and the tokenizer's fast path, --ttft-only --rounds 6 under
   `chrt -f 10`, interleaved: kept-alive 10.2 / 10.1 -> 9.0 / 9.0 ms, read by hand 6.8 / 7.2 -> 7.5 / 7.3 ms (no
   change beyond noise there), a new connection 11.4 / 10.8 -> 11.1 / 11.9 ms: the target is not met on this VM.
+  Where those ms go (2026-12-07 15:25 UTC, this VM, load 1-3, `chrt -f 10`, 12-16 requests of 2 tokens on a
+  kept-alive connection read by hand; monotonic stamps written at each hop by a throwaway patch, medians, ms):
+    client write -> the app's outermost middleware (epoll wake, h11 parse, the ASGI task)          1.0
+    -> the route function (middleware chain, FastAPI's route match, body read and validation)      1.0
+    -> StartChatCompletion sent (vetting, the payload offered)                                    0.36
+    -> the master decides (the local hand-over)  0.5;  -> events emitted (decide, sequence, apply)  0.4
+    -> the worker's SendTask (the follower applies, plan)  0.37;  -> task in the runner's pipe       0.3
+    -> the runner accepts it (wake, unpickle)  0.47;  -> admitted (template 0.27 of it, tokenize,
+       context check, add_request)  0.9;  -> its step starts  0.2
+    [prefill: the step itself, 29-34 ms against bare_run's 28-31 in this process]
+    -> the token published (the step's bookkeeping, TokenChunk, the pipe)  0.7;  -> the supervisor  0.35
+    -> the stream reads it  0.25;  -> the first SSE event yielded (session, response start through the
+       middleware's send wrappers, the event formatted)  0.75
+  About 7.5 ms in fifteen hops of 0.2-1.0 ms each, none dominant: the master's ordering (command, events,
+  plan: ~1.9 ms between the route and the runner) and HTTP in pure Python (~2 ms before the route runs) are
+  the largest parts. Tried the same day with other sessions' tests beside it (load 7-8), interleaved pairs of
+  16: uvloop as the node's loop 7.7 -> 6.6 ms in one pair (but the runner's own hops, which no loop touches,
+  moved by as much: noise), uvloop and httptools (unguarded, for the measurement only) 7.6 -> 7.5 in the next:
+  no gain that this machine can show. FastAPI 0.165's route matching costs 3-8 us a route (76
+  routes; the chat route is matched in ~0.1 ms); flattening the included routers into one list made it no
+  faster. The target needs fewer hops (the master's ordering kept) rather than faster ones.
   aggregate tokens/s of 8 concurrent streams ÷ one stream via the API (target ≥ 3)
   streaming decode tokens/s of /v1/messages and /ollama/api/chat ÷ /v1/chat/completions (target ≥ 0.98 each;
   the routes run back to back in every round, each going first in turn)
