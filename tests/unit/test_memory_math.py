@@ -108,19 +108,22 @@ def test_mla_latent_is_whole_on_every_tensor_rank_and_heads_split() -> None:
 
 
 def test_linear_attention_and_ssm_keep_a_constant_state_per_stream() -> None:
-    # Qwen3-Next's 36 gated DeltaNet layers: 32 value heads x 128 x 128 = 524,288, and the convolution's last 3
-    # inputs of q, k, v = 3 x (2 x 16 x 128 + 32 x 128) = 24,576 elements; bf16 -> 36 x 548,864 x 2 = 39,518,208
-    assert stream_state_bytes(card(QWEN3_NEXT_80B), 0, 48) == 39_518_208
-    # Nemotron-H's 24 Mamba 2 blocks: 128 heads x 64 x 128 state = 1,048,576, conv 3 x (8192 + 2 x 8 x 128)
-    # = 30,720; bf16 -> 24 x 1,079,296 x 2 = 51,806,208
-    assert stream_state_bytes(card(NEMOTRON_H_8B), 0, 52) == 51_806_208
-    assert stream_state_bytes(card(QWEN3_NEXT_80B), 0, 4) == 3 * 548_864 * 2  # layers 0-2 linear, 3 full
+    # Qwen3-Next's 36 gated DeltaNet layers: 32 value heads x 128 x 128 = 524,288 recurrent elements in float32
+    # (as mlx-lm and transformers hold them, whatever the weights' dtype), and the convolution's last 3 inputs of
+    # q, k, v = 3 x (2 x 16 x 128 + 32 x 128) = 24,576 in bf16 -> 36 x (2,097,152 + 49,152) = 36 x 2,146,304
+    assert stream_state_bytes(card(QWEN3_NEXT_80B), 0, 48) == 77_266_944
+    # Nemotron-H's 24 Mamba 2 blocks: 128 heads x 64 x 128 state = 1,048,576 in float32 (mamba_ssm_cache_dtype's
+    # default), conv 3 x (8192 + 2 x 8 x 128) = 30,720 in bf16 -> 24 x (4,194,304 + 61,440) = 24 x 4,255,744
+    assert stream_state_bytes(card(NEMOTRON_H_8B), 0, 52) == 102_137_856
+    assert stream_state_bytes(card(NEMOTRON_H_8B | {"mamba_ssm_cache_dtype": "bfloat16"}), 0, 52) == (
+        24 * (1_048_576 + 30_720) * 2)  # a config that asks for a bf16 SSM cache gets it
+    assert stream_state_bytes(card(QWEN3_NEXT_80B), 0, 4) == 3 * 2_146_304  # layers 0-2 linear, 3 full
 
 
 def test_the_torch_engine_holds_two_float32_slots_a_stream_in_each_delta_net_layer() -> None:
     """engines/torch/models/qwen3_next.StreamStates: a stream holds the state a step read and the one it wrote, the
     recurrent matrices in float32, the conv window in bf16: 36 x 2 x (524,288 x 4 + 24,576 x 2) = 36 x 4,292,608 =
-    154,533,888 bytes a stream on Qwen3-Next-80B (MLX's figure, the card's state_bytes, stays 39,518,208). Mamba
+    154,533,888 bytes a stream on Qwen3-Next-80B (MLX's figure, the card's state_bytes: one slot, 77,266,944). Mamba
     runs through transformers' fallback on torch: the layer's own figure. A placement counts MAX_STREAMS of them
     on each rank by its engine."""
     from skulk.master.shard_plan import MAX_STREAMS, plan_ring, pool_bytes
@@ -129,12 +132,12 @@ def test_the_torch_engine_holds_two_float32_slots_a_stream_in_each_delta_net_lay
 
     nxt = card(QWEN3_NEXT_80B)
     assert stream_state_bytes(nxt, 0, 48, engine="torch") == 154_533_888
-    assert stream_state_bytes(nxt, 0, 48, engine="mlx") == stream_state_bytes(nxt, 0, 48) == 39_518_208
+    assert stream_state_bytes(nxt, 0, 48, engine="mlx") == stream_state_bytes(nxt, 0, 48) == 77_266_944
     assert stream_state_bytes(nxt, 0, 48, tensor_ways=2, engine="torch") == 154_533_888 // 2
     assert stream_state_bytes(nxt, 0, 4, engine="torch") == 3 * 4_292_608
     nemotron = card(NEMOTRON_H_8B)
-    assert stream_state_bytes(nemotron, 0, 52, engine="torch") == stream_state_bytes(nemotron, 0, 52) == 51_806_208
-    more = MAX_STREAMS * (154_533_888 - 39_518_208)
+    assert stream_state_bytes(nemotron, 0, 52, engine="torch") == stream_state_bytes(nemotron, 0, 52) == 102_137_856
+    more = MAX_STREAMS * (154_533_888 - 77_266_944)
     assert pool_bytes(nxt, 0, 48, 4096, streams=MAX_STREAMS, engine="torch") == (
         pool_bytes(nxt, 0, 48, 4096, streams=MAX_STREAMS, engine="mlx") + more)
     nxt = nxt.model_copy(update={"context_length": 4096})

@@ -235,7 +235,7 @@ def test_the_state_pools_hold_what_placement_counts_a_torch_stream(checkpoints: 
     """Two bf16 requests decoded side by side: each holds TORCH_STATE_SLOTS slots in every linear layer, whose
     pools (the conv windows in bf16, the recurrent matrices in float32) are then max_batch streams of exactly the
     memory arithmetic's torch figure (LayerMemory.torch_state_bytes, what placement counts a torch rank's stream),
-    where the card's state_bytes counts one state in bf16."""
+    where the card's state_bytes counts one state (MLX's: its recurrent matrices in float32 too)."""
     from skulk.models.memory_math import TORCH_STATE_SLOTS, model_memory
 
     path = checkpoints["drawn_bf16"]
@@ -257,9 +257,9 @@ def test_the_state_pools_hold_what_placement_counts_a_torch_stream(checkpoints: 
     assert memory is not None and [layer.kind for layer in memory.layers] == ["linear", "full"] * 2
     counted = sum(layer.torch_state_bytes for layer in memory.layers)
     assert allocated == 2 * counted
-    # 2 layers x 2 slots x (4 heads x 16 x 16 float32 + 3 x (2 x 32 + 64) bf16); the card's one bf16 state: 5,632
+    # 2 layers x 2 slots x (4 heads x 16 x 16 float32 + 3 x (2 x 32 + 64) bf16); the card's one state: 9,728
     assert counted == 2 * 2 * (1024 * 4 + 384 * 2) == 19_456
-    assert sum(layer.state_bytes for layer in memory.layers) == 2 * (1024 + 384) * 2 == 5_632
+    assert sum(layer.state_bytes for layer in memory.layers) == 2 * (1024 * 4 + 384 * 2) == 9_728
 
 
 def test_a_set_kv_budget_leaves_room_for_the_streams_states(checkpoints: dict[str, Path]) -> None:

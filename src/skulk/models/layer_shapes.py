@@ -65,7 +65,8 @@ def layer_kinds(c: dict[str, Any]) -> list[LayerKind]:
         return [_PATTERN[ch] for ch in str(pattern)]  # type: ignore[misc]
     types = c.get("layer_types") or c.get("layers_block_type")
     if types and len(types) == n:
-        return [_LAYER_TYPES[t] for t in types]  # type: ignore[misc]
+        mamba = "mamba_num_heads" in c  # transformers 5 saves Nemotron-H's Mamba blocks as "linear_attention"
+        return ["ssm" if mamba and t == "linear_attention" else _LAYER_TYPES[t] for t in types]  # type: ignore[misc]
     if c.get("kv_lora_rank"):
         return ["mla"] * n
     if model_type == "qwen3_next":

@@ -115,29 +115,28 @@ def _delta_net(c: dict[str, Any]) -> tuple[int, int]:
 
 
 def state_bytes(c: dict[str, Any], kind: LayerKind, fb: int) -> int:
-    """One stream's constant state in a linear-attention or SSM layer, in the model's float bytes (Nemotron-H's
-    SSM state in its mamba_ssm_cache_dtype): gated DeltaNet's recurrent matrices and its convolution's inputs
-    (_delta_net); Mamba 2's heads x head-dim x state-size and its convolution's last kernel-1 inputs."""
+    """One stream's constant state in a linear-attention or SSM layer: gated DeltaNet's recurrent matrices and
+    its convolution's inputs (_delta_net); Mamba 2's heads x head-dim x state-size and its convolution's last
+    kernel-1 inputs. The recurrent (SSM) part is float32 (Nemotron-H's in its mamba_ssm_cache_dtype, float32
+    unless the config says otherwise), the convolution's inputs in the model's float bytes: what mlx-lm holds
+    (gated_delta and ssm start from float32 zeros; measured on bf16 layers) and transformers' caches too."""
     if kind == "linear":
         recurrent, conv = _delta_net(c)
-        return (recurrent + conv) * fb
+        return recurrent * FLOAT_BYTES["float32"] + conv * fb
     if kind == "ssm":
         heads, state, groups = int(c["mamba_num_heads"]), int(c["ssm_state_size"]), int(c.get("n_groups") or 1)
         inner = heads * int(c["mamba_head_dim"])
-        ssm_fb = FLOAT_BYTES.get(str(c.get("mamba_ssm_cache_dtype") or ""), fb)
+        ssm_fb = FLOAT_BYTES.get(str(c.get("mamba_ssm_cache_dtype") or ""), FLOAT_BYTES["float32"])
         conv = (int(c.get("conv_kernel") or 4) - 1) * (inner + 2 * groups * state)
         return heads * int(c["mamba_head_dim"]) * state * ssm_fb + conv * fb
     return 0
 
 
 def torch_state_bytes(c: dict[str, Any], kind: LayerKind, fb: int) -> int:
-    """What a stream costs the torch engine's gated DeltaNet layer: TORCH_STATE_SLOTS slots, each the recurrent
-    matrices in float32 (as transformers keeps them) and the convolution's inputs in the model's dtype. 0 (the
-    layer's state_bytes) for every other kind: Nemotron-H's Mamba runs through transformers' fallback."""
-    if kind != "linear":
-        return 0
-    recurrent, conv = _delta_net(c)
-    return TORCH_STATE_SLOTS * (recurrent * FLOAT_BYTES["float32"] + conv * fb)
+    """What a stream costs the torch engine's gated DeltaNet layer: TORCH_STATE_SLOTS slots of the layer's
+    state (state_bytes). 0 (the layer's state_bytes) for every other kind: Nemotron-H's Mamba runs through
+    transformers' fallback."""
+    return TORCH_STATE_SLOTS * state_bytes(c, kind, fb) if kind == "linear" else 0
 
 
 def cache_shape(c: dict[str, Any], kind: LayerKind) -> dict[str, Any]:

@@ -25,7 +25,7 @@ reason the family is `stateful`: no prefix sharing (a shared block carries no st
 (a rejected draft would leave the state past the accepted tokens). The linear layers' KV pools hold no block
 (ModelSlice._stateful). A decoding stream holds two slots per linear layer, the recurrent matrices float32: on
 Qwen3-Next-80B 154.5 MB a stream, what placement counts a torch rank's stream (memory_math.torch_state_bytes; one
-state in the model's dtype, 39.5 MB, on MLX).
+state, its recurrent matrices float32 there too, 77.3 MB, on MLX).
 
 A pipeline stage holds its layers whole, and its linear layers' states. Tensor parallel: attention heads and
 expert widths split as every family's do; a linear layer's key heads (with their value heads) split the same way,
