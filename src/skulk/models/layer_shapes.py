@@ -18,7 +18,9 @@ from skulk.types.model_memory import LayerKind
 MLA_TYPES = frozenset({"deepseek_v3", "deepseek_v32", "kimi_k2", "deepseek_v2"})
 """DeepSeek's architecture (Kimi K2 is one): MLA attention, a router without a Linear (not quantized by mlx-lm)."""
 _RAW_ROUTER = MLA_TYPES | {"glm4_moe"}
-_QK_NORM = frozenset({"qwen3", "qwen3_moe", "qwen3_next", "gemma3_text", "gemma3"})
+_GATED_ATTENTION = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+"""Qwen3-Next and Qwen3.5 (its language model's types): a gate per head on q_proj, a gated shared expert."""
+_QK_NORM = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "gemma3"}) | _GATED_ATTENTION
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
                 "linear_attention": "linear", "attention": "full", "mamba": "ssm", "mlp": "mlp", "moe": "mlp"}
 _PATTERN = {"M": "ssm", "*": "full", "-": "mlp", "E": "mlp"}
@@ -69,7 +71,7 @@ def layer_kinds(c: dict[str, Any]) -> list[LayerKind]:
         return ["ssm" if mamba and t == "linear_attention" else _LAYER_TYPES[t] for t in types]  # type: ignore[misc]
     if c.get("kv_lora_rank"):
         return ["mla"] * n
-    if model_type == "qwen3_next":
+    if model_type in _GATED_ATTENTION:
         interval = int(c.get("full_attention_interval") or 4)
         return ["full" if (i + 1) % interval == 0 else "linear" for i in range(n)]
     if model_type in ("llama4", "llama4_text"):
@@ -144,7 +146,7 @@ def _attention(c: dict[str, Any], p: str) -> Iterator[Tensor]:
     h, d = int(c["hidden_size"]), head_dim(c)
     heads, kv = int(c["num_attention_heads"]), int(c.get("num_key_value_heads") or c["num_attention_heads"])
     model_type = str(c.get("model_type", ""))
-    gate = 2 if model_type == "qwen3_next" else 1  # Qwen3-Next's gated attention: the gate rides on q_proj
+    gate = 2 if model_type in _GATED_ATTENTION else 1  # Qwen3-Next's gated attention: the gate rides on q_proj
     a = f"{p}.self_attn"
     yield Tensor(f"{a}.q_proj", (heads * d * gate, h), True)
     yield Tensor(f"{a}.k_proj", (kv * d, h), True)
@@ -242,7 +244,7 @@ def _moe(c: dict[str, Any], p: str) -> list[Tensor]:
     elif shared:  # Nemotron-H's relu² shared expert: up and down
         out += [Tensor(f"{p}.mlp.shared_experts.up_proj", (shared, h), True),
                 Tensor(f"{p}.mlp.shared_experts.down_proj", (h, shared), True)]
-    if model_type == "qwen3_next":
+    if model_type in _GATED_ATTENTION:
         out.append(Tensor(f"{p}.mlp.shared_expert_gate", (1, h), True))
     return out
 

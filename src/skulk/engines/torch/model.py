@@ -25,10 +25,11 @@ from .layers import AllReduce, DecoderLayer, RMSNorm, Rope, identity, softcap_lo
 from .matmul import Linear
 from .models import family_of, make_layer
 
-_COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj|in_proj_qkvz|in_proj_ba)"
-                           r"\.(weight|bias)$|\.linear_attn\.(A_log|dt_bias)$")
+_COLUMN_SPLIT = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj|in_proj_qkvz|in_proj_ba"
+                           r"|in_proj_z|in_proj_b|in_proj_a)\.(weight|bias)$|\.linear_attn\.(A_log|dt_bias)$")
 """Split by output rows (heads, MLP width); Qwen3-Next's linear attention by key-head groups (in_proj_qkvz and
-in_proj_ba hold each key head's q, k, v, z and b, a side by side) and value heads (A_log, dt_bias)."""
+in_proj_ba hold each key head's q, k, v, z and b, a side by side) and value heads (A_log, dt_bias; Qwen3.5's
+in_proj_z, in_proj_b, in_proj_a; its in_proj_qkv splits part by part, as the conv: loader._tp_parts)."""
 _ROW_SPLIT = re.compile(r"\.(o_proj|down_proj|out_proj)\.weight$")
 _GPT_OSS_SPLIT = {"self_attn.sinks": 0, "mlp.experts.gate_up_proj": 2, "mlp.experts.gate_up_proj_bias": 1,
                   "mlp.experts.down_proj": 1}

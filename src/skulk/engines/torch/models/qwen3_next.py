@@ -315,9 +315,8 @@ class GatedDeltaNet(nn.Module):
         self.nk, self.nv = shape.num_k_heads // tp_size, shape.num_v_heads // tp_size
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         channels = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkvz = Linear(args.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = Linear(args.hidden_size, 2 * self.nv, bias=False)
         whole = (shape.num_k_heads * self.dk, shape.num_k_heads * self.dk, shape.num_v_heads * self.dv)
+        self._projections(args.hidden_size, whole)
         self.conv1d = Conv(whole, shape.conv_kernel, tp_size)
         self.dt_bias = nn.Parameter(torch.empty(self.nv))
         self.A_log = nn.Parameter(torch.empty(self.nv))
@@ -325,6 +324,12 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, args.hidden_size, bias=False)
         self.all_reduce = all_reduce
         self.states = StreamStates((channels, shape.conv_kernel - 1), (self.nv, self.dk, self.dv))
+
+    def _projections(self, hidden: int, whole: tuple[int, int, int]) -> None:
+        """Qwen3-Next's two input projections, each grouped by key head (_split); Qwen3.5 has four (qwen3_5.py).
+        whole: the q, k and v channels' sizes over every rank."""
+        self.in_proj_qkvz = Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = Linear(hidden, 2 * self.nv, bias=False)
 
     def forget_stream(self, key: int) -> None:
         self.states.forget(key)
@@ -397,13 +402,15 @@ class Qwen3NextLayer(nn.Module):
     """Pre-norm token mixer (linear_attn or self_attn) then MLP, each added to the residual; norms by 1 + weight."""
 
     sliding = False  # ModelSlice hands every layer the full-attention batch and rope
+    delta_net: type[GatedDeltaNet] = GatedDeltaNet
+    """The linear layers' token mixer (Qwen3.5's projects differently: qwen3_5.py)."""
 
     def __init__(self, args: ModelArgs, index: int, tp_size: int, reduce: AllReduce) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, unit_offset=True)
         linear = index in _shape(args).linear_layers
-        self.linear_attn = GatedDeltaNet(args, tp_size, reduce) if linear else None
+        self.linear_attn = self.delta_net(args, tp_size, reduce) if linear else None
         self.self_attn = GatedAttention(args, tp_size, reduce) if self.linear_attn is None else None
         self.mlp = SharedExpertMoe(args, tp_size, reduce) if index in args.sparse_layers else MLP(args, tp_size, reduce)
 
