@@ -39,8 +39,8 @@ PUBLISHED: dict[str, dict[str, Any]] = {
 """Each family's published model_type and architectures: every one is run by the MLX engine only. (DeepSeek V3's
 family, Kimi K2's kimi_k2 among it, runs natively on torch too, its FP8 blocks dequantized while loading:
 test_a_deepseek_v3_fp8_card_is_open_to_torch_and_its_attention_is_not_llama_shaped. gpt-oss runs natively on
-torch, its MXFP4 experts dequantized while loading: GPT_OSS_20B. Qwen3-Next runs natively on torch too:
-models/qwen3_next.py.)"""
+torch, its MXFP4 experts dequantized while loading: GPT_OSS_20B. Qwen3-Next and Qwen3.5 run natively on torch
+too: models/qwen3_next.py, models/qwen3_5.py.)"""
 GPT_OSS_20B: dict[str, Any] = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
                                "quantization_config": {"quant_method": "mxfp4"}}
 MLX_ONLY: list[BackendTag] = ["mlx", "mlx-metal", "mlx-cpu"]

@@ -15,7 +15,9 @@ bytes and its torch streams' states from the nested text_config."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,8 @@ from skulk.models.catalog import card_from_config
 from skulk.models.memory_math import TORCH_STATE_SLOTS, model_memory
 from tests.unit.family_checkpoints import COMMON, PROMPTS, TOKENS, disagreement, reference, save_drawn, tokenizer_donor
 from tests.unit.test_glm4_moe import assert_tensor_ranks_match, assert_transformers_tokens
+from tests.unit.test_quantized import logits
+from tests.unit.test_torch_engine import ThreadAllReduce
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # real model compute: `make test`, not `make test-fast`
 
@@ -155,3 +159,37 @@ def test_the_catalog_cards_qwen3_5_moe_as_native(checkpoints: dict[str, Path]) -
     assert [layer.torch_state_bytes for layer in memory.layers] == [TORCH_STATE_SLOTS * (1024 * 4 + 384 * 4), 0] * 2
     model = load_model(path)
     assert model.state_bytes_per_stream() == sum(layer.torch_state_bytes for layer in memory.layers)
+
+
+def _fused(path: Path, into: Path) -> Path:
+    """The checkpoint with each layer's experts fused as Qwen3.5's published files keep them (transformers 5's
+    in-memory layout): mlp.experts.gate_up_proj [experts, 2 x width, hidden], gate rows then up rows, and
+    mlp.experts.down_proj [experts, hidden, width]."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, into)
+    tensors = load_file(str(path / "model.safetensors"))
+    experts = MOE["num_experts"]
+    for layer in range(TEXT["num_hidden_layers"]):
+        p = f"model.language_model.layers.{layer}.mlp.experts."
+        pop = {name: [tensors.pop(f"{p}{e}.{name}.weight") for e in range(experts)]
+               for name in ("gate_proj", "up_proj", "down_proj")}
+        tensors[f"{p}gate_up_proj"] = torch.stack([torch.cat(pair) for pair in zip(pop["gate_proj"], pop["up_proj"],
+                                                                                    strict=True)])
+        tensors[f"{p}down_proj"] = torch.stack(pop["down_proj"])
+    save_file(tensors, str(into / "model.safetensors"), metadata={"format": "pt"})
+    return into
+
+
+def test_fused_experts_load_as_the_per_expert_ones(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """The published layout's fused experts give the per-expert checkpoint's logits, on one rank and on each of
+    two tensor ranks (each reading its block of the gate half and of the up half)."""
+    fused = _fused(checkpoints["moe"], tmp_path / "fused")
+    ids = torch.tensor([PROMPTS[0]])
+    expected = logits(load_model(checkpoints["moe"]), ids)
+    torch.testing.assert_close(logits(load_model(fused), ids), expected, atol=1e-5, rtol=1e-5)
+    reduce = ThreadAllReduce(2)
+    shards = [load_model(fused, tp_rank=r, tp_size=2, all_reduce=reduce.for_rank(r)) for r in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        for rank in pool.map(lambda m: logits(m, ids), shards):
+            torch.testing.assert_close(rank, expected, atol=1e-4, rtol=1e-4)

@@ -18,8 +18,9 @@ from skulk.types.model_memory import LayerKind
 MLA_TYPES = frozenset({"deepseek_v3", "deepseek_v32", "kimi_k2", "deepseek_v2"})
 """DeepSeek's architecture (Kimi K2 is one): MLA attention, a router without a Linear (not quantized by mlx-lm)."""
 _RAW_ROUTER = MLA_TYPES | {"glm4_moe"}
-_GATED_ATTENTION = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
-"""Qwen3-Next and Qwen3.5 (its language model's types): a gate per head on q_proj, a gated shared expert."""
+_GATED_ATTENTION = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"})
+"""Qwen3-Next and Qwen3.5 (its wrapper's and language model's types): a gate per head on q_proj, a gated shared
+expert."""
 _QK_NORM = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "gemma3"}) | _GATED_ATTENTION
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
                 "linear_attention": "linear", "attention": "full", "mamba": "ssm", "mlp": "mlp", "moe": "mlp"}

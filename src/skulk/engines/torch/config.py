@@ -50,9 +50,9 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if model_type == "gemma3_text":
         return _gemma3_defaults(cfg)
     inner = text_of(cfg)  # Llama 4: the decoder's numbers in text_config; Nemotron-H: its block list
-    if str(inner.get("model_type", model_type)).startswith("qwen3_5_moe"):  # every layer a MoE: no dense width
+    if model_type == "qwen3_5_moe":  # every layer a MoE: no dense width
         inner = {"intermediate_size": 0, **inner}
-    if model_type == "qwen2_5_vl":  # transformers 5's text_config says qwen2_5_vl_text: one family name for both
+    if model_type in ("qwen2_5_vl", "qwen3_5", "qwen3_5_moe"):  # text_config says <type>_text: one name for both
         return {**inner, "model_type": model_type}
     return inner if inner is cfg or inner.get("model_type") else {**inner, "model_type": model_type}
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -108,24 +108,45 @@ def _text_prefix(files: Iterable[str]) -> str:
 
 
 _SWITCH = re.compile(r"^(.*\.mlp\.)switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+_FUSED = re.compile(r"^(.*\.mlp\.)experts\.(gate_up_proj|down_proj)$")
 
 
-def _stacked_experts(files: dict[str, Path]) -> dict[str, tuple[str, int]]:
-    """Per-expert names → (stacked tensor, expert index) for checkpoints that stack a layer's experts in one
-    [num_experts, out, in] tensor per projection, as MLX saves Qwen3-MoE (mlp.switch_mlp.gate_proj, ...)."""
-    stacked: dict[str, tuple[str, int]] = {}
+class Stacked(NamedTuple):
+    """Where one expert's matrix sits in a stacked tensor: its index along the first dimension, and its rows when
+    it is part of them (a fused gate_up_proj's gate or up half: first row, count)."""
+
+    tensor: str
+    expert: int
+    rows: tuple[int, int] | None = None
+
+
+def _stacked_experts(files: dict[str, Path]) -> dict[str, Stacked]:
+    """Per-expert names → where they sit in the tensor that stacks a layer's experts: MLX's [num_experts, out, in]
+    per projection (Qwen3-MoE's mlp.switch_mlp.gate_proj, ...), or transformers 5's mlp.experts.gate_up_proj
+    [num_experts, 2 x width, hidden] (gate rows, then up rows) and mlp.experts.down_proj [num_experts, hidden,
+    width], as Qwen3.5's published checkpoints keep them."""
+    stacked: dict[str, Stacked] = {}
     for name in files:
         if match := _SWITCH.match(name):
             start, projection, part = match.groups()
-            for expert in range(_leading_dim(files[name], name)):
-                stacked[f"{start}experts.{expert}.{projection}.{part}"] = (name, expert)
+            for expert in range(_shape(files[name], name)[0]):
+                stacked[f"{start}experts.{expert}.{projection}.{part}"] = Stacked(name, expert)
+        elif (match := _FUSED.match(name)) and len(shape := _shape(files[name], name)) == 3:
+            start, projection = match.groups()
+            width = shape[1] // 2
+            for expert in range(shape[0]):
+                if projection == "down_proj":
+                    stacked[f"{start}experts.{expert}.down_proj.weight"] = Stacked(name, expert)
+                else:
+                    stacked[f"{start}experts.{expert}.gate_proj.weight"] = Stacked(name, expert, (0, width))
+                    stacked[f"{start}experts.{expert}.up_proj.weight"] = Stacked(name, expert, (width, width))
     return stacked
 
 
-def _leading_dim(path: Path, name: str) -> int:
+def _shape(path: Path, name: str) -> list[int]:
     if path.suffix == GGUF_SUFFIX:
-        return open_gguf(path).shape(name)[0]
-    return int(safetensors_header(path)[name]["shape"][0])
+        return list(open_gguf(path).shape(name))
+    return [int(n) for n in safetensors_header(path)[name]["shape"]]
 
 
 @dataclass
@@ -136,7 +157,7 @@ class CheckpointNames:
     tied: bool
     prefix: str
     files: dict[str, Path]
-    stacked: dict[str, tuple[str, int]] = field(default_factory=dict)
+    stacked: dict[str, Stacked] = field(default_factory=dict)
     stack: ExitStack = field(default_factory=ExitStack)
     handles: dict[Path, Any] = field(default_factory=dict)
     fp8_block: tuple[int, int] | None = None
@@ -153,21 +174,21 @@ class CheckpointNames:
     def read(self, tensor: str, dim: int | None, split: Split, out: torch.Tensor | None = None) -> torch.Tensor:
         """A whole tensor, or this rank's block along dim; one expert's matrix of a stacked tensor. Into out
         (its dtype and device) when given, else a new tensor in the file's dtype."""
-        real, expert = self.stacked.get(tensor, (tensor, None))
+        real, expert, rows = self.stacked.get(tensor, (tensor, None, None))
         if real not in self.files:
             raise ValueError(f"checkpoint has no tensor {tensor}")
         if self.fp8_block is not None and expert is None and f"{real}{fp8.SCALE_SUFFIX}" in self.files:
             return self._read_fp8(real, dim, split, out, self.fp8_block)
-        return self._read(real, expert, dim, split, out)
+        return self._read(real, expert, dim, split, out, rows)
 
     def _read(self, real: str, expert: int | None, dim: int | None, split: Split,
-              out: torch.Tensor | None) -> torch.Tensor:
+              out: torch.Tensor | None, rows: tuple[int, int] | None = None) -> torch.Tensor:
         path = self.files[real]
         if path not in self.handles:
             # a safetensors header is checked against its file as it opens (a stage opens only the files it holds)
             self.handles[path] = open_gguf(path) if path.suffix == GGUF_SUFFIX else self.stack.enter_context(
                 TensorFile(path))
-        return _shard(self.handles[path].get_slice(real), dim, split.rank, split.size, expert, out)
+        return _shard(self.handles[path].get_slice(real), dim, split.rank, split.size, expert, out, rows)
 
     def _read_fp8(self, real: str, dim: int | None, split: Split, out: torch.Tensor | None,
                   block: tuple[int, int]) -> torch.Tensor:
@@ -192,7 +213,7 @@ class CheckpointNames:
 
     def quant_path(self, base: str) -> str:
         """The module path a per-module quantization entry names: a stacked expert's is its switch_mlp tensor."""
-        real, _ = self.stacked.get(f"{base}.weight", (f"{base}.weight", None))
+        real = self.stacked[f"{base}.weight"].tensor if f"{base}.weight" in self.stacked else f"{base}.weight"
         return real.removesuffix(".weight")
 
     def source(self, param: str) -> str:
@@ -407,16 +428,22 @@ _PARTS = ("weight", "scales", "biases")
 
 
 def _shard(view: Any, dim: int | None, rank: int, size: int, expert: int | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Read a whole tensor, or this rank's contiguous block along dim, from a lazy slice (a TensorFile's or a
-    GGUF file's); of a stacked [experts, out, in] tensor, expert's matrix (dim counts within it). Into out when
-    given (ShapeMismatch before reading if the block is not its shape)."""
+    GGUF file's); of a stacked [experts, out, in] tensor, expert's matrix (dim counts within it), or its `rows`
+    (first, count: a fused gate_up_proj's half, whose own block along dim 0 this rank reads). Into out when given
+    (ShapeMismatch before reading if the block is not its shape)."""
     shape = view.get_shape()
     lead: list[int | slice] = [] if expert is None else [expert]
     index: list[int | slice] = lead + [slice(None)] * (len(shape) - len(lead))
+    first, count = rows if rows is not None else (0, shape[len(lead)])
+    if rows is not None:
+        index[len(lead)] = slice(first, first + count)
     if dim is not None and size > 1:
-        block = shape[len(lead) + dim] // size
-        index[len(lead) + dim] = slice(rank * block, (rank + 1) * block)
+        extent = count if dim == 0 else shape[len(lead) + dim]
+        start = first if dim == 0 else 0
+        block = extent // size
+        index[len(lead) + dim] = slice(start + rank * block, start + (rank + 1) * block)
     if out is None:
         return view[tuple(index)]
     block_shape = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape, strict=True) if isinstance(i, slice))

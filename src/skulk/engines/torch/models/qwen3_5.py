@@ -3,9 +3,10 @@ decoder (qwen3_next.py) under a vision-language wrapper, with the linear layers'
 ways (transformers' modeling_qwen3_5_moe / modeling_qwen3_5 are the reference, op for op).
 
 What differs from Qwen3-Next:
-- the config is multimodal: the language model's numbers sit in text_config (model_type `qwen3_5_moe_text`) and
-  its tensors under model.language_model. beside a vision tower (model.visual.) this engine does not load; a
-  request with images is refused (vision.load_tower finds no tower it runs), text runs natively.
+- the config is multimodal: the language model's numbers sit in text_config (config.text_config gives them the
+  wrapper's model_type; a text-only `qwen3_5_moe_text` config runs through the transformers fallback) and its
+  tensors under model.language_model. beside a vision tower (model.visual.) this engine does not load: a request
+  with images is refused (vision.load_tower finds no tower it runs), text runs natively.
 - a gated DeltaNet layer projects q, k and v with one in_proj_qkv whose rows are every key head's q, then every
   key head's k, then every value head's v (the conv's channel order, not grouped per key head as Qwen3-Next's
   in_proj_qkvz), and z, b and a each with its own projection (in_proj_z, in_proj_b, in_proj_a) by value head.
@@ -33,14 +34,11 @@ from . import qwen3_next
 from .family import Family
 from .qwen3_next import GatedDeltaNet, Qwen3NextLayer
 
-MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
-DENSE_TYPES = ("qwen3_5", "qwen3_5_text")
-
 
 def fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3-Next's fields (qwen3_next.fields) with Qwen3.5's defaults (Qwen3_5MoeTextConfig's: 256 experts, 8 a
     token) and rules: every layer a MoE when it has experts, the top k always renormalised; none for the dense."""
-    moe = str(cfg.get("model_type", "")) in MOE_TYPES
+    moe = cfg.get("model_type") == "qwen3_5_moe"  # config.text_config names the language model as its wrapper
     experts = int(cfg.get("num_experts", 256) if moe else 0)
     shaped = {**cfg, "num_experts": experts, "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 8)),
               "mlp_only_layers": [], "decoder_sparse_step": 1,
@@ -74,4 +72,4 @@ def layer(args: ModelArgs, index: int, tp_size: int, reduce: AllReduce) -> Qwen3
     return Qwen3_5Layer(args, index, tp_size, reduce)
 
 
-FAMILY = Family((*MOE_TYPES, *DENSE_TYPES), layer, fields, norm_unit_offset=True, stateful=True)
+FAMILY = Family(("qwen3_5_moe", "qwen3_5"), layer, fields, norm_unit_offset=True, stateful=True)
