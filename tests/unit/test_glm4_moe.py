@@ -10,6 +10,7 @@ logits; bfloat16 stays near transformers' bfloat16. The catalog then cards the f
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +25,7 @@ from skulk.engines.torch.engine import TorchEngine
 from skulk.engines.torch.layers import DecoderLayer
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.model import ModelSlice
+from skulk.engines.torch.models import read_args_dir
 from skulk.engines.torch.moe import GroupedMoe, grouped_top_k
 from skulk.models.catalog import card_from_config
 from skulk.models.memory_math import model_memory
@@ -99,13 +101,18 @@ def _staged_tokens(stages: list[ModelSlice], prompt: list[int]) -> list[int]:
 
 
 def assert_transformers_tokens(path: Path) -> None:
-    """16 greedy tokens of both prompts equal transformers' through the engine on one rank, and through two
-    pipeline stages (dense + MoE | MoE). DeepSeek V3's test holds its family to the same."""
+    """16 greedy tokens of both prompts equal transformers' through the engine on one rank, through two pipeline
+    stages (dense + MoE | MoE), and through three: the first layer, the middle ones, the last (each stage builds
+    only its own layers, a middle one neither the embedding nor the head). DeepSeek V3, gpt-oss, Qwen3-Next and
+    Qwen3.5 hold their families to the same."""
     expected = reference(path)
     assert (why := disagreement(_engine_tokens(path), expected)) is None, f"one rank: {why}"
-    stages = [load_model(path, end_layer=2), load_model(path, start_layer=2)]
-    piped = {f"r{i}": _staged_tokens(stages, prompt) for i, prompt in enumerate(PROMPTS)}
-    assert (why := disagreement(piped, expected)) is None, f"pipeline: {why}"
+    layers = read_args_dir(path).num_hidden_layers
+    for cuts in ([2], [1, layers - 1]):
+        bounds = [0, *cuts, layers]
+        stages = [load_model(path, start_layer=a, end_layer=b) for a, b in itertools.pairwise(bounds)]
+        piped = {f"r{i}": _staged_tokens(stages, prompt) for i, prompt in enumerate(PROMPTS)}
+        assert (why := disagreement(piped, expected)) is None, f"pipeline over {bounds}: {why}"
 
 
 def assert_tensor_ranks_match(path: Path) -> None:
