@@ -41,7 +41,8 @@ def test_mlx_holds_the_state_the_arithmetic_counts(tmp_path: Path, family: str) 
 
     path = write_model(family, tmp_path)
     config = json.loads((path / "config.json").read_text())
-    model, _ = load_model(path, model_config=published_fields(path))
+    loaded, _ = load_model(path, model_config=published_fields(path))
+    model: Any = loaded  # mlx-lm's Model: make_cache is each family's own
     model.set_dtype(mx.bfloat16)
     index, mixer = _first_mixer(model)
     cache = model.make_cache()[index]
