@@ -171,9 +171,15 @@ class CheckpointNames:
         """Quantized values come packed in uint32 words (MLX's safetensors), not one per byte (a GGUF file)."""
         return not any(path.suffix == GGUF_SUFFIX for path in self.files.values())
 
-    def read(self, tensor: str, dim: int | None, split: Split, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A whole tensor, or this rank's block along dim; one expert's matrix of a stacked tensor. Into out
-        (its dtype and device) when given, else a new tensor in the file's dtype."""
+    def read(self, tensor: str, dim: int | None, split: Split, out: torch.Tensor | None = None,
+             parts: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A whole tensor, or this rank's block along dim; one expert's matrix of a stacked tensor; of a tensor
+        made of `parts` (consecutive row counts: _tp_parts), this rank's rows of each. Into out (its dtype and
+        device) when given, else a new tensor in the file's dtype."""
+        if parts is not None and split.size > 1:
+            whole = self.read(tensor, None, Split(0, 1)).split(list(parts))
+            block = torch.cat([part.chunk(split.size)[split.rank] for part in whole])
+            return block if out is None else out.copy_(block)
         real, expert, rows = self.stacked.get(tensor, (tensor, None, None))
         if real not in self.files:
             raise ValueError(f"checkpoint has no tensor {tensor}")
@@ -251,8 +257,7 @@ def _read_tensors(
     for param, out in destinations.items():
         source, dim = names.source(param), tp_split_dim(param)
         if parted and param in parted and split.size > 1:
-            whole = names.read(source, None, Split(0, 1)).split(list(parted[param]))
-            loaded[param] = out.copy_(torch.cat([p.chunk(split.size)[split.rank] for p in whole]))
+            loaded[param] = names.read(source, None, split, out, parted[param])
             continue
         if split.rank and partial_sum_bias(param):
             loaded[param] = out.zero_()  # added once, by rank 0: the all_reduce sums the ranks' outputs
@@ -355,6 +360,7 @@ def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpe
     leaves a MoE router (mlp.gate) in float: it is small, and its error would flip which experts run. On CUDA the
     projections take torch's CUDA layouts (cuda_quant.py); the values are read and quantized on the host."""
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
+    parted = _tp_parts(model)  # before the swaps: a replacement does not carry its original's tp_parts
     for name, module in targets:
         base = names.source(f"{name}.weight").removesuffix(".weight")
         replacement: nn.Module | None
@@ -368,7 +374,7 @@ def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpe
             if bias is not None and split.rank and partial_sum_bias(f"{name}.bias"):
                 bias = torch.zeros_like(bias)
             build = _packed_linear if quant.prequantized else _quantized_float_linear
-            replacement = build(names, base, dim, split, quant, bias, device)
+            replacement = build(names, base, dim, split, quant, bias, device, parted.get(f"{name}.weight"))
         if replacement is not None:
             if isinstance(replacement, QuantizedLinear) and isinstance(module, nn.Linear):
                 replacement.out_dtype = getattr(module, "out_dtype", None)
@@ -387,13 +393,14 @@ def _packed_embedding(names: CheckpointNames, base: str, quant: QuantSpec, dtype
 
 
 def _packed_linear(names: CheckpointNames, base: str, dim: int | None, split: Split, quant: QuantSpec,
-                   bias: torch.Tensor | None, device: torch.device) -> nn.Module | None:
+                   bias: torch.Tensor | None, device: torch.device,
+                   parts: tuple[int, ...] | None = None) -> nn.Module | None:
     """An MLX-packed projection, at the bits its module's own quantization entry gives if it has one (MLX keeps
-    MoE routers at 8 bits); this rank's rows, or its columns in whole groups."""
+    MoE routers at 8 bits); this rank's rows (of each of its parts), or its columns in whole groups."""
     if f"{base}.scales" not in names:
         return None  # a layer the checkpoint left in float stays an nn.Linear
     quant = quant.for_module(names.quant_path(base))
-    q_packed, scales, biases = (names.read(f"{base}.{part}", dim, split) for part in _PARTS)
+    q_packed, scales, biases = (names.read(f"{base}.{part}", dim, split, parts=parts) for part in _PARTS)
     q = unpack_mlx(q_packed, quant.bits) if names.packed else q_packed
     if q.shape[1] != scales.shape[1] * quant.group_size:
         raise ValueError(f"{base}: its columns do not split across {split.size} tensor-parallel ranks in whole "
@@ -410,9 +417,10 @@ def _affine_linear(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, 
 
 
 def _quantized_float_linear(names: CheckpointNames, base: str, dim: int | None, split: Split, quant: QuantSpec,
-                            bias: torch.Tensor | None, device: torch.device) -> nn.Module | None:
+                            bias: torch.Tensor | None, device: torch.device,
+                            parts: tuple[int, ...] | None = None) -> nn.Module | None:
     """A float projection quantized while loading: int8 per row, int4 in groups."""
-    weight = names.read(f"{base}.weight", dim, split)
+    weight = names.read(f"{base}.weight", dim, split, parts=parts)
     group = fitting_group(weight.shape[1], quant.group_size)
     if group is None:
         return None  # no group size divides its columns: it stays float, the rest is quantized
