@@ -214,3 +214,15 @@ def test_int8_at_load_splits_in_proj_qkv_part_by_part(checkpoints: dict[str, Pat
     for rank in range(2):
         got = qkv(load_model(path, tp_rank=rank, tp_size=2, quantize="int8"))
         assert torch.equal(got, torch.cat([part.chunk(2, dim=-1)[rank] for part in parts], dim=-1)), rank
+
+
+def test_the_engine_shares_no_prefix_and_speculates_none(checkpoints: dict[str, Path]) -> None:
+    """Qwen3.5 keeps per-stream DeltaNet states as Qwen3-Next does: its family is `stateful`, so the engine turns
+    prefix sharing and speculation off (a shared block carries no state; a rejected draft would leave it ahead)."""
+    from skulk.engines.torch.engine import TorchEngine
+
+    engine = TorchEngine(checkpoints["moe"], max_batch=2, max_seq=64, block_size=4)
+    try:
+        assert engine.model.family.stateful and not engine.share_prefixes and not engine.speculate
+    finally:
+        engine.close()
