@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 import torch
 
-from skulk.engines.torch.cache import StepBatch
 from skulk.engines.torch.loader import load_model
 from skulk.engines.torch.models.qwen3_5 import Qwen3_5Layer, SplitDeltaNet
 from skulk.formats.checkpoint import safetensors_header
@@ -33,6 +32,7 @@ from skulk.models.memory_math import TORCH_STATE_SLOTS, model_memory
 from tests.unit.family_checkpoints import COMMON, PROMPTS, TOKENS, disagreement, reference, save_drawn, tokenizer_donor
 from tests.unit.test_glm4_moe import assert_tensor_ranks_match, assert_transformers_tokens
 from tests.unit.test_quantized import logits
+from tests.unit.test_qwen3_next import assert_chunked_prefill_is_transformers
 from tests.unit.test_torch_engine import ThreadAllReduce
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # real model compute: `make test`, not `make test-fast`
@@ -123,21 +123,7 @@ def test_two_tensor_rank_processes_give_transformers_tokens(checkpoints: dict[st
 
 
 def test_a_long_prompt_in_two_chunks_ends_on_transformers_logits(checkpoints: dict[str, Path]) -> None:
-    """150 positions (three of the delta rule's 64-position chunks) prefilled as 100 then 50, the second chunk
-    starting from the first's states: the last position's logits are transformers'."""
-    from transformers import AutoModelForCausalLM
-
-    path = checkpoints["moe"]
-    ids = torch.randint(0, COMMON["vocab_size"], (1, 150), generator=torch.Generator().manual_seed(5))
-    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    model = load_model(path)
-    cache = model.make_cache(16, 16)
-    table = torch.arange(10, dtype=torch.int32).unsqueeze(0)
-    with torch.inference_mode():
-        expected = theirs(ids).logits[0, -1]
-        model(ids[:, :100], StepBatch.build(torch.arange(100).unsqueeze(0), table), cache)
-        got = model(ids[:, 100:], StepBatch.build(torch.arange(100, 150).unsqueeze(0), table), cache)[0, -1]
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_chunked_prefill_is_transformers(checkpoints["moe"])
 
 
 def test_the_catalog_cards_qwen3_5_moe_as_native(checkpoints: dict[str, Path]) -> None:
