@@ -10,7 +10,8 @@ SKULK_WARMUP_DEADLINE_SECONDS, SKULK_KV_CACHE_BITS and SKULK_TORCH_DEVICE are su
 Not every environment variable goes through `resolve`: a few are read directly where they act, in the process
 that acts on them (a runner inherits the node's environment). Tuning and test switches: SKULK_LINK_DELAY_MS
 (engines/link_delay.py), SKULK_AMX (engines/torch/cpu_kernels.py), SKULK_SPECULATE (engines/torch/core.py),
-SKULK_SPARE_AFTER_S (worker/spare.py), SKULK_MODEL_CACHE (models/packaged.py); SKULK_KV_CACHE_BITS is read again
+SKULK_MICRO_BATCHES (engines/micro_batching.py), SKULK_SPARE_AFTER_S (worker/spare.py), SKULK_MODEL_CACHE
+(models/packaged.py); SKULK_KV_CACHE_BITS is read again
 by a torch engine built outside placement (engines/torch/core.kv_bits_or_default); OLLAMA_MODELS by
 `skulk models import` (models/ollama_store.py). Others are other libraries' own (GLOO_SOCKET_IFNAME, which a
 runner sets when unset; GOMP_SPINCOUNT, defaulted in runners; zenoh's RUST_LOG). SKULK_POISON and SKULK_SCRIPT

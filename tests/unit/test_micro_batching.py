@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skulk.engines.micro_batching import Hops, Shares, micro_batches_for, period_s
+from skulk.engines.micro_batching import (
+    MICRO_BATCHES_ENV,
+    Hops,
+    Shares,
+    forced_micro_batches,
+    micro_batches_for,
+    period_s,
+)
+from skulk.engines.torch.flight import Flights
+from skulk.engines.torch.options import Shard
 from skulk.engines.torch.pace import BLOCKED_S, Pace, head_in_layers
 from skulk.master.speed import RankShare, predict_speed
 from skulk.types.ids import NodeId
@@ -30,6 +39,19 @@ def split(table: dict[int, float], first: float = 0.5) -> Shares:
 
 def hops(seconds: float) -> Hops:
     return lambda rows: seconds
+
+
+def test_skulk_micro_batches_forces_the_rule_either_way_and_unset_leaves_it_to_decide(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert forced_micro_batches({MICRO_BATCHES_ENV: "always"}) is True
+    assert forced_micro_batches({MICRO_BATCHES_ENV: " Never "}) is False
+    assert forced_micro_batches({MICRO_BATCHES_ENV: "sometimes"}) is None
+    assert forced_micro_batches({}) is None
+    shard = Shard(rank=0, world_size=2, kind="pipeline")
+    monkeypatch.setenv(MICRO_BATCHES_ENV, "always")  # a node's runner builds its engine under its node's env
+    assert Flights(shard, Pace(2, 6, 12), list, lambda reqs, rows: None).micro_batches is True
+    monkeypatch.delenv(MICRO_BATCHES_ENV)
+    assert Flights(shard, Pace(2, 6, 12), list, lambda reqs, rows: None).micro_batches is None
 
 
 def test_the_periods_follow_the_formula() -> None:

@@ -15,11 +15,15 @@ weights (small batches on a CPU: t(4) is ~0.7 t(8) on the 100M int4 model, bench
 short, since each rank then reads its weights M times per round instead of once. Nothing here knows where the
 seconds come from: the engine feeds its own measured steps, the prediction the nodes' measured compute and links.
 Torch-free: the master imports it.
+
+SKULK_MICRO_BATCHES (benchmarks: bench/split.py --engine-rows) forces the rule either way in every runner of a
+node, as split_engine.py forces it on the engine alone: `always` or `never`; unset, the rule decides.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
 
@@ -27,6 +31,14 @@ Shares = Callable[[int], Sequence[float] | None]
 """Each rank's seconds for its part of a step of r rows (rank order), or None when unknown."""
 Hops = Callable[[int], float | None]
 """Seconds of every message of one step of r rows round the ring (hidden states on, tokens back), or None."""
+MICRO_BATCHES_ENV = "SKULK_MICRO_BATCHES"
+"""`always` / `never`: a Pipeline's rank 0 pipelines micro-batches always / never; anything else: as the rule
+decides (the default, and what production runs)."""
+
+
+def forced_micro_batches(environ: Mapping[str, str] = os.environ) -> bool | None:
+    """SKULK_MICRO_BATCHES as the engine's setting (flight.Flights.micro_batches): True, False, or None."""
+    return {"always": True, "never": False}.get((environ.get(MICRO_BATCHES_ENV) or "").strip().lower())
 
 
 def period_s(shares: Shares, hops: Hops, rows: int, micro: int) -> float | None:

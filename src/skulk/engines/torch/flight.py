@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from skulk.engines.micro_batching import micro_batches_for
+from skulk.engines.micro_batching import forced_micro_batches, micro_batches_for
 
 from .links import PendingTokens, TokenRows
 from .options import Shard
@@ -50,9 +50,10 @@ class Flights:
     requests stay the engine's: `running` reads its running rows and `land` records a step's tokens on them."""
 
     def __init__(self, shard: Shard, pace: Pace, running: Callable[[], Sequence[Request]], land: Lander) -> None:
-        self.micro_batches: bool | None = None
+        self.micro_batches: bool | None = forced_micro_batches()
         """Rank 0 of a Pipeline leads micro-batches while earlier ones are in flight: always (True), never
-        (False), or where they pay, by the group's measured pace (None, the default; module docstring)."""
+        (False), or where they pay, by the group's measured pace (None, the default; module docstring). A bench
+        forces it in a node's runners by SKULK_MICRO_BATCHES (micro_batching.forced_micro_batches)."""
         self.shard, self.pace, self._running, self._land = shard, pace, running, land
         self.micro = shard.world_size  # rank 0: micro-batches in flight now (until the pace says otherwise)
         self._decided: tuple[int, int] = (0, 0)  # rank 0: (decoding rows, decode steps left) of the last decision
