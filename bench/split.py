@@ -49,6 +49,10 @@ at ~0.6-0.7 ms each of gloo's own cost (master/speed.py COLLECTIVE_STEP_S) outwe
 models, whatever the link. Single-stream figures move ±20 % between runs of identical processes (bench/node_path.py).
 Run: sudo .venv/bin/python bench/split.py [--models bench,smollm2,bench700m] [--links lan10g,lan1g,wifi] [--tokens 48]
      [--streams 3] [--cores 0/1] [--save run.json]   (--cores: each node's cores, taskset lists separated by '/')
+     sudo .venv/bin/python bench/split.py --engine-rows --models bench --links lan1g [--rounds 2] [--tokens 64]
+         (Pipeline 2 through nodes against the engine alone, bench/split_engine.py's driver, on the same placement
+         and link, micro-batches as decided and forced on, interleaved; prints "through nodes ÷ engine alone" and
+         each process's CPU per token: bench/split_rows.py, with its measured table)
      .venv/bin/python bench/split.py --repredict run.json   (the saved run's rows, predicted again by this tree
      from the states the run predicted from: a change to the prediction checked against measured figures)
 """
@@ -481,10 +485,12 @@ def print_table(rows: list[Row]) -> None:
           f"before measuring) against measured, '!' beyond the ±{PREDICTION_TARGET:.0%} target")
 
 
-def start_nodes(ns: Namespaces, root: Path, cores: list[str], profile: LinkProfile) -> list[SplitNode]:
-    """The nodes for one link: under emulated latency (no netem) each runner reads the delay once, at its start."""
+def start_nodes(ns: Namespaces, root: Path, cores: list[str], profile: LinkProfile,
+                extra: dict[str, str] | None = None) -> list[SplitNode]:
+    """The nodes for one link: under emulated latency (no netem) each runner reads the delay once, at its start.
+    extra: more environment for the nodes and their runners (--engine-rows: SKULK_MICRO_BATCHES)."""
     cluster = f"split{uuid.uuid4().hex[:6]}"
-    env = {**NODE_ENV, "SKULK_MODEL_CACHE": str(shared_cache())}
+    env = {**NODE_ENV, "SKULK_MODEL_CACHE": str(shared_cache()), **(extra or {})}
     if emulated(ns):
         env[DELAY_ENV] = f"{profile.rtt_ms / 2:g}"
     nodes: list[SplitNode] = []
@@ -523,6 +529,11 @@ def main() -> None:
                              "node process a core beside its runner's one compute thread")
     parser.add_argument("--loopback-fallback", action="store_true",
                         help="where namespaces are refused, still measure: nodes on loopback, each on its cores")
+    parser.add_argument("--engine-rows", action="store_true",
+                        help="instead: Pipeline 2 through nodes against the engine alone (split_engine.py's driver) "
+                             "on the same placement, micro-batches as decided and forced on, interleaved "
+                             "(split_rows.py); one link (the first of --links), --rounds rounds")
+    parser.add_argument("--rounds", type=int, default=2, help="with --engine-rows: alternating rounds")
     parser.add_argument("--save", type=Path, help="write the rows and the state each prediction came from (JSON)")
     parser.add_argument("--repredict", type=Path,
                         help="measure nothing: predict a --save file's rows again with this tree's master/speed.py")
@@ -541,6 +552,21 @@ def main() -> None:
     ns = Namespaces(2) if refused is None else Loopback(2, refused)
     if refused is not None:
         profiles = [LinkProfile("loopback", 0.0, "-", 0)]
+    if args.engine_rows:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        import split_rows
+
+        try:
+            ns.up()
+            ns.shape(profiles[0])
+            print(f"{profiles[0].name}: {shaping_of(ns)}", flush=True)
+            split_rows.run(sys.modules[__name__], ns, cores, profiles[0], args.models.split(","), args.tokens,
+                           args.rounds)
+        finally:
+            ns.down()
+        return
     nodes: list[SplitNode] = []
     rows: list[Row] = []
     try:

@@ -81,29 +81,52 @@ def cpu_between(samples: list[tuple[float, float]], start: float, end: float) ->
     return inside[-1] - inside[0] if len(inside) > 1 else 0.0
 
 
-def run_streams(engine: Clocked, streams: int, tokens: int, tag: str) -> tuple[float, float, tuple[float, float, int]]:
+def run_streams(engine: Clocked, streams: int, tokens: int, tag: str
+                ) -> tuple[float, float, tuple[float, float, int], tuple[float, tuple[float, float, int]]]:
     """(decode tok/s while all `streams` decode, ms from admission to the first token of the first stream, the
-    window's (start, end, tokens))."""
+    window's (start, end, tokens), and (the streams' steady aggregate as bench/split.py counts it through nodes:
+    the sum of each stream's own rate, its tokens after the first over its first-to-last-token time; and the
+    whole run's (start, end, tokens), admission to the last step, as split.py reads a node process's CPU))."""
     from skulk.types.chat import SamplingParams
 
     greedy = SamplingParams(max_tokens=tokens, temperature=0)
     for i in range(streams):
         engine.engine.add_request(f"{tag}-{i}", [*PROMPT, *f"({i})".encode()], greedy)
     sent, first, start = time.perf_counter(), 0.0, None
+    seen: dict[str, Any] = {}  # request id -> request, kept after it leaves the running rows
+    marks: dict[str, list[float]] = {}  # request id -> [first token's time, tokens then, last token's time, tokens]
+    end: tuple[float, int] | None = None
+
+    def mark() -> None:
+        now = time.perf_counter()
+        for r in engine.engine._running:
+            seen.setdefault(r.request_id, r)
+        for rid, r in seen.items():
+            count = len(r.emitted)
+            got = marks.get(rid)
+            if count and got is None:
+                marks[rid] = [now, count, now, count]
+            elif got is not None and count > got[3]:
+                got[2:] = [now, count]
+
     while True:
         engine.step()
+        mark()
         running = engine.engine._running
         emitted = [len(r.emitted) for r in running]
         if not first and any(emitted):
             first = time.perf_counter() - sent
         if start is None and len(running) == streams and min(emitted) >= 1:
             start = (time.perf_counter(), sum(emitted))
-        if start is not None and max(emitted) >= tokens - 2:
+        if start is not None and end is None and max(emitted, default=tokens) >= tokens - 2:
             end = (time.perf_counter(), sum(emitted))
+        if end is not None and not (engine.engine._adds or engine.engine._pending or engine.engine._running):
             break
-    while engine.engine._adds or engine.engine._pending or engine.engine._running:
-        engine.step()
-    return (end[1] - start[1]) / (end[0] - start[0]), first * 1000, (start[0], end[0], end[1] - start[1])
+    assert start is not None and end is not None
+    steady = sum((m[3] - m[1]) / (m[2] - m[0]) for m in marks.values() if m[2] > m[0])
+    whole = (sent, time.perf_counter(), sum(int(m[3]) for m in marks.values()))
+    return (end[1] - start[1]) / (end[0] - start[0]), first * 1000, (start[0], end[0], end[1] - start[1]), \
+        (steady, whole)
 
 
 def rank_main(model_dir: Path, quant: str | None, rank: int, world: int, kind: str, layers: list[tuple[int, int]],
@@ -139,14 +162,17 @@ def rank_main(model_dir: Path, quant: str | None, rank: int, world: int, kind: s
         group.wait_all_loaded(120)
         engine.micro_batches = forced
     engine.warmup()
+    if os.environ.get("SKULK_BENCH_FIFO"):  # split_rows.py: SCHED_FIFO once warm, as it puts the nodes
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setscheduler(int(tid), os.SCHED_FIFO, os.sched_param(10))
     clocked = Clocked(engine)
     if rank == 0:
         run_streams(clocked, 2, 8, "warm")
-        single, ttft, one = run_streams(clocked, 1, tokens, "one")
-        aggregate, _, window = run_streams(clocked, STREAMS, tokens, "many")
+        single, ttft, one, _ = run_streams(clocked, 1, tokens, "one")
+        aggregate, _, window, steady = run_streams(clocked, STREAMS, tokens, "many")
         if world > 1 and kind == "pipeline" and engine.micro_batches is None:
             print(f"    the rule keeps {engine.micro} micro-batch(es) in flight at 8 streams", flush=True)
-        results.put((0, (single, ttft, aggregate, window, one)))
+        results.put((0, (single, ttft, aggregate, window, one, steady, engine.micro if world > 1 else 1)))
         engine.close()
     else:
         while not engine.closed:
@@ -181,6 +207,14 @@ def measure(model_dir: Path, quant: str | None, card: Any, world: int, kind: str
             ) -> tuple[float, float, float, float, float]:
     """(single tok/s, TTFT ms, 8-stream tok/s, CPU ms per token of all ranks together in the 8-stream window, and
     of the busiest rank: with micro-batches in flight, what sets the round where each rank has its own core)."""
+    return measure_detail(model_dir, quant, card, world, kind, tokens)["figures"]
+
+
+def measure_detail(model_dir: Path, quant: str | None, card: Any, world: int, kind: str, tokens: int
+                   ) -> dict[str, Any]:
+    """measure's figures, with the 8 streams' steady aggregate as bench/split.py counts it (`steady`), each rank's
+    CPU ms per token over the whole 8-stream run, admission to the last step, as bench/split.py reads a node's
+    processes (`ranks`), and the micro-batches rank 0 kept in flight (`micro`)."""
     from skulk.testing.nodes import free_port
 
     layers = pipeline_ranges(card, world, halves=kind.startswith("halves"))
@@ -201,14 +235,16 @@ def measure(model_dir: Path, quant: str | None, card: Any, world: int, kind: str
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs):
                     raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}") from None
-        single, ttft, aggregate, (start, end, count), one = got[0]
+        single, ttft, aggregate, (start, end, count), one, (steady, whole), micro = got[0]
         samples = [got[-1]] + [got[r] for r in range(1, world)]
         alone = sum(cpu_between(s, one[0], one[1]) for s in samples) * 1000 / one[2]
         print(f"    one stream: every rank's CPU per token {alone:.2f} ms", flush=True)
         cpu = [cpu_between(s, start, end) for s in samples]
         print(f"    {layers}: each rank's CPU per token {' / '.join(f'{c * 1000 / count:.2f}' for c in cpu)} ms",
               flush=True)
-        return single, ttft, aggregate, sum(cpu) * 1000 / count, max(cpu) * 1000 / count
+        spent = [cpu_between(s, whole[0], whole[1]) * 1000 / max(whole[2], 1) for s in samples]
+        return {"figures": (single, ttft, aggregate, sum(cpu) * 1000 / count, max(cpu) * 1000 / count),
+                "steady": steady, "ranks": spent, "micro": micro}
     finally:
         for proc in procs:
             proc.join(60)
