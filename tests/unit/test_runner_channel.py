@@ -63,6 +63,20 @@ def test_messages_cross_the_pipe_whole_and_in_order_however_the_bytes_are_cut() 
     reader.close()
 
 
+def test_a_frame_is_a_plain_pickle_without_a_forking_pickler_per_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    from multiprocessing.reduction import ForkingPickler
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a ForkingPickler was built for a message")
+
+    monkeypatch.setattr(ForkingPickler, "__init__", refused)
+    reader, writer = mp.Pipe(duplex=False)
+    outbox = Outbox(writer)
+    for message in _messages():
+        outbox.put(message)  # type: ignore[arg-type]
+    assert Frames().feed(_drain(reader)) == _messages()
+
+
 def test_unread_bytes_are_seen_without_reading_them() -> None:
     reader, writer = mp.get_context("spawn").Pipe(duplex=False)
     reading = _Reading(None, reader)

@@ -33,7 +33,6 @@ import queue
 import struct
 import threading
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Protocol
 
 from skulk.runner.messages import FromRunner, ToRunner
@@ -53,7 +52,11 @@ class Source(Protocol):
 
 
 def _frame(message: object) -> bytes:
-    payload = ForkingPickler.dumps(message)
+    """The message as one frame: plain pickle (messages.py: small, picklable, no I/O). ForkingPickler, a
+    multiprocessing.Queue's pickler, built a pickler with a copied dispatch table for every message: py-spy put
+    it at 5 % of a Pipeline's sampling runner's own Python time, 8 streams micro-batched (a Tokens message of 4
+    chunks: 94 against 55 us; issue 43)."""
+    payload = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
     return _LENGTH.pack(len(payload)) + payload
 
 
