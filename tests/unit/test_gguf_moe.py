@@ -1,13 +1,14 @@
-"""GGUF files of the families whose GGUF layout the torch engine does not read (llama.cpp's `deepseek2`, `glm4moe`)
-import as a Hugging Face checkpoint that the torch engine (natively: models/deepseek_v3.py, glm4_moe.py), its
-transformers fallback and mlx-lm run (models/gguf_moe.py).
+"""GGUF files of the families whose GGUF layout the torch engine does not read (llama.cpp's `deepseek2`, `glm4moe`,
+`gpt-oss`, `qwen3next`, `qwen35moe`, `qwen35`) import as a Hugging Face checkpoint that the torch engine (natively:
+models/deepseek_v3.py, glm4_moe.py, qwen3_5.py ...), its transformers fallback and mlx-lm run (models/gguf_moe.py).
 
 Each family's seeded random checkpoint (family_checkpoints.py) is written to GGUF the way llama.cpp's
 convert_hf_to_gguf does: its metadata keys, gguf-py's own tensor name map, experts stacked per projection,
 DeepSeek's kv_b_proj split into attn_k_b (transposed) and attn_v_b as newer converters write it (or whole, as
-older ones did), GLM's multi-token-prediction layer counted in block_count. Imported, the directory's logits under
-transformers are the float checkpoint's: exactly for an F32 file, within Q8_0's rounding for a quantized one,
-where a wrong name, split or transpose would not be close at all."""
+older ones did), GLM's multi-token-prediction layer counted in block_count, Qwen3.5's value heads reordered
+(_reorder_v_heads) with more value heads than key heads. Imported, the directory's logits under transformers are
+the float checkpoint's: exactly for an F32 file, within Q8_0's rounding for a quantized one, where a wrong name,
+split or transpose would not be close at all."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 VOCAB = 264
 ARCHS = {"deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
-         "gpt_oss": gguf.MODEL_ARCH.GPT_OSS, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT}
+         "gpt_oss": gguf.MODEL_ARCH.GPT_OSS, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT,
+         "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE, "qwen3_5": gguf.MODEL_ARCH.QWEN35}
+QWEN3_5 = ("qwen3_5_moe", "qwen3_5")
+"""Published as Qwen3_5(Moe)ForConditionalGeneration: text_config, tensors under model.language_model."""
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 42, 11, 3, 250, 17, 64, 8, 90, 31] * 2])
 
 
@@ -49,29 +53,36 @@ def _metadata(writer: GGUFWriter, config: dict[str, Any], family: str, split_kv:
     writer.add_block_count(config["num_hidden_layers"] + nextn)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    if "intermediate_size" in config:  # TextModel writes it only where the config has one (not Qwen3.5 MoE's)
+        writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if "num_experts_per_tok" in config:
+        writer.add_expert_used_count(config["num_experts_per_tok"])
     rope_parameters = config["rope_parameters"]
     if rope_parameters.get("rope_type") == "yarn":  # TextModel's rope scaling
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope_parameters["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope_parameters["original_max_position_embeddings"])
-    if family == "qwen3_next":  # Qwen2MoeModel's keys, then Qwen3NextModel's
-        writer.add_expert_count(config["num_experts"])
+    if family in ("qwen3_next", *QWEN3_5):  # Qwen2MoeModel's keys, then Qwen3NextModel's (Qwen3.5: M-RoPE too)
         writer.add_head_count_kv(config["num_key_value_heads"])
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+        if family != "qwen3_5":  # the dense Qwen3.5 has no experts
+            writer.add_expert_count(config["num_experts"])
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+        if family in QWEN3_5:
+            writer.add_rope_dimension_sections([*rope_parameters.get("mrope_section", [11, 11, 10]), 0])
         writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
         writer.add_ssm_state_size(config["linear_key_head_dim"])
         writer.add_ssm_group_count(config["linear_num_key_heads"])
         writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
         writer.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
-        writer.add_full_attention_interval(config.get("full_attention_interval", 4))
+        # the published configs' full_attention_interval (transformers saves only the layer_types it made of it)
+        interval = config.get("full_attention_interval") or config["layer_types"].index("full_attention") + 1
+        writer.add_full_attention_interval(interval)
         writer.add_rope_dimension_count(int(config["head_dim"] * rope_parameters["partial_rotary_factor"]))
         return
     if family == "gpt_oss":
@@ -130,6 +141,9 @@ def _llama_cpp_tensors(hf_dir: Path, config: dict[str, Any], split_kv: bool) -> 
             continue
         if family == "qwen3_next":
             out.update(_qwen3next_converted(name, tensor, names, config))
+            continue
+        if family in QWEN3_5:
+            out.update(_qwen3_5_converted(name, tensor, names, config))
             continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         if split_kv and name.endswith("kv_b_proj.weight"):
@@ -198,12 +212,60 @@ def _qwen3next_converted(name: str, tensor: torch.Tensor, names: Any, config: di
     return {target: tensor}
 
 
+def reorder_v_heads(tensor: torch.Tensor, dim: int, config: dict[str, Any], width: int) -> torch.Tensor:
+    """llama.cpp's _reorder_v_heads: value heads grouped by key head (k0v0, k0v1, .., k1v0, ..) to tiled order
+    (k0v0, k1v0, .., k0v1, ..): the axis as [key heads, value heads per key head, width], its first two swapped."""
+    keys = config["linear_num_key_heads"]
+    per_key = config["linear_num_value_heads"] // keys
+    shape = tensor.shape
+    grouped = tensor.reshape(*shape[:dim], keys, per_key, width, *shape[dim + 1:])
+    return grouped.transpose(dim, dim + 1).reshape(shape)
+
+
+def _qwen3_5_converted(name: str, tensor: torch.Tensor, names: Any, config: dict[str, Any]
+                       ) -> dict[str, torch.Tensor]:
+    """_LinearAttentionVReorderBase.modify_tensors (Qwen3_5TextModel, Qwen3_5MoeTextModel): the language model's
+    tensors only (model.language_model. read as model.), Qwen3NextModel's A_log, dt_bias, conv and norm rules,
+    and every value-head tensor reordered to llama.cpp's tiled order: in_proj_qkv's v rows and the conv's v
+    channels, in_proj_z's rows, in_proj_a/b's, A_log's and dt_bias's, out_proj's columns."""
+    if not name.startswith(("model.language_model.", "lm_head.")):
+        return {}  # the vision tower (Qwen3_5MoeForConditionalGeneration's model.visual.)
+    name = name.replace("model.language_model.", "model.")
+    value_rows = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    width = config["linear_value_head_dim"]
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        tensor = tensor.squeeze(1) if "conv1d" in name else tensor
+        qk, v = tensor.split([tensor.shape[0] - value_rows, value_rows])
+        tensor = torch.cat([qk, reorder_v_heads(v, 0, config, width)])
+    elif name.endswith("in_proj_z.weight"):
+        tensor = reorder_v_heads(tensor, 0, config, width)
+    elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", ".A_log", ".dt_bias")):
+        tensor = reorder_v_heads(tensor, 0, config, 1)
+    elif name.endswith("out_proj.weight"):
+        tensor = reorder_v_heads(tensor, 1, config, width)
+    if name.endswith(".A_log"):
+        tensor = -torch.exp(tensor)
+    elif name.endswith(".dt_bias"):
+        name = name.replace(".dt_bias", ".dt_proj.bias")
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        tensor = tensor + 1
+    target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    assert target is not None, name
+    return {target: tensor}
+
+
+def text_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config (Qwen3.5's text_config), else the config itself."""
+    return {**config["text_config"], "model_type": config["model_type"]} if "text_config" in config else config
+
+
 def write_llama_cpp_gguf(hf_dir: Path, out: Path, *, quantized: bool, split_kv: bool = True,
-                         experts: QT = QT.Q8_0, softmax: bool = False) -> Path:
+                         experts: QT = QT.Q8_0, softmax: bool = False, fused_experts: bool = False) -> Path:
     """The family checkpoint in hf_dir as llama.cpp's converter writes it: 2-D and 3-D projections in Q8_0 (the
     stacked experts' weights in `experts`) where their rows are whole blocks (quantized), the rest in F32. GLM's
-    file gets its MTP layer's tensors too."""
-    config = json.loads((hf_dir / "config.json").read_text())
+    file gets its MTP layer's tensors too; fused_experts writes each layer's gate and up experts as one
+    ffn_gate_up_exps."""
+    config = text_of(json.loads((hf_dir / "config.json").read_text()))
     family = config["model_type"]
     writer = GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[ARCHS[family]])
     _metadata(writer, config, family, split_kv, softmax)
@@ -213,6 +275,10 @@ def write_llama_cpp_gguf(hf_dir: Path, out: Path, *, quantized: bool, split_kv: 
         mtp = config["num_hidden_layers"]
         tensors[f"blk.{mtp}.attn_norm.weight"] = torch.ones(config["hidden_size"])
         tensors[f"blk.{mtp}.nextn.eh_proj.weight"] = torch.ones(config["hidden_size"], 2 * config["hidden_size"])
+    if fused_experts:  # llama.cpp's ffn_gate_up_exps: each expert's gate rows, then its up rows
+        for name in [n for n in tensors if n.endswith("ffn_gate_exps.weight")]:
+            up = tensors.pop(name.replace("ffn_gate_exps", "ffn_up_exps"))
+            tensors[name.replace("ffn_gate_exps", "ffn_gate_up_exps")] = torch.cat([tensors.pop(name), up], dim=1)
     for name, tensor in tensors.items():
         data = tensor.contiguous().numpy().astype(np.float32)
         if quantized and data.ndim >= 2 and data.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name:  # _quantized
@@ -233,11 +299,36 @@ def _logits(model_dir: Path, ids: torch.Tensor = IDS) -> torch.Tensor:
         return model(ids).logits[0].float()
 
 
+def _qwen3_5_model(family: str, root: Path) -> Path:
+    """Qwen3.5's seeded random checkpoint as test_qwen3_5 draws it (4 value heads over 2 key heads, so llama.cpp's
+    reorder moves rows), with this file's vocabulary."""
+    import transformers
+
+    from .test_qwen3_5 import MOE, TEXT, VISION
+
+    torch.manual_seed(1)
+    text = TEXT | {"vocab_size": VOCAB} | (MOE if family == "qwen3_5_moe" else {"intermediate_size": 96})
+    kind = "Qwen3_5Moe" if family == "qwen3_5_moe" else "Qwen3_5"
+    config = getattr(transformers, f"{kind}Config")(text_config=text, vision_config=VISION, tie_word_embeddings=False)
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(config).float().eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias")) and ".visual." not in name:
+                tensor.normal_(0.5, 0.3)
+            elif name.endswith("A_log"):
+                tensor.uniform_(-1, 1)
+    model.save_pretrained(root / family)
+    return root / family
+
+
 def _import(family: str, tmp_path: Path, *, quantized: bool, split_kv: bool = True, experts: QT = QT.Q8_0,
-            **overrides: Any) -> tuple[Path, Path, Any]:
-    hf_dir = write_model(family, tmp_path / "hf", vocab_size=VOCAB, **overrides)
+            fused_experts: bool = False, **overrides: Any) -> tuple[Path, Path, Any]:
+    if family in QWEN3_5:
+        hf_dir = _qwen3_5_model(family, tmp_path / "hf")
+    else:
+        hf_dir = write_model(family, tmp_path / "hf", vocab_size=VOCAB, **overrides)
     gguf_file = write_llama_cpp_gguf(hf_dir, tmp_path / "model.gguf", quantized=quantized, split_kv=split_kv,
-                                     experts=experts)
+                                     experts=experts, fused_experts=fused_experts)
     card = import_gguf(gguf_file, tmp_path / "models", f"t/{family}")
     return hf_dir, tmp_path / "models" / f"t--{family}", card
 
@@ -253,7 +344,8 @@ def test_an_f32_file_imports_as_its_checkpoint_exactly(family: str, tmp_path: Pa
     assert card.storage_size.in_bytes == written  # the card counts the checkpoint the engines load
     assert not (imported / "model.gguf").exists()
     config = json.loads((imported / "config.json").read_text())
-    assert config["num_hidden_layers"] == json.loads((hf_dir / "config.json").read_text())["num_hidden_layers"]
+    assert text_of(config)["num_hidden_layers"] == text_of(json.loads((hf_dir / "config.json").read_text())
+                                                           )["num_hidden_layers"]
     assert config["torch_dtype"] == "float32"
     torch.testing.assert_close(_logits(imported), _logits(hf_dir), atol=1e-5, rtol=1e-5)
 
@@ -263,14 +355,20 @@ def _rounded(hf_dir: Path, out: Path, experts: QT = QT.Q8_0) -> Path:
     dequantized by the gguf package, then bfloat16. Rows as the file has them: gpt-oss's stacked experts
     transposed (and kv_b_proj, whose halves are 16 wide, stays F32)."""
     shutil.copytree(hf_dir, out)
+    config = text_of(json.loads((hf_dir / "config.json").read_text()))
     tensors = load_file(str(hf_dir / "model.safetensors"))
     for name, values in tensors.items():
         turned = values.dim() == 3 and ".mlp.experts." in name  # gpt-oss: [experts, in, out] in the hub
         rows = values.transpose(-1, -2) if turned else values
+        tiled = None  # Qwen3.5's out_proj: its columns' blocks are those of llama.cpp's tiled value heads
+        if config["model_type"] in QWEN3_5 and name.endswith("linear_attn.out_proj.weight"):
+            tiled = reorder_v_heads(torch.arange(rows.shape[-1]), 0, config, config["linear_value_head_dim"])
+            rows = rows[:, tiled]
         if rows.dim() >= 2 and rows.shape[-1] % 32 == 0 and not name.endswith(("gate.weight", "router.weight")):
             kind = experts if ".mlp.experts." in name and "bias" not in name else QT.Q8_0
             back = torch.from_numpy(dequantize(quantize(rows.float().contiguous().numpy(), kind), kind))
             back = back.to(torch.bfloat16).float()
+            back = back[:, tiled.argsort()] if tiled is not None else back
             tensors[name] = (back.transpose(-1, -2) if turned else back).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -323,6 +421,30 @@ def test_deepseek_yarn_rope_scaling_comes_through(tmp_path: Path) -> None:
     (imported / "config.json").write_text(json.dumps({**config, "rope_scaling": None}))
     unscaled = _logits(imported, ids)
     assert ((unscaled - expected).norm() / expected.norm()).item() > 1e-2
+
+
+def test_qwen3_5_value_heads_come_back_from_llama_cpps_tiled_order(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 value heads over 2 key heads, so llama.cpp's _reorder_v_heads moves rows of in_proj_qkv, in_proj_z,
+    in_proj_a/b, A_log, dt_bias and the conv, and columns of out_proj; the experts fused as ffn_gate_up_exps.
+    Imported, every tensor is the checkpoint's and so are the logits; with the inverse reorder skipped they are
+    not (the test can fail)."""
+    from skulk.models import gguf_moe
+
+    hf_dir, imported, _ = _import("qwen3_5_moe", tmp_path, quantized=False, fused_experts=True)
+    source = load_file(str(hf_dir / "model.safetensors"))
+    written = {k: v for f in imported.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    for name in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight", "out_proj.weight", "conv1d.weight"):
+        key = f"model.language_model.layers.0.linear_attn.{name}"
+        assert torch.equal(written[key], source[key]), key
+    experts = written["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(experts[3, 32:], source["model.language_model.layers.0.mlp.experts.3.up_proj.weight"])
+    expected = _logits(hf_dir)
+    torch.testing.assert_close(_logits(imported), expected, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(gguf_moe, "_grouped_heads", lambda values, *_: values)  # the mutation: no inverse
+    import_gguf(tmp_path / "model.gguf", tmp_path / "models", "t/qwen3_5_moe")
+    unordered = _logits(imported)
+    assert ((unordered - expected).norm() / expected.norm()).item() > 1e-2
 
 
 def test_a_deepseek_file_with_softmax_routing_is_refused_saying_so(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ config.json's `quantization` section lists each quantized module's bits (4, or 8
 MLX checkpoint's does, so placement, cards and the loader treat both alike.
 
 That holds for the architectures whose GGUF tensors the torch engine reads natively (NATIVE_ARCHS). A file of
-models/gguf_moe.DEQUANTIZED_ARCHS (DeepSeek V3, GLM-4 MoE, gpt-oss, Qwen3-Next: native torch families from
-safetensors only) becomes instead the dequantized Hugging Face checkpoint the torch engine, its fallback and mlx-lm
+models/gguf_moe.DEQUANTIZED_ARCHS (DeepSeek V3, GLM-4 MoE, gpt-oss, Qwen3-Next, Qwen3.5: native torch families
+from safetensors only) becomes instead the dequantized Hugging Face checkpoint the torch engine, its fallback and mlx-lm
 read; any other architecture is refused by name.
 """
 

@@ -1,21 +1,24 @@
 """A GGUF file of a family whose GGUF layout the torch engine does not read (llama.cpp's `deepseek2`, `glm4moe`,
-`gpt-oss`, `qwen3next`), turned into the Hugging Face checkpoint those families run from: the torch engine's
-native DeepSeek V3, GLM-4 MoE and gpt-oss files, the transformers fallback (engines/torch/fallback.py) and mlx-lm
-all read only float safetensors in the hub's layout.
+`gpt-oss`, `qwen3next`, `qwen35moe`, `qwen35`), turned into the Hugging Face checkpoint those families run from:
+the torch engine's native DeepSeek V3, GLM-4 MoE, gpt-oss, Qwen3-Next and Qwen3.5 files, the transformers fallback
+(engines/torch/fallback.py) and mlx-lm all read only float safetensors in the hub's layout.
 
-transformers' GGUF support knows neither architecture, so config.json is built here from the file's metadata (the
-keys llama.cpp's convert_hf_to_gguf writes for them), and every tensor is dequantized by the `gguf` package and
+transformers' GGUF support knows none of these architectures, so config.json is built here from the file's metadata
+(the keys llama.cpp's convert_hf_to_gguf writes for them), and every tensor is dequantized by the `gguf` package and
 written under its Hugging Face name: the stacked experts (`ffn_*_exps`) unstacked into the hub's
 `mlp.experts.<e>.*_proj`, the shared experts (`*_shexp`) as `mlp.shared_experts`, the router's correction bias
 (`exp_probs_b`) as `e_score_correction_bias`, and DeepSeek's MLA projections under their own names, with the
 `attn_k_b`/`attn_v_b` pair newer converters split `kv_b_proj` into joined back; gpt-oss's gate and up rows
 interleaved back into `gate_up_proj`; Qwen3-Next's linear attention (`attn_qkv` + `attn_gate` regrouped into
-`in_proj_qkvz`, `ssm_a` back to `A_log`) and its norms less the 1 llama.cpp adds. Quantized tensors come out in
-bfloat16, float ones in their own dtype (so an F32 file's checkpoint is exact). llama.cpp permutes no rows of
-these families (their rope is already the layout it computes), and the multi-token-prediction layers a GLM file
-carries past its last layer (`nextn`) are dropped, as transformers drops them; any other tensor in a layer
-without a hub name here refuses the file rather than leave a weight at random. The checkpoint is what the card
-counts: a 4-bit file grows about 3.5x.
+`in_proj_qkvz`, `ssm_a` back to `A_log`) and its norms less the 1 llama.cpp adds. Qwen3.5 is converted as
+Qwen3-Next, its four input projections kept apart and its value heads reordered (llama.cpp's
+_LinearAttentionVReorderBase): they are put back in the hub's order, and written in the published multimodal
+layout (text_config, model.language_model., the experts stacked) that the torch engine and mlx-lm read.
+Quantized tensors come out in bfloat16, float ones in their own dtype (so an F32 file's checkpoint is exact).
+llama.cpp permutes no other rows of these families (their rope is already the layout it computes), and the
+multi-token-prediction layers a GLM file carries past its last layer (`nextn`) are dropped, as transformers drops
+them; any other tensor in a layer without a hub name here refuses the file rather than leave a weight at random.
+The checkpoint is what the card counts: a 4-bit file grows about 3.5x.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-DEQUANTIZED_ARCHS = ("deepseek2", "glm4moe", "gpt-oss", "qwen3next")
+DEQUANTIZED_ARCHS = ("deepseek2", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe", "qwen35")
 """llama.cpp architectures imported as a dequantized Hugging Face checkpoint (the rest run from the file)."""
 TORCH_ONLY_ARCHS = ("gpt-oss",)
 """Architectures whose checkpoint mlx-lm cannot read: its gpt-oss reads the hub's MXFP4 experts (or its own
@@ -63,8 +66,24 @@ _IN_LAYER = {
                   "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ssm_ba": "linear_attn.in_proj_ba",
                   "ssm_out": "linear_attn.out_proj", "ssm_norm": "linear_attn.norm"},
 }
+_QWEN3_5 = {**{k: v for k, v in _IN_LAYER["qwen3next"].items() if k != "ssm_ba"},
+            "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+            "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+            "attn_gate": "linear_attn.in_proj_z"}
+_IN_LAYER |= {"qwen35moe": _QWEN3_5, "qwen35": _QWEN3_5}
+QWEN3_5_ARCHS = ("qwen35moe", "qwen35")
+"""Qwen3.5 (Qwen3_5TextModel -> qwen35, Qwen3_5MoeTextModel -> qwen35moe): Qwen3-Next's conversion with the
+linear attention's four input projections kept apart and its value heads reordered (_QWEN3_5_V)."""
 _PLUS_ONE_NORMS = {"attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm"}
-"""Qwen3-Next's zero-centred norms, which llama.cpp stores as weight + 1 (all but the linear attention's)."""
+"""Qwen3-Next's and Qwen3.5's zero-centred norms, which llama.cpp stores as weight + 1 (all but the linear
+attention's)."""
+_QWEN3_5_V = {"attn_gate": (0, "v"), "ssm_beta": (0, 1), "ssm_alpha": (0, 1), "ssm_a": (0, 1), "ssm_dt": (0, 1),
+              "ssm_out": (1, "v")}
+"""The tensors whose value heads llama.cpp's _LinearAttentionVReorderBase reorders (besides attn_qkv's and the
+conv's v channels): the axis, and each head's width (1, or "v" for linear_value_head_dim)."""
+_QWEN3_5_OWN = {*_QWEN3_5_V, "attn_qkv", "ssm_conv1d", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+                "ffn_gate_up_exps"}
+"""The Qwen3.5 tensors _qwen3_5_tensors turns back: reordered value heads, and the experts kept stacked."""
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -98,6 +117,8 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
         return config | _gpt_oss(get)
     if arch == "qwen3next":
         return config | _qwen3next(get)
+    if arch in QWEN3_5_ARCHS:
+        return _qwen3_5(get, config, arch == "qwen35moe")
     return config | _sigmoid_router(get) | (_deepseek2(get) if arch == "deepseek2" else _glm4moe(get, tensors))
 
 
@@ -108,12 +129,12 @@ def _common(get: Callable[..., Any], meta: dict[str, Any], tensors: dict[str, An
     dtype = {QT.F32: "float32", QT.F16: "float16"}.get(QT(embedding[0]), "bfloat16")
     config: dict[str, Any] = {
         "vocab_size": int(embedding[1][0]), "hidden_size": int(get("embedding_length")),
-        "intermediate_size": int(get("feed_forward_length")), "num_attention_heads": int(get("attention.head_count")),
-        "max_position_embeddings": int(get("context_length")),
+        "intermediate_size": int(get("feed_forward_length", 0)),  # none in a file of only experts (qwen35moe)
+        "num_attention_heads": int(get("attention.head_count")), "max_position_embeddings": int(get("context_length")),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(get("rope.freq_base", 10000.0)), "hidden_act": "silu", "attention_dropout": 0.0,
         "tie_word_embeddings": "output.weight" not in tensors, "torch_dtype": dtype,
-        "num_experts_per_tok": int(get("expert_used_count")), "rope_scaling": _rope_scaling(get),
+        "num_experts_per_tok": int(get("expert_used_count", 0)), "rope_scaling": _rope_scaling(get),
     }
     for name in ("bos", "eos"):
         if f"tokenizer.ggml.{name}_token_id" in meta:
@@ -165,6 +186,43 @@ def _qwen3next(get: Callable[..., Any]) -> dict[str, Any]:
             "linear_value_head_dim": int(get("ssm.inner_size")) // value_heads, "full_attention_interval": interval,
             "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                             for i in range(layers)]}
+
+
+def _qwen3_5(get: Callable[..., Any], common: dict[str, Any], moe: bool) -> dict[str, Any]:
+    """Qwen3.5's config in the published multimodal layout the torch engine runs natively and mlx-lm's qwen3_5_moe
+    / qwen3_5 read (Qwen3_5MoeForConditionalGeneration: the language model's keys under text_config, no vision
+    tower): Qwen3-Next's sizes, the keys Qwen3_5(Moe)TextConfig declares, rope under rope_parameters with the
+    file's rope.dimension_sections as mrope_section (llama.cpp's interleaved M-RoPE; [11, 11, 10] its default)."""
+    next_keys = _qwen3next(get if moe else _no_experts(get))
+    sections = [int(s) for s in get("rope.dimension_sections", [11, 11, 10, 0])][:3]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": common["rope_theta"],
+                            "partial_rotary_factor": next_keys["partial_rotary_factor"], "mrope_section": sections,
+                            "mrope_interleaved": True}
+    if common["rope_scaling"] is not None:
+        rope |= {k: v for k, v in common["rope_scaling"].items() if k != "type"}
+    text = {k: common[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "max_position_embeddings",
+                                   "rms_norm_eps", "hidden_act", "attention_dropout", "tie_word_embeddings",
+                                   "torch_dtype", "bos_token_id", "eos_token_id") if k in common}
+    text |= {k: next_keys[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim", "layer_types",
+                                       "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim",
+                                       "linear_num_key_heads", "linear_num_value_heads", "linear_value_head_dim")}
+    if moe:
+        text |= {k: next_keys[k] for k in ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")}
+        text["num_experts_per_tok"] = common["num_experts_per_tok"]
+    else:
+        text["intermediate_size"] = common["intermediate_size"]
+    name = "qwen3_5_moe" if moe else "qwen3_5"
+    return {"model_type": name, "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe
+                                                  else "Qwen3_5ForConditionalGeneration"],
+            "text_config": {**text, "model_type": f"{name}_text", "attention_bias": False, "rope_parameters": rope},
+            "tie_word_embeddings": common["tie_word_embeddings"], "torch_dtype": common["torch_dtype"]}
+
+
+def _no_experts(get: Callable[..., Any]) -> Callable[..., Any]:
+    """get, with the expert keys Qwen3-Next's config reads answered 0 (the dense qwen35 has none)."""
+    def dense(key: str, default: Any = None) -> Any:
+        return 0 if key.startswith("expert_") else get(key, default)
+    return dense
 
 
 def _rope_scaling(get: Callable[..., Any]) -> dict[str, Any] | None:
@@ -221,17 +279,23 @@ def hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tuple[str
     float ones in their own dtype."""
     arch = str(reader.get_field("general.architecture").contents())  # type: ignore[union-attr]
     table = _IN_LAYER[arch]
+    text = config.get("text_config", config)
+    inner_model = "model.language_model" if arch in QWEN3_5_ARCHS else "model"  # the published Qwen3.5 layout
     pending: dict[str, torch.Tensor] = {}  # a layer's halves of one hub tensor, until both are read
     for tensor in reader.tensors:
         if tensor.name in _TOP:
-            yield _TOP[tensor.name], _unbiased(arch, tensor.name.partition(".")[0], tensor)
+            yield (_TOP[tensor.name].replace("model.", f"{inner_model}.", 1),
+                   _unbiased(arch, tensor.name.partition(".")[0], tensor))
             continue
         match = _LAYER.match(tensor.name)
-        if match is None or int(match.group(1)) >= config["num_hidden_layers"]:
+        if match is None or int(match.group(1)) >= text["num_hidden_layers"]:
             continue  # rope tables, and the multi-token-prediction layers past the last one
         layer, inner, part = match.groups()
-        prefix = f"model.layers.{layer}"
-        if arch == "gpt-oss" and (inner in _EXPERTS or inner == "attn_sinks"):
+        prefix = f"{inner_model}.layers.{layer}"
+        if arch in QWEN3_5_ARCHS and inner in _QWEN3_5_OWN:
+            yield from ((f"{prefix}.{name}", values) for name, values in _qwen3_5_tensors(inner, part, tensor,
+                                                                                          pending, text))
+        elif arch == "gpt-oss" and (inner in _EXPERTS or inner == "attn_sinks"):
             pending[f"{inner}.{part}"] = _values(tensor.data, tensor.tensor_type)
             yield from ((f"{prefix}.{name}", values) for name, values in _gpt_oss_joined(pending))
         elif inner in _EXPERTS:
@@ -256,7 +320,7 @@ def hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tuple[str
 def _unbiased(arch: str, inner: str, tensor: Any) -> torch.Tensor:
     """The tensor's values, Qwen3-Next's zero-centred norms without the 1 llama.cpp adds."""
     values = _values(tensor.data, tensor.tensor_type)
-    return values - 1 if arch == "qwen3next" and inner in _PLUS_ONE_NORMS else values
+    return values - 1 if arch in ("qwen3next", *QWEN3_5_ARCHS) and inner in _PLUS_ONE_NORMS else values
 
 
 def _qwen3next_joined(pending: dict[str, torch.Tensor], config: dict[str, Any]
@@ -276,6 +340,54 @@ def _qwen3next_joined(pending: dict[str, torch.Tensor], config: dict[str, Any]
         q, k, v = qkv.split([heads * key_dim, heads * key_dim, qkv.shape[0] - 2 * heads * key_dim])
         per_head = [t.reshape(heads, -1, t.shape[-1]) for t in (q, k, v, z)]
         yield "linear_attn.in_proj_qkvz.weight", torch.cat(per_head, dim=1).reshape(-1, qkv.shape[-1]).contiguous()
+
+
+def _qwen3_5_tensors(inner: str, part: str | None, tensor: Any, pending: dict[str, torch.Tensor],
+                     text: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Qwen3.5's tensors that llama.cpp reordered or stacked, as the hub has them: each value-head tensor back
+    from llama.cpp's tiled order (_grouped_heads), A_log from ssm_a = -exp(A_log), the conv kernel's channel axis
+    back; the experts stacked as the published checkpoint keeps them (mlx-lm's qwen3_5_moe reads only that):
+    gate_up_proj [experts, 2 x width, hidden] (gate rows, then up rows) and down_proj [experts, hidden, width]."""
+    values = _values(tensor.data, tensor.tensor_type)
+    keys, heads = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    key_dim, value_dim = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    if inner in ("attn_qkv", "ssm_conv1d"):  # rows/channels: every q head, every k head, then the v heads
+        qk, v = values.split([2 * keys * key_dim, heads * value_dim])
+        values = torch.cat([qk, _grouped_heads(v, 0, keys, heads, value_dim)]).contiguous()
+        if inner == "ssm_conv1d":
+            return [("linear_attn.conv1d.weight", values.unsqueeze(1).contiguous())]
+        return [("linear_attn.in_proj_qkv.weight", values)]
+    if inner in _QWEN3_5_V:
+        dim, width = _QWEN3_5_V[inner]
+        values = _grouped_heads(values, dim, keys, heads, value_dim if width == "v" else 1)
+        if inner == "ssm_a":
+            return [("linear_attn.A_log", torch.log(-values.float()).to(torch.float32))]
+        if inner == "ssm_dt":
+            return [("linear_attn.dt_bias", values)]
+        return [(f"{_QWEN3_5[inner]}.{part}", values)]
+    pending[inner] = values
+    out = []
+    if "ffn_down_exps" in pending:
+        out.append(("mlp.experts.down_proj", pending.pop("ffn_down_exps")))
+    if "ffn_gate_up_exps" in pending:  # llama.cpp's fused form of the same rows
+        out.append(("mlp.experts.gate_up_proj", pending.pop("ffn_gate_up_exps")))
+    if "ffn_gate_exps" in pending and "ffn_up_exps" in pending:
+        gate_up = torch.cat([pending.pop("ffn_gate_exps"), pending.pop("ffn_up_exps")], dim=1)
+        out.append(("mlp.experts.gate_up_proj", gate_up.contiguous()))
+    return out
+
+
+def _grouped_heads(values: torch.Tensor, dim: int, keys: int, heads: int, width: int) -> torch.Tensor:
+    """Value heads back in the hub's order, grouped by key head (k0's v0 .. v(r-1), then k1's ...), from the
+    tiled order llama.cpp's _reorder_v_heads writes (v0 of every key head, then v1 of every one, ...): the axis
+    seen as [r, keys, width], its first two swapped. Nothing moves where there are as many key heads as value
+    heads."""
+    per_key = heads // keys
+    if per_key == 1:
+        return values
+    shape = values.shape
+    tiled = values.reshape(*shape[:dim], per_key, keys, width, *shape[dim + 1:])
+    return tiled.transpose(dim, dim + 1).reshape(shape).contiguous()
 
 
 def _gpt_oss_joined(pending: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
