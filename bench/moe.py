@@ -70,6 +70,27 @@ the third run). One thread here streams about 5-6 GB/s from DRAM (torch's sum ov
 768 x 1024 int4 matrix ran 30-45 us in cache against 55-70 us cycling through 64 such matrices, and the 8-row MoE
 blocks of this shape (four layers) about 7.6 ms against the dense MLPs' 2.5 ms (bound by the dense's compute, two
 passes of 4 rows).
+2026-12-07 16:28-16:31 UTC, once cpu_moe.c ran each picked expert on one thread (its matrices through
+skulk_quant_rows, no parallel region per matrix; experts spread over the threads, summed in expert order) and
+engines/torch/weight_arena.py put each layer's weights in one buffer on 2 MiB pages (both models), the code before
+(9f2e0a6, "old") and after ("new") alternated, the same command (--threads 1 --clock cpu), load average 3.4-3.8:
+  run   1 stream moe / dense   8 streams moe / dense   MoE ÷ dense 1 / 8   (per-round ratios at 8 streams)
+  old      248.1 / 277.0          621.4 / 818.9           0.91 / 0.75         0.89 0.69 0.75
+  new      267.3 / 237.0          691.1 / 871.8           1.13 / 0.79         0.79 0.84 0.77
+  old      295.0 / 382.6          767.4 / 793.6           0.85 / 0.79         0.79 0.78 0.97
+  new      309.5 / 293.8          661.0 / 880.1           1.06 / 0.74         0.94 0.69 0.74
+1 stream gained (0.85-0.91 -> 1.06-1.13); 8 streams did not move beyond the noise (0.75-0.79 -> 0.74-0.79), on
+the line still. Timed inside the engine (CPU-time timers around the C calls, 5 x 64 steps, this bench's models):
+the MoE block at 8 streams 6.3-7.9 ms a step on 4 KiB pages -> 5.6-6.3 on 2 MiB ones and one thread per expert,
+against the dense MLP's 3.3 ms (steps 13.9 and 10.4 ms). Its floor is DRAM: this random model's 8 streams pick
+about 18 of a layer's 64 experts (1.86 rows each), 72 a step, 48 MB, which no cache holds, at 10.5-11 GB/s (what
+one core streams here on 2 MiB pages; 8.4-8.8 on 4 KiB) 4.4 ms. Above it the int4 kernel is bound by vector
+ops (this VM issues about 2 a cycle: an 8-column chunk is 7 for one row, 11 for two, measured 4 and 6.3-6.8
+cycles), so an expert of two or three rows computes slower than DRAM delivers; activations pre-broadcast for
+maddubs' memory operand measured slower. The dense step is compute-bound, so in a quiet spell it speeds up more
+(up to 1050 tok/s) than the DRAM-bound MoE and the ratio dips to about 0.7: the 8-stream target is not met
+robustly on one thread. --threads 2 (wall clock, the default) gave 0.33 / 1.50 the same hour, two threads on
+two busy cores: noise.
 The same day, with --part families --rounds 3 (float32 checkpoints, CPU clock, load average about 6), native ÷
 fallback: qwen3_moe 7.68 (1253.8 vs 163.4 tok/s; 2.18 before: its decode step is one C call now), glm4_moe 1.38
 (1.16 before: its routed experts in one cpu_moe.c call, its layers still op by op), deepseek_v3 1.23, gpt_oss 1.22

@@ -136,3 +136,27 @@ def test_a_short_mixed_step_of_a_moe_runs_through_the_layer_stack(checkpoint: Pa
     for got, expected in zip(native, per_layer, strict=True):  # the chunk's bf16 SDPA drift, through 8 experts
         assert relative(got, expected) < 2e-2
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_experts_in_one_call_are_the_same_on_any_thread_count(checkpoint: Path, threads: int) -> None:
+    """cpu_moe.c runs a step's picked experts each on one thread (skulk_quant_rows, no parallel region per matrix),
+    spread over the threads, and sums them afterwards in expert order: on one thread or two, the per-expert loop's
+    output bit for bit (quantized experts, where that path runs; float ones too)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for options in (OPTIONS[2], OPTIONS[1]):
+            model = load_model(checkpoint, **options)
+            block = _blocks(model)[0]
+            kernel = block.kernel()
+            assert kernel is not None
+            x = torch.randn(8, model.args.hidden_size, generator=torch.Generator().manual_seed(3)).to(model.args.dtype)
+            with torch.inference_mode():
+                weights, chosen = block.route(x)
+                ours = kernel.mix(x, weights, chosen)
+                _torch_path(block)
+                theirs = block.mix(x, weights, chosen)
+            assert len(chosen.unique()) > 1 and torch.equal(ours, theirs), options
+    finally:
+        torch.set_num_threads(before)

@@ -203,6 +203,11 @@ static inline void mv(const matrix_t *m, const void *x, int type, int R, void *y
     else skulk_quant_mv(m->w, m->scales, m->biases, m->bits, m->group, m->n, m->k, x, type, R, m->bias, y, type);
 }
 
+void skulk_quantize_row(const void *x, int xtype, int K, int group, float *xf, int8_t *xq, float *xs, float *xsum);
+void skulk_quant_rows(const matrix_t *m, int R, const int8_t *xq, const float *xs, const float *xsum, float *acc,
+                      void *y, int ytype);
+void skulk_act_row(const void *gate_up, int type, int I, int gelu, float *buf, void *out);
+
 /* A sparse MoE block (moe.SparseMoe, cpu_moe.c): a softmax router and per expert its stacked gate/up [2 inter,
  * hidden] and down [hidden, inter], SiLU-gated (cpu_kernels.MoeDesc). */
 typedef struct {

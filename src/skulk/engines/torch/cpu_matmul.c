@@ -518,6 +518,44 @@ int skulk_quant_wide_rows = 2;
 #endif
 
 
+/* the kernels for R activation rows of these weights */
+static const quant_fn *quant_family(int bits, int group, int R) {
+#if QUANT_512
+    if (R >= skulk_quant_wide_rows)
+        return bits == 4 ? (group == 64 ? q4_64_wide : q4_wide) : (group == 64 ? q8_64_wide : q8_wide);
+#endif
+    (void)R;
+    return bits == 4 ? (group == 64 ? q4_64 : q4) : (group == 64 ? q8_64 : q8);
+}
+
+/* one activation row x [K] (xtype) as the quantized kernels read it: int8 xq [K], xs and xsum [K / group];
+ * xf: K floats of room */
+void skulk_quantize_row(const void *x, int xtype, int K, int group, float *xf, int8_t *xq, float *xs, float *xsum) {
+    row_to_f32(x, xtype, K, xf);
+    quantize_row(xf, K, group, xq, xs, xsum);
+}
+
+/* y [R, N] (ytype) = R activation rows already quantized (skulk_quantize_row, rows K apart) against w, every block on
+ * the calling thread: skulk_quant_mv's kernels, tiles and finish without its parallel region, for a caller that runs
+ * many small matrices a thread each (cpu_moe.c's experts: a region costs about 2 us, an expert's matrices for one row
+ * 10-30). The same outputs as skulk_quant_mv's, bit for bit, but for its AMX kernel (SKULK_AMX, 16+ rows), which
+ * matches the VNNI kernels this uses. acc: R x (N rounded up to 8) floats of room. */
+void skulk_quant_rows(const matrix_t *m, int R, const int8_t *xq, const float *xs, const float *xsum, float *acc,
+                      void *y, int ytype) {
+    const int K = m->k, N = m->n, groups = K / m->group, blocks = (N + 7) / 8, stride = blocks * 8;
+    const quant_fn *family = quant_family(m->bits, m->group, R);
+    const int per_unit = BLOCK_N / 8;
+    for (int b0 = 0; b0 < blocks; b0 += per_unit) { /* a unit's weights stay in L1 for the next tile of rows */
+        const int b1 = b0 + per_unit < blocks ? b0 + per_unit : blocks;
+        for (int r0 = 0; r0 < R; r0 += QUANT_TILE) {
+            int rows = R - r0 < QUANT_TILE ? R - r0 : QUANT_TILE;
+            family[rows](m->w, m->scales, m->biases, m->group, b0, b1, K, stride, xq + (size_t)r0 * K,
+                         xs + (size_t)r0 * groups, xsum + (size_t)r0 * groups, acc + (size_t)r0 * stride);
+        }
+    }
+    finish(acc, stride, R, 0, N, N, m->bias, y, ytype);
+}
+
 /* w: the interleaved layout above, ceil(N / 8) blocks (rows past N are zero); K a multiple of group, group a
  * multiple of 32 and at most 256. */
 void skulk_quant_mv(const uint8_t *w, const uint16_t *scales, const uint16_t *biases, int bits, int group, int N, int K,
@@ -528,11 +566,7 @@ void skulk_quant_mv(const uint8_t *w, const uint16_t *scales, const uint16_t *bi
     float *xf = scratch(floats * sizeof(float) + (size_t)((R + 15) & ~15) * K + 64);
     float *acc = xf + (size_t)R * K, *xs = acc + (size_t)R * stride, *xsum = xs + (size_t)R * groups;
     int8_t *xq = (int8_t *)(xsum + (size_t)R * groups);
-    const quant_fn *family = bits == 4 ? (group == 64 ? q4_64 : q4) : (group == 64 ? q8_64 : q8);
-#if QUANT_512
-    if (R >= skulk_quant_wide_rows)
-        family = bits == 4 ? (group == 64 ? q4_64_wide : q4_wide) : (group == 64 ? q8_64_wide : q8_wide);
-#endif
+    const quant_fn *family = quant_family(bits, group, R);
     const int per_unit = BLOCK_N / 8, units = (blocks + per_unit - 1) / per_unit;
 #ifdef SKULK_AMX
     const int amx = skulk_amx_rows > 0 && R >= skulk_amx_rows;

@@ -4,6 +4,7 @@
  * per picked expert; here an expert costs its two matmuls, and a whole MoE layer can sit inside skulk_decode_layer
  * (cpu_step.c), so a MoE model's decode step is one call as a dense one's is. */
 #include "cpu_kernels.h"
+#include <omp.h>
 /* each product rounded, then added: torch's separate mul and add (f32 too), never one fused multiply-add */
 #pragma GCC optimize("fp-contract=off")
 
@@ -55,49 +56,118 @@ static void route_row(float *probs, int E, int k, int normalize, int type, int32
     for (int j = 0; j < k; j++) weights[j] = round_to(normalize ? weights[j] / picked : weights[j], type);
 }
 
+static inline size_t up64(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
+
+/* Whether matrix m runs on this file's one-thread path (skulk_quant_rows) for c rows: our quantized layout, below
+ * the rows that take skulk_quant_mv's AMX kernel. Else the expert's matrix goes through mv, whose parallel region is
+ * inactive inside this file's (one thread, the same outputs). */
+static int serial(const matrix_t *m, int c) {
+#ifdef SKULK_AMX
+    if (skulk_amx_rows > 0 && c >= skulk_amx_rows) return 0;
+#endif
+    (void)c;
+    return m->kind == 1;
+}
+
+/* y [c, out] (type) = m applied to c rows; the rows are rows[i] (each m->k values of `type`) */
+static void expert_matmul(const matrix_t *m, const char *const *rows, int c, int type, char *work, void *y) {
+    const int K = m->k;
+    const size_t es = type_size(type);
+    if (serial(m, c)) {
+        const int groups = K / m->group, stride = (m->n + 7) & ~7;
+        float *xf = (float *)work, *acc = xf + K, *xs = acc + (size_t)c * stride, *xsum = xs + (size_t)c * groups;
+        int8_t *xq = (int8_t *)(xsum + (size_t)c * groups);
+        for (int i = 0; i < c; i++)
+            skulk_quantize_row(rows[i], type, K, m->group, xf, xq + (size_t)i * K, xs + (size_t)i * groups,
+                               xsum + (size_t)i * groups);
+        skulk_quant_rows(m, c, xq, xs, xsum, acc, y, type);
+        return;
+    }
+    char *gathered = work;
+    for (int i = 0; i < c; i++) memcpy(gathered + (size_t)i * K * es, rows[i], (size_t)K * es);
+    mv(m, gathered, type, c, y);
+}
+
+/* expert e for its c rows (rows[i]: x's row), its outputs y [c, hidden] in `type`. work: expert_bytes of room. */
+static void run_expert(const moe_t *M, int e, const char *const *rows, int c, int type, char *work, char *y) {
+    const int I = M->inter;
+    const size_t es = type_size(type);
+    char *gu = work, *act = gu + up64((size_t)c * 2 * I * es), *rest = act + up64((size_t)c * I * es);
+    const char *act_rows[c > 0 ? c : 1];
+    expert_matmul(&M->gate_up[e], rows, c, type, rest, gu);
+    for (int i = 0; i < c; i++) {
+        act_rows[i] = act + (size_t)i * I * es;
+        skulk_act_row(gu + (size_t)i * 2 * I * es, type, I, 0, (float *)rest, act + (size_t)i * I * es);
+    }
+    expert_matmul(&M->down[e], act_rows, c, type, rest, y);
+}
+
+/* run_expert's room for up to c rows: its gate/up and act rows, and expert_matmul's (the larger matrix's) */
+static size_t expert_bytes(const moe_t *M, int c, int type) {
+    const size_t H = M->hidden, I = M->inter, es = type_size(type), widest = 2 * I > H ? 2 * I : H;
+    const size_t K = H > I ? H : I, floats = K + c * (widest + 8) + 2 * (size_t)c * K / 32 + 2 * I;
+    return up64((size_t)c * 2 * I * es) + up64((size_t)c * I * es) + floats * 4 + (size_t)c * K * es + 256;
+}
+
+static __thread void *work_buf;
+static __thread size_t work_len;
+
 /* out [R, hidden] = for each row, the sum over its k picks (ids [R, k], weights [R, k] as f32) of weight x
  * expert(row), as SparseMoe.mix computes it: the picks sorted by expert (stably, so rows stay in order), each expert
- * run once over its rows (gathered), each product rounded to `type` and added to the row's sum in ascending expert
- * order, rounded after every add (index_add_ on the activations' dtype). */
+ * run once over its rows, each product rounded to `type` and added to the row's sum in ascending expert order,
+ * rounded after every add (index_add_ on the activations' dtype).
+ * The experts run independently (each on one thread, its matrices through skulk_quant_rows: no parallel region per
+ * matrix, whose ~2 us each cost a decode step's ~18 picked experts a layer more than their one or two rows' work),
+ * spread over the threads a few at a time; their outputs are summed afterwards, in expert order, so the result is
+ * the same on any number of threads. */
 void skulk_moe_mix(const moe_t *M, const void *x, int type, int R, const int32_t *ids, const float *weights,
                    void *out) {
-    const int E = M->experts, k = M->top_k, H = M->hidden, I = M->inter, picks = R * k;
+    const int E = M->experts, k = M->top_k, H = M->hidden, picks = R * k;
     const size_t es = type_size(type);
-    const size_t ints = (size_t)E + 1 + 2 * (size_t)picks, floats = (size_t)R * H + picks + H;
-    const size_t rows_bytes = (size_t)R * (2 * H + 3 * I) * es;
-    int32_t *start = moe_arena(ints * 4 + floats * 4 + rows_bytes + 256);
-    int32_t *order = start + E + 1, *fill = order + picks;
-    float *sum = (float *)(fill + picks), *weight = sum + (size_t)R * H, *y32 = weight + picks;
-    char *xg = (char *)(y32 + H), *gu = xg + (size_t)R * H * es, *act = gu + (size_t)R * 2 * I * es;
-    char *y = act + (size_t)R * I * es;
+    const size_t ints = 3 * (size_t)E + 1 + (size_t)picks, floats = (size_t)R * H + H;
+    int32_t *start = moe_arena(ints * 4 + floats * 4 + up64((size_t)picks * H * es) + (size_t)picks * sizeof(void *) + 256);
+    int32_t *order = start + E + 1, *fill = order + picks, *active = fill + E;
+    float *sum = (float *)(active + E), *y32 = sum + (size_t)R * H;
+    char *ys = (char *)(y32 + H);
+    const char **rows = (const char **)(ys + up64((size_t)picks * H * es));
     memset(start, 0, (size_t)(E + 1) * 4);
     for (int p = 0; p < picks; p++) start[ids[p] + 1]++;
     for (int e = 0; e < E; e++) start[e + 1] += start[e];
     memcpy(fill, start, (size_t)E * 4);
     for (int p = 0; p < picks; p++) order[fill[ids[p]]++] = p; /* counting sort: stable */
-    memset(sum, 0, (size_t)R * H * 4);
+    int n = 0, most = 0;
     for (int e = 0; e < E; e++) {
         const int c = start[e + 1] - start[e];
-        if (!c) continue;
-        for (int i = 0; i < c; i++) {
-            const int p = order[start[e] + i];
-            memcpy(xg + (size_t)i * H * es, (const char *)x + (size_t)(p / k) * H * es, (size_t)H * es);
-            weight[i] = weights[p];
+        if (c) active[n++] = e;
+        most = c > most ? c : most;
+    }
+    for (int p = 0; p < picks; p++) rows[p] = (const char *)x + (size_t)(order[p] / k) * H * es;
+    const size_t room = expert_bytes(M, most, type);
+#pragma omp parallel if (n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1)
+    {
+        if (room > work_len) {
+            free(work_buf);
+            work_len = (room + 4095) & ~(size_t)4095;
+            work_buf = aligned_alloc(64, work_len);
         }
-        mv(&M->gate_up[e], xg, type, c, gu);
-        skulk_act_mul(gu, type, c, I, 0, act);
-        mv(&M->down[e], act, type, c, y);
-        for (int i = 0; i < c; i++) {
-            float *row = sum + (size_t)(order[start[e] + i] / k) * H;
-            const __m256 w = _mm256_set1_ps(weight[i]);
-            row_to_f32(y + (size_t)i * H * es, type, H, y32);
-            int j = 0;
-            for (; j + 8 <= H; j += 8) {
-                const __m256 product = round8(_mm256_mul_ps(_mm256_loadu_ps(y32 + j), w), type);
-                _mm256_storeu_ps(row + j, round8(_mm256_add_ps(_mm256_loadu_ps(row + j), product), type));
-            }
-            for (; j < H; j++) row[j] = round_to(row[j] + round_to(y32[j] * weight[i], type), type);
+#pragma omp for schedule(dynamic, 1)
+        for (int a = 0; a < n; a++) {
+            const int e = active[a], at = start[e];
+            run_expert(M, e, rows + at, start[e + 1] - at, type, work_buf, ys + (size_t)at * H * es);
         }
+    }
+    memset(sum, 0, (size_t)R * H * 4);
+    for (int p = 0; p < picks; p++) {
+        float *row = sum + (size_t)(order[p] / k) * H;
+        const float weight = weights[order[p]];
+        const __m256 w = _mm256_set1_ps(weight);
+        row_to_f32(ys + (size_t)p * H * es, type, H, y32);
+        int j = 0;
+        for (; j + 8 <= H; j += 8) {
+            const __m256 product = round8(_mm256_mul_ps(_mm256_loadu_ps(y32 + j), w), type);
+            _mm256_storeu_ps(row + j, round8(_mm256_add_ps(_mm256_loadu_ps(row + j), product), type));
+        }
+        for (; j < H; j++) row[j] = round_to(row[j] + round_to(y32[j] * weight, type), type);
     }
     store_row(sum, out, type, 0, R * H);
 }

@@ -355,42 +355,46 @@ void skulk_add_rms_norm(const void *x, const void *delta, int type, int rows, in
  * rounded after the activation and after the product as F.silu(gate) * up rounds them. */
 void skulk_act_mul(const void *gate_up, int type, int rows, int I, int gelu, void *out) {
 #pragma omp parallel for schedule(static) if (rows >= 2 && (size_t)rows * I >= (1u << 14))
-    for (int r = 0; r < rows; r++) {
-        float *buf = scratch((size_t)2 * I * sizeof(float)); /* per thread */
-        row_to_f32((const char *)gate_up + (size_t)r * 2 * I * type_size(type), type, 2 * I, buf);
-        int i = 0;
-        for (; i + 8 <= I; i += 8) {
-            __m256 g = _mm256_loadu_ps(buf + i), a;
-            if (gelu) { /* 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (1 + exp(2u)), u = sqrt(2/pi) (g + 0.044715 g^3) */
-                __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
-                                         _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
-                __m256 e = exp8(_mm256_min_ps(_mm256_mul_ps(u, _mm256_set1_ps(2.0f)), _mm256_set1_ps(80.0f)));
-                __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
-                a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
-            } else {
-                __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(80.0f)));
-                a = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            }
-            _mm256_storeu_ps(buf + i, a);
+    for (int r = 0; r < rows; r++)
+        skulk_act_row((const char *)gate_up + (size_t)r * 2 * I * type_size(type), type, I, gelu,
+                      scratch((size_t)2 * I * sizeof(float)), (char *)out + (size_t)r * I * type_size(type));
+}
+
+/* One row of skulk_act_mul on the calling thread: gate_up [2 I] to out [I]; buf: 2 I floats of room. */
+void skulk_act_row(const void *gate_up, int type, int I, int gelu, float *buf, void *out) {
+    row_to_f32(gate_up, type, 2 * I, buf);
+    int i = 0;
+    for (; i + 8 <= I; i += 8) {
+        __m256 g = _mm256_loadu_ps(buf + i), a;
+        if (gelu) { /* 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (1 + exp(2u)), u = sqrt(2/pi) (g + 0.044715 g^3) */
+            __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                     _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
+            __m256 e = exp8(_mm256_min_ps(_mm256_mul_ps(u, _mm256_set1_ps(2.0f)), _mm256_set1_ps(80.0f)));
+            __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+            a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+        } else {
+            __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(80.0f)));
+            a = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
         }
-        for (; i < I; i++) {
-            float g = buf[i], e[8] = {gelu ? 0.0f : -g};
-            if (gelu) {
-                float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-                e[0] = 2.0f * u < 80.0f ? 2.0f * u : 80.0f;
-                _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
-                buf[i] = 0.5f * g * (2.0f - 2.0f / (1.0f + e[0]));
-            } else {
-                e[0] = e[0] < 80.0f ? e[0] : 80.0f;
-                _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
-                buf[i] = g / (1.0f + e[0]);
-            }
-        }
-        for (i = 0; i + 8 <= I; i += 8)
-            _mm256_storeu_ps(buf + i, _mm256_mul_ps(round8(_mm256_loadu_ps(buf + i), type), _mm256_loadu_ps(buf + I + i)));
-        for (; i < I; i++) buf[i] = round_to(buf[i], type) * buf[I + i];
-        store_row(buf, out, type, (size_t)r * I, I);
+        _mm256_storeu_ps(buf + i, a);
     }
+    for (; i < I; i++) {
+        float g = buf[i], e[8] = {gelu ? 0.0f : -g};
+        if (gelu) {
+            float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+            e[0] = 2.0f * u < 80.0f ? 2.0f * u : 80.0f;
+            _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
+            buf[i] = 0.5f * g * (2.0f - 2.0f / (1.0f + e[0]));
+        } else {
+            e[0] = e[0] < 80.0f ? e[0] : 80.0f;
+            _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
+            buf[i] = g / (1.0f + e[0]);
+        }
+    }
+    for (i = 0; i + 8 <= I; i += 8)
+        _mm256_storeu_ps(buf + i, _mm256_mul_ps(round8(_mm256_loadu_ps(buf + i), type), _mm256_loadu_ps(buf + I + i)));
+    for (; i < I; i++) buf[i] = round_to(buf[i], type) * buf[I + i];
+    store_row(buf, out, type, 0, I);
 }
 
 /* ---- a whole decoder layer for a decode step ---------------------------------------------------------------- */
