@@ -38,13 +38,18 @@ def _app(entered: threading.Event, release: threading.Event) -> FastAPI:
     return app
 
 
-@pytest.fixture
-def server() -> Iterator[tuple[int, threading.Event, threading.Event]]:
+HEAD_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(params=[True, False], ids=["httptools", "h11"])
+def server(request: pytest.FixtureRequest) -> Iterator[tuple[int, threading.Event, threading.Event]]:
+    """The guard on either of uvicorn's parsers: httptools (the node's), h11 (where httptools has no wheel)."""
     entered, release = threading.Event(), threading.Event()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(_app(entered, release), log_level="warning", lifespan="off", backlog=512,
-                            http=guarded_protocol(GLOBAL_CAP, 30.0, PER_CLIENT))
+    protocol = guarded_protocol(GLOBAL_CAP, HEAD_TIMEOUT_S, PER_CLIENT, c_parser=request.param)
+    assert ("HttpTools" in protocol.__name__) == request.param
+    config = uvicorn.Config(_app(entered, release), log_level="warning", lifespan="off", backlog=512, http=protocol)
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -87,3 +92,26 @@ def test_a_burst_from_one_address_does_not_refuse_another_accepted_in_the_same_t
     finally:
         for conn in [blocker, legit, *flood]:
             conn.close()
+
+
+def test_a_connection_that_sends_no_head_is_closed_and_a_whole_head_is_answered(
+    server: tuple[int, threading.Event, threading.Event],
+) -> None:
+    """The head deadline: a socket that sends half a request line and then nothing is aborted once the deadline
+    passes (its read ends, where without the guard it would block until this test's own timeout); a request whose
+    head came in time is answered."""
+    port, _, _ = server
+    silent = socket.socket()
+    silent.settimeout(20 * HEAD_TIMEOUT_S)
+    silent.connect(("127.0.0.1", port))
+    silent.sendall(b"GET /ok HT")
+    answered = _get(port, "/ok")
+    try:
+        assert answered.recv(4096).startswith(b"HTTP/1.1 200")
+        try:
+            assert silent.recv(4096) == b""
+        except ConnectionResetError:  # an abort may reset rather than close
+            pass
+    finally:
+        silent.close()
+        answered.close()

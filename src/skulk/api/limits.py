@@ -158,7 +158,7 @@ class _OpenConnections:
 
 
 def guarded_protocol(
-    max_connections: int, header_timeout_s: float, max_per_client: int | None = None
+    max_connections: int, header_timeout_s: float, max_per_client: int | None = None, *, c_parser: bool = True
 ) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol with a deadline for the request head and caps on open connections: all of them,
     and those of one client address.
@@ -169,15 +169,18 @@ def guarded_protocol(
 
     The protocol is uvicorn's httptools one where httptools is installed (a dependency): its parser is C, and
     h11's pure-Python event validation was the largest single cost of a streamed token on the API node (about a
-    fifth of its Python per token, bench/node_path.py --spy-gil). h11's where it is not."""
+    fifth of its Python per token, bench/node_path.py --spy-gil). h11's where it is not, or with c_parser False."""
     counts = _OpenConnections()  # one server's admitted connections (one event loop: no lock)
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # no httptools wheel for this platform
         HttpToolsProtocol = None
+    if not c_parser:
+        HttpToolsProtocol = None
 
-    class Guard:
-        """The guard's half, mixed into either protocol: admit on connect, arm the head deadline, release on loss."""
+    class Guard(asyncio.Protocol):
+        """The guard, put before either protocol in the bases: admit on connect and arm the head deadline,
+        release on loss; each protocol says where its request head is complete (`_head_complete`)."""
 
         _head_deadline: asyncio.TimerHandle | None = None
         _admitted: bool = False
@@ -186,7 +189,8 @@ def guarded_protocol(
         transport: Any
         cycle: Any
 
-        def _admit(self, transport: Any) -> None:
+        def connection_made(self, transport: Any) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
+            super().connection_made(transport)
             client = client_address(transport)
             if not counts.admit(client, max_connections, max_per_client):
                 transport.abort()
@@ -195,18 +199,19 @@ def guarded_protocol(
             self._client = client
             self._head_deadline = self.loop.call_later(header_timeout_s, self._head_overdue)
 
-        def _head_complete(self) -> None:
-            if self.cycle is not None and self._head_deadline is not None:
-                self._head_deadline.cancel()
-                self._head_deadline = None
-
-        def _release(self) -> None:
+        def connection_lost(self, exc: Exception | None) -> None:
             if self._head_deadline is not None:
                 self._head_deadline.cancel()
                 self._head_deadline = None
             if self._admitted:
                 counts.release(self._client)
                 self._admitted = False
+            super().connection_lost(exc)
+
+        def _head_complete(self) -> None:
+            if self.cycle is not None and self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
 
         def _head_overdue(self) -> None:
             self._head_deadline = None
@@ -215,32 +220,16 @@ def guarded_protocol(
 
     if HttpToolsProtocol is not None:
         class GuardedHttpToolsProtocol(Guard, HttpToolsProtocol):  # pyright: ignore[reportIncompatibleVariableOverride]
-            def connection_made(self, transport: Any) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
-                super().connection_made(transport)
-                self._admit(transport)
-
             def on_headers_complete(self) -> None:
                 super().on_headers_complete()
                 self._head_complete()
 
-            def connection_lost(self, exc: Exception | None) -> None:
-                self._release()
-                super().connection_lost(exc)
-
         return GuardedHttpToolsProtocol
 
     class GuardedH11Protocol(Guard, H11Protocol):  # pyright: ignore[reportIncompatibleVariableOverride]
-        def connection_made(self, transport: Any) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
-            super().connection_made(transport)
-            self._admit(transport)
-
         def handle_events(self) -> None:
             super().handle_events()
             self._head_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._release()
-            super().connection_lost(exc)
 
     return GuardedH11Protocol
 
