@@ -90,7 +90,9 @@ cycles), so an expert of two or three rows computes slower than DRAM delivers; a
 maddubs' memory operand measured slower. The dense step is compute-bound, so in a quiet spell it speeds up more
 (up to 1050 tok/s) than the DRAM-bound MoE and the ratio dips to about 0.7: the 8-stream target is not met
 robustly on one thread. --threads 2 (wall clock, the default) gave 0.33 / 1.50 the same hour, two threads on
-two busy cores: noise.
+two busy cores: noise. The huge-page buffer was then taken out again (not measured without it): copying a loaded
+layer into it raised a runner's peak by a layer, past what tests/integration/test_runner_memory allows a load
+(the shard once, plus its largest tensor in flight); it wants the layers read straight into such a buffer.
 The same day, with --part families --rounds 3 (float32 checkpoints, CPU clock, load average about 6), native ÷
 fallback: qwen3_moe 7.68 (1253.8 vs 163.4 tok/s; 2.18 before: its decode step is one C call now), glm4_moe 1.38
 (1.16 before: its routed experts in one cpu_moe.c call, its layers still op by op), deepseek_v3 1.23, gpt_oss 1.22

@@ -27,7 +27,7 @@ from torch import nn
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import read_config, safetensors_header
 
-from . import fp8, mxfp4, weight_arena
+from . import fp8, mxfp4
 from .config import parse_dtype
 from .cuda_quant import cuda_from_affine, cuda_int8_from_float
 from .gguf_file import open_gguf
@@ -89,9 +89,6 @@ def load_model(
     if torch.device(device).type != "cpu":
         model.to(device)  # what quantizing built on the host (a packed embedding's buffers); the rest is there
     fuse_projections(model)
-    if torch.device(device).type == "cpu":
-        units = [*model.layers.values(), *([model.lm_head] if model.lm_head is not None else [])]
-        weight_arena.pack_layers(units, model)
     release_free_memory()
     return model.eval().requires_grad_(False)
 
