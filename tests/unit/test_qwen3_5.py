@@ -29,10 +29,13 @@ from skulk.engines.torch.models.qwen3_5 import Qwen3_5Layer, SplitDeltaNet
 from skulk.formats.checkpoint import safetensors_header
 from skulk.models.catalog import card_from_config
 from skulk.models.memory_math import TORCH_STATE_SLOTS, model_memory
-from tests.unit.family_checkpoints import COMMON, PROMPTS, TOKENS, disagreement, reference, save_drawn, tokenizer_donor
+from tests.unit.family_checkpoints import COMMON, PROMPTS, save_drawn, tokenizer_donor
 from tests.unit.test_glm4_moe import assert_tensor_ranks_match, assert_transformers_tokens
 from tests.unit.test_quantized import logits
-from tests.unit.test_qwen3_next import assert_chunked_prefill_is_transformers
+from tests.unit.test_qwen3_next import (
+    assert_chunked_prefill_is_transformers,
+    assert_tensor_rank_processes_give_transformers_tokens,
+)
 from tests.unit.test_torch_engine import ThreadAllReduce
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # real model compute: `make test`, not `make test-fast`
@@ -108,18 +111,7 @@ def test_two_tensor_parallel_ranks_give_one_ranks_logits(checkpoints: dict[str, 
 
 
 def test_two_tensor_rank_processes_give_transformers_tokens(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    """The engine over two Tensor rank processes (gloo): both prompts' tokens are transformers'."""
-    from skulk.testing.nodes import free_port
-    from tests.unit.rank_jobs import launch
-
-    path = checkpoints["moe"]
-    port, out = free_port(), tmp_path / "tensor.json"
-    launch("mixed_rank.py", [{"model": str(path), "rank": rank, "port": port, "layers": [[0, 4], [0, 4]],
-                              "kind": "tensor", "engines": ["torch", "torch"], "prompts": PROMPTS, "tokens": TOKENS,
-                              "out": str(out), "max_seq": 64, "block_size": 4, "dtype": "float32"}
-                             for rank in range(2)], 300)
-    got = json.loads(out.read_text())["tokens"]
-    assert (why := disagreement(got, reference(path))) is None, why
+    assert_tensor_rank_processes_give_transformers_tokens(checkpoints["moe"], tmp_path)
 
 
 def test_a_long_prompt_in_two_chunks_ends_on_transformers_logits(checkpoints: dict[str, Path]) -> None:

@@ -121,11 +121,15 @@ def test_two_tensor_parallel_ranks_give_one_ranks_logits(name: str, checkpoints:
 
 
 def test_two_tensor_rank_processes_give_transformers_tokens(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    """The engine over two Tensor rank processes (gloo): both prompts' tokens are transformers'."""
+    assert_tensor_rank_processes_give_transformers_tokens(checkpoints["drawn"], tmp_path)
+
+
+def assert_tensor_rank_processes_give_transformers_tokens(path: Path, tmp_path: Path) -> None:
+    """The engine over two Tensor rank processes (gloo): both prompts' tokens are transformers' (Qwen3.5 holds its
+    family to the same)."""
     from skulk.testing.nodes import free_port
     from tests.unit.rank_jobs import launch
 
-    path = checkpoints["drawn"]
     port, out = free_port(), tmp_path / "tensor.json"
     launch("mixed_rank.py", [{"model": str(path), "rank": rank, "port": port, "layers": [[0, 4], [0, 4]],
                               "kind": "tensor", "engines": ["torch", "torch"], "prompts": PROMPTS, "tokens": TOKENS,
