@@ -93,6 +93,8 @@ robustly on one thread. --threads 2 (wall clock, the default) gave 0.33 / 1.50 t
 two busy cores: noise. The huge-page buffer was then taken out again (not measured without it): copying a loaded
 layer into it raised a runner's peak by a layer, past what tests/integration/test_runner_memory allows a load
 (the shard once, plus its largest tensor in flight); it wants the layers read straight into such a buffer.
+Without it (the experts-on-one-thread C path kept), the same command at 17:34 UTC, load 1.6-2.0: 1 stream 0.82
+(moe 199.1 / dense 240.0 tok/s), 8 streams 0.73 (567.8 / 795.5): the 1-stream gain above was mostly the pages'.
 The same day, with --part families --rounds 3 (float32 checkpoints, CPU clock, load average about 6), native ÷
 fallback: qwen3_moe 7.68 (1253.8 vs 163.4 tok/s; 2.18 before: its decode step is one C call now), glm4_moe 1.38
 (1.16 before: its routed experts in one cpu_moe.c call, its layers still op by op), deepseek_v3 1.23, gpt_oss 1.22
