@@ -12,6 +12,7 @@ import sys
 import time
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -169,8 +170,9 @@ def accelerator() -> AcceleratorInfo:
     if amd is not None:
         return amd
     try:
-        import pynvml  # type: ignore[import-not-found]
-
+        pynvml = _pynvml()
+        if pynvml is None:
+            raise ImportError("nvidia-ml-py is not installed")
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
@@ -185,6 +187,17 @@ def accelerator() -> AcceleratorInfo:
     except Exception:
         cpu = AcceleratorInfo(vendor="cpu", name=platform.processor() or platform.machine() or "cpu")
         return cuda_from_torch() or cpu
+
+
+@cache
+def _pynvml() -> Any | None:
+    """NVML's Python module, or None where it is not installed. Asked once: Python does not remember a failed
+    import, and looking for it walked sys.path on every gather (about 1.3 ms of an idle node's 15 ms a second)."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return pynvml
 
 
 def cuda_build() -> bool:
