@@ -65,19 +65,12 @@ from typing import Any
 import httpx
 import psutil
 
+from node_path import cpu_s  # bench/ is on the path: split.py, which imports this module, runs from there
 from skulk.engines.link_delay import DELAY_ENV
 from skulk.engines.micro_batching import MICRO_BATCHES_ENV
 
 ROWS = (("Pipeline 2", None), ("P2 always", "always"))
 """(label, SKULK_MICRO_BATCHES): micro-batches as the engine decides, and always on."""
-
-
-def cpu_s(pid: int) -> float:
-    try:
-        times = psutil.Process(pid).cpu_times()
-    except psutil.NoSuchProcess:
-        return 0.0
-    return times.user + times.system
 
 
 FIFO_ENV = "SKULK_BENCH_FIFO"

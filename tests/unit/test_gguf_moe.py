@@ -304,19 +304,13 @@ def _qwen3_5_model(family: str, root: Path) -> Path:
     reorder moves rows), with this file's vocabulary."""
     import transformers
 
-    from .test_qwen3_5 import MOE, TEXT, VISION
+    from .test_qwen3_5 import MOE, TEXT, VISION, draw
 
     torch.manual_seed(1)
     text = TEXT | {"vocab_size": VOCAB} | (MOE if family == "qwen3_5_moe" else {"intermediate_size": 96})
     kind = "Qwen3_5Moe" if family == "qwen3_5_moe" else "Qwen3_5"
     config = getattr(transformers, f"{kind}Config")(text_config=text, vision_config=VISION, tie_word_embeddings=False)
-    model = getattr(transformers, f"{kind}ForConditionalGeneration")(config).float().eval()
-    with torch.no_grad():
-        for name, tensor in model.named_parameters():
-            if name.endswith(("norm.weight", "dt_bias")) and ".visual." not in name:
-                tensor.normal_(0.5, 0.3)
-            elif name.endswith("A_log"):
-                tensor.uniform_(-1, 1)
+    model = draw(getattr(transformers, f"{kind}ForConditionalGeneration")(config).float().eval())
     model.save_pretrained(root / family)
     return root / family
 

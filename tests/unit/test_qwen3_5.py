@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,11 @@ from skulk.formats.checkpoint import safetensors_header
 from skulk.models.catalog import card_from_config
 from skulk.models.memory_math import TORCH_STATE_SLOTS, model_memory
 from tests.unit.family_checkpoints import COMMON, PROMPTS, save_drawn, tokenizer_donor
-from tests.unit.test_glm4_moe import assert_tensor_ranks_match, assert_transformers_tokens
+from tests.unit.test_glm4_moe import (
+    assert_tensor_ranks_match,
+    assert_transformers_tokens,
+    one_thread,  # noqa: F401 - the module's autouse fixture: one torch thread for tiny models
+)
 from tests.unit.test_quantized import logits
 from tests.unit.test_qwen3_next import (
     assert_chunked_prefill_is_transformers,
@@ -50,13 +53,16 @@ VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2
 """A vision tower as small as transformers builds one: only there so the checkpoint is the published layout."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models: a second torch thread only adds barrier waits on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def draw(model: Any) -> Any:
+    """The language model's norms, dt biases and decays drawn away from transformers' initial values (ones,
+    zeros), so a swapped or dropped one changes the tokens (test_gguf_moe's Qwen3.5 files draw the same)."""
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias")) and ".visual." not in name:
+                tensor.normal_(0.5, 0.3)
+            elif name.endswith("A_log"):
+                tensor.uniform_(-1, 1)
+    return model
 
 
 def _write(root: Path, demo: Path, moe: bool) -> Path:
@@ -71,13 +77,7 @@ def _write(root: Path, demo: Path, moe: bool) -> Path:
         config = transformers.Qwen3_5Config(text_config=TEXT | {"intermediate_size": 96}, vision_config=VISION,
                                             tie_word_embeddings=False)
         model = transformers.Qwen3_5ForConditionalGeneration(config)
-    model = model.float().eval()
-    with torch.no_grad():
-        for name, tensor in model.named_parameters():
-            if name.endswith(("norm.weight", "dt_bias")) and ".visual." not in name:
-                tensor.normal_(0.5, 0.3)
-            elif name.endswith("A_log"):
-                tensor.uniform_(-1, 1)
+    model = draw(model.float().eval())
     return save_drawn(model, root, "qwen3_5_moe" if moe else "qwen3_5", torch.float32, demo)
 
 

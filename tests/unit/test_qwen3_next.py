@@ -16,7 +16,6 @@ zeros, and the catalog cards the family as native."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,20 +47,12 @@ from tests.unit.test_glm4_moe import (
     assert_mixed_step_tokens,
     assert_tensor_ranks_match,
     assert_transformers_tokens,
+    one_thread,  # noqa: F401 - the module's autouse fixture: one torch thread for tiny models
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # real model compute: `make test`, not `make test-fast`
 
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models: a second torch thread only adds barrier waits on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _write_drawn(root: Path, demo: Path, dtype: torch.dtype = torch.float32) -> Path:
