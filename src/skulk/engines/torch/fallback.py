@@ -1,39 +1,53 @@
 """The transformers fallback: a decoder family the torch engine has no native file for, run by transformers' own
-modeling code on one rank (vLLM's Transformers backend is the anchor).
+modeling code (vLLM's Transformers backend is the anchor), on one rank or as a Pipeline split by decoder layers.
 
 Correct but slower than the native families: each request keeps the cache transformers makes for its model (a
-DynamicCache, or a hybrid's own: Qwen3-Next's linear-attention state, Nemotron-H's Mamba state), and every
-running request decodes in its own forward pass, one after another, since those caches do not batch. What the
-fallback shares with the native engine is everything after the logits: sampling, stops, log-probabilities,
-grammars (JSON, forced tool calls) and reasoning budgets (requests.py), the chat template (tokenizer.py), and the
-runner's events. It runs on one node only: placement refuses to split a fallback family over torch ranks
-(master/engine_choice.torch_splits), and the card says which runtime runs it (ModelCard.torch_runtime).
+DynamicCache, or a hybrid's own: Nemotron-H's Mamba state, Gemma 4's sliding layers), and every running request
+decodes in its own forward pass, one after another, since those caches do not batch. What the fallback shares with
+the native engine is everything after the logits: sampling, stops, log-probabilities, grammars (JSON, forced tool
+calls) and reasoning budgets (requests.py), the chat template (tokenizer.py), the step header and the link to the
+other ranks (wire.py, links.py), and the runner's events.
 
-The families that need a cluster and have no native file yet (MiniMax M2, Nemotron-H, ...) are accepted on a
-Linux node this way, one node each; native family files (engines/torch/models/, issue 40: GLM-4 MoE, DeepSeek V3,
-gpt-oss, Qwen3-Next so far) replace this path family by family.
+A Pipeline rank holds only its decoder layers (fallback_stage.py builds them without ever holding the rest). Rank 0
+schedules: each step it sends a header (wire.Header: the step's adds and releases) and every rank applies it to
+the same queue and running list, then runs the same forwards in the same order: every running request's next
+token, then the first waiting prompt while there is room. Hidden states go rank to rank per forward; the last rank
+samples and broadcasts each forward's [token, finished, failed] to every rank, so every rank knows every request's
+tokens and rank 0 turns the finished ones into the next header's releases. Nothing runs ahead: the fallback waits
+on each step's tokens before leading the next (its micro-batching is the native engine's).
+
+A Tensor split is refused by placement (master/engine_choice.torch_splits), as is a Pipeline of a family whose
+layers read the token ids beside the hidden states (Gemma 4's per-layer inputs); the card says which runtime runs
+the family (ModelCard.torch_runtime) and whether its fallback splits (ModelCard.fallback_splits).
+
+The families that need a cluster and have no native file yet (MiniMax M2, Nemotron-H, Mixtral, Llama 4, Gemma 4)
+run this way; native family files (engines/torch/models/) replace this path family by family.
 """
 
 from __future__ import annotations
 
 import functools
 import secrets
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from skulk.engines.base import TokenOut
+from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
 from skulk.engines.constrained import Grammars, tool_call_style
 from skulk.engines.errors import check_prompt
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
 
 from .core import WARMUP_ID, PhaseHook
+from .fallback_stage import StageSpan, forward_stage, hidden_size, layer_count, load_stage, stage_cache
+from .links import GroupLink, Link, LocalLink, TokenRows
 from .requests import FaultHook, Request, accept_each, held_for_reasoning, reasoning_budget, row_sampling
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
-from .wire import Admitted, Released, RequestEvent, Started
+from .wire import Admitted, Header, NewRequest, Release, Released, RequestEvent, Started, StepKind
 
 DEFAULT_MAX_SEQ = 4096
 DEFAULT_MAX_BATCH = 8
@@ -42,37 +56,43 @@ spreads the same compute thinner."""
 
 
 class FallbackEngine:
-    """The Engine protocol over a transformers AutoModelForCausalLM on one rank."""
+    """The Engine protocol over a transformers causal LM, or this rank's stage of it (module docstring)."""
 
     share_prefixes = False
-    wait_s = 0.0
-    """No peers to wait on: one rank."""
 
-    def __init__(self, model_dir: Path, *, max_seq: int | None = None, max_batch: int = DEFAULT_MAX_BATCH) -> None:
-        from transformers import AutoModelForCausalLM
-
+    def __init__(self, model_dir: Path, *, max_seq: int | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+                 rank: int = 0, world_size: int = 1, start_layer: int = 0, end_layer: int | None = None,
+                 control_group: Any = None) -> None:
+        """rank, world_size, start_layer, end_layer, control_group: this rank's place in a Pipeline (the torch
+        engine's own names, options.Shard); the defaults are one rank with every layer."""
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
-        self.model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto",
-                                                               local_files_only=True).eval()
-        config = self.model.config
-        text = getattr(config, "text_config", None) or config
-        self.model_type = str(getattr(config, "model_type", ""))
-        self.vocab_size = int(text.vocab_size)
+        total = layer_count(model_dir)
+        self.span = StageSpan(start_layer, total if end_layer is None else end_layer, rank == 0,
+                              rank == world_size - 1)
+        self.model: Any = load_stage(model_dir, self.span)
+        text = self.model.config.get_text_config(decoder=True)
+        self.model_type = str(getattr(self.model.config, "model_type", ""))
+        self.vocab_size, self.hidden_size = int(text.vocab_size), hidden_size(self.model)
         positions = int(getattr(text, "max_position_embeddings", 0) or DEFAULT_MAX_SEQ)
         self.context_length = min(positions, max_seq if max_seq is not None else DEFAULT_MAX_SEQ)
         self.tokenizer = ChatTokenizer(model_dir)
-        self.max_batch = max_batch
+        self.max_batch, self.rank, self.world_size = max_batch, rank, world_size
+        self.is_scheduler, self.is_sampler = self.span.first, self.span.last
+        self.link: Link = LocalLink() if world_size == 1 else GroupLink(rank, world_size, "pipeline", control_group)
         self.on_phase: PhaseHook | None = None
         self.fault_hook: FaultHook | None = None
         self.closed = False
         self._pending: deque[Request] = deque()
         self._running: list[Request] = []
-        self._caches: dict[str, Any] = {}  # request id -> the cache transformers returned for it
+        self._caches: dict[str, Any] = {}  # request id -> this stage's transformers cache for it
+        self._adds: list[tuple[NewRequest, Request]] = []  # rank 0: added since the last header
+        self._own: dict[str, Request] = {}  # rank 0: the led header's adds, as add_request built them
         self._cancels: list[str] = []
-        self._releases: list[tuple[str, bool, bool]] = []  # (request_id, cancelled, failed), at the next step
+        self._releases: list[Release] = []  # rank 0: what ended, released by the next header
         self._events: list[RequestEvent] = []
         self._warming = False
+        self._last_header = time.monotonic()
         self._phase: RunnerPhase = "idle"
         self._unseeded = torch.Generator().manual_seed(secrets.randbits(63))
 
@@ -85,52 +105,106 @@ class FallbackEngine:
     def add_request(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, command_id: str = ""
     ) -> None:
+        """Rank 0: queued for the next header, which every rank applies."""
         check_prompt(prompt_ids, self.context_length)
-        if any(r.request_id == request_id for r in (*self._pending, *self._running)):
+        if any(r.request_id == request_id for r in (*self._pending, *self._running, *(q for _, q in self._adds))):
             raise ValueError(f"request {request_id!r} is already running")
         req = self._new_request(request_id, list(prompt_ids), sampling, command_id)
         if self.fault_hook is not None:
             self.fault_hook("admit", req)
-        self._pending.append(req)
-        if request_id != WARMUP_ID:
-            self._events.append(Admitted(request_id, command_id, len(prompt_ids), 0.0, tuple(prompt_ids[-8:]),
-                                         sampling.constraint is not None))
+        self._adds.append((NewRequest.of(request_id, command_id, list(prompt_ids), sampling), req))
 
     def cancel(self, request_id: str) -> None:
-        """Released at the start of the next step; it yields no more tokens."""
+        """Released by the next header; it yields no more tokens."""
         self._cancels.append(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._pending or self._running or self._cancels or self._releases)
+        """Rank 0: something to compute or announce, or (in a group) a heartbeat is due. Others: always, until
+        shutdown, because they must be inside step() whenever rank 0 sends."""
+        if not self.is_scheduler:
+            return not self.closed
+        if self._pending or self._running or self._adds or self._cancels or self._releases:
+            return True
+        return self.world_size > 1 and time.monotonic() - self._last_header >= GROUP_STEP_HEARTBEAT_S
 
     def step(self) -> list[TokenOut]:
-        """Release what ended, decode one token for each running request, then prefill one waiting prompt."""
+        """One header (led by rank 0, followed by the others) and the forwards it implies (module docstring)."""
         with torch.inference_mode():
-            self._apply_releases()
-            outs = self._decode() if self._running else []
-            if self._pending and len(self._running) < self.max_batch:
-                outs += self._prefill(self._pending.popleft())
+            header = self._lead() if self.is_scheduler else self.link.receive_header()
+            self._apply(header)
+            if header.kind == StepKind.SHUTDOWN:
+                self.closed = True
+            outs = self._run() if header.kind == StepKind.DECODE else []
         if not self._running and not self._pending:
             self._enter_phase("idle", "no_work")
         return outs
 
     def warmup(self) -> None:
-        """Generate two tokens of a throwaway request, so the first real one pays for no lazy initialisation."""
+        """Two tokens of a throwaway request through every rank, so the first real one pays for no lazy
+        initialisation and a group's connections are exercised."""
         self._warming = True
-        prompt = self.tokenizer.encode("warmup") or [0]
-        self.add_request(WARMUP_ID, prompt[: self.context_length], SamplingParams(max_tokens=2, temperature=0))
+        if self.is_scheduler:
+            prompt = self.tokenizer.encode("warmup") or [0]
+            self.add_request(WARMUP_ID, prompt[: self.context_length], SamplingParams(max_tokens=2, temperature=0))
         while self._warming:
             self.step()
         self._events.clear()
 
     # --- extras for the runner -----------------------------------------------------------------------------
 
+    @property
+    def wait_s(self) -> float:
+        """Seconds spent waiting on peers since the runner last took it (tracing)."""
+        return self.link.wait_s
+
+    @wait_s.setter
+    def wait_s(self, value: float) -> None:
+        self.link.wait_s = value
+
     def take_events(self) -> list[RequestEvent]:
         events, self._events = self._events, []
         return events
 
     def close(self) -> None:
+        """Rank 0 tells everyone to leave (with any last releases); a dead peer no longer matters here."""
+        if self.is_scheduler and not self.closed and self.world_size > 1:
+            try:
+                self.link.send_header(Header(StepKind.SHUTDOWN, (), self._take_releases()))
+                self.link.flush()
+            except RuntimeError:
+                pass
         self.closed = True
+
+    # --- headers -------------------------------------------------------------------------------------------
+
+    def _lead(self) -> Header:
+        """Rank 0: the next header from what was added, cancelled and finished, sent to the others."""
+        adds, self._adds = self._adds, []
+        releases = self._take_releases()
+        work = bool(adds or self._pending or self._running)
+        header = Header(StepKind.DECODE if work else StepKind.HEARTBEAT, tuple(a for a, _ in adds), releases)
+        self.link.send_header(header)
+        self._last_header = time.monotonic()
+        self._own = {a.request_id: req for a, req in adds}
+        return header
+
+    def _take_releases(self) -> tuple[Release, ...]:
+        releases = tuple(Release(rid, True) for rid in self._cancels) + tuple(self._releases)
+        self._cancels, self._releases = [], []
+        return releases
+
+    def _apply(self, header: Header) -> None:
+        """The header's releases, then its adds (to the queue), on every rank alike."""
+        for release in header.releases:
+            self._release(release)
+        for add in header.adds:
+            s = add.sampling_params()
+            req = self._own.get(add.request_id) or self._new_request(add.request_id, add.prompt, s, add.command_id)
+            self._pending.append(req)
+            if add.request_id != WARMUP_ID:
+                self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt), time.perf_counter(),
+                                             tuple(add.prompt[-8:]), s.constraint is not None))
+        self._own = {}
 
     # --- requests ------------------------------------------------------------------------------------------
 
@@ -142,21 +216,19 @@ class FallbackEngine:
         return Grammars(self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_ids, style)
 
     def _new_request(self, request_id: str, prompt: list[int], s: SamplingParams, command_id: str) -> Request:
+        """A request's state; its grammar and reasoning budget where this rank checks or samples them."""
         row = row_sampling(s, self.vocab_size, torch.device("cpu"), self._unseeded)
-        constraint = self.grammars.matcher(s.constraint) if s.constraint is not None else None
+        checks = self.is_sampler or self.is_scheduler
+        constraint = self.grammars.matcher(s.constraint) if s.constraint is not None and checks else None
         constraint, held, gate = held_for_reasoning(constraint, prompt, self.tokenizer)
+        budget = reasoning_budget(s, prompt, self.tokenizer) if self.is_sampler else None
         return Request(request_id, prompt, s.max_tokens, row, IncrementalDecoder(self.tokenizer.decode),
                        StopMatcher(s.stop), command_id=command_id, constraint=constraint, held=held, gate=gate,
-                       budget=reasoning_budget(s, prompt, self.tokenizer))
+                       budget=budget)
 
-    def _apply_releases(self) -> None:
-        releases = [(rid, True, False) for rid in self._cancels] + self._releases
-        self._cancels, self._releases = [], []
-        for request_id, cancelled, failed in releases:
-            self._release(request_id, cancelled, failed)
-
-    def _release(self, request_id: str, cancelled: bool, failed: bool) -> None:
+    def _release(self, release: Release) -> None:
         """Drop the request wherever it is (the queue or the running rows) and its cache."""
+        request_id = release.request_id
         found = next((r for r in (*self._pending, *self._running) if r.request_id == request_id), None)
         if found is None:
             return
@@ -168,7 +240,7 @@ class FallbackEngine:
         if request_id == WARMUP_ID:
             self._warming = False
         else:
-            self._events.append(Released(request_id, found.command_id, cancelled, failed))
+            self._events.append(Released(request_id, found.command_id, release.cancelled, release.failed))
 
     def _enter_phase(self, phase: RunnerPhase, event: str) -> None:
         if phase != self._phase:
@@ -178,39 +250,59 @@ class FallbackEngine:
 
     # --- compute -------------------------------------------------------------------------------------------
 
-    def _prefill(self, req: Request) -> list[TokenOut]:
-        """The whole prompt in one forward pass (a fresh cache of the model's own kind), then its first token."""
-        self._enter_phase("prefill_stream", "prefill")
-        if req.request_id != WARMUP_ID:
-            self._events.append(Started(req.request_id, req.command_id, 0))
-        logits = self._forward(req, req.prompt)
-        req.length = len(req.prompt)
-        self._running.append(req)
-        return self._accept(logits, req)
-
-    def _decode(self) -> list[TokenOut]:
-        """One token for every running request, each in its own forward pass over its own cache."""
-        self._enter_phase("decode_stream", "decode")
-        outs: list[TokenOut] = []
-        for req in list(self._running):
-            logits = self._forward(req, [req.last_token])
+    def _run(self) -> list[TokenOut]:
+        """One token for every running request, each in its own forward pass over its own cache, then the first
+        waiting prompt in one forward pass (a fresh cache of the model's own kind) while there is room; then the
+        step's tokens, shared."""
+        stepped, outs = list(self._running), []
+        if stepped:
+            self._enter_phase("decode_stream", "decode")
+        for req in stepped:
+            outs += self._forward(req, [req.last_token], req.length)
             req.length += 1
-            outs += self._accept(logits, req)
-        return outs
+        if self._pending and len(self._running) < self.max_batch:
+            self._enter_phase("prefill_stream", "prefill")
+            req = self._pending.popleft()
+            if req.request_id != WARMUP_ID:
+                self._events.append(Started(req.request_id, req.command_id, 0))
+            self._caches[req.request_id] = stage_cache(self.model, self.span)
+            outs += self._forward(req, req.prompt, 0)
+            req.length = len(req.prompt)
+            self._running.append(req)
+            stepped.append(req)
+        self._take_tokens(stepped, outs)
+        return outs if self.is_sampler else []
 
-    def _forward(self, req: Request, ids: list[int]) -> torch.Tensor:
-        """The last position's logits (float32, one row) for these ids after the request's cached past."""
-        out = self.model(input_ids=torch.tensor([ids]), cache=self._caches.get(req.request_id), use_cache=True,
-                         logits_to_keep=1)
-        self._caches[req.request_id] = out.cache
-        return out.logits[0, -1:].float()
+    def _forward(self, req: Request, ids: list[int], start: int) -> list[TokenOut]:
+        """This stage's part of one forward: from ids or the previous rank's hidden states, to the next rank's
+        or, on the last, to the request's next token (requests.accept_each: the native engine's sampling)."""
+        x = torch.tensor([ids])
+        hidden = None if self.span.first else self.link.recv_hidden((1, len(ids), self.hidden_size),
+                                                                     self.model.dtype, torch.device("cpu"))
+        out = forward_stage(self.model, self.span, x, hidden, self._caches[req.request_id], start)
+        if not self.span.last:
+            self.link.send_hidden(out)
+            return []
+        return accept_each(out, [req], self.tokenizer.eos_ids, self.context_length, self.fault_hook)
 
-    def _accept(self, logits: torch.Tensor, req: Request) -> list[TokenOut]:
-        """The native engine's sampling and detokenising (requests.accept_each); a finished request leaves at
-        the start of the next step, as the runner expects."""
-        outs = accept_each(logits, [req], self.tokenizer.eos_ids, self.context_length, self.fault_hook)
-        for out in outs:
-            if out.finish_reason is not None or out.error:
+    def _take_tokens(self, stepped: list[Request], outs: list[TokenOut]) -> None:
+        """Every rank learns each forward's [token, finished, failed] from the sampler; rank 0 releases the
+        finished ones with its next header."""
+        rows: TokenRows | None = None
+        if self.is_sampler:
+            rows = [[o.token_id, int(o.finish_reason is not None or bool(o.error)), int(bool(o.error))]
+                    for o in outs]
+        if self.world_size > 1:
+            wire = (torch.tensor(rows, dtype=torch.int64).reshape(-1, 3) if rows is not None
+                    else torch.empty((len(stepped), 3), dtype=torch.int64))
+            started = time.perf_counter()
+            dist.broadcast(wire, src=self.world_size - 1, group=getattr(self.link, "control_group", None))
+            self.link.wait_s += time.perf_counter() - started
+            rows = wire.tolist()
+        assert rows is not None and len(rows) == len(stepped)
+        for req, (token, finished, failed) in zip(stepped, rows, strict=True):
+            req.last_token = token
+            if finished:
                 req.finished = True
-                self._releases.append((req.request_id, False, bool(out.error)))
-        return outs
+                if self.is_scheduler:
+                    self._releases.append(Release(req.request_id, False, bool(failed)))

@@ -1,0 +1,219 @@
+"""One Pipeline stage of a transformers model: the decoder layers [start, end) of the family's own modeling code,
+with the embedding on the first stage and the final norm and head on the last (vLLM's Transformers backend and
+transformers' own `apply_pipeline_parallelism` split the same way).
+
+Built without ever holding the whole model: the model class is constructed the way from_pretrained constructs it
+(on the meta device), the layers and ends this stage does not run are swapped for identities before anything is
+allocated, and only the checkpoint tensors of what remains are read (lazily, from the files this node has: a
+Pipeline rank stages only the files of its layers). transformers' own loading then applies the family's weight
+conversions (fused experts and the like) to those tensors alone.
+
+Each request keeps a transformers cache of the family's own kind for the whole model. The layers this stage skips
+never write theirs, so their entries are made aliases of an owned layer of the same kind: the model's forward asks
+layer 0 (or the first full or sliding one) how long the cache is and how large the masks must be, and on a later
+stage layer 0 is someone else's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+
+class Skipped(nn.Module):
+    """A module another stage runs: passes its first input through (a decoder layer's hidden states). It keeps the
+    replaced module's plain attributes, which some families' forwards read off every layer (Nemotron-H picks each
+    block's mask by its `block_type`)."""
+
+    def __init__(self, replaced: nn.Module | None = None) -> None:
+        super().__init__()
+        for name, value in vars(replaced or nn.Module()).items():
+            if not name.startswith("_") and isinstance(value, str | int | float | bool | tuple | type(None)):
+                setattr(self, name, value)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+@dataclass(frozen=True)
+class StageSpan:
+    """The decoder layers [start, end) a stage runs, and whether it embeds ids (first) and computes logits (last)."""
+
+    start: int
+    end: int
+    first: bool
+    last: bool
+
+    def owns(self, layer: int) -> bool:
+        return self.start <= layer < self.end
+
+
+FINAL_NORMS = ("norm", "norm_f", "final_layernorm", "final_norm", "ln_f")
+"""What families call the decoder's last norm (Nemotron-H: norm_f): the last stage's; the others send the hidden
+states from before it."""
+
+
+def decoder_of(model: Any) -> Any:
+    """The module holding the decoder layers (`layers`), the embedding and the final norm: a causal LM's `model`
+    (whatever its base_model_prefix says: Llama 4's names the multimodal wrapper's), or its decoder."""
+    for found in (getattr(model, "model", None), getattr(model, model.base_model_prefix, None), model.get_decoder()):
+        if hasattr(found, "layers"):
+            return found
+    raise ValueError(f"{type(model).__name__} has no decoder layers to split")
+
+
+def cut(model: Any, span: StageSpan) -> None:
+    """Swap what this stage does not run for Skipped, before the weights are allocated."""
+    decoder = decoder_of(model)
+    tied = tied_head(model.config)
+    if not (span.first or (tied and span.last)):  # a tied head is read from the embedding's tensor
+        decoder.embed_tokens = Skipped()
+    for i in range(len(decoder.layers)):
+        if not span.owns(i):
+            decoder.layers[i] = Skipped(decoder.layers[i])
+    if not span.last:
+        for name in FINAL_NORMS:
+            if hasattr(decoder, name):
+                setattr(decoder, name, Skipped())
+        model.lm_head = Skipped()
+        if tied:
+            model.all_tied_weights_keys = {}
+
+
+def tied_head(config: Any) -> bool:
+    """The head reads the embedding's tensor (tie_word_embeddings, on the model's or its text config)."""
+    return bool(getattr(config, "tie_word_embeddings", False) or
+                getattr(config.get_text_config(decoder=True), "tie_word_embeddings", False))
+
+
+def stage_class(base: type) -> type:
+    """`base` with a constructor that cuts the model to the stage in `_span` right after building it (on the meta
+    device, inside from_pretrained), so from_pretrained allocates and loads only what is left."""
+
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, config, *args, **kwargs)
+        cut(self, type(self)._span)
+
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
+
+
+def owned_key(key: str, span: StageSpan, prefix: str, tied: bool) -> bool:
+    """Whether a checkpoint tensor belongs to this stage: its layers', the embedding on the first (and on a tied
+    last), the final norm and head on the last, and the decoder's other small parts (Gemma 4's per-layer input
+    tables) on every stage. Keys outside the decoder (a multimodal wrapper's towers) are not read: the fallback
+    runs text."""
+    if key.startswith("lm_head."):
+        return span.last
+    if not key.startswith(prefix):
+        return False
+    part, _, rest = key.removeprefix(prefix).partition(".")
+    if part == "layers":
+        index = rest.partition(".")[0]
+        return index.isdigit() and span.owns(int(index))
+    if part == "embed_tokens":
+        return span.first or (tied and span.last)
+    return span.last or part not in FINAL_NORMS
+
+
+def lazy_tensors(model_dir: Path, span: StageSpan, prefix: str, tied: bool) -> tuple[dict[str, Any], list[Any]]:
+    """The stage's checkpoint tensors as safetensors slices (read only when transformers loads them), from the
+    files present, and the open files (kept open until loading ends)."""
+    from safetensors import safe_open
+
+    tensors: dict[str, Any] = {}
+    handles = []
+    for path in sorted(model_dir.glob("*.safetensors")):  # another stage's files may not be on this node
+        handle = safe_open(str(path), framework="pt", device="cpu")
+        handles.append(handle)
+        for key in handle.keys():
+            if owned_key(key, span, prefix, tied):
+                tensors[key] = handle.get_slice(key)
+    return tensors, handles
+
+
+def checkpoint_prefix(model_dir: Path, model_cls: type) -> str:
+    """The checkpoint's name for the decoder's keys ("model." for a causal LM, "model.language_model." for a
+    multimodal wrapper's text model)."""
+    from safetensors import safe_open
+
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for key in handle.keys():
+                head, sep, _ = key.partition("layers.")
+                if sep and head.endswith("."):
+                    return head
+    return f"{getattr(model_cls, 'base_model_prefix', 'model')}."
+
+
+def load_stage(model_dir: Path, span: StageSpan) -> Any:
+    """The stage's model: the family's causal-LM class, cut to the span, with only its tensors loaded."""
+    import transformers
+    from transformers import AutoConfig
+
+    from .fallback_types import causal_lm_classes
+
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    base = getattr(transformers, causal_lm_classes()[config.model_type])
+    cls = stage_class(base)
+    cls._span = span
+    tensors, handles = lazy_tensors(model_dir, span, checkpoint_prefix(model_dir, base), tied_head(config))
+    try:
+        return cls.from_pretrained(None, config=config, state_dict=tensors, dtype="auto").eval()
+    finally:
+        del handles
+
+
+def stage_cache(model: Any, span: StageSpan) -> Any:
+    """A fresh cache of the model's own kind in which every layer this stage skips shares the entry of an owned
+    layer of the same kind (module docstring); a kind this stage does not run keeps its own, unused, entry."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return cache
+    owned: dict[tuple[type, Any], Any] = {}
+    for i, layer in enumerate(layers):
+        if span.owns(i):
+            owned.setdefault(_kind(layer), layer)
+    for i, layer in enumerate(layers):
+        if not span.owns(i) and _kind(layer) in owned:
+            layers[i] = owned[_kind(layer)]
+    return cache
+
+
+def _kind(layer: Any) -> tuple[type, Any]:
+    return type(layer), getattr(layer, "sliding_window", None)
+
+
+def layer_count(model_dir: Path) -> int:
+    """The checkpoint's decoder layers (num_hidden_layers, on its text config for a multimodal wrapper)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    return int(config.get_text_config(decoder=True).num_hidden_layers)
+
+
+def hidden_size(model: Any) -> int:
+    return int(model.config.get_text_config(decoder=True).hidden_size)
+
+
+def forward_stage(model: Any, span: StageSpan, ids: torch.Tensor, hidden: torch.Tensor | None, cache: Any,
+                  start: int) -> torch.Tensor:
+    """This stage's part of one request's forward over `ids` at positions [start, start + len), from the previous
+    stage's hidden states on any stage but the first: hidden states for the next stage, or, on the last, the last
+    position's logits (float32, one row). Every stage knows the ids: Gemma 4's per-layer inputs are looked up
+    from them on each."""
+    positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
+    inputs: dict[str, Any] = {"input_ids": ids} if hidden is None else {"inputs_embeds": hidden}
+    decoder = decoder_of(model)
+    if hidden is not None and getattr(decoder, "hidden_size_per_layer_input", 0):
+        inputs["per_layer_inputs"] = decoder.get_per_layer_inputs(ids, None)
+    if span.last:
+        out = model(**inputs, cache=cache, use_cache=True, position_ids=positions, logits_to_keep=1)
+        return out.logits[0, -1:].float()
+    return decoder(**inputs, cache=cache, use_cache=True, position_ids=positions).last_hidden_state
