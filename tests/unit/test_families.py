@@ -232,7 +232,7 @@ def test_the_torch_engine_runs_other_families_through_transformers(monkeypatch: 
     assert causal_lm_classes()["minimax_m2"] == "MiniMaxM2ForCausalLM"
     monkeypatch.setattr(mlx_engine, "model_registry", lambda: TOY)
     made = card_from_config("x/minimax-m2-bf16", MINIMAX_M2, 1)
-    assert made.compatible_backends is None and made.torch_runtime == "transformers"
+    assert made.compatible_backends is None and made.torch_runtime == "transformers" and made.fallback_splits
     assert made.model_dump(by_alias=True)["torchRuntime"] == "transformers"
     monkeypatch.setattr(mlx_engine, "model_registry", lambda: None)
     nemotron = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "num_hidden_layers": 4,
@@ -241,7 +241,12 @@ def test_the_torch_engine_runs_other_families_through_transformers(monkeypatch: 
     assert alone.compatible_backends == ["torch", "torch-cpu", "torch-cuda"] and alone.torch_runtime == "transformers"
     native = card_from_config("Qwen/Qwen3-0.6B", {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 8,
                                                   "num_attention_heads": 2}, 1)
-    assert native.torch_runtime == "native"
+    assert native.torch_runtime == "native" and native.fallback_splits is None
+    gemma4 = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+              "text_config": {"model_type": "gemma4_text", "num_hidden_layers": 4, "hidden_size": 64,
+                              "num_attention_heads": 4, "hidden_size_per_layer_input": 256}}
+    from skulk.models.families import fallback_splits
+    assert not fallback_splits(gemma4) and fallback_splits(MINIMAX_M2)  # per-layer inputs read the ids
     assert card_from_config("x/deepseek-v3-bf16", UNQUANTIZED_V3, 1).torch_runtime == "native"  # no longer fallback
 
 
@@ -260,15 +265,30 @@ def test_the_fallback_refuses_what_transformers_cannot_read_here(
     assert why in str(caught.value) and "through transformers' modeling" in str(caught.value)
 
 
-def test_a_fallback_family_is_placed_on_one_torch_node_and_split_only_over_mlx() -> None:
-    """transformers' modeling has no split: two torch ranks are refused with the way out; auto prefers mlx-lm's
-    own model where a node has MLX; a ring of MLX nodes splits it."""
-    fallback = card(family="minimax_m2", compatible_backends=None, torch_runtime="transformers")
+def test_a_fallback_family_splits_as_a_pipeline_of_torch_nodes_and_never_as_tensor() -> None:
+    """transformers' modeling splits by decoder layers: two torch nodes take a Pipeline of it; a Tensor split is
+    refused with the way out, as is a Pipeline of a family whose layers read the ids (per-layer inputs) or of a
+    card from before the split; auto prefers mlx-lm's own model where a node has MLX; a ring of MLX nodes splits it."""
+    from skulk.master.placement import place
+    from skulk.types.ids import InstanceId
+
+    from .test_engine_choice import runner_ids
+
+    fallback = card(family="minimax_m2", compatible_backends=None, torch_runtime="transformers", fallback_splits=True)
     one = do_place(cluster(a=LINUX), c=fallback)
     assert isinstance(one, MlxRingInstance) and one.engines() == {"a": "torch"}
-    refused = do_place(cluster(a=LINUX, b=LINUX), c=fallback, min_nodes=2)
-    assert isinstance(refused, EngineUnavailable) and refused.http_status == 400
-    assert "through transformers' modeling, which does not split" in refused.describe()
+    split_torch = do_place(cluster(a=LINUX, b=LINUX), c=fallback, min_nodes=2)
+    assert isinstance(split_torch, MlxRingInstance) and split_torch.engines() == {"a": "torch", "b": "torch"}
+    tensor = place(cluster(a=LINUX, b=LINUX), fallback, Sharding.Tensor, InstanceMeta.MlxRing,
+                   instance_id=InstanceId("i"), new_runner_id=runner_ids(), rendezvous_port=29500, min_nodes=2)
+    assert isinstance(tensor, EngineUnavailable) and tensor.http_status == 400
+    assert "splits by layers (Pipeline), not Tensor" in tensor.describe()
+    assert "with sharding Pipeline" in tensor.describe()
+    for splits, why in [(False, "its layers read the token ids"), (None, "this card predates splitting it")]:
+        refused = do_place(cluster(a=LINUX, b=LINUX), c=fallback.model_copy(update={"fallback_splits": splits}),
+                           min_nodes=2)
+        assert isinstance(refused, EngineUnavailable) and refused.http_status == 400
+        assert why in refused.describe() and "place it on one node" in refused.describe()
     assert do_place(cluster(a=LINUX_MLX), c=fallback).engines() == {"a": "mlx"}  # type: ignore[union-attr]
     split = do_place(cluster(a=LINUX_MLX, b=LINUX_MLX), c=fallback, min_nodes=2)
     assert isinstance(split, MlxRingInstance) and set(split.engines().values()) == {"mlx"}

@@ -36,10 +36,13 @@ def mlx_splits(card: ModelCard, sharding: Sharding | None, ranks: int) -> bool:
     return sharding == Sharding.Pipeline and uniform_layers(kinds, card.n_layers, card.sliding_layers)
 
 
-def torch_splits(card: ModelCard, ranks: int) -> bool:
-    """The torch engine can run the card's family over this many ranks: any number where it runs the family
-    natively; one where it runs it through transformers' modeling (ModelCard.torch_runtime), which has no split."""
-    return ranks == 1 or card.torch_runtime == "native"
+def torch_splits(card: ModelCard, ranks: int, sharding: Sharding | None = None) -> bool:
+    """The torch engine can run the card's family over this many ranks: any number, either sharding, where it
+    runs the family natively; through transformers' modeling (ModelCard.torch_runtime), as a Pipeline where the
+    card says that splits (ModelCard.fallback_splits), never as Tensor."""
+    if ranks == 1 or card.torch_runtime == "native":
+        return True
+    return sharding != Sharding.Tensor and bool(card.fallback_splits)
 
 
 def node_tags(backends: Mapping[NodeId, list[BackendTag]], node: NodeId) -> list[BackendTag]:
@@ -81,7 +84,7 @@ def choose_engine(
     tags = [node_tags(backends, n) for n in ring]
     order = _order(card, choice, tags)
     splits: dict[EngineName, bool] = {"mlx": mlx_splits(card, sharding, len(ring)),
-                                      "torch": torch_splits(card, len(ring))}
+                                      "torch": torch_splits(card, len(ring), sharding)}
     for engine in order:
         if all(runs(card, t, engine) for t in tags) and splits[engine]:
             return engine
@@ -103,10 +106,20 @@ def _split_refusal(card: ModelCard, engine: EngineName, sharding: Sharding | Non
     how = "Tensor" if sharding == Sharding.Tensor else "Pipeline"
     if engine == "torch":
         return (f"the torch engine runs {card.model_id} ({card.family}) through transformers' modeling, which "
-                f"does not split over ranks ({ranks} asked); place it on one node (min_nodes 1), or with engine "
-                "mlx on nodes that have it.")
+                f"{_why_fallback_not_split(card, how)} ({ranks} ranks asked); place it "
+                f"{'with sharding Pipeline, ' if how == 'Tensor' and card.fallback_splits else ''}on one node "
+                "(min_nodes 1), or with engine mlx on nodes that have it.")
     return (f"mlx-lm cannot split model {card.model_id} ({card.family}) {how} over {ranks} ranks "
             f"({_why_not_split(card, how)}); place it on one node, with the other sharding, or with engine torch.")
+
+
+def _why_fallback_not_split(card: ModelCard, how: str) -> str:
+    if how == "Tensor":
+        return "splits by layers (Pipeline), not Tensor"
+    if card.fallback_splits is None:
+        return "this card predates splitting it (add the model again)"
+    return ("cannot split this family: its layers read the token ids beside the hidden states (per-layer "
+            "inputs)")
 
 
 def _why_not_split(card: ModelCard, how: str) -> str:
@@ -163,7 +176,7 @@ def instance_engine_error(
             compatible_backends=card.compatible_backends,
             detail=f"ranks of different engines share only a Pipeline of a family mlx-lm can slice, not this "
                    f"{sharding} instance of {card.model_id} ({card.family}); give every rank one engine.")
-    if "torch" in engines.values() and not torch_splits(card, len(engines)):
+    if "torch" in engines.values() and not torch_splits(card, len(engines), sharding):
         node = next(n for n, e in engines.items() if e == "torch")
         return EngineUnavailable(
             node_id=node, node_name=(names or {}).get(node), engine="torch", requested="torch",

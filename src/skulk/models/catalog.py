@@ -18,6 +18,7 @@ from skulk.models.families import (
     attention_shape,
     engines_running,
     fallback_refusal,
+    fallback_splits,
     refusal,
     uniform_layers,
 )
@@ -84,6 +85,7 @@ def card_from_config(
         return encoder_card(model_id, config, weight_bytes)
     engines = _engines(model_id, config)
     fallback = "torch" in engines and model_type not in native_types()
+    splits = fallback_splits(config) if fallback else None  # the whole config: Gemma 4 nests its text settings
     module_of = (model_type, architectures_of(config))  # mlx-lm picks its module by the outer config
     from skulk.engines.torch.config import SLIDING, is_vision_config, text_config, window_fields
 
@@ -123,6 +125,7 @@ def card_from_config(
         builtin=False,
         compatible_backends=backends_for(engines),
         torch_runtime="transformers" if fallback else "native",
+        fallback_splits=splits,
         vision=vision,
     )
 

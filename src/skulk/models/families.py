@@ -149,3 +149,12 @@ def fallback_refusal(config: Mapping[str, Any], causal_lms: Mapping[str, str]) -
         method = quantized.get("quant_method", "quantized") if isinstance(quantized, Mapping) else "quantized"
         return f"its weights are {method}, and the transformers fallback runs unquantized checkpoints only"
     return None
+
+
+def fallback_splits(config: Mapping[str, Any]) -> bool:
+    """The transformers fallback can split this checkpoint as a Pipeline (engines/torch/fallback_stage.py): its
+    decoder layers take only the hidden states, not also the token ids (Gemma 3n's and Gemma 4's per-layer inputs,
+    hidden_size_per_layer_input, are looked up from the ids and projected from the first stage's embeddings)."""
+    text = config.get("text_config")
+    text = text if isinstance(text, Mapping) else config
+    return not (text.get("hidden_size_per_layer_input") or config.get("hidden_size_per_layer_input"))

@@ -218,7 +218,7 @@ class Runner:
                            max_seq=self.spec.context_length, kv_cache_bytes=self.spec.kv_cache_bytes,
                            kv_cache_bits=shard.model_card.kv_cache_bits, draft_dir=self.spec.draft_dir)
 
-    def _build_distributed_engine(self, group: Group) -> TorchEngine:
+    def _build_distributed_engine(self, group: Group) -> TorchEngine | FallbackEngine:
         from skulk.runner.group import build_engine
 
         engine = build_engine(self.spec, group)

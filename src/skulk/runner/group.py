@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from skulk.engines.torch.engine import TorchEngine
+from skulk.engines.torch.fallback import FallbackEngine
 from skulk.runner.recorder import FlightRecorder
 from skulk.runner.spec import RunnerSpec
 from skulk.types.errors import clip_text
@@ -151,7 +152,8 @@ def connect_group(
     return Group(rank, world, backend, store, control or dist.group.WORLD, op_timeout)
 
 
-def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str | None = None) -> TorchEngine:
+def build_engine(spec: RunnerSpec, group: Group, *,
+                 device: torch.device | str | None = None) -> TorchEngine | FallbackEngine:
     """This rank's engine over the formed group: its layer range for Pipeline, all layers sharded for Tensor. In a
     mixed instance an MLX rank is the torch engine's core computing with mlx-lm (engines/mlx/mixed.py), and no
     rank shares cached prefixes (that rank keeps a cache per request). device: a torch rank's, else the one
@@ -161,6 +163,12 @@ def build_engine(spec: RunnerSpec, group: Group, *, device: torch.device | str |
     from skulk.engines.torch.device import engine_device
 
     shard = spec.shard
+    if shard.model_card.torch_runtime == "transformers":  # a Pipeline of transformers' modeling, on the CPU
+        from skulk.engines.torch.fallback import FallbackEngine
+
+        return FallbackEngine(spec.model_dir, max_seq=spec.context_length, rank=shard.device_rank,
+                              world_size=shard.world_size, start_layer=shard.start_layer, end_layer=shard.end_layer,
+                              control_group=group.control)
     make: type[TorchEngine] = TorchEngine
     if spec.mixed and spec.engine == "mlx":
         from skulk.engines.mlx.mixed import MixedMlxEngine

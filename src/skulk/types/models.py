@@ -88,7 +88,11 @@ class ModelCard(CamelModel):
     torch_runtime: Literal["native", "transformers"] = "native"
     """How the torch engine runs the family: "native", its own kernels, paged cache and batching, split over
     nodes; "transformers", through transformers' own modeling code (engines/torch/fallback.py): correct but
-    slower, one request per forward pass, on one node (placement splits it over MLX ranks only)."""
+    slower, one request per forward pass, split as a Pipeline where fallback_splits says so."""
+    fallback_splits: bool | None = None
+    """Whether the fallback splits the family by decoder layers over Pipeline ranks (engines/torch/fallback_stage.py):
+    False where its layers read the token ids beside the hidden states (Gemma 4's per-layer inputs). None: a card
+    from a build before the split, or a native family."""
     backend_preference: list[BackendTag] = []
     """Skulk's soft order: under engine `auto`, the first of these every node of a ring can run wins."""
     kv_cache_gb: float | None = None

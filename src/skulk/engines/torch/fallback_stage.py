@@ -154,9 +154,14 @@ def load_stage(model_dir: Path, span: StageSpan) -> Any:
     import transformers
     from transformers import AutoConfig
 
+    from skulk.models.families import fallback_splits
+
     from .fallback_types import causal_lm_classes
 
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    if not (span.first and span.last) and not fallback_splits(config.to_dict()):
+        raise ValueError(f"{config.model_type}'s layers read the token ids beside the hidden states (per-layer "
+                         "inputs): it runs on one rank, not split")
     base = getattr(transformers, causal_lm_classes()[config.model_type])
     cls = stage_class(base)
     cls._span = span
@@ -206,13 +211,10 @@ def forward_stage(model: Any, span: StageSpan, ids: torch.Tensor, hidden: torch.
                   start: int) -> torch.Tensor:
     """This stage's part of one request's forward over `ids` at positions [start, start + len), from the previous
     stage's hidden states on any stage but the first: hidden states for the next stage, or, on the last, the last
-    position's logits (float32, one row). Every stage knows the ids: Gemma 4's per-layer inputs are looked up
-    from them on each."""
+    position's logits (float32, one row)."""
     positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
     inputs: dict[str, Any] = {"input_ids": ids} if hidden is None else {"inputs_embeds": hidden}
     decoder = decoder_of(model)
-    if hidden is not None and getattr(decoder, "hidden_size_per_layer_input", 0):
-        inputs["per_layer_inputs"] = decoder.get_per_layer_inputs(ids, None)
     if span.last:
         out = model(**inputs, cache=cache, use_cache=True, position_ids=positions, logits_to_keep=1)
         return out.logits[0, -1:].float()
