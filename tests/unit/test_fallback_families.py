@@ -2,7 +2,8 @@
 
 For each family of family_checkpoints (DeepSeek V3, GLM-4 MoE, Mixtral, MiniMax M2, Qwen3-MoE, Qwen3-Next,
 Nemotron-H, Gemma 4, gpt-oss, Llama 4), two concurrent requests' 16 greedy tokens are transformers' own (its
-forward over the whole sequence each step, no cache): the fallback's per-request caches, its interleaving of
+forward over the whole sequence each step, no cache), on one rank and, for every family but Gemma 4, as a Pipeline
+of three rank processes, each holding only its stage (fallback_stage.py): the fallback's per-request caches, its interleaving of
 requests and the native engine's sampler it reuses change nothing (DeepSeek V3 and GLM-4 MoE run natively too,
 models/; the fallback still runs them, and their checks here stay). Then what a client sees beyond greedy
 tokens, on one family: a cancelled request frees its cache, a stop string ends the reply, log-probabilities are
@@ -34,6 +35,8 @@ from tests.unit.family_checkpoints import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # real model compute: `make test`, not `make test-fast`
 
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0)
+PER_LAYER_INPUTS = {"gemma4_text"}
+"""Families whose layers read the token ids beside the hidden states (Gemma 4's per-layer inputs): one rank only."""
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +58,81 @@ def run(engine: Engine, sampling: SamplingParams = GREEDY) -> dict[str, list[int
     return got
 
 
-def test_every_family_gives_transformers_tokens(checkpoints: dict[str, Path]) -> None:
+@pytest.fixture(scope="module")
+def expected(checkpoints: dict[str, Path]) -> dict[str, Reference]:
+    """Per family, transformers' greedy tokens (computed once for the module)."""
+    return {name: reference(path) for name, path in checkpoints.items()}
+
+
+def test_every_family_gives_transformers_tokens(checkpoints: dict[str, Path],
+                                                expected: dict[str, Reference]) -> None:
     wrong = {}
     for name, path in checkpoints.items():
-        expected: Reference = reference(path)
-        if (why := disagreement(run(FallbackEngine(path, max_seq=256)), expected)):
+        if (why := disagreement(run(FallbackEngine(path, max_seq=256)), expected[name])):
             wrong[name] = why
     assert not wrong, wrong
+
+
+def test_every_splittable_family_gives_transformers_tokens_over_three_rank_processes(
+    checkpoints: dict[str, Path], expected: dict[str, Reference], tmp_path: Path
+) -> None:
+    """A Pipeline of three rank processes (gloo), first layer | the middle | last layer, each building only its
+    stage: both prompts' 16 tokens are transformers' for every family whose layers take only hidden states. One
+    group runs the families in turn (fresh engines), so the processes start once."""
+    from skulk.engines.torch.fallback_stage import layer_count
+    from skulk.testing.nodes import free_port
+    from tests.unit.rank_jobs import launch
+
+    names = [n for n in checkpoints if n not in PER_LAYER_INPUTS]
+    runs = [{"model": str(checkpoints[n]), "out": str(tmp_path / f"{n}.json"),
+             "layers": [[0, 1], [1, layer_count(checkpoints[n]) - 1], [layer_count(checkpoints[n]) - 1,
+                                                                         layer_count(checkpoints[n])]]}
+            for n in names]
+    port = free_port()
+    launch("fallback_rank.py", [{"rank": rank, "port": port, "world_size": 3, "prompts": PROMPTS,
+                                 "tokens": TOKENS, "runs": runs} for rank in range(3)], 500)
+    wrong = {}
+    for name, one in zip(names, runs, strict=True):
+        got = json.loads(Path(one["out"]).read_text())["tokens"]
+        if (why := disagreement(got, expected[name])):
+            wrong[name] = why
+    assert not wrong, wrong
+
+
+def test_a_stage_holds_only_its_layers_and_reads_only_what_is_there(checkpoints: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    """Three stages' parameters partition the whole model's (nothing held twice, the untied head on the last
+    only); a stage whose tensors are missing from the files on its node is refused by name, never filled with
+    random weights; a family whose layers read the ids beside the hidden states is not split."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from skulk.engines.torch.fallback_stage import StageSpan, load_stage
+
+    path = checkpoints["mixtral"]
+    spans = [StageSpan(0, 1, True, False), StageSpan(1, 2, False, False), StageSpan(2, 3, False, True)]
+    stages = [dict(load_stage(path, span).named_parameters()) for span in spans]
+    whole = dict(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).named_parameters())
+    assert sum(len(s) for s in stages) == len(whole) and set().union(*stages) == set(whole)
+    assert [any(k.startswith("lm_head") for k in s) for s in stages] == [False, False, True]
+    assert all(k.startswith("model.layers.1.") for k in stages[1])
+    for stage in stages:
+        for key, tensor in stage.items():
+            assert torch.equal(tensor, whole[key]), key
+
+    cut = tmp_path / "cut"
+    shutil.copytree(path, cut)
+    tensors = load_file(cut / "model.safetensors")
+    tensors.pop("model.layers.1.self_attn.q_proj.weight")
+    save_file(tensors, cut / "model.safetensors", metadata={"format": "pt"})
+    load_stage(cut, spans[0])  # the first stage's tensors are all there
+    with pytest.raises(FileNotFoundError, match=r"model\.layers\.1\.self_attn\.q_proj\.weight"):
+        load_stage(cut, spans[1])
+    with pytest.raises(ValueError, match="per-layer inputs"):
+        load_stage(checkpoints["gemma4_text"], spans[0])
 
 
 def test_cancel_stop_logprobs_grammar_and_events(checkpoints: dict[str, Path]) -> None:

@@ -167,9 +167,15 @@ def load_stage(model_dir: Path, span: StageSpan) -> Any:
     cls._span = span
     tensors, handles = lazy_tensors(model_dir, span, checkpoint_prefix(model_dir, base), tied_head(config))
     try:
-        return cls.from_pretrained(None, config=config, state_dict=tensors, dtype="auto").eval()
+        model, info = cls.from_pretrained(None, config=config, state_dict=tensors, dtype="auto",
+                                          output_loading_info=True)
     finally:
         del handles
+    if info.get("missing_keys"):  # transformers would have left them randomly initialised
+        missing = sorted(info["missing_keys"])
+        raise FileNotFoundError(f"{model_dir.name}: this stage's tensors {', '.join(missing[:5])}"
+                                f"{' ...' if len(missing) > 5 else ''} are in no safetensors file here")
+    return model.eval()
 
 
 def stage_cache(model: Any, span: StageSpan) -> Any:
