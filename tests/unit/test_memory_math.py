@@ -80,6 +80,48 @@ def test_deepseek_v3_dense_first_then_moe_layers_and_its_unrun_mtp_layer() -> No
     assert m.loaded_bytes == 2 * 671_026_419_200
 
 
+def test_qwen3_next_80b_counts_its_unrun_mtp_block() -> None:
+    """Qwen3-Next-80B-A3B's files carry a multi-token-prediction block under mtp. (vLLM's qwen3_next_mtp.py reads
+    it; mlx-lm and transformers drop it): one gated full-attention MoE layer, mtp.fc and three norms, sharing the
+    model's embedding and head. Its published config names no count (no mtp_num_hidden_layers, no
+    num_nextn_predict_layers): one layer. Qwen3.5's text_config says mtp_num_hidden_layers."""
+    m = memory(QWEN3_NEXT_80B)
+    # gated attention: q_proj 16 x 256 x 2 (the gate) x 2048 = 16,777,216 + k, v 2 x 512 x 2048 = 2,097,152
+    #   + o 2048 x 4096 = 8,388,608 + q/k norms 2 x 256 = 27,263,488
+    # MoE: 512 experts x 3 x 512 x 2048 = 1,610,612,736 + router 512 x 2048 = 1,048,576 + shared expert
+    #   3 x 512 x 2048 = 3,145,728 + its gate 2048 = 1,614,809,088; two norms 4096 -> 1,642,076,672 a layer,
+    #   what each of the decoder's full-attention layers (3, 7, ...) weighs too
+    assert m.layers[3].weight_bytes == 2 * 1_642_076_672
+    # + mtp.fc 2048 x 4096 = 8,388,608 + pre_fc_norm_embedding, pre_fc_norm_hidden, norm 3 x 2048 = 6,144
+    assert m.unrun_bytes == 2 * 1_650_471_424
+    assert memory({**QWEN3_NEXT_80B, "mtp_num_hidden_layers": 0}).unrun_bytes == 0
+    assert memory({**QWEN3_NEXT_80B, "mtp_num_hidden_layers": 2}).unrun_bytes == 2 * (
+        1_650_471_424 + 1_642_076_672)
+    assert memory({**QWEN3_NEXT_80B, "mtp_num_hidden_layers": 0}).loaded_bytes == m.loaded_bytes
+    # Qwen3.5 nests it in text_config; a dense model's MTP layer has the dense MLP:
+    # 3 x 2048 x 5120 = 31,457,280 instead of the MoE's 1,614,809,088
+    dense = {k: v for k, v in QWEN3_NEXT_80B.items() if k not in ("num_experts", "model_type")}
+    qwen3_5 = memory({"model_type": "qwen3_5", "text_config": {**dense, "model_type": "qwen3_5_text",
+                                                               "mtp_num_hidden_layers": 1}})
+    assert qwen3_5.unrun_bytes == 2 * (1_650_471_424 - 1_614_809_088 + 31_457_280)
+    no_key = memory({"model_type": "qwen3_5", "text_config": {**dense, "model_type": "qwen3_5_text"}})
+    assert no_key.unrun_bytes == 0
+
+
+def test_qwen_mtp_tensors_count_as_unrun_not_as_the_first_ranks() -> None:
+    """From the files' headers: mtp.layers.0.* is no decoder layer 0, mtp.fc and mtp.norm no embedding or final
+    norm; all of it unrun."""
+    config = {**QWEN3_NEXT_80B, "num_hidden_layers": 2}
+    sizes = {"model.embed_tokens.weight": 100, "model.layers.0.self_attn.q_proj.weight": 10,
+             "model.layers.1.self_attn.q_proj.weight": 11, "model.norm.weight": 1, "lm_head.weight": 90,
+             "mtp.fc.weight": 7, "mtp.norm.weight": 2, "mtp.pre_fc_norm_hidden.weight": 2,
+             "mtp.layers.0.self_attn.q_proj.weight": 5, "mtp.layers.0.mlp.experts.gate_up_proj": 20}
+    m = memory_from_tensors(config, sizes)
+    assert m is not None
+    assert ([layer.weight_bytes for layer in m.layers], m.embed_bytes, m.head_bytes, m.unrun_bytes) == (
+        [10, 11], 100, 91, 36)
+
+
 @pytest.mark.parametrize(("config", "full", "local", "window"), [
     (DEEPSEEK_V3, 61 * (512 + 64) * 2, 0, 0),  # MLA: one latent of kv_lora_rank + rope per layer = 70,272
     (KIMI_K2, 61 * (512 + 64) * 2, 0, 0),  # the same latent whatever its 64 heads

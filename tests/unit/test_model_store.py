@@ -72,6 +72,21 @@ def test_shard_files_follow_the_index() -> None:
     assert set(files_for_shard(files, None, (0, 4, 4))) == {"config.json", "tokenizer.json", "f3.safetensors"}
 
 
+def test_no_stage_downloads_a_qwen_mtp_block() -> None:
+    """Qwen3-Next's and Qwen3.5's multi-token-prediction block (mtp.fc, its norms, mtp.layers.0.*), which no engine
+    loads: its own file goes to no stage, though mtp.layers.0 reads like decoder layer 0 and mtp.norm like a norm;
+    a file it shares with a stage's tensors still comes for those."""
+    weight_map = {"model.embed_tokens.weight": "f1", "model.layers.0.mlp.up_proj.weight": "f1",
+                  "model.layers.1.mlp.up_proj.weight": "f2", "model.norm.weight": "f2", "lm_head.weight": "f2",
+                  "mtp.fc.weight": "f3", "mtp.norm.weight": "f3", "mtp.pre_fc_norm_hidden.weight": "f3",
+                  "mtp.layers.0.self_attn.q_proj.weight": "f3", "mtp.layers.0.mlp.experts.gate_up_proj": "f3"}
+    assert shard_files({"weight_map": weight_map}, 0, 1, 2) == {"f1"}
+    assert shard_files({"weight_map": weight_map}, 1, 2, 2) == {"f2"}
+    assert shard_files({"weight_map": weight_map}, 0, 2, 2) == {"f1", "f2"}
+    shared = weight_map | {"mtp.layers.0.mlp.gate.weight": "f2"}
+    assert shard_files({"weight_map": shared}, 1, 2, 2) == {"f2"}
+
+
 def _raw_get(port: int, path: str, headers: dict[str, str] | None = None, method: str = "GET") -> tuple[int, bytes]:
     """A request with the path exactly as written (httpx would normalise the dot segments away)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)

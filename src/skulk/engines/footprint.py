@@ -78,6 +78,8 @@ def shard_bytes(model_dir: Path, start_layer: int, end_layer: int, quantize: str
 
 
 def _owned(name: str, start: int, end: int, layers: int) -> bool:
+    if name.startswith("mtp."):  # Qwen3-Next's and Qwen3.5's multi-token-prediction block: never loaded
+        return False
     if match := _LAYER.search(name):
         return start <= int(match.group(1)) < end
     if "embed_tokens" in name:

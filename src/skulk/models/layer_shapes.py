@@ -263,9 +263,15 @@ def _shared_inter(c: dict[str, Any], inter: int) -> int:
 
 
 def mtp_tensors(c: dict[str, Any]) -> list[Tensor]:
-    """The multi-token-prediction layers the files carry past the decoder (num_nextn_predict_layers): each a
-    full MoE layer, a projection of [embedding; hidden] to hidden, three norms, and, in DeepSeek's files, its
-    own copies of the embedding and the head."""
+    """The multi-token-prediction layers the files carry past the decoder, which no rank runs (mlx-lm's sanitize
+    and transformers drop them on load, the torch engine never asks for them).
+
+    DeepSeek's and GLM's (num_nextn_predict_layers, stored as model.layers.{n+j}): each a full MoE layer, a
+    projection of [embedding; hidden] to hidden, three norms, and, in DeepSeek's files, its own copies of the
+    embedding and the head. Qwen3-Next's and Qwen3.5's (_qwen_mtp): under mtp., sharing the model's embedding and
+    head."""
+    if str(c.get("model_type", "")) in _GATED_ATTENTION:
+        return _qwen_mtp(c)
     n, h = int(c["num_hidden_layers"]), int(c["hidden_size"])
     out: list[Tensor] = []
     for j in range(int(c.get("num_nextn_predict_layers") or 0)):
@@ -276,4 +282,24 @@ def mtp_tensors(c: dict[str, Any]) -> list[Tensor]:
             vocab = int(c["vocab_size"])
             out += [Tensor(f"model.layers.{i}.embed_tokens", (vocab, h), True),
                     Tensor(f"model.layers.{i}.shared_head.head", (vocab, h), True)]
+    return out
+
+
+def _qwen_mtp(c: dict[str, Any]) -> list[Tensor]:
+    """Qwen3-Next's and Qwen3.5's multi-token-prediction block as their published files keep it: mtp.fc
+    [hidden, 2 x hidden] over [embedding; hidden], the norms mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden and
+    mtp.norm, and mtp_num_hidden_layers decoder layers mtp.layers.{j}, each a gated full-attention layer with the
+    model's feed-forward (its MoE and gated shared expert in the MoE models); no embedding or head of its own
+    (vLLM's qwen3_next_mtp.py and qwen3_5_mtp.py read the model's). Qwen3.5's text_config says
+    mtp_num_hidden_layers (1); Qwen3-Next's published config names no count though its files hold one layer."""
+    default = 1 if c.get("model_type") == "qwen3_next" else 0
+    layers = int(c.get("mtp_num_hidden_layers", default) or 0)
+    if not layers:
+        return []
+    n, h = int(c["num_hidden_layers"]), int(c["hidden_size"])
+    out = [Tensor("mtp.fc", (h, 2 * h), True), Tensor("mtp.norms", (3 * h,))]
+    for j in range(layers):
+        inner = f"model.layers.{n + j}."
+        out += [Tensor(t.path.replace(inner, f"mtp.layers.{j}.", 1), t.shape, t.quantizable, t.expert)
+                for t in layer_tensors(c, n + j, "full", bool(_experts(c)))]
     return out

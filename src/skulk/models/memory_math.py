@@ -39,6 +39,8 @@ MXFP4_BLOCK = 32
 _NOT_FP8 = ("model.embed_tokens.", "lm_head.", ".mlp.gate.")
 """What DeepSeek's FP8 checkpoint leaves in float, as prefixes of a path + "." (the router, not mlp.gate_proj)."""
 _LAYER = re.compile(r"^(?:(?:model|language_model|backbone)\.)*layers\.(\d+)\.")
+MTP_PREFIX = "mtp."
+"""Where Qwen3-Next's and Qwen3.5's files keep their multi-token-prediction block, which no rank loads."""
 _FINAL_NORM = re.compile(r"^(?:(?:model|language_model|backbone)\.)*(?:norm|norm_f|final_layernorm)\.")
 
 
@@ -209,14 +211,16 @@ def model_memory(config: dict[str, Any]) -> ModelMemory | None:
 def memory_from_tensors(config: dict[str, Any], sizes: Mapping[str, int]) -> ModelMemory | None:
     """The same from the checkpoint's tensors (name -> bytes, safetensors headers): each decoder layer's tensors,
     the final norm and lm_head on the last rank (the embedding's table when the checkpoint has no lm_head: tied),
-    layers past num_hidden_layers unrun, and everything else (the embedding, a vision tower, a projector) on the
-    first rank."""
+    layers past num_hidden_layers and Qwen's mtp. block (layer_shapes.mtp_tensors) unrun, and everything else
+    (the embedding, a vision tower, a projector) on the first rank."""
     c = text_of(config)
     try:
         n = int(c["num_hidden_layers"])
         layers, embed, head, unrun = [0] * n, 0, 0, 0
         for name, nbytes in sizes.items():
-            if match := _LAYER.match(name):
+            if name.startswith(MTP_PREFIX):
+                unrun += nbytes
+            elif match := _LAYER.match(name):
                 i = int(match.group(1))
                 if i < n:
                     layers[i] += nbytes

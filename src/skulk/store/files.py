@@ -72,14 +72,17 @@ def is_needed(name: str) -> bool:
 def shard_files(index: dict[str, Any], start_layer: int, end_layer: int, n_layers: int) -> set[str]:
     """The safetensors files that hold layers [start_layer, end_layer) of a pipeline stage, plus the embeddings
     for the first stage (and the last when they are tied: no lm_head) and the final norm and lm_head for the
-    last."""
+    last. Multi-token-prediction weights go to no stage, as no engine loads them: DeepSeek's layers past the last
+    (by their index) and Qwen3-Next's and Qwen3.5's mtp. block, whose mtp.layers.0 is not decoder layer 0."""
     weight_map: dict[str, str] = index.get("weight_map", {})
     first, last = start_layer == 0, end_layer == n_layers
     tied = not any(t.startswith("lm_head") for t in weight_map)
     chosen: set[str] = set()
     for tensor, filename in weight_map.items():
         match = _LAYER.search(tensor)
-        if match is not None:
+        if tensor.startswith("mtp."):
+            wanted = False
+        elif match is not None:
             wanted = start_layer <= int(match.group(1)) < end_layer
         elif "embed_tokens" in tensor:
             wanted = first or (last and tied)

@@ -75,8 +75,9 @@ class ModelMemory(CamelModel):
     embedding and the head loads it once."""
     unrun_bytes: int = 0
     """Weights in the checkpoint's files that no rank runs or loads: DeepSeek V3's and GLM-4.5's
-    multi-token-prediction layers (num_nextn_predict_layers; mlx-lm drops them when loading, the engines run no
-    speculative head from them). Part of the download, never of a rank's memory."""
+    multi-token-prediction layers (num_nextn_predict_layers), Qwen3-Next's and Qwen3.5's mtp. block (mlx-lm and
+    transformers drop them when loading, the engines run no speculative head from them). Part of the download,
+    never of a rank's memory."""
     source: WeightsSource = "config"
 
     @property
