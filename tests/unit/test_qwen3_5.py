@@ -37,6 +37,7 @@ from tests.unit.test_glm4_moe import (
 from tests.unit.test_quantized import logits
 from tests.unit.test_qwen3_next import (
     assert_chunked_prefill_is_transformers,
+    assert_mtp_block_neither_loaded_nor_staged,
     assert_tensor_rank_processes_give_transformers_tokens,
 )
 from tests.unit.test_torch_engine import ThreadAllReduce
@@ -172,6 +173,18 @@ def test_fused_experts_load_as_the_per_expert_ones(checkpoints: dict[str, Path],
         for rank in pool.map(lambda m: logits(m, ids), shards):
             torch.testing.assert_close(rank, expected, atol=1e-4, rtol=1e-4)
 
+
+
+@pytest.mark.parametrize("name", ["moe", "dense"])
+def test_an_mtp_block_in_the_files_is_neither_loaded_nor_staged(name: str, checkpoints: dict[str, Path],
+                                                                tmp_path: Path) -> None:
+    """Qwen3.5's MTP block (mtp_num_hidden_layers in text_config): the MoE's in the published layout, its experts
+    and the decoder's fused (_fused), which a pipeline stage staged without the MTP file loads without reading."""
+    path = _fused(checkpoints["moe"], tmp_path / "fused") if name == "moe" else checkpoints["dense"]
+    mtp = tmp_path / "mtp"
+    assert_mtp_block_neither_loaded_nor_staged(path, mtp)
+    weight_map = json.loads((mtp / "model.safetensors.index.json").read_text())["weight_map"]
+    assert ("mtp.layers.0.mlp.experts.gate_up_proj" in weight_map) == (name == "moe")
 
 
 def test_int8_at_load_splits_in_proj_qkv_part_by_part(checkpoints: dict[str, Path]) -> None:

@@ -307,3 +307,100 @@ def test_the_catalog_cards_qwen3_next_as_native(checkpoints: dict[str, Path]) ->
     config = json.loads((path / "config.json").read_text())
     card = card_from_config("Qwen/qwen3-next-tiny", config, (path / "model.safetensors").stat().st_size)
     assert card.torch_runtime == "native" and card.family == "qwen3_next"
+
+
+MTP_FILE = "model-00002-of-00002.safetensors"
+
+
+def with_mtp(path: Path, into: Path) -> Path:
+    """The checkpoint with the multi-token-prediction block Qwen3-Next's and Qwen3.5's published files carry (vLLM's
+    qwen3_next_mtp.py reads it; transformers and mlx-lm drop it): mtp.fc [hidden, 2 x hidden], the norms
+    mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden and mtp.norm, and mtp.layers.0 a full-attention layer shaped
+    as the last decoder layer, every value drawn afresh; in a shard of its own (MTP_FILE) beside the model's, both
+    named by the index; the config says mtp_num_hidden_layers 1 (in text_config where it has one)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, into)
+    tensors = load_file(str(into / "model.safetensors"))
+    config = json.loads((into / "config.json").read_text())
+    text = config.get("text_config", config)
+    n, h = text["num_hidden_layers"], text["hidden_size"]
+    last = next(f"{p}layers.{n - 1}." for p in ("model.language_model.", "model.")
+                if any(k.startswith(f"{p}layers.{n - 1}.") for k in tensors))
+    g = torch.Generator().manual_seed(3)
+    mtp = {"mtp.fc.weight": torch.randn(h, 2 * h, generator=g),
+           **{f"mtp.{norm}.weight": torch.randn(h, generator=g)
+              for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")},
+           **{"mtp.layers.0." + k.removeprefix(last): torch.randn(v.shape, generator=g).to(v.dtype)
+              for k, v in tensors.items() if k.startswith(last)}}
+    main = "model-00001-of-00002.safetensors"
+    (into / "model.safetensors").rename(into / main)
+    save_file(mtp, str(into / MTP_FILE), metadata={"format": "pt"})
+    weight_map = dict.fromkeys(tensors, main) | dict.fromkeys(mtp, MTP_FILE)
+    (into / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    text["mtp_num_hidden_layers"] = 1
+    (into / "config.json").write_text(json.dumps(config))
+    return into
+
+
+def _held(model: torch.nn.Module) -> dict[str, int]:
+    return {name: t.nbytes for name, t in model.state_dict().items()}
+
+
+def assert_mtp_block_neither_loaded_nor_staged(path: Path, into: Path) -> None:
+    """An MTP block in the files (with_mtp) changes nothing that runs: transformers' tokens are those without it,
+    and the engine's match them on one rank and through pipelines; the engine holds exactly the parameters it holds
+    without the block; a pipeline stage staged from the hub (store/files.files_for_shard) downloads no MTP file,
+    and loads and runs without it. The memory arithmetic counts the block unrun, byte for byte the file's."""
+    from skulk.engines.torch.models import read_args_dir
+    from skulk.models.memory_math import checkpoint_tensor_bytes, memory_from_tensors, model_memory
+    from skulk.store.files import files_for_shard
+    from tests.unit.test_glm4_moe import _staged_tokens
+    from tests.unit.test_quantized import logits
+
+    mtp = with_mtp(path, into)
+    expected = reference(path)
+    assert reference(mtp) == expected
+    assert_transformers_tokens(mtp)
+    with_block, without = load_model(mtp), load_model(path)
+    assert _held(with_block) == _held(without)
+    ids = torch.tensor([PROMPTS[0]])
+    assert torch.equal(logits(with_block, ids), logits(without, ids))
+
+    index = json.loads((mtp / "model.safetensors.index.json").read_text())
+    files = {p.name: p.stat().st_size for p in mtp.iterdir()}
+    layers = read_args_dir(mtp).num_hidden_layers
+    stages = []
+    for start, end in ((0, 2), (2, layers)):
+        staged = into.parent / f"{into.name}-stage-{start}"
+        staged.mkdir()
+        for name in files_for_shard(files, index, (start, end, layers)):
+            (staged / name).write_bytes((mtp / name).read_bytes())
+        assert MTP_FILE not in {p.name for p in staged.iterdir()}
+        stages.append(load_model(staged, start_layer=start, end_layer=end))
+    piped = {f"r{i}": _staged_tokens(stages, prompt) for i, prompt in enumerate(PROMPTS)}
+    assert (why := disagreement(piped, expected)) is None, f"staged pipeline: {why}"
+
+    config = json.loads((mtp / "config.json").read_text())
+    sizes = checkpoint_tensor_bytes(mtp)
+    arithmetic, real = model_memory(config), memory_from_tensors(config, sizes)
+    assert arithmetic is not None and real is not None
+    in_file = sum(b for name, b in sizes.items() if name.startswith("mtp."))
+    assert arithmetic.unrun_bytes == real.unrun_bytes == in_file > 0
+    assert [layer.weight_bytes for layer in arithmetic.layers] == [layer.weight_bytes for layer in real.layers]
+
+
+def test_an_mtp_block_in_the_files_is_neither_loaded_nor_staged(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """Qwen3-Next's MTP block, its experts one tensor each as its files keep them; engines/footprint counts a rank
+    no byte of it."""
+    from skulk.engines.footprint import shard_bytes
+
+    path = checkpoints["drawn"]
+    mtp = tmp_path / "mtp"
+    assert_mtp_block_neither_loaded_nor_staged(path, mtp)
+    assert "mtp.layers.0.mlp.experts.7.down_proj.weight" in json.loads(
+        (mtp / "model.safetensors.index.json").read_text())["weight_map"]
+    for start, end in ((0, 2), (2, 4), (0, 4)):
+        assert shard_bytes(mtp, start, end) == shard_bytes(path, start, end)

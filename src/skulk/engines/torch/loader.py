@@ -124,9 +124,13 @@ def _stacked_experts(files: dict[str, Path]) -> dict[str, Stacked]:
     """Per-expert names → where they sit in the tensor that stacks a layer's experts: MLX's [num_experts, out, in]
     per projection (Qwen3-MoE's mlp.switch_mlp.gate_proj, ...), or transformers 5's mlp.experts.gate_up_proj
     [num_experts, 2 x width, hidden] (gate rows, then up rows) and mlp.experts.down_proj [num_experts, hidden,
-    width], as Qwen3.5's published checkpoints keep them."""
+    width], as Qwen3.5's published checkpoints keep them. A stacked tensor whose file this directory lacks is left
+    out: a pipeline stage holds only the shards it needs (store/files.files_for_shard), and none holds the one
+    with Qwen3.5's multi-token-prediction experts (mtp.layers.0.mlp.experts.*), which no rank loads."""
     stacked: dict[str, Stacked] = {}
     for name in files:
+        if (_SWITCH.match(name) or _FUSED.match(name)) and not files[name].exists():
+            continue
         if match := _SWITCH.match(name):
             start, projection, part = match.groups()
             for expert in range(_shape(files[name], name)[0]):
