@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from skulk.engines.torch.models import SUPPORTED_MODEL_TYPES
 from skulk.models.gguf_import import NotGGUF, import_gguf
+from skulk.models.memory_math import model_memory
 from tests.unit.test_gguf_families import write_vocab
 
 from .family_checkpoints import write_model
@@ -341,6 +342,8 @@ def test_an_f32_file_imports_as_its_checkpoint_exactly(family: str, tmp_path: Pa
     assert text_of(config)["num_hidden_layers"] == text_of(json.loads((hf_dir / "config.json").read_text())
                                                            )["num_hidden_layers"]
     assert config["torch_dtype"] == "float32"
+    memory = model_memory(config)  # the import writes no multi-token-prediction weights: the config says none
+    assert memory is not None and memory.unrun_bytes == 0
     torch.testing.assert_close(_logits(imported), _logits(hf_dir), atol=1e-5, rtol=1e-5)
 
 

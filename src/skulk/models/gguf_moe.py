@@ -185,7 +185,8 @@ def _qwen3next(get: Callable[..., Any]) -> dict[str, Any]:
             "linear_num_value_heads": value_heads,
             "linear_value_head_dim": int(get("ssm.inner_size")) // value_heads, "full_attention_interval": interval,
             "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                            for i in range(layers)]}
+                            for i in range(layers)],
+            "mtp_num_hidden_layers": 0}  # the import writes no mtp. block (layer_shapes.mtp_tensors counts one)
 
 
 def _qwen3_5(get: Callable[..., Any], common: dict[str, Any], moe: bool) -> dict[str, Any]:
