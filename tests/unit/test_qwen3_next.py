@@ -404,3 +404,15 @@ def test_an_mtp_block_in_the_files_is_neither_loaded_nor_staged(checkpoints: dic
         (mtp / "model.safetensors.index.json").read_text())["weight_map"]
     for start, end in ((0, 2), (2, 4), (0, 4)):
         assert shard_bytes(mtp, start, end) == shard_bytes(path, start, end)
+
+
+def test_the_fallbacks_decoder_prefix_is_not_the_mtp_blocks(tmp_path: Path) -> None:
+    """A shard holding only the MTP block that sorts before the decoder's: the transformers fallback's stages still
+    read the decoder under model. (mtp.layers.0 is no decoder layer)."""
+    from safetensors.torch import save_file
+
+    from skulk.engines.torch.fallback_stage import checkpoint_prefix
+
+    save_file({"mtp.layers.0.mlp.gate.weight": torch.zeros(2, 2)}, str(tmp_path / "a-mtp.safetensors"))
+    save_file({"model.layers.0.mlp.gate.weight": torch.zeros(2, 2)}, str(tmp_path / "b-model.safetensors"))
+    assert checkpoint_prefix(tmp_path, torch.nn.Module) == "model."

@@ -137,14 +137,14 @@ def lazy_tensors(model_dir: Path, span: StageSpan, prefix: str, tied: bool) -> t
 
 def checkpoint_prefix(model_dir: Path, model_cls: type) -> str:
     """The checkpoint's name for the decoder's keys ("model." for a causal LM, "model.language_model." for a
-    multimodal wrapper's text model)."""
+    multimodal wrapper's text model; never Qwen's multi-token-prediction block, mtp.layers.*, which no rank runs)."""
     from safetensors import safe_open
 
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for key in handle.keys():
                 head, sep, _ = key.partition("layers.")
-                if sep and head.endswith("."):
+                if sep and head.endswith(".") and head != "mtp.":
                     return head
     return f"{getattr(model_cls, 'base_model_prefix', 'model')}."
 
