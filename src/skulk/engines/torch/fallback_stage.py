@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 
-
 class Skipped(nn.Module):
     """A module another stage runs: passes its first input through (a decoder layer's hidden states). It keeps the
     replaced module's plain attributes, which some families' forwards read off every layer (Nemotron-H picks each
@@ -129,7 +128,8 @@ def lazy_tensors(model_dir: Path, span: StageSpan, prefix: str, tied: bool) -> t
     for path in sorted(model_dir.glob("*.safetensors")):  # another stage's files may not be on this node
         handle = safe_open(str(path), framework="pt", device="cpu")
         handles.append(handle)
-        for key in handle.keys():
+        names = handle.keys()  # a safetensors handle is not iterable
+        for key in names:
             if owned_key(key, span, prefix, tied):
                 tensors[key] = handle.get_slice(key)
     return tensors, handles
@@ -142,7 +142,8 @@ def checkpoint_prefix(model_dir: Path, model_cls: type) -> str:
 
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
-            for key in handle.keys():
+            names = handle.keys()  # a safetensors handle is not iterable
+            for key in names:
                 head, sep, _ = key.partition("layers.")
                 if sep and head.endswith(".") and head != "mtp.":
                     return head
