@@ -4,10 +4,10 @@ For each family of family_checkpoints (DeepSeek V3, GLM-4 MoE, Mixtral, MiniMax 
 Nemotron-H, Gemma 4, gpt-oss, Llama 4), two concurrent requests' 16 greedy tokens are transformers' own (its
 forward over the whole sequence each step, no cache), on one rank and, for every family but Gemma 4, as a
 Pipeline of three rank processes, each holding only its stage (fallback_stage.py): the fallback's per-request
-caches, its interleaving of requests and the native engine's sampler it reuses change nothing (DeepSeek V3 and GLM-4 MoE run natively too,
-models/; the fallback still runs them, and their checks here stay). Then what a client sees beyond greedy
-tokens, on one family: a cancelled request frees its cache, a stop string ends the reply, log-probabilities are
-transformers', a JSON schema constrains the reply, and the runner's events come in order."""
+caches, its interleaving of requests and the native engine's sampler it reuses change nothing (DeepSeek V3 and
+GLM-4 MoE run natively too, models/; the fallback still runs them, and their checks here stay). Then what a
+client sees beyond greedy tokens, on one family: a cancelled request frees its cache, a stop string ends the reply,
+log-probabilities are transformers', a JSON schema constrains the reply, and the runner's events come in order."""
 
 from __future__ import annotations
 
