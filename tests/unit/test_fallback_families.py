@@ -115,6 +115,9 @@ def test_a_stage_holds_only_its_layers_and_reads_only_what_is_there(checkpoints:
     path = checkpoints["mixtral"]
     spans = [StageSpan(0, 1, True, False), StageSpan(1, 2, False, False), StageSpan(2, 3, False, True)]
     stages = [dict(load_stage(path, span).named_parameters()) for span in spans]
+    held = FallbackEngine(path, max_seq=256, rank=1, world_size=3, start_layer=1, end_layer=2).footprint()
+    weights = sum(t.nbytes for t in stages[1].values())
+    assert weights <= held[0] <= weights + 4096 and held[1] == 0, "the runner's report: its weights (and rope table)"
     whole = dict(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).named_parameters())
     assert sum(len(s) for s in stages) == len(whole) and set().union(*stages) == set(whole)
     assert [any(k.startswith("lm_head") for k in s) for s in stages] == [False, False, True]

@@ -45,6 +45,7 @@ from skulk.types.runners import RunnerPhase
 from .core import WARMUP_ID, PhaseHook
 from .fallback_stage import StageSpan, forward_stage, hidden_size, layer_count, load_stage, stage_cache
 from .links import GroupLink, Link, LocalLink, TokenRows
+from .pace import module_bytes
 from .requests import FaultHook, Request, accept_each, held_for_reasoning, reasoning_budget, row_sampling
 from .tokenizer import ChatTokenizer, IncrementalDecoder, StopMatcher
 from .wire import Admitted, Header, NewRequest, Release, Released, RequestEvent, Started, StepKind
@@ -164,6 +165,12 @@ class FallbackEngine:
     def take_events(self) -> list[RequestEvent]:
         events, self._events = self._events, []
         return events
+
+    def footprint(self) -> tuple[int, int]:
+        """(weight bytes, KV bytes resident from allocation): this stage's tensors, and no pool (each request's
+        cache grows with it). The runner reports the rest of its memory as runtime overhead, which placement
+        counts (types/node_info.RunnerOverhead)."""
+        return module_bytes(self.model), 0
 
     def close(self) -> None:
         """Rank 0 tells everyone to leave (with any last releases); a dead peer no longer matters here."""
