@@ -12,8 +12,9 @@ over different ranks:
 - DeepSeek V3 (family_checkpoints'): MLA (its one latent cached whole on every rank), a dense first layer, then MoE.
 Seeded random float32 checkpoints, served by the local stand-in hub to three nodes whose only engine is torch
 (SKULK_ENGINES=torch, as test_mlx_families' torch-only node), started once for the module; each family is placed,
-compared and deleted in turn (one instance at a time). Most of a family's time is its three ranks' start (each
-imports torch and transformers: ~7 CPU-s a rank)."""
+compared and deleted in turn (one instance at a time). Tokens must be equal, as test_mlx_families asks: at each of
+the 16 steps transformers' top two logprobs differ by 0.026 at least (measured for these seeds), far past float32
+noise. Most of a family's time is its three ranks' start (each imports torch and transformers: ~7 CPU-s a rank)."""
 
 from __future__ import annotations
 
