@@ -1,4 +1,4 @@
-"""The torch engine's native families as a Pipeline over THREE real node processes (issue 40): each family's 16
+"""The torch engine's families as a Pipeline over THREE real node processes (issue 40): each family's 16
 greedy tokens, with their logprobs, are transformers' own forward's on the same prompt ids.
 
 The unit tests hold each family to transformers through in-process stages (test_glm4_moe's
@@ -9,7 +9,9 @@ over different ranks:
   layer, then MoE layers;
 - gpt-oss (test_gpt_oss's variant: every bias drawn, clamped SwiGLU): full, sliding, sliding, full attention;
 - Qwen3.5 MoE (test_qwen3_5's, the published multimodal layout): gated DeltaNet and full attention alternating;
-- DeepSeek V3 (family_checkpoints'): MLA (its one latent cached whole on every rank), a dense first layer, then MoE.
+- DeepSeek V3 (family_checkpoints'): MLA (its one latent cached whole on every rank), a dense first layer, then MoE;
+- Nemotron-H (family_checkpoints'), which the torch engine runs through transformers' own modeling (the fallback):
+  Mamba, attention, Mamba and MLP blocks, each rank building only its own (fallback_stage.py).
 Seeded random float32 checkpoints, served by the local stand-in hub to three nodes whose only engine is torch
 (SKULK_ENGINES=torch, as test_mlx_families' torch-only node), started once for the module; each family is placed,
 compared and deleted in turn (one instance at a time). Tokens must be equal, as test_mlx_families asks: at each of
@@ -62,10 +64,19 @@ def _deepseek_v3(root: Path, demo: Path) -> Path:
     return write("deepseek_v3", root, demo)
 
 
+def _nemotron_h(root: Path, demo: Path) -> Path:
+    from tests.unit.family_checkpoints import write
+
+    return write("nemotron_h", root, demo)
+
+
 WRITERS: dict[str, Callable[[Path, Path], Path]] = {
     "org/tiny-glm4-moe": _glm4_moe, "org/tiny-gpt-oss": _gpt_oss, "org/tiny-qwen3.5-moe": _qwen3_5_moe,
-    "org/tiny-deepseek-v3": _deepseek_v3,
+    "org/tiny-deepseek-v3": _deepseek_v3, "org/tiny-nemotron-h": _nemotron_h,
 }
+FALLBACK = {"org/tiny-nemotron-h"}
+"""Families the torch engine runs through transformers' modeling (engines/torch/fallback.py), split by
+fallback_stage.py: Nemotron-H's Mamba, attention and MLP blocks, one kind per rank at least."""
 """Per model id: (scratch root, tokenizer donor) -> its checkpoint's directory, which the fixture moves into the
 hub. Qwen3-Next is left out for the suite's time (three more rank starts, ~20 CPU-s): its torch Pipeline over two
 nodes is test_mlx_families', its three stages test_qwen3_next's, and Qwen3.5 holds the same DeltaNet-then-attention
@@ -77,6 +88,8 @@ def layer_kinds(repo: Path) -> list[str]:
     attention kind of each (layer_types, in text_config for Qwen3.5's multimodal layout)."""
     config = json.loads((repo / "config.json").read_text())
     config = config.get("text_config", config)
+    if "layers_block_type" in config:  # Nemotron-H: mamba ("linear_attention"), attention, mlp
+        return list(config["layers_block_type"])
     if "first_k_dense_replace" in config:
         dense = config["first_k_dense_replace"]
         return ["dense"] * dense + ["moe"] * (config["num_hidden_layers"] - dense)
@@ -141,7 +154,8 @@ def test_a_pipeline_over_three_torch_nodes_gives_transformers_tokens(served: Ser
     runners to be gone."""
     node = served.nodes[0]
     status, added = node.post("/models/add", {"model_id": model_id})
-    assert status == 200 and added["torch_runtime"] == "native", added
+    runtime = "transformers" if model_id in FALLBACK else "native"
+    assert status == 200 and added["torch_runtime"] == runtime, added
     wait_until(lambda: not any(n.runner_pids() for n in served.nodes) or None, 60, "the earlier instance to stop")
     placed = place(node, model_id, min_nodes=3, sharding="Pipeline", engine="torch")
     instance = next(iter(placed["instance"].values()))
