@@ -185,3 +185,35 @@ def test_a_stop_string_ends_the_reply(checkpoints: dict[str, Path]) -> None:
         outs += engine.step()
     assert outs[-1].finish_reason == "stop" and outs[-1].stop_sequence == stop
     assert "".join(o.text for o in outs) == full[: full.index(stop)]
+
+
+def test_requests_wait_for_the_cache_bytes_placement_reserved(checkpoints: dict[str, Path]) -> None:
+    """The warmup measures what a request's cache costs (Mixtral: keys and values of 2 heads x 16 float32 values
+    on 3 layers, 768 bytes a position, nothing fixed); with room reserved for one request's worst case, a second
+    waits until the first leaves, the caches never hold more than the reservation, and tokens are unchanged. A
+    request that could never fit is refused before it queues, saying by how much."""
+    import dataclasses
+
+    from skulk.engines.errors import PromptRejected
+    from skulk.engines.torch.fallback_stage import cache_bytes
+
+    engine = FallbackEngine(checkpoints["mixtral"], max_seq=256, kv_cache_bytes=1 << 40)
+    engine.warmup()
+    (cost,) = engine.costs
+    assert (cost.fixed, cost.per_token, cost.budget) == (0, 2 * 2 * 16 * 4 * 3, 1 << 40)
+    need = max(len(p) for p in PROMPTS) + TOKENS
+    budget = cost.bytes_for(need) * 3 // 2
+    engine.costs = [dataclasses.replace(cost, budget=budget)]
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    got: dict[str, list[int]] = {"r0": [], "r1": []}
+    order = []
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id].append(out.token_id)
+        assert sum(cache_bytes(c) for c in engine._caches.values()) <= budget
+        order += [(type(e).__name__, e.request_id) for e in engine.take_events() if not isinstance(e, Admitted)]
+    assert order == [("Started", "r0"), ("Released", "r0"), ("Started", "r1"), ("Released", "r1")]
+    assert (why := disagreement(got, reference(checkpoints["mixtral"]))) is None, why
+    with pytest.raises(PromptRejected, match=r"more than the \d+ bytes this instance reserved"):
+        engine.add_request("big", PROMPTS[0], GREEDY.model_copy(update={"max_tokens": 200}))

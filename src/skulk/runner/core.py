@@ -205,7 +205,8 @@ class Runner:
         if shard.model_card.torch_runtime == "transformers":
             from skulk.engines.torch.fallback import FallbackEngine
 
-            return FallbackEngine(self.spec.model_dir, max_seq=self.spec.context_length)
+            return FallbackEngine(self.spec.model_dir, max_seq=self.spec.context_length,
+                                  kv_cache_bytes=self.spec.kv_cache_bytes)
         draft = shard.model_card.draft_model
         if draft is not None:
             log.info("draft model %s %s", draft, f"drafts for {shard.model_card.model_id} (speculative decoding)"

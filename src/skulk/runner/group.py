@@ -168,7 +168,7 @@ def build_engine(spec: RunnerSpec, group: Group, *,
 
         return FallbackEngine(spec.model_dir, max_seq=spec.context_length, rank=shard.device_rank,
                               world_size=shard.world_size, start_layer=shard.start_layer, end_layer=shard.end_layer,
-                              control_group=group.control)
+                              control_group=group.control, kv_cache_bytes=spec.kv_cache_bytes)
     make: type[TorchEngine] = TorchEngine
     if spec.mixed and spec.engine == "mlx":
         from skulk.engines.mlx.mixed import MixedMlxEngine

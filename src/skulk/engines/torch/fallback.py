@@ -16,6 +16,11 @@ samples and broadcasts each forward's [token, finished, failed] to every rank, s
 tokens and rank 0 turns the finished ones into the next header's releases. Nothing runs ahead: the fallback waits
 on each step's tokens before leading the next (its micro-batching is the native engine's).
 
+The caches stay within what placement reserved for each rank (kv_cache_bytes): the warmup measures what a
+request's cache costs on each rank (fallback_stage.CacheCost: fixed state plus bytes a position), the ranks share
+those, and rank 0 admits a waiting prompt only while every rank's caches, each request counted at its prompt plus
+max_tokens, still fit (the header's `chunk` says admit); a request that could never fit is refused when added.
+
 A Tensor split is refused by placement (master/engine_choice.torch_splits), as is a Pipeline of a family whose
 layers read the token ids beside the hidden states (Gemma 4's per-layer inputs); the card says which runtime runs
 the family (ModelCard.torch_runtime) and whether its fallback splits (ModelCard.fallback_splits).
@@ -38,12 +43,21 @@ import torch.distributed as dist
 
 from skulk.engines.base import GROUP_STEP_HEARTBEAT_S, TokenOut
 from skulk.engines.constrained import Grammars, tool_call_style
-from skulk.engines.errors import check_prompt
+from skulk.engines.errors import PromptRejected, check_prompt
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.runners import RunnerPhase
 
 from .core import WARMUP_ID, PhaseHook
-from .fallback_stage import StageSpan, forward_stage, hidden_size, layer_count, load_stage, stage_cache
+from .fallback_stage import (
+    CacheCost,
+    StageSpan,
+    cache_bytes,
+    forward_stage,
+    hidden_size,
+    layer_count,
+    load_stage,
+    stage_cache,
+)
 from .links import GroupLink, Link, LocalLink, TokenRows
 from .pace import module_bytes
 from .requests import FaultHook, Request, accept_each, held_for_reasoning, reasoning_budget, row_sampling
@@ -63,9 +77,10 @@ class FallbackEngine:
 
     def __init__(self, model_dir: Path, *, max_seq: int | None = None, max_batch: int = DEFAULT_MAX_BATCH,
                  rank: int = 0, world_size: int = 1, start_layer: int = 0, end_layer: int | None = None,
-                 control_group: Any = None) -> None:
+                 control_group: Any = None, kv_cache_bytes: int | None = None) -> None:
         """rank, world_size, start_layer, end_layer, control_group: this rank's place in a Pipeline (the torch
-        engine's own names, options.Shard); the defaults are one rank with every layer."""
+        engine's own names, options.Shard); the defaults are one rank with every layer. kv_cache_bytes: what
+        placement reserved for this rank's caches (None: no bound but max_batch and the context)."""
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         total = layer_count(model_dir)
@@ -89,6 +104,10 @@ class FallbackEngine:
         self._caches: dict[str, Any] = {}  # request id -> this stage's transformers cache for it
         self._adds: list[tuple[NewRequest, Request]] = []  # rank 0: added since the last header
         self._own: dict[str, Request] = {}  # rank 0: the led header's adds, as add_request built them
+        self.kv_cache_bytes = kv_cache_bytes
+        self.costs: list[CacheCost] = []
+        """Every rank's cache cost and budget, measured at warmup and shared (rank 0 admits by them)."""
+        self._sizes: list[tuple[int, int]] = []  # the warmup request's (positions, cache bytes) after each forward
         self._cancels: list[str] = []
         self._releases: list[Release] = []  # rank 0: what ended, released by the next header
         self._events: list[RequestEvent] = []
@@ -108,6 +127,11 @@ class FallbackEngine:
     ) -> None:
         """Rank 0: queued for the next header, which every rank applies."""
         check_prompt(prompt_ids, self.context_length)
+        need = min(len(prompt_ids) + sampling.max_tokens, self.context_length)
+        if (short := next((c for c in self.costs if not c.holds([], need)), None)) is not None:
+            raise PromptRejected(f"this request may grow to {need} tokens of cache ({short.bytes_for(need)} bytes on "
+                                 f"rank {short.rank}), more than the {short.budget} bytes this instance reserved "
+                                 "there: ask for fewer max_tokens or send a shorter prompt")
         if any(r.request_id == request_id for r in (*self._pending, *self._running, *(q for _, q in self._adds))):
             raise ValueError(f"request {request_id!r} is already running")
         req = self._new_request(request_id, list(prompt_ids), sampling, command_id)
@@ -135,7 +159,7 @@ class FallbackEngine:
             self._apply(header)
             if header.kind == StepKind.SHUTDOWN:
                 self.closed = True
-            outs = self._run() if header.kind == StepKind.DECODE else []
+            outs = self._run(bool(header.chunk)) if header.kind == StepKind.DECODE else []
         if not self._running and not self._pending:
             self._enter_phase("idle", "no_work")
         return outs
@@ -150,6 +174,19 @@ class FallbackEngine:
         while self._warming:
             self.step()
         self._events.clear()
+        self._share_costs()
+
+    def _share_costs(self) -> None:
+        """Each rank's cost of a request's cache (from the warmup's sizes) and its budget, gathered on every rank:
+        rank 0 admits a prompt only where every rank's caches still fit (CacheCost)."""
+        own = CacheCost.measured(self.rank, self._sizes, self.kv_cache_bytes)
+        if self.world_size == 1:
+            self.costs = [own]
+            return
+        mine = torch.tensor([own.fixed, own.per_token, own.budget], dtype=torch.int64)
+        every = [torch.empty(3, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=getattr(self.link, "control_group", None))
+        self.costs = [CacheCost(r, *(int(v) for v in t.tolist())) for r, t in enumerate(every)]
 
     # --- extras for the runner -----------------------------------------------------------------------------
 
@@ -188,12 +225,22 @@ class FallbackEngine:
         """Rank 0: the next header from what was added, cancelled and finished, sent to the others."""
         adds, self._adds = self._adds, []
         releases = self._take_releases()
-        work = bool(adds or self._pending or self._running)
-        header = Header(StepKind.DECODE if work else StepKind.HEARTBEAT, tuple(a for a, _ in adds), releases)
+        gone = {r.request_id for r in releases}
+        running = [r for r in self._running if r.request_id not in gone]
+        queue = [r for r in (*self._pending, *(req for _, req in adds)) if r.request_id not in gone]
+        admit = bool(queue) and len(running) < self.max_batch and (not running or all(  # alone: it fits (add_request)
+            c.holds([self._need(r) for r in running], self._need(queue[0])) for c in self.costs))
+        work = bool(queue or running)
+        header = Header(StepKind.DECODE if work else StepKind.HEARTBEAT, tuple(a for a, _ in adds), releases,
+                        chunk=int(admit))
         self.link.send_header(header)
         self._last_header = time.monotonic()
         self._own = {a.request_id: req for a, req in adds}
         return header
+
+    def _need(self, req: Request) -> int:
+        """Positions the request's cache may grow to: its prompt and every token it may generate."""
+        return min(len(req.prompt) + req.max_tokens, self.context_length)
 
     def _take_releases(self) -> tuple[Release, ...]:
         releases = tuple(Release(rid, True) for rid in self._cancels) + tuple(self._releases)
@@ -257,17 +304,17 @@ class FallbackEngine:
 
     # --- compute -------------------------------------------------------------------------------------------
 
-    def _run(self) -> list[TokenOut]:
-        """One token for every running request, each in its own forward pass over its own cache, then the first
-        waiting prompt in one forward pass (a fresh cache of the model's own kind) while there is room; then the
-        step's tokens, shared."""
+    def _run(self, admit: bool) -> list[TokenOut]:
+        """One token for every running request, each in its own forward pass over its own cache, then, where rank
+        0 admitted it (a free row, and every rank's caches still fit: CacheCost), the first waiting prompt in one
+        forward pass (a fresh cache of the model's own kind); then the step's tokens, shared."""
         stepped, outs = list(self._running), []
         if stepped:
             self._enter_phase("decode_stream", "decode")
         for req in stepped:
             outs += self._forward(req, [req.last_token], req.length)
             req.length += 1
-        if self._pending and len(self._running) < self.max_batch:
+        if admit and self._pending:
             self._enter_phase("prefill_stream", "prefill")
             req = self._pending.popleft()
             if req.request_id != WARMUP_ID:
@@ -286,7 +333,10 @@ class FallbackEngine:
         x = torch.tensor([ids])
         hidden = None if self.span.first else self.link.recv_hidden((1, len(ids), self.hidden_size),
                                                                      self.model.dtype, torch.device("cpu"))
-        out = forward_stage(self.model, self.span, x, hidden, self._caches[req.request_id], start)
+        cache = self._caches[req.request_id]
+        out = forward_stage(self.model, self.span, x, hidden, cache, start)
+        if req.request_id == WARMUP_ID:
+            self._sizes.append((start + len(ids), cache_bytes(cache)))
         if not self.span.last:
             self.link.send_hidden(out)
             return []

@@ -198,6 +198,54 @@ def stage_cache(model: Any, span: StageSpan) -> Any:
     return cache
 
 
+def cache_bytes(cache: Any) -> int:
+    """Bytes of the tensors a request's cache holds (keys and values, convolution and recurrent states), each
+    storage once: the skipped layers' entries alias owned ones, and a never-written entry holds none."""
+    storages: dict[int, int] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "meta" and value.numel():
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(value, list | tuple):
+            for item in value:
+                visit(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+
+    for layer in getattr(cache, "layers", ()):
+        visit(list(vars(layer).values()))
+    return sum(storages.values())
+
+
+@dataclass(frozen=True)
+class CacheCost:
+    """What one rank's cache of a request costs, fixed + per_token * positions (from the warmup request's sizes:
+    linear-attention and SSM states are the fixed part; a sliding layer counts as if it kept every position,
+    which over-counts), and the bytes placement reserved for that rank's caches (budget; -1: no bound)."""
+
+    rank: int
+    fixed: int
+    per_token: int
+    budget: int
+
+    @classmethod
+    def measured(cls, rank: int, sizes: list[tuple[int, int]], budget: int | None) -> CacheCost:
+        """From (positions, bytes) after the warmup's prefill and its decode step."""
+        (t1, b1), (t2, b2) = sizes[0], sizes[-1]
+        per_token = max(0, (b2 - b1) // (t2 - t1)) if t2 > t1 else (b1 // t1 if t1 else 0)
+        return cls(rank, max(0, b1 - per_token * t1), per_token, -1 if budget is None else budget)
+
+    def bytes_for(self, positions: int) -> int:
+        return self.fixed + self.per_token * positions
+
+    def holds(self, running: list[int], need: int) -> bool:
+        """Whether caches of these sizes (the running requests' and one more's, in positions) fit the budget."""
+        return self.budget < 0 or sum(self.bytes_for(n) for n in (*running, need)) <= self.budget
+
+
 def _kind(layer: Any) -> tuple[type, Any]:
     return type(layer), getattr(layer, "sliding_window", None)
 
