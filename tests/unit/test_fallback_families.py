@@ -200,7 +200,7 @@ def test_requests_wait_for_the_cache_bytes_placement_reserved(checkpoints: dict[
     engine = FallbackEngine(checkpoints["mixtral"], max_seq=256, kv_cache_bytes=1 << 40)
     engine.warmup()
     (cost,) = engine.costs
-    assert (cost.fixed, cost.per_token, cost.budget) == (0, 2 * 2 * 16 * 4 * 3, 1 << 40)
+    assert (cost.fixed, cost.per_token, cost.windowed, cost.budget) == (0, 2 * 2 * 16 * 4 * 3, 0, 1 << 40)
     need = max(len(p) for p in PROMPTS) + TOKENS
     budget = cost.bytes_for(need) * 3 // 2
     engine.costs = [dataclasses.replace(cost, budget=budget)]
@@ -211,9 +211,29 @@ def test_requests_wait_for_the_cache_bytes_placement_reserved(checkpoints: dict[
     while engine.has_work():
         for out in engine.step():
             got[out.request_id].append(out.token_id)
-        assert sum(cache_bytes(c) for c in engine._caches.values()) <= budget
+        assert sum(cache_bytes(c, engine.span) for c in engine._caches.values()) <= budget
         order += [(type(e).__name__, e.request_id) for e in engine.take_events() if not isinstance(e, Admitted)]
     assert order == [("Started", "r0"), ("Released", "r0"), ("Started", "r1"), ("Released", "r1")]
     assert (why := disagreement(got, reference(checkpoints["mixtral"]))) is None, why
     with pytest.raises(PromptRejected, match=r"more than the \d+ bytes this instance reserved"):
         engine.add_request("big", PROMPTS[0], GREEDY.model_copy(update={"max_tokens": 200}))
+
+
+def test_the_cache_cost_counts_states_as_fixed_and_sliding_layers_up_to_their_window(
+    checkpoints: dict[str, Path],
+) -> None:
+    """Nemotron-H: its Mamba blocks' states are fixed, its one attention layer grows 2 heads x 16 float32 keys and
+    values a position, its MLP block holds nothing; gpt-oss: two full layers grow without end, the two sliding
+    ones (window 8) stop growing at their window."""
+    costs = {}
+    for name in ("nemotron_h", "gpt_oss"):
+        engine = FallbackEngine(checkpoints[name], max_seq=256)
+        engine.warmup()
+        (costs[name],) = engine.costs
+    layer = 2 * 2 * 16 * 4
+    assert costs["nemotron_h"].per_token == layer and costs["nemotron_h"].fixed > 0
+    assert costs["nemotron_h"].bytes_for(200) - costs["nemotron_h"].bytes_for(100) == 100 * layer
+    gpt = costs["gpt_oss"]
+    assert gpt.per_token == 2 * layer and gpt.budget == -1
+    assert gpt.bytes_for(1000) - gpt.bytes_for(500) == 500 * 2 * layer, "the sliding layers stop at their window"
+    assert gpt.bytes_for(8) >= 8 * 4 * layer, "below the window every layer holds every position"

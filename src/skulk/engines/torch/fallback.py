@@ -51,9 +51,9 @@ from .core import WARMUP_ID, PhaseHook
 from .fallback_stage import (
     CacheCost,
     StageSpan,
-    cache_bytes,
     forward_stage,
     hidden_size,
+    layer_bytes,
     layer_count,
     load_stage,
     stage_cache,
@@ -107,7 +107,7 @@ class FallbackEngine:
         self.kv_cache_bytes = kv_cache_bytes
         self.costs: list[CacheCost] = []
         """Every rank's cache cost and budget, measured at warmup and shared (rank 0 admits by them)."""
-        self._sizes: list[tuple[int, int]] = []  # the warmup request's (positions, cache bytes) after each forward
+        self._sizes: list[tuple[int, list[tuple[int, int]]]] = []  # the warmup's (positions, layer_bytes)
         self._cancels: list[str] = []
         self._releases: list[Release] = []  # rank 0: what ended, released by the next header
         self._events: list[RequestEvent] = []
@@ -179,12 +179,12 @@ class FallbackEngine:
     def _share_costs(self) -> None:
         """Each rank's cost of a request's cache (from the warmup's sizes) and its budget, gathered on every rank:
         rank 0 admits a prompt only where every rank's caches still fit (CacheCost)."""
-        own = CacheCost.measured(self.rank, self._sizes, self.kv_cache_bytes)
+        own = CacheCost.measured(self.rank, self._sizes[0], self._sizes[-1], self.kv_cache_bytes)
         if self.world_size == 1:
             self.costs = [own]
             return
-        mine = torch.tensor([own.fixed, own.per_token, own.budget], dtype=torch.int64)
-        every = [torch.empty(3, dtype=torch.int64) for _ in range(self.world_size)]
+        mine = torch.tensor([own.fixed, own.per_token, own.windowed, own.window, own.budget], dtype=torch.int64)
+        every = [torch.empty(5, dtype=torch.int64) for _ in range(self.world_size)]
         dist.all_gather(every, mine, group=getattr(self.link, "control_group", None))
         self.costs = [CacheCost(r, *(int(v) for v in t.tolist())) for r, t in enumerate(every)]
 
@@ -336,7 +336,7 @@ class FallbackEngine:
         cache = self._caches[req.request_id]
         out = forward_stage(self.model, self.span, x, hidden, cache, start)
         if req.request_id == WARMUP_ID:
-            self._sizes.append((start + len(ids), cache_bytes(cache)))
+            self._sizes.append((start + len(ids), layer_bytes(cache, self.span)))
         if not self.span.last:
             self.link.send_hidden(out)
             return []

@@ -198,48 +198,69 @@ def stage_cache(model: Any, span: StageSpan) -> Any:
     return cache
 
 
-def cache_bytes(cache: Any) -> int:
-    """Bytes of the tensors a request's cache holds (keys and values, convolution and recurrent states), each
-    storage once: the skipped layers' entries alias owned ones, and a never-written entry holds none."""
-    storages: dict[int, int] = {}
+def layer_bytes(cache: Any, span: StageSpan) -> list[tuple[int, int]]:
+    """Per layer this stage runs, the bytes its entry of a request's cache holds (keys and values, convolution and
+    recurrent states; 0-dim counters are bookkeeping) and its sliding window (0: none). The skipped layers'
+    entries alias owned ones or are never written, so they are not counted."""
+    out = []
+    for i, layer in enumerate(getattr(cache, "layers", ())):
+        if not span.owns(i):
+            continue
+        storages: dict[int, int] = {}
+        for value in vars(layer).values():
+            for tensor in _tensors(value):
+                if tensor.dim() and tensor.device.type != "meta":
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        out.append((sum(storages.values()), int(getattr(layer, "sliding_window", 0) or 0)))
+    return out
 
-    def visit(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            if value.device.type != "meta" and value.numel():
-                storage = value.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(value, list | tuple):
-            for item in value:
-                visit(item)
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
 
-    for layer in getattr(cache, "layers", ()):
-        visit(list(vars(layer).values()))
-    return sum(storages.values())
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+def cache_bytes(cache: Any, span: StageSpan) -> int:
+    return sum(b for b, _ in layer_bytes(cache, span))
 
 
 @dataclass(frozen=True)
 class CacheCost:
-    """What one rank's cache of a request costs, fixed + per_token * positions (from the warmup request's sizes:
-    linear-attention and SSM states are the fixed part; a sliding layer counts as if it kept every position,
-    which over-counts), and the bytes placement reserved for that rank's caches (budget; -1: no bound)."""
+    """What one rank's cache of a request costs at n positions, fixed + per_token * n + windowed * min(n, window)
+    (from the warmup request's sizes after its prefill and its decode step: linear-attention and SSM states and a
+    full sliding window are fixed, full attention grows by per_token, a sliding layer not yet full by windowed), and
+    the bytes placement reserved for that rank's caches (budget; -1: no bound)."""
 
     rank: int
     fixed: int
     per_token: int
+    windowed: int
+    window: int
     budget: int
 
     @classmethod
-    def measured(cls, rank: int, sizes: list[tuple[int, int]], budget: int | None) -> CacheCost:
-        """From (positions, bytes) after the warmup's prefill and its decode step."""
-        (t1, b1), (t2, b2) = sizes[0], sizes[-1]
-        per_token = max(0, (b2 - b1) // (t2 - t1)) if t2 > t1 else (b1 // t1 if t1 else 0)
-        return cls(rank, max(0, b1 - per_token * t1), per_token, -1 if budget is None else budget)
+    def measured(cls, rank: int, first: tuple[int, list[tuple[int, int]]], second: tuple[int, list[tuple[int, int]]],
+                 budget: int | None) -> CacheCost:
+        """From (positions, layer_bytes) after the warmup's prefill and after its decode step."""
+        (t1, layers1), (t2, layers2) = first, second
+        fixed = per_token = windowed = window = 0
+        for (b1, w), (b2, _) in zip(layers1, layers2, strict=True):
+            grows = max(0, b2 - b1) // max(1, t2 - t1)
+            fixed += max(0, b1 - grows * t1)
+            if w:
+                windowed, window = windowed + grows, max(window, w)
+            else:
+                per_token += grows
+        return cls(rank, fixed, per_token, windowed, window, -1 if budget is None else budget)
 
     def bytes_for(self, positions: int) -> int:
-        return self.fixed + self.per_token * positions
+        return self.fixed + self.per_token * positions + self.windowed * min(positions, self.window)
 
     def holds(self, running: list[int], need: int) -> bool:
         """Whether caches of these sizes (the running requests' and one more's, in positions) fit the budget."""
