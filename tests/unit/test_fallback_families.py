@@ -237,3 +237,16 @@ def test_the_cache_cost_counts_states_as_fixed_and_sliding_layers_up_to_their_wi
     assert gpt.per_token == 2 * layer and gpt.budget == -1
     assert gpt.bytes_for(1000) - gpt.bytes_for(500) == 500 * 2 * layer, "the sliding layers stop at their window"
     assert gpt.bytes_for(8) >= 8 * 4 * layer, "below the window every layer holds every position"
+
+
+def test_a_cache_cost_from_one_sample_counts_every_byte_as_growing() -> None:
+    """A warmup that ended at its first token leaves one sample: nothing can be told fixed, so every byte is
+    counted per position (over-counting, never under); two samples split a state's fixed bytes from a layer's
+    growth, and holds() sums the running requests' and the newcomer's."""
+    from skulk.engines.torch.fallback_stage import CacheCost
+
+    one = CacheCost.measured(0, (10, [(1000, 0), (500, 0)]), (10, [(1000, 0), (500, 0)]), 3000)
+    assert (one.fixed, one.per_token) == (0, 150) and one.bytes_for(10) == 1500
+    two = CacheCost.measured(0, (10, [(1000, 0), (500, 0)]), (11, [(1100, 0), (500, 0)]), 3000)
+    assert (two.fixed, two.per_token) == (500, 100) and two.bytes_for(10) == 1500
+    assert two.holds([10], 10) and not two.holds([10, 5], 10)

@@ -251,7 +251,8 @@ class CacheCost:
         (t1, layers1), (t2, layers2) = first, second
         fixed = per_token = windowed = window = 0
         for (b1, w), (b2, _) in zip(layers1, layers2, strict=True):
-            grows = max(0, b2 - b1) // max(1, t2 - t1)
+            # one sample (the warmup ended at its first token): every byte counted as growing, which over-counts
+            grows = max(0, b2 - b1) // (t2 - t1) if t2 > t1 else b1 // max(1, t1)
             fixed += max(0, b1 - grows * t1)
             if w:
                 windowed, window = windowed + grows, max(window, w)
