@@ -89,10 +89,11 @@ class ModelCard(CamelModel):
     """How the torch engine runs the family: "native", its own kernels, paged cache and batching, split over
     nodes; "transformers", through transformers' own modeling code (engines/torch/fallback.py): correct but
     slower, one request per forward pass, split as a Pipeline where fallback_splits says so."""
-    fallback_splits: bool | None = None
+    fallback_splits: bool | None = Field(default=None, exclude_if=lambda v: v is None)
     """Whether the fallback splits the family by decoder layers over Pipeline ranks (engines/torch/fallback_stage.py):
     False where its layers read the token ids beside the hidden states (Gemma 4's per-layer inputs). None: a card
-    from a build before the split, or a native family."""
+    from a build before the split, or a native family; left out of the wire then, so a node one release behind
+    still reads the card (types/versions.py)."""
     backend_preference: list[BackendTag] = []
     """Skulk's soft order: under engine `auto`, the first of these every node of a ring can run wins."""
     kv_cache_gb: float | None = None
