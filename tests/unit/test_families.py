@@ -247,6 +247,9 @@ def test_the_torch_engine_runs_other_families_through_transformers(monkeypatch: 
                               "num_attention_heads": 4, "hidden_size_per_layer_input": 256}}
     from skulk.models.families import fallback_splits
     assert not fallback_splits(gemma4) and fallback_splits(MINIMAX_M2)  # per-layer inputs read the ids
+    shared = {**gemma4, "text_config": {**gemma4["text_config"], "hidden_size_per_layer_input": 0,
+                                        "num_kv_shared_layers": 2}}
+    assert not fallback_splits(shared), "a layer reading another's keys and values stays with it"
     assert card_from_config("x/deepseek-v3-bf16", UNQUANTIZED_V3, 1).torch_runtime == "native"  # no longer fallback
 
 

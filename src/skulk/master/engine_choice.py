@@ -119,7 +119,7 @@ def _why_fallback_not_split(card: ModelCard, how: str) -> str:
     if card.fallback_splits is None:
         return "this card predates splitting it (add the model again)"
     return ("cannot split this family: its layers read the token ids beside the hidden states (per-layer "
-            "inputs)")
+            "inputs) or another layer's cache (shared keys and values)")
 
 
 def _why_not_split(card: ModelCard, how: str) -> str:

@@ -154,7 +154,9 @@ def fallback_refusal(config: Mapping[str, Any], causal_lms: Mapping[str, str]) -
 def fallback_splits(config: Mapping[str, Any]) -> bool:
     """The transformers fallback can split this checkpoint as a Pipeline (engines/torch/fallback_stage.py): its
     decoder layers take only the hidden states, not also the token ids (Gemma 3n's and Gemma 4's per-layer inputs,
-    hidden_size_per_layer_input, are looked up from the ids and projected from the first stage's embeddings)."""
+    hidden_size_per_layer_input, are looked up from the ids and projected from the first stage's embeddings), and
+    none reads another layer's cache (their num_kv_shared_layers reuse an earlier layer's keys and values, which
+    another stage would hold)."""
     text = config.get("text_config")
     text = text if isinstance(text, Mapping) else config
-    return not (text.get("hidden_size_per_layer_input") or config.get("hidden_size_per_layer_input"))
+    return not any(text.get(key) or config.get(key) for key in ("hidden_size_per_layer_input", "num_kv_shared_layers"))

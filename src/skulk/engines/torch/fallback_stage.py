@@ -162,7 +162,7 @@ def load_stage(model_dir: Path, span: StageSpan) -> Any:
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     if not (span.first and span.last) and not fallback_splits(config.to_dict()):
         raise ValueError(f"{config.model_type}'s layers read the token ids beside the hidden states (per-layer "
-                         "inputs): it runs on one rank, not split")
+                         "inputs) or another layer's cache: it runs on one rank, not split")
     base = getattr(transformers, causal_lm_classes()[config.model_type])
     cls = stage_class(base)
     cls._span = span
