@@ -28,7 +28,14 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _NORM = re.compile(r"norm\.weight$")
 _QUANT_BITS = {"int4": 4, "int8": 8}
 _GROUP = 64
-_BLOCK_ROWS = 8
+BLOCK_ROWS = 8
+"""The CPU kernels read weights in blocks of 8 output rows; a matrix's rows are zero-padded to a multiple of it."""
+SUPPORTED_GROUPS = (32, 64, 128, 256)
+"""The quantization groups the torch engine's weight-only kernels take (engines/torch/quant.py)."""
+FP8_FLOAT_KEPT = ("kv_b_proj",)
+"""Projections an FP8 checkpoint's load leaves in float (dequantized) rather than at 8 bits: MLA's kv_b_proj, whose
+float weight a decode step absorbs into the queries (models/deepseek_v3.py); quantized, every step would expand
+the whole cached context through it. DeepSeek V3's are 0.15% of its weights."""
 
 
 def resident_bound(shard: int) -> int:
@@ -88,6 +95,29 @@ def _owned(name: str, start: int, end: int, layers: int) -> bool:
 
 
 def _quantized_bytes(shape: tuple[int, ...], bits: int) -> int:
-    rows, columns = shape
-    rows += -rows % _BLOCK_ROWS
-    return rows * columns * bits // 8 + 2 * rows * (columns // _GROUP) * 2
+    return quantized_bytes(shape[0], shape[1], bits, _GROUP)
+
+
+def quantized_bytes(rows: int, columns: int, bits: int, group: int) -> int:
+    """A matrix as the CPU kernels hold it quantized (quant.interleave8): rows padded to BLOCK_ROWS, bits/8 bytes a
+    value, an f16 scale and an f16 bias per group of `group` columns."""
+    rows += -rows % BLOCK_ROWS
+    return rows * columns * bits // 8 + 2 * rows * (columns // group) * 2
+
+
+def fitting_group(columns: int, preferred: int) -> int | None:
+    """The group size to quantize a float matrix with: the preferred one when it divides the columns, else
+    the largest supported one that does (None: none does, and the matrix stays float)."""
+    if columns % preferred == 0:
+        return preferred
+    return next((g for g in sorted(SUPPORTED_GROUPS, reverse=True) if columns % g == 0), None)
+
+
+def fp8_group(block_columns: int) -> int:
+    """The group an FP8 block-scaled checkpoint's weights are held in at 8 bits: the largest supported group that
+    divides the FP8 block's width (DeepSeek's 128 x 128 blocks: 128). Every group then lies inside one FP8 block,
+    so its values share one FP8 scale and 8-bit steps of (max - min) / 255 over it lose little of e4m3's 3-bit
+    mantissa; a wider group (256) would span two blocks' scales, and narrower ones (32, 64) cost two or four times
+    the scale and bias bytes (4 per group: 3% of a value's byte at 128) for no precision the FP8 values hold. A
+    block no supported group divides takes 128, what DeepSeek's would."""
+    return max((g for g in SUPPORTED_GROUPS if block_columns % g == 0), default=128)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from skulk.engines.footprint import FP8_FLOAT_KEPT, fitting_group, fp8_group, quantized_bytes
 from skulk.formats.checkpoint import safetensors_header
 from skulk.models.layer_shapes import (
     Tensor,
@@ -83,7 +84,7 @@ def tensor_bytes(t: Tensor, layout: Layout, fb: int) -> int:
     if not t.quantizable or layout.kind == "float":
         return n * fb
     if layout.kind == "fp8":
-        if any(mark in f"{t.path}." for mark in _NOT_FP8):
+        if not _fp8_stored(t):
             return n * fb
         *stack, rows, cols = t.shape
         blocks = math.prod(stack) * -(-rows // layout.block[0]) * -(-cols // layout.block[1])
@@ -101,6 +102,11 @@ def tensor_bytes(t: Tensor, layout: Layout, fb: int) -> int:
     if t.shape[-1] % group:
         return n * fb  # mlx-lm leaves a weight whose rows do not divide into groups unquantized
     return n * bits // 8 + 2 * (n // group) * fb  # packed values, a scale and a bias per group
+
+
+def _fp8_stored(t: Tensor) -> bool:
+    """Whether DeepSeek's FP8 checkpoint stores the tensor as FP8 blocks (its projections, not _NOT_FP8)."""
+    return t.quantizable and not any(mark in f"{t.path}." for mark in _NOT_FP8)
 
 
 TORCH_STATE_SLOTS = 2
@@ -162,8 +168,9 @@ def _layers(c: dict[str, Any], weights: list[int]) -> list[LayerMemory]:
 def torch_dequantized_growth(config: dict[str, Any]) -> int:
     """Bytes a torch rank holds beyond the files: gpt-oss's MXFP4 experts, which the torch engine dequantizes to
     the model's float dtype while loading (engines/torch/mxfp4.py), at fb bytes a value instead of half a byte
-    and a scale byte per 32; DeepSeek's block-scaled FP8 weights (engines/torch/fp8.py), fb bytes a value instead
-    of one and a float32 scale a block. 0 for anything else, or a config without the dimensions."""
+    and a scale byte per 32; DeepSeek's block-scaled FP8 weights (engines/torch/fp8.py), held at 8 bits
+    (torch_fp8_bytes: a byte a value and an f16 scale and bias per group instead of a float32 scale a block, and
+    kv_b_proj in float): a few percent. 0 for anything else, or a config without the dimensions."""
     c = text_of(config)
     layout = layout_of(c)
     mxfp4 = c.get("model_type") == "gpt_oss" and layout.kind == "mxfp4"
@@ -175,7 +182,22 @@ def torch_dequantized_growth(config: dict[str, Any]) -> int:
                  if t.expert or not mxfp4]
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return 0
+    if layout.kind == "fp8":
+        return sum(torch_fp8_bytes(t, layout, fb) - tensor_bytes(t, layout, fb) for t in grown)
     return sum(math.prod(t.shape) * fb - tensor_bytes(t, layout, fb) for t in grown)
+
+
+def torch_fp8_bytes(t: Tensor, layout: Layout, fb: int) -> int:
+    """What the torch engine holds of an FP8 checkpoint's tensor with no quantize-at-load asked (engines/torch/
+    fp8.py): an FP8 weight at 8 bits in groups of footprint.fp8_group, as the CPU kernels lay it out
+    (footprint.quantized_bytes; torch's CUDA rows hold less: a byte a value and a scale a row); in float (fb bytes
+    a value) what the file stores in float, a matrix no group divides, and footprint.FP8_FLOAT_KEPT."""
+    n = math.prod(t.shape)
+    if not _fp8_stored(t) or t.path.rsplit(".", 1)[-1] in FP8_FLOAT_KEPT:
+        return n * fb
+    *stack, rows, cols = t.shape
+    group = fitting_group(cols, fp8_group(layout.block[1]))
+    return n * fb if group is None else math.prod(stack) * quantized_bytes(rows, cols, 8, group)
 
 
 def kinds_of(config: dict[str, Any]) -> list[LayerKind] | None:

@@ -4,10 +4,16 @@ float8_e4m3fn [out, in] beside `<name>.weight_scale_inv`, float32 [ceil(out / 12
 multiplier per 128 x 128 block (w = weight * scale_inv; the last row and column of blocks may be partial).
 Embeddings, norms, routers and the head stay in the checkpoint's float dtype.
 
-The torch engine dequantizes them while loading (loader.CheckpointNames.read), in float32 then to the model's
-dtype (bfloat16 as published): a bfloat16 model then holds the checkpoint's weights at twice their file size
-(models/memory_math.torch_dequantized_growth cards that). Running the fp8 blocks on kernels of their own is left
-for later. A per-tensor FP8 layout (no weight_block_size) is not this one and is not read.
+The torch engine holds them on its own weight-only kernels (quant.py) at 8 bits: each FP8 weight is dequantized
+in float32 a band of rows at a time (dequantize_rows) and each band at once quantized to MLX-style affine groups
+of footprint.fp8_group columns (128 for DeepSeek's blocks: one group never spans two blocks' scales), so a
+runner holds about the file's bytes (a value's byte, an f16 scale and bias per 128 values: ~3% over the file's
+float32 scale per 16384) and the model never exists whole in float (loader._quantized_float_linear). What the
+file stores in float stays in the model's dtype, and so does MLA's kv_b_proj (footprint.FP8_FLOAT_KEPT: decode
+absorbs its float weight), dequantized whole. A quantize-at-load setting (int4) wins: the FP8 weights are then
+quantized to it the same way, band by band. models/memory_math.torch_dequantized_growth cards what the runner
+holds beyond the files. Running the FP8 values on FP8 kernels of their own is left for later. A per-tensor FP8
+layout (no weight_block_size) is not this one and is not read.
 """
 
 from __future__ import annotations
@@ -37,6 +43,20 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
                out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """weight [out, in] (float8) times its block's scale_inv ([ceil(out / rows), ceil(in / columns)]), computed in
     float32 a band of whole blocks at a time, into out (its dtype) or a new tensor of dtype."""
+    check_scales(weight, scale_inv, block)
+    rows, cols = weight.shape
+    target = torch.empty(rows, cols, dtype=dtype) if out is None else out
+    if tuple(target.shape) != (rows, cols):
+        raise ValueError(f"FP8 weight {tuple(weight.shape)} read into {tuple(target.shape)}")
+    band = max(1, ROWS_AT_ONCE // max(cols, 1))
+    for start in range(0, rows, band):
+        stop = min(rows, start + band)
+        target[start:stop] = dequantize_rows(weight, scale_inv, block, start, stop)
+    return target
+
+
+def check_scales(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+    """ValueError unless weight is a matrix and scale_inv has one scale per block of it."""
     if weight.dim() != 2:
         raise ValueError(f"FP8 weight of shape {tuple(weight.shape)}: block scales are read for matrices only")
     rows, cols = weight.shape
@@ -44,16 +64,15 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"FP8 weight {tuple(weight.shape)} in blocks of {block} needs scales {expected}, "
                          f"not {tuple(scale_inv.shape)}")
-    target = torch.empty(rows, cols, dtype=dtype) if out is None else out
-    if tuple(target.shape) != (rows, cols):
-        raise ValueError(f"FP8 weight {tuple(weight.shape)} read into {tuple(target.shape)}")
-    scales = scale_inv.float().repeat_interleave(block[1], dim=1)[:, :cols]  # [row blocks, in]
-    band = block[0] * max(1, ROWS_AT_ONCE // max(cols * block[0], 1))
-    for start in range(0, rows, band):
-        stop = min(rows, start + band)
-        per_row = scales[start // block[0]: -(-stop // block[0])].repeat_interleave(block[0], dim=0)
-        target[start:stop] = weight[start:stop].float() * per_row[: stop - start]
-    return target
+
+
+def dequantize_rows(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], start: int,
+                    stop: int) -> torch.Tensor:
+    """Rows [start, stop) of weight [out, in] (float8) times their blocks' scale_inv, in float32 (any rows: a
+    band need not begin on a block's first row). Shapes as check_scales checks them."""
+    cols = weight.shape[1]
+    per_row = scale_inv[torch.arange(start, stop) // block[0]].float()  # [rows, column blocks]
+    return weight[start:stop].float() * per_row.repeat_interleave(block[1], dim=1)[:, :cols]
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

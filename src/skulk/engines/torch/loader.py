@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +24,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from skulk.engines.footprint import FP8_FLOAT_KEPT
 from skulk.formats import InvalidModelFile
 from skulk.formats.checkpoint import read_config, safetensors_header
 
-from . import fp8, mxfp4
+from . import cpu_kernels, fp8, mxfp4
 from .config import parse_dtype
 from .cuda_quant import cuda_from_affine, cuda_int8_from_float
 from .gguf_file import open_gguf
@@ -39,6 +40,7 @@ from .quant import (
     QuantizedLinear,
     QuantSpec,
     affine_quantize,
+    affine_quantize_rows,
     fitting_group,
     pack_mlx,
     quant_spec,
@@ -65,11 +67,13 @@ def load_model(
     """Build the slice and fill it with its weights, in the config's dtype unless dtype overrides it.
 
     An MLX-quantized checkpoint loads quantized as it ships; `quantize` ("int4"/"int8") quantizes a float one
-    while loading (engines/torch/quant.py). Quantized models compute in bfloat16, what the kernels want."""
+    while loading (engines/torch/quant.py). Quantized models compute in bfloat16, what the kernels want; an FP8
+    block-scaled checkpoint, its FP8 weights held at 8 bits unless `quantize` says otherwise (fp8.py), keeps the
+    config's dtype for what it stores in float."""
     config = read_config(model_dir / "config.json")
     quant = quant_spec(config, quantize)
     args = read_args(config)
-    if dtype is not None or quant is not None:
+    if dtype is not None or (quant is not None and not quant.fp8_only):
         args = dataclasses.replace(args, dtype=parse_dtype(dtype or torch.bfloat16))
     model = ModelSlice(
         args, start_layer=start_layer, end_layer=end_layer,
@@ -221,6 +225,27 @@ class CheckpointNames:
             raise ShapeMismatch(f"shape {tuple(values.shape)}, expected {tuple(out.shape)}")
         return out.copy_(values)
 
+    def fp8_rows(self, tensor: str, dim: int | None, split: Split) -> tuple[RowReader, int, int] | None:
+        """Of a block-scaled FP8 weight (not a stacked expert's), this rank's block along dim as (rows [a, b) in
+        float32 on demand, its rows, its columns): the FP8 bytes are read whole, the floats a band at a time
+        (fp8.dequantize_rows). None when the checkpoint stores the tensor otherwise."""
+        real, expert, _ = self.stacked.get(tensor, (tensor, None, None))
+        if self.fp8_block is None or expert is not None or f"{real}{fp8.SCALE_SUFFIX}" not in self.files:
+            return None
+        block, whole = self.fp8_block, Split(0, 1)
+        weight = self._read(real, None, None, whole, None)
+        scales = self._read(f"{real}{fp8.SCALE_SUFFIX}", None, None, whole, None)
+        fp8.check_scales(weight, scales, block)
+        (rows, cols), first, column = weight.shape, 0, 0
+        if dim == 0 and split.size > 1:
+            rows //= split.size
+            first = split.rank * rows
+        elif dim == 1 and split.size > 1:
+            cols //= split.size
+            column = split.rank * cols
+        return (lambda a, b: fp8.dequantize_rows(weight, scales, block, first + a, first + b)[:, column:column + cols],
+                rows, cols)
+
     def quant_path(self, base: str) -> str:
         """The module path a per-module quantization entry names: a stacked expert's is its switch_mlp tensor."""
         real = self.stacked[f"{base}.weight"].tensor if f"{base}.weight" in self.stacked else f"{base}.weight"
@@ -236,6 +261,10 @@ class CheckpointNames:
                 return param
             return f"{self.prefix}embed_tokens." + param.removeprefix("lm_head.")
         return f"{self.prefix}{param}"
+
+
+RowReader = Callable[[int, int], torch.Tensor]
+"""Rows [a, b) of a matrix, read on demand (CheckpointNames.fp8_rows)."""
 
 
 def _tp_parts(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -362,7 +391,9 @@ def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpe
     """Swap every projection (and lm_head; the embedding too when the checkpoint packs it) for its quantized
     form, read straight from the checkpoint; what stays float is loaded afterwards as usual. Quantizing at load
     leaves a MoE router (mlp.gate) in float: it is small, and its error would flip which experts run. On CUDA the
-    projections take torch's CUDA layouts (cuda_quant.py); the values are read and quantized on the host."""
+    projections take torch's CUDA layouts (cuda_quant.py); the values are read and quantized on the host. An FP8
+    checkpoint held at 8 bits by default (QuantSpec.fp8_only) swaps only what the file stores as FP8, less
+    footprint.FP8_FLOAT_KEPT (MLA's kv_b_proj, absorbed by decode)."""
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
     parted = _tp_parts(model)  # before the swaps: a replacement does not carry its original's tp_parts
     for name, module in targets:
@@ -370,7 +401,7 @@ def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpe
         replacement: nn.Module | None
         if isinstance(module, nn.Embedding):
             replacement = _packed_embedding(names, base, quant, model.args.dtype) if quant.prequantized else None
-        elif name.endswith(".mlp.gate") and not quant.prequantized:
+        elif (name.endswith(".mlp.gate") and not quant.prequantized) or _kept_float(name, base, names, quant):
             replacement = None
         else:
             dim = tp_split_dim(f"{name}.weight")
@@ -384,6 +415,12 @@ def _quantize_modules(model: ModelSlice, names: CheckpointNames, quant: QuantSpe
                 replacement.out_dtype = getattr(module, "out_dtype", None)
             model.set_submodule(name, replacement)
         release_free_memory()  # the float original and the quantizer's temporaries: holes the next one may not fit
+
+
+def _kept_float(name: str, base: str, names: CheckpointNames, quant: QuantSpec) -> bool:
+    """Under QuantSpec.fp8_only: a projection the file stores in float, or one of FP8_FLOAT_KEPT."""
+    return quant.fp8_only and (f"{base}.weight{fp8.SCALE_SUFFIX}" not in names or
+                               name.rsplit(".", 1)[-1] in FP8_FLOAT_KEPT)
 
 
 def _packed_embedding(names: CheckpointNames, base: str, quant: QuantSpec, dtype: torch.dtype) -> nn.Module | None:
@@ -423,7 +460,17 @@ def _affine_linear(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, 
 def _quantized_float_linear(names: CheckpointNames, base: str, dim: int | None, split: Split, quant: QuantSpec,
                             bias: torch.Tensor | None, device: torch.device,
                             parts: tuple[int, ...] | None = None) -> nn.Module | None:
-    """A float projection quantized while loading: int8 per row, int4 in groups."""
+    """A float projection quantized while loading: int8 per row (in groups on our kernels), int4 in groups. An FP8
+    one (CheckpointNames.fp8_rows) is dequantized and quantized a band of rows at a time where its groups are
+    kept as they are (int4; int8 on our kernels); on CUDA at 8 bits, as a float one is (whole, then per row)."""
+    banded = parts is None and (quant.bits == 4 or (device.type == "cpu" and cpu_kernels.available()))
+    if banded and (fp8_rows := names.fp8_rows(f"{base}.weight", dim, split)) is not None:
+        rows_of, n, k = fp8_rows
+        group = fitting_group(k, quant.group_size)
+        if group is None:
+            return None
+        q, scales, biases = affine_quantize_rows(rows_of, n, k, quant.bits, group)
+        return _affine_linear(q, scales, biases, quant.bits, group, bias, device)
     weight = names.read(f"{base}.weight", dim, split, parts=parts)
     group = fitting_group(weight.shape[1], quant.group_size)
     if group is None:

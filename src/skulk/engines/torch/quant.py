@@ -16,12 +16,16 @@ A quantized model computes in bfloat16 either way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from skulk.engines.footprint import BLOCK_ROWS, SUPPORTED_GROUPS, fp8_group
+from skulk.engines.footprint import fitting_group as fitting_group  # the loader's; beside the card's arithmetic
 
 from . import cpu_kernels
 from .fp8 import block_size as fp8_block_size
@@ -30,9 +34,6 @@ INT4_ROWS = 16
 """torch's int4 packing needs the output dimension in multiples of 16; other sizes are zero-padded."""
 INNER_K_TILES = 2
 SUPPORTED_BITS = (4, 8)
-SUPPORTED_GROUPS = (32, 64, 128, 256)
-BLOCK_ROWS = 8
-"""Our kernels read weights in blocks of 8 output rows; a matrix's rows are zero-padded to a multiple of it."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class QuantSpec:
     group_size: int
     prequantized: bool
     """True: the checkpoint holds MLX-packed weights; False: float weights quantized while loading."""
+    fp8_only: bool = False
+    """An FP8 block-scaled checkpoint held at 8 bits by default: only the weights the file stores as FP8 are
+    quantized (each from its blocks, never as a whole float matrix), the float ones (embedding, norms, router,
+    head) and footprint.FP8_FLOAT_KEPT stay as they are, in the model's dtype."""
     overrides: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False)
     """MLX's per-module entries (module path → bits, group size), e.g. MoE routers kept at 8 bits."""
 
@@ -55,13 +60,17 @@ class QuantSpec:
 def quant_spec(config: dict[str, Any], requested: str | None) -> QuantSpec | None:
     """How a checkpoint's linears are quantized: MLX's `quantization` section, else `requested`
     ("int4" / "int8") for a float checkpoint, else None. ValueError names what is not supported. gpt-oss's
-    MXFP4 section (only its experts, which the loader dequantizes: mxfp4.py) and DeepSeek's block-scaled FP8
-    (fp8.py, dequantized the same way) count as float checkpoints."""
+    MXFP4 section (only its experts, which the loader dequantizes: mxfp4.py) counts as a float checkpoint.
+    DeepSeek's block-scaled FP8 (fp8.py) is quantized at `requested` when one is, else its FP8 weights are held
+    at 8 bits in groups of footprint.fp8_group (QuantSpec.fp8_only): about the file's bytes, where dequantizing
+    them to bfloat16 would hold twice."""
     section = config.get("quantization") or config.get("quantization_config")
     if section and section.get("quant_method") == "mxfp4" and config.get("model_type") == "gpt_oss":
         section = None
-    if section and fp8_block_size(config) is not None:  # block-scaled FP8: dequantized while loading (fp8.py)
+    if (fp8_block := fp8_block_size(config)) is not None:  # block-scaled FP8: requantized while loading (fp8.py)
         section = None
+        if not requested:
+            return QuantSpec(8, fp8_group(fp8_block[1]), prequantized=False, fp8_only=True)
     if section:
         if "bits" not in section or "group_size" not in section:
             raise ValueError(f"unsupported quantization {section!r}; the engine loads MLX affine 4- and 8-bit")
@@ -82,14 +91,6 @@ def quant_spec(config: dict[str, Any], requested: str | None) -> QuantSpec | Non
     return spec
 
 
-def fitting_group(columns: int, preferred: int) -> int | None:
-    """The group size to quantize a float matrix with: the preferred one when it divides the columns, else
-    the largest supported one that does (None: none does, and the matrix stays float)."""
-    if columns % preferred == 0:
-        return preferred
-    return next((g for g in sorted(SUPPORTED_GROUPS, reverse=True) if columns % g == 0), None)
-
-
 # --- MLX's affine format --------------------------------------------------------------------------------------
 QUANTIZE_ELEMENTS = 1 << 20
 """Values quantized at a time: the float32 temporaries of quantizing one block of rows stay a few MiB, not
@@ -99,14 +100,20 @@ several float32 copies of the whole matrix (a load's peak is one tensor above wh
 def affine_quantize(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q uint8 [N, K], scales [N, K/group], biases [N, K/group]) with w ≈ scales * q + biases, as MLX does;
     rows are independent, so they are quantized a block at a time."""
-    n, k = w.shape
+    return affine_quantize_rows(lambda start, stop: w[start:stop], w.shape[0], w.shape[1], bits, group)
+
+
+def affine_quantize_rows(rows_of: Callable[[int, int], torch.Tensor], n: int, k: int, bits: int,
+                         group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """affine_quantize of an [n, k] matrix whose rows [start, stop) rows_of gives on demand, QUANTIZE_ELEMENTS at a
+    time: the float matrix never exists whole (an FP8 checkpoint's weights are dequantized a band at a time)."""
     q = torch.empty(n, k, dtype=torch.uint8)
     scales = torch.empty(n, k // group)
     low = torch.empty(n, k // group)
     rows = max(1, QUANTIZE_ELEMENTS // max(k, 1))
     for start in range(0, n, rows):
         block = slice(start, min(n, start + rows))
-        q[block], scales[block], low[block] = _affine_block(w[block], bits, group)
+        q[block], scales[block], low[block] = _affine_block(rows_of(block.start, block.stop), bits, group)
     return q, scales, low
 
 
