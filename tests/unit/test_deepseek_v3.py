@@ -88,7 +88,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepseek-v3")
     demo = tokenizer_donor(root)
     shared = write("deepseek_v3", root, demo)
-    fp8_path, dequantized = _as_fp8(shared, root)
+    fp8_path, dequantized = _as_fp8(with_tokenizer(write_model("deepseek_v3", root / "fp8_source", kv_lora_rank=32),
+                                                   demo), root)
     return {"shared": shared, "variant": _write_variant(root, demo),
             "variant_bf16": _write_variant(root, demo, torch.bfloat16), "kimi_k2": _as_kimi_k2(shared, root),
             "fp8": fp8_path, "fp8_dequantized": dequantized}
@@ -113,13 +114,14 @@ def test_greedy_tokens_are_transformers_on_one_rank_and_a_pipeline(name: str, ch
 
 FP8_BLOCK = (32, 32)
 """The test's FP8 blocks: DeepSeek publishes 128 x 128, which would make every matrix of the tiny model one block;
-32 x 32 gives most several, kv_a_proj_with_mqa's 24 rows and kv_b_proj's 16 columns a partial one, and the engine
-groups of 32 (footprint.fp8_group: the widest that divides the block, as 128 does DeepSeek's), which a tensor
-rank's half of o_proj's 64 columns splits into whole."""
+32 x 32 gives most several, kv_a_proj_with_mqa's 40 rows a partial one, and the engine groups of 32 (footprint.
+fp8_group: the widest that divides the block, as 128 does DeepSeek's), which a tensor rank's half of o_proj's 64
+columns splits into whole. The FP8 checkpoint's kv_lora_rank is 32, so kv_b_proj too could take groups: it stays
+float by rule (footprint.FP8_FLOAT_KEPT), not for want of one."""
 
 
 def _as_fp8(path: Path, root: Path) -> tuple[Path, Path]:
-    """The shared checkpoint as DeepSeek publishes its weights: every decoder projection (not the router, the
+    """A float checkpoint as DeepSeek publishes its weights: every decoder projection (not the router, the
     embedding or the head) float8_e4m3fn with a `weight_scale_inv` per block, and quantization_config saying so;
     beside it the float32 checkpoint of exactly those weights dequantized by hand (the reference). The FP8 one
     names no end-of-sequence token, so every request runs its 16 tokens."""
@@ -216,7 +218,7 @@ def test_an_fp8_checkpoint_is_held_at_8_bits_and_decodes_near_its_float_weights(
         assert torch.equal(_weight(model, name), _weight(reference, name)), name
     got, expected = logits(model, IDS)[0], logits(reference, IDS)[0]
     errors = (got - expected).abs().amax(-1) / expected.abs().amax(-1)
-    assert int((errors >= 0.1).sum()) <= 1 and float(errors.median()) < 0.06, errors
+    assert int((errors >= 0.1).sum()) <= 1 and float(errors.median()) < 0.08, errors
     _assert_ranks_hold_their_blocks(path, reference)
 
 
@@ -241,33 +243,39 @@ def _assert_ranks_hold_their_blocks(path: Path, reference: ModelSlice) -> None:
 
 
 def test_an_fp8_checkpoint_holds_about_its_file_bytes_as_its_card_says(checkpoints: dict[str, Path]) -> None:
-    """The runner holds about the FP8 file's bytes (an 8-bit value a weight beside f16 scales and biases per group
-    of 32; the float parts as they are), a third of what dequantizing to the config's float32 held, and the card's
-    torch figure (the files plus torch_dequantized_growth) is those bytes within 3%."""
+    """The runner holds each 8-bit weight at about its FP8 bytes (a byte a value, and an f16 scale and bias per group
+    of 32 here, 12.5%, where DeepSeek's 128 make it 3%: test_a_published_fp8_checkpoint_is_held_near_its_file_bytes_
+    on_torch), under half of what dequantizing to the config's float32 held; and the card's torch figure (the
+    files plus torch_dequantized_growth) is what the whole slice holds within 3%."""
     import json
 
     path = checkpoints["fp8"]
-    files = sum(checkpoint_tensor_bytes(path).values())
-    held, dequantized = module_bytes(load_model(path)), module_bytes(load_model(checkpoints["fp8_dequantized"]))
+    tensors = checkpoint_tensor_bytes(path)
+    files = sum(tensors.values())
+    model, dequantized = load_model(path), load_model(checkpoints["fp8_dequantized"])
+    eight_bit = [name for name in _fp8_weights(path) if not name.endswith("kv_b_proj")]
+    held = module_bytes(torch.nn.ModuleList(model.get_submodule(name) for name in eight_bit))  # fused: once
+    stored = sum(tensors[f"model.{name}.weight"] + tensors[f"model.{name}.weight{fp8.SCALE_SUFFIX}"]
+                 for name in eight_bit)
+    assert stored < held <= 1.13 * stored, (held, stored)
     config = json.loads((path / "config.json").read_text())
     card = card_from_config("deepseek-ai/deepseek-tiny-fp8", config, files)
     assert card.torch_runtime == "native" and card.compatible_backends is None
     assert card.torch_storage_size is not None
-    carded = card.torch_storage_size.in_bytes
-    assert abs(held - carded) <= 0.03 * carded, (held, carded)
-    assert files < held < 1.2 * files and dequantized > 2.5 * files, (files, held, dequantized)
+    carded, whole = card.torch_storage_size.in_bytes, module_bytes(model)
+    assert abs(whole - carded) <= 0.03 * carded, (whole, carded)
+    assert files < whole < module_bytes(dequantized) / 2, (files, whole)
 
 
 def test_an_explicit_quantize_at_load_wins_over_fp8s_8_bits(checkpoints: dict[str, Path]) -> None:
     """quantize="int4" on an FP8 checkpoint: every FP8 weight held at 4 bits, what int4 at load of its dequantized
-    float weight holds (and the head too, as int4 at load always does), computing in bfloat16; fewer bytes than
-    the default 8 bits."""
+    float weight holds, kv_b_proj too (as int4 at load of a float checkpoint does: decode then expands the latents
+    through it), and the head, computing in bfloat16; fewer bytes than the default 8 bits."""
     path = checkpoints["fp8"]
     model = load_model(path, quantize="int4")
     reference = load_model(checkpoints["fp8_dequantized"])
     assert model.args.dtype == torch.bfloat16
-    stored = [p for p in _fp8_weights(path) if not p.endswith("kv_b_proj")]  # its 16 columns take no group
-    _assert_held_as_quantized(model, reference, stored, bits=4)
+    _assert_held_as_quantized(model, reference, _fp8_weights(path), bits=4)
     assert isinstance(model.get_submodule("lm_head"), QuantizedLinear)
     assert module_bytes(model) < module_bytes(load_model(path))
 

@@ -37,7 +37,7 @@ PUBLISHED: dict[str, dict[str, Any]] = {
     "nvidia/Nemotron-H-8B-Base-8K": {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"]},
 }
 """Each family's published model_type and architectures: every one is run by the MLX engine only. (DeepSeek V3's
-family, Kimi K2's kimi_k2 among it, runs natively on torch too, its FP8 blocks dequantized while loading:
+family, Kimi K2's kimi_k2 among it, runs natively on torch too, its FP8 blocks held at 8 bits:
 test_a_deepseek_v3_fp8_card_is_open_to_torch_and_its_attention_is_not_llama_shaped. gpt-oss runs natively on
 torch, its MXFP4 experts dequantized while loading: GPT_OSS_20B. Qwen3-Next and Qwen3.5 run natively on torch
 too: models/qwen3_next.py, models/qwen3_5.py.)"""
@@ -94,8 +94,8 @@ def test_a_deepseek_v3_fp8_card_is_open_to_torch_and_its_attention_is_not_llama_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """MLA: every query head has its own expanded key (nope + rope = 192 wide), not grouped KV heads. The torch
-    engine runs the family natively (models/deepseek_v3.py) and dequantizes the checkpoint's block-scaled FP8
-    weights while loading (engines/torch/fp8.py), so the published card is open to every engine; a per-tensor FP8
+    engine runs the family natively (models/deepseek_v3.py) and holds the checkpoint's block-scaled FP8 weights at
+    8 bits (engines/torch/fp8.py), so the published card is open to every engine; a per-tensor FP8
     layout (no weight_block_size) it does not read leaves the card MLX's alone."""
     monkeypatch.setattr(mlx_engine, "model_registry", lambda: TOY)
     made = card_from_config("deepseek-ai/DeepSeek-V3", DEEPSEEK_V3, 688_000_000_000)

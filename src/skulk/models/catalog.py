@@ -91,7 +91,7 @@ def card_from_config(
 
     quantization = config.get("quantization_config") or config.get("quantization")
     memory = card_memory(config, weight_bytes, tensors)  # tensors: name -> bytes, where the headers were read
-    growth = torch_dequantized_growth(config) if "torch" in engines else 0  # MXFP4, FP8: torch dequantizes
+    growth = torch_dequantized_growth(config) if "torch" in engines else 0  # MXFP4 dequantized, FP8 at 8 bits
     kinds = kinds_of(config)  # each layer's kind, whether or not the arithmetic accounts for its bytes
     vision = is_vision_config(config)
     config = text_config(config)

@@ -1,8 +1,8 @@
 """DeepSeek V3 and Kimi K2 (the same architecture; Kimi's published config names its own model_type, kimi_k2,
 registered here beside deepseek_v3): GLM-4 MoE's decoder (dense layers before first_k_dense_replace, then
 moe.GroupedMoe: sigmoid grouped top-k routing, a correction bias, shared experts) with Multi-head Latent
-Attention. Their published checkpoints' block-scaled FP8 weights are dequantized while loading (engines/torch/
-fp8.py).
+Attention. Their published checkpoints' block-scaled FP8 weights are held at 8 bits, requantized from their blocks
+while loading (engines/torch/fp8.py), but kv_b_proj, kept float for the absorbed decode below.
 
 MLA: queries through q_a_proj -> q_a_layernorm -> q_b_proj (q_proj when q_lora_rank is None); keys and values
 from one latent, kv_a_proj_with_mqa giving kv_lora_rank + qk_rope_head_dim, the latent normed (kv_a_layernorm)
