@@ -37,6 +37,7 @@ from skulk.models.catalog import card_from_config
 from skulk.models.memory_math import checkpoint_tensor_bytes, model_memory, torch_dequantized_growth
 from tests.unit.family_checkpoints import (
     PROMPTS,
+    TOKENS,
     disagreement,
     reference,
     tokenizer_donor,
@@ -180,11 +181,11 @@ def _weight(model: ModelSlice, name: str) -> torch.Tensor:
     return weight
 
 
-def _assert_held_as_quantized(model: ModelSlice, reference: ModelSlice, paths: list[str], bits: int) -> None:
-    """Each module at paths holds exactly what quantizing the reference's float weight at load would (same
+def _assert_held_as_quantized(model: ModelSlice, floats: ModelSlice, paths: list[str], bits: int) -> None:
+    """Each module at paths holds exactly what quantizing floats' weight at load would (same
     group, same layout): the FP8 blocks dequantized and quantized a band at a time lose nothing more."""
     for path in paths:
-        held, weight = model.get_submodule(path), _weight(reference, path)
+        held, weight = model.get_submodule(path), _weight(floats, path)
         assert isinstance(held, QuantizedLinear) and held.bits == bits, path
         if bits == 8:
             expected = QuantizedLinear.int8_from_float(weight, held.group)
@@ -206,23 +207,26 @@ def test_an_fp8_checkpoint_is_held_at_8_bits_and_decodes_near_its_float_weights(
     weights measured the same); a position may also route to other experts on it. Each of two tensor ranks holds
     what quantizing its rows or columns of the float weights would."""
     path, plain = checkpoints["fp8"], checkpoints["fp8_dequantized"]
-    model, reference = load_model(path), load_model(plain)
+    model, floats = load_model(path), load_model(plain)
     assert model.args.dtype == torch.float32
     stored = _fp8_weights(path)
     kept = [p for p in stored if p.endswith("kv_b_proj")]
     assert kept and len(stored) > 3 * len(kept)
-    _assert_held_as_quantized(model, reference, [p for p in stored if p not in kept], bits=8)
+    _assert_held_as_quantized(model, floats, [p for p in stored if p not in kept], bits=8)
     for name in (*kept, "lm_head", "embed_tokens", "layers.1.mlp.gate"):
         module = model.get_submodule(name)
         assert not isinstance(module, QuantizedLinear), name
-        assert torch.equal(_weight(model, name), _weight(reference, name)), name
-    got, expected = logits(model, IDS)[0], logits(reference, IDS)[0]
+        assert torch.equal(_weight(model, name), _weight(floats, name)), name
+    got, expected = logits(model, IDS)[0], logits(floats, IDS)[0]
     errors = (got - expected).abs().amax(-1) / expected.abs().amax(-1)
     assert int((errors >= 0.1).sum()) <= 1 and float(errors.median()) < 0.08, errors
-    _assert_ranks_hold_their_blocks(path, reference)
+    tokens, expected_tokens = _engine_tokens(path), reference(plain)  # batched prefill, absorbed decode
+    assert {rid: (len(t), t[0]) for rid, t in tokens.items()} == {
+        rid: (TOKENS, t[0]) for rid, (t, _) in expected_tokens.items()}  # later tokens part after a few: above
+    _assert_ranks_hold_their_blocks(path, floats)
 
 
-def _assert_ranks_hold_their_blocks(path: Path, reference: ModelSlice) -> None:
+def _assert_ranks_hold_their_blocks(path: Path, floats: ModelSlice) -> None:
     """Each of two tensor ranks holds, of every FP8 weight, exactly what quantizing its rows or columns of the
     float weight would (an expert's down_proj, 16 columns a rank, takes no group and stays float, as its block)."""
     from skulk.engines.torch.model import tp_split_dim
@@ -231,7 +235,7 @@ def _assert_ranks_hold_their_blocks(path: Path, reference: ModelSlice) -> None:
     for rank in range(2):
         model = load_model(path, tp_rank=rank, tp_size=2, all_reduce=reduce.for_rank(rank))
         for name in _fp8_weights(path):
-            weight, dim = _weight(reference, name), tp_split_dim(f"{name}.weight")
+            weight, dim = _weight(floats, name), tp_split_dim(f"{name}.weight")
             if dim is not None:
                 weight = weight.narrow(dim, rank * weight.shape[dim] // 2, weight.shape[dim] // 2).contiguous()
             held = model.get_submodule(name)
@@ -273,9 +277,9 @@ def test_an_explicit_quantize_at_load_wins_over_fp8s_8_bits(checkpoints: dict[st
     through it), and the head, computing in bfloat16; fewer bytes than the default 8 bits."""
     path = checkpoints["fp8"]
     model = load_model(path, quantize="int4")
-    reference = load_model(checkpoints["fp8_dequantized"])
+    floats = load_model(checkpoints["fp8_dequantized"])
     assert model.args.dtype == torch.bfloat16
-    _assert_held_as_quantized(model, reference, _fp8_weights(path), bits=4)
+    _assert_held_as_quantized(model, floats, _fp8_weights(path), bits=4)
     assert isinstance(model.get_submodule("lm_head"), QuantizedLinear)
     assert module_bytes(model) < module_bytes(load_model(path))
 
