@@ -103,7 +103,6 @@ class FallbackEngine:
         self._running: list[Request] = []
         self._caches: dict[str, Any] = {}  # request id -> this stage's transformers cache for it
         self._adds: list[tuple[NewRequest, Request]] = []  # rank 0: added since the last header
-        self._own: dict[str, Request] = {}  # rank 0: the led header's adds, as add_request built them
         self.kv_cache_bytes = kv_cache_bytes
         self.costs: list[CacheCost] = []
         """Every rank's cache cost and budget, measured at warmup and shared (rank 0 admits by them)."""
@@ -155,8 +154,8 @@ class FallbackEngine:
     def step(self) -> list[TokenOut]:
         """One header (led by rank 0, followed by the others) and the forwards it implies (module docstring)."""
         with torch.inference_mode():
-            header = self._lead() if self.is_scheduler else self.link.receive_header()
-            self._apply(header)
+            header, built = self._lead() if self.is_scheduler else (self.link.receive_header(), {})
+            self._apply(header, built)
             if header.kind == StepKind.SHUTDOWN:
                 self.closed = True
             outs = self._run(bool(header.chunk)) if header.kind == StepKind.DECODE else []
@@ -221,8 +220,9 @@ class FallbackEngine:
 
     # --- headers -------------------------------------------------------------------------------------------
 
-    def _lead(self) -> Header:
-        """Rank 0: the next header from what was added, cancelled and finished, sent to the others."""
+    def _lead(self) -> tuple[Header, dict[str, Request]]:
+        """Rank 0: the next header from what was added, cancelled and finished, sent to the others, and its adds'
+        requests as add_request built them."""
         adds, self._adds = self._adds, []
         releases = self._take_releases()
         gone = {r.request_id for r in releases}
@@ -235,8 +235,7 @@ class FallbackEngine:
                         chunk=int(admit))
         self.link.send_header(header)
         self._last_header = time.monotonic()
-        self._own = {a.request_id: req for a, req in adds}
-        return header
+        return header, {a.request_id: req for a, req in adds}
 
     def _need(self, req: Request) -> int:
         """Positions the request's cache may grow to: its prompt and every token it may generate."""
@@ -247,18 +246,18 @@ class FallbackEngine:
         self._cancels, self._releases = [], []
         return releases
 
-    def _apply(self, header: Header) -> None:
-        """The header's releases, then its adds (to the queue), on every rank alike."""
+    def _apply(self, header: Header, built: dict[str, Request]) -> None:
+        """The header's releases, then its adds (to the queue), on every rank alike; rank 0 queues the requests it
+        built when they were added (`built`), the others build them from the header."""
         for release in header.releases:
             self._release(release)
         for add in header.adds:
             s = add.sampling_params()
-            req = self._own.get(add.request_id) or self._new_request(add.request_id, add.prompt, s, add.command_id)
+            req = built.get(add.request_id) or self._new_request(add.request_id, add.prompt, s, add.command_id)
             self._pending.append(req)
             if add.request_id != WARMUP_ID:
                 self._events.append(Admitted(add.request_id, add.command_id, len(add.prompt), time.perf_counter(),
                                              tuple(add.prompt[-8:]), s.constraint is not None))
-        self._own = {}
 
     # --- requests ------------------------------------------------------------------------------------------
 
