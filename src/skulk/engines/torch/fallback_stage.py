@@ -164,6 +164,9 @@ def load_stage(model_dir: Path, span: StageSpan) -> Any:
         raise ValueError(f"{config.model_type}'s layers read the token ids beside the hidden states (per-layer "
                          "inputs) or another layer's cache: it runs on one rank, not split")
     base = getattr(transformers, causal_lm_classes()[config.model_type])
+    text = config.get_text_config(decoder=True)
+    if text is not config and getattr(base, "config_class", None) is type(text):
+        config = text  # a multimodal checkpoint's text model (Qwen3.5's layout), as AutoModelForCausalLM takes it
     cls = stage_class(base)
     cls._span = span
     tensors, handles = lazy_tensors(model_dir, span, checkpoint_prefix(model_dir, base), tied_head(config))
