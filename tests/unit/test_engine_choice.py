@@ -271,3 +271,19 @@ def test_mlx_splits_come_from_the_card_and_an_old_card_is_judged_by_its_layers()
     assert isinstance(old_tensor, EngineUnavailable) and "add the model again" in old_tensor.message
     windows = card(mlx_splits=None, sliding_layers=[0, 2])
     assert isinstance(do_place(macs, "mlx", c=windows, min_nodes=2), EngineUnavailable)
+
+
+def test_a_family_torch_runs_through_transformers_is_not_mixed() -> None:
+    """The mixed wire is TorchEngine's: a family the torch engine runs through transformers' modeling (its
+    fallback speaks headers of its own) never shares an instance between MLX and torch ranks. Auto keeps every
+    rank on one engine where the nodes share one, and refuses, naming the node, where they do not."""
+    fallback = card(family="mixtral", torch_runtime="transformers", fallback_splits=True)
+    both = do_place(cluster(a=MAC, b=LINUX_MLX), c=fallback, min_nodes=2)
+    assert isinstance(both, MlxRingInstance) and not both.mixed and both.engine == "mlx"
+    kept = do_place(cluster(a=["mlx", "mlx-cpu"], b=LINUX), c=fallback, min_nodes=2)
+    assert isinstance(kept, EngineUnavailable) and kept.http_status == 400
+    given = instance_engine_error(fallback, {NodeId("a"): "mlx", NodeId("b"): "torch"},
+                                  {NodeId("a"): MAC, NodeId("b"): LINUX}, sharding=Sharding.Pipeline)
+    assert given is not None and "natively" in given.message and "transformers" in given.message
+    native = do_place(cluster(a=["mlx", "mlx-cpu"], b=LINUX), c=card(fallback_splits=True), min_nodes=2)
+    assert isinstance(native, MlxRingInstance) and native.mixed  # the same ring mixes a native family

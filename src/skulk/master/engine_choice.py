@@ -134,9 +134,10 @@ def _why_not_split(card: ModelCard, how: str) -> str:
 def mixable(card: ModelCard, sharding: Sharding | None, ranks: int) -> bool:
     """Ranks of different engines can share this instance: a Pipeline (hidden states cross between ranks; a
     Tensor rank's all_reduce inside every layer would need both engines' kernels in lockstep) of a family
-    mlx-lm can slice and the torch engine runs natively."""
-    return (ranks > 1 and sharding == Sharding.Pipeline and mlx_splits(card, sharding, ranks)
-            and torch_splits(card, ranks))
+    mlx-lm can slice and the torch engine runs natively: the mixed wire is TorchEngine's group wire, which the
+    transformers fallback's ranks (engines/torch/fallback.py, headers and sampler rows of their own) do not speak."""
+    return (ranks > 1 and sharding == Sharding.Pipeline and card.torch_runtime == "native"
+            and mlx_splits(card, sharding, ranks) and torch_splits(card, ranks))
 
 
 def choose_engines(
@@ -174,8 +175,9 @@ def instance_engine_error(
             node_id=node, node_name=(names or {}).get(node), engine=engines[node], requested=engines[node],
             advertised=list(node_tags(backends, node)), model_id=card.model_id,
             compatible_backends=card.compatible_backends,
-            detail=f"ranks of different engines share only a Pipeline of a family mlx-lm can slice, not this "
-                   f"{sharding} instance of {card.model_id} ({card.family}); give every rank one engine.")
+            detail=f"ranks of different engines share only a Pipeline of a family mlx-lm can slice and the torch "
+                   f"engine runs natively, not this {sharding} instance of {card.model_id} ({card.family}, torch "
+                   f"runtime {card.torch_runtime}); give every rank one engine.")
     if "torch" in engines.values() and not torch_splits(card, len(engines), sharding):
         node = next(n for n, e in engines.items() if e == "torch")
         return EngineUnavailable(
