@@ -500,7 +500,7 @@ def _worker(settings: Settings, node_id: NodeId, local: LocalEvents, requests: R
     return Worker(
         node_id,
         emit=local.emit,
-        publish=requests.deliver,
+        publish=requests.deliver_step,
         model_dir_for=files.model_dir_for,
         draft_dir_for=files.draft_dir_for,
         warmup_deadline_s=settings.warmup_deadline_seconds,

@@ -97,6 +97,9 @@ class QuietTransport:
     def put(self, key: str, payload: bytes) -> None:
         self.puts.append((key, payload))
 
+    def matched(self, key: str) -> bool:
+        return False
+
     def serve(self, key: str, answer: Callable[[str, str], bytes | None]) -> None:
         pass
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
 from skulk.api.requests import Requests
-from skulk.cluster.dataplane import ChunkStream, data_key, publish_chunk
+from skulk.cluster.dataplane import ChunkStream, batch_key, data_key, encode_batch, publish_chunk
 from skulk.cluster.payloads import PayloadBook
 from skulk.cluster.transport import Transport, TransportSettings
+from skulk.testing.nodes import free_port
 from skulk.types import versions
 from skulk.types.chat import ChatMessage, SamplingParams
 from skulk.types.chunks import TokenChunk
@@ -139,3 +140,111 @@ async def test_beside_nodes_of_the_previous_format_both_sides_use_the_per_reques
     assert old_node_hears == [data_key(CommandId("k3"))] * 3
     assert await _heard(stream, 0.3) is None  # no copies
     requests.close(stream)
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[Transport, Transport]]:
+    """Two nodes' sessions on one cluster, the second connected to the first: the API node n1 and a worker's node
+    n2 in these tests."""
+    cluster, port = f"dp{uuid.uuid4().hex[:8]}", free_port()
+    api = Transport(TransportSettings(cluster=cluster, listen=[f"tcp/127.0.0.1:{port}"], multicast=False))
+    api.open()
+    peer = Transport(TransportSettings(cluster=cluster, listen=["tcp/127.0.0.1:0"], multicast=False,
+                                       bootstrap_peers=[f"tcp/127.0.0.1:{port}"]))
+    peer.open()
+    try:
+        yield api, peer
+    finally:
+        peer.close()
+        api.close()
+
+
+async def _until(check: Callable[[], bool], what: str, timeout: float = 10) -> None:
+    """Wait on zenoh's routing (a declaration reaching the peer) by polling its answer, bounded."""
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(0.01)
+    assert check(), what
+
+
+def _step(texts: dict[str, str], finished: frozenset[str] = frozenset()) -> list[TokenChunk]:
+    return [TokenChunk(command_id=CommandId(c), text=t, token_id=ord(t[0]), completion_tokens=1,
+                       finish_reason="length" if c in finished else None) for c, t in texts.items()]
+
+
+def _spy(t: Transport, key: str) -> list[bytes]:
+    heard: list[bytes] = []
+    t.subscribe(key, lambda _k, payload: heard.append(payload))
+    return heard
+
+
+async def test_a_steps_chunks_for_another_node_go_as_one_message_and_every_stream_keeps_its_own(
+        pair: tuple[Transport, Transport]) -> None:
+    """Issue 43: a runner's step of chunks for three requests of another API node crosses as ONE message (not
+    three), and each stream gets exactly its own chunks in order with its finish reason: streams of different
+    lengths (k2 finishes at the first step), a request closed between steps (its later chunks dropped, the others
+    untouched), and a chunk for a command the API node never opened (dropped)."""
+    transport, peer = pair
+    api = Requests(transport, PayloadBook(transport, NodeId("n1")), lambda _: None)
+    api.start()
+    streams = {c: api.open(CommandId(c), _params()) for c in ("k1", "k2", "k3")}
+    batches, singles = _spy(peer, batch_key(NodeId("n1"))), _spy(peer, "data/n1/*")  # what n1 is sent
+    worker = Requests(peer, PayloadBook(peer, NodeId("n2")), lambda _: None)
+    await _until(lambda: peer.matched(batch_key(NodeId("n1"))), "n1's batch subscription to reach n2")
+    origins = {CommandId(c): NodeId("n1") for c in ("k1", "k2", "k3", "zz")}
+    worker.deliver_step(_step({"k1": "a", "k2": "b", "k3": "c"}, frozenset({"k2"})), origins)
+    worker.deliver_step(_step({"k1": "d", "k3": "e", "zz": "x"}), origins)
+    assert [(await _heard(streams["k1"])), (await _heard(streams["k1"]))] == [
+        *_step({"k1": "a"}), *_step({"k1": "d"})]
+    assert await _heard(streams["k2"]) == _step({"k2": "b"}, frozenset({"k2"}))[0]
+    assert [await _heard(streams["k3"]), await _heard(streams["k3"])] == [*_step({"k3": "c"}), *_step({"k3": "e"})]
+    api.close(streams["k3"])
+    worker.deliver_step(_step({"k1": "f", "k3": "g"}, frozenset({"k1", "k3"})), origins)
+    assert await _heard(streams["k1"]) == _step({"k1": "f"}, frozenset({"k1"}))[0]
+    assert [await _heard(s, 0.2) for s in streams.values()] == [None] * 3  # nothing more, no copies
+    assert len(batches) == 3 and singles == []  # what n2 put (its own session's spies hear it): a message a step
+
+
+async def test_an_api_node_that_takes_no_batches_is_sent_chunk_by_chunk(pair: tuple[Transport, Transport]) -> None:
+    """A node of an earlier release subscribes only to its chunk key (and would read `batch` as a command id):
+    zenoh's matching status says it takes no batches, so its chunks go one by one as before and all arrive."""
+    transport, peer = pair
+    old_api = ChunkStream(transport, CommandId("k5"), subscribe=False)
+    transport.subscribe("data/n1/*", lambda key, payload: old_api.receive(key, payload))
+    worker = Requests(peer, PayloadBook(peer, NodeId("n2")), lambda _: None)
+    await _until(lambda: peer.matched("data/n1/k5"), "n1's chunk subscription to reach n2")
+    assert not peer.matched(batch_key(NodeId("n1")))
+    chunks = _step({"k5": "a"}) + _step({"k5": "b"})
+    worker.deliver_step(chunks, {CommandId("k5"): NodeId("n1")})
+    assert [await _heard(old_api), await _heard(old_api)] == chunks
+
+
+async def test_beside_a_node_of_another_format_no_batches_are_sent(pair: tuple[Transport, Transport]) -> None:
+    """Once a node of the previous format is about (Transport.mixed_versions) chunks go one by one on both keys,
+    as the module's rolling-upgrade rule says, even to an API node that takes batches; the stream takes each once."""
+    transport, peer = pair
+    api = Requests(transport, PayloadBook(transport, NodeId("n1")), lambda _: None)
+    api.start()
+    stream = api.open(CommandId("k6"), _params())
+    worker = Requests(peer, PayloadBook(peer, NodeId("n2")), lambda _: None)
+    await _until(lambda: peer.matched(batch_key(NodeId("n1"))), "n1's batch subscription to reach n2")
+    peer.versions.met.add(versions.UNVERSIONED)
+    chunks = _step({"k6": "a"}) + _step({"k6": "b"})
+    worker.deliver_step(chunks, {CommandId("k6"): NodeId("n1")})
+    assert [await _heard(stream), await _heard(stream)] == chunks
+    assert await _heard(stream, 0.2) is None
+
+
+async def test_a_malformed_batch_is_dropped_and_the_streams_go_on(pair: tuple[Transport, Transport]) -> None:
+    """A hostile or broken peer's batch (not a list of chunks) is dropped with a warning; a good one after it is
+    taken."""
+    transport, peer = pair
+    api = Requests(transport, PayloadBook(transport, NodeId("n1")), lambda _: None)
+    api.start()
+    stream = api.open(CommandId("k7"), _params())
+    await _until(lambda: peer.matched(batch_key(NodeId("n1"))), "n1's batch subscription to reach n2")
+    for bad in (b"{}", b"[{\"kind\": \"nope\"}]", b"\xff"):
+        peer.put(batch_key(NodeId("n1")), bad)
+    good = _step({"k7": "a"})
+    peer.put(batch_key(NodeId("n1")), encode_batch(good))
+    assert await _heard(stream) == good[0]

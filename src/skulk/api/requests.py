@@ -7,11 +7,22 @@ itself comes from there."""
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from skulk.cluster.dataplane import ChunkStream, node_data_key, publish_chunk
+from pydantic import ValidationError
+
+from skulk.cluster.dataplane import (
+    ChunkStream,
+    batch_key,
+    data_key,
+    decode_batch,
+    node_data_key,
+    publish_chunk,
+    publish_step,
+)
 from skulk.cluster.payloads import PayloadBook
 from skulk.cluster.transport import Transport
 from skulk.master.decide import session_changed_message
@@ -23,6 +34,8 @@ from skulk.types.ids import CommandId, InstanceId, NodeId, new_id
 from skulk.types.state import State
 from skulk.types.tasks import TaskParams, TaskStatus
 from skulk.types.waiting import WaitingOn
+
+log = logging.getLogger(__name__)
 
 FIRST_CHUNK_TIMEOUT_S = 120.0
 """How long a new request waits for its first chunk (a loading instance answers late, not never)."""
@@ -145,9 +158,26 @@ class Requests:
         self._inbound: object | None = None
 
     def start(self) -> None:
-        """Subscribe to the chunks addressed to this node's requests (cluster/dataplane.py), once."""
+        """Subscribe to the chunks addressed to this node's requests, one by one and in step batches
+        (cluster/dataplane.py), once."""
         if self._inbound is None:
-            self._inbound = self._transport.subscribe(node_data_key(self._payloads.node_id), self._on_chunk)
+            node = self._payloads.node_id
+            self._inbound = self._transport.subscribe(node_data_key(node), self._on_chunk)
+            self._transport.subscribe(batch_key(node), self._on_batch)
+
+    def _on_batch(self, _key: str, payload: bytes) -> None:
+        """Loop: a runner's step of chunks for this node's commands (one message, one validation); each goes to
+        its stream as come on its chunk key, and one whose request is closed is dropped."""
+        try:
+            chunks = decode_batch(payload)
+        except ValidationError as exc:
+            log.warning("dropped a malformed chunk batch from a peer: %s", exc.errors()[:1])
+            return
+        node = self._payloads.node_id
+        for chunk in chunks:
+            stream = self._streams.get(chunk.command_id)
+            if stream is not None:
+                stream.take(chunk, data_key(chunk.command_id, node))
 
     def _on_chunk(self, key: str, payload: bytes) -> None:
         """Loop: a chunk for one of this node's commands; one whose request is closed is dropped unread."""
@@ -179,6 +209,24 @@ class Requests:
             stream.inject(chunk)
         else:
             publish_chunk(self._transport, chunk, origin)
+
+    def deliver_step(self, chunks: Sequence[Chunk], origins: Mapping[CommandId, NodeId | None]) -> None:
+        """A runner's step of chunks (`origins`: each command's API node, where known): this node's own straight
+        into their streams, the rest in one message per API node where it takes batches (dataplane.publish_step),
+        each in its step's order."""
+        remote: dict[NodeId | None, list[Chunk]] = {}
+        for chunk in chunks:
+            stream = self._streams.get(chunk.command_id)
+            if stream is not None:
+                stream.inject(chunk)
+            else:
+                remote.setdefault(origins.get(chunk.command_id), []).append(chunk)
+        for origin, group in remote.items():
+            if origin is None:
+                for chunk in group:
+                    publish_chunk(self._transport, chunk)
+            else:
+                publish_step(self._transport, group, origin)
 
     def close(self, stream: ChunkStream) -> None:
         self._payloads.withdraw(stream.command_id)

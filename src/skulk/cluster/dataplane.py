@@ -9,13 +9,23 @@ Nodes of the release before this (format version 1) subscribe and publish per re
 node that has heard one (`Transport.mixed_versions`) also publishes there, and its API also subscribes there per
 request; a stream that hears a chunk on both keys keeps to the key its first chunk came on (each publisher keeps
 to its keys, and zenoh keeps one publisher's order per key), so no chunk is taken twice.
+
+A runner's engine step yields a chunk for each of its streams, and each went out as a put of its own: at 64
+streams, 64 zenoh messages a step, each received, opened and validated on its own by the API node (issue 43). So
+a step's chunks for one API node go as ONE message on `batches/<api node>` (`publish_step`), which the API node
+subscribes to at start beside its chunk key. No node of an earlier release subscribes there, and one would read
+`batch` as a command id under its chunk key, so the sender batches only where zenoh says the API node's session
+subscribes to that key (`Transport.matched`, zenoh's matching status: a per-peer capability that needs no version
+bump) and no node of another format is about; otherwise chunk by chunk as before. A stream's chunks keep to one
+key while the API node's subscription stands, so zenoh's per-key order holds, and a chunk from a batch counts as
+come on the stream's chunk key (the same route), so a switch between them never drops one as a copy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -46,6 +56,34 @@ def publish_chunk(transport: Transport, chunk: Chunk, origin: NodeId | None = No
         transport.put(data_key(chunk.command_id, origin), payload)
     if origin is None or transport.mixed_versions:
         transport.put(data_key(chunk.command_id), payload)
+
+
+def batch_key(node_id: NodeId) -> str:
+    """One engine step's chunks for `node_id`'s requests, in one message (`publish_step`; module doc)."""
+    return f"batches/{node_id}"
+
+
+def encode_batch(chunks: Sequence[Chunk]) -> bytes:
+    """A JSON list of the chunks, each as `publish_chunk` writes it."""
+    return b"[" + b",".join(chunk.model_dump_json().encode() for chunk in chunks) + b"]"
+
+
+_batch_json = TypeAdapter(list[Chunk])
+
+
+def decode_batch(payload: bytes) -> list[Chunk]:
+    """The chunks of a step batch (one validation for all of them); ValidationError for anything else."""
+    return _batch_json.validate_json(payload)
+
+
+def publish_step(transport: Transport, chunks: Sequence[Chunk], origin: NodeId) -> None:
+    """A step's chunks for the API node `origin` (another node): one message where that node takes batches and
+    every peer speaks our format, else each chunk as `publish_chunk` sends it (module doc)."""
+    if not transport.mixed_versions and transport.matched(batch_key(origin)):
+        transport.put(batch_key(origin), encode_batch(chunks))
+        return
+    for chunk in chunks:
+        publish_chunk(transport, chunk, origin)
 
 
 class ChunkStream:
@@ -79,11 +117,16 @@ class ChunkStream:
     def receive(self, key: str, payload: bytes) -> None:
         """A chunk as it came over the data plane on `key` (validated here; a malformed one raises
         ValidationError)."""
+        if self._via is not None and self._via != key:
+            return
+        self.take(_chunk_json.validate_json(payload), key)
+
+    def take(self, chunk: Chunk, key: str) -> None:
+        """A chunk already validated, as come on `key` (a step batch's chunk: as come on its chunk key)."""
         if self._via != key:
             if self._via is not None:
                 return
             self._via = key
-        chunk = _chunk_json.validate_json(payload)
         self.heard_at = time.monotonic()
         if self._tap is not None:
             self._tap(chunk)

@@ -179,6 +179,8 @@ class Transport:
         self._windows: dict[str, ReplayWindow] = {}
         self.sealer = Sealer.from_cluster_key(settings.cluster_key) if settings.cluster_key else None
         self.versions = VersionGate(settings.format_version)
+        self._publishers: dict[str, Any] = {}
+        """Publishers declared only to read their matching status (`matched`), by key suffix."""
         self._local: dict[int, _LocalSubscription] = {}
         """This session's own subscriptions, by id of their zenoh subscriber: what this node puts reaches them
         straight through the hand-over (`put`)."""
@@ -209,6 +211,7 @@ class Transport:
 
     def close(self) -> None:
         self._local.clear()
+        self._publishers.clear()
         for entity in reversed(self._declared):
             try:
                 entity.undeclare()
@@ -245,6 +248,18 @@ class Transport:
             for local in list(self._local.values()):
                 if local.key_expr.intersects(target):
                     local.hand_over(local.on_message, suffix, payload)
+
+    def matched(self, suffix: str) -> bool:
+        """Another node's session subscribes to the key now: zenoh's matching status of a publisher declared once
+        per key (1.4 us a call here). What lets a sender use a key that only nodes of this release subscribe to
+        (cluster/dataplane.py's step batches) without knowing each peer's release."""
+        publisher = self._publishers.get(suffix)
+        if publisher is None:
+            publisher = self.session.declare_publisher(self.key(suffix), allowed_destination=zenoh.Locality.REMOTE)
+            self._declared.append(publisher)
+            self._publishers[suffix] = publisher
+        status = publisher.matching_status  # a MatchingStatus in zenoh 1.10 (its stub says bool)
+        return bool(getattr(status, "matching", status))
 
     def count_replayed(self) -> None:
         """A message that opened but was refused for its context (addressed to another master or term)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,7 +69,7 @@ class Worker:
         node_id: NodeId,
         *,
         emit: Callable[[Event], None],
-        publish: Callable[[Chunk, NodeId | None], None],
+        publish: Callable[[Sequence[Chunk], Mapping[CommandId, NodeId | None]], None],
         model_dir_for: ModelDirFor,
         warmup_deadline_s: float,
         group_timeout_s: float = _DEFAULTS.group_timeout_seconds,
@@ -107,6 +107,7 @@ class Worker:
         self.node_id = node_id
         self.emit = emit
         self.publish = publish
+        """A runner's step of chunks, with each command's API node (api/requests.Requests.deliver_step)."""
         self.model_dir_for = model_dir_for
         self.draft_dir_for = draft_dir_for
         """Where the instance's draft model is on this node, if its card names one and its files are here."""
@@ -324,9 +325,7 @@ class Worker:
                 self.compute.on_step(runner_id, len({c.command_id for c in tokens}), learn_bytes,
                                      time.perf_counter(), tokens=len(tokens),
                                      decode_only=all(c.completion_tokens > 1 for c in tokens))
-            origins = self._origins
-            for chunk in chunks:
-                self.publish(chunk, origins.get(chunk.command_id))
+            self.publish(chunks, self._origins)
 
         def on_task_started(task_id: TaskId) -> None:
             if is_sampler:
