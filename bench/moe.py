@@ -95,6 +95,12 @@ layer into it raised a runner's peak by a layer, past what tests/integration/tes
 (the shard once, plus its largest tensor in flight); it wants the layers read straight into such a buffer.
 Without it (the experts-on-one-thread C path kept), the same command at 17:34 UTC, load 1.6-2.0: 1 stream 0.82
 (moe 199.1 / dense 240.0 tok/s), 8 streams 0.73 (567.8 / 795.5): the 1-stream gain above was mostly the pages'.
+2026-12-07 22:03 UTC, a quiet spell (load average 0.5-1, nothing else running), main at 29a344e:
+  PYTHONPATH=src .venv/bin/python bench/moe.py --part moe --rounds 5 --tokens 64 --threads 1 --clock cpu
+  moe 224.7 / 641.3, dense 221.9 / 817.8 tok/s at 1 / 8 streams: MoE ÷ dense-of-active 0.99 at 1, 0.79 at 8
+  (per-round ratios at 8: 0.65 0.79 0.80 0.82 0.77); then the defaults' two threads and the wall clock,
+  --threads 2 --clock wall, the same rounds: moe 314.7 / 912.5, dense 324.4 / 1190.7: 0.95 at 1, 0.76 at 8
+  (per round 0.76 0.80 0.78 0.75 0.70). Both targets met on a quiet machine, 8 streams by a small margin.
 The same day, with --part families --rounds 3 (float32 checkpoints, CPU clock, load average about 6), native ÷
 fallback: qwen3_moe 7.68 (1253.8 vs 163.4 tok/s; 2.18 before: its decode step is one C call now), glm4_moe 1.38
 (1.16 before: its routed experts in one cpu_moe.c call, its layers still op by op), deepseek_v3 1.23, gpt_oss 1.22
