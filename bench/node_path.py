@@ -55,6 +55,13 @@ Measured 2026-11-26 (2-core VM, quiet window, load 1.4-1.9; SmolLM2, --cores 0/1
   2 315 -> 434 (1.38, but the new tree's placements put the sampling rank on node1 and its ranks' CPU per token
   fell 1.8 -> 1.3 ms: a different split/schedule, not the pipe).
 
+2026-12-07 22:40 UTC, the step batches (cluster/dataplane.publish_step) against the tree before them (56a292d), a
+Pipeline 2 with the API on the node that does not sample (so every token crosses zenoh; before this date the bench
+sent its requests to node0, which the placement may make the sampler), --ranks 2 --streams 16 --tokens 64
+--rounds 2 --quantization int4, load average 8-12 from other sessions' tests: API node 0.73 -> 0.69 ms CPU a token,
+sampling node 0.50 -> 0.49, the rounds spreading 0.53-0.93 on the same tree: the gain (bench/dataplane.py: 0.13 ->
+0.05 ms a token for the data plane alone, both ends) is under this machine's noise here.
+
 Run: .venv/bin/python bench/node_path.py [--streams 8] [--tokens 64] [--rounds 2] [--spy] [--spy-gil]
          [--src /path/to/main/src --src src] [--quantization int4] [--ranks 1,2] [--model smollm2] [--cores 0/1]
          [--engine]
@@ -239,10 +246,11 @@ def measure(nodes: list[LocalNode], ranks: int, tokens: int, streams: int, spy_d
     """(tokens/s, CPU ms per token per process, top functions per process) of one placement's streams. One stream
     is timed, and its CPU read, from its first token to its last: the per-token path alone, without the request's
     admission and prefill; several are timed from sending them to the last token."""
-    api = nodes[0]
-    instance_id, runners = place_on(api, nodes[:ranks], nodes, quantization, model)
+    instance_id, runners = place_on(nodes[0], nodes[:ranks], nodes, quantization, model)
     try:
-        print(f"    sampler on node{sampler_node(nodes, instance_id)}", flush=True)
+        sampler = sampler_node(nodes, instance_id)
+        api = nodes[1 - sampler] if ranks > 1 else nodes[0]  # a Pipeline's tokens always cross zenoh to the API
+        print(f"    sampler on node{sampler}, API on node{nodes.index(api)}", flush=True)
         pids = roles(nodes)
         if streams == 1:
             asyncio.run(_single(api.url, model, 8, pids))  # warm-up
