@@ -273,7 +273,7 @@ def measure(nodes: list[LocalNode], ranks: int, tokens: int, streams: int, spy_d
         per_token = {name: 1000 * (after[name] - before[name]) / produced for name in pids}
         return rate, per_token, tops
     finally:
-        delete_instance(api, instance_id, runners)
+        delete_instance(nodes[0], instance_id, runners)
 
 
 def pin(pid: int, cores: set[int]) -> None:
