@@ -57,21 +57,33 @@ MORE: dict[str, tuple[str, str, dict[str, Any]]] = {
         "intermediate_size": 64, "intermediate_size_mlp": 128, "num_hidden_layers": 4, "num_local_experts": 4,
         "num_experts_per_tok": 1, "head_dim": 16, "interleave_moe_layer_step": 2, "no_rope_layers": [1, 1, 1, 0],
         "attention_chunk_size": 8}),
+    "gemma4_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM", {
+        "intermediate_size": 64, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 0,
+        "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+        "attention_k_eq_v": True, "global_head_dim": 32, "num_global_key_value_heads": 2,
+        "final_logit_softcapping": 30.0}),
 }
-"""Families checked on the torch engine's transformers fallback only (test_fallback_families.py)."""
+"""Families checked on the torch engine's transformers fallback only (test_fallback_families.py). gemma4_moe is
+Gemma 4 as the cluster-sized 26B-A4B is shaped (31B the same without its MoE block): no per-layer inputs and no
+layers sharing another's keys and values, so its layers take only hidden states and it splits
+(families.fallback_splits); sliding and full layers, the full ones with their own wider head and keys as values
+(attention_k_eq_v), a dense MLP and a routed MoE block side by side in every layer, soft-capped logits. FAMILIES'
+gemma4_text is the E2B/E4B kind, whose per-layer inputs keep it on one rank."""
 
 
 def write(name: str, root: Path, demo: Path) -> Path:
     return with_tokenizer(write_model(name, root), demo)
 
 
-def write_model(name: str, root: Path, **overrides: Any) -> Path:
-    """The family's seeded random checkpoint (config and safetensors, no tokenizer) in root/name."""
+def write_model(name: str, root: Path, seed: int = 0, **overrides: Any) -> Path:
+    """The family's seeded random checkpoint (config and safetensors, no tokenizer) in root/name; overrides change
+    its config (a seed other than 0 where a test's own prompt would meet a near-tie at seed 0)."""
     import torch
     import transformers
 
     config_cls, model_cls, shape = (FAMILIES | MORE)[name]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**(COMMON | shape | overrides))
     model = getattr(transformers, model_cls)(config).float().eval()
     if name == "deepseek_v3":  # the router's correction bias spread, so experts are not picked by ties

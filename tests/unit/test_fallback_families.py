@@ -1,9 +1,10 @@
 """The torch engine's transformers fallback (engines/torch/fallback.py) on the families people pool machines for.
 
 For each family of family_checkpoints (DeepSeek V3, GLM-4 MoE, Mixtral, MiniMax M2, Qwen3-MoE, Qwen3-Next,
-Nemotron-H, Gemma 4, gpt-oss, Llama 4), two concurrent requests' 16 greedy tokens are transformers' own (its
-forward over the whole sequence each step, no cache), on one rank and, for every family but Gemma 4, as a
-Pipeline of three rank processes, each holding only its stage (fallback_stage.py): the fallback's per-request
+Nemotron-H, Gemma 4 in its two kinds, gpt-oss, Llama 4), two concurrent requests' 16 greedy tokens are
+transformers' own (its forward over the whole sequence each step, no cache), on one rank and, for every family but
+Gemma 4's per-layer-input kind (E2B/E4B, gemma4_text), as a Pipeline of three rank processes, each holding only its
+stage (fallback_stage.py; the 26B-A4B kind, gemma4_moe, splits): the fallback's per-request
 caches, its interleaving of requests and the native engine's sampler it reuses change nothing (DeepSeek V3 and
 GLM-4 MoE run natively too, models/; the fallback still runs them, and their checks here stay). Then what a
 client sees beyond greedy tokens, on one family: a cancelled request frees its cache, a stop string ends the reply,
@@ -36,7 +37,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # real model compute:
 
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0)
 PER_LAYER_INPUTS = {"gemma4_text"}
-"""Families whose layers read the token ids beside the hidden states (Gemma 4's per-layer inputs): one rank only."""
+"""Families whose layers read the token ids beside the hidden states (Gemma 4's per-layer inputs, the E2B/E4B
+kind): one rank only. gemma4_moe, the cluster-sized kind, has none and is split with the rest."""
 
 
 @pytest.fixture(scope="module")
