@@ -73,9 +73,10 @@ def _deepseek_v3(root: Path, demo: Path) -> Path:
 
 
 def _nemotron_h(root: Path, demo: Path) -> Path:
-    from tests.unit.family_checkpoints import write
+    """Seed 3: at family_checkpoints' seed 0 this prompt's tenth token is a near-tie (top two 0.0027 apart)."""
+    from tests.unit.family_checkpoints import with_tokenizer, write_model
 
-    return write("nemotron_h", root, demo)
+    return with_tokenizer(write_model("nemotron_h", root, seed=3), demo)
 
 
 WRITERS: dict[str, Callable[[Path, Path], Path]] = {
