@@ -1,15 +1,14 @@
 """The families that need a cluster, end to end on real node processes: seeded random checkpoints in their real
 Hugging Face layouts (float32, since mlx[cpu]'s GatherMM takes float32 only), served from the local stand-in hub:
 - DeepSeek-V3 (transformers 5's DeepseekV3ForCausalLM: 3 layers, the first dense and two MoE with 8 routed experts
-  and a shared one, MLA attention): on one rank, as a Pipeline over two nodes and as Tensor over two (mlx-lm's
-  deepseek_v3 has shard());
-- Qwen3-Next (Qwen3NextForCausalLM: 3 gated-DeltaNet layers and 1 attention layer, MoE): as a Pipeline over two
-  nodes (mlx-lm's stack re-indexes its first attention layer in the second rank's slice), and Tensor refused (no
-  shard()).
+  and a shared one, MLA attention): carded open to both engines, and on one MLX rank;
+- Qwen3-Next (Qwen3NextForCausalLM: 3 gated-DeltaNet layers and 1 attention layer, MoE): on torch.
 Each gives the 16 greedy tokens, with their logprobs, of transformers' own forward on the same prompt ids. The
-torch engine runs both natively too (engines/torch/models/deepseek_v3.py, qwen3_next.py): a node whose only engine
-is torch places DeepSeek-V3 on one rank and gives the same tokens, and Qwen3-Next as a torch Pipeline over two
-nodes does. One hub and one set of nodes for the module."""
+torch engine runs both natively (engines/torch/models/deepseek_v3.py, qwen3_next.py): a node whose only engine
+is torch places DeepSeek-V3 on one rank and gives the same tokens, auto puts it on torch split over two nodes,
+and Qwen3-Next as a torch Pipeline over two nodes gives them too. Both families split over MLX nodes (Pipeline
+over three and two, Tensor over two where mlx-lm has shard(), and Qwen3-Next's Tensor refused) are
+test_mlx_family_nodes', with the other families mlx-lm splits. One hub and one set of nodes for the module."""
 
 from __future__ import annotations
 
@@ -194,35 +193,11 @@ def test_one_mlx_rank_gives_transformers_tokens(served: Served) -> None:
     assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 1
 
 
-def test_a_pipeline_over_two_mlx_nodes_gives_the_same_tokens(served: Served) -> None:
-    instance = serve_and_compare(served, min_nodes=2, sharding="Pipeline", engine="mlx")
-    assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
-
-
-def test_tensor_over_two_mlx_nodes_gives_the_same_tokens(served: Served) -> None:
-    """mlx-lm's deepseek_v3 has shard(): heads and experts split, an all_sum after each block."""
-    instance = serve_and_compare(served, min_nodes=2, sharding="Tensor", engine="mlx")
-    assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
-
-
 def test_auto_puts_it_natively_on_torch_and_a_torch_pipeline_gives_the_same_tokens(served: Served) -> None:
     """The MLX cluster's nodes have torch too, and torch runs DeepSeek-V3 natively: auto picks it there, split
     over both nodes (engines/torch/models/deepseek_v3.py's MLA on each stage)."""
     instance = serve_and_compare(served, min_nodes=2, sharding="Pipeline")
     assert instance["engine"] == "torch" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
-
-
-def test_qwen3_next_over_two_mlx_nodes_gives_transformers_tokens(served: Served) -> None:
-    """The second rank holds a DeltaNet layer and the attention layer: its slice's masks must come from the right
-    caches."""
-    node = served.mlx[0]
-    status, added = node.post("/models/add", {"model_id": NEXT})
-    assert status == 200 and added["compatible_backends"] is None and added["family"] == "qwen3_next", added
-    instance = serve_and_compare(served, NEXT, min_nodes=2, sharding="Pipeline", engine="mlx")
-    assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
-    status, reply = node.post("/place_instance", {"model_id": NEXT, "min_nodes": 2, "sharding": "Tensor",
-                                                  "engine": "mlx"})
-    assert status == 400 and "mlx-lm cannot split model" in str(reply) and "no shard()" in str(reply), reply
 
 
 def test_qwen3_next_as_a_torch_pipeline_gives_transformers_tokens(served: Served) -> None:

@@ -178,8 +178,13 @@ def test_a_family_over_three_and_two_mlx_nodes_gives_transformers_tokens(served:
         for model, reply in placed.items():
             wait_until(lambda r=reply: instance_ready(node, r["instanceId"]), 180, f"the {model} instance",
                        lambda: "".join(n.log_tail(20) for n in served.nodes))
-        for model in placed:
-            assert_same_tokens(greedy(node, model), served.expected[family])
+        with ThreadPoolExecutor(len(placed)) as pool:  # the instances answer at once: each step is mostly waiting
+            answers = dict(zip(placed, pool.map(lambda m: greedy(node, m), placed), strict=True))
+        for model, got in answers.items():
+            try:
+                assert_same_tokens(got, served.expected[family])
+            except AssertionError as e:
+                raise AssertionError(f"{model}: {e}") from None
     finally:
         with node.client() as client:
             for reply in placed.values():

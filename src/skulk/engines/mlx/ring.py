@@ -30,6 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skulk.types.chat import SamplingParams
 
+from .rendezvous import RendezvousError, meet
+
+RING_WAIT_S = 300.0
+"""How long a rank waits for the slowest of its ring to start (a loaded host imports MLX and torch for minutes)."""
 MAX_HEADER_BYTES = 256 * 1024 * 1024  # one step's new prompts; a larger size is a forged header
 
 
@@ -58,8 +62,14 @@ class Header(BaseModel):
         return not (self.adds or self.cancels or self.shutdown)
 
 
-def connect(rank: int, hosts: Sequence[str]) -> Any:
-    """Form the ring (blocks until every rank is up); MLX reads the hostfile and rank from the environment."""
+def connect(rank: int, hosts: Sequence[str], wait_s: float = RING_WAIT_S) -> Any:
+    """Form the ring (blocks until every rank is up); MLX reads the hostfile and rank from the environment.
+    The ranks first meet with the GIL released (rendezvous.py: MLX's init holds it, starving the runner's
+    heartbeat while a slower rank is still starting)."""
+    try:
+        meet(rank, hosts, wait_s)
+    except (OSError, RendezvousError) as exc:
+        raise RingError(f"rank {rank} could not meet the other ranks of the MLX ring {list(hosts)}: {exc}") from exc
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump([[h] for h in hosts], f)
     os.environ["MLX_HOSTFILE"], os.environ["MLX_RANK"] = f.name, str(rank)
