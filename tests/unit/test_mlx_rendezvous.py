@@ -56,6 +56,6 @@ def test_a_rank_waiting_for_a_late_peer_keeps_its_threads_running() -> None:
 def test_a_peer_that_never_comes_is_named_in_time() -> None:
     hosts = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     started = time.monotonic()
-    with pytest.raises(RendezvousError, match="never listened|said hello"):
+    with pytest.raises(RendezvousError, match=r"never listened|said hello"):
         meet(0, hosts, timeout_s=1.0)
     assert time.monotonic() - started < 5
