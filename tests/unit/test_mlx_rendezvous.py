@@ -56,6 +56,45 @@ def test_a_rank_waiting_for_a_late_peer_keeps_its_threads_running() -> None:
 def test_a_peer_that_never_comes_is_named_in_time() -> None:
     hosts = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     started = time.monotonic()
-    with pytest.raises(RendezvousError, match=r"never listened|said hello"):
+    with pytest.raises(RendezvousError, match=r"never listened|never connected"):
         meet(0, hosts, timeout_s=1.0)
     assert time.monotonic() - started < 5
+
+
+def test_three_ranks_meet_in_any_order_past_a_stray_connection() -> None:
+    """Rank 0 starts first and something else connects to its address before its predecessor does; the others
+    start in reverse order. Every rank returns, none before the last has started, and every address is free
+    again for MLX to bind."""
+    import socket
+    import threading
+
+    hosts = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    done: dict[int, float] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            meet(r, hosts, timeout_s=20)
+            done[r] = time.monotonic()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 2, 1)]
+    threads[0].start()
+    time.sleep(0.3)
+    ip, port = hosts[0].split(":")
+    stray = socket.create_connection((ip, int(port)), timeout=5)
+    stray.sendall(b"GET / HTTP/1.0\r\n\r\n")
+    last_started = 0.0
+    for t in threads[1:]:
+        time.sleep(0.3)
+        last_started = time.monotonic()  # taken before the start: a rank cannot return before it
+        t.start()
+    for t in threads:
+        t.join(30)
+    stray.close()
+    assert not errors and sorted(done) == [0, 1, 2], errors
+    assert min(done.values()) >= last_started
+    for host in hosts:
+        with socket.create_server((host.split(":")[0], int(host.split(":")[1]))):
+            pass

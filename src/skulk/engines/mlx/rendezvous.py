@@ -5,31 +5,31 @@ came 10 s later heard nothing from its own heartbeat thread for those 10 s). The
 thread, so a rank that reached init more than the supervisor's hung limit (15 s) before the slowest rank was
 declared hung and killed, its instance restarted as a whole, and the same spread again on a loaded host: three
 real nodes starting seven MLX ranks at once on 2 cores never got ready (tests/integration/
-test_mlx_family_nodes.py). Here each rank first meets every other on the ring's own ports in plain Python sockets
-(whose waits release the GIL): it listens on its port and says hello to every peer's; a peer acknowledges a hello
-only once it has heard from all others and closed its listener, so a rank that has every acknowledgement knows
-that all ranks are up and that no port of the ring is still held by this meeting. MLX's own connects then find
-either nothing (and retry) or MLX itself, and init returns as soon as the ranks have crossed the few statements
-between here and it.
+test_mlx_family_nodes.py).
 
-The connecting side closes first, so the TIME_WAIT of each meeting's connection sits on its ephemeral port,
-never on a port MLX binds next.
+So the ranks first meet on the ring's own addresses in plain Python sockets, whose waits release the GIL, and
+only as the ring does (a rank reaches its successor at the successor's address; on point-to-point links that may
+be the only peer it can reach): each listens on its address, connects to its successor's and takes its
+predecessor's connection, then closes its listener. Rank 0 sends "up" around the ring; once it comes back every
+rank is up and every listener closed, and rank 0 sends "go" around, each rank passing it on and then calling
+init. MLX's own connects then find either nothing yet (and retry) or MLX itself, and init returns at once.
+The connecting side closes first, so each meeting connection's TIME_WAIT sits on an ephemeral port, never on
+a port MLX binds next.
 """
 
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Sequence
 
-HELLO = b"skulk-mlx-ring:"
-ACK = b"k"
+HELLO = b"skulk-mlx-ring\n"
+UP, GO = b"u", b"g"
 POLL_S = 0.05
 
 
 class RendezvousError(RuntimeError):
-    """A peer did not come in time, or something else answered on the ring's ports."""
+    """A neighbour did not come in time, or something else answered on the ring's addresses."""
 
 
 def _address(host: str) -> tuple[str, int]:
@@ -39,85 +39,78 @@ def _address(host: str) -> tuple[str, int]:
 
 def meet(rank: int, hosts: Sequence[str], timeout_s: float) -> None:
     """Return once every rank of `hosts` has called meet (RendezvousError after timeout_s)."""
-    peers = [p for p in range(len(hosts)) if p != rank]
-    if not peers:
+    size = len(hosts)
+    if size < 2:
         return
     deadline = time.monotonic() + timeout_s
-    listener = socket.create_server(_address(hosts[rank]), reuse_port=False, backlog=len(hosts))
-    accepted: list[socket.socket] = []
-    failure: list[BaseException] = []
-    acked = threading.Event()
-    acceptor = threading.Thread(target=_accept_all, args=(listener, len(peers), deadline, accepted, failure, acked),
-                                name="mlx-rendezvous", daemon=True)
-    acceptor.start()
-    outgoing: list[socket.socket] = []
+    listener = socket.create_server(_address(hosts[rank]), backlog=size)
+    successor: socket.socket | None = None
+    predecessor: socket.socket | None = None
     try:
-        for peer in peers:
-            outgoing.append(_hello(hosts[peer], rank, deadline))
-        for conn in outgoing:
-            _expect_ack(conn, deadline)
-        acked.wait(max(deadline - time.monotonic(), 0.0))
-        if failure:
-            raise failure[0]
-        if not acked.is_set():
-            raise RendezvousError(f"rank {rank}: not every peer of {list(hosts)} said hello in {timeout_s:.0f} s")
-    finally:
-        for conn in outgoing:  # the connecting side closes first (the module's docstring says why)
-            conn.close()
+        successor = _connect(hosts[(rank + 1) % size], deadline)
+        predecessor = _accept(listener, deadline)
         listener.close()
-        acceptor.join(max(deadline - time.monotonic(), 1.0))  # the peers' closes end it
-        for conn in accepted:
-            conn.close()
+        for token in (UP, GO):
+            if rank == 0:
+                successor.sendall(token)
+                _expect(predecessor, token, deadline)
+            else:
+                _expect(predecessor, token, deadline)
+                successor.sendall(token)
+        successor.close()  # the connecting side closes first (the module's docstring says why)
+        successor = None
+        _expect(predecessor, b"", deadline)  # the predecessor has passed "go" on and closed its side
+    except (OSError, RendezvousError) as exc:
+        raise RendezvousError(f"rank {rank} of the ring {list(hosts)}: {exc}") from exc
+    finally:
+        for sock in (successor, predecessor, listener):
+            if sock is not None:
+                sock.close()
 
 
-def _hello(host: str, rank: int, deadline: float) -> socket.socket:
-    """Connect to a peer's port (retrying while it is not listening yet) and say which rank this is."""
+def _connect(host: str, deadline: float) -> socket.socket:
+    """Connect to the successor's address (retrying while it is not listening yet) and say hello."""
     while True:
         try:
-            conn = socket.create_connection(_address(host), timeout=max(deadline - time.monotonic(), POLL_S))
+            conn = socket.create_connection(_address(host), timeout=_left(deadline))
         except OSError as exc:
             if time.monotonic() > deadline:
-                raise RendezvousError(f"rank {rank}: the ring's peer at {host} never listened ({exc})") from exc
+                raise RendezvousError(f"the next rank at {host} never listened ({exc})") from exc
             time.sleep(POLL_S)
             continue
-        conn.sendall(HELLO + str(rank).encode() + b"\n")
+        conn.sendall(HELLO)
         return conn
 
 
-def _expect_ack(conn: socket.socket, deadline: float) -> None:
-    conn.settimeout(max(deadline - time.monotonic(), POLL_S))
+def _accept(listener: socket.socket, deadline: float) -> socket.socket:
+    """The predecessor's connection: the first that says hello (anything else that connects is dropped)."""
+    while True:
+        listener.settimeout(_left(deadline))
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError as exc:
+            raise RendezvousError("the previous rank never connected") from exc
+        conn.settimeout(_left(deadline))
+        got = b""
+        while len(got) < len(HELLO):
+            chunk = conn.recv(len(HELLO) - len(got))
+            if not chunk:
+                break
+            got += chunk
+        if got == HELLO:
+            return conn
+        conn.close()
+
+
+def _expect(conn: socket.socket, token: bytes, deadline: float) -> None:
+    conn.settimeout(_left(deadline))
     try:
         got = conn.recv(1)
     except TimeoutError as exc:
-        raise RendezvousError("a peer heard this rank but not all of the others in time") from exc
-    if got != ACK:
-        raise RendezvousError(f"a peer of the ring answered {got!r}, not the rendezvous' acknowledgement")
+        raise RendezvousError(f"waited past the deadline for {token!r} from the previous rank") from exc
+    if got != token:
+        raise RendezvousError(f"the previous rank sent {got!r}, not {token!r}")
 
 
-def _accept_all(listener: socket.socket, count: int, deadline: float, accepted: list[socket.socket],
-                failure: list[BaseException], acked: threading.Event) -> None:
-    """Thread: take `count` hellos (anything else that connects is dropped), close the listener, then
-    acknowledge each (setting `acked`) and wait for each peer to close its side."""
-    try:
-        while len(accepted) < count:
-            listener.settimeout(max(deadline - time.monotonic(), POLL_S))
-            conn, _ = listener.accept()
-            conn.settimeout(max(deadline - time.monotonic(), POLL_S))
-            line = b""
-            while not line.endswith(b"\n") and len(line) < 64:
-                chunk = conn.recv(64)
-                if not chunk:
-                    break
-                line += chunk
-            if line.startswith(HELLO):
-                accepted.append(conn)
-            else:
-                conn.close()
-        listener.close()
-        for conn in accepted:
-            conn.sendall(ACK)
-        acked.set()
-        for conn in accepted:
-            conn.recv(1)  # b"": the peer closed first
-    except OSError as exc:  # socket.timeout included
-        failure.append(RendezvousError(f"the ring's rendezvous failed: {exc!r}"))
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), POLL_S)
