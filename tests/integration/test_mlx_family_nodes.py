@@ -13,8 +13,9 @@ processes that each loaded only their slice through the runner:
   Tensor refused (no shard());
 - Qwen3-MoE, MiniMax-M2 (all three) and Mixtral (both Pipelines; no shard(): Tensor refused), MoE stacks of one
   kind.
-The families whose card offers no split on MLX (Nemotron-H: Mamba, attention and MLP blocks; Gemma 4: sliding
-and full attention; both a plain mlx-lm stack indexed by position, no shard()) are refused by placement with a
+The families whose card offers no split on MLX (Nemotron-H: Mamba, attention and MLP blocks; Gemma 4, both the
+E2B/E4B kind and the 26B-A4B MoE kind: sliding and full attention; each a plain mlx-lm stack indexed by position,
+no shard()) are refused by placement with a
 typed 400 naming why, over two ranks and three. Left out: gpt-oss and Llama 4, whose transformers-5 float
 layouts mlx-lm's loader does not read (its gpt_oss sanitize splits only the published MXFP4 experts; its
 llama4_text expects the published expert names), so no MLX rank runs them at all.
@@ -52,7 +53,7 @@ pytestmark = pytest.mark.timeout(240)
 SPLIT = {"deepseek_v3": True, "glm4_moe": True, "qwen3_next": False, "qwen3_moe": True, "minimax_m2": True,
          "mixtral": False}
 """The families MLX splits, and whether mlx-lm's model has shard() (Tensor over two offered)."""
-REFUSED = ["nemotron_h", "gemma4_text"]
+REFUSED = ["nemotron_h", "gemma4_text", "gemma4_moe"]
 """Families mlx-lm runs on one rank but cannot split: mixed layers in a stack indexed by position, no shard()."""
 LAYOUTS = {"p3": (3, "Pipeline"), "p2": (2, "Pipeline"), "t2": (2, "Tensor")}
 """Per layout: the model id's suffix, and (nodes, sharding)."""
@@ -90,7 +91,7 @@ def _write_all(hub: Path, scratch: Path) -> tuple[dict[str, list[tuple[str, floa
     import transformers
     from safetensors.numpy import save_file
 
-    from tests.unit.family_checkpoints import COMMON, FAMILIES, tokenizer_donor, with_tokenizer, write
+    from tests.unit.family_checkpoints import COMMON, FAMILIES, MORE, tokenizer_donor, with_tokenizer, write
 
     demo = tokenizer_donor(scratch)
     expected, kinds = {}, {}
@@ -100,7 +101,7 @@ def _write_all(hub: Path, scratch: Path) -> tuple[dict[str, list[tuple[str, floa
         for layout in LAYOUTS:
             shutil.copytree(repo, hub / model_id(family, layout).replace("/", "--"))
     for family in REFUSED:
-        config_cls, _, shape = FAMILIES[family]
+        config_cls, _, shape = (FAMILIES | MORE)[family]
         repo = scratch / family
         getattr(transformers, config_cls)(**(COMMON | shape)).save_pretrained(repo)
         save_file({"placeholder": np.zeros(1, np.float32)}, str(repo / "model.safetensors"))
@@ -200,7 +201,7 @@ def test_a_family_mlx_cannot_split_is_refused_with_why(served: Served, family: s
     naming the reason: its layers differ in kind in a stack mlx-lm indexes by position; no shard()."""
     node = served.nodes[0]
     model = model_id(family, "any")
-    assert _add(node, model)["family"] == family
+    assert _add(node, model)["family"] == {"gemma4_moe": "gemma4_text"}.get(family, family)  # its model type
     for ranks, sharding, why in ((3, "Pipeline", "differ in kind"), (2, "Pipeline", "differ in kind"),
                                  (2, "Tensor", "no shard()")):
         status, reply = node.post("/place_instance", {"model_id": model, "min_nodes": ranks, "sharding": sharding,
