@@ -24,9 +24,10 @@ The three layouts of a family run at once, each under its own model id (a copy o
 hub: the API routes a request by model id, so one id per instance is how a test reaches each), seven runners on
 three nodes: their starts overlap instead of queueing. Seeded random float32 checkpoints (mlx[cpu]'s GatherMM takes
 float32 only) from tests/unit/family_checkpoints, written while the nodes start. Measured alone (-n 0 on the
-shared 2-core machine, load average 6-12): 284 s, 29-51 s a family (most of it seven runner starts, each
-importing torch and mlx-lm), 13 s to form the nodes. The MLX two-node cases test_mlx_families had (DeepSeek-V3's
-Pipeline and Tensor, Qwen3-Next's Pipeline) are these now, and gone from there."""
+shared 2-core machine): 284 s at load average 6-12 (29-51 s a family, most of it seven runner starts, each
+importing torch and mlx-lm; 13 s to form the nodes), 341 s at 9-14 (50 s to form). The MLX two-node cases
+test_mlx_families had (DeepSeek-V3's Pipeline and Tensor, Qwen3-Next's Pipeline) are these now, and gone from
+there."""
 
 from __future__ import annotations
 
