@@ -80,9 +80,12 @@ def test_the_families_that_need_a_cluster_run_on_the_mlx_engine(registry: MlxReg
 
 
 def test_the_torch_engine_s_own_families_run_everywhere(registry: MlxRegistry) -> None:
-    """Each native family: both engines (mlx-lm loads every one), and its card stays open to any backend."""
+    """Each native family: both engines (mlx-lm loads every one; gpt-oss in the layouts its loader reads, here
+    the MXFP4 one), and its card stays open to any backend."""
     for model_type in SUPPORTED_MODEL_TYPES:
-        assert engines_running({"model_type": model_type}, SUPPORTED_MODEL_TYPES, registry) == ("torch", "mlx")
+        config = {"model_type": model_type, "quantization_config": {"quant_method": "mxfp4"}} \
+            if model_type == "gpt_oss" else {"model_type": model_type}
+        assert engines_running(config, SUPPORTED_MODEL_TYPES, registry) == ("torch", "mlx")
     assert engines_running(GPT_OSS_20B, SUPPORTED_MODEL_TYPES, registry) == ("torch", "mlx")  # MXFP4 as shipped
     qwen3 = {"model_type": "qwen3", "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16,
              "num_key_value_heads": 8, "head_dim": 128}
@@ -298,3 +301,36 @@ def test_a_fallback_family_splits_as_a_pipeline_of_torch_nodes_and_never_as_tens
     previews = preview_placements(cluster(a=LINUX, b=LINUX_MLX), fallback, Sharding.Pipeline, InstanceMeta.MlxRing)
     assert {p.node_ids[0]: p.nodes[0].modeling for p in previews if len(p.node_ids) == 1} == {
         "a": "transformers", "b": "native"}  # a runs it on torch, b on MLX
+
+
+@pytest.mark.parametrize(("config", "tensors", "mlx"), [
+    ({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}, None, True),  # as OpenAI ships it
+    ({"model_type": "gpt_oss", "quantization": {"group_size": 32, "bits": 4}}, None, True),  # mlx-community's
+    ({"model_type": "gpt_oss"}, ["model.layers.0.mlp.experts.gate_proj.weight"], True),  # converted, in float
+    ({"model_type": "gpt_oss"}, ["model.layers.0.mlp.experts.gate_up_proj"], False),  # transformers' float layout
+    ({"model_type": "gpt_oss"}, None, False),
+    ({"model_type": "llama4_text", "num_local_experts": 4}, None, False),  # experts: mlx-lm's module is dense
+    ({"model_type": "llama4_text", "num_local_experts": 0}, None, True),
+    ({"model_type": "llama4", "text_config": {"num_local_experts": 16}}, None, True),  # the published layout
+    ({"model_type": "deepseek_v3"}, None, True),
+])
+def test_mlx_is_claimed_only_for_layouts_its_module_reads(config: dict[str, Any], tensors: list[str] | None,
+                                                         mlx: bool) -> None:
+    """mlx-lm's registry has gpt_oss and llama4_text, but its gpt-oss loader reads the experts as OpenAI ships
+    them or as mlx-lm converts them, and its llama4_text is the dense model: a float gpt-oss (a bf16 re-upload)
+    or a text-only Llama 4 with experts is not claimed for MLX, so placement never puts it on an MLX rank
+    (test_mlx_family_nodes found both failing to load there)."""
+    from skulk.models.families import mlx_layout_refusal
+
+    assert (mlx_layout_refusal(config, tensors) is None) == mlx
+
+
+def test_a_float_gpt_oss_card_offers_torch_only() -> None:
+    """Through card_from_config: the torch engine runs the float checkpoint natively, MLX is not offered."""
+    from tests.unit import family_checkpoints
+
+    config = {**family_checkpoints.COMMON, **family_checkpoints.MORE["gpt_oss"][2], "model_type": "gpt_oss"}
+    card = card_from_config("org/float-gpt-oss", config, 1 << 20)
+    assert card.compatible_backends is not None and all(not t.startswith("mlx") for t in card.compatible_backends)
+    mxfp4 = card_from_config("org/gpt-oss", {**config, "quantization_config": {"quant_method": "mxfp4"}}, 1 << 20)
+    assert mxfp4.compatible_backends is None

@@ -19,6 +19,7 @@ from skulk.models.families import (
     engines_running,
     fallback_refusal,
     fallback_splits,
+    mlx_layout_refusal,
     refusal,
     uniform_layers,
 )
@@ -83,7 +84,7 @@ def card_from_config(
     model_type = str(config.get("model_type", ""))
     if model_type in ENCODER_MODEL_TYPES:
         return encoder_card(model_id, config, weight_bytes)
-    engines = _engines(model_id, config)
+    engines = _engines(model_id, config, tensors)
     fallback = "torch" in engines and model_type not in native_types()
     splits = fallback_splits(config) if fallback else None  # the whole config: Gemma 4 nests its text settings
     module_of = (model_type, architectures_of(config))  # mlx-lm picks its module by the outer config
@@ -152,11 +153,13 @@ def native_types() -> tuple[str, ...]:
     return SUPPORTED_MODEL_TYPES
 
 
-def _engines(model_id: str, config: dict[str, Any]) -> tuple[EngineName, ...]:
+def _engines(model_id: str, config: dict[str, Any], tensors: Mapping[str, int] | None = None
+             ) -> tuple[EngineName, ...]:
     """The engines that run this checkpoint (families.engines_running); UnsupportedArchitecture naming every
-    engine when none does. A torch-native family runs on every engine (mlx-lm loads each of them) unless its
-    quantization is one the torch kernels do not read; only then, or for a family torch does not run, is
-    mlx-lm's registry asked (the node's MLX probe, a child interpreter: a GGUF import never starts one)."""
+    engine when none does. A torch-native family runs on every engine (mlx-lm loads each of them, in the layouts
+    families.mlx_layout_refusal allows) unless its quantization is one the torch kernels do not read; only then,
+    or for a family torch does not run, is mlx-lm's registry asked (the node's MLX probe, a child interpreter: a
+    GGUF import never starts one)."""
     from skulk.engines import mlx as mlx_engine
     from skulk.engines.torch.fallback_types import causal_lm_classes
     from skulk.engines.torch.quant import quant_spec
@@ -167,7 +170,7 @@ def _engines(model_id: str, config: dict[str, Any]) -> tuple[EngineName, ...]:
     if model_type in native:
         try:
             quant_spec(config, None)
-            return ENGINES
+            return ENGINES if mlx_layout_refusal(config, tensors) is None else ("torch",)
         except ValueError as exc:
             torch_reason = f"the torch engine cannot load it: {exc}"
     torch_types: tuple[str, ...] = ()
@@ -178,7 +181,7 @@ def _engines(model_id: str, config: dict[str, Any]) -> tuple[EngineName, ...]:
             f"the torch engine runs {', '.join(native)} natively and other families through "
             f"transformers' modeling, but not this one: {fallback_reason}")
     registry = mlx_engine.model_registry()
-    engines = engines_running(config, torch_types, registry)
+    engines = engines_running(config, torch_types, registry, tensors)
     if not engines:
         raise UnsupportedArchitecture(refusal(model_id, config, native, registry, torch_reason))
     return engines

@@ -83,16 +83,41 @@ def architectures_of(config: Mapping[str, Any]) -> tuple[str, ...]:
     return (found,) if isinstance(found, str) else tuple(str(a) for a in found)
 
 
+def mlx_layout_refusal(config: Mapping[str, Any], tensors: Collection[str] | None = None) -> str | None:
+    """Why mlx-lm's module for this family cannot read this checkpoint's weights although its registry has the
+    family (None: it can), from config.json and the tensor names where the headers were read (pure):
+    - gpt-oss: mlx-lm's loader converts the experts as OpenAI ships them (MXFP4 blocks and scales) or takes them
+      already converted (an mlx-community checkpoint); transformers' float layout (`experts.gate_up_proj`, a bf16
+      re-upload) it maps to names its model does not have;
+    - llama4_text: mlx-lm's module is the dense text model; a mixture-of-experts Llama 4 loads as `llama4` (the
+      published multimodal layout), not as a text-only checkpoint with experts."""
+    model_type = config.get("model_type")
+    names = tensors or ()
+    if model_type == "gpt_oss":
+        quant = config.get("quantization_config")
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+        converted = "quantization" in config or any(n.endswith("experts.gate_proj.weight") for n in names)
+        if method != "mxfp4" and not converted:
+            return ("mlx-lm reads gpt-oss's experts in OpenAI's MXFP4 layout or converted by mlx-lm, not "
+                    "transformers' float layout (experts.gate_up_proj)")
+    if model_type == "llama4_text" and int(config.get("num_local_experts") or 0) > 0:
+        return ("mlx-lm's llama4_text is the dense text model; a Llama 4 with experts loads in the published "
+                "multimodal layout (model_type llama4)")
+    return None
+
+
 def engines_running(
-    config: Mapping[str, Any], torch_types: Collection[str], mlx: MlxRegistry | None
+    config: Mapping[str, Any], torch_types: Collection[str], mlx: MlxRegistry | None,
+    tensors: Collection[str] | None = None,
 ) -> tuple[EngineName, ...]:
     """The engines that run this config's family, in ENGINES order: torch when its model_type is one of
-    `torch_types`, MLX when mlx-lm's registry loads it (None: mlx-lm is not installed here, so MLX is not
-    claimed)."""
+    `torch_types`, MLX when mlx-lm's registry loads it and its module reads this layout (mlx_layout_refusal;
+    registry None: mlx-lm is not installed here, so MLX is not claimed)."""
     model_type = str(config.get("model_type") or "")
     claims: dict[EngineName, bool] = {
         "torch": model_type in torch_types,
-        "mlx": mlx is not None and mlx.runs(model_type, architectures_of(config)),
+        "mlx": (mlx is not None and mlx.runs(model_type, architectures_of(config))
+                and mlx_layout_refusal(config, tensors) is None),
     }
     return tuple(e for e in ENGINES if claims[e])
 
