@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +35,9 @@ from typing import Any
 import pytest
 
 from skulk.testing.nodes import LocalNode
-from tests.fake_hub import RunningHub
 from tests.unit.test_glm4_moe import one_thread  # noqa: F401 - autouse: one torch thread for the references
 
-from .harness import Cluster, instance_ready, place, wait_until
+from .harness import hub_and_nodes, instance_ready, place, wait_until
 from .test_mlx_families import MESSAGES, TOKENS, assert_same_tokens, greedy
 
 pytestmark = pytest.mark.timeout(240)
@@ -160,21 +158,8 @@ def serving(root: Path, write_all: Callable[[Path, Path], Written]) -> Iterator[
     """Three formed torch-only nodes, and a module's families in the hub with their expected tokens. The checkpoints
     are written while the nodes start (their imports take the other core): the hub serves what its directory holds
     when asked, and nothing is asked before the first test adds a model."""
-    (root / "hub").mkdir()
-    hub = RunningHub(root / "hub").start()
-    cluster = Cluster(root / "nodes", extra_env={"HF_ENDPOINT": hub.url, "SKULK_ENGINES": "torch"})
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            forming = pool.submit(cluster.form, 3, 120, place_default=False)
-            expected, kinds = write_all(root / "hub", root / "scratch")
-            nodes = forming.result()
+    with hub_and_nodes(root, 3, write_all, {"SKULK_ENGINES": "torch"}) as (nodes, (expected, kinds)):
         yield Served(nodes, expected, kinds)
-    except BaseException:
-        cluster.print_logs()
-        raise
-    finally:
-        hub.kill()
-        assert cluster.stop_all() == [], "runner processes outlived their node"
 
 
 @pytest.fixture(scope="module")

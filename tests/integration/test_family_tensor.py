@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from skulk.testing.nodes import LocalNode
-from tests.fake_hub import RunningHub
 from tests.unit.test_glm4_moe import one_thread  # noqa: F401 - autouse: one torch thread for the references
 
-from .harness import Cluster, instance_ready, place, wait_until
+from .harness import hub_and_nodes, instance_ready, place, wait_until
 from .test_mlx_families import assert_same_tokens, greedy, reference
 
 pytestmark = pytest.mark.timeout(180)
@@ -122,21 +120,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """Two formed torch-only nodes; the checkpoints are written while they start (the hub serves what its
     directory holds when asked, and nothing is asked before the first test adds a model)."""
     root = tmp_path_factory.mktemp("family-tensor")
-    (root / "hub").mkdir()
-    hub = RunningHub(root / "hub").start()
-    cluster = Cluster(root / "nodes", extra_env={"HF_ENDPOINT": hub.url, "SKULK_ENGINES": "torch"})
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            forming = pool.submit(cluster.form, 2, 120, place_default=False)
-            expected, gaps = _write_all(root / "hub", root / "scratch")
-            nodes = forming.result()
+    with hub_and_nodes(root, 2, _write_all, {"SKULK_ENGINES": "torch"}) as (nodes, (expected, gaps)):
         yield Served(nodes, expected, gaps)
-    except BaseException:
-        cluster.print_logs()
-        raise
-    finally:
-        hub.kill()
-        assert cluster.stop_all() == [], "runner processes outlived their node"
 
 
 @pytest.mark.parametrize("model_id", list(WRITERS), ids=[m.split("/")[1] for m in WRITERS])

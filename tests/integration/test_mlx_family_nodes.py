@@ -42,9 +42,8 @@ from typing import Any
 import pytest
 
 from skulk.testing.nodes import LocalNode
-from tests.fake_hub import RunningHub
 
-from .harness import Cluster, instance_ready, place, wait_until
+from .harness import hub_and_nodes, instance_ready, place, wait_until
 from .test_mlx_families import assert_same_tokens, greedy, reference
 
 pytest.importorskip("mlx_lm")
@@ -117,21 +116,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     with their expected tokens, written while the nodes start: the hub serves what its directory holds when
     asked, and nothing is asked before a test adds a model."""
     root = tmp_path_factory.mktemp("mlx-family-nodes")
-    (root / "hub").mkdir()
-    hub = RunningHub(root / "hub").start()
-    cluster = Cluster(root / "nodes", extra_env={"HF_ENDPOINT": hub.url})
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            forming = pool.submit(cluster.form, 3, 120, place_default=False)
-            expected, kinds = _write_all(root / "hub", root / "scratch")
-            nodes = forming.result()
+    with hub_and_nodes(root, 3, _write_all) as (nodes, (expected, kinds)):
         yield Served(nodes, expected, kinds)
-    except BaseException:
-        cluster.print_logs()
-        raise
-    finally:
-        hub.kill()
-        assert cluster.stop_all() == [], "runner processes outlived their node"
 
 
 def _layer_ranges(instance: dict[str, Any]) -> list[tuple[int, int]]:
