@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,11 @@ import pytest
 import zenoh
 from prometheus_client.parser import text_string_to_metric_families
 
+from skulk.testing.chaos import frozen
+from skulk.testing.convergence import view_of
 from skulk.testing.nodes import LocalNode
+from skulk.testing.streams import StreamProbe
+from skulk.testing.streams import chat_body as long_chat
 
 from .harness import Cluster, place_and_wait, wait_until
 
@@ -365,3 +370,23 @@ def test_a_single_nodes_tokens_do_not_go_through_zenoh(node: LocalNode) -> None:
     first = json.loads(reply.text.split("data: ", 2)[1])
     command_id = first["id"].removeprefix("chatcmpl-")  # only ours: an earlier test's closed stream may still talk
     assert not [key for key in heard if "/data/" in key and key.endswith(f"/{command_id}")]
+
+
+PAUSE_S = 4.0
+"""Longer than FROZEN_GAP_S (2.5 s): the node comes back believing it was frozen, as a starved loop does too."""
+
+
+def test_a_lone_node_paused_mid_stream_stays_master_and_finishes_the_stream(node: LocalNode) -> None:
+    """A one-node cluster frozen for a few seconds (SIGSTOP of node and runner; a loop starved under load looks
+    the same) keeps its master and term: there is no peer that could have replaced it, and a new term would end
+    every open request with 503 session_changed (it did: test_advertised_context failed so in two full runs)."""
+    before = view_of(node)
+    assert before is not None and before.master == node.node_id
+    probe = StreamProbe(node.url, long_chat(MODEL, 600, temperature=0.0), read_timeout=60)
+    probe.wait_tokens(5, 60)
+    with frozen(node):
+        time.sleep(PAUSE_S)
+    outcome = probe.wait(120)
+    assert outcome.kind == "completed", outcome.describe()
+    after = view_of(node)
+    assert after is not None and (after.master, after.term) == (before.master, before.term), (before, after)

@@ -254,13 +254,22 @@ class Elector:
 
     def _rejoin(self, gap: float, now: float) -> None:
         """Back from a freeze: forget what we heard, step down if we were master, and wait to hear the
-        cluster again before deciding anything; meanwhile we may not be elected (we may be behind)."""
+        cluster again before deciding anything; meanwhile we may not be elected (we may be behind).
+
+        A master that was alone stays master in its term: no peer could have replaced it, and stepping down
+        would end every open request of a one-node cluster whose loop merely stalled under load (a new term
+        is a new session). A peer that came up during the freeze and elected itself meets a second live
+        master, and `decide` settles that as it settles a healed partition."""
+        self._membership.forgive(now)
+        if self.is_master and not self._heard and self._membership.alive <= {self.node_id}:
+            log.warning("node %s stalled for %.1f s with no peer: still master in term %d",
+                        self.node_id[:8], gap, self._term)
+            return
         log.warning(
             "node %s was frozen for %.1f s; its view of the cluster is stale: rejoining as a follower",
             self.node_id[:8], gap,
         )
         self._heard.clear()
-        self._membership.forgive(now)
         self._settled = False
         self._rejoining = True
         self._window_start, self._window_s = now, self.rejoin_wait_s
