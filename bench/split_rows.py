@@ -46,8 +46,19 @@ unseal and JSON validation per token) ~10 %, and time-driven work that is no tok
 core): relaying the runner's Tokens ~36 % (pipe read and unpickle 13 %, one model_dump_json + seal + zenoh put per
 token 14 %), topology probes ~24 %. Runners: the emulated latency's DelayedSends.post (Condition.notify) 16-25 %,
 on the engine alone too; the sampler's runner building and pickling its Tokens 13 % (ForkingPickler built per
-message 5 %: now plain pickle, runner/channel.py). Left: one data-plane message per step for all its streams (not
-one per token) needs the API node to read a new key, a wire change for a format version.
+message 5 %: now plain pickle, runner/channel.py). Since then a step's tokens for another API node cross as one
+data-plane message (cluster/dataplane.publish_step, sent where zenoh says that node subscribes to its batch key).
+
+Measured 2026-12-08 02:37-02:40 UTC, the same VM quiet (load average 0.7-1.6, nothing else running), main at
+d1f220d, the same command:
+  Pipeline 2 (decided)  nodes 294.1  alone 337.7 tok/s  ÷ 0.87 (rounds 0.82, 0.94)
+  P2 always             nodes 332.7  alone 364.9 tok/s  ÷ 0.91 (rounds 1.03, 0.82)
+  CPU ms per token, nodes: node0 0.61 / 0.41, runner0 3.04 / 1.75, node1 0.20 / 0.30, runner1 2.80 / 1.88,
+  client 0.41 / 0.33; alone: rank0 1.66 / 1.71, rank1 1.85 / 1.90.
+Quiet, the rounds still span 0.82-1.03: the 0.95 target is neither met nor refuted at this spread. Where the
+engine decides, the nodes' runners spent 1.6-1.7x the CPU per token that the same runners spent with micro-batches
+forced on, and that the engine alone spends either way: not explained yet (one candidate: a rank waiting on its
+peer in a spin while the schedule it chose leaves it idle).
 """
 
 from __future__ import annotations
