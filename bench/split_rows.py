@@ -55,10 +55,12 @@ d1f220d, the same command:
   P2 always             nodes 332.7  alone 364.9 tok/s  ÷ 0.91 (rounds 1.03, 0.82)
   CPU ms per token, nodes: node0 0.61 / 0.41, runner0 3.04 / 1.75, node1 0.20 / 0.30, runner1 2.80 / 1.88,
   client 0.41 / 0.33; alone: rank0 1.66 / 1.71, rank1 1.85 / 1.90.
-Quiet, the rounds still span 0.82-1.03: the 0.95 target is neither met nor refuted at this spread. Where the
-engine decides, the nodes' runners spent 1.6-1.7x the CPU per token that the same runners spent with micro-batches
-forced on, and that the engine alone spends either way: not explained yet (one candidate: a rank waiting on its
-peer in a spin while the schedule it chose leaves it idle).
+Quiet, the rounds still span 0.82-1.03: the 0.95 target is neither met nor refuted at this spread. The runners'
+CPU per token where the engine decides (3.04 / 2.80 against 1.75 / 1.88 forced on) was not seen again minutes later
+in bench/node_path.py (`SKULK_LINK_DELAY_MS=0.25 ... --quantization int4 --ranks 2 --cores 0/1 --streams 8
+--tokens 64 --rounds 2`, SKULK_MICRO_BATCHES unset / always / never): 300 / 339 / 349 tok/s, runner0 2.17 / 2.02 /
+1.30 ms a token. There the plain schedule was both the fastest and the cheapest, and the rule's own choice the
+slowest of the three: on two cores shared by both ranks and both nodes, micro-batches do not pay at this link.
 """
 
 from __future__ import annotations
