@@ -59,8 +59,10 @@ Quiet, the rounds still span 0.82-1.03: the 0.95 target is neither met nor refut
 CPU per token where the engine decides (3.04 / 2.80 against 1.75 / 1.88 forced on) was not seen again minutes later
 in bench/node_path.py (`SKULK_LINK_DELAY_MS=0.25 ... --quantization int4 --ranks 2 --cores 0/1 --streams 8
 --tokens 64 --rounds 2`, SKULK_MICRO_BATCHES unset / always / never): 300 / 339 / 349 tok/s, runner0 2.17 / 2.02 /
-1.30 ms a token. There the plain schedule was both the fastest and the cheapest, and the rule's own choice the
-slowest of the three: on two cores shared by both ranks and both nodes, micro-batches do not pay at this link.
+1.30 ms a token; again right after (decided, never, decided, always): 257 / 287 / 306 / 279 tok/s, runner0 2.27 /
+1.63 / 2.29 / 2.40. The three schedules' throughputs are within this machine's noise of each other; the plain
+schedule's CPU per token is the lowest every time (each rank reads its weights once a round, not once a
+micro-batch: the module docstring of engines/micro_batching.py).
 """
 
 from __future__ import annotations
