@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from serving import api_stream, start_node  # bench/serving.py (this script's folder is on the path)
+from serving import api_stream, serving_node  # bench/serving.py (this script's folder is on the path)
 from skulk.models.demo import BENCH_MODEL_ID, ensure_builtin_model
 from skulk.runner.main import GOMP_SPINCOUNT
 
@@ -86,8 +86,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         ensure_builtin_model(BENCH_MODEL_ID, root / "node" / "models")
-        node = start_node(root, args.quantization)
-        try:
+        with serving_node(root, args.quantization) as node:
             assert node.process is not None
             process = psutil.Process(node.process.pid)
             asyncio.run(run_streams(node.url, 8, 4))  # connections, caches and the runner warm before measuring
@@ -98,12 +97,6 @@ def main() -> None:
                            for i in range(args.rounds)]
                 print(f"{streams:3d} streams: API node CPU per token {statistics.median(figures):.3f} ms "
                       f"(target <= 0.1; rounds {', '.join(f'{f:.3f}' for f in figures)})", flush=True)
-        except BaseException:
-            print(f"---- node output ----\n{node.log_tail(80)}")
-            raise
-        finally:
-            node.stop()
-            node.reap_leftovers()
 
 
 if __name__ == "__main__":

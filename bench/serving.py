@@ -77,7 +77,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +241,20 @@ def start_node(root: Path, quantization: str | None) -> LocalNode:
     return place_and_wait(node, placement)
 
 
+@contextmanager
+def serving_node(root: Path, quantization: str | None) -> Iterator[LocalNode]:
+    """start_node for the block; its log's tail printed if the block fails, and it is stopped and reaped."""
+    node = start_node(root, quantization)
+    try:
+        yield node
+    except BaseException:
+        print(f"---- node output ----\n{node.log_tail(80)}")
+        raise
+    finally:
+        node.stop()
+        node.reap_leftovers()
+
+
 def place_and_wait(node: LocalNode, placement: dict[str, Any]) -> LocalNode:
     """Place on this node and wait until every runner of the instance is ready (bench/tls.py uses it too)."""
     with node.client(timeout=120) as client:
@@ -274,8 +289,7 @@ def main() -> None:
         root = Path(tmp)
         model_dir = ensure_builtin_model(BENCH_MODEL_ID, root / "node" / "models")
         add_thinking_switch(model_dir)
-        node = start_node(root, args.quantization)
-        try:
+        with serving_node(root, args.quantization) as node:
             print(f"weights: {args.quantization or 'as the checkpoint ships'}")
             if args.ttft_only:
                 engine = TorchEngine(model_dir, quantize=args.quantization)
@@ -287,12 +301,6 @@ def main() -> None:
                 measure(engine, node.url, args.tokens, args.rounds, args.scrape_every)
             if args.load is not None:
                 measure_load(node.url, args.tokens, args.rounds, args.load)
-        except BaseException:
-            print(f"---- node output ----\n{node.log_tail(80)}")
-            raise
-        finally:
-            node.stop()
-            node.reap_leftovers()
 
 
 class RawClient:
